@@ -1,0 +1,62 @@
+"""The decode Ray actor: an async actor whose engine loop runs on its own thread.
+
+`generate` is a Ray streaming generator: the gateway iterates it and gets TokenDelta items as
+the engine loop produces them. A Ray streaming generator keeps running when nobody consumes it,
+so the gateway calls the idempotent `abort(request_id)` on client disconnect (DESIGN.md pitfalls).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from typing import AsyncIterator
+
+import ray
+
+from decode_worker.engine import DecodeEngine
+from engine.config import EngineConfig
+from engine.protocol import DecodeRequest, TokenDelta
+from engine.runner import ModelRunner
+
+
+@ray.remote
+class DecodeWorker:
+    """One decode instance (tensor parallel size 1)."""
+
+    def __init__(self, worker_id: str, engine_config: EngineConfig,
+                 transfer_timeout_s: float = 10.0) -> None:
+        runner = ModelRunner(engine_config)
+        self.worker_id = worker_id
+        self.engine = DecodeEngine(runner, worker_id, os.getpid(), transfer_timeout_s)
+
+    async def generate(self, request: DecodeRequest) -> AsyncIterator[TokenDelta]:
+        loop = asyncio.get_running_loop()
+        deltas: asyncio.Queue[TokenDelta] = asyncio.Queue()
+        self.engine.add_request(request,
+                                lambda d: loop.call_soon_threadsafe(deltas.put_nowait, d))
+        finished = False
+        try:
+            while not finished:
+                delta = await deltas.get()
+                finished = delta.finish_reason is not None
+                yield delta
+        finally:
+            if not finished:
+                self.engine.abort(request.request_id)
+
+    async def abort(self, request_id: str) -> None:
+        self.engine.abort(request_id)
+
+    async def info(self) -> dict:
+        return {"worker_id": self.worker_id, "pid": os.getpid(), "role": "decode",
+                "node_id": ray.get_runtime_context().get_node_id()}
+
+    async def stats(self) -> dict:
+        return self.engine.stats()
+
+    async def set_kv_perturbation_for_testing(self, v_delta: float) -> None:
+        """TEST-ONLY: add v_delta to every V block received over the wire (see KVFetcher)."""
+        self.engine.fetcher.v_perturbation = float(v_delta)
+
+    async def shutdown(self) -> None:
+        self.engine.shutdown()

@@ -1,0 +1,263 @@
+"""Decode engine: continuous batching over KV blocks pulled from the prefill side.
+
+Lifecycle of a request on a decode worker:
+
+1. WAITING        — received after prefill, with the prefill's first token and KV handles.
+2. admission      — blocks for the whole request (prompt + max_tokens, capped at max_model_len)
+                    are reserved in this worker's paged cache, so a running request never runs
+                    out of blocks (preemption arrives with the full-strength workers).
+3. WAITING_FOR_KV — the prompt's full blocks (by key) and the partial tail block (by handle) are
+                    fetched from the prefill node's KV store over gRPC on a fetch thread and
+                    written into the reserved blocks. The engine loop polls, never blocks on it.
+4. RUNNING        — joins the batch at the next step; each step feeds the last token of every
+                    running request (one forward token each), samples the next, streams it.
+5. FINISHED       — EOS / stop id / max_tokens / max_model_len, abort, or a failed fetch; every
+                    block it held goes back to the pool in the same loop iteration.
+
+The loop runs on its own thread (DESIGN.md pitfalls: never on the actor's event loop); requests
+and aborts reach it through a thread-safe inbox, and tokens leave through each request's
+`emit` callback.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import math
+import queue
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Callable
+
+from decode_worker.kv_fetch import KVFetcher
+from engine.protocol import DecodeRequest, FinishReason, TokenDelta
+from engine.runner import ModelRunner, SequenceChunk
+from engine.sampler import draw_seed, sample
+from kvstore.block_pool import BlockPool
+
+log = logging.getLogger(__name__)
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    WAITING_FOR_KV = "waiting_for_kv"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class DecodeSequence:
+    request: DecodeRequest
+    emit: Callable[[TokenDelta], None]
+    seed: int
+    output_ids: list[int]
+    status: RequestStatus = RequestStatus.WAITING
+    block_table: list[int] = field(default_factory=list)
+    fetch: Future | None = None
+    num_forward_tokens: int = 0
+    aborted: bool = False
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.request.prompt_token_ids) + len(self.output_ids)
+
+
+class DecodeEngine:
+    """Owns one decode worker's model runner, block pool and engine-loop thread."""
+
+    def __init__(self, runner: ModelRunner, worker_id: str, pid: int,
+                 transfer_timeout_s: float) -> None:
+        self.runner = runner
+        self.worker_id = worker_id
+        self.pid = pid
+        cfg = runner.engine_config
+        self.block_size = cfg.block_size
+        self.max_model_len = cfg.resolved_max_model_len(runner.model_config)
+        self.eos_token_ids = set(runner.model_config.eos_token_ids)
+        self.pool = BlockPool(cfg.num_kv_blocks)
+        self.fetcher = KVFetcher(runner.kv_cache, transfer_timeout_s)
+        self._fetch_threads = ThreadPoolExecutor(2, thread_name_prefix="kv-fetch")
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._wakeup = threading.Event()
+        self._stop = threading.Event()
+        self._waiting: list[DecodeSequence] = []
+        self._active: dict[str, DecodeSequence] = {}
+        self.num_forward_tokens_total = 0
+        self.num_steps_total = 0
+        self._thread = threading.Thread(target=self._loop, name="decode-engine", daemon=True)
+        self._thread.start()
+
+    # ---- called from other threads -------------------------------------------------------
+    def add_request(self, request: DecodeRequest, emit: Callable[[TokenDelta], None]) -> None:
+        seed = request.sampling.seed if request.sampling.seed is not None else draw_seed()
+        seq = DecodeSequence(request, emit, seed, [request.prefill.first_token])
+        self._inbox.put(("add", seq))
+        self._wakeup.set()
+
+    def abort(self, request_id: str) -> None:
+        """Idempotent: an unknown or finished request id is ignored."""
+        self._inbox.put(("abort", request_id))
+        self._wakeup.set()
+
+    def stats(self) -> dict:
+        return {
+            "worker_id": self.worker_id,
+            "pid": self.pid,
+            "num_waiting": len(self._waiting),
+            "num_active": len(self._active),
+            "num_free_blocks": self.pool.num_free_blocks,
+            "num_blocks": self.pool.num_blocks,
+            "num_forward_tokens_total": self.num_forward_tokens_total,
+            "num_steps_total": self.num_steps_total,
+            "kv_bytes_fetched_total": self.fetcher.bytes_fetched_total,
+        }
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        self._wakeup.set()
+        self._thread.join(timeout=10)
+        self._fetch_threads.shutdown(wait=False, cancel_futures=True)
+        self.fetcher.close()
+
+    # ---- engine loop ---------------------------------------------------------------------
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._drain_inbox()
+                self._admit_waiting()
+                self._poll_fetches()
+                running = [s for s in self._active.values() if s.status is RequestStatus.RUNNING]
+                if running:
+                    self._step(running)
+                else:
+                    self._wakeup.wait(timeout=0.02)
+                    self._wakeup.clear()
+            except Exception:  # noqa: BLE001 — the loop must outlive one bad step
+                log.exception("decode engine step failed; failing the running requests")
+                for seq in list(self._active.values()):
+                    if seq.status is RequestStatus.RUNNING:
+                        self._finish(seq, FinishReason.ERROR, "internal error in decode step")
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                kind, item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                self._waiting.append(item)
+            else:
+                self._abort_now(item)
+
+    def _abort_now(self, request_id: str) -> None:
+        for seq in self._waiting:
+            if seq.request_id == request_id:
+                self._waiting.remove(seq)
+                self._release_remote_tail(seq)
+                seq.status = RequestStatus.FINISHED
+                seq.emit(self._delta(seq, (), FinishReason.ABORT))
+                return
+        seq = self._active.get(request_id)
+        if seq is None:
+            return
+        if seq.status is RequestStatus.WAITING_FOR_KV:
+            seq.aborted = True  # blocks are freed once the in-flight fetch settles
+        else:
+            self._finish(seq, FinishReason.ABORT)
+
+    def _blocks_needed(self, seq: DecodeSequence) -> int:
+        total = min(len(seq.request.prompt_token_ids) + seq.request.sampling.max_tokens,
+                    self.max_model_len)
+        return math.ceil(total / self.block_size)
+
+    def _admit_waiting(self) -> None:
+        """First come, first served: stop at the first request that does not fit."""
+        while self._waiting:
+            seq = self._waiting[0]
+            finish = self._check_stop(seq)
+            if finish is not None:
+                self._waiting.pop(0)
+                self._release_remote_tail(seq)
+                seq.status = RequestStatus.FINISHED
+                seq.emit(self._delta(seq, (), finish))
+                continue
+            needed = self._blocks_needed(seq)
+            if needed > self.pool.num_blocks:
+                self._waiting.pop(0)
+                self._release_remote_tail(seq)
+                seq.status = RequestStatus.FINISHED
+                seq.emit(self._delta(seq, (), FinishReason.ERROR,
+                                     f"request needs {needed} KV blocks, worker has "
+                                     f"{self.pool.num_blocks}"))
+                continue
+            if needed > self.pool.num_free_blocks:
+                return
+            self._waiting.pop(0)
+            seq.block_table = self.pool.allocate(needed)
+            seq.status = RequestStatus.WAITING_FOR_KV
+            seq.fetch = self._fetch_threads.submit(self.fetcher.fetch, seq.request.prefill,
+                                                   seq.block_table)
+            seq.fetch.add_done_callback(lambda _: self._wakeup.set())
+            self._active[seq.request_id] = seq
+
+    def _poll_fetches(self) -> None:
+        for seq in list(self._active.values()):
+            if seq.status is not RequestStatus.WAITING_FOR_KV or not seq.fetch.done():
+                continue
+            error = seq.fetch.exception()
+            seq.fetch = None
+            if seq.aborted:
+                self._finish(seq, FinishReason.ABORT)
+            elif error is not None:
+                self._finish(seq, FinishReason.ERROR, f"KV fetch failed: {error}")
+            else:
+                seq.status = RequestStatus.RUNNING
+
+    def _step(self, running: list[DecodeSequence]) -> None:
+        chunks = [SequenceChunk(token_ids=(s.output_ids[-1],), num_computed_tokens=s.num_tokens - 1,
+                                block_table=s.block_table) for s in running]
+        logits = self.runner.execute(chunks)
+        tokens = sample(logits, [s.request.sampling for s in running], [s.seed for s in running],
+                        [len(s.output_ids) for s in running])
+        self.num_steps_total += 1
+        self.num_forward_tokens_total += len(running)
+        for seq, token in zip(running, tokens):
+            seq.num_forward_tokens += 1
+            seq.output_ids.append(token)
+            finish = self._check_stop(seq)
+            if finish is None:
+                seq.emit(self._delta(seq, (token,), None))
+            else:
+                self._finish(seq, finish, new_tokens=(token,))
+
+    def _check_stop(self, seq: DecodeSequence) -> FinishReason | None:
+        params = seq.request.sampling
+        last = seq.output_ids[-1]
+        if (not params.ignore_eos and last in self.eos_token_ids) or last in params.stop_token_ids:
+            return FinishReason.STOP
+        if len(seq.output_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def _finish(self, seq: DecodeSequence, reason: FinishReason, error: str | None = None,
+                new_tokens: tuple[int, ...] = ()) -> None:
+        self._active.pop(seq.request_id, None)
+        if seq.block_table:
+            self.pool.free(seq.block_table)
+            seq.block_table = []
+        seq.status = RequestStatus.FINISHED
+        seq.emit(self._delta(seq, new_tokens, reason, error))
+
+    def _release_remote_tail(self, seq: DecodeSequence) -> None:
+        self._fetch_threads.submit(self.fetcher.release_tail, seq.request.prefill)
+
+    def _delta(self, seq: DecodeSequence, tokens: tuple[int, ...], reason: FinishReason | None,
+               error: str | None = None) -> TokenDelta:
+        return TokenDelta(seq.request_id, tuple(tokens), reason, seq.num_forward_tokens,
+                          self.worker_id, self.pid, error)
+

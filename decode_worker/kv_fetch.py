@@ -1,0 +1,82 @@
+"""Pulls a request's prompt KV from the prefill node's KV store into the decode paged cache.
+
+Full blocks come by key, the partial tail block by its per-request handle, both over the KV
+store's gRPC service (protobuf; no pickle, no Ray object store).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Sequence
+
+import torch
+
+from engine.kv_cache import PagedKVCache
+from engine.protocol import PrefillResult
+from kvstore.client import KVStoreClient
+from kvstore.errors import KVStoreError
+
+
+class KVFetcher:
+    """Fetches into a PagedKVCache; thread-safe (one gRPC channel per store address).
+
+    v_perturbation: TEST-ONLY hook. When non-zero, this value is added to every received V
+    block before it is written to the cache, so a test can prove the decode output depends on
+    the KV that came over the wire. Always 0 in serving.
+    """
+
+    def __init__(self, kv_cache: PagedKVCache, timeout_s: float) -> None:
+        self.kv_cache = kv_cache
+        self.timeout_s = timeout_s
+        self.v_perturbation = 0.0
+        self.bytes_fetched_total = 0
+        self._clients: dict[str, KVStoreClient] = {}
+        self._lock = threading.Lock()
+
+    def _client(self, address: str) -> KVStoreClient:
+        with self._lock:
+            client = self._clients.get(address)
+            if client is None:
+                client = self._clients[address] = KVStoreClient(address, timeout_s=self.timeout_s)
+            return client
+
+    def fetch(self, prefill: PrefillResult, block_table: Sequence[int]) -> int:
+        """Write the prompt's KV into block_table[0 : n_full (+1 if tail)]. Returns bytes read.
+
+        Raises kvstore.errors.KVStoreError subclasses (missing block, timeout, RPC failure);
+        the caller frees the blocks it reserved.
+        """
+        client = self._client(prefill.kv_address)
+        parts: list[torch.Tensor] = []
+        if prefill.block_keys:
+            parts.append(client.get_blocks(list(prefill.block_keys)))
+        if prefill.tail_handle is not None:
+            tail, num_tokens = client.take_tail(prefill.tail_handle)
+            if num_tokens != prefill.num_tail_tokens:
+                raise KVStoreError(f"tail {prefill.tail_handle} holds {num_tokens} tokens, "
+                                   f"expected {prefill.num_tail_tokens}")
+            parts.append(tail.unsqueeze(0))
+        if not parts:
+            return 0
+        data = torch.cat(parts) if len(parts) > 1 else parts[0]
+        if self.v_perturbation:
+            data[:, :, 1] += self.v_perturbation  # block layout [n, layers, k|v, ...]
+        self.kv_cache.write_blocks(block_table[: data.shape[0]], data)
+        nbytes = data.numel() * data.element_size()
+        self.bytes_fetched_total += nbytes
+        return nbytes
+
+    def release_tail(self, prefill: PrefillResult) -> None:
+        """Drop the tail block on the prefill side for a request that will never fetch it."""
+        if prefill.tail_handle is None:
+            return
+        try:
+            self._client(prefill.kv_address).release_tail(prefill.tail_handle)
+        except KVStoreError:
+            pass  # the store's tail TTL reclaims it
+
+    def close(self) -> None:
+        with self._lock:
+            for client in self._clients.values():
+                client.close()
+            self._clients.clear()

@@ -1,0 +1,80 @@
+"""The `pdcluster` command line.
+
+    pdcluster serve [--model PATH] [--host H] [--port P] [--prefill-instances N]
+                    [--decode-instances M] [--address ADDR] [--config FILE] ...
+
+With no flags, serves the bundled stories260K model on 127.0.0.1:8000 on a local Ray with
+one prefill and one decode actor, and needs no other service.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+# (flag, config path, type, help) — flags follow vLLM's names where vLLM has one.
+_SERVE_FLAGS = [
+    ("--model", "engine.model", str, "HF model directory (default: bundled stories260K)"),
+    ("--served-model-name", "served_model_name", str, "model id in the API (default: dir name)"),
+    ("--host", "host", str, "gateway bind address (default 127.0.0.1)"),
+    ("--port", "port", int, "gateway port (default 8000)"),
+    ("--prefill-instances", "prefill_instances", int, "prefill actors (default 1)"),
+    ("--decode-instances", "decode_instances", int, "decode actors (default 1)"),
+    ("--address", "address", str, "join this Ray cluster instead of starting a local one"),
+    ("--block-size", "engine.block_size", int, "tokens per KV block (default 16)"),
+    ("--dtype", "engine.dtype", str, "float32 | bfloat16 | float16 (default float32)"),
+    ("--max-model-len", "engine.max_model_len", int, "context length (default: model's)"),
+    ("--num-kv-blocks", "engine.num_kv_blocks", int, "paged-cache blocks per worker"),
+    ("--torch-threads", "engine.torch_threads", int, "torch threads per actor (default 1)"),
+    ("--ray-num-cpus", "ray_num_cpus", int, "logical CPUs of the local Ray "
+                                            "(default: worker actors + 2)"),
+    ("--actor-num-cpus", "actor_num_cpus", float, "logical CPUs per worker actor (default 1)"),
+    ("--kv-host", "kvstore.host", str, "KV store gRPC bind address (default 127.0.0.1)"),
+    ("--kv-capacity-bytes", "kvstore.capacity_bytes", int, "host-DRAM KV store size per node"),
+    ("--policy", "policy", str, "Conductor policy (default round_robin)"),
+    ("--log-level", "log_level", str, "debug | info | warning (default info)"),
+]
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pdcluster", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="serve a model through the OpenAI API")
+    serve.add_argument("--config", help="YAML file with a ServeConfig (flags override it)")
+    for flag, path, typ, help_text in _SERVE_FLAGS:
+        serve.add_argument(flag, dest=path, type=typ, default=argparse.SUPPRESS, help=help_text)
+    return parser
+
+
+def _overrides(args: argparse.Namespace) -> dict:
+    out: dict = {}
+    for _, path, _, _ in _SERVE_FLAGS:
+        if hasattr(args, path):
+            node = out
+            *parents, leaf = path.split(".")
+            for p in parents:
+                node = node.setdefault(p, {})
+            node[leaf] = getattr(args, path)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.command == "serve":
+        from deploy.config import load_config
+        from deploy.serve import serve
+
+        try:
+            config = load_config(args.config, _overrides(args))
+        except (ValueError, OSError) as exc:
+            print(f"pdcluster: invalid configuration: {exc}", file=sys.stderr)
+            return 2
+        logging.basicConfig(level=config.log_level.upper(),
+                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        return serve(config)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,72 @@
+"""The one typed config of a pdcluster deployment, built once at the CLI edge (STYLE.md item 11).
+
+Sources, later wins: defaults < YAML file (`--config`) < CLI flags. Environment variables are
+read only by the CLI, never below it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field
+
+from engine.config import EngineConfig
+from kvstore.config import KVStoreConfig
+
+
+class ServeConfig(BaseModel):
+    """Everything `pdcluster serve` needs.
+
+    ray_num_cpus: logical CPUs the LOCAL Ray is started with (ignored with `address`). Ray CPUs
+        are logical: this only has to cover every actor's `actor_num_cpus` so none stays
+        pending; real CPU use is governed by `engine.torch_threads` per actor.
+    actor_num_cpus: logical CPUs each prefill/decode actor reserves (KV store actors reserve 0).
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    engine: EngineConfig = Field(default_factory=EngineConfig)
+    kvstore: KVStoreConfig = Field(default_factory=KVStoreConfig)
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, lt=65536)
+    served_model_name: str | None = None
+    prefill_instances: int = Field(1, ge=1)
+    decode_instances: int = Field(1, ge=1)
+    policy: str = "round_robin"
+    address: str | None = None
+    ray_namespace: str = "pdcluster"
+    ray_num_cpus: int | None = Field(None, ge=1)
+    actor_num_cpus: float = Field(1.0, gt=0)
+    log_level: str = "info"
+
+    def local_ray_num_cpus(self) -> int:
+        """Logical CPUs for a local Ray: all worker actors plus 2 spare for helpers."""
+        if self.ray_num_cpus is not None:
+            return self.ray_num_cpus
+        needed = (self.prefill_instances + self.decode_instances) * self.actor_num_cpus
+        return int(needed) + 2
+
+    def model_name(self) -> str:
+        return self.served_model_name or Path(self.engine.model).name
+
+
+def load_config(path: str | Path | None, overrides: dict) -> ServeConfig:
+    """Defaults, then the YAML file at `path` (if any), then `overrides` (nested dicts merged)."""
+    data: dict = {}
+    if path is not None:
+        loaded = yaml.safe_load(Path(path).read_text()) or {}
+        if not isinstance(loaded, dict):
+            raise ValueError(f"{path}: top level must be a mapping")
+        data = loaded
+    return ServeConfig.model_validate(_merge(data, overrides))
+
+
+def _merge(base: dict, overrides: dict) -> dict:
+    out = dict(base)
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = value
+    return out

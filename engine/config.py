@@ -1,0 +1,231 @@
+"""Model and engine configuration.
+
+`ModelConfig` is parsed from a Hugging Face `config.json` (Llama, Mistral, Qwen2) and accepts both
+the transformers<5 keys (`rope_theta`, `rope_scaling` with `type` or `rope_type`) and the
+transformers 5 `rope_parameters` dict. `EngineConfig` is the validated, frozen runtime config of
+one worker's engine (paged cache geometry, dtype, device).
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import pydantic
+import torch
+
+BUNDLED_MODEL: pathlib.Path = (pathlib.Path(__file__).parent / "models" / "stories260K").resolve()
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+# Fields each scaled rope type needs (transformers' _validate_*_rope_parameters).
+_REQUIRED_ROPE_FIELDS = {
+    "default": (),
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+}
+_DEFAULT_ROPE_THETA = 10000.0  # transformers' RotaryEmbeddingConfigMixin.default_theta
+
+
+class ModelConfigError(ValueError):
+    """A model directory's config.json is missing, malformed or describes an unsupported model."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Architecture of a Llama-family checkpoint, parsed from its HF `config.json`.
+
+    `rope_scaling` is None for plain RoPE, else a dict holding `rope_type` ("linear" | "llama3")
+    and that type's fields (`factor`, ...); `rope_theta` is never inside it.
+    `qkv_bias`/`o_bias`/`mlp_bias`: which linears carry a bias (Qwen2: q/k/v always; Llama:
+    `attention_bias` means q/k/v/o, `mlp_bias` gate/up/down). `sliding_window` is the attention
+    window in tokens when the checkpoint uses one (Mistral v0.1, Qwen2 with use_sliding_window),
+    else None; the engine does not implement windowed attention, so it caps max_model_len.
+    """
+
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    max_position_embeddings: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    tie_word_embeddings: bool
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+    model_type: str
+    name: str
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    sliding_window: int | None = field(default=None)
+
+    @classmethod
+    def from_pretrained(cls, path: str | pathlib.Path) -> "ModelConfig":
+        """Parse `<path>/config.json` (+ extra EOS ids from `generation_config.json`, as vLLM does).
+
+        Raises ModelConfigError for a missing/invalid file, an unsupported `model_type` or
+        `hidden_act`, an unsupported rope type, or missing rope scaling fields.
+        """
+        directory = pathlib.Path(path)
+        raw = _read_json(directory / "config.json", required=True)
+        model_type = raw.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ModelConfigError(
+                f"{directory}: unsupported model_type {model_type!r}; supported: {SUPPORTED_MODEL_TYPES}"
+            )
+        act = raw.get("hidden_act", "silu")
+        if act != "silu":
+            raise ModelConfigError(f"{directory}: unsupported hidden_act {act!r}; only 'silu' (SwiGLU)")
+        try:
+            num_heads = int(raw["num_attention_heads"])
+            hidden_size = int(raw["hidden_size"])
+            rope_theta, rope_scaling = _parse_rope(raw)
+            generation = _read_json(directory / "generation_config.json", required=False)
+            attention_bias = bool(raw.get("attention_bias", False))
+            return cls(
+                hidden_size=hidden_size,
+                intermediate_size=int(raw["intermediate_size"]),
+                num_hidden_layers=int(raw["num_hidden_layers"]),
+                num_attention_heads=num_heads,
+                num_key_value_heads=int(raw.get("num_key_value_heads") or num_heads),
+                head_dim=int(raw.get("head_dim") or hidden_size // num_heads),
+                vocab_size=int(raw["vocab_size"]),
+                max_position_embeddings=int(raw["max_position_embeddings"]),
+                rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+                rope_theta=rope_theta,
+                rope_scaling=rope_scaling,
+                tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+                bos_token_id=raw.get("bos_token_id"),
+                eos_token_ids=_eos_ids(raw.get("eos_token_id"), generation.get("eos_token_id")),
+                model_type=model_type,
+                name=directory.resolve().name,
+                qkv_bias=True if model_type == "qwen2" else attention_bias,
+                o_bias=False if model_type == "qwen2" else attention_bias,
+                mlp_bias=bool(raw.get("mlp_bias", False)),
+                sliding_window=_sliding_window(raw, model_type),
+            )
+        except KeyError as exc:
+            raise ModelConfigError(f"{directory}/config.json: missing field {exc.args[0]!r}") from None
+        except (TypeError, ValueError) as exc:
+            if isinstance(exc, ModelConfigError):
+                raise
+            raise ModelConfigError(f"{directory}/config.json: invalid value: {exc}") from exc
+
+    def __post_init__(self) -> None:
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ModelConfigError(
+                f"num_attention_heads {self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads {self.num_key_value_heads}"
+            )
+
+
+def _read_json(file: pathlib.Path, *, required: bool) -> dict[str, Any]:
+    if not file.is_file():
+        if required:
+            raise ModelConfigError(f"no {file.name} in {file.parent}")
+        return {}
+    try:
+        data = json.loads(file.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ModelConfigError(f"cannot read {file}: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ModelConfigError(f"{file}: expected a JSON object")
+    return data
+
+
+def _parse_rope(raw: dict[str, Any]) -> tuple[float, dict | None]:
+    """Return (rope_theta, normalized rope_scaling) from either key style.
+
+    Mirrors transformers' RotaryEmbeddingConfigMixin.standardize_rope_params: the type comes from
+    `rope_type` or the legacy `type`, theta from the dict or the top-level `rope_theta`, and llama3
+    defaults `original_max_position_embeddings` to `max_position_embeddings`.
+    """
+    params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    if not isinstance(params, dict):
+        raise ModelConfigError(f"rope parameters must be a JSON object, got {params!r}")
+    params = dict(params)
+    rope_theta = float(params.pop("rope_theta", None) or raw.get("rope_theta") or _DEFAULT_ROPE_THETA)
+    legacy_type = params.pop("type", None)
+    rope_type = params.pop("rope_type", None) or legacy_type or "default"
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ModelConfigError(f"unsupported rope type {rope_type!r}; supported: {SUPPORTED_ROPE_TYPES}")
+    partial = params.pop("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
+    if partial not in (None, 1, 1.0):
+        raise ModelConfigError(f"partial_rotary_factor={partial} is not supported (only full rotary)")
+    if rope_type == "default":
+        return rope_theta, None
+    if rope_type == "llama3":
+        params.setdefault("original_max_position_embeddings", raw.get("max_position_embeddings"))
+    missing = [name for name in _REQUIRED_ROPE_FIELDS[rope_type] if params.get(name) is None]
+    if missing:
+        raise ModelConfigError(f"rope type {rope_type!r} needs fields {missing}")
+    return rope_theta, {"rope_type": rope_type, **params}
+
+
+def _eos_ids(*values: Any) -> tuple[int, ...]:
+    ids: list[int] = []
+    for value in values:
+        for token in value if isinstance(value, list) else ([] if value is None else [value]):
+            if int(token) not in ids:
+                ids.append(int(token))
+    return tuple(ids)
+
+
+def _sliding_window(raw: dict[str, Any], model_type: str) -> int | None:
+    if model_type == "mistral":
+        window = raw.get("sliding_window")
+    elif model_type == "qwen2" and raw.get("use_sliding_window", False):
+        window = raw.get("sliding_window")
+    else:
+        window = None
+    return int(window) if window is not None else None
+
+
+class EngineConfig(pydantic.BaseModel):
+    """Runtime config of one worker's model engine (frozen).
+
+    `block_size`: tokens per KV block. `num_kv_blocks`: blocks in this worker's paged cache.
+    `max_model_len`: longest sequence (prompt + output) in tokens; None means the model's
+    `max_position_embeddings`. `torch_threads`: intra-op CPU threads (Ray sets OMP_NUM_THREADS=1).
+    """
+
+    model_config = pydantic.ConfigDict(frozen=True, extra="forbid", protected_namespaces=())
+
+    model: str = str(BUNDLED_MODEL)
+    block_size: int = pydantic.Field(16, gt=0)
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    max_model_len: int | None = pydantic.Field(None, gt=0)
+    num_kv_blocks: int = pydantic.Field(1024, gt=0)
+    device: str = "cpu"
+    torch_threads: int = pydantic.Field(1, gt=0)
+
+    def torch_dtype(self) -> torch.dtype:
+        """The torch dtype named by `dtype`."""
+        return getattr(torch, self.dtype)
+
+    def resolved_max_model_len(self, model_config: ModelConfig) -> int:
+        """`max_model_len`, or the model's limit when unset.
+
+        The limit is `max_position_embeddings`, lowered to `sliding_window` when the model has one
+        (windowed attention is not implemented, so longer sequences would be wrong).
+        Raises ValueError if `max_model_len` exceeds that limit.
+        """
+        limit = model_config.max_position_embeddings
+        if model_config.sliding_window is not None:
+            limit = min(limit, model_config.sliding_window)
+        if self.max_model_len is None:
+            return limit
+        if self.max_model_len > limit:
+            raise ValueError(
+                f"max_model_len={self.max_model_len} exceeds the model's limit {limit} "
+                f"(max_position_embeddings={model_config.max_position_embeddings}, "
+                f"sliding_window={model_config.sliding_window})"
+            )
+        return self.max_model_len

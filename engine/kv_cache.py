@@ -1,0 +1,78 @@
+"""The paged KV cache tensors of one worker (tier G1), and whole-block copies in and out.
+
+Per layer, K and V are each [num_blocks, block_size, num_kv_heads, head_dim]. A block's
+transferable unit (to the host tier, SSD or another worker) is one contiguous tensor of
+`block_shape` = (num_layers, 2 (K, V), block_size, num_kv_heads, head_dim).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+
+class PagedKVCache:
+    """K/V cache of `num_blocks` blocks for every layer; block ids index dim 0 of each tensor."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: str | torch.device,
+    ) -> None:
+        if min(num_layers, num_blocks, block_size, num_kv_heads, head_dim) <= 0:
+            raise ValueError("PagedKVCache dimensions must all be positive")
+        self.num_layers = num_layers
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.dtype = dtype
+        self.device = torch.device(device)
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        self.k: list[torch.Tensor] = [self._zeros(shape) for _ in range(num_layers)]
+        self.v: list[torch.Tensor] = [self._zeros(shape) for _ in range(num_layers)]
+        self.block_shape: tuple[int, ...] = (num_layers, 2, block_size, num_kv_heads, head_dim)
+        self.block_nbytes: int = math.prod(self.block_shape) * torch.empty((), dtype=dtype).element_size()
+
+    def _zeros(self, shape: tuple[int, ...]) -> torch.Tensor:
+        return torch.zeros(shape, dtype=self.dtype, device=self.device)
+
+    def read_blocks(self, block_ids: Sequence[int]) -> torch.Tensor:
+        """A new contiguous [len(block_ids), *block_shape] copy of the blocks, on the cache device.
+
+        Raises ValueError for a block id outside [0, num_blocks)."""
+        index = self._index(block_ids)
+        out = torch.empty((len(index), *self.block_shape), dtype=self.dtype, device=self.device)
+        for layer in range(self.num_layers):
+            out[:, layer, 0] = self.k[layer][index]
+            out[:, layer, 1] = self.v[layer][index]
+        return out
+
+    def write_blocks(self, block_ids: Sequence[int], data: torch.Tensor) -> None:
+        """Overwrite the blocks with `data` [len(block_ids), *block_shape] (any device, cache dtype).
+
+        Raises ValueError for a shape or dtype mismatch, an out-of-range or repeated block id."""
+        index = self._index(block_ids)
+        expected = (len(index), *self.block_shape)
+        if tuple(data.shape) != expected:
+            raise ValueError(f"write_blocks: data shape {tuple(data.shape)} != expected {expected}")
+        if data.dtype != self.dtype:
+            raise ValueError(f"write_blocks: data dtype {data.dtype} != cache dtype {self.dtype}")
+        if len(set(index.tolist())) != len(index):
+            raise ValueError(f"write_blocks: repeated block ids in {list(block_ids)}")
+        data = data.to(self.device)
+        for layer in range(self.num_layers):
+            self.k[layer][index] = data[:, layer, 0]
+            self.v[layer][index] = data[:, layer, 1]
+
+    def _index(self, block_ids: Sequence[int]) -> torch.Tensor:
+        ids = [int(b) for b in block_ids]
+        bad = [b for b in ids if not 0 <= b < self.num_blocks]
+        if bad:
+            raise ValueError(f"block ids {bad[:5]} out of range [0, {self.num_blocks})")
+        return torch.tensor(ids, dtype=torch.int64, device=self.device)

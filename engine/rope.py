@@ -1,0 +1,94 @@
+"""Rotary position embedding (RoPE): inverse frequencies, cos/sin tables, application.
+
+Follows the Hugging Face convention ("rotate half", `cos`/`sin` of width head_dim made of the
+half-width frequencies repeated twice), i.e. transformers' `LlamaRotaryEmbedding` and
+`apply_rotary_pos_emb`; the inverse frequencies match transformers' `ROPE_INIT_FUNCTIONS`
+(`default` = `LlamaRotaryEmbedding.compute_default_rope_parameters`). Reference: Su et al.,
+"RoFormer" (2021); Llama 3.1 scaling from Meta's reference `apply_scaling`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+import kernels
+from engine.config import SUPPORTED_ROPE_TYPES, ModelConfigError
+
+
+def compute_inv_freq(head_dim: int, rope_theta: float, rope_scaling: dict | None) -> torch.Tensor:
+    """Inverse frequencies theta^(-2i/d), i in [0, d/2), after the checkpoint's scaling.
+
+    `rope_scaling`: None (plain RoPE) or a dict with `rope_type` in {"default", "linear",
+    "llama3"} and that type's fields (as in `ModelConfig.rope_scaling`).
+    Returns float32 [head_dim // 2] on CPU.
+    Raises ModelConfigError for an unsupported rope type.
+    """
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").to(torch.float32) / head_dim
+    inv_freq = 1.0 / (rope_theta**exponents)
+    rope_type = (rope_scaling or {}).get("rope_type", "default")
+    if rope_type == "default":
+        return inv_freq
+    if rope_type == "linear":
+        return inv_freq / rope_scaling["factor"]
+    if rope_type == "llama3":
+        return _llama3_scale(inv_freq, rope_scaling)
+    raise ModelConfigError(f"unsupported rope type {rope_type!r}; supported: {SUPPORTED_ROPE_TYPES}")
+
+
+def _llama3_scale(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
+    """Llama 3.1 frequency-dependent scaling (matches transformers' _compute_llama3_parameters).
+
+    Wavelengths shorter than original_len / high_freq_factor are kept; longer than
+    original_len / low_freq_factor are divided by `factor`; in between, a linear blend of the two
+    in (original_len / wavelength).
+    """
+    factor = scaling["factor"]
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    original_len = scaling["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    long_wave = wavelen > original_len / low
+    short_wave = wavelen < original_len / high
+    scaled = torch.where(long_wave, inv_freq / factor, inv_freq)
+    smooth = (original_len / wavelen - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    return torch.where(~long_wave & ~short_wave, blended, scaled)
+
+
+def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin tables for `positions`.
+
+    inv_freq: float32 [head_dim // 2]; positions: int64 [num_tokens].
+    Returns (cos, sin), each float32 [num_tokens, head_dim] (frequencies repeated twice, HF layout);
+    computed in float32 like transformers' LlamaRotaryEmbedding.forward (attention_scaling is 1.0
+    for every supported rope type).
+    """
+    freqs = positions.to(torch.float32)[:, None] * inv_freq.to(positions.device, torch.float32)[None, :]
+    angles = torch.cat((freqs, freqs), dim=-1)
+    return angles.cos(), angles.sin()
+
+
+def apply_rotary_emb(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate q [num_tokens, num_heads, head_dim] and k [num_tokens, num_kv_heads, head_dim].
+
+    cos/sin: float32 [num_tokens, head_dim] from `rope_cos_sin`. Returns new (q, k) in their input
+    dtypes: x * cos + rotate_half(x) * sin (transformers' apply_rotary_pos_emb). Dispatches to
+    `kernels.rotary_embedding`.
+    """
+    return kernels.rotary_embedding(q, k, cos, sin)
+
+
+class RotaryEmbedding:
+    """Per-model RoPE state: the inverse frequencies, kept on the device of the positions used."""
+
+    def __init__(self, head_dim: int, rope_theta: float, rope_scaling: dict | None) -> None:
+        self.inv_freq = compute_inv_freq(head_dim, rope_theta, rope_scaling)
+
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) float32 [num_tokens, head_dim] for int64 `positions` [num_tokens]."""
+        if self.inv_freq.device != positions.device:
+            self.inv_freq = self.inv_freq.to(positions.device)
+        return rope_cos_sin(self.inv_freq, positions)

@@ -1,0 +1,15 @@
+"""KV store: block hashing, host-DRAM block store, gRPC data plane, per-node Ray actor.
+
+Light re-exports only; importing ``kvstore`` does not import Ray, gRPC or torch
+(``kvstore.actor`` imports Ray, ``kvstore.server``/``kvstore.client`` import gRPC).
+"""
+
+from kvstore.config import KVStoreConfig
+from kvstore.errors import (BlockLayoutError, BlockNotFoundError, KVStoreError, KVTransferError,
+                            StoreCapacityError)
+from kvstore.hashing import block_keys, make_namespace
+
+__all__ = [
+    "BlockLayoutError", "BlockNotFoundError", "KVStoreConfig", "KVStoreError",
+    "KVTransferError", "StoreCapacityError", "block_keys", "make_namespace",
+]

@@ -1,0 +1,285 @@
+"""gRPC client of a node's KV store: tensors in, tensors out, typed errors (DESIGN.md
+"Data plane": protobuf over gRPC, a deadline on every call, never pickle).
+
+Wire payload = raw little-endian bytes of a C-contiguous tensor; bfloat16 travels as its int16
+bit pattern. Blocks are streamed in coalesced runs that fit ``max_message_bytes``.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator, Sequence
+
+import grpc
+import numpy as np
+import torch
+
+from kvstore.errors import (BlockLayoutError, BlockNotFoundError, KVStoreError, KVTransferError,
+                            StoreCapacityError)
+from kvstore.hashing import KEY_BYTES
+from kvstore.host_store import BlockLayout
+from kvstore.proto import kvstore_pb2 as pb
+from kvstore.proto import kvstore_pb2_grpc as pb_grpc
+from kvstore.server import ERROR_METADATA_KEY, MESSAGE_OVERHEAD_BYTES, coalesce_runs
+
+TORCH_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+}
+_DTYPE_NAMES = {v: k for k, v in TORCH_DTYPES.items()}
+
+
+def tensor_to_payload(t: torch.Tensor) -> bytes:
+    """Raw little-endian bytes of ``t`` (any shape; float32/bfloat16/float16, any device)."""
+    t = t.detach().to("cpu").contiguous()
+    if t.dtype == torch.bfloat16:
+        t = t.view(torch.int16)
+    arr = t.numpy()
+    if sys.byteorder != "little":
+        arr = arr.astype(arr.dtype.newbyteorder("<"))
+    return arr.tobytes()
+
+
+def _fill_from_payloads(out: torch.Tensor, payloads: Sequence[bytes]) -> None:
+    """Copy concatenated little-endian ``payloads`` into contiguous CPU tensor ``out``."""
+    flat = out.view(-1).view(torch.uint8).numpy()
+    offset = 0
+    for p in payloads:
+        flat[offset:offset + len(p)] = np.frombuffer(p, dtype=np.uint8)
+        offset += len(p)
+    if sys.byteorder != "little" and out.element_size() > 1:
+        ints = out.view({2: torch.int16, 4: torch.int32}[out.element_size()]).numpy()
+        ints.byteswap(inplace=True)
+
+
+def _layout_of(block_shape: Sequence[int], dtype: torch.dtype) -> BlockLayout:
+    if dtype not in _DTYPE_NAMES:
+        raise BlockLayoutError(f"unsupported dtype {dtype}; expected one of {sorted(TORCH_DTYPES)}")
+    layout = BlockLayout(_DTYPE_NAMES[dtype], tuple(int(d) for d in block_shape))
+    if layout.nbytes == 0:
+        raise BlockLayoutError(f"empty block shape {layout.shape}")
+    return layout
+
+
+def _check_keys(keys: Sequence[bytes]) -> None:
+    for k in keys:
+        if not isinstance(k, bytes) or len(k) != KEY_BYTES:
+            raise ValueError(f"block keys must be {KEY_BYTES}-byte bytes, got {k!r:.80}")
+
+
+class KVStoreClient:
+    """Client of one KV store server. Thread-safe (one gRPC channel); a context manager.
+
+    Args:
+        address: ``host:port`` of the server.
+        timeout_s: deadline of each call in seconds (a whole stream counts as one call).
+        max_message_bytes: max gRPC message size in bytes, both directions.
+
+    Every method raises :class:`KVTransferError` (naming the address and reason) on a deadline
+    or RPC failure; ``grpc.RpcError`` never escapes.
+    """
+
+    def __init__(self, address: str, timeout_s: float = 10.0, max_message_bytes: int = 64 << 20):
+        self.address = address
+        self.timeout_s = timeout_s
+        self.max_message_bytes = max_message_bytes
+        self._chunk_budget = max(1, max_message_bytes - MESSAGE_OVERHEAD_BYTES)
+        self._channel = grpc.insecure_channel(address, options=[
+            ("grpc.max_send_message_length", max_message_bytes),
+            ("grpc.max_receive_message_length", max_message_bytes),
+        ])
+        self._stub = pb_grpc.KVStoreStub(self._channel)
+
+    def put_blocks(self, keys: Sequence[bytes], blocks: torch.Tensor) -> None:
+        """Store full blocks under their chained keys (kvstore.hashing.block_keys).
+
+        Args:
+            keys: n keys of 32 bytes.
+            blocks: [n, *block_shape], float32/bfloat16/float16, any device.
+
+        Raises:
+            ValueError: a key is not 32 bytes.
+            BlockLayoutError: ``blocks.shape[0] != len(keys)``, unsupported dtype, or a block
+                larger than ``max_message_bytes``.
+            StoreCapacityError: a block does not fit in the store at all.
+            KVTransferError: deadline or RPC failure.
+        """
+        _check_keys(keys)
+        if blocks.dim() < 1 or blocks.shape[0] != len(keys):
+            raise BlockLayoutError(f"blocks of shape {tuple(blocks.shape)} for {len(keys)} key(s)")
+        if not keys:
+            return
+        layout = _layout_of(blocks.shape[1:], blocks.dtype)
+        self._check_fits(layout)
+        flat = blocks.reshape(len(keys), -1)
+
+        def messages() -> Iterator[pb.BlockData]:
+            for run in coalesce_runs(layout.nbytes, len(keys), self._chunk_budget):
+                yield pb.BlockData(keys=list(keys[run.start:run.stop]),
+                                   layout=_layout_msg(layout),
+                                   payload=tensor_to_payload(flat[run.start:run.stop]))
+
+        self._call("PutBlocks", lambda: self._stub.PutBlocks(messages(), timeout=self.timeout_s))
+
+    def get_blocks(self, keys: Sequence[bytes]) -> torch.Tensor:
+        """Fetch full blocks, all or nothing.
+
+        Args:
+            keys: n >= 1 keys of 32 bytes (duplicates allowed).
+
+        Returns:
+            CPU tensor [n, *block_shape] in the stored dtype, block i under ``keys[i]``.
+
+        Raises:
+            ValueError: empty ``keys`` or a key not 32 bytes.
+            BlockNotFoundError: any key is missing; ``.missing`` lists them (at most the first
+                64 when many are missing; the message gives the total).
+            BlockLayoutError: the blocks do not share one layout, or the reply is malformed.
+            KVTransferError: deadline or RPC failure.
+        """
+        _check_keys(keys)
+        if not keys:
+            raise ValueError("get_blocks needs at least one key (the block shape is unknown)")
+        request = pb.GetBlocksRequest(keys=list(keys), max_chunk_bytes=self._chunk_budget)
+
+        def fetch() -> tuple[BlockLayout, list[bytes]]:
+            layout: BlockLayout | None = None
+            payloads: list[bytes] = []
+            received = 0
+            for msg in self._stub.GetBlocks(request, timeout=self.timeout_s):
+                msg_layout = BlockLayout(msg.layout.dtype, tuple(msg.layout.shape))
+                if layout is None:
+                    layout = msg_layout
+                if msg_layout != layout:
+                    raise BlockLayoutError(f"blocks from {self.address} mix layouts "
+                                           f"{layout} and {msg_layout}")
+                n = len(msg.keys)
+                if list(msg.keys) != list(keys[received:received + n]) or \
+                        len(msg.payload) != n * layout.nbytes:
+                    raise BlockLayoutError(f"malformed GetBlocks reply from {self.address} "
+                                           f"at block {received}")
+                payloads.append(msg.payload)
+                received += n
+            if received != len(keys) or layout is None:
+                raise KVTransferError(f"{self.address}: GetBlocks stream ended after {received} "
+                                      f"of {len(keys)} block(s)", address=self.address)
+            return layout, payloads
+
+        layout, payloads = self._call("GetBlocks", fetch)
+        out = torch.empty((len(keys), *layout.shape), dtype=TORCH_DTYPES[layout.dtype])
+        _fill_from_payloads(out, payloads)
+        return out
+
+    def put_tail(self, handle: str, block: torch.Tensor, num_tokens: int) -> None:
+        """Store a request's partial tail block under ``handle`` (never keyed or indexed).
+
+        Args:
+            handle: per-request handle (e.g. the request id), non-empty.
+            block: [*block_shape], float32/bfloat16/float16, any device.
+            num_tokens: valid tokens in the block.
+
+        Raises:
+            ValueError: empty handle or negative ``num_tokens``.
+            BlockLayoutError, StoreCapacityError, KVTransferError: as for :meth:`put_blocks`.
+        """
+        if not handle:
+            raise ValueError("tail handle must be non-empty")
+        if num_tokens < 0:
+            raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
+        layout = _layout_of(block.shape, block.dtype)
+        self._check_fits(layout)
+        msg = pb.BlockData(handle=handle, layout=_layout_msg(layout),
+                           payload=tensor_to_payload(block), num_tokens=num_tokens)
+        self._call("PutTail", lambda: self._stub.PutTail(msg, timeout=self.timeout_s))
+
+    def take_tail(self, handle: str) -> tuple[torch.Tensor, int]:
+        """Return and remove the tail under ``handle``: (CPU tensor [*block_shape], num_tokens).
+
+        Raises:
+            BlockNotFoundError: absent, already taken, or expired (``.handle`` is set).
+            BlockLayoutError, KVTransferError.
+        """
+        msg = self._call("TakeTail", lambda: self._stub.TakeTail(
+            pb.TailRequest(handle=handle), timeout=self.timeout_s), handle=handle)
+        layout = BlockLayout(msg.layout.dtype, tuple(msg.layout.shape))
+        if len(msg.payload) != layout.nbytes:
+            raise BlockLayoutError(f"malformed TakeTail reply from {self.address}")
+        out = torch.empty(layout.shape, dtype=TORCH_DTYPES[layout.dtype])
+        _fill_from_payloads(out, [msg.payload])
+        return out, msg.num_tokens
+
+    def release_tail(self, handle: str) -> bool:
+        """Drop the tail under ``handle``; idempotent. ``True`` if it was there."""
+        reply = self._call("ReleaseTail", lambda: self._stub.ReleaseTail(
+            pb.TailRequest(handle=handle), timeout=self.timeout_s))
+        return reply.released
+
+    def stats(self) -> dict[str, int]:
+        """Server counters: num_blocks, bytes_used, capacity_bytes, num_tails, evictions,
+        expired_tails."""
+        reply = self._call("Stats", lambda: self._stub.Stats(pb.StatsRequest(),
+                                                             timeout=self.timeout_s))
+        return {f.name: getattr(reply, f.name) for f in pb.StatsReply.DESCRIPTOR.fields}
+
+    def close(self) -> None:
+        """Close the channel. Idempotent."""
+        self._channel.close()
+
+    def __enter__(self) -> KVStoreClient:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    # ---- internals ----------------------------------------------------------------------
+
+    def _check_fits(self, layout: BlockLayout) -> None:
+        if layout.nbytes > self._chunk_budget:
+            raise BlockLayoutError(f"one block of {layout.nbytes} bytes exceeds the message "
+                                   f"budget of {self._chunk_budget} bytes (max_message_bytes="
+                                   f"{self.max_message_bytes})")
+
+    def _call(self, method: str, fn, handle: str | None = None):
+        try:
+            return fn()
+        except grpc.RpcError as exc:
+            raise self._typed_error(method, exc, handle) from None
+        except ValueError as exc:  # grpc raises ValueError on a closed channel
+            raise KVTransferError(f"{self.address}: {method} failed: {exc}",
+                                  address=self.address) from None
+
+    def _typed_error(self, method: str, exc: grpc.RpcError, handle: str | None) -> KVStoreError:
+        code = exc.code() if hasattr(exc, "code") else None
+        details = exc.details() if hasattr(exc, "details") else str(exc)
+        trailers = dict(exc.trailing_metadata() or ()) if hasattr(exc, "trailing_metadata") else {}
+        kind = trailers.get(ERROR_METADATA_KEY)
+        where = f"{self.address}: {method}"
+        if code == grpc.StatusCode.NOT_FOUND and kind == "not_found":
+            if handle is not None:
+                return BlockNotFoundError(f"{where}: {details}", handle=handle)
+            return BlockNotFoundError(f"{where}: {details}", missing=_parse_missing(details))
+        if kind == "capacity":
+            return StoreCapacityError(f"{where}: {details}")
+        if kind == "layout":
+            return BlockLayoutError(f"{where}: {details}")
+        if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+            return KVTransferError(f"{where} exceeded its {self.timeout_s} s deadline",
+                                   address=self.address)
+        name = code.name if code is not None else "UNKNOWN"
+        return KVTransferError(f"{where} failed with {name}: {details}", address=self.address)
+
+
+def _layout_msg(layout: BlockLayout) -> pb.BlockLayout:
+    return pb.BlockLayout(dtype=layout.dtype, shape=layout.shape)
+
+
+def _parse_missing(details: str) -> list[bytes]:
+    """Keys from ``missing N of M block(s): hex,hex[ (+K more)]`` (server.GetBlocks)."""
+    _, _, listed = details.partition(": ")
+    listed = listed.split(" ", 1)[0]
+    out = []
+    for token in listed.split(","):
+        try:
+            out.append(bytes.fromhex(token))
+        except ValueError:
+            continue
+    return out

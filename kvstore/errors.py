@@ -1,0 +1,44 @@
+"""Typed errors of the KV store data plane (DESIGN.md "Data plane": a transfer ends in success
+or a typed error). Never raised as bare ``Exception``; gRPC errors never leak to callers."""
+
+from __future__ import annotations
+
+
+class KVStoreError(Exception):
+    """Base class of every KV store error."""
+
+
+class BlockNotFoundError(KVStoreError):
+    """Requested blocks (or a tail handle) are not in the store.
+
+    Attributes:
+        missing: the missing block keys (32-byte sha256 keys), empty for a tail miss.
+        handle: the missing tail handle, or ``None`` for a keyed-block miss.
+    """
+
+    def __init__(self, message: str, missing: list[bytes] | None = None, handle: str | None = None):
+        super().__init__(message)
+        self.missing: list[bytes] = list(missing or [])
+        self.handle: str | None = handle
+
+
+class KVTransferError(KVStoreError):
+    """A transfer failed: deadline exceeded, peer unreachable, or another RPC failure.
+
+    The message names the peer address and the reason.
+
+    Attributes:
+        address: ``host:port`` of the peer.
+    """
+
+    def __init__(self, message: str, address: str | None = None):
+        super().__init__(message)
+        self.address = address
+
+
+class BlockLayoutError(KVStoreError):
+    """A block's shape, dtype or byte size is unsupported or does not match the others."""
+
+
+class StoreCapacityError(KVStoreError):
+    """A single block (or tail) is larger than the store's whole capacity."""

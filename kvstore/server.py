@@ -1,0 +1,228 @@
+"""gRPC server of one node's KV store (DESIGN.md "Data plane"; Mooncake FAST'25 §3 Messenger).
+
+Serves a :class:`HostBlockStore` over the ``pdcluster.kvstore.v1.KVStore`` service: protobuf
+messages with raw tensor bytes, never pickle. Binds only ``config.host`` (127.0.0.1 by
+default). A daemon thread sweeps expired tails every ``min(tail_ttl_s / 4, 5)`` seconds.
+
+Errors carry the trailing-metadata entry ``pdcluster-error`` (``not_found`` | ``capacity`` |
+``layout``) so clients map them to typed errors without parsing text.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterable, Iterator
+from concurrent import futures
+
+import grpc
+
+from kvstore.config import KVStoreConfig
+from kvstore.errors import BlockLayoutError, KVStoreError, StoreCapacityError
+from kvstore.host_store import BlockLayout, HostBlockStore
+from kvstore.proto import kvstore_pb2 as pb
+from kvstore.proto import kvstore_pb2_grpc as pb_grpc
+
+logger = logging.getLogger(__name__)
+
+ERROR_METADATA_KEY = "pdcluster-error"
+#: NOT_FOUND details list at most this many missing keys (grpc-message is a size-limited header).
+MAX_MISSING_KEYS_IN_DETAILS = 64
+#: Bytes kept free in each message for keys and framing when coalescing a run of blocks.
+MESSAGE_OVERHEAD_BYTES = 64 << 10
+
+
+def coalesce_runs(block_nbytes: int, num_blocks: int, budget_bytes: int) -> list[range]:
+    """Split ``num_blocks`` consecutive blocks into runs of at most ``budget_bytes`` payload.
+
+    Every run holds at least one block (a single block larger than the budget is its own run).
+    """
+    per_run = max(1, budget_bytes // max(1, block_nbytes))
+    return [range(i, min(i + per_run, num_blocks)) for i in range(0, num_blocks, per_run)]
+
+
+def _abort(context: grpc.ServicerContext, code: grpc.StatusCode, kind: str, details: str):
+    context.set_trailing_metadata(((ERROR_METADATA_KEY, kind),))
+    context.abort(code, details)
+
+
+def _layout(msg: pb.BlockData, context: grpc.ServicerContext) -> BlockLayout:
+    try:
+        return BlockLayout(msg.layout.dtype, tuple(msg.layout.shape))
+    except BlockLayoutError as exc:
+        _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "layout", str(exc))
+        raise  # unreachable: abort raises
+
+
+class _KVStoreServicer(pb_grpc.KVStoreServicer):
+    def __init__(self, store: HostBlockStore, max_message_bytes: int):
+        self._store = store
+        self._chunk_budget = max(1, max_message_bytes - MESSAGE_OVERHEAD_BYTES)
+
+    def _store_call(self, context: grpc.ServicerContext, fn, *args):
+        try:
+            return fn(*args)
+        except StoreCapacityError as exc:
+            _abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, "capacity", str(exc))
+        except BlockLayoutError as exc:
+            _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "layout", str(exc))
+        except ValueError as exc:
+            _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "invalid", str(exc))
+
+    def PutBlocks(self, request_iterator: Iterable[pb.BlockData], context) -> pb.PutReply:
+        num_blocks = 0
+        for msg in request_iterator:
+            layout = _layout(msg, context)
+            n, size = len(msg.keys), layout.nbytes
+            if msg.handle or len(msg.payload) != n * size:
+                _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "layout",
+                       f"message with {n} key(s) of {size} bytes each carries "
+                       f"{len(msg.payload)} payload bytes (handle={msg.handle!r})")
+            view = memoryview(msg.payload)
+            for i, key in enumerate(msg.keys):
+                self._store_call(context, self._store.put, key,
+                                 bytes(view[i * size:(i + 1) * size]), layout)
+            num_blocks += n
+        return pb.PutReply(num_blocks=num_blocks)
+
+    def GetBlocks(self, request: pb.GetBlocksRequest, context) -> Iterator[pb.BlockData]:
+        keys = list(request.keys)
+        entries = self._store.get_many(keys)
+        missing = [k for k, e in zip(keys, entries) if e is None]
+        if missing:
+            shown = ",".join(k.hex() for k in missing[:MAX_MISSING_KEYS_IN_DETAILS])
+            more = len(missing) - MAX_MISSING_KEYS_IN_DETAILS
+            suffix = f" (+{more} more)" if more > 0 else ""
+            _abort(context, grpc.StatusCode.NOT_FOUND, "not_found",
+                   f"missing {len(missing)} of {len(keys)} block(s): {shown}{suffix}")
+        budget = self._chunk_budget
+        if request.max_chunk_bytes > 0:
+            budget = min(budget, request.max_chunk_bytes)
+        start = 0
+        while start < len(keys):
+            layout = entries[start][1]
+            end = start + 1  # a run shares one layout
+            while end < len(keys) and entries[end][1] == layout:
+                end += 1
+            for run in coalesce_runs(layout.nbytes, end - start, budget):
+                idx = range(start + run.start, start + run.stop)
+                yield pb.BlockData(
+                    keys=[keys[i] for i in idx],
+                    layout=pb.BlockLayout(dtype=layout.dtype, shape=layout.shape),
+                    payload=b"".join(entries[i][0] for i in idx),
+                )
+            start = end
+
+    def PutTail(self, request: pb.BlockData, context) -> pb.PutReply:
+        layout = _layout(request, context)
+        if request.keys:
+            _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "invalid", "a tail carries no keys")
+        self._store_call(context, self._store.put_tail, request.handle, request.payload,
+                         layout, request.num_tokens)
+        return pb.PutReply(num_blocks=1)
+
+    def TakeTail(self, request: pb.TailRequest, context) -> pb.BlockData:
+        tail = self._store.take_tail(request.handle)
+        if tail is None:
+            _abort(context, grpc.StatusCode.NOT_FOUND, "not_found",
+                   f"tail {request.handle!r} is absent, already taken, or expired")
+        return pb.BlockData(
+            handle=request.handle,
+            layout=pb.BlockLayout(dtype=tail.layout.dtype, shape=tail.layout.shape),
+            payload=tail.payload,
+            num_tokens=tail.num_tokens,
+        )
+
+    def ReleaseTail(self, request: pb.TailRequest, context) -> pb.ReleaseTailReply:
+        return pb.ReleaseTailReply(released=self._store.release_tail(request.handle))
+
+    def Stats(self, request: pb.StatsRequest, context) -> pb.StatsReply:
+        return pb.StatsReply(**self._store.stats())
+
+
+class KVStoreServer:
+    """One node's KV store gRPC server (thread pool; no asyncio).
+
+    Args:
+        config: bind host/port, capacity, tail TTL, max message size.
+        store: the block store to serve; a new ``HostBlockStore`` from ``config`` if ``None``.
+        max_workers: gRPC handler threads (each open stream holds one).
+    """
+
+    def __init__(
+        self, config: KVStoreConfig, store: HostBlockStore | None = None, max_workers: int = 8
+    ):
+        self.config = config
+        self.store = store if store is not None else HostBlockStore(
+            config.capacity_bytes, config.tail_ttl_s)
+        self._max_workers = max_workers
+        self._server: grpc.Server | None = None
+        self._port: int | None = None
+        self._stop_sweep = threading.Event()
+        self._sweeper: threading.Thread | None = None
+
+    def start(self) -> int:
+        """Bind and start serving; returns the bound port.
+
+        Raises:
+            KVStoreError: already started, or ``config.host:config.port`` cannot be bound.
+        """
+        if self._server is not None:
+            raise KVStoreError(f"KV store server already started on {self.address}")
+        options = [
+            ("grpc.max_send_message_length", self.config.max_message_bytes),
+            ("grpc.max_receive_message_length", self.config.max_message_bytes),
+            ("grpc.so_reuseport", 0),
+        ]
+        server = grpc.server(futures.ThreadPoolExecutor(
+            max_workers=self._max_workers, thread_name_prefix="kvstore-grpc"), options=options)
+        pb_grpc.add_KVStoreServicer_to_server(
+            _KVStoreServicer(self.store, self.config.max_message_bytes), server)
+        bind = f"{_host_for_uri(self.config.host)}:{self.config.port}"
+        try:
+            port = server.add_insecure_port(bind)
+        except RuntimeError as exc:
+            raise KVStoreError(f"cannot bind KV store server to {bind}: {exc}") from exc
+        if port == 0:
+            raise KVStoreError(f"cannot bind KV store server to {bind}")
+        server.start()
+        self._server, self._port = server, port
+        self._stop_sweep.clear()
+        self._sweeper = threading.Thread(target=self._sweep_loop, name="kvstore-tail-sweep",
+                                         daemon=True)
+        self._sweeper.start()
+        logger.info("KV store server listening on %s", self.address)
+        return port
+
+    @property
+    def port(self) -> int:
+        """Bound port. Raises KVStoreError if not started."""
+        if self._port is None:
+            raise KVStoreError("KV store server not started")
+        return self._port
+
+    @property
+    def address(self) -> str:
+        """``host:port`` the server is bound to (the configured host, IPv6 in brackets)."""
+        return f"{_host_for_uri(self.config.host)}:{self.port}"
+
+    def stop(self, grace: float | None = None) -> None:
+        """Stop serving (in-flight RPCs get ``grace`` seconds). Idempotent."""
+        self._stop_sweep.set()
+        if self._server is not None:
+            self._server.stop(grace).wait()
+            self._server = None
+        if self._sweeper is not None:
+            self._sweeper.join(timeout=5.0)
+            self._sweeper = None
+
+    def _sweep_loop(self) -> None:
+        interval = max(0.05, min(self.config.tail_ttl_s / 4, 5.0))
+        while not self._stop_sweep.wait(interval):
+            dropped = self.store.expire_tails()
+            if dropped:
+                logger.info("dropped %d expired tail block(s)", dropped)
+
+
+def _host_for_uri(host: str) -> str:
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host

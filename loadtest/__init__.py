@@ -1,0 +1,1 @@
+"""Load-test tools: trace replay and synthetic load over the OpenAI API (see DESIGN.md)."""

@@ -1,0 +1,83 @@
+"""Runs one request through the disaggregated path: Conductor → prefill actor → decode actor.
+
+Yields TokenDelta items: the first carries the prefill's token (output token 0); the rest come
+from the decode actor's streaming generator. If the consumer stops early (client disconnect,
+error), both workers get an idempotent abort so no block stays held.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import AsyncIterator
+
+import ray
+from ray.exceptions import RayActorError, RayTaskError
+
+from engine.protocol import (DecodeRequest, FinishReason, PrefillRequest, SamplingParams,
+                             TokenDelta)
+from router.conductor import Conductor, Instance, NoInstanceError, RouteRequest
+
+log = logging.getLogger(__name__)
+
+
+class GenerationError(RuntimeError):
+    """A request failed inside the cluster. status: the HTTP status the gateway answers with
+    (400 for input the worker refused, 503 when no worker can serve it)."""
+
+    def __init__(self, message: str, status: int = 503) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def _worker_error(exc: Exception, instance: Instance) -> GenerationError:
+    if isinstance(exc, RayTaskError) and isinstance(exc.cause, ValueError):
+        return GenerationError(str(exc.cause), 400)
+    if isinstance(exc, RayActorError):
+        return GenerationError(f"{instance.role} worker {instance.worker_id} is unavailable")
+    cause = exc.cause if isinstance(exc, RayTaskError) else exc
+    return GenerationError(f"{instance.role} worker {instance.worker_id} failed: {cause}")
+
+
+class Pipeline:
+    def __init__(self, conductor: Conductor) -> None:
+        self.conductor = conductor
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int],
+                       sampling: SamplingParams,
+                       cache_salt: str | None = None) -> AsyncIterator[TokenDelta]:
+        """Raises GenerationError before the first item if the request cannot start."""
+        prompt = tuple(prompt_token_ids)
+        try:
+            prefill, decode = self.conductor.route(RouteRequest(request_id, prompt))
+        except NoInstanceError as exc:
+            raise GenerationError(str(exc)) from exc
+        prefill_done = False
+        finished = False
+        try:
+            try:
+                result = await prefill.handle.prefill.remote(
+                    PrefillRequest(request_id, prompt, sampling, cache_salt))
+            except (RayTaskError, RayActorError) as exc:
+                raise _worker_error(exc, prefill) from exc
+            prefill_done = True
+            yield TokenDelta(request_id, (result.first_token,), None,
+                             extra={"prefill_worker_id": result.prefill_worker_id,
+                                    "prefill_pid": result.prefill_pid})
+            stream = decode.handle.generate.options(num_returns="streaming").remote(
+                DecodeRequest(request_id, prompt, sampling, result))
+            try:
+                async for ref in stream:
+                    delta: TokenDelta = await ref
+                    finished = delta.finish_reason is not None
+                    yield delta
+            except (RayTaskError, RayActorError) as exc:
+                error = _worker_error(exc, decode)
+                finished = True
+                yield TokenDelta(request_id, (), FinishReason.ERROR, error=str(error))
+        finally:
+            if not finished:
+                target = decode if prefill_done else prefill
+                try:
+                    target.handle.abort.remote(request_id)
+                except RayActorError:
+                    log.warning("abort of %s on dead %s worker", request_id, target.role)

@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Set up pdcluster in ./.venv on a fresh machine.
+#   bash scripts/setup.sh          # to serve
+#   bash scripts/setup.sh --dev    # + test tools and redis-server (from the OS packages)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+# The CPU build of torch first: with it installed, pyproject's torch range pulls no CUDA wheels.
+.venv/bin/python -m pip install -q torch==2.13.0
+if [ "${1:-}" = "--dev" ]; then
+  .venv/bin/python -m pip install -q -e ".[dev]"
+  if ! command -v redis-server >/dev/null 2>&1; then
+    SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+    $SUDO apt-get update -qq && $SUDO apt-get install -y -qq redis-server >/dev/null
+  fi
+else
+  .venv/bin/python -m pip install -q -e .
+fi

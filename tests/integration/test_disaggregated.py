@@ -1,0 +1,124 @@
+"""The request path really is disaggregated: prefill actor → KV over gRPC → decode actor.
+
+Runs a real local Ray cluster with one KV store, one prefill and one decode actor, each in its
+own process, and drives requests through the same Pipeline the gateway uses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import pytest
+import ray
+
+from deploy.config import ServeConfig
+from deploy.launcher import Cluster
+from engine.protocol import FinishReason, SamplingParams
+from kvstore.client import KVStoreClient
+
+pytestmark = pytest.mark.slow
+
+LONG_PROMPT = ("Once upon a time, there was a little boy named Tim. Tim had a big red ball. "
+               "He liked to play with it in the park every day with his friend Sue.")
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    config = ServeConfig(ray_num_cpus=4)
+    with Cluster(config) as c:
+        yield c
+
+
+def run(cluster: Cluster, request_id: str, prompt_ids: list[int], max_tokens: int,
+        **sampling) -> list:
+    async def collect():
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, **sampling)
+        return [d async for d in cluster.pipeline.generate(request_id, prompt_ids, params)]
+
+    return asyncio.run(collect())
+
+
+def tokens_of(deltas) -> list[int]:
+    return [t for d in deltas for t in d.token_ids]
+
+
+def decode_stats(cluster: Cluster) -> dict:
+    return ray.get(cluster.decode[0].handle.stats.remote())
+
+
+def test_prefill_makes_token_one_and_decode_the_rest_without_recompute(cluster, hf):
+    prompt = hf.encode("Once upon a time")
+    expected = hf.greedy(prompt, 64)
+    before = decode_stats(cluster)
+    deltas = run(cluster, "req-split", prompt, 64)
+
+    assert tokens_of(deltas) == expected
+    prefill_pid = ray.get(cluster.prefill[0].handle.info.remote())["pid"]
+    first, rest = deltas[0], deltas[1:]
+    assert first.token_ids == (expected[0],) and first.extra["prefill_pid"] == prefill_pid
+    decode_pids = {d.decode_pid for d in rest}
+    assert len(decode_pids) == 1
+    decode_pid = decode_pids.pop()
+    assert decode_pid not in (prefill_pid, os.getpid())
+    assert tokens_of(rest) == expected[1:]
+    last = deltas[-1]
+    assert last.finish_reason in (FinishReason.LENGTH, FinishReason.STOP)
+    assert last.num_forward_tokens == len(expected) - 1
+    after = decode_stats(cluster)
+    assert after["num_forward_tokens_total"] - before["num_forward_tokens_total"] == \
+        len(expected) - 1
+    assert after["num_free_blocks"] == after["num_blocks"]
+
+
+def test_decode_output_depends_on_kv_received_over_grpc(cluster, hf):
+    prompt = hf.encode(LONG_PROMPT)
+    block_size = cluster.config.engine.block_size
+    assert len(prompt) > 2 * block_size and len(prompt) % block_size  # full blocks and a tail
+    expected = hf.greedy(prompt, 24)
+    decode = cluster.decode[0].handle
+    bytes_before = decode_stats(cluster)["kv_bytes_fetched_total"]
+    try:
+        ray.get(decode.set_kv_perturbation_for_testing.remote(3.0))
+        perturbed = tokens_of(run(cluster, "req-perturbed", prompt, 24, ignore_eos=True))
+    finally:
+        ray.get(decode.set_kv_perturbation_for_testing.remote(0.0))
+    assert perturbed[0] == expected[0]  # token 1 comes from prefill, untouched
+    assert perturbed[1:] != expected[1:]
+
+    bytes_mid = decode_stats(cluster)["kv_bytes_fetched_total"]
+    assert tokens_of(run(cluster, "req-clean", prompt, 24)) == expected
+    num_blocks = -(-len(prompt) // block_size)
+    fetched = decode_stats(cluster)["kv_bytes_fetched_total"] - bytes_mid
+    assert fetched == bytes_mid - bytes_before > 0
+    assert fetched % num_blocks == 0
+
+    # the tail went to decode under a one-shot handle: it is gone from the store now
+    kv_address = ray.get(cluster.prefill[0].handle.info.remote())["kv_address"]
+    with KVStoreClient(kv_address) as client:
+        assert client.stats()["num_tails"] == 0
+
+
+def test_requests_join_and_leave_the_decode_batch(cluster, hf):
+    prompts = [hf.encode(t) for t in ("Once upon a time", "The cat", "Lily and Ben went",
+                                      "One day, a big dog")]
+    lengths = [40, 8, 24, 16]
+    expected = [hf.greedy(p, n) for p, n in zip(prompts, lengths)]
+    before = decode_stats(cluster)
+
+    async def all_requests():
+        async def one(i):
+            params = SamplingParams(max_tokens=lengths[i], temperature=0.0)
+            return [d async for d in cluster.pipeline.generate(f"req-batch-{i}", prompts[i],
+                                                                params)]
+        return await asyncio.gather(*(one(i) for i in range(len(prompts))))
+
+    results = asyncio.run(all_requests())
+    for deltas, want in zip(results, expected):
+        assert tokens_of(deltas) == want
+    after = decode_stats(cluster)
+    forward = after["num_forward_tokens_total"] - before["num_forward_tokens_total"]
+    steps = after["num_steps_total"] - before["num_steps_total"]
+    assert forward == sum(len(e) - 1 for e in expected)
+    assert steps < forward  # some steps ran several requests together
+    assert after["num_free_blocks"] == after["num_blocks"]

@@ -1,0 +1,120 @@
+"""Torch reference kernels vs independent dense computations."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import reference
+
+BLOCK_SIZE = 4
+NUM_BLOCKS = 32
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 8, 2, 16
+
+
+def _empty_caches() -> tuple[torch.Tensor, torch.Tensor]:
+    shape = (NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    return torch.zeros(shape), torch.zeros(shape)
+
+
+def _slots(block_table: list[int], positions: range) -> list[int]:
+    return [block_table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in positions]
+
+
+def _dense_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [L, H, D] are the last L of S positions; k/v [S, Hkv, D]. Explicit bottom-right mask."""
+    num_new, seq_len = q.shape[0], k.shape[0]
+    mask = torch.ones(num_new, seq_len, dtype=torch.bool).tril(diagonal=seq_len - num_new)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=scale, enable_gqa=True
+    )
+    return out.transpose(0, 1)
+
+
+def test_store_kv_cache_writes_slots_and_skips_padding():
+    k_cache, v_cache = _empty_caches()
+    k = torch.randn(5, NUM_KV_HEADS, HEAD_DIM)
+    v = torch.randn(5, NUM_KV_HEADS, HEAD_DIM)
+    slots = torch.tensor([7, -1, 0, 33, -1])
+    reference.store_kv_cache(k, v, k_cache, v_cache, slots)
+    flat_k, flat_v = k_cache.view(-1, NUM_KV_HEADS, HEAD_DIM), v_cache.view(-1, NUM_KV_HEADS, HEAD_DIM)
+    for row, slot in ((0, 7), (2, 0), (3, 33)):
+        assert torch.equal(flat_k[slot], k[row]) and torch.equal(flat_v[slot], v[row])
+    written = torch.zeros(flat_k.shape[0], dtype=torch.bool)
+    written[[7, 0, 33]] = True
+    assert flat_k[~written].abs().sum() == 0 and flat_v[~written].abs().sum() == 0
+
+
+def test_prefill_attention_matches_dense_causal_attention():
+    torch.manual_seed(0)
+    k_cache, v_cache = _empty_caches()
+    order = torch.randperm(NUM_BLOCKS).tolist()
+    # (cached prefix, new tokens): a fresh prompt, a chunk after a prefix, a one-token decode.
+    shapes = [(0, 7), (9, 6), (12, 1)]
+    tables, dense_kv, queries = [], [], []
+    for seq_index, (prefix, num_new) in enumerate(shapes):
+        seq_len = prefix + num_new
+        table = order[seq_index * 8 : seq_index * 8 + -(-seq_len // BLOCK_SIZE)]
+        k, v = torch.randn(2, seq_len, NUM_KV_HEADS, HEAD_DIM).unbind(0)
+        reference.store_kv_cache(k, v, k_cache, v_cache, torch.tensor(_slots(table, range(seq_len))))
+        tables.append(table)
+        dense_kv.append((k, v))
+        queries.append(torch.randn(num_new, NUM_HEADS, HEAD_DIM))
+    block_tables = torch.zeros(len(shapes), max(map(len, tables)), dtype=torch.int32)
+    for row, table in enumerate(tables):
+        block_tables[row, : len(table)] = torch.tensor(table)
+    cu = torch.tensor([0, 7, 13, 14], dtype=torch.int32)
+    seq_lens = torch.tensor([p + n for p, n in shapes], dtype=torch.int32)
+    scale = HEAD_DIM**-0.5
+    q = torch.cat(queries)
+    out = reference.paged_prefill_attention(q, k_cache, v_cache, block_tables, cu, seq_lens, scale)
+    expected = torch.cat([_dense_causal(q, k, v, scale) for q, (k, v) in zip(queries, dense_kv)])
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_attention_equals_prefill_with_one_query(dtype):
+    torch.manual_seed(1)
+    k_cache, v_cache = (c.to(dtype) for c in _empty_caches())
+    order = torch.randperm(NUM_BLOCKS).tolist()
+    seq_lens_list = [1, 5, 8, 13]
+    block_tables = torch.zeros(len(seq_lens_list), 4, dtype=torch.int32)
+    for row, seq_len in enumerate(seq_lens_list):
+        table = order[row * 4 : row * 4 + 4]
+        block_tables[row] = torch.tensor(table)
+        k, v = torch.randn(2, seq_len, NUM_KV_HEADS, HEAD_DIM).unbind(0)
+        reference.store_kv_cache(k, v, k_cache, v_cache, torch.tensor(_slots(table, range(seq_len))))
+    q = torch.randn(len(seq_lens_list), NUM_HEADS, HEAD_DIM, dtype=dtype)
+    seq_lens = torch.tensor(seq_lens_list, dtype=torch.int32)
+    cu = torch.arange(len(seq_lens_list) + 1, dtype=torch.int32)
+    decode = reference.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, 0.3)
+    prefill = reference.paged_prefill_attention(q, k_cache, v_cache, block_tables, cu, seq_lens, 0.3)
+    assert decode.dtype == dtype
+    torch.testing.assert_close(decode, prefill, atol=1e-5, rtol=1e-5)
+
+
+def test_rms_norm_fused_residual_semantics():
+    torch.manual_seed(2)
+    x, residual, weight = torch.randn(3, 32), torch.randn(3, 32), torch.randn(32)
+    out, new_residual = reference.rms_norm(x, weight, 1e-6, residual)
+    summed = x + residual
+    expected = weight * summed / torch.sqrt(summed.pow(2).mean(-1, keepdim=True) + 1e-6)
+    torch.testing.assert_close(new_residual, summed)
+    torch.testing.assert_close(out, expected)
+    plain_out, passthrough = reference.rms_norm(x, weight, 1e-6)
+    assert passthrough is x
+    torch.testing.assert_close(plain_out, torch.nn.functional.rms_norm(x, (32,), weight, 1e-6))
+
+
+def test_silu_and_mul_and_rotary():
+    torch.manual_seed(3)
+    x = torch.randn(4, 10)
+    torch.testing.assert_close(reference.silu_and_mul(x), torch.sigmoid(x[:, :5]) * x[:, :5] * x[:, 5:])
+    q, k = torch.randn(3, 4, 8), torch.randn(3, 2, 8)
+    angles = torch.rand(3, 4) * 6
+    cos, sin = torch.cat((angles, angles), -1).cos(), torch.cat((angles, angles), -1).sin()
+    q_rot, k_rot = reference.rotary_embedding(q, k, cos, sin)
+    # Rotate-half pairs element i with i + D/2: check as complex multiplication by e^{i*angle}.
+    as_complex = torch.complex(q[..., :4], q[..., 4:]) * torch.polar(torch.ones(3, 1, 4), angles[:, None, :])
+    torch.testing.assert_close(q_rot, torch.cat((as_complex.real, as_complex.imag), -1))
+    assert k_rot.shape == k.shape and torch.allclose(k_rot.norm(dim=-1), k.norm(dim=-1))
