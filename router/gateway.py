@@ -119,7 +119,7 @@ def _prompt_ids(body: CompletionRequest, tokenizer: Tokenizer) -> list[int]:
     return ids
 
 
-async def _collect(request_id, body, first, deltas, detok, prompt_ids) -> CompletionResponse:
+async def _collect(request_id, body, first, deltas, detok, prompt_ids) -> JSONResponse:
     token_ids: list[int] = list(first.token_ids)
     finish = first.finish_reason
     async for delta in deltas:
@@ -129,12 +129,12 @@ async def _collect(request_id, body, first, deltas, detok, prompt_ids) -> Comple
             raise APIError(503, delta.error or "generation failed")
     detok.add(token_ids, final=True)
     choice = CompletionChoice(text=detok.text, finish_reason=_finish_text(finish),
-                              token_ids=token_ids if body.return_token_ids else None)
-    return CompletionResponse(
-        id=request_id, model=body.model, choices=[choice],
+                              token_ids=token_ids)
+    response = CompletionResponse(
+        id=request_id, model=body.model, choices=[choice], prompt_token_ids=prompt_ids,
         usage=Usage(prompt_tokens=len(prompt_ids), completion_tokens=len(token_ids),
-                    total_tokens=len(prompt_ids) + len(token_ids)),
-        prompt_token_ids=prompt_ids if body.return_token_ids else None)
+                    total_tokens=len(prompt_ids) + len(token_ids)))
+    return JSONResponse(_completion_json(response, body.return_token_ids))
 
 
 async def _sse(request_id, body, first, deltas, detok) -> AsyncIterator[str]:
@@ -159,14 +159,22 @@ async def _sse_chunks(request_id, body, first, deltas, detok) -> AsyncIterator[s
             break
         text = detok.add(delta.token_ids, final=delta.finish_reason is not None)
         choice = CompletionChoice(text=text, finish_reason=_finish_text(delta.finish_reason),
-                                  token_ids=list(delta.token_ids) if body.return_token_ids
-                                  else None)
+                                  token_ids=list(delta.token_ids))
         chunk = CompletionResponse(id=request_id, model=body.model, choices=[choice])
-        data = chunk.model_dump(exclude={"usage", "prompt_token_ids"})
-        if not body.return_token_ids:
-            del data["choices"][0]["token_ids"]
+        data = _completion_json(chunk, body.return_token_ids)
+        del data["usage"]
         yield f"data: {json.dumps(data)}\n\n"
     yield "data: [DONE]\n\n"
+
+
+def _completion_json(response: CompletionResponse, return_token_ids: bool) -> dict:
+    """The OpenAI body; vLLM's token-id fields only when the request asked for them."""
+    data = response.model_dump()
+    if not return_token_ids:
+        del data["prompt_token_ids"]
+        for choice in data["choices"]:
+            del choice["token_ids"]
+    return data
 
 
 def _finish_text(reason: FinishReason | None) -> str | None:

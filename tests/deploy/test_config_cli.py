@@ -1,0 +1,29 @@
+import pytest
+from pydantic import ValidationError
+
+from deploy.cli import _overrides, _parser
+from deploy.config import load_config
+
+
+def test_flags_override_yaml_which_overrides_defaults(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("port: 9000\nengine:\n  block_size: 8\n  dtype: bfloat16\n"
+                    "decode_instances: 3\n")
+    args = _parser().parse_args(["serve", "--config", str(path), "--block-size", "32",
+                                 "--host", "0.0.0.0"])
+    cfg = load_config(args.config, _overrides(args))
+    assert (cfg.port, cfg.host, cfg.decode_instances) == (9000, "0.0.0.0", 3)
+    assert (cfg.engine.block_size, cfg.engine.dtype) == (32, "bfloat16")
+    assert cfg.model_name() == "stories260K"
+    assert cfg.local_ray_num_cpus() == 1 + 3 + 2
+
+
+def test_defaults_bind_loopback_and_bad_values_are_rejected(tmp_path):
+    cfg = load_config(None, {})
+    assert (cfg.host, cfg.port, cfg.kvstore.host) == ("127.0.0.1", 8000, "127.0.0.1")
+    with pytest.raises(ValidationError):
+        load_config(None, {"prefill_instances": 0})
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("engine:\n  blocksize: 8\n")
+    with pytest.raises(ValidationError):
+        load_config(bad, {})
