@@ -1,0 +1,54 @@
+"""Arrival schedules: seconds after the benchmark start at which each request is sent.
+
+Synthetic arrivals follow `vllm bench serve` (`get_request` in vllm/benchmarks/serve.py): gaps
+are Gamma(shape=burstiness, scale=1/(rate·burstiness)) — burstiness 1 is a Poisson process,
+< 1 burstier, > 1 more regular, inf a constant 1/rate — the first request also waits one gap,
+and the cumulative times are rescaled so the last arrival lands exactly at n/rate (vLLM does
+this to make throughput stable across seeds). A rate of inf sends everything at time 0.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+
+
+def rate_arrivals(n: int, rate: float, burstiness: float = 1.0,
+                  rng: np.random.Generator | None = None, normalize: bool = True) -> list[float]:
+    """Arrival offsets (s, non-decreasing) of `n` requests at mean `rate` requests/s.
+
+    Raises:
+        ValueError: rate or burstiness not > 0.
+    """
+    if rate <= 0 or burstiness <= 0:
+        raise ValueError(f"rate and burstiness must be > 0 (got {rate}, {burstiness})")
+    if n == 0:
+        return []
+    if math.isinf(rate):
+        return [0.0] * n
+    if math.isinf(burstiness):
+        gaps = np.full(n, 1.0 / rate)
+    else:
+        rng = rng if rng is not None else np.random.default_rng(0)
+        gaps = rng.gamma(shape=burstiness, scale=1.0 / (rate * burstiness), size=n)
+    times = np.cumsum(gaps)
+    if normalize and times[-1] > 0:
+        times *= (n / rate) / times[-1]
+    return times.tolist()
+
+
+def trace_arrivals(timestamps_ms: Sequence[float], time_scale: float = 1.0) -> list[float]:
+    """Arrival offsets (s) replaying trace timestamps: the first request at 0, every gap between
+    arrivals multiplied by `time_scale` (0.5 replays twice as fast).
+
+    Raises:
+        ValueError: time_scale < 0.
+    """
+    if time_scale < 0:
+        raise ValueError(f"time_scale must be >= 0 (got {time_scale})")
+    if not timestamps_ms:
+        return []
+    t0 = timestamps_ms[0]
+    return [(t - t0) * time_scale / 1000.0 for t in timestamps_ms]

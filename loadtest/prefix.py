@@ -1,0 +1,84 @@
+"""Offline prefix-cache hit ratio: the bound an infinite cache reaches on the prompts sent.
+
+Defined at the server's block granularity B (`--block-size`, pdcluster's default 16) so it is
+directly comparable with the server's counters `pdcluster_prefix_cache_queried_tokens_total`
+and `pdcluster_prefix_cache_hit_tokens_total`, which follow vLLM's prefix-cache stats
+(`queries += prompt tokens`, `hits += tokens served from cache`). Prompts are taken in send
+order; for each prompt of L tokens:
+
+    keys    = chained keys of its ⌊L/B⌋ full blocks (block i's key covers blocks 0..i)
+    hit     = B · (number of leading keys already seen), capped at B·⌊(L−1)/B⌋ when
+              `cap_last_token` (vLLM: the last prompt token is always computed, to get logits,
+              so a fully cached prompt that is a whole number of blocks recomputes its last block)
+    queried = L                 (denominator "prompt", vLLM's and pdcluster's definition)
+            | B · ⌊L/B⌋         (denominator "full_blocks": only cacheable tokens)
+    then every key of the prompt is marked seen (an infinite cache evicts nothing).
+
+ratio = Σ hit / Σ queried. Only full blocks are ever hits, as only full blocks are keyed
+(DESIGN.md "Blocks and keys"). Requests racing on the same new prefix may both miss on a real
+server where this bound counts the second as a hit; at trace arrival rates that is rare.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+DENOMINATORS = ("prompt", "full_blocks")
+
+
+@dataclass(frozen=True)
+class PrefixHits:
+    """Per-prompt offline hits, in send order."""
+
+    queried: list[int]
+    hit: list[int]
+
+    @property
+    def ratio(self) -> float | None:
+        total = sum(self.queried)
+        return sum(self.hit) / total if total else None
+
+
+def offline_prefix_hits(prompts: Iterable[Sequence[int]], block_size: int = 16,
+                        denominator: str = "prompt", cap_last_token: bool = True) -> PrefixHits:
+    """Infinite-cache hits of `prompts` taken in order (see the module docstring).
+
+    Raises:
+        ValueError: block_size < 1 or an unknown denominator.
+    """
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1 (got {block_size})")
+    if denominator not in DENOMINATORS:
+        raise ValueError(f"denominator must be one of {DENOMINATORS} (got {denominator!r})")
+    seen: set[bytes] = set()
+    queried: list[int] = []
+    hit: list[int] = []
+    for prompt in prompts:
+        n = len(prompt)
+        keys = block_keys(prompt, block_size)
+        cached = 0
+        while cached < len(keys) and keys[cached] in seen:
+            cached += 1
+        hit_tokens = cached * block_size
+        if cap_last_token:
+            hit_tokens = min(hit_tokens, block_size * ((n - 1) // block_size) if n else 0)
+        hit.append(hit_tokens)
+        queried.append(n if denominator == "prompt" else len(keys) * block_size)
+        seen.update(keys)
+    return PrefixHits(queried=queried, hit=hit)
+
+
+def block_keys(prompt: Sequence[int], block_size: int) -> list[bytes]:
+    """Chained keys of the full blocks: key_i = blake2b(key_{i−1} ‖ block_i as int32)."""
+    tokens = np.asarray(prompt, dtype="<i4")
+    keys: list[bytes] = []
+    prev = b""
+    for i in range(len(tokens) // block_size):
+        prev = hashlib.blake2b(prev + tokens[i * block_size:(i + 1) * block_size].tobytes(),
+                               digest_size=16).digest()
+        keys.append(prev)
+    return keys
