@@ -54,6 +54,10 @@ class DecodeWorker:
     async def stats(self) -> dict:
         return self.engine.stats()
 
+    async def step_log(self) -> list[tuple[int, tuple[str, ...]]]:
+        """(step number, request ids in that step's batch) for the most recent steps."""
+        return list(self.engine.step_log)
+
     async def set_kv_perturbation_for_testing(self, v_delta: float) -> None:
         """TEST-ONLY: add v_delta to every V block received over the wire (see KVFetcher)."""
         self.engine.fetcher.v_perturbation = float(v_delta)

@@ -26,14 +26,15 @@ import logging
 import math
 import queue
 import threading
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable
 
 from decode_worker.kv_fetch import KVFetcher
-from engine.protocol import DecodeRequest, FinishReason, TokenDelta
+from engine.protocol import DecodeRequest, FinishReason, TokenDelta, TokenLogprob
 from engine.runner import ModelRunner, SequenceChunk
-from engine.sampler import draw_seed, sample
+from engine.sampler import SampleInput, draw_seed, sample
 from kvstore.block_pool import BlockPool
 
 log = logging.getLogger(__name__)
@@ -67,8 +68,15 @@ class DecodeSequence:
         return len(self.request.prompt_token_ids) + len(self.output_ids)
 
 
+STEP_LOG_SIZE = 4096
+
+
 class DecodeEngine:
-    """Owns one decode worker's model runner, block pool and engine-loop thread."""
+    """Owns one decode worker's model runner, block pool and engine-loop thread.
+
+    step_log: the request ids of each of the last STEP_LOG_SIZE decode steps, as
+    (step number, ids) — which requests shared a batch, and when each joined and left.
+    """
 
     def __init__(self, runner: ModelRunner, worker_id: str, pid: int,
                  transfer_timeout_s: float) -> None:
@@ -78,7 +86,7 @@ class DecodeEngine:
         cfg = runner.engine_config
         self.block_size = cfg.block_size
         self.max_model_len = cfg.resolved_max_model_len(runner.model_config)
-        self.eos_token_ids = set(runner.model_config.eos_token_ids)
+        self.eos_token_ids = frozenset(runner.model_config.eos_token_ids)
         self.pool = BlockPool(cfg.num_kv_blocks)
         self.fetcher = KVFetcher(runner.kv_cache, transfer_timeout_s)
         self._fetch_threads = ThreadPoolExecutor(2, thread_name_prefix="kv-fetch")
@@ -89,6 +97,7 @@ class DecodeEngine:
         self._active: dict[str, DecodeSequence] = {}
         self.num_forward_tokens_total = 0
         self.num_steps_total = 0
+        self.step_log: deque[tuple[int, tuple[str, ...]]] = deque(maxlen=STEP_LOG_SIZE)
         self._thread = threading.Thread(target=self._loop, name="decode-engine", daemon=True)
         self._thread.start()
 
@@ -222,18 +231,21 @@ class DecodeEngine:
         chunks = [SequenceChunk(token_ids=(s.output_ids[-1],), num_computed_tokens=s.num_tokens - 1,
                                 block_table=s.block_table) for s in running]
         logits = self.runner.execute(chunks)
-        tokens = sample(logits, [s.request.sampling for s in running], [s.seed for s in running],
-                        [len(s.output_ids) for s in running])
+        rows = [SampleInput(s.request.sampling, s.seed, s.request.prompt_token_ids, s.output_ids)
+                for s in running]
+        sampled = sample(logits, rows, self.eos_token_ids)
         self.num_steps_total += 1
         self.num_forward_tokens_total += len(running)
-        for seq, token in zip(running, tokens):
+        self.step_log.append((self.num_steps_total, tuple(s.request_id for s in running)))
+        log.debug("decode step %d: batch of %d", self.num_steps_total, len(running))
+        for seq, (token, logprob) in zip(running, sampled):
             seq.num_forward_tokens += 1
             seq.output_ids.append(token)
             finish = self._check_stop(seq)
             if finish is None:
-                seq.emit(self._delta(seq, (token,), None))
+                seq.emit(self._delta(seq, (token,), None, logprob=logprob))
             else:
-                self._finish(seq, finish, new_tokens=(token,))
+                self._finish(seq, finish, new_tokens=(token,), logprob=logprob)
 
     def _check_stop(self, seq: DecodeSequence) -> FinishReason | None:
         params = seq.request.sampling
@@ -245,19 +257,20 @@ class DecodeEngine:
         return None
 
     def _finish(self, seq: DecodeSequence, reason: FinishReason, error: str | None = None,
-                new_tokens: tuple[int, ...] = ()) -> None:
+                new_tokens: tuple[int, ...] = (), logprob: TokenLogprob | None = None) -> None:
         self._active.pop(seq.request_id, None)
         if seq.block_table:
             self.pool.free(seq.block_table)
             seq.block_table = []
         seq.status = RequestStatus.FINISHED
-        seq.emit(self._delta(seq, new_tokens, reason, error))
+        seq.emit(self._delta(seq, new_tokens, reason, error, logprob))
 
     def _release_remote_tail(self, seq: DecodeSequence) -> None:
         self._fetch_threads.submit(self.fetcher.release_tail, seq.request.prefill)
 
     def _delta(self, seq: DecodeSequence, tokens: tuple[int, ...], reason: FinishReason | None,
-               error: str | None = None) -> TokenDelta:
+               error: str | None = None, logprob: TokenLogprob | None = None) -> TokenDelta:
         return TokenDelta(seq.request_id, tuple(tokens), reason, seq.num_forward_tokens,
-                          self.worker_id, self.pid, error)
+                          self.worker_id, self.pid, error,
+                          logprobs=None if logprob is None else (logprob,))
 

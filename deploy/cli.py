@@ -3,7 +3,9 @@
     pdcluster serve [--model PATH] [--host H] [--port P] [--prefill-instances N]
                     [--decode-instances M] [--address ADDR] [--config FILE] ...
 
-With no flags, serves the bundled stories260K model on 127.0.0.1:8000 on a local Ray with
+    pdcluster bench run|sweep|compare|report ...   (load tests; see loadtest/README.md)
+
+With no flags, `serve` serves the bundled stories260K model on 127.0.0.1:8000 on a local Ray with
 one prefill and one decode actor, and needs no other service.
 """
 
@@ -37,6 +39,13 @@ _SERVE_FLAGS = [
 ]
 
 
+# (flag, config path, help) for on/off switches: --X and --no-X.
+_SERVE_SWITCHES = [
+    ("--enable-prefix-caching", "engine.enable_prefix_caching",
+     "reuse cached prompt prefixes (default on; --no-enable-prefix-caching for A/B runs)"),
+]
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdcluster", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -44,12 +53,19 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--config", help="YAML file with a ServeConfig (flags override it)")
     for flag, path, typ, help_text in _SERVE_FLAGS:
         serve.add_argument(flag, dest=path, type=typ, default=argparse.SUPPRESS, help=help_text)
+    for flag, path, help_text in _SERVE_SWITCHES:
+        serve.add_argument(flag, dest=path, action=argparse.BooleanOptionalAction,
+                           default=argparse.SUPPRESS, help=help_text)
+    from loadtest.cli import add_bench_parser
+
+    add_bench_parser(sub)
     return parser
 
 
 def _overrides(args: argparse.Namespace) -> dict:
     out: dict = {}
-    for _, path, _, _ in _SERVE_FLAGS:
+    paths = [f[1] for f in _SERVE_FLAGS] + [f[1] for f in _SERVE_SWITCHES]
+    for path in paths:
         if hasattr(args, path):
             node = out
             *parents, leaf = path.split(".")
@@ -73,6 +89,10 @@ def main(argv: list[str] | None = None) -> int:
         logging.basicConfig(level=config.log_level.upper(),
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         return serve(config)
+    if args.command == "bench":
+        from loadtest.cli import run_bench
+
+        return run_bench(args)
     return 2
 
 

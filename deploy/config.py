@@ -39,6 +39,7 @@ class ServeConfig(BaseModel):
     ray_num_cpus: int | None = Field(None, ge=1)
     actor_num_cpus: float = Field(1.0, gt=0)
     log_level: str = "info"
+    max_request_body_bytes: int = Field(4 << 20, ge=1024)
 
     def local_ray_num_cpus(self) -> int:
         """Logical CPUs for a local Ray: all worker actors plus 2 spare for helpers."""

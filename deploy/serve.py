@@ -10,26 +10,34 @@ from __future__ import annotations
 import logging
 
 import uvicorn
+from fastapi import FastAPI
 
 from deploy.config import ServeConfig
 from deploy.launcher import Cluster
 from engine.config import ModelConfig
 from engine.tokenizer import Tokenizer
+from router.chat_template import ChatTemplate
 from router.gateway import build_app
 
 log = logging.getLogger(__name__)
 
 
+def gateway_app(config: ServeConfig, cluster: Cluster) -> FastAPI:
+    """The OpenAI gateway over a started cluster, as `pdcluster serve` runs it."""
+    model_dir = config.engine.model
+    max_model_len = config.engine.resolved_max_model_len(ModelConfig.from_pretrained(model_dir))
+    return build_app(cluster.pipeline, Tokenizer.from_pretrained(model_dir), config.model_name(),
+                     max_model_len, ChatTemplate.from_model_dir(model_dir),
+                     config.max_request_body_bytes)
+
+
 def serve(config: ServeConfig) -> int:
-    model_config = ModelConfig.from_pretrained(config.engine.model)
-    tokenizer = Tokenizer.from_pretrained(config.engine.model)
-    max_model_len = config.engine.resolved_max_model_len(model_config)
     cluster = Cluster(config)
     try:
         cluster.start()
-        app = build_app(cluster.pipeline, tokenizer, config.model_name(), max_model_len)
-        server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port,
-                                               log_level=config.log_level, lifespan="off"))
+        server = uvicorn.Server(uvicorn.Config(gateway_app(config, cluster), host=config.host,
+                                               port=config.port, log_level=config.log_level,
+                                               lifespan="off"))
         log.info("serving %s at http://%s:%d/v1", config.model_name(), config.host, config.port)
         server.run()
     finally:

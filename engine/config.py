@@ -194,6 +194,8 @@ class EngineConfig(pydantic.BaseModel):
     `block_size`: tokens per KV block. `num_kv_blocks`: blocks in this worker's paged cache.
     `max_model_len`: longest sequence (prompt + output) in tokens; None means the model's
     `max_position_embeddings`. `torch_threads`: intra-op CPU threads (Ray sets OMP_NUM_THREADS=1).
+    `enable_prefix_caching`: reuse cached full blocks of a prompt's prefix (vLLM's flag; off for
+    A/B runs).
     """
 
     model_config = pydantic.ConfigDict(frozen=True, extra="forbid", protected_namespaces=())
@@ -205,6 +207,7 @@ class EngineConfig(pydantic.BaseModel):
     num_kv_blocks: int = pydantic.Field(1024, gt=0)
     device: str = "cpu"
     torch_threads: int = pydantic.Field(1, gt=0)
+    enable_prefix_caching: bool = True
 
     def torch_dtype(self) -> torch.dtype:
         """The torch dtype named by `dtype`."""

@@ -13,28 +13,82 @@ from dataclasses import dataclass, field
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """Per-request sampling parameters.
+    """Per-request sampling parameters, with vLLM's meanings and order of application:
+    penalties → min_tokens masking → temperature → min_p → top_k → top_p → draw.
 
-    temperature: 0 means greedy (argmax); otherwise logits are divided by it before softmax.
+    max_tokens: tokens to generate (>= 1), counting the first (prefill) token.
+    temperature: 0 means greedy (argmax after penalties); otherwise logits are divided by it.
+    top_p: nucleus mass in (0, 1]; top_k: keep the k most likely (0 or -1 = all);
+    min_p: drop tokens whose probability is below min_p × the top probability.
     seed: the random stream for output token t is derived from (seed, t) only, so a request's
-        text does not depend on batch composition (DESIGN.md "Sampling"). None draws a seed at
-        admission, so the request is still reproducible internally.
-    max_tokens: number of tokens to generate (>= 1), counting the first (prefill) token.
+        text does not depend on batch composition (DESIGN.md "Sampling"). None draws a seed.
     stop_token_ids: ids that end the request in addition to the model's EOS ids.
     ignore_eos: keep generating past EOS until max_tokens.
+    min_tokens: EOS and stop ids are masked until this many tokens were generated.
+    presence_penalty, frequency_penalty: OpenAI's, over the generated tokens, in [-2, 2].
+    repetition_penalty: CTRL's (Keskar et al. 2019) as vLLM applies it over prompt and output
+        tokens: a logit > 0 is divided by it, otherwise multiplied; 1 = off.
+    logprobs: None = none; k >= 0 = the sampled token's logprob plus the top k, computed from
+        the raw model logits (vLLM's default "raw_logprobs").
+    Raises ValueError on out-of-range values.
     """
 
     max_tokens: int = 16
     temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    min_tokens: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        checks = [
+            (self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens}"),
+            (self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}"),
+            (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
+            (self.top_k >= -1, f"top_k must be -1, 0 (off) or positive, got {self.top_k}"),
+            (0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}"),
+            (0 <= self.min_tokens <= self.max_tokens,
+             f"min_tokens must be in [0, max_tokens], got {self.min_tokens}"),
+            (-2 <= self.presence_penalty <= 2,
+             f"presence_penalty must be in [-2, 2], got {self.presence_penalty}"),
+            (-2 <= self.frequency_penalty <= 2,
+             f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"),
+            (self.repetition_penalty > 0,
+             f"repetition_penalty must be > 0, got {self.repetition_penalty}"),
+            (self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
+             f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+
+    @property
+    def needs_history(self) -> bool:
+        """Whether sampling looks at the prompt/output tokens (penalties)."""
+        return bool(self.presence_penalty or self.frequency_penalty
+                    or self.repetition_penalty != 1.0)
+
+
+MAX_LOGPROBS = 20
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """Logprob of a generated token under the raw model distribution, and the top entries.
+
+    top: (token_id, logprob) pairs, most likely first; len = the request's `logprobs`.
+    """
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
 
 
 class FinishReason(str, enum.Enum):
@@ -69,7 +123,9 @@ class PrefillResult:
     tail_handle: handle of the partial tail block on that store (None when the prompt length is a
         multiple of the block size); never keyed or indexed.
     num_tail_tokens: tokens in the tail block.
-    first_token: token sampled from the last prompt position (output token 0).
+    num_cached_tokens: prompt tokens whose KV came from the prefix cache, not computed.
+    first_token: token sampled from the last prompt position (output token 0);
+    first_logprob: its logprob entry when the request asked for logprobs.
     prefill_worker_id / prefill_pid: which actor and process computed it (for tests and tracing).
     """
 
@@ -79,9 +135,10 @@ class PrefillResult:
     block_keys: tuple[bytes, ...]
     tail_handle: str | None
     num_tail_tokens: int
-    num_computed_tokens: int
+    num_cached_tokens: int
     prefill_worker_id: str
     prefill_pid: int
+    first_logprob: TokenLogprob | None = None
 
 
 @dataclass(frozen=True)
@@ -110,4 +167,5 @@ class TokenDelta:
     decode_worker_id: str = ""
     decode_pid: int = 0
     error: str | None = None
+    logprobs: tuple[TokenLogprob, ...] | None = None
     extra: dict = field(default_factory=dict)

@@ -1,18 +1,22 @@
-"""Token sampling: greedy and temperature, reproducible per request.
+"""Token sampling, reproducible per request.
 
 The random draw for output token t of a request comes from a generator seeded with
 step_seed(seed, t), never from a shared generator, so the same seed gives the same tokens
 whatever the batch composition, after a recompute, or on another worker (DESIGN.md "Sampling").
+The logits processing follows vLLM's sampler: penalties, min_tokens masking, temperature,
+min_p, top_k, top_p, then the draw; logprobs come from the raw logits.
 """
 
 from __future__ import annotations
 
 import secrets
-from typing import Sequence
+from collections import Counter
+from dataclasses import dataclass
+from typing import AbstractSet, Sequence
 
 import torch
 
-from engine.protocol import SamplingParams
+from engine.protocol import SamplingParams, TokenLogprob
 
 _MASK64 = (1 << 64) - 1
 
@@ -35,25 +39,100 @@ def step_seed(seed: int, step: int) -> int:
     return (z ^ (z >> 31)) >> 1
 
 
-def sample(logits: torch.Tensor, params: Sequence[SamplingParams], seeds: Sequence[int],
-           steps: Sequence[int]) -> list[int]:
+@dataclass(frozen=True)
+class SampleInput:
+    """One row of a sampling batch.
+
+    seed: the request's effective seed; prompt_ids / output_ids: the request's tokens so far
+    (output_ids excludes the token being sampled, so len(output_ids) is its step index).
+    """
+
+    params: SamplingParams
+    seed: int
+    prompt_ids: Sequence[int]
+    output_ids: Sequence[int]
+
+
+def sample(logits: torch.Tensor, rows: Sequence[SampleInput],
+           eos_token_ids: AbstractSet[int] = frozenset()) -> list[tuple[int, TokenLogprob | None]]:
     """Pick one token per row.
 
-    logits: [num_seqs, vocab] float32 (any float dtype is upcast).
-    params, seeds, steps: per row — the request's sampling params, its effective seed and the
-        index of the output token being sampled (0 for the first token, from prefill).
-    Returns a list of num_seqs token ids. Rows with temperature 0 take the argmax (ties go to
-    the lowest id, as torch.argmax and HF greedy do).
+    logits: [num_rows, vocab], any float dtype (processed in float32).
+    eos_token_ids: the model's EOS ids, masked (with the request's stop ids) while fewer than
+        min_tokens tokens were generated, unless ignore_eos.
+    Returns (token_id, logprob entry or None) per row. Greedy rows take the argmax; ties go to
+    the lowest id, as torch.argmax and HF greedy do.
     """
-    if logits.dim() != 2 or logits.shape[0] != len(params):
-        raise ValueError(f"logits {tuple(logits.shape)} do not match {len(params)} requests")
+    if logits.dim() != 2 or logits.shape[0] != len(rows):
+        raise ValueError(f"logits {tuple(logits.shape)} do not match {len(rows)} rows")
     logits = logits.float()
-    out = torch.argmax(logits, dim=-1).tolist()
-    for i, p in enumerate(params):
-        if p.temperature == 0:
-            continue
-        probs = torch.softmax(logits[i] / p.temperature, dim=-1)
+    if all(_is_plain_greedy(r) for r in rows):
+        return [(t, None) for t in torch.argmax(logits, dim=-1).tolist()]
+    return [_sample_row(logits[i], row, eos_token_ids) for i, row in enumerate(rows)]
+
+
+def _is_plain_greedy(row: SampleInput) -> bool:
+    p = row.params
+    return (p.temperature == 0 and p.logprobs is None and not p.needs_history
+            and len(row.output_ids) >= p.min_tokens)
+
+
+def _sample_row(raw: torch.Tensor, row: SampleInput,
+                eos_token_ids: AbstractSet[int]) -> tuple[int, TokenLogprob | None]:
+    p = row.params
+    logits = apply_penalties(raw.clone(), p, row.prompt_ids, row.output_ids)
+    if len(row.output_ids) < p.min_tokens:
+        banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
+        if banned:
+            logits[list(banned)] = float("-inf")
+    if p.temperature == 0:
+        token = int(torch.argmax(logits).item())
+    else:
+        probs = filter_probs(torch.softmax(logits / p.temperature, dim=-1), p)
         gen = torch.Generator(device=logits.device)
-        gen.manual_seed(step_seed(seeds[i], steps[i]))
-        out[i] = int(torch.multinomial(probs, 1, generator=gen).item())
-    return out
+        gen.manual_seed(step_seed(row.seed, len(row.output_ids)))
+        token = int(torch.multinomial(probs, 1, generator=gen).item())
+    return token, (None if p.logprobs is None else token_logprob(raw, token, p.logprobs))
+
+
+def apply_penalties(logits: torch.Tensor, p: SamplingParams, prompt_ids: Sequence[int],
+                    output_ids: Sequence[int]) -> torch.Tensor:
+    """In place on a [vocab] row; returns it. vLLM's apply_penalties semantics."""
+    if p.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(prompt_ids) | set(output_ids)), dtype=torch.int64)
+        if seen.numel():
+            vals = logits[seen]
+            logits[seen] = torch.where(vals > 0, vals / p.repetition_penalty,
+                                       vals * p.repetition_penalty)
+    if (p.frequency_penalty or p.presence_penalty) and output_ids:
+        counts = Counter(output_ids)
+        ids = torch.tensor(list(counts), dtype=torch.int64)
+        freq = torch.tensor(list(counts.values()), dtype=logits.dtype)
+        logits[ids] -= p.frequency_penalty * freq + p.presence_penalty
+    return logits
+
+
+def filter_probs(probs: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """min_p, then top_k, then top_p on a [vocab] probability row; renormalized."""
+    if p.min_p > 0:
+        probs = torch.where(probs < p.min_p * probs.max(), torch.zeros_like(probs), probs)
+    if p.top_k > 0 and p.top_k < probs.numel():
+        kth = torch.topk(probs, p.top_k).values[-1]
+        probs = torch.where(probs < kth, torch.zeros_like(probs), probs)
+    if p.top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, descending=True)
+        mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
+        drop = mass_before >= p.top_p * sorted_probs.sum()
+        sorted_probs[drop] = 0
+        probs = torch.zeros_like(probs).scatter(0, order, sorted_probs)
+    return probs / probs.sum()
+
+
+def token_logprob(raw_logits: torch.Tensor, token: int, top: int) -> TokenLogprob:
+    """The sampled token's logprob and the `top` most likely, from raw [vocab] logits."""
+    logprobs = torch.log_softmax(raw_logits.float(), dim=-1)
+    entries: tuple[tuple[int, float], ...] = ()
+    if top > 0:
+        values, ids = torch.topk(logprobs, top)
+        entries = tuple(zip(ids.tolist(), values.tolist()))
+    return TokenLogprob(token, float(logprobs[token]), entries)

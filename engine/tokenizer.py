@@ -68,6 +68,10 @@ class Tokenizer:
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
+    def token_text(self, token_id: int) -> str:
+        """One token decoded on its own (special tokens kept), as logprob entries show it."""
+        return self._tok.decode([token_id], skip_special_tokens=False)
+
 
 class IncrementalDetokenizer:
     """Turns a growing list of output ids into text deltas.

@@ -2,12 +2,16 @@
 
 Lifecycle of a request on a prefill worker:
 
-1. blocks for the prompt are allocated in this worker's paged cache;
-2. the whole prompt runs through the model in one chunk (chunked prefill and prefix reuse
-   arrive with the full-strength workers and the tiered pool), and output token 0 is sampled;
-3. the prompt's full blocks are published to this node's KV store under their chained sha256
-   keys; the partial tail block goes there under a per-request handle, never keyed or indexed;
-4. the worker's blocks are released — on success and on every error path.
+1. the prompt's full blocks get chained sha256 keys; the longest prefix of them cached in this
+   worker's block pool (G1) is reused as is — capped so at least one prompt token is computed,
+   since the first output token needs the last position's logits (vLLM does the same);
+2. blocks for the rest are allocated, the uncached suffix runs through the model in one chunk
+   (chunked prefill arrives with the full-strength workers), and output token 0 is sampled;
+3. the prompt's full blocks are published to this node's KV store under their keys, and the
+   newly computed ones are cached in G1; the partial tail block goes to the store under a
+   per-request handle, never keyed or indexed;
+4. the request's references on its blocks are dropped — on success and on every error path;
+   cached blocks stay in G1 until evicted (LRU).
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from collections import OrderedDict
 
 from engine.protocol import PrefillRequest, PrefillResult
 from engine.runner import ModelRunner, SequenceChunk
-from engine.sampler import draw_seed, sample
+from engine.sampler import SampleInput, draw_seed, sample
 from kvstore.block_pool import BlockPool
 from kvstore.client import KVStoreClient
 from kvstore.hashing import block_keys, make_namespace
@@ -49,13 +53,16 @@ class PrefillEngine:
         self.block_size = cfg.block_size
         self.max_model_len = cfg.resolved_max_model_len(runner.model_config)
         self.model_id = runner.model_config.name
-        self.pool = BlockPool(cfg.num_kv_blocks)
+        self.eos_token_ids = frozenset(runner.model_config.eos_token_ids)
+        self.pool = BlockPool(cfg.num_kv_blocks, enable_caching=cfg.enable_prefix_caching)
         self._lock = threading.Lock()
         # ids aborted before their prefill ran; bounded, as aborts may name finished requests
         self._aborted: OrderedDict[str, None] = OrderedDict()
         self._abort_lock = threading.Lock()
-        self.num_prefill_tokens_total = 0
+        self.num_prefill_tokens_total = 0  # tokens run through the model
         self.num_requests_total = 0
+        self.prefix_cache_queried_tokens_total = 0  # prompt tokens looked up (vLLM's "queries")
+        self.prefix_cache_hit_tokens_total = 0      # of those, served from the G1 prefix cache
 
     def abort(self, request_id: str) -> None:
         """Idempotent: a request not yet started is skipped when its turn comes."""
@@ -78,38 +85,54 @@ class PrefillEngine:
                 aborted = self._aborted.pop(request.request_id, False) is None
             if aborted:
                 raise RequestAborted(request.request_id)
-            num_blocks = math.ceil(len(prompt) / self.block_size)
-            if num_blocks > self.pool.num_free_blocks:
-                raise PrefillRejected(f"prompt needs {num_blocks} KV blocks, "
+            keys = block_keys(prompt, self.block_size,
+                              make_namespace(self.model_id, request.cache_salt))
+            hit = self.pool.longest_cached_prefix(keys[: (len(prompt) - 1) // self.block_size])
+            num_new = math.ceil(len(prompt) / self.block_size) - len(hit)
+            self.pool.touch(hit)  # hit blocks leave the free queue: count free blocks after
+            if num_new > self.pool.num_free_blocks:
+                self.pool.free(hit)
+                raise PrefillRejected(f"prompt needs {num_new} new KV blocks, "
                                       f"{self.pool.num_free_blocks} free")
-            blocks = self.pool.allocate(num_blocks)
+            blocks = hit + self.pool.allocate(num_new)
+            num_cached = len(hit) * self.block_size
             try:
-                logits = self.runner.execute([SequenceChunk(tuple(prompt), 0, blocks)])
-                first_token = sample(logits, [request.sampling], [seed], [0])[0]
-                keys, tail_handle, num_tail = self._publish(request, prompt, blocks)
+                logits = self.runner.execute(
+                    [SequenceChunk(tuple(prompt[num_cached:]), num_cached, blocks)])
+                [(first_token, first_logprob)] = sample(
+                    logits, [SampleInput(request.sampling, seed, prompt, ())], self.eos_token_ids)
+                tail_handle, num_tail = self._publish(request, prompt, keys, blocks)
+                self.pool.cache_full_blocks(blocks[len(hit): len(keys)], keys[len(hit):],
+                                            keys[len(hit) - 1] if hit else None)
             finally:
                 self.pool.free(blocks)
-            self.num_prefill_tokens_total += len(prompt)
+                self.pool.take_events()  # no index consumes them yet (tiered pool issue)
+            self.num_prefill_tokens_total += len(prompt) - num_cached
             self.num_requests_total += 1
+            self.prefix_cache_queried_tokens_total += len(prompt)
+            self.prefix_cache_hit_tokens_total += num_cached
         return PrefillResult(request.request_id, first_token, self.kv_address, tuple(keys),
-                             tail_handle, num_tail, len(prompt), self.worker_id, self.pid)
+                             tail_handle, num_tail, num_cached, self.worker_id, self.pid,
+                             first_logprob)
 
-    def _publish(self, request: PrefillRequest, prompt: list[int],
-                 blocks: list[int]) -> tuple[list[bytes], str | None, int]:
-        namespace = make_namespace(self.model_id, request.cache_salt)
-        keys = block_keys(prompt, self.block_size, namespace)
+    def _publish(self, request: PrefillRequest, prompt: list[int], keys: list[bytes],
+                 blocks: list[int]) -> tuple[str | None, int]:
+        """Full blocks to the KV store by key (the store keeps one copy of a key), the tail by
+        handle. Returns (tail handle or None, tokens in the tail)."""
         data = self.runner.kv_cache.read_blocks(blocks)
         if keys:
             self.kv_client.put_blocks(keys, data[: len(keys)])
         num_tail = len(prompt) - len(keys) * self.block_size
         if num_tail == 0:
-            return keys, None, 0
+            return None, 0
         handle = f"tail:{request.request_id}"
         self.kv_client.put_tail(handle, data[len(keys)], num_tail)
-        return keys, handle, num_tail
+        return handle, num_tail
 
     def stats(self) -> dict:
         return {"worker_id": self.worker_id, "pid": self.pid,
-                "num_free_blocks": self.pool.num_free_blocks,
+                **self.pool.stats(),
                 "num_prefill_tokens_total": self.num_prefill_tokens_total,
-                "num_requests_total": self.num_requests_total}
+                "num_requests_total": self.num_requests_total,
+                "prefix_cache_queried_tokens_total": self.prefix_cache_queried_tokens_total,
+                "prefix_cache_hit_tokens_total": {"device": self.prefix_cache_hit_tokens_total}}

@@ -60,7 +60,8 @@ class Pipeline:
             except (RayTaskError, RayActorError) as exc:
                 raise _worker_error(exc, prefill) from exc
             prefill_done = True
-            yield TokenDelta(request_id, (result.first_token,), None,
+            first_logprobs = None if result.first_logprob is None else (result.first_logprob,)
+            yield TokenDelta(request_id, (result.first_token,), None, logprobs=first_logprobs,
                              extra={"prefill_worker_id": result.prefill_worker_id,
                                     "prefill_pid": result.prefill_pid})
             stream = decode.handle.generate.options(num_returns="streaming").remote(

@@ -1,14 +1,22 @@
-"""OpenAI API request and response bodies (pydantic), per the OpenAI API reference for
-/v1/completions and vLLM's extensions (`ignore_eos`, `stop_token_ids`, `return_token_ids`,
-`cache_salt`)."""
+"""OpenAI API request bodies (pydantic), per the OpenAI API reference for /v1/completions and
+/v1/chat/completions, with vLLM's extensions (`top_k`, `min_p`, `min_tokens`,
+`repetition_penalty`, `ignore_eos`, `stop_token_ids`, `return_token_ids`) and `cache_salt`.
+
+Unknown fields are rejected (400): a typo'd sampling field silently ignored would change
+results without telling the user.
+"""
 
 from __future__ import annotations
 
-import time
 import uuid
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from engine.protocol import MAX_LOGPROBS, SamplingParams
+
+MAX_N = 16
+MAX_STOP_STRINGS = 16
 
 
 class ErrorDetail(BaseModel):
@@ -24,61 +32,95 @@ class ErrorResponse(BaseModel):
     error: ErrorDetail
 
 
-class CompletionRequest(BaseModel):
-    """Body of POST /v1/completions. Unknown fields are rejected (400), as a typo'd sampling
-    field silently ignored would change results without telling the user."""
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False
+
+
+class SamplingFields(BaseModel):
+    """Fields both endpoints share."""
 
     model_config = ConfigDict(extra="forbid")
 
     model: str
-    prompt: str | list[int] = Field(description="text, or a list of token ids")
-    max_tokens: int = Field(16, ge=1)
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    temperature: float = Field(1.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=-1)
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
     seed: int | None = Field(None, ge=0, lt=2**63)
-    stream: bool = False
-    stop_token_ids: list[int] = Field(default_factory=list)
+    n: int = Field(1, ge=1, le=MAX_N)
+    stop: str | Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)] | None = None
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] = Field(default_factory=list)
     ignore_eos: bool = False
-    return_token_ids: bool = False
+    min_tokens: int = Field(0, ge=0)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(1.0, gt=0.0)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
     user: str | None = None
-    cache_salt: str | None = None
+    cache_salt: str | None = Field(None, min_length=1, max_length=256)
+    return_token_ids: bool = False
+
+    def stop_strings(self) -> list[str]:
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        return [s for s in stops if s]
+
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def sampling_params(self, max_tokens: int, logprobs: int | None, seed: int | None) -> SamplingParams:
+        """Raises ValueError for combinations pydantic's per-field checks cannot see."""
+        return SamplingParams(
+            max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
+            top_k=self.top_k, min_p=self.min_p, seed=seed,
+            stop_token_ids=tuple(self.stop_token_ids), ignore_eos=self.ignore_eos,
+            min_tokens=self.min_tokens, presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty, logprobs=logprobs)
 
 
-class CompletionChoice(BaseModel):
-    index: int = 0
+TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+
+
+class CompletionRequest(SamplingFields):
+    """Body of POST /v1/completions. `prompt`: a string, a list of strings, a token-id list,
+    or a list of token-id lists; each prompt gets `n` choices (index = prompt × n + i)."""
+
+    prompt: str | Annotated[list[str], Field(min_length=1)] | TokenIds | \
+        Annotated[list[TokenIds], Field(min_length=1)]
+    max_tokens: int | None = Field(16, ge=1)
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text"]
     text: str
-    logprobs: None = None
-    finish_reason: str | None = None
-    token_ids: list[int] | None = None
 
 
-class Usage(BaseModel):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content or ""
 
 
-class CompletionResponse(BaseModel):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[CompletionChoice]
-    usage: Usage | None = None
-    prompt_token_ids: list[int] | None = None
+class ChatCompletionRequest(SamplingFields):
+    """Body of POST /v1/chat/completions. max_completion_tokens wins over the deprecated
+    max_tokens; with neither, the rest of the context is the limit (vLLM's behaviour)."""
+
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
 
-class ModelCard(BaseModel):
-    id: str
-    object: Literal["model"] = "model"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    owned_by: str = "pdcluster"
-    max_model_len: int
-
-
-class ModelList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[ModelCard]
-
-
-def new_request_id(prefix: str = "cmpl") -> str:
+def new_request_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"

@@ -1,32 +1,46 @@
-"""Sampling: greedy is argmax; seeded sampling depends only on (seed, step, logits)."""
+"""Sampling: greedy is argmax; seeded sampling depends only on (seed, step, logits);
+processors follow vLLM's definitions, checked against direct computations."""
 
+import math
+
+import pytest
 import torch
 
 from engine.protocol import SamplingParams
-from engine.sampler import sample, step_seed
+from engine.sampler import SampleInput, apply_penalties, filter_probs, sample, step_seed
+
+
+def rows(params, seeds, outputs=None, prompt=(1,)):
+    outputs = outputs or [()] * len(seeds)
+    return [SampleInput(params, s, prompt, o) for s, o in zip(seeds, outputs)]
+
+
+def tokens(result):
+    return [t for t, _ in result]
 
 
 def test_greedy_is_argmax_with_lowest_index_on_ties():
     logits = torch.tensor([[0.0, 3.0, 3.0, 1.0], [5.0, -1.0, 2.0, 5.0]])
-    greedy = SamplingParams(temperature=0.0)
-    assert sample(logits, [greedy, greedy], [1, 2], [0, 0]) == [1, 0]
+    assert tokens(sample(logits, rows(SamplingParams(temperature=0.0), [1, 2]))) == [1, 0]
 
 
 def test_seeded_token_does_not_depend_on_batch_composition():
     torch.manual_seed(0)
     logits = torch.randn(6, 512)
-    hot = SamplingParams(temperature=1.3)
-    alone = [sample(logits[i:i + 1], [hot], [42 + i], [7])[0] for i in range(6)]
-    batched = sample(logits, [hot] * 6, [42 + i for i in range(6)], [7] * 6)
-    reordered = sample(logits.flip(0), [hot] * 6, [42 + i for i in reversed(range(6))], [7] * 6)
+    hot = SamplingParams(temperature=1.3, top_p=0.9, top_k=50)
+    outs = [tuple(range(i)) for i in range(6)]  # different steps per row
+    alone = [tokens(sample(logits[i:i + 1], rows(hot, [42 + i], [outs[i]])))[0] for i in range(6)]
+    batched = tokens(sample(logits, rows(hot, [42 + i for i in range(6)], outs)))
+    reordered = tokens(sample(logits.flip(0), rows(hot, [42 + i for i in reversed(range(6))],
+                                                   outs[::-1])))
     assert alone == batched == list(reversed(reordered))
 
 
 def test_different_steps_and_seeds_give_different_streams():
     logits = torch.zeros(1, 512)  # uniform: every draw is the stream's own randomness
     hot = SamplingParams(temperature=1.0)
-    by_step = {sample(logits, [hot], [3], [t])[0] for t in range(50)}
-    by_seed = {sample(logits, [hot], [s], [0])[0] for s in range(50)}
+    by_step = {tokens(sample(logits, rows(hot, [3], [tuple(range(t))])))[0] for t in range(50)}
+    by_seed = {tokens(sample(logits, rows(hot, [s])))[0] for s in range(50)}
     assert len(by_step) > 30 and len(by_seed) > 30
     assert len({step_seed(1, t) for t in range(1000)}) == 1000
     assert all(0 <= step_seed(s, t) < 2**63 for s in (0, 2**63 - 1) for t in (0, 10**9))
@@ -37,6 +51,53 @@ def test_sampled_frequencies_follow_softmax_of_scaled_logits():
     params = SamplingParams(temperature=0.5)
     counts = torch.zeros(4)
     for seed in range(4000):
-        counts[sample(logits, [params], [seed], [0])[0]] += 1
+        counts[tokens(sample(logits, rows(params, [seed])))[0]] += 1
     expected = torch.softmax(logits[0] / 0.5, dim=-1) * 4000
     assert torch.all((counts - expected).abs() <= 4 * expected.sqrt() + 2)
+
+
+def test_top_k_top_p_min_p_keep_the_expected_sets():
+    probs = torch.tensor([0.4, 0.3, 0.15, 0.1, 0.05])
+    kept = lambda **kw: (filter_probs(probs.clone(), SamplingParams(**kw)) > 0).nonzero().flatten().tolist()  # noqa: E731
+    assert kept(top_k=2) == [0, 1]
+    assert kept(top_p=0.7) == [0, 1]        # 0.4 + 0.3 reaches 0.7
+    assert kept(top_p=0.71) == [0, 1, 2]
+    assert kept(min_p=0.5) == [0, 1]        # >= 0.5 * 0.4
+    out = filter_probs(probs.clone(), SamplingParams(top_k=3))
+    assert torch.allclose(out, torch.tensor([0.4, 0.3, 0.15, 0, 0]) / 0.85)
+
+
+def test_penalties_follow_vllm_definitions():
+    logits = torch.tensor([2.0, -1.0, 0.5, 3.0])
+    p = SamplingParams(repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25)
+    out = apply_penalties(logits.clone(), p, prompt_ids=[0], output_ids=[1, 1, 2])
+    # token 0: prompt only -> 2/2; token 1: twice in output -> -1*2 - 0.5*2 - 0.25;
+    # token 2: once -> 0.5/2 - 0.5 - 0.25; token 3 untouched
+    assert torch.allclose(out, torch.tensor([1.0, -3.25, -0.5, 3.0]))
+
+
+def test_min_tokens_masks_eos_and_stop_ids():
+    logits = torch.tensor([[0.0, 0.0, 9.0, 8.0, 1.0]])
+    p = SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=(3,))
+    assert tokens(sample(logits, rows(p, [0], [()]), eos_token_ids={2})) == [4]
+    assert tokens(sample(logits, rows(p, [0], [(4, 4)]), eos_token_ids={2})) == [2]
+
+
+def test_logprobs_are_raw_log_softmax():
+    logits = torch.tensor([[1.0, 2.0, 0.5]])
+    p = SamplingParams(temperature=0.0, logprobs=2, repetition_penalty=1.5)
+    [(token, lp)] = sample(logits, rows(p, [0]))
+    z = math.log(sum(math.exp(x) for x in (1.0, 2.0, 0.5)))
+    assert token == 1 and lp.token_id == 1
+    assert lp.logprob == pytest.approx(2.0 - z, abs=1e-6)
+    assert [t for t, _ in lp.top] == [1, 0]
+    assert lp.top[1][1] == pytest.approx(1.0 - z, abs=1e-6)
+
+
+@pytest.mark.parametrize("bad", [dict(max_tokens=0), dict(temperature=-1), dict(top_p=0),
+                                 dict(top_p=1.5), dict(top_k=-2), dict(min_p=2),
+                                 dict(presence_penalty=3), dict(repetition_penalty=0),
+                                 dict(logprobs=21), dict(min_tokens=5, max_tokens=4)])
+def test_invalid_params_raise(bad):
+    with pytest.raises(ValueError):
+        SamplingParams(**bad)

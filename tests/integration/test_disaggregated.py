@@ -12,7 +12,6 @@ import os
 import pytest
 import ray
 
-from deploy.config import ServeConfig
 from deploy.launcher import Cluster
 from engine.protocol import FinishReason, SamplingParams
 from kvstore.client import KVStoreClient
@@ -21,13 +20,6 @@ pytestmark = pytest.mark.slow
 
 LONG_PROMPT = ("Once upon a time, there was a little boy named Tim. Tim had a big red ball. "
                "He liked to play with it in the park every day with his friend Sue.")
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    config = ServeConfig(ray_num_cpus=4)
-    with Cluster(config) as c:
-        yield c
 
 
 def run(cluster: Cluster, request_id: str, prompt_ids: list[int], max_tokens: int,

@@ -16,9 +16,15 @@ from kvstore.hashing import block_keys, make_namespace  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
+# Own Ray namespace: these actors must not collide with a session cluster's KV stores.
+NS = "pdcluster-kvstore-test"
+
 
 @pytest.fixture(scope="module")
 def ray_cluster():
+    if ray.is_initialized():  # the session's cluster fixture already runs a local Ray
+        yield
+        return
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         yield
@@ -31,29 +37,29 @@ class FakeWorker:
     """Stands in for a prefill/decode worker: finds its node's store, moves KV over gRPC."""
 
     def node_and_address(self) -> tuple[str, str, int]:
-        return ray.get_runtime_context().get_node_id(), local_kvstore_address(), os.getpid()
+        return ray.get_runtime_context().get_node_id(), local_kvstore_address(NS), os.getpid()
 
     # NOTE: test inputs/outputs ride Ray's (pickling) control plane here; the KV bytes
     # themselves go worker -> KV store -> worker over gRPC only.
     def put(self, keys: list[bytes], blocks: torch.Tensor) -> None:
-        with KVStoreClient(local_kvstore_address()) as client:
+        with KVStoreClient(local_kvstore_address(NS)) as client:
             client.put_blocks(keys, blocks)
             client.put_tail("req-tail", blocks[0], num_tokens=3)
 
     def get(self, keys: list[bytes]) -> tuple[torch.Tensor, torch.Tensor, int]:
-        with KVStoreClient(local_kvstore_address()) as client:
+        with KVStoreClient(local_kvstore_address(NS)) as client:
             tail, num_tokens = client.take_tail("req-tail")
             return client.get_blocks(keys), tail, num_tokens
 
 
 def test_one_pinned_actor_per_node_reachable_from_workers(ray_cluster):
-    actors = start_kvstore_actors(KVStoreConfig())
+    actors = start_kvstore_actors(KVStoreConfig(), NS)
     alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
     assert set(actors) == alive
     for node_id, actor in actors.items():
         assert ray.get(actor.node_id.remote()) == node_id
-        assert ray.get_actor(KVSTORE_ACTOR_PREFIX + node_id) is not None
-    assert start_kvstore_actors(KVStoreConfig()).keys() == actors.keys()  # idempotent
+        assert ray.get_actor(KVSTORE_ACTOR_PREFIX + node_id, namespace=NS) is not None
+    assert start_kvstore_actors(KVStoreConfig(), NS).keys() == actors.keys()  # idempotent
 
     producer, consumer = FakeWorker.remote(), FakeWorker.remote()
     node_id, address, producer_pid = ray.get(producer.node_and_address.remote())

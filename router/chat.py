@@ -1,0 +1,74 @@
+"""POST /v1/chat/completions (OpenAI chat completions)."""
+
+from __future__ import annotations
+
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from engine.protocol import TokenLogprob
+from engine.tokenizer import Tokenizer
+from router.api_common import (APIError, ServingContext, build_specs, collect, envelope, sse,
+                               start_stream, usage)
+from router.chat_template import ChatTemplate, ChatTemplateError
+from router.schemas import ChatCompletionRequest, new_request_id
+from router.serving import ChoiceDelta
+
+
+async def create_chat_completion(body: ChatCompletionRequest, ctx: ServingContext,
+                                 template: ChatTemplate):
+    ctx.check_model(body.model)
+    if body.top_logprobs is not None and not body.logprobs:
+        raise APIError(400, "top_logprobs requires logprobs to be true", "top_logprobs")
+    try:
+        text = template.render([{"role": m.role, "content": m.text()} for m in body.messages])
+    except ChatTemplateError as exc:
+        raise APIError(400, str(exc), "messages") from exc
+    prompt = ctx.tokenizer.encode(text, add_special_tokens=False)
+    requested = body.max_completion_tokens or body.max_tokens
+    param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
+    max_tokens = ctx.max_tokens_for(prompt, requested, param)
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    specs = build_specs(body, [prompt], [max_tokens], logprobs)
+    request_id = new_request_id("chatcmpl")
+    first, rest = await start_stream(ctx, request_id, specs, body.cache_salt)
+    if body.stream:
+        head = envelope(request_id, "chat.completion.chunk", body.model)
+        started: set[int] = set()
+
+        def chunk(delta: ChoiceDelta) -> dict:
+            message = {"content": delta.text}
+            if delta.index not in started:  # the first chunk of a choice carries the role
+                started.add(delta.index)
+                message = {"role": "assistant", **message}
+            return {**head, "choices": [_choice(delta, body, ctx.tokenizer, "delta", message)]}
+
+        usage_chunk = (lambda n: {**head, "choices": [], "usage": usage(len(prompt), n)}) \
+            if body.include_usage() else None
+        return StreamingResponse(sse(first, rest, chunk, usage_chunk),
+                                 media_type="text/event-stream")
+    choices = await collect(first, rest, len(specs))
+    response = {**envelope(request_id, "chat.completion", body.model),
+                "choices": [_choice(c, body, ctx.tokenizer, "message",
+                                    {"role": "assistant", "content": c.text}) for c in choices],
+                "usage": usage(len(prompt), sum(len(c.token_ids) for c in choices))}
+    if body.return_token_ids:
+        response["prompt_token_ids"] = prompt
+    return JSONResponse(response)
+
+
+def _choice(delta: ChoiceDelta, body: ChatCompletionRequest, tokenizer: Tokenizer, key: str,
+            message: dict) -> dict:
+    choice = {"index": delta.index, key: message,
+              "logprobs": {"content": [_entry(e, tokenizer) for e in delta.logprobs]}
+              if body.logprobs else None,
+              "finish_reason": delta.finish_reason}
+    if body.return_token_ids:
+        choice["token_ids"] = delta.token_ids
+    return choice
+
+
+def _entry(e: TokenLogprob, tokenizer: Tokenizer) -> dict:
+    def token(token_id: int, logprob: float) -> dict:
+        text = tokenizer.token_text(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    return {**token(e.token_id, e.logprob), "top_logprobs": [token(t, lp) for t, lp in e.top]}

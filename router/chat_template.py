@@ -1,0 +1,78 @@
+"""Chat templates: the model's own (Hugging Face `chat_template`), or a documented plain one.
+
+Lookup order (as transformers does): `chat_template.jinja` in the model directory, then
+`tokenizer_config.json`'s `chat_template` (a string, or a list of {name, template} where the
+one named "default" is used). Rendered in jinja2's sandbox, with `messages`, `bos_token`,
+`eos_token` and `add_generation_prompt=True`; the result is tokenized without adding special
+tokens again (transformers' apply_chat_template(tokenize=True) does the same).
+
+PLAIN_CHAT_TEMPLATE, for models without one (the bundled stories260K), renders
+
+    <s>{system content}\\n\\n        (each system/developer message, if any)
+    User: {content}\\n               (each user message; other roles likewise, capitalized)
+    Assistant: {content}\\n
+    Assistant:                     (the generation prompt)
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from jinja2 import TemplateError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+PLAIN_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for m in messages %}"
+    "{% if m.role in ['system', 'developer'] %}{{ m.content }}\n\n"
+    "{% else %}{{ m.role | capitalize }}: {{ m.content }}\n{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}Assistant:{% endif %}"
+)
+
+
+class ChatTemplateError(ValueError):
+    """The template failed to render these messages (e.g. it raised on a role order)."""
+
+
+class ChatTemplate:
+    def __init__(self, source: str, bos_token: str, eos_token: str) -> None:
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = _raise
+        self.source = source
+        self._template = env.from_string(source)
+        self._bos, self._eos = bos_token, eos_token
+
+    @classmethod
+    def from_model_dir(cls, path: str | Path) -> "ChatTemplate":
+        path = Path(path)
+        config_file = path / "tokenizer_config.json"
+        config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+        source = None
+        if (path / "chat_template.jinja").is_file():
+            source = (path / "chat_template.jinja").read_text()
+        elif isinstance(config.get("chat_template"), str):
+            source = config["chat_template"]
+        elif isinstance(config.get("chat_template"), list):
+            named = {t.get("name"): t.get("template") for t in config["chat_template"]}
+            source = named.get("default")
+        return cls(source or PLAIN_CHAT_TEMPLATE, _token(config, "bos_token"),
+                   _token(config, "eos_token"))
+
+    def render(self, messages: list[dict]) -> str:
+        """messages: [{"role", "content"}] with text content. Raises ChatTemplateError."""
+        try:
+            return self._template.render(messages=messages, bos_token=self._bos,
+                                         eos_token=self._eos, add_generation_prompt=True)
+        except TemplateError as exc:
+            raise ChatTemplateError(f"chat template failed: {exc}") from exc
+
+
+def _token(config: dict, name: str) -> str:
+    value = config.get(name) or ""
+    return value.get("content", "") if isinstance(value, dict) else value
+
+
+def _raise(message: str) -> None:
+    raise TemplateError(message)

@@ -1,0 +1,108 @@
+"""Turns one API request into choice streams: n choices per prompt, each a pipeline run, with
+incremental detokenization and stop strings applied, merged into one stream of ChoiceDelta.
+
+Every exit path — a stop string, the client going away, an error in a sibling choice — closes
+the choice's pipeline generator, which aborts the request on its worker (no held blocks).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Sequence
+
+from engine.protocol import FinishReason, SamplingParams, TokenLogprob
+from engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from router.pipeline import GenerationError, Pipeline
+from router.stop import StopStringMatcher
+
+
+@dataclass(frozen=True)
+class ChoiceSpec:
+    """One choice to generate: `index` is its position in the response's choices."""
+
+    index: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    stops: Sequence[str] = ()
+
+
+@dataclass
+class ChoiceDelta:
+    """New output of one choice. finish_reason: None, "stop" or "length" (OpenAI's values)."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+_DONE = object()
+
+
+class GenerationService:
+    def __init__(self, pipeline: Pipeline, tokenizer: Tokenizer) -> None:
+        self.pipeline = pipeline
+        self.tokenizer = tokenizer
+
+    async def stream(self, request_id: str, specs: Sequence[ChoiceSpec],
+                     cache_salt: str | None = None) -> AsyncIterator[ChoiceDelta]:
+        """Merged deltas of all choices. Raises GenerationError (from any choice)."""
+        if len(specs) == 1:
+            async for delta in self._choice(request_id, specs[0], cache_salt):
+                yield delta
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(spec: ChoiceSpec) -> None:
+            try:
+                async for delta in self._choice(request_id, spec, cache_salt):
+                    await queue.put(delta)
+            except GenerationError as exc:
+                await queue.put(exc)
+            finally:
+                await queue.put(_DONE)
+
+        tasks = [asyncio.create_task(pump(spec)) for spec in specs]
+        try:
+            remaining = len(tasks)
+            while remaining:
+                item = await queue.get()
+                if item is _DONE:
+                    remaining -= 1
+                elif isinstance(item, GenerationError):
+                    raise item
+                else:
+                    yield item
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _choice(self, request_id: str, spec: ChoiceSpec,
+                      cache_salt: str | None) -> AsyncIterator[ChoiceDelta]:
+        detok = IncrementalDetokenizer(self.tokenizer, spec.prompt_ids)
+        stops = StopStringMatcher(spec.stops)
+        deltas = self.pipeline.generate(f"{request_id}-{spec.index}", spec.prompt_ids,
+                                        spec.params, cache_salt)
+        try:
+            async for delta in deltas:
+                if delta.finish_reason is FinishReason.ERROR:
+                    raise GenerationError(delta.error or "generation failed")
+                final = delta.finish_reason is not None
+                detok.add(delta.token_ids, final=final)
+                text = stops.update(detok.text, final)
+                reason = "stop" if stops.stopped else _finish_text(delta.finish_reason)
+                yield ChoiceDelta(spec.index, text, list(delta.token_ids),
+                                  list(delta.logprobs or ()), reason)
+                if reason is not None:
+                    return
+        finally:
+            await deltas.aclose()
+
+
+def _finish_text(reason: FinishReason | None) -> str | None:
+    if reason is None:
+        return None
+    return "length" if reason is FinishReason.LENGTH else "stop"

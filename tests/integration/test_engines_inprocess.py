@@ -1,0 +1,112 @@
+"""Prefill engine → gRPC KV store → decode engine in one process (no Ray): stop conditions,
+prefix reuse and block accounting, against transformers' generate as the reference."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import threading
+
+import pytest
+
+from decode_worker.engine import DecodeEngine
+from engine.config import BUNDLED_MODEL, EngineConfig
+from engine.protocol import DecodeRequest, FinishReason, PrefillRequest, SamplingParams
+from engine.runner import ModelRunner
+from kvstore.client import KVStoreClient
+from kvstore.config import KVStoreConfig
+from kvstore.server import KVStoreServer
+from prefill_worker.engine import PrefillEngine
+
+
+@pytest.fixture(scope="module")
+def eos_model_dir(tmp_path_factory):
+    """The bundled model, with BOS (1) also declared an EOS id: llama2.c ends each story with
+    BOS, so this copy really stops; the weights are untouched."""
+    path = tmp_path_factory.mktemp("model") / "stories260K-eos"
+    shutil.copytree(BUNDLED_MODEL, path)
+    gen = json.loads((path / "generation_config.json").read_text())
+    (path / "generation_config.json").write_text(json.dumps({**gen, "eos_token_id": [1, 2]}))
+    return path
+
+
+@pytest.fixture(scope="module")
+def engines(eos_model_dir):
+    server = KVStoreServer(KVStoreConfig())
+    server.start()
+    config = EngineConfig(model=str(eos_model_dir), num_kv_blocks=128)
+    client = KVStoreClient(server.address)
+    prefill = PrefillEngine(ModelRunner(config), client, server.address, "prefill-0", 0)
+    decode = DecodeEngine(ModelRunner(config), "decode-0", 0, transfer_timeout_s=5)
+    yield prefill, decode
+    decode.shutdown()
+    client.close()
+    server.stop()
+
+
+def generate(engines, request_id: str, prompt: list[int], params: SamplingParams):
+    prefill, decode = engines
+    result = prefill.prefill(PrefillRequest(request_id, tuple(prompt), params))
+    deltas, done = [], threading.Event()
+
+    def emit(delta):
+        deltas.append(delta)
+        if delta.finish_reason is not None:
+            done.set()
+
+    decode.add_request(DecodeRequest(request_id, tuple(prompt), params, result), emit)
+    assert done.wait(60)
+    return result, [result.first_token] + [t for d in deltas for t in d.token_ids], deltas[-1]
+
+
+def test_eos_stops_and_ignore_eos_continues(engines, hf):
+    prompt = hf.encode("Once upon a time")
+    want = hf.greedy(prompt, 400, eos_token_id=[1, 2])
+    assert want[-1] == 1, "reference did not stop at the story delimiter"
+    _, got, last = generate(engines, "eos", prompt, SamplingParams(max_tokens=400,
+                                                                   temperature=0))
+    assert got == want and last.finish_reason is FinishReason.STOP
+    _, got, last = generate(engines, "ignore-eos", prompt,
+                            SamplingParams(max_tokens=len(want) + 10, temperature=0,
+                                           ignore_eos=True))
+    assert got[:len(want)] == want and len(got) == len(want) + 10
+    assert last.finish_reason is FinishReason.LENGTH
+    # min_tokens past the EOS position: the EOS ids are masked until then
+    _, got, _ = generate(engines, "min-tokens", prompt,
+                         SamplingParams(max_tokens=len(want) + 3, temperature=0,
+                                        min_tokens=len(want) + 1))
+    assert got[:len(want) - 1] == want[:-1] and got[len(want) - 1] not in (1, 2)
+
+
+def test_prefix_reuse_skips_cached_blocks_and_output_is_unchanged(engines, hf):
+    prefill, decode = engines
+    story = hf.encode("Once upon a time, there was a little girl named Lily. She loved to play "
+                      "outside in the park with her friends every day.")
+    assert len(story) > 33
+    want = hf.greedy(story, 16, eos_token_id=[1, 2])
+    params = SamplingParams(max_tokens=16, temperature=0)
+    first, got, _ = generate(engines, "cold", story, params)
+    assert got == want and first.num_cached_tokens == 0
+    again, got, _ = generate(engines, "warm", story, params)
+    full_blocks = (len(story) - 1) // 16
+    assert again.num_cached_tokens == full_blocks * 16 and got == want
+    longer = story + hf.encode(" One day", add_special_tokens=False)
+    branch, got, _ = generate(engines, "branch", longer, params)
+    assert branch.num_cached_tokens == (len(story) // 16) * 16
+    assert got == hf.greedy(longer, 16, eos_token_id=[1, 2])
+    stats = prefill.stats()
+    assert stats["num_used_blocks"] == 0 and stats["num_cached_blocks"] > 0
+    assert decode.stats()["num_free_blocks"] == decode.stats()["num_blocks"]
+
+
+def test_cache_salt_isolates_tenants(engines, hf):
+    prefill, _ = engines
+    prompt = hf.encode("Ben had a red car. He drove it to the shop to buy milk and bread.")
+    params = SamplingParams(max_tokens=2, temperature=0)
+    a = prefill.prefill(PrefillRequest("salt-a1", tuple(prompt), params, cache_salt="tenant-a"))
+    b = prefill.prefill(PrefillRequest("salt-b", tuple(prompt), params, cache_salt="tenant-b"))
+    a2 = prefill.prefill(PrefillRequest("salt-a2", tuple(prompt), params, cache_salt="tenant-a"))
+    assert a.num_cached_tokens == 0 and b.num_cached_tokens == 0 and a2.num_cached_tokens > 0
+    assert set(a.block_keys).isdisjoint(b.block_keys)
+    for r in (a, b, a2):
+        prefill.kv_client.release_tail(r.tail_handle)
