@@ -1,7 +1,7 @@
 """The FastAPI gateway: the OpenAI HTTP API in front of the Conductor and the workers.
 
 Endpoints: POST /v1/completions and /v1/chat/completions (SSE streaming and not),
-GET /v1/models, GET /health. Errors use OpenAI's error body: 400 for bad input (never FastAPI's
+GET /v1/models, GET /health, GET /metrics (Prometheus, the whole cluster). Errors use OpenAI's error body: 400 for bad input (never FastAPI's
 422), 404 for an unknown model, 413 for a body over the limit, 503 when the cluster cannot serve.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -18,11 +18,14 @@ from router.api_common import APIError, ServingContext
 from router.chat import create_chat_completion
 from router.chat_template import ChatTemplate
 from router.completions import create_completion
+from router.metrics import ClusterStatsCollector, GatewayMetrics, exposition
 from router.pipeline import Pipeline
 from router.schemas import ChatCompletionRequest, CompletionRequest
 from router.serving import GenerationService
 
 DEFAULT_MAX_BODY_BYTES = 4 << 20
+_REJECT_REASONS = {400: "invalid_request", 404: "unknown_model", 413: "body_too_large",
+                   503: "unavailable"}
 
 
 def build_app(pipeline: Pipeline, tokenizer: Tokenizer, served_model_name: str,
@@ -30,13 +33,16 @@ def build_app(pipeline: Pipeline, tokenizer: Tokenizer, served_model_name: str,
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
     """The gateway app. max_model_len bounds prompt + max_tokens; max_body_bytes bounds a
     request body (larger ones get 413 before they are read whole)."""
-    ctx = ServingContext(GenerationService(pipeline, tokenizer), tokenizer, served_model_name,
-                         max_model_len)
+    metrics = GatewayMetrics()
+    cluster_stats = ClusterStatsCollector(pipeline.conductor.registry)
+    ctx = ServingContext(GenerationService(pipeline, tokenizer, metrics), tokenizer,
+                         served_model_name, max_model_len)
     app = FastAPI(title="pdcluster", docs_url=None, redoc_url=None)
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+        metrics.rejected.labels(reason=_REJECT_REASONS.get(exc.status, str(exc.status))).inc()
         return JSONResponse(exc.body(), status_code=exc.status)
 
     @app.exception_handler(RequestValidationError)
@@ -50,6 +56,7 @@ def build_app(pipeline: Pipeline, tokenizer: Tokenizer, served_model_name: str,
             param = None
         else:
             message = f"{param or 'body'}: {first.get('msg', 'invalid request')}"
+        metrics.rejected.labels(reason="invalid_request").inc()
         return JSONResponse(APIError(400, message.strip(), param).body(), status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
@@ -60,6 +67,11 @@ def build_app(pipeline: Pipeline, tokenizer: Tokenizer, served_model_name: str,
     @app.get("/health")
     async def health() -> dict:
         return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        body = exposition(metrics, await cluster_stats.scrape())
+        return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/v1/models")
     async def models() -> dict:

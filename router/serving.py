@@ -8,11 +8,13 @@ the choice's pipeline generator, which aborts the request on its worker (no held
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Sequence
 
 from engine.protocol import FinishReason, SamplingParams, TokenLogprob
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from router.metrics import GatewayMetrics
 from router.pipeline import GenerationError, Pipeline
 from router.stop import StopStringMatcher
 
@@ -42,9 +44,11 @@ _DONE = object()
 
 
 class GenerationService:
-    def __init__(self, pipeline: Pipeline, tokenizer: Tokenizer) -> None:
+    def __init__(self, pipeline: Pipeline, tokenizer: Tokenizer,
+                 metrics: GatewayMetrics | None = None) -> None:
         self.pipeline = pipeline
         self.tokenizer = tokenizer
+        self.metrics = metrics or GatewayMetrics()
 
     async def stream(self, request_id: str, specs: Sequence[ChoiceSpec],
                      cache_salt: str | None = None) -> AsyncIterator[ChoiceDelta]:
@@ -86,8 +90,15 @@ class GenerationService:
         stops = StopStringMatcher(spec.stops)
         deltas = self.pipeline.generate(f"{request_id}-{spec.index}", spec.prompt_ids,
                                         spec.params, cache_salt)
+        self.metrics.prompt_tokens.inc(len(spec.prompt_ids))
+        start = time.perf_counter()
+        first_token_at: float | None = None
+        num_tokens = 0
         try:
             async for delta in deltas:
+                if first_token_at is None:
+                    first_token_at = time.perf_counter()
+                num_tokens += len(delta.token_ids)
                 if delta.finish_reason is FinishReason.ERROR:
                     raise GenerationError(delta.error or "generation failed")
                 final = delta.finish_reason is not None
@@ -97,6 +108,8 @@ class GenerationService:
                 yield ChoiceDelta(spec.index, text, list(delta.token_ids),
                                   list(delta.logprobs or ()), reason)
                 if reason is not None:
+                    self.metrics.observe_request(first_token_at - start,
+                                                 time.perf_counter() - start, num_tokens)
                     return
         finally:
             await deltas.aclose()

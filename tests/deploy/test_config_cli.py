@@ -27,3 +27,10 @@ def test_defaults_bind_loopback_and_bad_values_are_rejected(tmp_path):
     bad.write_text("engine:\n  blocksize: 8\n")
     with pytest.raises(ValidationError):
         load_config(bad, {})
+
+
+def test_prefix_caching_switch():
+    on = load_config(None, _overrides(_parser().parse_args(["serve"])))
+    off = load_config(None, _overrides(_parser().parse_args(["serve",
+                                                             "--no-enable-prefix-caching"])))
+    assert on.engine.enable_prefix_caching and not off.engine.enable_prefix_caching

@@ -111,3 +111,31 @@ def test_openai_client_sees_bad_request_and_server_keeps_serving(api_base, http,
     prompt = hf.encode("Once upon a time")
     assert out.choices[0].text == hf.decode_output(prompt, hf.greedy(prompt, 5))
     assert http.get("/models").json()["data"][0]["id"] == MODEL
+
+
+def test_metrics_cover_requests_rejections_and_prefix_cache(http, api_base):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def scrape() -> dict:
+        text = httpx.get(api_base.removesuffix("/v1") + "/metrics").text
+        return {(s.name, tuple(sorted(s.labels.items()))): s.value
+                for f in text_string_to_metric_families(text) for s in f.samples}
+
+    before = scrape()
+    prompt = list(range(3, 3 + 40))  # 2 full blocks + a tail
+    for _ in range(2):
+        assert http.post("/completions", json={**COMPLETION, "prompt": prompt}).status_code == 200
+    http.post("/completions", json={**COMPLETION, "max_tokens": 0})
+    after = scrape()
+
+    def delta(name, **labels):
+        key = (name, tuple(sorted(labels.items())))
+        return after.get(key, 0) - before.get(key, 0)
+
+    assert delta("pdcluster_prompt_tokens_total") == 80
+    assert delta("pdcluster_generation_tokens_total") == 8
+    assert delta("pdcluster_time_to_first_token_seconds_count") == 2
+    assert delta("pdcluster_prefix_cache_queried_tokens_total") == 80
+    assert delta("pdcluster_prefix_cache_hit_tokens_total", tier="device") == 32
+    assert delta("pdcluster_requests_rejected_total", reason="invalid_request") == 1
+    assert delta("pdcluster_kv_transfer_bytes_total", backend="grpc") > 0

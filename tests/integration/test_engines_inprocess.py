@@ -110,3 +110,18 @@ def test_cache_salt_isolates_tenants(engines, hf):
     assert set(a.block_keys).isdisjoint(b.block_keys)
     for r in (a, b, a2):
         prefill.kv_client.release_tail(r.tail_handle)
+
+
+def test_prefix_caching_switch_off_recomputes(engines, eos_model_dir, hf):
+    prefill, _ = engines
+    config = EngineConfig(model=str(eos_model_dir), num_kv_blocks=64,
+                          enable_prefix_caching=False)
+    off = PrefillEngine(ModelRunner(config), prefill.kv_client, prefill.kv_address, "off", 0)
+    prompt = hf.encode("Once upon a time, there was a girl who liked to read books about cats.")
+    params = SamplingParams(max_tokens=2, temperature=0)
+    results = [off.prefill(PrefillRequest(f"off-{i}", tuple(prompt), params)) for i in range(2)]
+    assert [r.num_cached_tokens for r in results] == [0, 0]
+    assert off.stats()["num_prefill_tokens_total"] == 2 * len(prompt)
+    assert results[0].first_token == results[1].first_token == hf.greedy(prompt, 1)[0]
+    for r in results:
+        off.kv_client.release_tail(r.tail_handle)

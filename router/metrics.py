@@ -1,0 +1,119 @@
+"""Prometheus metrics of the gateway (DESIGN.md names, `pdcluster_` prefix).
+
+Latency histograms and token counters are recorded here, per request. Worker-side numbers
+(prefix-cache queries and hits per tier, KV blocks, KV transfer bytes, queue lengths) are pulled
+from every worker's `stats()` at scrape time and summed, so /metrics covers the cluster.
+Exported with prometheus_client directly (`ray.util.metrics` would prefix `ray_`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from router.conductor import InstanceRegistry
+
+log = logging.getLogger(__name__)
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0,
+                    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+STATS_TIMEOUT_S = 2.0
+
+
+class GatewayMetrics:
+    """Per-request metrics recorded by the gateway, in their own registry."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.ttft = Histogram("pdcluster_time_to_first_token_seconds",
+                              "Time to first token, seconds", buckets=_LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram("pdcluster_time_per_output_token_seconds",
+                              "Mean time per output token after the first, seconds, per request",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("pdcluster_e2e_request_latency_seconds",
+                             "End-to-end request latency, seconds", buckets=_LATENCY_BUCKETS,
+                             registry=r)
+        self.prompt_tokens = Counter("pdcluster_prompt_tokens", "Prompt tokens received",
+                                     registry=r)
+        self.generation_tokens = Counter("pdcluster_generation_tokens", "Tokens generated",
+                                         registry=r)
+        self.rejected = Counter("pdcluster_requests_rejected", "Requests rejected, by reason",
+                                ["reason"], registry=r)
+
+    def observe_request(self, ttft_s: float, e2e_s: float, num_output_tokens: int) -> None:
+        self.ttft.observe(ttft_s)
+        self.e2e.observe(e2e_s)
+        if num_output_tokens > 1:
+            self.tpot.observe((e2e_s - ttft_s) / (num_output_tokens - 1))
+        self.generation_tokens.inc(num_output_tokens)
+
+
+class ClusterStatsCollector:
+    """Sums worker stats into Prometheus families. Use `await scrape()`, then expose."""
+
+    def __init__(self, instances: InstanceRegistry) -> None:
+        self.instances = instances
+
+    async def scrape(self) -> list[Metric]:
+        prefill, decode = self.instances.by_role("prefill"), self.instances.by_role("decode")
+        stats_p = await _gather_stats(prefill)
+        stats_d = await _gather_stats(decode)
+        queried = CounterMetricFamily("pdcluster_prefix_cache_queried_tokens",
+                                      "Prompt tokens looked up in the prefix cache")
+        queried.add_metric([], sum(s.get("prefix_cache_queried_tokens_total", 0) for s in stats_p))
+        hits = CounterMetricFamily("pdcluster_prefix_cache_hit_tokens",
+                                   "Prompt tokens served from the prefix cache, by tier",
+                                   labels=["tier"])
+        by_tier: dict[str, int] = {"device": 0}
+        for s in stats_p:
+            for tier, n in s.get("prefix_cache_hit_tokens_total", {}).items():
+                by_tier[tier] = by_tier.get(tier, 0) + n
+        for tier, n in sorted(by_tier.items()):
+            hits.add_metric([tier], n)
+        transfer = CounterMetricFamily("pdcluster_kv_transfer_bytes",
+                                       "KV bytes received by decode workers, by backend",
+                                       labels=["backend"])
+        transfer.add_metric(["grpc"], sum(s.get("kv_bytes_fetched_total", 0) for s in stats_d))
+        blocks = GaugeMetricFamily("pdcluster_kv_blocks", "KV blocks in worker caches",
+                                   labels=["tier", "state"])
+        for state, key in (("free", "num_free_blocks"), ("used", "num_used_blocks"),
+                           ("cached", "num_cached_blocks")):
+            blocks.add_metric(["device", state], sum(s.get(key, 0) for s in stats_p + stats_d))
+        running = GaugeMetricFamily("pdcluster_requests_running", "Requests running, by role",
+                                    labels=["role"])
+        running.add_metric(["decode"], sum(s.get("num_active", 0) for s in stats_d))
+        waiting = GaugeMetricFamily("pdcluster_requests_waiting", "Requests waiting, by role",
+                                    labels=["role"])
+        waiting.add_metric(["decode"], sum(s.get("num_waiting", 0) for s in stats_d))
+        return [queried, hits, transfer, blocks, running, waiting]
+
+
+async def _gather_stats(instances) -> list[dict]:
+    async def one(instance) -> dict:
+        try:
+            return await asyncio.wait_for(instance.handle.stats.remote(), STATS_TIMEOUT_S)
+        except Exception as exc:  # noqa: BLE001 — a dead or slow worker must not break /metrics
+            log.warning("no stats from %s: %s", instance.worker_id, exc)
+            return {}
+
+    return list(await asyncio.gather(*(one(i) for i in instances)))
+
+
+class _Families:
+    def __init__(self, families: Iterable[Metric]) -> None:
+        self._families = list(families)
+
+    def collect(self) -> Iterable[Metric]:
+        return self._families
+
+
+def exposition(gateway: GatewayMetrics, cluster_families: list[Metric]) -> bytes:
+    """The Prometheus text format of the gateway's metrics plus a cluster scrape."""
+    snapshot = CollectorRegistry()
+    snapshot.register(_Families(cluster_families))
+    return generate_latest(gateway.registry) + generate_latest(snapshot)
