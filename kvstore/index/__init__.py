@@ -1,0 +1,75 @@
+"""Global KV index: block key -> live (node, tier) locations, node liveness, load reports.
+
+``open_index(url)`` picks the backend by URL scheme:
+
+    memory://                      MemoryIndex, in this process (tests, single-process tools)
+    redis://host:port/db           RedisIndex on a real server (``rediss://``, ``unix://`` too)
+    ray://pdcluster-kv-index       ActorIndex: the embedded default, a named Ray actor
+
+Semantics (liveness, events, errors): ``kvstore.index.base``. Importing this package imports
+neither Ray nor redis-py; ``RedisIndex`` and ``ActorIndex`` load on first use.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+from urllib.parse import urlsplit
+
+from kvstore.index.base import (DEFAULT_LOAD_TTL_S, DEFAULT_NODE_LEASE_S, TIERS, KVIndex,
+                                KVIndexError, KVIndexUnavailableError, Location)
+from kvstore.index.memory import MemoryIndex
+
+DEFAULT_INDEX_URL = "ray://pdcluster-kv-index"
+
+
+def _open_memory(url: str, **kw: Any) -> KVIndex:
+    return MemoryIndex(**kw)
+
+
+def _open_redis(url: str, **kw: Any) -> KVIndex:
+    from kvstore.index.redis_index import RedisIndex
+    return RedisIndex(url, **kw)
+
+
+def _open_actor(url: str, **kw: Any) -> KVIndex:
+    from kvstore.index.actor import DEFAULT_INDEX_ACTOR_NAME, ActorIndex
+    return ActorIndex(urlsplit(url).netloc or DEFAULT_INDEX_ACTOR_NAME, **kw)
+
+
+_BACKENDS: dict[str, Callable[..., KVIndex]] = {
+    "memory": _open_memory,
+    "redis": _open_redis, "rediss": _open_redis, "unix": _open_redis,
+    "ray": _open_actor,
+}
+
+
+def open_index(url: str = DEFAULT_INDEX_URL, **kw: Any) -> KVIndex:
+    """Open the index at ``url``; ``kw`` go to the backend's constructor (e.g. ``namespace``:
+    the Redis key prefix, or the Ray namespace of the actor).
+
+    Raises:
+        ValueError: unknown scheme.
+    """
+    scheme = urlsplit(url).scheme
+    opener = _BACKENDS.get(scheme)
+    if opener is None:
+        raise ValueError(f"unknown index URL {url!r}; schemes: {sorted(_BACKENDS)}")
+    return opener(url, **kw)
+
+
+def __getattr__(name: str) -> Any:
+    if name == "RedisIndex":
+        from kvstore.index.redis_index import RedisIndex
+        return RedisIndex
+    if name in ("ActorIndex", "IndexActor", "get_or_create_index_actor"):
+        from kvstore.index import actor
+        return getattr(actor, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = [
+    "DEFAULT_INDEX_URL", "DEFAULT_LOAD_TTL_S", "DEFAULT_NODE_LEASE_S", "TIERS", "ActorIndex",
+    "IndexActor", "KVIndex", "KVIndexError", "KVIndexUnavailableError", "Location",
+    "MemoryIndex", "RedisIndex", "get_or_create_index_actor", "open_index",
+]

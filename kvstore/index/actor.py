@@ -1,0 +1,150 @@
+"""The embedded default index: one named Ray actor holding a ``MemoryIndex``, and a client.
+
+``open_index("ray://pdcluster-kv-index")`` returns an ``ActorIndex`` bound to the actor of that
+name, creating it if needed. Every call is one actor call (one round trip), executed in order
+on the actor. Only this module of ``kvstore.index`` imports Ray.
+
+The actor restarts empty if its process dies (``max_restarts=-1``), as a Redis server restarted
+without persistence would: lookups miss until pools publish again and nodes heartbeat again;
+calls made while it is down raise ``KVIndexUnavailableError``. Its lifetime is Ray's default
+(it dies with the process that created it) unless ``detached=True``, so create it from the
+driver (the launcher), not from a worker that may go away.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import ray
+from ray.actor import ActorHandle
+
+from kvstore.events import KVCacheEvent
+from kvstore.index.base import (DEFAULT_LOAD_TTL_S, DEFAULT_NODE_LEASE_S, KVIndex,
+                                KVIndexUnavailableError, Location, check_events, check_keys,
+                                check_lease, encode_load)
+from kvstore.index.memory import MemoryIndex
+
+DEFAULT_INDEX_ACTOR_NAME = "pdcluster-kv-index"
+
+
+@ray.remote(num_cpus=0, max_restarts=-1)
+class IndexActor:
+    """A ``MemoryIndex`` in its own actor; method for method the ``KVIndex`` interface."""
+
+    def __init__(self) -> None:
+        self._index = MemoryIndex()
+
+    def add(self, keys: list[bytes], location: Location) -> None:
+        self._index.add(keys, location)
+
+    def remove(self, keys: list[bytes], location: Location) -> None:
+        self._index.remove(keys, location)
+
+    def remove_location(self, location: Location) -> None:
+        self._index.remove_location(location)
+
+    def lookup(self, keys: list[bytes]) -> list[list[Location]]:
+        return self._index.lookup(keys)
+
+    def longest_prefix(self, keys: list[bytes]) -> list[list[Location]]:
+        return self._index.longest_prefix(keys)
+
+    def heartbeat(self, node_id: str, lease_s: float) -> None:
+        self._index.heartbeat(node_id, lease_s)
+
+    def alive_nodes(self) -> set[str]:
+        return self._index.alive_nodes()
+
+    def report_load(self, instance_id: str, load: dict, ttl_s: float) -> None:
+        self._index.report_load(instance_id, load, ttl_s)
+
+    def loads(self) -> dict[str, dict]:
+        return self._index.loads()
+
+    def apply_events(self, location: Location, events: list[KVCacheEvent]) -> None:
+        self._index.apply_events(location, events)
+
+    def clear(self) -> None:
+        self._index.clear()
+
+    def stats(self) -> dict[str, int]:
+        return self._index.stats()
+
+
+def get_or_create_index_actor(name: str = DEFAULT_INDEX_ACTOR_NAME, namespace: str | None = None,
+                              detached: bool = False) -> ActorHandle:
+    """The ``IndexActor`` named ``name`` in Ray ``namespace`` (default: the caller's), created
+    if none runs. Needs a connected Ray (``ray.init`` or inside a Ray worker)."""
+    return IndexActor.options(name=name, namespace=namespace, get_if_exists=True,
+                              lifetime="detached" if detached else None).remote()
+
+
+class ActorIndex(KVIndex):
+    """``KVIndex`` client of an ``IndexActor``; each call is one ``ray.get``.
+
+    Args:
+        name / namespace: the actor's name and Ray namespace; created if it does not run.
+        timeout_s: per-call deadline; a call past it, or to a dead actor, raises
+            ``KVIndexUnavailableError``.
+
+    Arguments are validated here, so bad input raises ``ValueError``/``TypeError`` in the
+    caller instead of a ``RayTaskError``.
+    """
+
+    def __init__(self, name: str = DEFAULT_INDEX_ACTOR_NAME, namespace: str | None = None,
+                 timeout_s: float = 10.0):
+        self._actor = get_or_create_index_actor(name, namespace)
+        self._timeout_s = timeout_s
+
+    @property
+    def actor(self) -> ActorHandle:
+        return self._actor
+
+    def _call(self, method: str, *args: Any) -> Any:
+        try:
+            return ray.get(getattr(self._actor, method).remote(*args), timeout=self._timeout_s)
+        except (ray.exceptions.GetTimeoutError, ray.exceptions.RayActorError) as exc:
+            raise KVIndexUnavailableError(f"index actor unavailable: {exc}") from exc
+
+    def add(self, keys: Sequence[bytes], location: Location) -> None:
+        check_keys(keys)
+        self._call("add", list(keys), location)
+
+    def remove(self, keys: Sequence[bytes], location: Location) -> None:
+        self._call("remove", list(keys), location)
+
+    def remove_location(self, location: Location) -> None:
+        self._call("remove_location", location)
+
+    def lookup(self, keys: Sequence[bytes]) -> list[list[Location]]:
+        return self._call("lookup", list(keys))
+
+    def longest_prefix(self, keys: Sequence[bytes]) -> list[list[Location]]:
+        return self._call("longest_prefix", list(keys))
+
+    def heartbeat(self, node_id: str, lease_s: float = DEFAULT_NODE_LEASE_S) -> None:
+        check_lease(lease_s)
+        self._call("heartbeat", node_id, lease_s)
+
+    def alive_nodes(self) -> set[str]:
+        return self._call("alive_nodes")
+
+    def report_load(self, instance_id: str, load: dict,
+                    ttl_s: float = DEFAULT_LOAD_TTL_S) -> None:
+        check_lease(ttl_s)
+        encode_load(load)
+        self._call("report_load", instance_id, load, ttl_s)
+
+    def loads(self) -> dict[str, dict]:
+        return self._call("loads")
+
+    def apply_events(self, location: Location, events: Sequence[KVCacheEvent]) -> None:
+        check_events(events)
+        self._call("apply_events", location, list(events))
+
+    def clear(self) -> None:
+        self._call("clear")
+
+    def stats(self) -> dict[str, int]:
+        return self._call("stats")

@@ -1,0 +1,100 @@
+"""A real ``redis-server`` per test session (and fresh ones on demand) for the index tests.
+
+Started on a free port with persistence off (``--save "" --appendonly no``), bound to 127.0.0.1,
+killed at teardown. Tests needing it are skipped when the ``redis-server`` binary or redis-py
+is missing (``scripts/setup.sh --dev`` installs both).
+"""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class RedisServer:
+    """One ``redis-server`` subprocess on a fixed port; ``restart`` keeps the port."""
+
+    def __init__(self, workdir: Path):
+        self.workdir = workdir
+        self.port = _free_port()
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self, timeout_s: float = 10.0) -> None:
+        import redis
+
+        log = open(self.workdir / f"redis-{self.port}.log", "ab")
+        self.proc = subprocess.Popen(
+            [shutil.which("redis-server"), "--port", str(self.port), "--bind", "127.0.0.1",
+             "--save", "", "--appendonly", "no", "--dir", str(self.workdir)],
+            stdout=log, stderr=subprocess.STDOUT)
+        log.close()
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                with redis.Redis(port=self.port, socket_connect_timeout=0.5) as client:
+                    client.ping()
+                return
+            except redis.exceptions.ConnectionError:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    self.stop()
+                    raise RuntimeError(f"redis-server did not start on port {self.port}; "
+                                       f"see {self.workdir}")
+                time.sleep(0.05)
+
+    def stop(self, kill: bool = False) -> None:
+        """Terminate (or SIGKILL, like a crash) the server and wait for it."""
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            self.proc.kill() if kill else self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None
+
+    def restart(self, kill: bool = True) -> None:
+        self.stop(kill=kill)
+        self.start()
+
+
+def _need_redis() -> None:
+    pytest.importorskip("redis")
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server not installed (scripts/setup.sh --dev installs it)")
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory):
+    """A server shared by the session; tests isolate themselves with a key namespace."""
+    _need_redis()
+    server = RedisServer(tmp_path_factory.mktemp("redis"))
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def fresh_redis_server(tmp_path):
+    """A server of the test's own, for tests that kill or restart it."""
+    _need_redis()
+    server = RedisServer(tmp_path)
+    server.start()
+    yield server
+    server.stop()
