@@ -1,0 +1,42 @@
+"""Typed errors of the G2 host-DRAM arena (kvstore/arena)."""
+
+from __future__ import annotations
+
+from kvstore.errors import KVStoreError
+
+
+class ArenaFullError(KVStoreError):
+    """``reserve`` needs more slots than are free or evictable: every other slot is pinned.
+
+    Nothing was evicted or reserved by the failing call.
+
+    Attributes:
+        needed: slots the call needed (keys not yet present, duplicates counted once).
+        available: free slots plus stored unpinned (evictable) slots at the time of the call.
+    """
+
+    def __init__(self, needed: int, available: int):
+        super().__init__(
+            f"host arena full: {needed} slots needed, {available} free or evictable "
+            "(the rest are pinned by reads or writes in flight)"
+        )
+        self.needed = needed
+        self.available = available
+
+
+class ArenaAllocationError(KVStoreError):
+    """The owner could not create or preallocate the shared-memory segment.
+
+    Usually ``/dev/shm`` is smaller than the arena (Docker's default is 64 MiB: raise it with
+    ``--shm-size``; Kubernetes: mount an ``emptyDir`` with ``medium: Memory``).
+    """
+
+
+class ArenaAttachError(KVStoreError):
+    """A worker could not attach to the arena's segment: it does not exist (the owner closed it,
+    or the name is from another node), it is smaller than announced, or POSIX shared memory is
+    unavailable on this platform."""
+
+
+class ArenaClosedError(KVStoreError):
+    """The arena (owner side) or the view (worker side) was used after ``close()``."""

@@ -1,0 +1,372 @@
+"""G2 (host DRAM) tier, owner side: one preallocated shared-memory arena per node.
+
+The node's KV store actor owns a :class:`HostArena`: it creates the POSIX shared-memory segment
+and keeps all metadata (key -> slot, LRU order, pins). Workers on the node attach with
+:class:`kvstore.arena.view.ArenaView` and move bytes themselves; only keys and slot numbers cross
+RPC (DESIGN.md "Tiers"; issue 5 item 2). Evicted blocks are handed to ``on_evict`` so the store
+can demote them to G3 (SSD) before the slot is reused.
+
+Segment layout (``num_slots`` fixed-size slots, one KV block each, all layers, raw bytes)::
+
+    offset 0        block_nbytes     2*block_nbytes          num_slots*block_nbytes
+    | slot 0        | slot 1         | ...                   |
+
+Slot lifecycle (lease semantics: a pinned slot is never evicted or reused)::
+
+    free --reserve--> writing --commit--> stored, in LRU <--release (last pin)--+
+     ^  ^  (pinned,      |                 |      |                              |
+     |  |  invisible)    |                 |      +--acquire--> stored, pinned --+
+     |  +-----abort------+                 |                    (not in LRU)
+     +------evict (LRU head) or remove-----+
+
+``remove`` of a pinned key unindexes it at once; its slot becomes free at its last release.
+Eviction takes the least recently committed or released block first (Mooncake FAST'25 §4 uses
+LRU for the DRAM pool); the LRU is ``kvstore.free_queue.FreeBlockQueue`` over slot numbers.
+
+Thread-safe: one lock around every method. ``on_evict`` runs under that lock and must not call
+back into the arena.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from kvstore.arena.errors import ArenaClosedError, ArenaFullError
+from kvstore.arena.segment import create_segment, segment_name
+from kvstore.errors import StoreCapacityError
+from kvstore.free_queue import FreeBlockQueue
+
+#: ``on_evict(key, view)``: ``view`` is the evicted slot's bytes (``block_nbytes`` long), valid only
+#: during the call (copy it to keep it); the slot is reused right after.
+EvictCallback = Callable[[bytes, memoryview], None]
+
+
+@dataclass(frozen=True)
+class ArenaStats:
+    """Counters of one arena. Slots are ``block_nbytes`` each; ``num_used`` counts writing,
+    stored and removed-but-still-pinned slots; ``hits``/``misses`` count ``acquire`` keys."""
+
+    num_slots: int
+    num_used: int
+    num_pinned: int
+    bytes_used: int
+    capacity_bytes: int
+    evictions: int
+    hits: int
+    misses: int
+
+
+class HostArena:
+    """Owner of a node's shared-memory arena and of its metadata.
+
+    Args:
+        capacity_bytes: arena size; rounded down to whole slots.
+        block_nbytes: bytes of one slot (one KV block, all layers).
+        on_evict: called with each evicted ``(key, view)`` before its slot is reused (demotion).
+        node_id: first 8 characters go into the segment name (for humans reading ``/dev/shm``).
+
+    Raises:
+        ValueError: ``block_nbytes`` <= 0.
+        StoreCapacityError: ``capacity_bytes`` holds no whole slot.
+        ArenaAllocationError: the segment could not be created or its memory preallocated.
+
+    The segment's memory is committed at construction (``posix_fallocate`` on Linux), so a too
+    small ``/dev/shm`` fails here instead of a worker dying of SIGBUS on first write. The segment
+    is registered with this process's ``multiprocessing`` resource tracker, which unlinks it if
+    the owner dies without :meth:`close`.
+    """
+
+    def __init__(
+        self,
+        capacity_bytes: int,
+        block_nbytes: int,
+        *,
+        on_evict: EvictCallback | None = None,
+        node_id: str | None = None,
+    ) -> None:
+        if block_nbytes <= 0:
+            raise ValueError(f"block_nbytes must be > 0, got {block_nbytes}")
+        num_slots = capacity_bytes // block_nbytes
+        if num_slots <= 0:
+            raise StoreCapacityError(
+                f"host arena of {capacity_bytes} bytes holds no {block_nbytes}-byte block"
+            )
+        self._block_nbytes = block_nbytes
+        self._num_slots = num_slots
+        self._shm = create_segment(segment_name(node_id), num_slots * block_nbytes)
+        self._on_evict = on_evict
+        self._lock = threading.Lock()
+        self._closed = False
+        self._stored: dict[bytes, int] = {}  # visible keys
+        self._writing: dict[bytes, int] = {}  # reserved, not yet committed
+        self._slot_key: list[bytes | None] = [None] * num_slots  # None = free
+        self._pins = [0] * num_slots
+        self._free = list(range(num_slots - 1, -1, -1))  # stack: slot 0 is taken first
+        self._lru = FreeBlockQueue(num_slots, fill=False)  # stored and unpinned slots
+        self._num_pinned = 0
+        self._evictions = self._hits = self._misses = 0
+
+    # -- identity (what a worker needs to attach) -------------------------------------------
+
+    @property
+    def shm_name(self) -> str:
+        """POSIX shared-memory name of the segment (no leading slash)."""
+        return self._shm.name
+
+    @property
+    def num_slots(self) -> int:
+        return self._num_slots
+
+    @property
+    def block_nbytes(self) -> int:
+        return self._block_nbytes
+
+    @property
+    def capacity_bytes(self) -> int:
+        """``num_slots * block_nbytes``: the requested capacity rounded down to whole slots."""
+        return self._num_slots * self._block_nbytes
+
+    # -- leases ------------------------------------------------------------------------------
+
+    def reserve(self, keys: Sequence[bytes]) -> list[int | None]:
+        """Slots to write ``keys`` into, pinned until :meth:`commit` or :meth:`abort`.
+
+        Returns, per key, a slot, or ``None`` when the key is already stored, already being
+        written under another lease, or repeated earlier in ``keys``. Takes free slots first,
+        then evicts least recently used unpinned blocks (each passed to ``on_evict`` first).
+
+        Raises:
+            ArenaFullError: fewer free + evictable slots than new keys; nothing is changed.
+            Exception from ``on_evict``: propagated; the slots reserved by this call are freed,
+                blocks already evicted stay evicted.
+        """
+        with self._lock:
+            self._check_open()
+            out: list[int | None] = [None] * len(keys)
+            new: dict[bytes, int] = {}  # key -> index in keys
+            for i, key in enumerate(keys):
+                if key not in self._stored and key not in self._writing and key not in new:
+                    new[key] = i
+            available = len(self._free) + len(self._lru)
+            if len(new) > available:
+                raise ArenaFullError(len(new), available)
+            reserved: list[int] = []
+            try:
+                for key, i in new.items():
+                    slot = self._take_slot()
+                    self._slot_key[slot] = key
+                    self._writing[key] = slot
+                    self._pin(slot)
+                    reserved.append(slot)
+                    out[i] = slot
+            except BaseException:
+                self._abort_locked(reserved)
+                raise
+            return out
+
+    def commit(self, keys: Sequence[bytes], slots: Sequence[int | None]) -> None:
+        """Make written slots visible under their keys and unpin them (they join the LRU tail).
+
+        ``slots`` is :meth:`reserve`'s answer for ``keys``; ``None`` entries are skipped.
+
+        Raises:
+            ValueError: lengths differ, or a slot is not reserved for its key; nothing changes.
+        """
+        if len(keys) != len(slots):
+            raise ValueError(f"{len(keys)} keys but {len(slots)} slots")
+        with self._lock:
+            self._check_open()
+            pairs = [(k, s) for k, s in zip(keys, slots) if s is not None]
+            for key, slot in pairs:
+                if self._writing.get(key) != slot:
+                    raise ValueError(f"slot {slot} is not reserved for key {key.hex()[:16]}")
+            for key, slot in pairs:
+                del self._writing[key]
+                self._stored[key] = slot
+                self._unpin(slot)
+
+    def abort(self, slots: Sequence[int | None]) -> None:
+        """Free reserved slots without storing them (a failed write). ``None`` entries are
+        skipped.
+
+        Raises:
+            ValueError: a slot is not reserved; nothing changes.
+        """
+        with self._lock:
+            self._check_open()
+            todo = [s for s in slots if s is not None]
+            for slot in todo:
+                if not self._is_writing(slot):
+                    raise ValueError(f"slot {slot} is not reserved")
+            self._abort_locked(todo)
+
+    def acquire(self, keys: Sequence[bytes]) -> list[int | None]:
+        """Pin the slots of stored ``keys`` for reading; ``None`` for a miss.
+
+        Each returned slot must be given back with :meth:`release`; while pinned it is neither
+        evicted nor reused. A key being written (reserved, not committed) is a miss.
+        """
+        with self._lock:
+            self._check_open()
+            out: list[int | None] = []
+            for key in keys:
+                slot = self._stored.get(key)
+                if slot is None:
+                    self._misses += 1
+                else:
+                    self._hits += 1
+                    if self._pins[slot] == 0:
+                        self._lru.remove(slot)
+                    self._pin(slot)
+                out.append(slot)
+            return out
+
+    def release(self, slots: Sequence[int | None]) -> None:
+        """Unpin slots from :meth:`acquire` (a slot acquired twice is released twice). An
+        unpinned stored slot moves to the LRU tail (most recently used). ``None`` is skipped.
+
+        Raises:
+            ValueError: a slot is released more often than acquired, or is a write lease
+                (end those with commit/abort); nothing changes.
+        """
+        with self._lock:
+            self._check_open()
+            counts = Counter(s for s in slots if s is not None)
+            for slot, n in counts.items():
+                if not 0 <= slot < self._num_slots or self._pins[slot] < n:
+                    raise ValueError(f"slot {slot} released more often than acquired")
+                if self._is_writing(slot):
+                    raise ValueError(f"slot {slot} is a write lease; commit or abort it")
+            for slot, n in counts.items():
+                for _ in range(n):
+                    self._unpin(slot)
+
+    # -- index -------------------------------------------------------------------------------
+
+    def contains(self, key: bytes) -> bool:
+        """Whether ``key`` is stored (committed and not evicted or removed)."""
+        with self._lock:
+            return key in self._stored
+
+    def remove(self, key: bytes) -> bool:
+        """Drop a stored key; ``False`` if it was not stored. A pinned slot is unindexed now
+        and freed at its last release."""
+        with self._lock:
+            self._check_open()
+            slot = self._stored.pop(key, None)
+            if slot is None:
+                return False
+            if self._pins[slot] == 0:
+                self._lru.remove(slot)
+                self._free_slot(slot)
+            return True
+
+    def keys(self) -> list[bytes]:
+        """Stored keys, in no particular order."""
+        with self._lock:
+            return list(self._stored)
+
+    def stats(self) -> ArenaStats:
+        with self._lock:
+            used = self._num_slots - len(self._free)
+            return ArenaStats(
+                num_slots=self._num_slots,
+                num_used=used,
+                num_pinned=self._num_pinned,
+                bytes_used=used * self._block_nbytes,
+                capacity_bytes=self.capacity_bytes,
+                evictions=self._evictions,
+                hits=self._hits,
+                misses=self._misses,
+            )
+
+    # -- lifetime ----------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Unlink the segment (no new attach succeeds) and unmap it here. Idempotent.
+
+        Workers already attached keep their mapping until they close their views; the memory
+        is returned to the OS when the last one does. Later calls raise ArenaClosedError.
+        """
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            try:
+                self._shm.unlink()
+            except FileNotFoundError:
+                pass  # unlinked by someone else (an operator cleaning /dev/shm)
+            try:
+                self._shm.close()
+            except BufferError:
+                pass  # an on_evict view was kept; the mapping goes when that view is freed
+
+    def __enter__(self) -> HostArena:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- internals (lock held) ---------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ArenaClosedError(f"host arena {self._shm.name} is closed")
+
+    def _is_writing(self, slot: int) -> bool:
+        key = self._slot_key[slot] if 0 <= slot < self._num_slots else None
+        return key is not None and self._writing.get(key) == slot
+
+    def _take_slot(self) -> int:
+        if self._free:
+            return self._free.pop()
+        slot = self._lru.popleft()
+        key = self._slot_key[slot]
+        assert key is not None
+        del self._stored[key]
+        self._slot_key[slot] = None
+        self._evictions += 1
+        if self._on_evict is not None:
+            view = self._shm.buf[slot * self._block_nbytes : (slot + 1) * self._block_nbytes]
+            try:
+                self._on_evict(key, view)
+            except BaseException:
+                self._free.append(slot)
+                raise
+            finally:
+                try:
+                    view.release()
+                except BufferError:
+                    pass  # the callback kept an export of the view
+        return slot
+
+    def _abort_locked(self, slots: list[int]) -> None:
+        for slot in slots:
+            key = self._slot_key[slot]
+            assert key is not None
+            del self._writing[key]
+            self._unpin(slot)
+
+    def _pin(self, slot: int) -> None:
+        if self._pins[slot] == 0:
+            self._num_pinned += 1
+        self._pins[slot] += 1
+
+    def _unpin(self, slot: int) -> None:
+        self._pins[slot] -= 1
+        if self._pins[slot]:
+            return
+        self._num_pinned -= 1
+        key = self._slot_key[slot]
+        if key is not None and self._stored.get(key) == slot:
+            self._lru.append(slot)
+        else:  # aborted, or removed while pinned
+            self._free_slot(slot)
+
+    def _free_slot(self, slot: int) -> None:
+        self._slot_key[slot] = None
+        self._free.append(slot)
+
