@@ -14,20 +14,28 @@ from typing import AsyncIterator
 import ray
 
 from decode_worker.engine import DecodeEngine
+from decode_worker.kv_fetch import KVFetcher
 from engine.config import EngineConfig
 from engine.protocol import DecodeRequest, TokenDelta
 from engine.runner import ModelRunner
+from kvstore.actor import kvstore_actor
+from kvstore.config import KVStoreConfig
+from kvstore.node_client import NodeStoreClient
 
 
 @ray.remote
 class DecodeWorker:
     """One decode instance (tensor parallel size 1)."""
 
-    def __init__(self, worker_id: str, engine_config: EngineConfig,
-                 transfer_timeout_s: float = 10.0) -> None:
+    def __init__(self, worker_id: str, engine_config: EngineConfig, kv_config: KVStoreConfig,
+                 ray_namespace: str | None = None) -> None:
         runner = ModelRunner(engine_config)
+        node_id = ray.get_runtime_context().get_node_id()
+        timeout = kv_config.transfer_timeout_s
+        node_client = NodeStoreClient(kvstore_actor(node_id, ray_namespace), timeout)
+        fetcher = KVFetcher(runner.kv_cache, timeout, kv_config.token, node_id, node_client)
         self.worker_id = worker_id
-        self.engine = DecodeEngine(runner, worker_id, os.getpid(), transfer_timeout_s)
+        self.engine = DecodeEngine(runner, worker_id, os.getpid(), fetcher)
 
     async def generate(self, request: DecodeRequest) -> AsyncIterator[TokenDelta]:
         loop = asyncio.get_running_loop()

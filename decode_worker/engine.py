@@ -79,7 +79,7 @@ class DecodeEngine:
     """
 
     def __init__(self, runner: ModelRunner, worker_id: str, pid: int,
-                 transfer_timeout_s: float) -> None:
+                 fetcher: KVFetcher) -> None:
         self.runner = runner
         self.worker_id = worker_id
         self.pid = pid
@@ -87,8 +87,8 @@ class DecodeEngine:
         self.block_size = cfg.block_size
         self.max_model_len = cfg.resolved_max_model_len(runner.model_config)
         self.eos_token_ids = frozenset(runner.model_config.eos_token_ids)
-        self.pool = BlockPool(cfg.num_kv_blocks)
-        self.fetcher = KVFetcher(runner.kv_cache, transfer_timeout_s)
+        self.pool = BlockPool(cfg.num_kv_blocks, enable_caching=False)  # decode keys nothing
+        self.fetcher = fetcher
         self._fetch_threads = ThreadPoolExecutor(2, thread_name_prefix="kv-fetch")
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wakeup = threading.Event()
@@ -119,8 +119,7 @@ class DecodeEngine:
             "pid": self.pid,
             "num_waiting": len(self._waiting),
             "num_active": len(self._active),
-            "num_free_blocks": self.pool.num_free_blocks,
-            "num_blocks": self.pool.num_blocks,
+            **self.pool.stats(),
             "num_forward_tokens_total": self.num_forward_tokens_total,
             "num_steps_total": self.num_steps_total,
             "kv_bytes_fetched_total": self.fetcher.bytes_fetched_total,

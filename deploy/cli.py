@@ -15,6 +15,11 @@ import argparse
 import logging
 import sys
 
+def _gib(value: str) -> int:
+    """A size in GiB (float) as bytes."""
+    return int(float(value) * (1 << 30))
+
+
 # (flag, config path, type, help) — flags follow vLLM's names where vLLM has one.
 _SERVE_FLAGS = [
     ("--model", "engine.model", str, "HF model directory (default: bundled stories260K)"),
@@ -32,8 +37,18 @@ _SERVE_FLAGS = [
     ("--ray-num-cpus", "ray_num_cpus", int, "logical CPUs of the local Ray "
                                             "(default: worker actors + 2)"),
     ("--actor-num-cpus", "actor_num_cpus", float, "logical CPUs per worker actor (default 1)"),
-    ("--kv-host", "kvstore.host", str, "KV store gRPC bind address (default 127.0.0.1)"),
-    ("--kv-capacity-bytes", "kvstore.capacity_bytes", int, "host-DRAM KV store size per node"),
+    ("--kv-bind", "kvstore.host", str, "KV store gRPC bind address (default 127.0.0.1; a "
+                                        "node's routable address in a multi-node cluster)"),
+    ("--kv-token", "kvstore.token", str, "shared token of the KV gRPC plane (default: random "
+                                         "per local cluster)"),
+    ("--kv-tail-capacity-bytes", "kvstore.capacity_bytes", int,
+     "bytes per node for per-request tail blocks in flight"),
+    ("--dram-cache-gb", "kvpool.dram_cache_bytes", _gib, "G2 shared-memory arena per node"),
+    ("--ssd-cache-dir", "kvpool.ssd_cache_dir", str, "G3 slab directory (default: no G3)"),
+    ("--ssd-cache-gb", "kvpool.ssd_cache_bytes", _gib, "G3 capacity per node"),
+    ("--index-url", "kvpool.index_url", str, "global KV index: ray://NAME (default, embedded) "
+                                             "or redis://host:port/db"),
+    ("--node-lease-s", "kvpool.node_lease_s", float, "node liveness lease in the index (<= 10)"),
     ("--policy", "policy", str, "Conductor policy (default round_robin)"),
     ("--log-level", "log_level", str, "debug | info | warning (default info)"),
 ]

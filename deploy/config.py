@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from engine.config import EngineConfig
 from kvstore.config import KVStoreConfig
+from kvstore.pool_config import KVPoolConfig
 
 
 class ServeConfig(BaseModel):
@@ -28,6 +29,7 @@ class ServeConfig(BaseModel):
 
     engine: EngineConfig = Field(default_factory=EngineConfig)
     kvstore: KVStoreConfig = Field(default_factory=KVStoreConfig)
+    kvpool: KVPoolConfig = Field(default_factory=KVPoolConfig)
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, lt=65536)
     served_model_name: str | None = None

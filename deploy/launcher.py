@@ -6,12 +6,16 @@ Used by `pdcluster serve` and by the integration tests, so both run the same sta
 from __future__ import annotations
 
 import logging
+import secrets
 
 import ray
+from pydantic import SecretStr
 
 from decode_worker.actor import DecodeWorker
 from deploy.config import ServeConfig
+from engine.config import EngineConfig, ModelConfig
 from kvstore.actor import start_kvstore_actors
+from kvstore.host_store import BlockLayout
 from prefill_worker.actor import PrefillWorker
 from router.conductor import Conductor, Instance, InstanceRegistry
 from router.pipeline import Pipeline
@@ -20,6 +24,13 @@ log = logging.getLogger(__name__)
 
 # Calls a prefill actor answers at once; its engine lock serializes the forwards themselves.
 PREFILL_MAX_CONCURRENCY = 8
+
+
+def block_layout(engine: EngineConfig) -> BlockLayout:
+    """The one KV block layout of this deployment: [layers, K|V, block_size, kv_heads, head_dim]."""
+    model = ModelConfig.from_pretrained(engine.model)
+    return BlockLayout(engine.dtype, (model.num_hidden_layers, 2, engine.block_size,
+                                      model.num_key_value_heads, model.head_dim))
 
 
 class Cluster:
@@ -36,6 +47,10 @@ class Cluster:
         self._started_ray = False
 
     def start(self) -> "Cluster":
+        if self.config.kvstore.token is None:  # a local cluster gets a random KV-plane token
+            kvstore = self.config.kvstore.model_copy(
+                update={"token": SecretStr(secrets.token_hex(16))})
+            self.config = self.config.model_copy(update={"kvstore": kvstore})
         cfg = self.config
         if not ray.is_initialized():
             if cfg.address is None:
@@ -44,16 +59,18 @@ class Cluster:
             else:
                 ray.init(address=cfg.address, namespace=cfg.ray_namespace)
             self._started_ray = True
-        self.kvstores = start_kvstore_actors(cfg.kvstore, cfg.ray_namespace)
-        timeout = cfg.kvstore.transfer_timeout_s
+        self.kvstores = start_kvstore_actors(cfg.kvstore, cfg.kvpool, block_layout(cfg.engine),
+                                             cfg.ray_namespace)
+        for node_id, handle in self.kvstores.items():  # for /metrics: tiers G2/G3 per node
+            self.registry.add(Instance(f"kvstore-{node_id[:12]}", "kvstore", handle))
         for i in range(cfg.prefill_instances):
             handle = PrefillWorker.options(
                 num_cpus=cfg.actor_num_cpus, max_concurrency=PREFILL_MAX_CONCURRENCY,
-            ).remote(f"prefill-{i}", cfg.engine, timeout, cfg.ray_namespace)
+            ).remote(f"prefill-{i}", cfg.engine, cfg.kvstore, cfg.kvpool, cfg.ray_namespace)
             self.prefill.append(Instance(f"prefill-{i}", "prefill", handle))
         for i in range(cfg.decode_instances):
             handle = DecodeWorker.options(num_cpus=cfg.actor_num_cpus).remote(
-                f"decode-{i}", cfg.engine, timeout)
+                f"decode-{i}", cfg.engine, cfg.kvstore, cfg.ray_namespace)
             self.decode.append(Instance(f"decode-{i}", "decode", handle))
         infos = ray.get([i.handle.info.remote() for i in self.prefill + self.decode])
         for instance, info in zip(self.prefill + self.decode, infos):
@@ -66,6 +83,10 @@ class Cluster:
         for instance in self.prefill + self.decode:
             ray.kill(instance.handle, no_restart=True)
         for handle in self.kvstores.values():
+            try:
+                ray.get(handle.stop.remote(), timeout=10)  # frees the node's arena
+            except Exception as exc:  # noqa: BLE001 — killed below either way
+                log.warning("KV store did not stop cleanly: %s", exc)
             ray.kill(handle, no_restart=True)
         self.prefill, self.decode, self.kvstores = [], [], {}
         if self._started_ray:

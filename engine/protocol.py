@@ -126,6 +126,7 @@ class PrefillResult:
     num_cached_tokens: prompt tokens whose KV came from the prefix cache, not computed.
     first_token: token sampled from the last prompt position (output token 0);
     first_logprob: its logprob entry when the request asked for logprobs.
+    kv_node_id: Ray node id of the store at kv_address (same node: read through its arena).
     prefill_worker_id / prefill_pid: which actor and process computed it (for tests and tracing).
     """
 
@@ -139,6 +140,7 @@ class PrefillResult:
     prefill_worker_id: str
     prefill_pid: int
     first_logprob: TokenLogprob | None = None
+    kv_node_id: str | None = None
 
 
 @dataclass(frozen=True)

@@ -1,12 +1,17 @@
 """One KV store per Ray node, as a pinned Ray actor serving gRPC in-process.
 
 DESIGN.md "Control plane": one KV store actor per Ray node, pinned to it, serving gRPC on a
-port chosen at start. Workers find their own node's store with :func:`local_kvstore_address`.
-Only the address goes through Ray; KV bytes go over gRPC (never the Ray object store).
+port chosen at start. It owns the node's G2 arena and G3 SSD tier (TieredNodeStore), publishes
+placements to the global index and heartbeats the node's lease there. Same-node workers call
+its metadata methods and move bytes through the arena; other nodes use gRPC. KV bytes never
+travel through Ray (no pickle, no object store).
 """
 
 from __future__ import annotations
 
+import logging
+import os
+import threading
 import time
 
 import ray
@@ -15,25 +20,43 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from kvstore.config import KVStoreConfig
 from kvstore.errors import KVStoreError
+from kvstore.host_store import BlockLayout, HostBlockStore
+from kvstore.index import open_index
+from kvstore.node_store import TieredNodeStore
+from kvstore.pool_config import KVPoolConfig
 from kvstore.server import KVStoreServer
+
+log = logging.getLogger(__name__)
 
 KVSTORE_ACTOR_PREFIX = "pdcluster-kvstore-"
 _WILDCARD_HOSTS = {"0.0.0.0", "::", "[::]", ""}
 
 
-@ray.remote(num_cpus=0)
+@ray.remote(num_cpus=0, max_concurrency=8)  # TieredNodeStore is thread-safe
 class KVStoreActor:
-    """Owns one :class:`KVStoreServer` (gRPC thread pool) on the node it is scheduled on.
+    """Owns one node's TieredNodeStore and the KVStoreServer (gRPC thread pool) serving it.
 
     Args:
-        config: server and store settings; ``port=0`` picks a free port.
+        config: gRPC server settings (bind host, port 0 = free port, token, tail TTL).
+        pool: tier capacities, index URL, node lease.
+        layout: the cluster's KV block layout (dtype, [layers, 2, block_size, kv_heads, head_dim]).
     """
 
-    def __init__(self, config: KVStoreConfig):
+    def __init__(self, config: KVStoreConfig, pool: KVPoolConfig, layout: BlockLayout):
         self._config = config
-        self._server = KVStoreServer(config)
-        self._server.start()
         self._node_id = ray.get_runtime_context().get_node_id()
+        self._index = open_index(pool.index_url)
+        ssd_dir = (os.path.join(pool.ssd_cache_dir, self._node_id[:16])
+                   if pool.ssd_cache_dir else None)
+        self.store = TieredNodeStore(self._node_id, layout, pool.dram_cache_bytes, ssd_dir,
+                                     pool.ssd_cache_bytes, self._index,
+                                     HostBlockStore(config.capacity_bytes, config.tail_ttl_s))
+        self._server = KVStoreServer(config, store=self.store)
+        self._server.start()
+        self._lease_s = pool.node_lease_s
+        self._stop = threading.Event()
+        self._heartbeat_once()
+        threading.Thread(target=self._heartbeat_loop, name="kv-heartbeat", daemon=True).start()
 
     def address(self) -> str:
         """``host:port`` for workers; a wildcard bind advertises this node's Ray IP."""
@@ -46,17 +69,57 @@ class KVStoreActor:
         return self._node_id
 
     def stats(self) -> dict:
-        """The store's counters (see HostBlockStore.stats)."""
-        return self._server.store.stats()
+        """Store counters plus per-tier block states and promotions."""
+        return {**self.store.stats(), "tiers": self.store.tier_stats(),
+                "promotions": self.store.promotions, "node_id": self._node_id}
+
+    # ---- metadata methods for same-node workers (see TieredNodeStore) ---------------------
+    def arena_info(self) -> dict:
+        return self.store.arena_info()
+
+    def reserve(self, keys: list[bytes]) -> list[int | None]:
+        return self.store.reserve(keys)
+
+    def commit(self, keys: list[bytes], slots: list[int | None]) -> None:
+        self.store.commit(keys, slots)
+
+    def abort(self, slots: list[int | None]) -> None:
+        self.store.abort(slots)
+
+    def acquire(self, keys: list[bytes]) -> list[tuple[int | None, str | None]]:
+        return self.store.acquire(keys)
+
+    def release(self, slots: list[int | None]) -> None:
+        self.store.release(slots)
+
+    def stop_serving_for_testing(self) -> None:
+        """TEST-ONLY: take the gRPC data plane down while the node keeps heartbeating, as a
+        wedged or firewalled store would: its blocks stay listed but cannot be fetched."""
+        self._server.stop(grace=0)
+
+    def stop_heartbeat_for_testing(self) -> None:
+        """TEST-ONLY: stop renewing the node lease, as a hung or partitioned node would."""
+        self._stop.set()
 
     def stop(self) -> None:
-        """Stop the gRPC server (the actor stays alive until killed). Idempotent."""
+        """Stop heartbeating and serving, free the arena (the actor stays until killed)."""
+        self._stop.set()
         self._server.stop(grace=1.0)
+        self.store.close()
+
+    def _heartbeat_once(self) -> None:
+        try:
+            self._index.heartbeat(self._node_id, self._lease_s)
+        except Exception as exc:  # noqa: BLE001 — keep trying; lookups skip us meanwhile
+            log.warning("node heartbeat failed: %s", exc)
+
+    def _heartbeat_loop(self) -> None:
+        while not self._stop.wait(self._lease_s / 3):
+            self._heartbeat_once()
 
 
-def start_kvstore_actors(
-    config: KVStoreConfig, namespace: str | None = None
-) -> dict[str, ActorHandle]:
+def start_kvstore_actors(config: KVStoreConfig, pool: KVPoolConfig, layout: BlockLayout,
+                         namespace: str | None = None) -> dict[str, ActorHandle]:
     """Start one KV store actor on every ALIVE Ray node and wait until each serves.
 
     Each actor is pinned with ``NodeAffinitySchedulingStrategy(node_id, soft=False)`` and named
@@ -64,54 +127,53 @@ def start_kvstore_actors(
     Ray's default: they die with the driver. An actor already running under that name is
     reused (its config is not changed).
 
-    Returns:
-        node id (hex) -> actor handle.
-
-    Raises:
-        KVStoreError: an actor failed to start within ``config.transfer_timeout_s * 6`` s.
+    Returns node id (hex) -> actor handle. Raises KVStoreError if one fails to start within
+    ``config.transfer_timeout_s * 6`` s.
     """
     actors: dict[str, ActorHandle] = {}
     for node in ray.nodes():
-        if not node.get("Alive"):
-            continue
-        node_id = node["NodeID"]
-        actors[node_id] = KVStoreActor.options(
-            name=KVSTORE_ACTOR_PREFIX + node_id,
-            namespace=namespace,
-            get_if_exists=True,
-            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node_id, soft=False),
-        ).remote(config)
-    refs = {node_id: a.address.remote() for node_id, a in actors.items()}
+        if node.get("Alive"):
+            actors[node["NodeID"]] = start_kvstore_actor(node["NodeID"], config, pool, layout,
+                                                         namespace)
+    refs = [a.address.remote() for a in actors.values()]
     try:
-        ray.get(list(refs.values()), timeout=config.transfer_timeout_s * 6)
+        ray.get(refs, timeout=config.transfer_timeout_s * 6)
     except (ray.exceptions.GetTimeoutError, ray.exceptions.RayActorError) as exc:
         raise KVStoreError(f"KV store actors failed to start: {exc}") from exc
     return actors
 
 
-def local_kvstore_address(namespace: str | None = None, timeout_s: float = 30.0) -> str:
-    """Address of the KV store actor on the caller's own Ray node.
+def start_kvstore_actor(node_id: str, config: KVStoreConfig, pool: KVPoolConfig,
+                        layout: BlockLayout, namespace: str | None = None) -> ActorHandle:
+    """The KV store actor of one node (created, or the running one of that name)."""
+    return KVStoreActor.options(
+        name=KVSTORE_ACTOR_PREFIX + node_id, namespace=namespace, get_if_exists=True,
+        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node_id, soft=False),
+    ).remote(config, pool, layout)
 
-    Call from inside a Ray worker or driver. Waits up to ``timeout_s`` seconds for the actor
-    to exist (it may still be starting).
 
-    Raises:
-        KVStoreError: no KV store actor on this node within ``timeout_s``.
-    """
-    node_id = ray.get_runtime_context().get_node_id()
+def kvstore_actor(node_id: str | None = None, namespace: str | None = None,
+                  timeout_s: float = 30.0) -> ActorHandle:
+    """The KV store actor of `node_id` (default: the caller's own node), waiting up to
+    `timeout_s` for it to exist. Raises KVStoreError."""
+    node_id = node_id or ray.get_runtime_context().get_node_id()
     name = KVSTORE_ACTOR_PREFIX + node_id
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            actor = ray.get_actor(name, namespace=namespace)
-            break
+            return ray.get_actor(name, namespace=namespace)
         except ValueError:
             if time.monotonic() >= deadline:
                 raise KVStoreError(f"no KV store actor {name!r} on node {node_id} "
                                    f"after {timeout_s} s") from None
             time.sleep(0.1)
-    remaining = max(0.1, deadline - time.monotonic())
+
+
+def local_kvstore_address(namespace: str | None = None, timeout_s: float = 30.0) -> str:
+    """Address of the KV store actor on the caller's own Ray node. Raises KVStoreError."""
+    deadline = time.monotonic() + timeout_s
+    actor = kvstore_actor(None, namespace, timeout_s)
     try:
-        return ray.get(actor.address.remote(), timeout=remaining)
+        return ray.get(actor.address.remote(), timeout=max(0.1, deadline - time.monotonic()))
     except (ray.exceptions.GetTimeoutError, ray.exceptions.RayActorError) as exc:
-        raise KVStoreError(f"KV store actor {name!r} did not answer: {exc}") from exc
+        raise KVStoreError(f"KV store actor of this node did not answer: {exc}") from exc

@@ -2,25 +2,36 @@
 "Data plane": protobuf over gRPC, a deadline on every call, never pickle).
 
 Wire payload = raw little-endian bytes of a C-contiguous tensor; bfloat16 travels as its int16
-bit pattern. Blocks are streamed in coalesced runs that fit ``max_message_bytes``.
+bit pattern. Blocks are streamed in coalesced runs that fit ``max_message_bytes``; the block
+stream is decoded without copying payloads (kvstore.transfer.wire), so a fetched block is copied
+once, from the received message into its destination.
+
+With a ``token``, every call carries ``authorization: Bearer <token>``; a store that refuses it
+raises :class:`KVAuthError`.
 """
 
 from __future__ import annotations
 
 import sys
 from collections.abc import Iterator, Sequence
+from typing import NamedTuple
 
 import grpc
+import grpc.experimental
 import numpy as np
+import pydantic
 import torch
 
-from kvstore.errors import (BlockLayoutError, BlockNotFoundError, KVStoreError, KVTransferError,
-                            StoreCapacityError)
+from kvstore.errors import (BlockLayoutError, BlockNotFoundError, KVAuthError, KVStoreError,
+                            KVTransferError, StoreCapacityError)
 from kvstore.hashing import KEY_BYTES
 from kvstore.host_store import BlockLayout
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto import kvstore_pb2_grpc as pb_grpc
-from kvstore.server import ERROR_METADATA_KEY, MESSAGE_OVERHEAD_BYTES, coalesce_runs
+from kvstore.server import (AUTH_METADATA_KEY, ERROR_METADATA_KEY, MESSAGE_OVERHEAD_BYTES,
+                            SERVICE_NAME, channel_options)
+from kvstore.transfer.runs import budget_runs
+from kvstore.transfer.wire import decode_block_data
 
 TORCH_DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
@@ -51,6 +62,11 @@ def _fill_from_payloads(out: torch.Tensor, payloads: Sequence[bytes]) -> None:
         ints.byteswap(inplace=True)
 
 
+def copy_payload(dest: np.ndarray, offset: int, payload: memoryview | bytes) -> None:
+    """Copy ``payload`` into the uint8 array ``dest`` at byte ``offset`` (one memcpy)."""
+    dest[offset:offset + len(payload)] = np.frombuffer(payload, dtype=np.uint8)
+
+
 def _layout_of(block_shape: Sequence[int], dtype: torch.dtype) -> BlockLayout:
     if dtype not in _DTYPE_NAMES:
         raise BlockLayoutError(f"unsupported dtype {dtype}; expected one of {sorted(TORCH_DTYPES)}")
@@ -66,6 +82,65 @@ def _check_keys(keys: Sequence[bytes]) -> None:
             raise ValueError(f"block keys must be {KEY_BYTES}-byte bytes, got {k!r:.80}")
 
 
+class BlockChunk(NamedTuple):
+    """One message of a block stream: blocks ``[start, start + count)`` of the request.
+
+    ``payload`` (``count * layout.nbytes`` little-endian bytes) is a read-only view into the
+    received message, valid as long as the chunk is referenced.
+    """
+
+    start: int
+    count: int
+    layout: BlockLayout
+    payload: memoryview
+
+
+class BlockStream:
+    """An open GetBlocks stream: iterate for :class:`BlockChunk` s, ``cancel()`` to stop.
+
+    Iteration raises the typed errors of :meth:`KVStoreClient.get_blocks`; after ``cancel()``
+    it raises KVTransferError. Thread-safe to cancel from another thread.
+    """
+
+    def __init__(self, client: KVStoreClient, keys: Sequence[bytes], call):
+        self._client = client
+        self._keys = keys
+        self._call = call
+
+    def cancel(self) -> None:
+        """Cancel the RPC. Idempotent."""
+        self._call.cancel()
+
+    def __iter__(self) -> Iterator[BlockChunk]:
+        keys, client = self._keys, self._client
+        received = 0
+        layout: BlockLayout | None = None
+        try:
+            for raw in self._call:
+                msg = decode_block_data(raw)
+                msg_layout = BlockLayout(msg.layout.dtype, tuple(msg.layout.shape))
+                if layout is None:
+                    layout = msg_layout
+                if msg_layout != layout:
+                    raise BlockLayoutError(f"blocks from {client.address} mix layouts "
+                                           f"{layout} and {msg_layout}")
+                n = len(msg.keys)
+                if n == 0 or list(msg.keys) != list(keys[received:received + n]) or \
+                        len(msg.payload) != n * layout.nbytes:
+                    raise BlockLayoutError(f"malformed GetBlocks reply from {client.address} "
+                                           f"at block {received}")
+                yield BlockChunk(received, n, layout, msg.payload)
+                received += n
+        except grpc.RpcError as exc:
+            raise client._typed_error("GetBlocks", exc, None) from None
+        except ValueError as exc:  # grpc raises ValueError on a closed channel
+            raise KVTransferError(f"{client.address}: GetBlocks failed: {exc}",
+                                  address=client.address) from None
+        if received != len(keys):
+            raise KVTransferError(f"{client.address}: GetBlocks stream ended after {received} "
+                                  f"of {len(keys)} block(s)", address=client.address)
+
+
 class KVStoreClient:
     """Client of one KV store server. Thread-safe (one gRPC channel); a context manager.
 
@@ -73,21 +148,36 @@ class KVStoreClient:
         address: ``host:port`` of the server.
         timeout_s: deadline of each call in seconds (a whole stream counts as one call).
         max_message_bytes: max gRPC message size in bytes, both directions.
+        token: the KV plane's shared secret (``--kv-token``), sent with every call; ``None``
+            for a store without auth.
 
     Every method raises :class:`KVTransferError` (naming the address and reason) on a deadline
-    or RPC failure; ``grpc.RpcError`` never escapes.
+    or RPC failure and :class:`KVAuthError` when the store refuses the token;
+    ``grpc.RpcError`` never escapes.
     """
 
-    def __init__(self, address: str, timeout_s: float = 10.0, max_message_bytes: int = 64 << 20):
+    def __init__(self, address: str, timeout_s: float = 10.0, max_message_bytes: int = 64 << 20,
+                 token: str | pydantic.SecretStr | None = None):
         self.address = address
         self.timeout_s = timeout_s
         self.max_message_bytes = max_message_bytes
         self._chunk_budget = max(1, max_message_bytes - MESSAGE_OVERHEAD_BYTES)
+        if isinstance(token, pydantic.SecretStr):
+            token = token.get_secret_value()
+        self._metadata = ((AUTH_METADATA_KEY, f"Bearer {token}"),) if token else ()
+        # SingleThreadedUnaryStream: a GetBlocks stream is read on the caller's thread, not
+        # handed over from gRPC's channel thread per message (less CPU per byte; cancel() works).
         self._channel = grpc.insecure_channel(address, options=[
-            ("grpc.max_send_message_length", max_message_bytes),
-            ("grpc.max_receive_message_length", max_message_bytes),
-        ])
+            *channel_options(max_message_bytes),
+            (grpc.experimental.ChannelOptions.SingleThreadedUnaryStream, 1)])
         self._stub = pb_grpc.KVStoreStub(self._channel)
+        self._get_blocks_raw = self._channel.unary_stream(  # replies decoded by wire.py
+            f"/{SERVICE_NAME}/GetBlocks",
+            request_serializer=pb.GetBlocksRequest.SerializeToString,
+            response_deserializer=None, _registered_method=True)
+
+    def __repr__(self) -> str:
+        return f"KVStoreClient({self.address!r}, auth={'on' if self._metadata else 'off'})"
 
     def put_blocks(self, keys: Sequence[bytes], blocks: torch.Tensor) -> None:
         """Store full blocks under their chained keys (kvstore.hashing.block_keys).
@@ -113,12 +203,13 @@ class KVStoreClient:
         flat = blocks.reshape(len(keys), -1)
 
         def messages() -> Iterator[pb.BlockData]:
-            for run in coalesce_runs(layout.nbytes, len(keys), self._chunk_budget):
+            for run in budget_runs(layout.nbytes, len(keys), self._chunk_budget):
                 yield pb.BlockData(keys=list(keys[run.start:run.stop]),
                                    layout=_layout_msg(layout),
                                    payload=tensor_to_payload(flat[run.start:run.stop]))
 
-        self._call("PutBlocks", lambda: self._stub.PutBlocks(messages(), timeout=self.timeout_s))
+        self._call("PutBlocks", lambda: self._stub.PutBlocks(
+            messages(), timeout=self.timeout_s, metadata=self._metadata))
 
     def get_blocks(self, keys: Sequence[bytes]) -> torch.Tensor:
         """Fetch full blocks, all or nothing.
@@ -139,35 +230,39 @@ class KVStoreClient:
         _check_keys(keys)
         if not keys:
             raise ValueError("get_blocks needs at least one key (the block shape is unknown)")
-        request = pb.GetBlocksRequest(keys=list(keys), max_chunk_bytes=self._chunk_budget)
-
-        def fetch() -> tuple[BlockLayout, list[bytes]]:
-            layout: BlockLayout | None = None
-            payloads: list[bytes] = []
-            received = 0
-            for msg in self._stub.GetBlocks(request, timeout=self.timeout_s):
-                msg_layout = BlockLayout(msg.layout.dtype, tuple(msg.layout.shape))
-                if layout is None:
-                    layout = msg_layout
-                if msg_layout != layout:
-                    raise BlockLayoutError(f"blocks from {self.address} mix layouts "
-                                           f"{layout} and {msg_layout}")
-                n = len(msg.keys)
-                if list(msg.keys) != list(keys[received:received + n]) or \
-                        len(msg.payload) != n * layout.nbytes:
-                    raise BlockLayoutError(f"malformed GetBlocks reply from {self.address} "
-                                           f"at block {received}")
-                payloads.append(msg.payload)
-                received += n
-            if received != len(keys) or layout is None:
-                raise KVTransferError(f"{self.address}: GetBlocks stream ended after {received} "
-                                      f"of {len(keys)} block(s)", address=self.address)
-            return layout, payloads
-
-        layout, payloads = self._call("GetBlocks", fetch)
-        out = torch.empty((len(keys), *layout.shape), dtype=TORCH_DTYPES[layout.dtype])
-        _fill_from_payloads(out, payloads)
+        out: torch.Tensor | None = None
+        flat: np.ndarray | None = None
+        for chunk in self.stream_blocks(keys):
+            if out is None:
+                out = torch.empty((len(keys), *chunk.layout.shape),
+                                  dtype=TORCH_DTYPES[chunk.layout.dtype])
+                flat = out.view(-1).view(torch.uint8).numpy()
+            copy_payload(flat, chunk.start * chunk.layout.nbytes, chunk.payload)
+        assert out is not None  # stream_blocks checked that every block came
+        if sys.byteorder != "little" and out.element_size() > 1:
+            out.view({2: torch.int16, 4: torch.int32}[out.element_size()]).numpy().byteswap(
+                inplace=True)
         return out
+
+    def stream_blocks(self, keys: Sequence[bytes], max_chunk_bytes: int | None = None,
+                      timeout_s: float | None = None) -> BlockStream:
+        """Open a GetBlocks stream; blocks arrive in order, coalesced into chunks.
+
+        Args:
+            keys: n >= 1 keys of 32 bytes.
+            max_chunk_bytes: payload budget per message (capped by ``max_message_bytes``).
+            timeout_s: deadline of the whole stream (default ``self.timeout_s``).
+
+        Raises (on iteration): as :meth:`get_blocks`.
+        """
+        budget = self._chunk_budget
+        if max_chunk_bytes is not None:
+            budget = max(1, min(budget, max_chunk_bytes))
+        request = pb.GetBlocksRequest(keys=list(keys), max_chunk_bytes=budget)
+        call = self._call("GetBlocks", lambda: self._get_blocks_raw(
+            request, timeout=self.timeout_s if timeout_s is None else timeout_s,
+            metadata=self._metadata))
+        return BlockStream(self, keys, call)
 
     def put_tail(self, handle: str, block: torch.Tensor, num_tokens: int) -> None:
         """Store a request's partial tail block under ``handle`` (never keyed or indexed).
@@ -189,9 +284,10 @@ class KVStoreClient:
         self._check_fits(layout)
         msg = pb.BlockData(handle=handle, layout=_layout_msg(layout),
                            payload=tensor_to_payload(block), num_tokens=num_tokens)
-        self._call("PutTail", lambda: self._stub.PutTail(msg, timeout=self.timeout_s))
+        self._call("PutTail", lambda: self._stub.PutTail(msg, timeout=self.timeout_s,
+                                                         metadata=self._metadata))
 
-    def take_tail(self, handle: str) -> tuple[torch.Tensor, int]:
+    def take_tail(self, handle: str, timeout_s: float | None = None) -> tuple[torch.Tensor, int]:
         """Return and remove the tail under ``handle``: (CPU tensor [*block_shape], num_tokens).
 
         Raises:
@@ -199,7 +295,8 @@ class KVStoreClient:
             BlockLayoutError, KVTransferError.
         """
         msg = self._call("TakeTail", lambda: self._stub.TakeTail(
-            pb.TailRequest(handle=handle), timeout=self.timeout_s), handle=handle)
+            pb.TailRequest(handle=handle), metadata=self._metadata,
+            timeout=self.timeout_s if timeout_s is None else timeout_s), handle=handle)
         layout = BlockLayout(msg.layout.dtype, tuple(msg.layout.shape))
         if len(msg.payload) != layout.nbytes:
             raise BlockLayoutError(f"malformed TakeTail reply from {self.address}")
@@ -210,14 +307,14 @@ class KVStoreClient:
     def release_tail(self, handle: str) -> bool:
         """Drop the tail under ``handle``; idempotent. ``True`` if it was there."""
         reply = self._call("ReleaseTail", lambda: self._stub.ReleaseTail(
-            pb.TailRequest(handle=handle), timeout=self.timeout_s))
+            pb.TailRequest(handle=handle), timeout=self.timeout_s, metadata=self._metadata))
         return reply.released
 
     def stats(self) -> dict[str, int]:
         """Server counters: num_blocks, bytes_used, capacity_bytes, num_tails, evictions,
         expired_tails."""
-        reply = self._call("Stats", lambda: self._stub.Stats(pb.StatsRequest(),
-                                                             timeout=self.timeout_s))
+        reply = self._call("Stats", lambda: self._stub.Stats(
+            pb.StatsRequest(), timeout=self.timeout_s, metadata=self._metadata))
         return {f.name: getattr(reply, f.name) for f in pb.StatsReply.DESCRIPTOR.fields}
 
     def close(self) -> None:
@@ -253,6 +350,9 @@ class KVStoreClient:
         trailers = dict(exc.trailing_metadata() or ()) if hasattr(exc, "trailing_metadata") else {}
         kind = trailers.get(ERROR_METADATA_KEY)
         where = f"{self.address}: {method}"
+        if code == grpc.StatusCode.UNAUTHENTICATED:
+            return KVAuthError(f"{where} refused: missing or invalid KV store token",
+                               address=self.address)
         if code == grpc.StatusCode.NOT_FOUND and kind == "not_found":
             if handle is not None:
                 return BlockNotFoundError(f"{where}: {details}", handle=handle)
@@ -262,7 +362,7 @@ class KVStoreClient:
         if kind == "layout":
             return BlockLayoutError(f"{where}: {details}")
         if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-            return KVTransferError(f"{where} exceeded its {self.timeout_s} s deadline",
+            return KVTransferError(f"{where} exceeded its deadline",
                                    address=self.address)
         name = code.name if code is not None else "UNKNOWN"
         return KVTransferError(f"{where} failed with {name}: {details}", address=self.address)

@@ -1,21 +1,32 @@
-"""Configuration of one node's KV store (DESIGN.md "Config": typed, explicit, 127.0.0.1 default)."""
+"""Configuration of one node's KV store and of the KV transfer backends (DESIGN.md "Config":
+typed, explicit, 127.0.0.1 default)."""
 
 from __future__ import annotations
 
+from typing import Literal
+
 import pydantic
+
+#: Names of the transfer backends (kvstore.transfer.registry.TRANSFER_BACKENDS has the classes).
+TransferBackendName = Literal["grpc", "torch", "fake"]
 
 
 class KVStoreConfig(pydantic.BaseModel):
     """Settings of a :class:`kvstore.server.KVStoreServer` and its host-DRAM block store.
 
     Attributes:
-        host: bind address of the gRPC server; 127.0.0.1 unless the cluster spans machines.
+        host: bind address of the gRPC server (``--kv-bind``); 127.0.0.1 unless the cluster
+            spans machines, then the node's routable address.
         port: TCP port; 0 picks a free port at start.
         capacity_bytes: host-DRAM budget in bytes; keyed blocks past it are LRU-evicted.
         tail_ttl_s: seconds a tail block may wait to be taken before it is dropped (so a
             decode worker that never comes leaks nothing).
         transfer_timeout_s: deadline in seconds of each client RPC.
         max_message_bytes: max gRPC message size in bytes, both directions.
+        token: shared secret (``--kv-token``) every call must present as
+            ``authorization: Bearer <token>``; ``None`` turns auth off (tests of this module
+            only: the cluster launcher always sets one). A ``SecretStr``, so it never shows in
+            a repr or a log.
     """
 
     model_config = pydantic.ConfigDict(frozen=True, extra="forbid")
@@ -26,3 +37,33 @@ class KVStoreConfig(pydantic.BaseModel):
     tail_ttl_s: float = pydantic.Field(default=120.0, gt=0)
     transfer_timeout_s: float = pydantic.Field(default=10.0, gt=0)
     max_message_bytes: int = pydantic.Field(default=64 << 20, gt=0)
+    token: pydantic.SecretStr | None = None
+
+
+class KVTransferConfig(pydantic.BaseModel):
+    """Settings of the receiving side of KV transfers (kvstore.transfer), one per worker.
+
+    Attributes:
+        backend: ``grpc`` (pull from a node's KV store), ``torch`` (torch.distributed
+            point-to-point over a pair group: gloo on CPU, NCCL on CUDA) or ``fake`` (tests).
+        timeout_s: default deadline of one transfer in seconds (FetchRequest.deadline_s wins).
+        max_chunk_bytes: payload bytes per wire message (grpc) or per send/recv (torch).
+        num_streams: grpc: concurrent GetBlocks streams one large transfer is split across.
+        min_stream_bytes: grpc: a transfer is split only so that each stream gets at least
+            this many bytes (small transfers stay on one stream).
+        max_message_bytes: grpc channel's max message size in bytes.
+        token: the KV plane's shared secret (``--kv-token``); ``None`` only in tests.
+        bind_host: torch: address the sender's pair store binds (a node's routable address
+            in a cluster).
+    """
+
+    model_config = pydantic.ConfigDict(frozen=True, extra="forbid")
+
+    backend: TransferBackendName = "grpc"
+    timeout_s: float = pydantic.Field(default=10.0, gt=0)
+    max_chunk_bytes: int = pydantic.Field(default=1 << 20, gt=0)
+    num_streams: int = pydantic.Field(default=2, ge=1, le=64)
+    min_stream_bytes: int = pydantic.Field(default=8 << 20, gt=0)
+    max_message_bytes: int = pydantic.Field(default=64 << 20, gt=0)
+    token: pydantic.SecretStr | None = None
+    bind_host: str = "127.0.0.1"

@@ -36,6 +36,20 @@ class KVTransferError(KVStoreError):
         self.address = address
 
 
+class KVAuthError(KVStoreError):
+    """The KV store refused the call: missing or wrong shared token (gRPC UNAUTHENTICATED).
+
+    The message names the peer address, never the token.
+
+    Attributes:
+        address: ``host:port`` of the peer.
+    """
+
+    def __init__(self, message: str, address: str | None = None):
+        super().__init__(message)
+        self.address = address
+
+
 class BlockLayoutError(KVStoreError):
     """A block's shape, dtype or byte size is unsupported or does not match the others."""
 

@@ -1,8 +1,14 @@
 """gRPC server of one node's KV store (DESIGN.md "Data plane"; Mooncake FAST'25 §3 Messenger).
 
 Serves a :class:`HostBlockStore` over the ``pdcluster.kvstore.v1.KVStore`` service: protobuf
-messages with raw tensor bytes, never pickle. Binds only ``config.host`` (127.0.0.1 by
-default). A daemon thread sweeps expired tails every ``min(tail_ttl_s / 4, 5)`` seconds.
+messages with raw tensor bytes, never pickle. Binds only ``config.host`` (``--kv-bind``,
+127.0.0.1 by default). With ``config.token`` set, every call must carry
+``authorization: Bearer <token>`` (or ``x-pdcluster-token: <token>``) in its metadata, else it
+fails with UNAUTHENTICATED (STYLE.md trap 6: KV planes shipped unauthenticated and bound to
+all interfaces). A daemon thread sweeps expired tails every ``min(tail_ttl_s / 4, 5)`` seconds.
+
+GetBlocks replies are pre-encoded (kvstore.transfer.wire): the blocks' bytes are joined once
+into the serialized message instead of being copied into a protobuf object and serialized.
 
 Errors carry the trailing-metadata entry ``pdcluster-error`` (``not_found`` | ``capacity`` |
 ``layout``) so clients map them to typed errors without parsing text.
@@ -10,6 +16,7 @@ Errors carry the trailing-metadata entry ``pdcluster-error`` (``not_found`` | ``
 
 from __future__ import annotations
 
+import hmac
 import logging
 import threading
 from collections.abc import Iterable, Iterator
@@ -22,6 +29,8 @@ from kvstore.errors import BlockLayoutError, KVStoreError, StoreCapacityError
 from kvstore.host_store import BlockLayout, HostBlockStore
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto import kvstore_pb2_grpc as pb_grpc
+from kvstore.transfer.runs import budget_runs
+from kvstore.transfer.wire import encode_block_data
 
 logger = logging.getLogger(__name__)
 
@@ -30,15 +39,18 @@ ERROR_METADATA_KEY = "pdcluster-error"
 MAX_MISSING_KEYS_IN_DETAILS = 64
 #: Bytes kept free in each message for keys and framing when coalescing a run of blocks.
 MESSAGE_OVERHEAD_BYTES = 64 << 10
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["KVStore"].full_name
+#: Metadata keys that may carry the shared token (gRPC lower-cases metadata keys).
+AUTH_METADATA_KEY = "authorization"
+TOKEN_METADATA_KEY = "x-pdcluster-token"
 
 
-def coalesce_runs(block_nbytes: int, num_blocks: int, budget_bytes: int) -> list[range]:
-    """Split ``num_blocks`` consecutive blocks into runs of at most ``budget_bytes`` payload.
-
-    Every run holds at least one block (a single block larger than the budget is its own run).
-    """
-    per_run = max(1, budget_bytes // max(1, block_nbytes))
-    return [range(i, min(i + per_run, num_blocks)) for i in range(0, num_blocks, per_run)]
+def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
+    """gRPC options shared by the server and its clients (tuned with benchmarks/transfer.py)."""
+    return [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+    ]
 
 
 def _abort(context: grpc.ServicerContext, code: grpc.StatusCode, kind: str, details: str):
@@ -85,7 +97,8 @@ class _KVStoreServicer(pb_grpc.KVStoreServicer):
             num_blocks += n
         return pb.PutReply(num_blocks=num_blocks)
 
-    def GetBlocks(self, request: pb.GetBlocksRequest, context) -> Iterator[pb.BlockData]:
+    def GetBlocks(self, request: pb.GetBlocksRequest, context) -> Iterator[bytes]:
+        """Yields serialized BlockData messages (see :func:`_method_handlers`)."""
         keys = list(request.keys)
         entries = self._store.get_many(keys)
         missing = [k for k, e in zip(keys, entries) if e is None]
@@ -104,13 +117,11 @@ class _KVStoreServicer(pb_grpc.KVStoreServicer):
             end = start + 1  # a run shares one layout
             while end < len(keys) and entries[end][1] == layout:
                 end += 1
-            for run in coalesce_runs(layout.nbytes, end - start, budget):
+            layout_msg = pb.BlockLayout(dtype=layout.dtype, shape=layout.shape)
+            for run in budget_runs(layout.nbytes, end - start, budget):
                 idx = range(start + run.start, start + run.stop)
-                yield pb.BlockData(
-                    keys=[keys[i] for i in idx],
-                    layout=pb.BlockLayout(dtype=layout.dtype, shape=layout.shape),
-                    payload=b"".join(entries[i][0] for i in idx),
-                )
+                yield encode_block_data([entries[i][0] for i in idx],
+                                        keys=keys[idx.start:idx.stop], layout=layout_msg)
             start = end
 
     def PutTail(self, request: pb.BlockData, context) -> pb.PutReply:
@@ -138,6 +149,70 @@ class _KVStoreServicer(pb_grpc.KVStoreServicer):
 
     def Stats(self, request: pb.StatsRequest, context) -> pb.StatsReply:
         return pb.StatsReply(**self._store.stats())
+
+
+def _method_handlers(servicer: _KVStoreServicer) -> dict[str, grpc.RpcMethodHandler]:
+    """The generated ``add_KVStoreServicer_to_server`` table, except that GetBlocks yields
+    pre-encoded ``bytes`` (its serializer is the identity)."""
+    return {
+        "PutBlocks": grpc.stream_unary_rpc_method_handler(
+            servicer.PutBlocks, request_deserializer=pb.BlockData.FromString,
+            response_serializer=pb.PutReply.SerializeToString),
+        "GetBlocks": grpc.unary_stream_rpc_method_handler(
+            servicer.GetBlocks, request_deserializer=pb.GetBlocksRequest.FromString,
+            response_serializer=None),
+        "PutTail": grpc.unary_unary_rpc_method_handler(
+            servicer.PutTail, request_deserializer=pb.BlockData.FromString,
+            response_serializer=pb.PutReply.SerializeToString),
+        "TakeTail": grpc.unary_unary_rpc_method_handler(
+            servicer.TakeTail, request_deserializer=pb.TailRequest.FromString,
+            response_serializer=pb.BlockData.SerializeToString),
+        "ReleaseTail": grpc.unary_unary_rpc_method_handler(
+            servicer.ReleaseTail, request_deserializer=pb.TailRequest.FromString,
+            response_serializer=pb.ReleaseTailReply.SerializeToString),
+        "Stats": grpc.unary_unary_rpc_method_handler(
+            servicer.Stats, request_deserializer=pb.StatsRequest.FromString,
+            response_serializer=pb.StatsReply.SerializeToString),
+    }
+
+
+class _TokenAuthInterceptor(grpc.ServerInterceptor):
+    """Refuses, with UNAUTHENTICATED, every call not carrying the shared token.
+
+    The token is compared in constant time (``hmac.compare_digest``) and never logged.
+    """
+
+    def __init__(self, token: str):
+        self._token = token.encode()
+
+    def intercept_service(self, continuation, handler_call_details):
+        handler = continuation(handler_call_details)
+        if handler is None or self._authorized(handler_call_details.invocation_metadata):
+            return handler
+        return _refusing_handler(handler)
+
+    def _authorized(self, metadata) -> bool:
+        presented = b""
+        for key, value in metadata or ():
+            if key == AUTH_METADATA_KEY and value.startswith("Bearer "):
+                presented = value[len("Bearer "):].encode()
+            elif key == TOKEN_METADATA_KEY:
+                presented = value.encode() if isinstance(value, str) else value
+        return hmac.compare_digest(presented, self._token)
+
+
+def _refusing_handler(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    def refuse(request_or_iterator, context):
+        context.set_trailing_metadata(((ERROR_METADATA_KEY, "auth"),))
+        context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid KV store token")
+
+    make = {
+        (False, False): grpc.unary_unary_rpc_method_handler,
+        (False, True): grpc.unary_stream_rpc_method_handler,
+        (True, False): grpc.stream_unary_rpc_method_handler,
+        (True, True): grpc.stream_stream_rpc_method_handler,
+    }[(handler.request_streaming, handler.response_streaming)]
+    return make(refuse)
 
 
 class KVStoreServer:
@@ -169,15 +244,17 @@ class KVStoreServer:
         """
         if self._server is not None:
             raise KVStoreError(f"KV store server already started on {self.address}")
-        options = [
-            ("grpc.max_send_message_length", self.config.max_message_bytes),
-            ("grpc.max_receive_message_length", self.config.max_message_bytes),
-            ("grpc.so_reuseport", 0),
-        ]
+        options = [*channel_options(self.config.max_message_bytes), ("grpc.so_reuseport", 0)]
+        interceptors = []
+        if self.config.token is not None:
+            interceptors.append(_TokenAuthInterceptor(self.config.token.get_secret_value()))
         server = grpc.server(futures.ThreadPoolExecutor(
-            max_workers=self._max_workers, thread_name_prefix="kvstore-grpc"), options=options)
-        pb_grpc.add_KVStoreServicer_to_server(
-            _KVStoreServicer(self.store, self.config.max_message_bytes), server)
+            max_workers=self._max_workers, thread_name_prefix="kvstore-grpc"), options=options,
+            interceptors=interceptors)
+        handlers = _method_handlers(_KVStoreServicer(self.store, self.config.max_message_bytes))
+        server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+        server.add_registered_method_handlers(SERVICE_NAME, handlers)
         bind = f"{_host_for_uri(self.config.host)}:{self.config.port}"
         try:
             port = server.add_insecure_port(bind)
@@ -191,7 +268,8 @@ class KVStoreServer:
         self._sweeper = threading.Thread(target=self._sweep_loop, name="kvstore-tail-sweep",
                                          daemon=True)
         self._sweeper.start()
-        logger.info("KV store server listening on %s", self.address)
+        logger.info("KV store server listening on %s (auth %s)", self.address,
+                    "on" if self.config.token is not None else "OFF")
         return port
 
     @property

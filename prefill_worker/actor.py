@@ -14,22 +14,38 @@ import ray
 from engine.config import EngineConfig
 from engine.protocol import PrefillRequest, PrefillResult
 from engine.runner import ModelRunner
-from kvstore.actor import local_kvstore_address
+from kvstore.actor import kvstore_actor
 from kvstore.client import KVStoreClient
-from prefill_worker.engine import PrefillEngine
+from kvstore.config import KVStoreConfig
+from kvstore.index import open_index
+from kvstore.node_client import NodeStoreClient
+from kvstore.pool_config import KVPoolConfig
+from kvstore.publish import ArenaPublisher
+from kvstore.remote import RemoteStores
+from prefill_worker.engine import PrefillEngine, PrefillKV
+from prefill_worker.prefix_loader import PrefixLoader
 
 
 @ray.remote
 class PrefillWorker:
-    """One prefill instance (tensor parallel size 1)."""
+    """One prefill instance (tensor parallel size 1), using its node's KV store actor."""
 
-    def __init__(self, worker_id: str, engine_config: EngineConfig,
-                 transfer_timeout_s: float = 10.0, ray_namespace: str | None = None) -> None:
+    def __init__(self, worker_id: str, engine_config: EngineConfig, kv_config: KVStoreConfig,
+                 pool_config: KVPoolConfig, ray_namespace: str | None = None) -> None:
         runner = ModelRunner(engine_config)
-        address = local_kvstore_address(ray_namespace)
-        client = KVStoreClient(address, timeout_s=transfer_timeout_s)
+        timeout = kv_config.transfer_timeout_s
+        node_id = ray.get_runtime_context().get_node_id()
+        store = kvstore_actor(node_id, ray_namespace)
+        address = ray.get(store.address.remote(), timeout=30)
+        node_client = NodeStoreClient(store, timeout)
+        index = open_index(pool_config.index_url)
+        loader = PrefixLoader(node_id, index, node_client,
+                              RemoteStores(ray_namespace, kv_config.token, timeout),
+                              runner.kv_cache)
+        kv = PrefillKV(KVStoreClient(address, timeout_s=timeout, token=kv_config.token),
+                       address, node_id, ArenaPublisher(node_client), loader, index)
         self.worker_id = worker_id
-        self.engine = PrefillEngine(runner, client, address, worker_id, os.getpid())
+        self.engine = PrefillEngine(runner, kv, worker_id, os.getpid())
 
     def prefill(self, request: PrefillRequest) -> PrefillResult:
         return self.engine.prefill(request)
@@ -39,8 +55,11 @@ class PrefillWorker:
 
     def info(self) -> dict:
         return {"worker_id": self.worker_id, "pid": os.getpid(), "role": "prefill",
-                "node_id": ray.get_runtime_context().get_node_id(),
-                "kv_address": self.engine.kv_address}
+                "node_id": self.engine.kv.node_id, "kv_address": self.engine.kv_address}
 
     def stats(self) -> dict:
         return self.engine.stats()
+
+    def reset_prefix_cache_for_testing(self) -> bool:
+        """TEST-ONLY: drop this worker's G1 prefix cache (vLLM's reset_prefix_cache)."""
+        return self.engine.reset_prefix_cache()

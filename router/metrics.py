@@ -60,9 +60,9 @@ class ClusterStatsCollector:
         self.instances = instances
 
     async def scrape(self) -> list[Metric]:
-        prefill, decode = self.instances.by_role("prefill"), self.instances.by_role("decode")
-        stats_p = await _gather_stats(prefill)
-        stats_d = await _gather_stats(decode)
+        stats_p = await _gather_stats(self.instances.by_role("prefill"))
+        stats_d = await _gather_stats(self.instances.by_role("decode"))
+        stats_kv = await _gather_stats(self.instances.by_role("kvstore"))
         queried = CounterMetricFamily("pdcluster_prefix_cache_queried_tokens",
                                       "Prompt tokens looked up in the prefix cache")
         queried.add_metric([], sum(s.get("prefix_cache_queried_tokens_total", 0) for s in stats_p))
@@ -84,6 +84,10 @@ class ClusterStatsCollector:
         for state, key in (("free", "num_free_blocks"), ("used", "num_used_blocks"),
                            ("cached", "num_cached_blocks")):
             blocks.add_metric(["device", state], sum(s.get(key, 0) for s in stats_p + stats_d))
+        for tier in ("host", "ssd"):
+            for state in ("free", "used", "cached"):
+                blocks.add_metric([tier, state], sum(s.get("tiers", {}).get(tier, {}).get(state, 0)
+                                                     for s in stats_kv))
         running = GaugeMetricFamily("pdcluster_requests_running", "Requests running, by role",
                                     labels=["role"])
         running.add_metric(["decode"], sum(s.get("num_active", 0) for s in stats_d))

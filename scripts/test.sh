@@ -3,4 +3,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh --dev
-exec .venv/bin/python -m pytest -q -ra "$@"
+if [ $# -gt 0 ]; then exec .venv/bin/python -m pytest -q -ra "$@"; fi
+# tests/multinode runs its own multi-node Ray cluster: a separate pytest process
+.venv/bin/python -m pytest -q -ra tests
+.venv/bin/python -m pytest -q -ra tests/multinode

@@ -23,6 +23,9 @@ class ArenaFullError(KVStoreError):
         self.needed = needed
         self.available = available
 
+    def __reduce__(self):  # rebuilt from its own arguments when it crosses Ray's RPC
+        return (type(self), (self.needed, self.available))
+
 
 class ArenaAllocationError(KVStoreError):
     """The owner could not create or preallocate the shared-memory segment.

@@ -87,7 +87,7 @@ def test_decode_output_depends_on_kv_received_over_grpc(cluster, hf):
 
     # the tail went to decode under a one-shot handle: it is gone from the store now
     kv_address = ray.get(cluster.prefill[0].handle.info.remote())["kv_address"]
-    with KVStoreClient(kv_address) as client:
+    with KVStoreClient(kv_address, token=cluster.config.kvstore.token) as client:
         assert client.stats()["num_tails"] == 0
 
 

@@ -10,13 +10,15 @@ import threading
 import pytest
 
 from decode_worker.engine import DecodeEngine
+from decode_worker.kv_fetch import KVFetcher
 from engine.config import BUNDLED_MODEL, EngineConfig
 from engine.protocol import DecodeRequest, FinishReason, PrefillRequest, SamplingParams
 from engine.runner import ModelRunner
 from kvstore.client import KVStoreClient
 from kvstore.config import KVStoreConfig
+from kvstore.publish import GrpcPublisher
 from kvstore.server import KVStoreServer
-from prefill_worker.engine import PrefillEngine
+from prefill_worker.engine import PrefillEngine, PrefillKV
 
 
 @pytest.fixture(scope="module")
@@ -36,12 +38,18 @@ def engines(eos_model_dir):
     server.start()
     config = EngineConfig(model=str(eos_model_dir), num_kv_blocks=128)
     client = KVStoreClient(server.address)
-    prefill = PrefillEngine(ModelRunner(config), client, server.address, "prefill-0", 0)
-    decode = DecodeEngine(ModelRunner(config), "decode-0", 0, transfer_timeout_s=5)
+    prefill = PrefillEngine(ModelRunner(config), grpc_kv(client, server.address), "prefill-0", 0)
+    decode_runner = ModelRunner(config)
+    decode = DecodeEngine(decode_runner, "decode-0", 0, KVFetcher(decode_runner.kv_cache, 5))
     yield prefill, decode
     decode.shutdown()
     client.close()
     server.stop()
+
+
+def grpc_kv(client: KVStoreClient, address: str) -> PrefillKV:
+    """A store in this process, reached over gRPC (no Ray, no arena, no cluster index)."""
+    return PrefillKV(client, address, "local-node", GrpcPublisher(client))
 
 
 def generate(engines, request_id: str, prompt: list[int], params: SamplingParams):
@@ -116,7 +124,8 @@ def test_prefix_caching_switch_off_recomputes(engines, eos_model_dir, hf):
     prefill, _ = engines
     config = EngineConfig(model=str(eos_model_dir), num_kv_blocks=64,
                           enable_prefix_caching=False)
-    off = PrefillEngine(ModelRunner(config), prefill.kv_client, prefill.kv_address, "off", 0)
+    off = PrefillEngine(ModelRunner(config), grpc_kv(prefill.kv_client, prefill.kv_address),
+                        "off", 0)
     prompt = hf.encode("Once upon a time, there was a girl who liked to read books about cats.")
     params = SamplingParams(max_tokens=2, temperature=0)
     results = [off.prefill(PrefillRequest(f"off-{i}", tuple(prompt), params)) for i in range(2)]

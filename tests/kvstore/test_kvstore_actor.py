@@ -13,11 +13,15 @@ from kvstore.client import KVStoreClient  # noqa: E402
 from kvstore.config import KVStoreConfig  # noqa: E402
 from kvstore.errors import KVStoreError  # noqa: E402
 from kvstore.hashing import block_keys, make_namespace  # noqa: E402
+from kvstore.host_store import BlockLayout  # noqa: E402
+from kvstore.pool_config import KVPoolConfig  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
 # Own Ray namespace: these actors must not collide with a session cluster's KV stores.
 NS = "pdcluster-kvstore-test"
+LAYOUT = BlockLayout("bfloat16", (2, 16, 2, 8))
+POOL = KVPoolConfig(dram_cache_bytes=1 << 20, index_url=f"ray://{NS}-index")
 
 
 @pytest.fixture(scope="module")
@@ -53,13 +57,14 @@ class FakeWorker:
 
 
 def test_one_pinned_actor_per_node_reachable_from_workers(ray_cluster):
-    actors = start_kvstore_actors(KVStoreConfig(), NS)
+    actors = start_kvstore_actors(KVStoreConfig(), POOL, LAYOUT, NS)
     alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
     assert set(actors) == alive
     for node_id, actor in actors.items():
         assert ray.get(actor.node_id.remote()) == node_id
         assert ray.get_actor(KVSTORE_ACTOR_PREFIX + node_id, namespace=NS) is not None
-    assert start_kvstore_actors(KVStoreConfig(), NS).keys() == actors.keys()  # idempotent
+    again = start_kvstore_actors(KVStoreConfig(), POOL, LAYOUT, NS)
+    assert again.keys() == actors.keys()  # idempotent
 
     producer, consumer = FakeWorker.remote(), FakeWorker.remote()
     node_id, address, producer_pid = ray.get(producer.node_and_address.remote())
@@ -90,7 +95,7 @@ def test_local_address_without_actor_times_out(ray_cluster):
 def test_wildcard_bind_advertises_node_ip(ray_cluster):
     from kvstore.actor import KVStoreActor
 
-    actor = KVStoreActor.remote(KVStoreConfig(host="0.0.0.0"))
+    actor = KVStoreActor.remote(KVStoreConfig(host="0.0.0.0"), POOL, LAYOUT)
     try:
         host, _, port = ray.get(actor.address.remote()).rpartition(":")
         assert host == ray.util.get_node_ip_address() and int(port) > 0
