@@ -1,11 +1,14 @@
-"""A node's tiered store: G2 arena over G3 SSD, placements published to the index."""
+"""A node's tiered store: G2 arena over G3 SSD, placements published to the index (in-memory,
+and a real redis-server)."""
 
 from __future__ import annotations
+
+import uuid
 
 import pytest
 
 from kvstore.host_store import BlockLayout, HostBlockStore
-from kvstore.index import Location, MemoryIndex
+from kvstore.index import Location, MemoryIndex, RedisIndex
 from kvstore.node_store import TieredNodeStore
 
 LAYOUT = BlockLayout("float32", (2, 2, 4, 2, 8))  # 1 KiB blocks
@@ -20,9 +23,13 @@ def payload(i: int) -> bytes:
     return bytes((i * 7 + j) % 251 for j in range(LAYOUT.nbytes))
 
 
-@pytest.fixture
-def store(tmp_path):
-    index = MemoryIndex()
+@pytest.fixture(params=["memory", "redis"])
+def store(request, tmp_path):
+    if request.param == "redis":
+        server = request.getfixturevalue("redis_server")
+        index = RedisIndex(server.url, namespace=f"ns{uuid.uuid4().hex[:8]}")
+    else:
+        index = MemoryIndex()
     index.heartbeat(NODE, 30)
     s = TieredNodeStore(NODE, LAYOUT, dram_bytes=2 * LAYOUT.nbytes, ssd_dir=str(tmp_path / "ssd"),
                         ssd_bytes=4 * LAYOUT.nbytes, index=index,
@@ -31,7 +38,7 @@ def store(tmp_path):
     s.close()
 
 
-def tiers_of(index: MemoryIndex, k: bytes) -> set[str]:
+def tiers_of(index, k: bytes) -> set[str]:
     return {loc.tier for loc in index.lookup([k])[0]}
 
 
