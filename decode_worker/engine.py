@@ -3,14 +3,17 @@
 Lifecycle of a request on a decode worker:
 
 1. WAITING        — received after prefill, with the prefill's first token and KV handles.
-2. admission      — blocks for the whole request (prompt + max_tokens, capped at max_model_len)
-                    are reserved in this worker's paged cache, so a running request never runs
-                    out of blocks (preemption arrives with the full-strength workers).
+2. admission      — first come, first served: blocks for the prompt and the first fed token
+                    are taken from this worker's paged cache; more are added one at a time as
+                    the request grows.
 3. WAITING_FOR_KV — the prompt's full blocks (by key) and the partial tail block (by handle) are
                     fetched from the prefill node's KV store over gRPC on a fetch thread and
                     written into the reserved blocks. The engine loop polls, never blocks on it.
 4. RUNNING        — joins the batch at the next step; each step feeds the last token of every
                     running request (one forward token each), samples the next, streams it.
+   PREEMPTED      — when a growing request finds no free block, the newest running request
+                    is preempted (its blocks freed, recomputed or swapped to host memory; see
+                    preemption.py) and waits at the head of the queue to resume, output intact.
 5. FINISHED       — EOS / stop id / max_tokens / max_model_len, abort, or a failed fetch; every
                     block it held goes back to the pool in the same loop iteration.
 
@@ -32,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from decode_worker.kv_fetch import KVFetcher
+from decode_worker.preemption import PREEMPTION_MODES
 from engine.protocol import DecodeRequest, FinishReason, TokenDelta, TokenLogprob
 from engine.runner import ModelRunner, SequenceChunk
 from engine.sampler import SampleInput, draw_seed, sample
@@ -44,6 +48,7 @@ class RequestStatus(enum.Enum):
     WAITING = "waiting"
     WAITING_FOR_KV = "waiting_for_kv"
     RUNNING = "running"
+    PREEMPTED = "preempted"
     FINISHED = "finished"
 
 
@@ -58,6 +63,8 @@ class DecodeSequence:
     fetch: Future | None = None
     num_forward_tokens: int = 0
     aborted: bool = False
+    arrival: int = 0
+    swapped: object = None  # host copy of the KV of a request preempted by swapping
 
     @property
     def request_id(self) -> str:
@@ -88,6 +95,10 @@ class DecodeEngine:
         self.max_model_len = cfg.resolved_max_model_len(runner.model_config)
         self.eos_token_ids = frozenset(runner.model_config.eos_token_ids)
         self.pool = BlockPool(cfg.num_kv_blocks, enable_caching=False)  # decode keys nothing
+        self.preemption = PREEMPTION_MODES[cfg.preemption_mode]()
+        self.num_preemptions_total = 0
+        self.num_recomputed_tokens_total = 0
+        self._arrivals = 0
         self.fetcher = fetcher
         self._fetch_threads = ThreadPoolExecutor(2, thread_name_prefix="kv-fetch")
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -122,6 +133,8 @@ class DecodeEngine:
             **self.pool.stats(),
             "num_forward_tokens_total": self.num_forward_tokens_total,
             "num_steps_total": self.num_steps_total,
+            "num_preemptions_total": self.num_preemptions_total,
+            "num_recomputed_tokens_total": self.num_recomputed_tokens_total,
             "kv_bytes_fetched_total": self.fetcher.bytes_fetched_total,
         }
 
@@ -139,7 +152,8 @@ class DecodeEngine:
                 self._drain_inbox()
                 self._admit_waiting()
                 self._poll_fetches()
-                running = [s for s in self._active.values() if s.status is RequestStatus.RUNNING]
+                running = self._grow_blocks(
+                    [s for s in self._active.values() if s.status is RequestStatus.RUNNING])
                 if running:
                     self._step(running)
                 else:
@@ -158,6 +172,8 @@ class DecodeEngine:
             except queue.Empty:
                 return
             if kind == "add":
+                self._arrivals += 1
+                item.arrival = self._arrivals
                 self._waiting.append(item)
             else:
                 self._abort_now(item)
@@ -178,7 +194,8 @@ class DecodeEngine:
         else:
             self._finish(seq, FinishReason.ABORT)
 
-    def _blocks_needed(self, seq: DecodeSequence) -> int:
+    def _blocks_at_most(self, seq: DecodeSequence) -> int:
+        """Blocks the request holds when it is as long as it can get."""
         total = min(len(seq.request.prompt_token_ids) + seq.request.sampling.max_tokens,
                     self.max_model_len)
         return math.ceil(total / self.block_size)
@@ -187,6 +204,13 @@ class DecodeEngine:
         """First come, first served: stop at the first request that does not fit."""
         while self._waiting:
             seq = self._waiting[0]
+            if seq.status is RequestStatus.PREEMPTED:
+                if not self.preemption.resume(self, seq):
+                    return
+                self._waiting.pop(0)
+                seq.status = RequestStatus.RUNNING
+                self._active[seq.request_id] = seq
+                continue
             finish = self._check_stop(seq)
             if finish is not None:
                 self._waiting.pop(0)
@@ -194,15 +218,15 @@ class DecodeEngine:
                 seq.status = RequestStatus.FINISHED
                 seq.emit(self._delta(seq, (), finish))
                 continue
-            needed = self._blocks_needed(seq)
-            if needed > self.pool.num_blocks:
+            if self._blocks_at_most(seq) > self.pool.num_blocks:
                 self._waiting.pop(0)
                 self._release_remote_tail(seq)
                 seq.status = RequestStatus.FINISHED
                 seq.emit(self._delta(seq, (), FinishReason.ERROR,
-                                     f"request needs {needed} KV blocks, worker has "
-                                     f"{self.pool.num_blocks}"))
+                                     f"request needs up to {self._blocks_at_most(seq)} KV "
+                                     f"blocks, worker has {self.pool.num_blocks}"))
                 continue
+            needed = math.ceil((len(seq.request.prompt_token_ids) + 1) / self.block_size)
             if needed > self.pool.num_free_blocks:
                 return
             self._waiting.pop(0)
@@ -225,6 +249,26 @@ class DecodeEngine:
                 self._finish(seq, FinishReason.ERROR, f"KV fetch failed: {error}")
             else:
                 seq.status = RequestStatus.RUNNING
+
+    def _grow_blocks(self, running: list[DecodeSequence]) -> list[DecodeSequence]:
+        """Give each running request the block its next token needs, oldest first; when none
+        is free, preempt the newest running request (possibly the one asking)."""
+        running = sorted(running, key=lambda s: s.arrival)
+        for seq in list(running):
+            while seq in running and len(seq.block_table) * self.block_size < seq.num_tokens:
+                if self.pool.num_free_blocks:
+                    seq.block_table += self.pool.allocate(1)
+                else:
+                    self._preempt(running.pop())
+        return running
+
+    def _preempt(self, seq: DecodeSequence) -> None:
+        self.preemption.preempt(self, seq)
+        seq.status = RequestStatus.PREEMPTED
+        del self._active[seq.request_id]
+        self._waiting.insert(0, seq)
+        self.num_preemptions_total += 1
+        log.debug("preempted %s after %d tokens", seq.request_id, len(seq.output_ids))
 
     def _step(self, running: list[DecodeSequence]) -> None:
         chunks = [SequenceChunk(token_ids=(s.output_ids[-1],), num_computed_tokens=s.num_tokens - 1,

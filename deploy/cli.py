@@ -34,6 +34,10 @@ _SERVE_FLAGS = [
     ("--max-model-len", "engine.max_model_len", int, "context length (default: model's)"),
     ("--num-kv-blocks", "engine.num_kv_blocks", int, "paged-cache blocks per worker"),
     ("--torch-threads", "engine.torch_threads", int, "torch threads per actor (default 1)"),
+    ("--preemption-mode", "engine.preemption_mode", str,
+     "recompute | swap: how a full decode cache makes room (default recompute)"),
+    ("--max-num-batched-tokens", "engine.max_num_batched_tokens", int,
+     "token budget of one forward step; longer prompts prefill in chunks (default 512)"),
     ("--ray-num-cpus", "ray_num_cpus", int, "logical CPUs of the local Ray "
                                             "(default: worker actors + 2)"),
     ("--actor-num-cpus", "actor_num_cpus", float, "logical CPUs per worker actor (default 1)"),

@@ -195,7 +195,9 @@ class EngineConfig(pydantic.BaseModel):
     `max_model_len`: longest sequence (prompt + output) in tokens; None means the model's
     `max_position_embeddings`. `torch_threads`: intra-op CPU threads (Ray sets OMP_NUM_THREADS=1).
     `enable_prefix_caching`: reuse cached full blocks of a prompt's prefix (vLLM's flag; off for
-    A/B runs).
+    A/B runs). `max_num_batched_tokens`: token budget of one forward step; longer prompts are
+    prefilled in chunks of at most this many tokens (vLLM's chunked prefill).
+    `preemption_mode`: how a decode worker makes room when its cache is full (vLLM's modes).
     """
 
     model_config = pydantic.ConfigDict(frozen=True, extra="forbid", protected_namespaces=())
@@ -208,6 +210,8 @@ class EngineConfig(pydantic.BaseModel):
     device: str = "cpu"
     torch_threads: int = pydantic.Field(1, gt=0)
     enable_prefix_caching: bool = True
+    max_num_batched_tokens: int = pydantic.Field(512, gt=0)
+    preemption_mode: Literal["recompute", "swap"] = "recompute"
 
     def torch_dtype(self) -> torch.dtype:
         """The torch dtype named by `dtype`."""

@@ -7,8 +7,8 @@ Lifecycle of a request on a prefill worker:
    since the first output token needs the last position's logits (vLLM does the same);
 2. blocks for the rest are allocated; the next part of the prefix that G1 lacks is loaded from
    the cluster pool (this node's G2/G3, or another node's) into them (PrefixLoader);
-3. the uncached suffix runs through the model in one chunk (chunked prefill arrives with the
-   full-strength workers), and output token 0 is sampled;
+3. the uncached suffix runs through the model in chunks of at most max_num_batched_tokens
+   (chunked prefill), and output token 0 is sampled;
 4. the prompt's full blocks are published to this node's G2 under their keys, and the loaded
    and computed ones are cached in G1 (their events go to the global index); the partial tail
    block goes to the node's store under a per-request handle, never keyed or indexed;
@@ -125,8 +125,7 @@ class PrefillEngine:
             try:
                 loaded = self._load_prefix(keys[len(hit):max_hit], blocks[len(hit):])
                 num_cached = (len(hit) + loaded.num_blocks) * self.block_size
-                logits = self.runner.execute(
-                    [SequenceChunk(tuple(prompt[num_cached:]), num_cached, blocks)])
+                logits = self._run_chunks(prompt, num_cached, blocks)
                 [(first_token, first_logprob)] = sample(
                     logits, [SampleInput(request.sampling, seed, prompt, ())], self.eos_token_ids)
                 tail_handle, num_tail = self._publish(request, prompt, keys, blocks)
@@ -157,6 +156,18 @@ class PrefillEngine:
         handle = f"tail:{request.request_id}"
         self.kv_client.put_tail(handle, data[len(keys)], num_tail)
         return handle, num_tail
+
+    def _run_chunks(self, prompt: list[int], start: int, blocks: list[int]):
+        """Positions start.. of the prompt through the model in chunks of at most
+        max_num_batched_tokens (vLLM's chunked prefill): each chunk attends to the KV the
+        earlier ones wrote. Returns the last chunk's last-token logits."""
+        budget = self.runner.engine_config.max_num_batched_tokens
+        while True:
+            end = min(len(prompt), start + budget)
+            logits = self.runner.execute([SequenceChunk(tuple(prompt[start:end]), start, blocks)])
+            if end == len(prompt):
+                return logits
+            start = end
 
     def reset_prefix_cache(self) -> bool:
         """Drop every G1 key (refused while a prefill holds blocks); the index hears of it."""

@@ -134,3 +134,79 @@ def test_prefix_caching_switch_off_recomputes(engines, eos_model_dir, hf):
     assert results[0].first_token == results[1].first_token == hf.greedy(prompt, 1)[0]
     for r in results:
         off.kv_client.release_tail(r.tail_handle)
+
+
+def test_chunked_prefill_equals_unchunked(engines, eos_model_dir, hf):
+    prefill, _ = engines
+    prompt = (hf.encode("Once upon a time, there was a big dog named Max.") +
+              hf.encode(" Max liked to run in the park with his friends." * 30,
+                        add_special_tokens=False))[:400]
+    assert len(prompt) == 400
+    params = SamplingParams(max_tokens=1, temperature=0, logprobs=3)
+    chunked_config = EngineConfig(model=str(eos_model_dir), num_kv_blocks=64,
+                                  max_num_batched_tokens=64, enable_prefix_caching=False)
+    chunked = PrefillEngine(ModelRunner(chunked_config),
+                            grpc_kv(prefill.kv_client, prefill.kv_address), "chunked", 0)
+    whole_config = chunked_config.model_copy(update={"max_num_batched_tokens": 512})
+    whole = PrefillEngine(ModelRunner(whole_config),
+                          grpc_kv(prefill.kv_client, prefill.kv_address), "whole", 0)
+    a = chunked.prefill(PrefillRequest("chunked", tuple(prompt), params))
+    b = whole.prefill(PrefillRequest("whole", tuple(prompt), params))
+    assert a.first_token == b.first_token == hf.greedy(prompt, 1)[0]
+    assert a.first_logprob.logprob == pytest.approx(b.first_logprob.logprob, abs=1e-5)
+    assert [t for t, _ in a.first_logprob.top] == [t for t, _ in b.first_logprob.top]
+    # and the KV the chunks wrote is the KV decode continues from
+    decode_runner = ModelRunner(whole_config)
+    decode = DecodeEngine(decode_runner, "d-chunk", 0, KVFetcher(decode_runner.kv_cache, 5))
+    try:
+        _, got, _ = generate((chunked, decode), "chunked-2", prompt,
+                             SamplingParams(max_tokens=12, temperature=0))
+    finally:
+        decode.shutdown()
+    assert got == hf.greedy(prompt, 12, eos_token_id=[1, 2])
+    for r in (a, b):
+        prefill.kv_client.release_tail(r.tail_handle)
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preemption_keeps_outputs_identical(engines, eos_model_dir, hf, mode):
+    """4 requests of ~90 tokens in a 12-block (192-token) decode cache: growing requests
+    preempt the newest; every output equals the request run alone (greedy and seeded)."""
+    prefill, _ = engines
+    config = EngineConfig(model=str(eos_model_dir), num_kv_blocks=12, preemption_mode=mode,
+                          max_num_batched_tokens=32)
+    runner = ModelRunner(config)
+    small = DecodeEngine(runner, f"small-{mode}", 0, KVFetcher(runner.kv_cache, 5))
+    texts = ["Once upon a time", "The big dog", "Lily had a cat", "Tom went to the park"]
+    prompts = [hf.encode(t + ", and they played all day long in the sun.") for t in texts]
+    params = [SamplingParams(max_tokens=70, temperature=0 if i % 2 else 0.9, seed=7 + i,
+                             ignore_eos=True) for i in range(4)]
+    try:
+        alone = [generate((prefill, small), f"{mode}-alone-{i}", p, params[i])[1]
+                 for i, p in enumerate(prompts)]
+        assert small.stats()["num_preemptions_total"] == 0
+        done, outputs = threading.Event(), {}
+
+        def collect(i):
+            def emit(delta):
+                outputs.setdefault(i, []).extend(delta.token_ids)
+                if delta.finish_reason is not None:
+                    outputs[f"done-{i}"] = delta.finish_reason
+                    if sum(k.startswith("done") for k in map(str, outputs)) == 4:
+                        done.set()
+            return emit
+
+        for i, p in enumerate(prompts):
+            result = prefill.prefill(PrefillRequest(f"{mode}-busy-{i}", tuple(p), params[i]))
+            outputs[i] = [result.first_token]
+            small.add_request(DecodeRequest(f"{mode}-busy-{i}", tuple(p), params[i], result),
+                              collect(i))
+        assert done.wait(120)
+        stats = small.stats()
+    finally:
+        small.shutdown()
+    assert stats["num_preemptions_total"] > 0
+    for i in range(4):
+        assert outputs[f"done-{i}"] is FinishReason.LENGTH
+        assert outputs[i] == alone[i], f"request {i} changed under {mode} preemption"
+    assert stats["num_free_blocks"] == stats["num_blocks"]

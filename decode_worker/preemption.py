@@ -1,0 +1,81 @@
+"""Preemption of a running decode request when the paged cache runs out of blocks.
+
+The scheduler preempts the newest running request (vLLM's policy: last come, first preempted)
+and resumes preempted requests first, before any new one (first come, first served). Two modes
+(`--preemption-mode`, vLLM's names):
+
+- recompute: drop the request's blocks; on resume, re-prefill prompt + generated tokens on this
+  decode worker (chunked by max_num_batched_tokens) and continue.
+- swap: copy the request's blocks to host memory and free them; on resume, copy them back.
+
+Either way the request continues with identical output: its KV is rebuilt bit for bit (same
+kernels, same positions) and sampling draws token t from the (seed, t) stream.
+"""
+
+from __future__ import annotations
+
+import abc
+import math
+from typing import TYPE_CHECKING
+
+from engine.runner import SequenceChunk
+
+if TYPE_CHECKING:  # the engine imports this module
+    from decode_worker.engine import DecodeEngine, DecodeSequence
+
+
+class PreemptionMode(abc.ABC):
+    @abc.abstractmethod
+    def preempt(self, engine: "DecodeEngine", seq: "DecodeSequence") -> None:
+        """Release seq's blocks (keeping whatever resume needs)."""
+
+    @abc.abstractmethod
+    def resume(self, engine: "DecodeEngine", seq: "DecodeSequence") -> bool:
+        """Give seq blocks again and restore its KV; False (nothing taken) if they don't fit."""
+
+
+def _blocks_for(engine: "DecodeEngine", seq: "DecodeSequence") -> int:
+    """Blocks covering every token the next step attends to (the fed token included)."""
+    return math.ceil(seq.num_tokens / engine.block_size)
+
+
+class RecomputePreemption(PreemptionMode):
+    def preempt(self, engine: "DecodeEngine", seq: "DecodeSequence") -> None:
+        engine.pool.free(seq.block_table)
+        seq.block_table = []
+
+    def resume(self, engine: "DecodeEngine", seq: "DecodeSequence") -> bool:
+        needed = _blocks_for(engine, seq)
+        if needed > engine.pool.num_free_blocks:
+            return False
+        seq.block_table = engine.pool.allocate(needed)
+        tokens = list(seq.request.prompt_token_ids) + seq.output_ids[:-1]
+        budget = engine.runner.engine_config.max_num_batched_tokens
+        for start in range(0, len(tokens), budget):
+            chunk = tuple(tokens[start:start + budget])
+            engine.runner.execute([SequenceChunk(chunk, start, seq.block_table)])
+        engine.num_recomputed_tokens_total += len(tokens)
+        return True
+
+
+class SwapPreemption(PreemptionMode):
+    def preempt(self, engine: "DecodeEngine", seq: "DecodeSequence") -> None:
+        seq.swapped = engine.runner.kv_cache.read_blocks(seq.block_table).cpu()
+        engine.pool.free(seq.block_table)
+        seq.block_table = []
+
+    def resume(self, engine: "DecodeEngine", seq: "DecodeSequence") -> bool:
+        needed = max(_blocks_for(engine, seq), seq.swapped.shape[0])
+        if needed > engine.pool.num_free_blocks:
+            return False
+        seq.block_table = engine.pool.allocate(needed)
+        engine.runner.kv_cache.write_blocks(seq.block_table[: seq.swapped.shape[0]],
+                                            seq.swapped.to(engine.runner.kv_cache.device))
+        seq.swapped = None
+        return True
+
+
+PREEMPTION_MODES: dict[str, type[PreemptionMode]] = {
+    "recompute": RecomputePreemption,
+    "swap": SwapPreemption,
+}
