@@ -61,7 +61,7 @@ class KVTransferConfig(pydantic.BaseModel):
 
     backend: TransferBackendName = "grpc"
     timeout_s: float = pydantic.Field(default=10.0, gt=0)
-    max_chunk_bytes: int = pydantic.Field(default=1 << 20, gt=0)
+    max_chunk_bytes: int = pydantic.Field(default=4 << 20, gt=0)
     num_streams: int = pydantic.Field(default=2, ge=1, le=64)
     min_stream_bytes: int = pydantic.Field(default=8 << 20, gt=0)
     max_message_bytes: int = pydantic.Field(default=64 << 20, gt=0)

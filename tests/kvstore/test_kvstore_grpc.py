@@ -15,7 +15,8 @@ from kvstore.hashing import block_keys, make_namespace
 from kvstore.host_store import HostBlockStore
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto import kvstore_pb2_grpc as pb_grpc
-from kvstore.server import KVStoreServer, coalesce_runs
+from kvstore.server import KVStoreServer
+from kvstore.transfer.runs import budget_runs
 
 BLOCK_SHAPE = (2, 2, 16, 2, 8)  # [layers, k/v, block_size, kv_heads, head_dim]
 NS = make_namespace("test-model")
@@ -98,10 +99,10 @@ def test_many_blocks_streamed_in_coalesced_runs(make_server):
     assert [k for m in msgs for k in m.keys] == keys
 
 
-def test_coalesce_runs():
-    assert coalesce_runs(10, 7, 30) == [range(0, 3), range(3, 6), range(6, 7)]
-    assert coalesce_runs(100, 2, 30) == [range(0, 1), range(1, 2)]
-    assert coalesce_runs(10, 0, 30) == []
+def test_budget_runs():
+    assert budget_runs(10, 7, 30) == [range(0, 3), range(3, 6), range(6, 7)]
+    assert budget_runs(100, 2, 30) == [range(0, 1), range(1, 2)]
+    assert budget_runs(10, 0, 30) == []
 
 
 def test_missing_key_is_block_not_found_listing_it(client):

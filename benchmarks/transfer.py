@@ -1,0 +1,237 @@
+"""KV block-transfer throughput: grpc and torch/gloo against a raw TCP socket, over loopback.
+
+    .venv/bin/python benchmarks/transfer.py [--sizes 64K,256K,1M,4M,16M,64M] [--block-kib 64]
+
+Each request moves ``size`` bytes (``size / block`` blocks) from a server process to this
+process into a preallocated buffer, request/response, one request at a time:
+
+* raw: one TCP connection; the client sends an 8-byte size, the server ``sendall``s that many
+  bytes from a preallocated buffer, the client ``recv_into``s its preallocated buffer.
+* grpc: a KVStoreServer (with a token, like a cluster) holding the blocks; a
+  GrpcTransferBackend receiver fetches them by key into a preallocated tensor.
+* gloo: a TorchPairChannel; the client sends a 16-byte request tensor, the server answers with
+  a TorchKVSender, a TorchTransferBackend receiver receives into a preallocated tensor.
+
+GB/s = 1e9 bytes per second; each cell is the median of ``--rounds`` rounds that interleave the
+backends (the load of a shared machine swings), ``--min-time`` seconds per cell in all.
+Target (issue 5): grpc >= 0.5x raw at >= 1 MiB. Prints a Markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import socket
+import statistics
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from kvstore.config import KVStoreConfig, KVTransferConfig  # noqa: E402
+from kvstore.hashing import block_keys, make_namespace  # noqa: E402
+from kvstore.transfer.base import FetchRequest  # noqa: E402
+
+TOKEN = "benchmark-token"
+_REQUEST_TAG, _DATA_TAG = 1, 2
+
+
+def _keys(num_blocks: int) -> list[bytes]:
+    return block_keys(list(range(num_blocks)), 1, make_namespace("transfer-benchmark"))
+
+
+def _blocks(num_blocks: int, block_elems: int) -> torch.Tensor:
+    return torch.randn(num_blocks, block_elems, generator=torch.Generator().manual_seed(0))
+
+
+# ---- server processes ---------------------------------------------------------------------
+
+def _raw_server(ready: mp.Queue, max_bytes: int) -> None:
+    listener = socket.create_server(("127.0.0.1", 0))
+    ready.put(listener.getsockname()[1])
+    conn, _ = listener.accept()
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    payload = memoryview(bytearray(os.urandom(1 << 20)) * (max_bytes >> 20 or 1))
+    while header := conn.recv(8):
+        conn.sendall(payload[:int.from_bytes(header, "little")])
+
+
+def _grpc_server(ready: mp.Queue, num_blocks: int, block_elems: int) -> None:
+    from kvstore.client import KVStoreClient
+    from kvstore.server import KVStoreServer
+
+    server = KVStoreServer(KVStoreConfig(capacity_bytes=2 * num_blocks * block_elems * 4,
+                                         token=TOKEN))
+    server.start()
+    with KVStoreClient(server.address, token=TOKEN) as client:
+        client.put_blocks(_keys(num_blocks), _blocks(num_blocks, block_elems))
+    ready.put(server.address)
+    time.sleep(1e6)
+
+
+def _gloo_server(ready: mp.Queue, num_blocks: int, block_elems: int, chunk_bytes: int) -> None:
+    from kvstore.transfer.torch_dist import TorchKVSender
+    from kvstore.transfer.torch_pair import TorchPairChannel
+
+    blocks = _blocks(num_blocks, block_elems)
+    channel = TorchPairChannel(0, "127.0.0.1", 0, timeout_s=60.0, token=TOKEN,
+                               chunk_bytes=chunk_bytes)
+    ready.put(channel.address)
+    channel.connect()
+    request = torch.empty(2, dtype=torch.int64)
+    while True:
+        channel.wait(channel.recv(request, _REQUEST_TAG), 3600.0)
+        sender = TorchKVSender(channel)
+        sender.start(blocks[:int(request[0])], _DATA_TAG, 60.0)
+        sender.wait()
+        sender.result()
+
+
+def _spawn(target, *args):
+    ctx = mp.get_context("spawn")
+    ready = ctx.Queue()
+    proc = ctx.Process(target=target, args=(ready, *args), daemon=True)
+    proc.start()
+    return proc, ready.get(timeout=120)
+
+
+# ---- clients ------------------------------------------------------------------------------
+
+def _raw_client(port: int, max_bytes: int) -> Callable[[int], None]:
+    conn = socket.create_connection(("127.0.0.1", port))
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    buf = memoryview(bytearray(max_bytes))
+
+    def fetch(size: int) -> None:
+        conn.sendall(size.to_bytes(8, "little"))
+        got = 0
+        while got < size:
+            n = conn.recv_into(buf[got:size])
+            if n == 0:
+                raise ConnectionError("raw server closed the connection")
+            got += n
+    return fetch
+
+
+def _receiver_client(backend, address: str, dest: torch.Tensor, keys: list[bytes],
+                     before: Callable[[int], None] | None = None) -> Callable[[int], None]:
+    block_nbytes = dest[0].numel() * dest.element_size()
+
+    def fetch(size: int) -> None:
+        n = size // block_nbytes
+        if before is not None:
+            before(n)
+        receiver = backend.create_receiver()
+        receiver.start(FetchRequest(address, tuple(keys[:n]), tag=_DATA_TAG, deadline_s=60.0),
+                       dest[:n])
+        receiver.wait()
+        assert receiver.result() == size
+    return fetch
+
+
+def _measure(fetch: Callable[[int], None], size: int, min_time_s: float) -> float:
+    count, start = 0, time.perf_counter()
+    while (elapsed := time.perf_counter() - start) < min_time_s or count < 2:
+        fetch(size)
+        count += 1
+    return size * count / elapsed / 1e9
+
+
+def _measure_interleaved(clients: dict[str, Callable[[int], None]], size: int,
+                         min_time_s: float, rounds: int) -> dict[str, float]:
+    """Median GB/s per client over ``rounds`` interleaved rounds (robust to load swings)."""
+    for fetch in clients.values():
+        fetch(size)  # warm-up
+    samples: dict[str, list[float]] = {name: [] for name in clients}
+    for _ in range(rounds):
+        for name, fetch in clients.items():
+            samples[name].append(_measure(fetch, size, min_time_s / rounds))
+    return {name: statistics.median(v) for name, v in samples.items()}
+
+
+def _parse_size(text: str) -> int:
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    text = text.strip().upper().removesuffix("B").removesuffix("I")
+    return int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text)
+
+
+def _human(size: int) -> str:
+    return f"{size >> 20} MiB" if size >= 1 << 20 else f"{size >> 10} KiB"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--sizes", default="64K,256K,1M,4M,16M,64M")
+    parser.add_argument("--block-kib", type=int, default=64, help="bytes per KV block, KiB")
+    parser.add_argument("--min-time", type=float, default=1.5, help="seconds per cell")
+    parser.add_argument("--rounds", type=int, default=5,
+                        help="interleaved rounds per size; the table shows their median")
+    parser.add_argument("--chunk-kib", type=int, default=KVTransferConfig().max_chunk_bytes >> 10)
+    parser.add_argument("--streams", type=int, default=KVTransferConfig().num_streams)
+    parser.add_argument("--min-stream-kib", type=int,
+                        default=KVTransferConfig().min_stream_bytes >> 10)
+    parser.add_argument("--no-gloo", action="store_true")
+    args = parser.parse_args(argv)
+
+    from kvstore.transfer.grpc_backend import GrpcTransferBackend
+    from kvstore.transfer.torch_dist import TorchTransferBackend
+
+    sizes = [_parse_size(s) for s in args.sizes.split(",")]
+    block_nbytes = args.block_kib << 10
+    if any(s % block_nbytes for s in sizes):
+        parser.error(f"every size must be a multiple of the block size ({args.block_kib} KiB)")
+    max_bytes = max(sizes)
+    num_blocks, block_elems = max_bytes // block_nbytes, block_nbytes // 4
+    keys = _keys(num_blocks)
+    dest = torch.empty(num_blocks, block_elems)
+    dest.zero_()  # fault the pages in, like the raw client's preallocated buffer
+    config = KVTransferConfig(token=TOKEN, max_chunk_bytes=args.chunk_kib << 10,
+                              num_streams=args.streams,
+                              min_stream_bytes=args.min_stream_kib << 10, timeout_s=60.0)
+
+    raw_proc, port = _spawn(_raw_server, max_bytes)
+    grpc_proc, grpc_address = _spawn(_grpc_server, num_blocks, block_elems)
+    clients = {"raw": _raw_client(port, max_bytes)}
+    grpc_backend = GrpcTransferBackend(config)
+    clients["grpc"] = _receiver_client(grpc_backend, grpc_address, dest, keys)
+    procs = [raw_proc, grpc_proc]
+    if not args.no_gloo:
+        gloo_proc, gloo_address = _spawn(_gloo_server, num_blocks, block_elems,
+                                         config.max_chunk_bytes)
+        procs.append(gloo_proc)
+        torch_backend = TorchTransferBackend(config.model_copy(update={"backend": "torch"}))
+        channel = torch_backend.channel(gloo_address, 60.0)
+        request = torch.zeros(2, dtype=torch.int64)
+
+        def ask(n: int) -> None:
+            request[0] = n
+            channel.wait(channel.send(request, _REQUEST_TAG), 60.0)
+        clients["gloo"] = _receiver_client(torch_backend, gloo_address, dest, keys, before=ask)
+
+    print(f"block {args.block_kib} KiB, chunk {args.chunk_kib} KiB, grpc streams "
+          f"{args.streams} (min {args.min_stream_kib} KiB each), {os.cpu_count()} CPUs, "
+          f"torch {torch.__version__}\n")
+    header = "| size | raw socket GB/s | grpc GB/s | grpc/raw |"
+    header += "" if args.no_gloo else " gloo GB/s | gloo/raw |"
+    print(header)
+    print("|" + "---|" * (header.count("|") - 1))
+    try:
+        for size in sizes:
+            gbps = _measure_interleaved(clients, size, args.min_time, args.rounds)
+            row = (f"| {_human(size)} | {gbps['raw']:.2f} | {gbps['grpc']:.2f} | "
+                   f"{gbps['grpc'] / gbps['raw']:.2f} |")
+            if "gloo" in gbps:
+                row += f" {gbps['gloo']:.2f} | {gbps['gloo'] / gbps['raw']:.2f} |"
+            print(row, flush=True)
+    finally:
+        grpc_backend.close()
+        for proc in procs:
+            proc.kill()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,18 @@
+"""Transfer backends by name (``--kv-transfer``): a dict, not an if/elif chain (STYLE.md 6)."""
+
+from __future__ import annotations
+
+from kvstore.config import KVTransferConfig
+from kvstore.transfer.base import KVTransferBackend
+from kvstore.transfer.fake import FakeTransferBackend
+from kvstore.transfer.grpc_backend import GrpcTransferBackend
+from kvstore.transfer.torch_dist import TorchTransferBackend
+
+TRANSFER_BACKENDS: dict[str, type[KVTransferBackend]] = {
+    cls.name: cls for cls in (GrpcTransferBackend, TorchTransferBackend, FakeTransferBackend)
+}
+
+
+def create_backend(config: KVTransferConfig) -> KVTransferBackend:
+    """The backend ``config.backend`` names, built from ``config``."""
+    return TRANSFER_BACKENDS[config.backend](config)
