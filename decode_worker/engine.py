@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from decode_worker.kv_fetch import KVFetcher
-from decode_worker.preemption import PREEMPTION_MODES
+from decode_worker.preemption import PREEMPTION_MODES, prefill_locally
 from engine.protocol import DecodeRequest, FinishReason, TokenDelta, TokenLogprob
 from engine.runner import ModelRunner, SequenceChunk
 from engine.sampler import SampleInput, draw_seed, sample
@@ -115,7 +115,8 @@ class DecodeEngine:
     # ---- called from other threads -------------------------------------------------------
     def add_request(self, request: DecodeRequest, emit: Callable[[TokenDelta], None]) -> None:
         seed = request.sampling.seed if request.sampling.seed is not None else draw_seed()
-        seq = DecodeSequence(request, emit, seed, [request.prefill.first_token])
+        first = [request.prefill.first_token] if request.prefill is not None else []
+        seq = DecodeSequence(request, emit, seed, first)
         self._inbox.put(("add", seq))
         self._wakeup.set()
 
@@ -211,7 +212,7 @@ class DecodeEngine:
                 seq.status = RequestStatus.RUNNING
                 self._active[seq.request_id] = seq
                 continue
-            finish = self._check_stop(seq)
+            finish = self._check_stop(seq) if seq.output_ids else None
             if finish is not None:
                 self._waiting.pop(0)
                 self._release_remote_tail(seq)
@@ -231,11 +232,28 @@ class DecodeEngine:
                 return
             self._waiting.pop(0)
             seq.block_table = self.pool.allocate(needed)
+            self._active[seq.request_id] = seq
+            if seq.request.prefill is None:
+                self._prefill_colocated(seq)
+                continue
             seq.status = RequestStatus.WAITING_FOR_KV
             seq.fetch = self._fetch_threads.submit(self.fetcher.fetch, seq.request.prefill,
                                                    seq.block_table)
             seq.fetch.add_done_callback(lambda _: self._wakeup.set())
-            self._active[seq.request_id] = seq
+
+    def _prefill_colocated(self, seq: DecodeSequence) -> None:
+        """Colocated mode: prefill the prompt here and sample output token 0 (no transfer)."""
+        prompt = list(seq.request.prompt_token_ids)
+        logits = prefill_locally(self, prompt, seq.block_table)
+        [(token, logprob)] = sample(logits, [SampleInput(seq.request.sampling, seq.seed, prompt,
+                                                         ())], self.eos_token_ids)
+        seq.output_ids.append(token)
+        finish = self._check_stop(seq)
+        if finish is not None:
+            self._finish(seq, finish, new_tokens=(token,), logprob=logprob)
+            return
+        seq.status = RequestStatus.RUNNING
+        seq.emit(self._delta(seq, (token,), None, logprob=logprob))
 
     def _poll_fetches(self) -> None:
         for seq in list(self._active.values()):

@@ -85,9 +85,10 @@ class KVFetcher:
                                      "pool before decode read them", missing=missing)
         return out
 
-    def release_tail(self, prefill: PrefillResult) -> None:
-        """Drop the tail block on the prefill side for a request that will never fetch it."""
-        if prefill.tail_handle is None:
+    def release_tail(self, prefill: PrefillResult | None) -> None:
+        """Drop the tail block on the prefill side for a request that will never fetch it
+        (nothing to do for a colocated request: prefill None)."""
+        if prefill is None or prefill.tail_handle is None:
             return
         try:
             self._client(prefill.kv_address).release_tail(prefill.tail_handle)

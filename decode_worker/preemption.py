@@ -34,6 +34,17 @@ class PreemptionMode(abc.ABC):
         """Give seq blocks again and restore its KV; False (nothing taken) if they don't fit."""
 
 
+def prefill_locally(engine: "DecodeEngine", tokens: list[int], block_table: list[int]):
+    """Run tokens through the model from position 0 into block_table, in chunks of at most
+    max_num_batched_tokens. Returns the last token's logits [1, vocab]."""
+    budget = engine.runner.engine_config.max_num_batched_tokens
+    logits = None
+    for start in range(0, len(tokens), budget):
+        chunk = tuple(tokens[start:start + budget])
+        logits = engine.runner.execute([SequenceChunk(chunk, start, block_table)])
+    return logits
+
+
 def _blocks_for(engine: "DecodeEngine", seq: "DecodeSequence") -> int:
     """Blocks covering every token the next step attends to (the fed token included)."""
     return math.ceil(seq.num_tokens / engine.block_size)
@@ -50,10 +61,7 @@ class RecomputePreemption(PreemptionMode):
             return False
         seq.block_table = engine.pool.allocate(needed)
         tokens = list(seq.request.prompt_token_ids) + seq.output_ids[:-1]
-        budget = engine.runner.engine_config.max_num_batched_tokens
-        for start in range(0, len(tokens), budget):
-            chunk = tuple(tokens[start:start + budget])
-            engine.runner.execute([SequenceChunk(chunk, start, seq.block_table)])
+        prefill_locally(engine, tokens, seq.block_table)
         engine.num_recomputed_tokens_total += len(tokens)
         return True
 

@@ -60,6 +60,7 @@ _SERVE_FLAGS = [
 
 # (flag, config path, help) for on/off switches: --X and --no-X.
 _SERVE_SWITCHES = [
+    ("--colocated", "colocated", "prefill and decode in the same worker, no KV transfer"),
     ("--enable-prefix-caching", "engine.enable_prefix_caching",
      "reuse cached prompt prefixes (default on; --no-enable-prefix-caching for A/B runs)"),
 ]

@@ -23,6 +23,8 @@ class ServeConfig(BaseModel):
         are logical: this only has to cover every actor's `actor_num_cpus` so none stays
         pending; real CPU use is governed by `engine.torch_threads` per actor.
     actor_num_cpus: logical CPUs each prefill/decode actor reserves (KV store actors reserve 0).
+    colocated: each decode instance also prefills its requests (no prefill actors, no KV
+        transfer) — for comparison and one-GPU deployments.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -36,6 +38,7 @@ class ServeConfig(BaseModel):
     prefill_instances: int = Field(1, ge=1)
     decode_instances: int = Field(1, ge=1)
     policy: str = "round_robin"
+    colocated: bool = False
     address: str | None = None
     ray_namespace: str = "pdcluster"
     ray_num_cpus: int | None = Field(None, ge=1)
@@ -47,7 +50,8 @@ class ServeConfig(BaseModel):
         """Logical CPUs for a local Ray: all worker actors plus 2 spare for helpers."""
         if self.ray_num_cpus is not None:
             return self.ray_num_cpus
-        needed = (self.prefill_instances + self.decode_instances) * self.actor_num_cpus
+        prefill = 0 if self.colocated else self.prefill_instances
+        needed = (prefill + self.decode_instances) * self.actor_num_cpus
         return int(needed) + 2
 
     def model_name(self) -> str:

@@ -18,7 +18,7 @@ from kvstore.actor import start_kvstore_actors
 from kvstore.host_store import BlockLayout
 from prefill_worker.actor import PrefillWorker
 from router.conductor import Conductor, Instance, InstanceRegistry
-from router.pipeline import Pipeline
+from router.pipeline import ColocatedPipeline, Pipeline
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +40,7 @@ class Cluster:
         self.config = config
         self.registry = InstanceRegistry()
         self.conductor = Conductor(self.registry, config.policy)
-        self.pipeline = Pipeline(self.conductor)
+        self.pipeline = (ColocatedPipeline if config.colocated else Pipeline)(self.conductor)
         self.kvstores: dict = {}
         self.prefill: list[Instance] = []
         self.decode: list[Instance] = []
@@ -63,7 +63,7 @@ class Cluster:
                                              cfg.ray_namespace)
         for node_id, handle in self.kvstores.items():  # for /metrics: tiers G2/G3 per node
             self.registry.add(Instance(f"kvstore-{node_id[:12]}", "kvstore", handle))
-        for i in range(cfg.prefill_instances):
+        for i in range(0 if cfg.colocated else cfg.prefill_instances):
             handle = PrefillWorker.options(
                 num_cpus=cfg.actor_num_cpus, max_concurrency=PREFILL_MAX_CONCURRENCY,
             ).remote(f"prefill-{i}", cfg.engine, cfg.kvstore, cfg.kvpool, cfg.ray_namespace)

@@ -145,12 +145,13 @@ class PrefillResult:
 
 @dataclass(frozen=True)
 class DecodeRequest:
-    """What the gateway sends a decode worker after prefill."""
+    """What the gateway sends a decode worker: after prefill, with its result; or, colocated,
+    with prefill None — the decode worker prefills the prompt itself, with no KV transfer."""
 
     request_id: str
     prompt_token_ids: tuple[int, ...]
     sampling: SamplingParams
-    prefill: PrefillResult
+    prefill: PrefillResult | None = None
 
 
 @dataclass(frozen=True)

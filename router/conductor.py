@@ -84,6 +84,13 @@ class Conductor:
         self._prefill_policy = POLICIES[policy]()
         self._decode_policy = POLICIES[policy]()
 
+    def route_decode(self, request: RouteRequest) -> Instance:
+        """A decode instance alone (colocated mode). Raises NoInstanceError."""
+        decodes = self.registry.by_role("decode")
+        if not decodes:
+            raise NoInstanceError("no decode instance is live")
+        return self._decode_policy.select(request, decodes)
+
     def route(self, request: RouteRequest) -> tuple[Instance, Instance]:
         """Returns (prefill, decode). Raises NoInstanceError when a role has no instance."""
         prefills = self.registry.by_role("prefill")

@@ -39,6 +39,9 @@ def _worker_error(exc: Exception, instance: Instance) -> GenerationError:
 
 
 class Pipeline:
+    """Disaggregated: the Conductor's prefill instance computes the prompt and token 0, the
+    decode instance pulls the KV and generates the rest."""
+
     def __init__(self, conductor: Conductor) -> None:
         self.conductor = conductor
 
@@ -52,33 +55,60 @@ class Pipeline:
         except NoInstanceError as exc:
             raise GenerationError(str(exc)) from exc
         prefill_done = False
-        finished = False
         try:
-            try:
-                result = await prefill.handle.prefill.remote(
-                    PrefillRequest(request_id, prompt, sampling, cache_salt))
-            except (RayTaskError, RayActorError) as exc:
-                raise _worker_error(exc, prefill) from exc
+            result = await prefill.handle.prefill.remote(
+                PrefillRequest(request_id, prompt, sampling, cache_salt))
             prefill_done = True
-            first_logprobs = None if result.first_logprob is None else (result.first_logprob,)
-            yield TokenDelta(request_id, (result.first_token,), None, logprobs=first_logprobs,
-                             extra={"prefill_worker_id": result.prefill_worker_id,
-                                    "prefill_pid": result.prefill_pid})
-            stream = decode.handle.generate.options(num_returns="streaming").remote(
-                DecodeRequest(request_id, prompt, sampling, result))
-            try:
-                async for ref in stream:
-                    delta: TokenDelta = await ref
-                    finished = delta.finish_reason is not None
-                    yield delta
-            except (RayTaskError, RayActorError) as exc:
-                error = _worker_error(exc, decode)
-                finished = True
-                yield TokenDelta(request_id, (), FinishReason.ERROR, error=str(error))
+        except (RayTaskError, RayActorError) as exc:
+            raise _worker_error(exc, prefill) from exc
         finally:
-            if not finished:
-                target = decode if prefill_done else prefill
-                try:
-                    target.handle.abort.remote(request_id)
-                except RayActorError:
-                    log.warning("abort of %s on dead %s worker", request_id, target.role)
+            if not prefill_done:  # cancelled while waiting: the prefill may still be queued
+                _abort(prefill, request_id)
+        first_logprobs = None if result.first_logprob is None else (result.first_logprob,)
+        yield TokenDelta(request_id, (result.first_token,), None, logprobs=first_logprobs,
+                         extra={"prefill_worker_id": result.prefill_worker_id,
+                                "prefill_pid": result.prefill_pid})
+        async for delta in _stream_decode(decode, DecodeRequest(request_id, prompt, sampling,
+                                                                result)):
+            yield delta
+
+
+class ColocatedPipeline(Pipeline):
+    """Colocated (`--colocated`): one decode instance prefills and decodes, no KV transfer."""
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int],
+                       sampling: SamplingParams,
+                       cache_salt: str | None = None) -> AsyncIterator[TokenDelta]:
+        prompt = tuple(prompt_token_ids)
+        try:
+            decode = self.conductor.route_decode(RouteRequest(request_id, prompt))
+        except NoInstanceError as exc:
+            raise GenerationError(str(exc)) from exc
+        async for delta in _stream_decode(decode, DecodeRequest(request_id, prompt, sampling)):
+            yield delta
+
+
+async def _stream_decode(decode: Instance, request: DecodeRequest) -> AsyncIterator[TokenDelta]:
+    """The decode instance's stream; an explicit abort if the consumer stops early (a Ray
+    streaming generator runs on when dropped)."""
+    finished = False
+    stream = decode.handle.generate.options(num_returns="streaming").remote(request)
+    try:
+        async for ref in stream:
+            delta: TokenDelta = await ref
+            finished = delta.finish_reason is not None
+            yield delta
+    except (RayTaskError, RayActorError) as exc:
+        finished = True
+        yield TokenDelta(request.request_id, (), FinishReason.ERROR,
+                         error=str(_worker_error(exc, decode)))
+    finally:
+        if not finished:
+            _abort(decode, request.request_id)
+
+
+def _abort(instance: Instance, request_id: str) -> None:
+    try:
+        instance.handle.abort.remote(request_id)
+    except RayActorError:
+        log.warning("abort of %s on dead %s worker", request_id, instance.role)

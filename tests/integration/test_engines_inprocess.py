@@ -210,3 +210,24 @@ def test_preemption_keeps_outputs_identical(engines, eos_model_dir, hf, mode):
         assert outputs[f"done-{i}"] is FinishReason.LENGTH
         assert outputs[i] == alone[i], f"request {i} changed under {mode} preemption"
     assert stats["num_free_blocks"] == stats["num_blocks"]
+
+
+def test_colocated_request_prefills_on_the_decode_worker(engines, hf):
+    _, decode = engines
+    prompt = hf.encode("Once upon a time, there was a little boy named Tim.")
+    want = hf.greedy(prompt, 20, eos_token_id=[1, 2])
+    forward_before = decode.stats()["num_forward_tokens_total"]
+    deltas, done = [], threading.Event()
+
+    def emit(delta):
+        deltas.append(delta)
+        if delta.finish_reason is not None:
+            done.set()
+
+    decode.add_request(DecodeRequest("colocated", tuple(prompt),
+                                     SamplingParams(max_tokens=20, temperature=0)), emit)
+    assert done.wait(60)
+    assert [t for d in deltas for t in d.token_ids] == want
+    assert deltas[0].token_ids == (want[0],)  # token 0 sampled here, from the local prefill
+    assert decode.stats()["num_forward_tokens_total"] - forward_before == len(want) - 1
+    assert decode.stats()["num_free_blocks"] == decode.stats()["num_blocks"]
