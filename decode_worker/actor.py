@@ -19,21 +19,27 @@ from engine.config import EngineConfig
 from engine.protocol import DecodeRequest, TokenDelta
 from engine.runner import ModelRunner
 from kvstore.actor import kvstore_actor
-from kvstore.config import KVStoreConfig
+from kvstore.config import KVStoreConfig, KVTransferConfig
 from kvstore.node_client import NodeStoreClient
 
 
 @ray.remote
 class DecodeWorker:
-    """One decode instance (tensor parallel size 1)."""
+    """One decode instance (tensor parallel size 1).
+
+    transfer: the KV transfer settings (``--kv-transfer``), shared by every worker; None: gRPC
+    with the KV store's timeout and token.
+    """
 
     def __init__(self, worker_id: str, engine_config: EngineConfig, kv_config: KVStoreConfig,
-                 ray_namespace: str | None = None) -> None:
+                 ray_namespace: str | None = None,
+                 transfer: KVTransferConfig | None = None) -> None:
         runner = ModelRunner(engine_config)
         node_id = ray.get_runtime_context().get_node_id()
         timeout = kv_config.transfer_timeout_s
+        transfer = transfer or KVTransferConfig(timeout_s=timeout, token=kv_config.token)
         node_client = NodeStoreClient(kvstore_actor(node_id, ray_namespace), timeout)
-        fetcher = KVFetcher(runner.kv_cache, timeout, kv_config.token, node_id, node_client)
+        fetcher = KVFetcher(runner.kv_cache, transfer, node_id, node_client)
         self.worker_id = worker_id
         self.engine = DecodeEngine(runner, worker_id, os.getpid(), fetcher)
 

@@ -6,16 +6,19 @@ Lifecycle of a request on a decode worker:
 2. admission      — first come, first served: blocks for the prompt and the first fed token
                     are taken from this worker's paged cache; more are added one at a time as
                     the request grows.
-3. WAITING_FOR_KV — the prompt's full blocks (by key) and the partial tail block (by handle) are
-                    fetched from the prefill node's KV store over gRPC on a fetch thread and
-                    written into the reserved blocks. The engine loop polls, never blocks on it.
+3. WAITING_FOR_KV — the prompt's KV comes into the reserved blocks through a transfer backend
+                    (kv_fetch.py): pushed by the prefill over a torch.distributed pair
+                    (--kv-transfer torch), else pulled from the prefill node's KV store (arena
+                    on the same node, gRPC otherwise). The engine loop polls the fetch once per
+                    iteration, never blocks on it; a failed fetch frees the blocks at once.
 4. RUNNING        — joins the batch at the next step; each step feeds the last token of every
                     running request (one forward token each), samples the next, streams it.
    PREEMPTED      — when a growing request finds no free block, the newest running request
                     is preempted (its blocks freed, recomputed or swapped to host memory; see
                     preemption.py) and waits at the head of the queue to resume, output intact.
 5. FINISHED       — EOS / stop id / max_tokens / max_model_len, abort, or a failed fetch; every
-                    block it held goes back to the pool in the same loop iteration.
+                    block it held goes back to the pool in the same loop iteration (an abort
+                    during a pair receive: once that receive settles, see KVFetch.abort).
 
 The loop runs on its own thread (DESIGN.md pitfalls: never on the actor's event loop); requests
 and aborts reach it through a thread-safe inbox, and tokens leave through each request's
@@ -30,16 +33,16 @@ import math
 import queue
 import threading
 from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable
 
-from decode_worker.kv_fetch import KVFetcher
+from decode_worker.kv_fetch import KVFetch, KVFetcher
 from decode_worker.preemption import PREEMPTION_MODES, prefill_locally
 from engine.protocol import DecodeRequest, FinishReason, TokenDelta, TokenLogprob
 from engine.runner import ModelRunner, SequenceChunk
 from engine.sampler import SampleInput, draw_seed, sample
 from kvstore.block_pool import BlockPool
+from kvstore.transfer.base import TransferState
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +63,7 @@ class DecodeSequence:
     output_ids: list[int]
     status: RequestStatus = RequestStatus.WAITING
     block_table: list[int] = field(default_factory=list)
-    fetch: Future | None = None
+    fetch: KVFetch | None = None
     num_forward_tokens: int = 0
     aborted: bool = False
     arrival: int = 0
@@ -76,6 +79,8 @@ class DecodeSequence:
 
 
 STEP_LOG_SIZE = 4096
+IDLE_WAIT_S = 0.02  # engine loop sleep with nothing to run, unless woken
+FETCH_POLL_S = 0.002  # ... while a KV fetch is in flight (fetches are polled, not awaited)
 
 
 class DecodeEngine:
@@ -100,7 +105,6 @@ class DecodeEngine:
         self.num_recomputed_tokens_total = 0
         self._arrivals = 0
         self.fetcher = fetcher
-        self._fetch_threads = ThreadPoolExecutor(2, thread_name_prefix="kv-fetch")
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._stop = threading.Event()
@@ -137,13 +141,13 @@ class DecodeEngine:
             "num_preemptions_total": self.num_preemptions_total,
             "num_recomputed_tokens_total": self.num_recomputed_tokens_total,
             "kv_bytes_fetched_total": self.fetcher.bytes_fetched_total,
+            "kv_bytes_fetched_by_backend": dict(self.fetcher.bytes_by_backend),
         }
 
     def shutdown(self) -> None:
         self._stop.set()
         self._wakeup.set()
         self._thread.join(timeout=10)
-        self._fetch_threads.shutdown(wait=False, cancel_futures=True)
         self.fetcher.close()
 
     # ---- engine loop ---------------------------------------------------------------------
@@ -158,7 +162,8 @@ class DecodeEngine:
                 if running:
                     self._step(running)
                 else:
-                    self._wakeup.wait(timeout=0.02)
+                    fetching = any(s.fetch is not None for s in self._active.values())
+                    self._wakeup.wait(timeout=FETCH_POLL_S if fetching else IDLE_WAIT_S)
                     self._wakeup.clear()
             except Exception:  # noqa: BLE001 — the loop must outlive one bad step
                 log.exception("decode engine step failed; failing the running requests")
@@ -190,9 +195,10 @@ class DecodeEngine:
         seq = self._active.get(request_id)
         if seq is None:
             return
-        if seq.status is RequestStatus.WAITING_FOR_KV:
-            seq.aborted = True  # blocks are freed once the in-flight fetch settles
+        if seq.status is RequestStatus.WAITING_FOR_KV and not seq.fetch.abort():
+            seq.aborted = True  # a pair receive: blocks are freed once it settles
         else:
+            seq.fetch = None
             self._finish(seq, FinishReason.ABORT)
 
     def _blocks_at_most(self, seq: DecodeSequence) -> int:
@@ -237,9 +243,7 @@ class DecodeEngine:
                 self._prefill_colocated(seq)
                 continue
             seq.status = RequestStatus.WAITING_FOR_KV
-            seq.fetch = self._fetch_threads.submit(self.fetcher.fetch, seq.request.prefill,
-                                                   seq.block_table)
-            seq.fetch.add_done_callback(lambda _: self._wakeup.set())
+            seq.fetch = self.fetcher.start_fetch(seq.request.prefill, seq.block_table)
 
     def _prefill_colocated(self, seq: DecodeSequence) -> None:
         """Colocated mode: prefill the prompt here and sample output token 0 (no transfer)."""
@@ -257,14 +261,16 @@ class DecodeEngine:
 
     def _poll_fetches(self) -> None:
         for seq in list(self._active.values()):
-            if seq.status is not RequestStatus.WAITING_FOR_KV or not seq.fetch.done():
+            if seq.status is not RequestStatus.WAITING_FOR_KV:
                 continue
-            error = seq.fetch.exception()
-            seq.fetch = None
+            state = seq.fetch.poll()
+            if not state.done:
+                continue
+            fetch, seq.fetch = seq.fetch, None
             if seq.aborted:
                 self._finish(seq, FinishReason.ABORT)
-            elif error is not None:
-                self._finish(seq, FinishReason.ERROR, f"KV fetch failed: {error}")
+            elif state is TransferState.FAILED:
+                self._finish(seq, FinishReason.ERROR, f"KV fetch failed: {fetch.error}")
             else:
                 seq.status = RequestStatus.RUNNING
 
@@ -327,7 +333,8 @@ class DecodeEngine:
         seq.emit(self._delta(seq, new_tokens, reason, error, logprob))
 
     def _release_remote_tail(self, seq: DecodeSequence) -> None:
-        self._fetch_threads.submit(self.fetcher.release_tail, seq.request.prefill)
+        """A request that ends without fetching: its tail and any pushed KV are let go."""
+        self.fetcher.release(seq.request.prefill)
 
     def _delta(self, seq: DecodeSequence, tokens: tuple[int, ...], reason: FinishReason | None,
                error: str | None = None, logprob: TokenLogprob | None = None) -> TokenDelta:

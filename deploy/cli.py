@@ -43,6 +43,10 @@ _SERVE_FLAGS = [
     ("--actor-num-cpus", "actor_num_cpus", float, "logical CPUs per worker actor (default 1)"),
     ("--kv-bind", "kvstore.host", str, "KV store gRPC bind address (default 127.0.0.1; a "
                                         "node's routable address in a multi-node cluster)"),
+    ("--kv-transfer", "transfer.backend", str, "KV data plane prefill -> decode: grpc (default) "
+                                               "| torch (torch.distributed pairs: gloo/NCCL)"),
+    ("--kv-transfer-bind", "transfer.bind_host", str, "torch transfer: address a prefill's pair "
+                                                      "store binds (a routable one across nodes)"),
     ("--kv-token", "kvstore.token", str, "shared token of the KV gRPC plane (default: random "
                                          "per local cluster)"),
     ("--kv-tail-capacity-bytes", "kvstore.capacity_bytes", int,

@@ -9,10 +9,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from engine.config import EngineConfig
-from kvstore.config import KVStoreConfig
+from kvstore.config import KVStoreConfig, KVTransferConfig
 from kvstore.pool_config import KVPoolConfig
 
 
@@ -25,6 +25,8 @@ class ServeConfig(BaseModel):
     actor_num_cpus: logical CPUs each prefill/decode actor reserves (KV store actors reserve 0).
     colocated: each decode instance also prefills its requests (no prefill actors, no KV
         transfer) — for comparison and one-GPU deployments.
+    transfer: how KV gets from prefill to decode (``--kv-transfer grpc|torch``); its token is
+        always the KV store's (``--kv-token``).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -32,6 +34,7 @@ class ServeConfig(BaseModel):
     engine: EngineConfig = Field(default_factory=EngineConfig)
     kvstore: KVStoreConfig = Field(default_factory=KVStoreConfig)
     kvpool: KVPoolConfig = Field(default_factory=KVPoolConfig)
+    transfer: KVTransferConfig = Field(default_factory=KVTransferConfig)
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, lt=65536)
     served_model_name: str | None = None
@@ -45,6 +48,13 @@ class ServeConfig(BaseModel):
     actor_num_cpus: float = Field(1.0, gt=0)
     log_level: str = "info"
     max_request_body_bytes: int = Field(4 << 20, ge=1024)
+
+    @field_validator("transfer")
+    @classmethod
+    def _no_fake_transfer(cls, transfer: KVTransferConfig) -> KVTransferConfig:
+        if transfer.backend == "fake":
+            raise ValueError("transfer.backend 'fake' is for tests; serve with grpc or torch")
+        return transfer
 
     def local_ray_num_cpus(self) -> int:
         """Logical CPUs for a local Ray: all worker actors plus 2 spare for helpers."""

@@ -52,9 +52,11 @@ class Cluster:
                 update={"token": SecretStr(secrets.token_hex(16))})
             self.config = self.config.model_copy(update={"kvstore": kvstore})
         cfg = self.config
+        transfer = cfg.transfer.model_copy(update={"token": cfg.kvstore.token})
         if not ray.is_initialized():
             if cfg.address is None:
-                ray.init(num_cpus=cfg.local_ray_num_cpus(), namespace=cfg.ray_namespace,
+                ray.init(address="local",  # a new cluster, never a stray one on this machine
+                         num_cpus=cfg.local_ray_num_cpus(), namespace=cfg.ray_namespace,
                          include_dashboard=False, log_to_driver=True)
             else:
                 ray.init(address=cfg.address, namespace=cfg.ray_namespace)
@@ -66,11 +68,12 @@ class Cluster:
         for i in range(0 if cfg.colocated else cfg.prefill_instances):
             handle = PrefillWorker.options(
                 num_cpus=cfg.actor_num_cpus, max_concurrency=PREFILL_MAX_CONCURRENCY,
-            ).remote(f"prefill-{i}", cfg.engine, cfg.kvstore, cfg.kvpool, cfg.ray_namespace)
+            ).remote(f"prefill-{i}", cfg.engine, cfg.kvstore, cfg.kvpool, cfg.ray_namespace,
+                     transfer)
             self.prefill.append(Instance(f"prefill-{i}", "prefill", handle))
         for i in range(cfg.decode_instances):
             handle = DecodeWorker.options(num_cpus=cfg.actor_num_cpus).remote(
-                f"decode-{i}", cfg.engine, cfg.kvstore, cfg.ray_namespace)
+                f"decode-{i}", cfg.engine, cfg.kvstore, cfg.ray_namespace, transfer)
             self.decode.append(Instance(f"decode-{i}", "decode", handle))
         infos = ray.get([i.handle.info.remote() for i in self.prefill + self.decode])
         for instance, info in zip(self.prefill + self.decode, infos):

@@ -1,8 +1,9 @@
 """Messages between the gateway, the prefill worker and the decode worker.
 
 These travel over Ray's control plane (trusted cluster). They carry handles and deltas — token
-ids, block keys, a KV store address — never KV tensors (STYLE.md item 12). KV bytes go over the
-KV store's gRPC data plane.
+ids, block keys, a KV store address, a pair channel's address — never KV tensors (STYLE.md item
+12). KV bytes go over the data plane: the KV store's gRPC service, the node's shared-memory arena,
+or a torch.distributed pair channel (kvstore.transfer).
 """
 
 from __future__ import annotations
@@ -106,12 +107,16 @@ class PrefillRequest:
 
     prompt_token_ids: the tokenized prompt (BOS included when the tokenizer adds one).
     cache_salt: optional per-tenant salt mixed into block keys (STYLE.md trap 7).
+    decode_peer: worker id of the decode instance the Conductor picked for the request; with
+        ``--kv-transfer torch`` the prefill pushes the prompt's KV to it over their pair channel.
+        None: no push (the decode pulls from the KV store).
     """
 
     request_id: str
     prompt_token_ids: tuple[int, ...]
     sampling: SamplingParams
     cache_salt: str | None = None
+    decode_peer: str | None = None
 
 
 @dataclass(frozen=True)
@@ -128,6 +133,11 @@ class PrefillResult:
     first_logprob: its logprob entry when the request asked for logprobs.
     kv_node_id: Ray node id of the store at kv_address (same node: read through its arena).
     prefill_worker_id / prefill_pid: which actor and process computed it (for tests and tracing).
+    pair_address: ``--kv-transfer torch``: ``host:port`` of the (prefill, decode_peer) pair
+        channel's store, over which the prefill is pushing every block of the prompt (full blocks,
+        then the tail) under ``pair_tag``; None when nothing was pushed. The blocks are in the
+        KV store as well (the fallback, and the prefix cache).
+    pair_tag: the push's tag on that pair (unique among its in-flight transfers).
     """
 
     request_id: str
@@ -141,6 +151,8 @@ class PrefillResult:
     prefill_pid: int
     first_logprob: TokenLogprob | None = None
     kv_node_id: str | None = None
+    pair_address: str | None = None
+    pair_tag: int = 0
 
 
 @dataclass(frozen=True)

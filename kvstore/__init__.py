@@ -5,11 +5,11 @@ Light re-exports only; importing ``kvstore`` does not import Ray, gRPC or torch
 """
 
 from kvstore.config import KVStoreConfig
-from kvstore.errors import (BlockLayoutError, BlockNotFoundError, KVStoreError, KVTransferError,
-                            StoreCapacityError)
+from kvstore.errors import (BlockLayoutError, BlockNotFoundError, KVAuthError, KVStoreError,
+                            KVTransferError, StoreCapacityError)
 from kvstore.hashing import block_keys, make_namespace
 
 __all__ = [
-    "BlockLayoutError", "BlockNotFoundError", "KVStoreConfig", "KVStoreError",
+    "BlockLayoutError", "BlockNotFoundError", "KVAuthError", "KVStoreConfig", "KVStoreError",
     "KVTransferError", "StoreCapacityError", "block_keys", "make_namespace",
 ]

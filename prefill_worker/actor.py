@@ -16,22 +16,28 @@ from engine.protocol import PrefillRequest, PrefillResult
 from engine.runner import ModelRunner
 from kvstore.actor import kvstore_actor
 from kvstore.client import KVStoreClient
-from kvstore.config import KVStoreConfig
+from kvstore.config import KVStoreConfig, KVTransferConfig
 from kvstore.index import open_index
 from kvstore.node_client import NodeStoreClient
 from kvstore.pool_config import KVPoolConfig
 from kvstore.publish import ArenaPublisher
 from kvstore.remote import RemoteStores
-from prefill_worker.engine import PrefillEngine, PrefillKV
+from prefill_worker.engine import PrefillEngine, PrefillKV, TorchKVPusher
 from prefill_worker.prefix_loader import PrefixLoader
 
 
 @ray.remote
 class PrefillWorker:
-    """One prefill instance (tensor parallel size 1), using its node's KV store actor."""
+    """One prefill instance (tensor parallel size 1), using its node's KV store actor.
+
+    transfer: the KV transfer settings (``--kv-transfer``), shared by every worker; with
+    ``torch`` each request naming a decode peer has its blocks pushed to that peer over their
+    pair channel, for as long as the store keeps a tail (``kv_config.tail_ttl_s``). None: gRPC.
+    """
 
     def __init__(self, worker_id: str, engine_config: EngineConfig, kv_config: KVStoreConfig,
-                 pool_config: KVPoolConfig, ray_namespace: str | None = None) -> None:
+                 pool_config: KVPoolConfig, ray_namespace: str | None = None,
+                 transfer: KVTransferConfig | None = None) -> None:
         runner = ModelRunner(engine_config)
         timeout = kv_config.transfer_timeout_s
         node_id = ray.get_runtime_context().get_node_id()
@@ -42,8 +48,11 @@ class PrefillWorker:
         loader = PrefixLoader(node_id, index, node_client,
                               RemoteStores(ray_namespace, kv_config.token, timeout),
                               runner.kv_cache)
+        pusher = None
+        if transfer is not None and transfer.backend == "torch":
+            pusher = TorchKVPusher(transfer, kv_config.tail_ttl_s, runner.kv_cache.device.type)
         kv = PrefillKV(KVStoreClient(address, timeout_s=timeout, token=kv_config.token),
-                       address, node_id, ArenaPublisher(node_client), loader, index)
+                       address, node_id, ArenaPublisher(node_client), loader, index, pusher)
         self.worker_id = worker_id
         self.engine = PrefillEngine(runner, kv, worker_id, os.getpid())
 

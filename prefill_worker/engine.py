@@ -11,27 +11,36 @@ Lifecycle of a request on a prefill worker:
    (chunked prefill), and output token 0 is sampled;
 4. the prompt's full blocks are published to this node's G2 under their keys, and the loaded
    and computed ones are cached in G1 (their events go to the global index); the partial tail
-   block goes to the node's store under a per-request handle, never keyed or indexed;
+   block goes to the node's store under a per-request handle, never keyed or indexed; with
+   --kv-transfer torch, all of the prompt's blocks are also pushed to the request's decode
+   worker over their pair channel (TorchKVPusher), in the background;
 5. the request's references on its blocks are dropped — on success and on every error path;
    cached blocks stay in G1 until evicted (LRU).
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import threading
 from collections import Counter, OrderedDict
 from dataclasses import dataclass
 
+import torch
+
 from engine.protocol import PrefillRequest, PrefillResult
 from engine.runner import ModelRunner, SequenceChunk
 from engine.sampler import SampleInput, draw_seed, sample
 from kvstore.block_pool import BlockPool
 from kvstore.client import KVStoreClient
+from kvstore.config import KVTransferConfig
+from kvstore.errors import KVTransferError
 from kvstore.hashing import block_keys, make_namespace
 from kvstore.index import KVIndex, Location
 from kvstore.publish import BlockPublisher
+from kvstore.transfer.torch_dist import TorchKVSender
+from kvstore.transfer.torch_pair import TorchPairChannel
 from prefill_worker.prefix_loader import LoadResult, PrefixLoader
 
 log = logging.getLogger(__name__)
@@ -54,7 +63,8 @@ class PrefillKV:
 
     tail_client / address / node_id: this node's KV store (gRPC), which decode workers reach;
     publisher: puts full blocks into the node's G2; loader: cluster-wide prefix reuse beyond G1
-    (None: G1 only); index: receives G1 cache events as (node, "device", worker) locations.
+    (None: G1 only); index: receives G1 cache events as (node, "device", worker) locations;
+    pusher: --kv-transfer torch, pushes each request's blocks to its decode peer (None: off).
     """
 
     tail_client: KVStoreClient
@@ -63,6 +73,7 @@ class PrefillKV:
     publisher: BlockPublisher
     loader: PrefixLoader | None = None
     index: KVIndex | None = None
+    pusher: TorchKVPusher | None = None
 
 
 class PrefillEngine:
@@ -128,7 +139,7 @@ class PrefillEngine:
                 logits = self._run_chunks(prompt, num_cached, blocks)
                 [(first_token, first_logprob)] = sample(
                     logits, [SampleInput(request.sampling, seed, prompt, ())], self.eos_token_ids)
-                tail_handle, num_tail = self._publish(request, prompt, keys, blocks)
+                tail_handle, num_tail, data = self._publish(request, prompt, keys, blocks)
                 self.pool.cache_full_blocks(blocks[len(hit): len(keys)], keys[len(hit):],
                                             keys[len(hit) - 1] if hit else None)
             finally:
@@ -139,23 +150,34 @@ class PrefillEngine:
             self.prefix_cache_queried_tokens_total += len(prompt)
             self.prefix_cache_hit_tokens_total["device"] += len(hit) * self.block_size
             self.prefix_cache_hit_tokens_total.update(loaded.tokens_by_tier)
+        pair_address, pair_tag = self._push(request, data)
         return PrefillResult(request.request_id, first_token, self.kv_address, tuple(keys),
                              tail_handle, num_tail, num_cached, self.worker_id, self.pid,
-                             first_logprob, self.kv.node_id)
+                             first_logprob, self.kv.node_id, pair_address, pair_tag)
+
+    def _push(self, request: PrefillRequest, data: torch.Tensor) -> tuple[str | None, int]:
+        """--kv-transfer torch: start pushing the prompt's blocks to the request's decode peer.
+        Returns (pair address, tag), or (None, 0) when nothing is pushed: no pusher or peer,
+        or max_tokens 1 (the decode finishes such a request at admission, fetching nothing)."""
+        if self.kv.pusher is None or request.decode_peer is None \
+                or request.sampling.max_tokens == 1:
+            return None, 0
+        return self.kv.pusher.push(request.decode_peer, data)
 
     def _publish(self, request: PrefillRequest, prompt: list[int], keys: list[bytes],
-                 blocks: list[int]) -> tuple[str | None, int]:
+                 blocks: list[int]) -> tuple[str | None, int, torch.Tensor]:
         """Full blocks to the KV store by key (the store keeps one copy of a key), the tail by
-        handle. Returns (tail handle or None, tokens in the tail)."""
+        handle. Returns (tail handle or None, tokens in the tail, the prompt's blocks as one
+        new contiguous [n_full (+1), *block_shape] tensor)."""
         data = self.runner.kv_cache.read_blocks(blocks)
         if keys:
             self.kv.publisher.publish(keys, data[: len(keys)])
         num_tail = len(prompt) - len(keys) * self.block_size
         if num_tail == 0:
-            return None, 0
+            return None, 0, data
         handle = f"tail:{request.request_id}"
         self.kv_client.put_tail(handle, data[len(keys)], num_tail)
-        return handle, num_tail
+        return handle, num_tail, data
 
     def _run_chunks(self, prompt: list[int], start: int, blocks: list[int]):
         """Positions start.. of the prompt through the model in chunks of at most
@@ -201,4 +223,72 @@ class PrefillEngine:
                 "num_prefill_tokens_total": self.num_prefill_tokens_total,
                 "num_requests_total": self.num_requests_total,
                 "prefix_cache_queried_tokens_total": self.prefix_cache_queried_tokens_total,
-                "prefix_cache_hit_tokens_total": dict(self.prefix_cache_hit_tokens_total)}
+                "prefix_cache_hit_tokens_total": dict(self.prefix_cache_hit_tokens_total),
+                **(self.kv.pusher.stats() if self.kv.pusher is not None else {})}
+
+
+class TorchKVPusher:
+    """--kv-transfer torch, prefill side: one pair channel (rank 0) per decode peer, and one
+    TorchKVSender per request (kvstore.transfer.torch_dist).
+
+    Pair bootstrap: a peer's channel is opened — its own TCPStore bound on a free port of
+    ``transfer.bind_host``, which is quick and never waits for the peer — on the peer's first
+    request; its address reaches the decode in PrefillResult.pair_address over Ray, and the
+    decode joins as rank 1 when it starts receiving that request; the group forms then (both
+    within ``transfer.timeout_s``). A channel a failed send closed is kept (a posted send may
+    still read its tensor; torch cannot cancel it) and replaced on the peer's next request by
+    a new pair at a new address. Tags: a counter per channel.
+
+    Args:
+        transfer: bind_host, timeout_s (pair setup), token, max_chunk_bytes (per send).
+        send_deadline_s: how long a request's blocks wait to be received: the decode posts its
+            receive only once it has reserved cache blocks for the request.
+        device: "cpu" (gloo) or "cuda" (NCCL): where the pushed blocks are.
+    """
+
+    def __init__(self, transfer: KVTransferConfig, send_deadline_s: float, device: str) -> None:
+        self.transfer = transfer
+        self.send_deadline_s = send_deadline_s
+        self.device = device
+        self._lock = threading.Lock()
+        self._channels: dict[str, tuple[TorchPairChannel, itertools.count]] = {}
+        self._retired: list[TorchPairChannel] = []
+        self.pairs_opened_total = 0
+        self.pushes_total = 0
+
+    def push(self, peer: str, blocks: torch.Tensor) -> tuple[str | None, int]:
+        """Start sending ``blocks`` [n, *block_shape] (contiguous, kept until sent) to ``peer``.
+        Returns (pair address, tag); (None, 0) if no pair store could be bound (logged: the
+        decode then pulls from the KV store)."""
+        with self._lock:
+            entry = self._channels.get(peer)
+            if entry is None or entry[0].closed:
+                if entry is not None:
+                    self._retired.append(entry[0])
+                try:
+                    channel = TorchPairChannel(
+                        0, self.transfer.bind_host, 0, timeout_s=self.transfer.timeout_s,
+                        device=self.device, token=self.transfer.token,
+                        chunk_bytes=self.transfer.max_chunk_bytes)
+                except KVTransferError as exc:
+                    log.warning("no KV pair channel for %s, it pulls from the store: %s",
+                                peer, exc)
+                    return None, 0
+                entry = self._channels[peer] = (channel, itertools.count())
+                self.pairs_opened_total += 1
+            channel, tags = entry
+            tag = next(tags) % 2**31
+            self.pushes_total += 1
+        TorchKVSender(channel).start(blocks, tag, self.send_deadline_s)
+        return channel.address, tag
+
+    def stats(self) -> dict:
+        return {"kv_pairs_opened_total": self.pairs_opened_total,
+                "kv_pushes_total": self.pushes_total}
+
+    def close(self) -> None:
+        with self._lock:
+            channels = [c for c, _ in self._channels.values()] + self._retired
+            self._channels, self._retired = {}, []
+        for channel in channels:
+            channel.close()

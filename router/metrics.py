@@ -76,9 +76,15 @@ class ClusterStatsCollector:
         for tier, n in sorted(by_tier.items()):
             hits.add_metric([tier], n)
         transfer = CounterMetricFamily("pdcluster_kv_transfer_bytes",
-                                       "KV bytes received by decode workers, by backend",
+                                       "KV bytes received by decode workers, by backend "
+                                       "(grpc, torch, arena = same-node shared memory)",
                                        labels=["backend"])
-        transfer.add_metric(["grpc"], sum(s.get("kv_bytes_fetched_total", 0) for s in stats_d))
+        by_backend: dict[str, int] = {"grpc": 0}
+        for s in stats_d:
+            for backend, n in s.get("kv_bytes_fetched_by_backend", {}).items():
+                by_backend[backend] = by_backend.get(backend, 0) + n
+        for backend, n in sorted(by_backend.items()):
+            transfer.add_metric([backend], n)
         blocks = GaugeMetricFamily("pdcluster_kv_blocks", "KV blocks in worker caches",
                                    labels=["tier", "state"])
         for state, key in (("free", "num_free_blocks"), ("used", "num_used_blocks"),

@@ -57,7 +57,7 @@ class Pipeline:
         prefill_done = False
         try:
             result = await prefill.handle.prefill.remote(
-                PrefillRequest(request_id, prompt, sampling, cache_salt))
+                PrefillRequest(request_id, prompt, sampling, cache_salt, decode.worker_id))
             prefill_done = True
         except (RayTaskError, RayActorError) as exc:
             raise _worker_error(exc, prefill) from exc

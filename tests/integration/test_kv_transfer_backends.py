@@ -1,0 +1,245 @@
+"""Prefill engine → transfer backend → decode engine in one process (no Ray): the torch pair
+path (gloo between the two engines' threads), its fallback to the KV store, draining a push
+nobody fetches, aborts, and the fake backend's injected failures. Outputs against HF.
+
+The pair between two Ray actor processes, through the launcher and the Conductor, is in
+tests/multinode/test_kv_transfer_torch.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+
+import pytest
+import torch
+
+from decode_worker.engine import DecodeEngine
+from decode_worker.kv_fetch import KVFetcher
+from engine.config import EngineConfig
+from engine.protocol import (DecodeRequest, FinishReason, PrefillRequest, PrefillResult,
+                             SamplingParams)
+from engine.runner import ModelRunner
+from kvstore.client import KVStoreClient
+from kvstore.config import KVStoreConfig, KVTransferConfig
+from kvstore.publish import GrpcPublisher
+from kvstore.server import KVStoreServer
+from kvstore.transfer.base import TransferState
+from kvstore.transfer.fake import FakeTransferBackend
+from prefill_worker.engine import PrefillEngine, PrefillKV, TorchKVPusher
+
+TORCH = KVTransferConfig(backend="torch", timeout_s=10)
+STORY = ("Once upon a time, there was a little boy named Tim. Tim had a big red ball. He liked "
+         "to play with it in the park every day with his friend Sue.")
+
+
+@pytest.fixture(scope="module")
+def store():
+    server = KVStoreServer(KVStoreConfig())
+    server.start()
+    client = KVStoreClient(server.address)
+    yield server, client
+    client.close()
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def prefill(store):
+    server, client = store
+    pusher = TorchKVPusher(TORCH, send_deadline_s=20, device="cpu")
+    kv = PrefillKV(client, server.address, "local-node", GrpcPublisher(client), pusher=pusher)
+    engine = PrefillEngine(ModelRunner(EngineConfig(num_kv_blocks=128)), kv, "prefill-0", 0)
+    yield engine
+    pusher.close()
+
+
+def decode_engine(worker_id: str, transfer: KVTransferConfig | float, num_kv_blocks: int = 128,
+                  backend=None) -> DecodeEngine:
+    runner = ModelRunner(EngineConfig(num_kv_blocks=num_kv_blocks))
+    return DecodeEngine(runner, worker_id, 0,
+                        KVFetcher(runner.kv_cache, transfer, backend=backend))
+
+
+@pytest.fixture(scope="module")
+def decode_torch():
+    engine = decode_engine("decode-t", TORCH)
+    yield engine
+    engine.shutdown()
+
+
+def run_decode(decode: DecodeEngine, result: PrefillResult, prompt: list[int],
+               params: SamplingParams, abort: bool = False):
+    deltas, done = [], threading.Event()
+
+    def emit(delta):
+        deltas.append(delta)
+        if delta.finish_reason is not None:
+            done.set()
+
+    decode.add_request(DecodeRequest(result.request_id, tuple(prompt), params, result), emit)
+    if abort:
+        decode.abort(result.request_id)
+    assert done.wait(60)
+    return [result.first_token] + [t for d in deltas for t in d.token_ids], deltas[-1]
+
+
+def generate(prefill: PrefillEngine, decode: DecodeEngine, request_id: str, prompt: list[int],
+             max_tokens: int = 16, **kwargs):
+    params = SamplingParams(max_tokens=max_tokens, temperature=0)
+    result = prefill.prefill(PrefillRequest(request_id, tuple(prompt), params,
+                                            decode_peer=decode.worker_id))
+    return (result, *run_decode(decode, result, prompt, params, **kwargs))
+
+
+def settled(decode: DecodeEngine, client: KVStoreClient, timeout_s: float = 10.0) -> dict:
+    """The decode's stats once every block is free and the store holds no tail."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = decode.stats()
+        if (stats["num_free_blocks"] == stats["num_blocks"] and stats["num_active"] == 0
+                and client.stats()["num_tails"] == 0):
+            return stats
+        assert time.monotonic() < deadline, (stats, client.stats())
+        time.sleep(0.02)
+
+
+def test_torch_pair_carries_every_block_and_output_matches_hf(prefill, decode_torch, store, hf):
+    _, client = store
+    prompt = hf.encode(STORY)
+    assert len(prompt) > 32 and len(prompt) % 16  # full blocks and a tail
+    before = dict(decode_torch.stats()["kv_bytes_fetched_by_backend"])
+    result, tokens, last = generate(prefill, decode_torch, "pair-1", prompt, 24)
+    assert result.pair_address is not None and tokens == hf.greedy(prompt, 24)
+    assert last.finish_reason is FinishReason.LENGTH
+    stats = settled(decode_torch, client)  # the store's copy of the tail was released
+    moved = {k: v - before.get(k, 0) for k, v in stats["kv_bytes_fetched_by_backend"].items()}
+    num_blocks = -(-len(prompt) // 16)
+    assert moved == {"torch": num_blocks * decode_torch.runner.kv_cache.block_nbytes}
+    # a second request reuses the pair, under the next tag
+    again, tokens, _ = generate(prefill, decode_torch, "pair-2", prompt, 24)
+    assert tokens == hf.greedy(prompt, 24)
+    assert (again.pair_address, again.pair_tag) == (result.pair_address, result.pair_tag + 1)
+    assert prefill.stats()["kv_pairs_opened_total"] == 1
+    settled(decode_torch, client)
+
+
+def test_broken_pair_falls_back_to_the_store(prefill, store, hf):
+    _, client = store
+    prompt = hf.encode("Lily and Ben went to the park. " + STORY)
+    params = SamplingParams(max_tokens=12, temperature=0)
+    decode = decode_engine("decode-fb", KVTransferConfig(backend="torch", timeout_s=1))
+    try:
+        result = prefill.prefill(PrefillRequest("fb", tuple(prompt), params))  # no push
+        assert result.pair_address is None
+        # nobody serves this pair: the torch receive fails within its 1 s setup timeout
+        dead = dataclasses.replace(result, pair_address=f"127.0.0.1:{_free_port()}")
+        start = time.monotonic()
+        tokens, last = run_decode(decode, dead, prompt, params)
+        assert tokens == hf.greedy(prompt, 12) and last.error is None
+        assert time.monotonic() - start < 8
+        stats = settled(decode, client)
+        assert set(stats["kv_bytes_fetched_by_backend"]) == {"grpc"}
+    finally:
+        decode.shutdown()
+
+
+def test_abort_and_unfetched_pushes_keep_the_pair_healthy(prefill, decode_torch, store, hf):
+    _, client = store
+    prompt = hf.encode("The cat sat on the mat. " + STORY)
+    pairs = prefill.stats()["kv_pairs_opened_total"]
+    # aborted at once: either still waiting (the push is drained) or fetching (the receive is
+    # let finish); either way the blocks come back and the pair lives on
+    for i in range(3):
+        _, _, last = generate(prefill, decode_torch, f"abort-{i}", prompt, 16, abort=True)
+        assert last.finish_reason in (FinishReason.ABORT, FinishReason.LENGTH)
+        settled(decode_torch, client)
+    # finished at admission (needs more blocks than the worker has): the push is drained
+    small = decode_engine("decode-small", TORCH, num_kv_blocks=4)
+    try:
+        result, _, last = generate(prefill, small, "too-big", prompt, 40)
+        assert result.pair_address is not None
+        assert last.finish_reason is FinishReason.ERROR and "KV blocks" in last.error
+        short = hf.encode("The cat")
+        _, tokens, _ = generate(prefill, small, "fits", short, 8)
+        assert tokens == hf.greedy(short, 8)
+        assert set(settled(small, client)["kv_bytes_fetched_by_backend"]) == {"torch"}
+    finally:
+        small.shutdown()
+    _, tokens, _ = generate(prefill, decode_torch, "after-aborts", prompt, 16)
+    assert tokens == hf.greedy(prompt, 16)
+    assert prefill.stats()["kv_pairs_opened_total"] == pairs + 1  # only decode-small's
+    settled(decode_torch, client)
+
+
+def test_injected_fetch_failure_ends_the_request_cleanly(prefill, store, hf):
+    """Fake backend failing its first transfer: that request ends with ERROR "KV fetch
+    failed", every reserved block is free and the store's tail released; no retry. The next
+    transfer succeeds."""
+    _, client = store
+    fake = FakeTransferBackend(fail_on_calls={1})
+    decode = decode_engine("decode-fake", KVTransferConfig(backend="fake"), backend=fake)
+    prompt = hf.encode("One day, a big dog " + STORY)
+    params = SamplingParams(max_tokens=12, temperature=0)
+    try:
+        first = prefill.prefill(PrefillRequest("fake-1", tuple(prompt), params))
+        tokens, last = run_decode(decode, first, prompt, params)
+        assert tokens == [first.first_token] and last.finish_reason is FinishReason.ERROR
+        assert last.error.startswith("KV fetch failed: ") and "injected failure" in last.error
+        settled(decode, client)
+
+        second = prefill.prefill(PrefillRequest("fake-2", tuple(prompt), params))
+        blocks = client.get_blocks(list(second.block_keys))
+        fake.blocks.update(zip(second.block_keys, blocks))
+        fake.tails[second.tail_handle] = client.take_tail(second.tail_handle)
+        tokens, last = run_decode(decode, second, prompt, params)
+        assert tokens == hf.greedy(prompt, 12) and last.error is None
+        stats = settled(decode, client)
+        num_blocks = len(second.block_keys) + 1
+        assert stats["kv_bytes_fetched_by_backend"] == {
+            "fake": num_blocks * decode.runner.kv_cache.block_nbytes}
+        assert fake.calls == 2
+    finally:
+        decode.shutdown()
+
+
+def test_abort_stops_writes_before_the_blocks_are_freed():
+    runner = ModelRunner(EngineConfig(num_kv_blocks=8))
+    cache = runner.kv_cache
+    key = b"k" * 32
+    fake = FakeTransferBackend(blocks={key: torch.ones(cache.block_shape)}, delay_s=0.3)
+    fetcher = KVFetcher(cache, KVTransferConfig(backend="fake"), backend=fake)
+    result = PrefillResult("r", 0, "127.0.0.1:1", (key,), None, 0, 0, "p", 0)
+    fetch = fetcher.start_fetch(result, [3])
+    assert fetch.poll() is TransferState.TRANSFERRING
+    assert fetch.abort() is True  # nothing more will be written
+    time.sleep(0.4)
+    assert fetch.poll() is TransferState.FAILED and "aborted" in str(fetch.error)
+    assert not cache.read_blocks([3]).any() and fetcher.bytes_fetched_total == 0
+
+    done = fetcher.start_fetch(result, [5])
+    time.sleep(0.35)
+    assert done.poll() is TransferState.SUCCESS
+    assert torch.equal(cache.read_blocks([5])[0], torch.ones(cache.block_shape))
+    assert fetcher.bytes_by_backend == {"fake": cache.block_nbytes}
+    fetcher.close()
+
+
+def test_kv_transfer_flag():
+    from deploy.cli import _overrides, _parser
+    from deploy.config import load_config
+
+    args = _parser().parse_args(["serve", "--kv-transfer", "torch"])
+    assert load_config(None, _overrides(args)).transfer.backend == "torch"
+    assert load_config(None, {}).transfer.backend == "grpc"
+    for bad in ("fake", "nccl"):
+        with pytest.raises(ValueError):
+            load_config(None, {"transfer": {"backend": bad}})
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
