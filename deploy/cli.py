@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 def _gib(value: str) -> int:
@@ -77,6 +78,10 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--config", help="YAML file with a ServeConfig (flags override it)")
     for flag, path, typ, help_text in _SERVE_FLAGS:
         serve.add_argument(flag, dest=path, type=typ, default=argparse.SUPPRESS, help=help_text)
+    serve.add_argument("--api-key", dest="api_keys", action="append", default=argparse.SUPPRESS,
+                       help="require this key (repeatable); env PDCLUSTER_API_KEY also counts")
+    serve.add_argument("--api-key-file", dest="api_key_file", default=argparse.SUPPRESS,
+                       help="file with one API key per line")
     for flag, path, help_text in _SERVE_SWITCHES:
         serve.add_argument(flag, dest=path, action=argparse.BooleanOptionalAction,
                            default=argparse.SUPPRESS, help=help_text)
@@ -88,7 +93,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def _overrides(args: argparse.Namespace) -> dict:
     out: dict = {}
-    paths = [f[1] for f in _SERVE_FLAGS] + [f[1] for f in _SERVE_SWITCHES]
+    paths = [f[1] for f in _SERVE_FLAGS] + [f[1] for f in _SERVE_SWITCHES] + \
+        ["api_keys", "api_key_file"]
     for path in paths:
         if hasattr(args, path):
             node = out
@@ -105,8 +111,12 @@ def main(argv: list[str] | None = None) -> int:
         from deploy.config import load_config
         from deploy.serve import serve
 
+        overrides = _overrides(args)
+        if os.environ.get("PDCLUSTER_API_KEY"):  # env read only here, at the CLI edge
+            overrides["api_keys"] = overrides.get("api_keys", []) + \
+                [os.environ["PDCLUSTER_API_KEY"]]
         try:
-            config = load_config(args.config, _overrides(args))
+            config = load_config(args.config, overrides)
         except (ValueError, OSError) as exc:
             print(f"pdcluster: invalid configuration: {exc}", file=sys.stderr)
             return 2

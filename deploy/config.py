@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 
 from engine.config import EngineConfig
 from kvstore.config import KVStoreConfig, KVTransferConfig
@@ -25,6 +25,8 @@ class ServeConfig(BaseModel):
     actor_num_cpus: logical CPUs each prefill/decode actor reserves (KV store actors reserve 0).
     colocated: each decode instance also prefills its requests (no prefill actors, no KV
         transfer) — for comparison and one-GPU deployments.
+    api_keys / api_key_file: when any key is set, every request but /health needs
+        `Authorization: Bearer <key>` (keys are never logged).
     transfer: how KV gets from prefill to decode (``--kv-transfer grpc|torch``); its token is
         always the KV store's (``--kv-token``).
     """
@@ -48,6 +50,8 @@ class ServeConfig(BaseModel):
     actor_num_cpus: float = Field(1.0, gt=0)
     log_level: str = "info"
     max_request_body_bytes: int = Field(4 << 20, ge=1024)
+    api_keys: list[SecretStr] = Field(default_factory=list)
+    api_key_file: str | None = None
 
     @field_validator("transfer")
     @classmethod

@@ -16,6 +16,7 @@ from deploy.config import ServeConfig
 from deploy.launcher import Cluster
 from engine.config import ModelConfig
 from engine.tokenizer import Tokenizer
+from router.auth import APIKeyAuth, load_api_keys
 from router.chat_template import ChatTemplate
 from router.gateway import build_app
 
@@ -26,9 +27,13 @@ def gateway_app(config: ServeConfig, cluster: Cluster) -> FastAPI:
     """The OpenAI gateway over a started cluster, as `pdcluster serve` runs it."""
     model_dir = config.engine.model
     max_model_len = config.engine.resolved_max_model_len(ModelConfig.from_pretrained(model_dir))
-    return build_app(cluster.pipeline, Tokenizer.from_pretrained(model_dir), config.model_name(),
-                     max_model_len, ChatTemplate.from_model_dir(model_dir),
-                     config.max_request_body_bytes)
+    app = build_app(cluster.pipeline, Tokenizer.from_pretrained(model_dir), config.model_name(),
+                    max_model_len, ChatTemplate.from_model_dir(model_dir),
+                    config.max_request_body_bytes)
+    keys = load_api_keys([k.get_secret_value() for k in config.api_keys], config.api_key_file)
+    if keys:
+        app.add_middleware(APIKeyAuth, keys=keys)
+    return app
 
 
 def serve(config: ServeConfig) -> int:

@@ -34,3 +34,13 @@ def test_prefix_caching_switch():
     off = load_config(None, _overrides(_parser().parse_args(["serve",
                                                              "--no-enable-prefix-caching"])))
     assert on.engine.enable_prefix_caching and not off.engine.enable_prefix_caching
+
+
+def test_api_keys_from_flags_and_file(tmp_path):
+    path = tmp_path / "keys"
+    path.write_text("k3\n")
+    args = _parser().parse_args(["serve", "--api-key", "k1", "--api-key", "k2",
+                                 "--api-key-file", str(path)])
+    cfg = load_config(None, _overrides(args))
+    assert [k.get_secret_value() for k in cfg.api_keys] == ["k1", "k2"]
+    assert "k1" not in repr(cfg) and cfg.api_key_file == str(path)

@@ -17,6 +17,8 @@ from openai import OpenAI
 pytestmark = pytest.mark.slow
 
 MODEL = "stories260K"
+KEY = "e2e-test-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
 def free_port() -> int:
@@ -46,7 +48,7 @@ def server(tmp_path_factory):
     log = tmp_path_factory.mktemp("serve") / "serve.log"
     exe = Path(sys.executable).parent / "pdcluster"
     with log.open("w") as out:
-        proc = subprocess.Popen([str(exe), "serve", "--port", str(port)], stdout=out,
+        proc = subprocess.Popen([str(exe), "serve", "--port", str(port), "--api-key", KEY], stdout=out,
                                 stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.time() + 180
     while time.time() < deadline:
@@ -69,7 +71,7 @@ def server(tmp_path_factory):
 
 def test_streamed_greedy_completion_matches_hf(server, hf):
     _, port, _ = server
-    client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused")
+    client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY)
     prompt = "Once upon a time"
     prompt_ids = hf.encode(prompt)
     expected = hf.greedy(prompt_ids, 64)
@@ -92,7 +94,7 @@ def test_streamed_greedy_completion_matches_hf(server, hf):
 
 def test_non_streamed_completion_and_models(server, hf):
     _, port, _ = server
-    client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused")
+    client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY)
     assert [m.id for m in client.models.list().data] == [MODEL]
     prompt_ids = hf.encode("The little dog")
     out = client.completions.create(model=MODEL, prompt=prompt_ids, max_tokens=20,
@@ -106,11 +108,14 @@ def test_non_streamed_completion_and_models(server, hf):
 def test_bad_requests_get_openai_errors(server):
     _, port, _ = server
     base = f"http://127.0.0.1:{port}/v1/completions"
-    r = httpx.post(base, json={"model": "nope", "prompt": "hi"})
+    r = httpx.post(base, json={"model": MODEL, "prompt": "hi"})  # no key
+    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    assert httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200  # probes need none
+    r = httpx.post(base, json={"model": "nope", "prompt": "hi"}, headers=AUTH)
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
-    r = httpx.post(base, json={"model": MODEL, "prompt": "hi", "max_tokens": 0})
+    r = httpx.post(base, json={"model": MODEL, "prompt": "hi", "max_tokens": 0}, headers=AUTH)
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
-    r = httpx.post(base, json={"model": MODEL, "prompt": "hi", "max_tokens": 600})
+    r = httpx.post(base, json={"model": MODEL, "prompt": "hi", "max_tokens": 600}, headers=AUTH)
     assert r.status_code == 400 and "over the limit" in r.json()["error"]["message"]
 
 
