@@ -35,6 +35,8 @@ _SERVE_FLAGS = [
     ("--max-model-len", "engine.max_model_len", int, "context length (default: model's)"),
     ("--num-kv-blocks", "engine.num_kv_blocks", int, "paged-cache blocks per worker"),
     ("--torch-threads", "engine.torch_threads", int, "torch threads per actor (default 1)"),
+    ("--kernel-backend", "engine.kernel_backend", str,
+     "auto (Triton on CUDA, torch elsewhere) | triton (interpreted on CPU) | torch"),
     ("--preemption-mode", "engine.preemption_mode", str,
      "recompute | swap: how a full decode cache makes room (default recompute)"),
     ("--max-num-batched-tokens", "engine.max_num_batched_tokens", int,

@@ -11,6 +11,8 @@ import secrets
 import ray
 from pydantic import SecretStr
 
+import kernels
+
 from decode_worker.actor import DecodeWorker
 from deploy.config import ServeConfig
 from engine.config import EngineConfig, ModelConfig
@@ -63,16 +65,21 @@ class Cluster:
             self._started_ray = True
         self.kvstores = start_kvstore_actors(cfg.kvstore, cfg.kvpool, block_layout(cfg.engine),
                                              cfg.ray_namespace)
+        # Triton on CPU runs interpreted: actors need TRITON_INTERPRET=1 before importing triton
+        runtime_env = {"env_vars": kernels.runtime_env_vars(cfg.engine.kernel_backend,
+                                                            cfg.engine.device)}
         for node_id, handle in self.kvstores.items():  # for /metrics: tiers G2/G3 per node
             self.registry.add(Instance(f"kvstore-{node_id[:12]}", "kvstore", handle))
         for i in range(0 if cfg.colocated else cfg.prefill_instances):
             handle = PrefillWorker.options(
                 num_cpus=cfg.actor_num_cpus, max_concurrency=PREFILL_MAX_CONCURRENCY,
+                runtime_env=runtime_env,
             ).remote(f"prefill-{i}", cfg.engine, cfg.kvstore, cfg.kvpool, cfg.ray_namespace,
                      transfer)
             self.prefill.append(Instance(f"prefill-{i}", "prefill", handle))
         for i in range(cfg.decode_instances):
-            handle = DecodeWorker.options(num_cpus=cfg.actor_num_cpus).remote(
+            handle = DecodeWorker.options(num_cpus=cfg.actor_num_cpus,
+                                          runtime_env=runtime_env).remote(
                 f"decode-{i}", cfg.engine, cfg.kvstore, cfg.ray_namespace, transfer)
             self.decode.append(Instance(f"decode-{i}", "decode", handle))
         infos = ray.get([i.handle.info.remote() for i in self.prefill + self.decode])

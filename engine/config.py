@@ -198,6 +198,8 @@ class EngineConfig(pydantic.BaseModel):
     A/B runs). `max_num_batched_tokens`: token budget of one forward step; longer prompts are
     prefilled in chunks of at most this many tokens (vLLM's chunked prefill).
     `preemption_mode`: how a decode worker makes room when its cache is full (vLLM's modes).
+    `kernel_backend`: "auto" runs Triton kernels on CUDA tensors and torch references
+    elsewhere; "triton" forces Triton (on CPU through TRITON_INTERPRET=1); "torch" forces torch.
     """
 
     model_config = pydantic.ConfigDict(frozen=True, extra="forbid", protected_namespaces=())
@@ -212,6 +214,7 @@ class EngineConfig(pydantic.BaseModel):
     enable_prefix_caching: bool = True
     max_num_batched_tokens: int = pydantic.Field(512, gt=0)
     preemption_mode: Literal["recompute", "swap"] = "recompute"
+    kernel_backend: Literal["auto", "triton", "torch"] = "auto"
 
     def torch_dtype(self) -> torch.dtype:
         """The torch dtype named by `dtype`."""

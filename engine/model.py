@@ -52,7 +52,7 @@ class LlamaAttention(nn.Module):
     def forward(
         self,
         hidden: torch.Tensor,
-        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        rope: tuple[torch.Tensor, torch.Tensor],
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         attn: AttentionMetadata,
@@ -61,7 +61,7 @@ class LlamaAttention(nn.Module):
         q = self.q_proj(hidden).view(num_tokens, self.num_heads, self.head_dim)
         k = self.k_proj(hidden).view(num_tokens, self.num_kv_heads, self.head_dim)
         v = self.v_proj(hidden).view(num_tokens, self.num_kv_heads, self.head_dim)
-        q, k = apply_rotary_emb(q, k, *cos_sin)
+        q, k = apply_rotary_emb(q, k, *rope)
         out = paged_attention(q, k, v, k_cache, v_cache, attn, self.scale)
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
 
@@ -94,13 +94,13 @@ class LlamaDecoderLayer(nn.Module):
         self,
         hidden: torch.Tensor,
         residual: torch.Tensor | None,
-        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        rope: tuple[torch.Tensor, torch.Tensor],
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         attn: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(hidden, cos_sin, k_cache, v_cache, attn)
+        hidden = self.self_attn(hidden, rope, k_cache, v_cache, attn)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
@@ -125,7 +125,9 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head: nn.Linear | None = None
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
+        self.rotary = RotaryEmbedding(
+            config.head_dim, config.rope_theta, config.rope_scaling, config.max_position_embeddings
+        )
 
     def forward(
         self,
@@ -137,10 +139,10 @@ class LlamaForCausalLM(nn.Module):
         """input_ids, positions: int64 [num_tokens] -> final-normed hidden [num_tokens, hidden].
 
         Writes each layer's new K/V into `kv_cache` at `attn.slot_mapping`."""
-        cos_sin = self.rotary.cos_sin(positions)
+        rope = (positions, self.rotary.cos_sin_cache(positions.device))  # kernels.rotary_embedding's inputs
         hidden, residual = self.model.embed_tokens(input_ids), None
         for index, layer in enumerate(self.model.layers):
-            hidden, residual = layer(hidden, residual, cos_sin, kv_cache.k[index], kv_cache.v[index], attn)
+            hidden, residual = layer(hidden, residual, rope, kv_cache.k[index], kv_cache.v[index], attn)
         hidden, _ = self.model.norm(hidden, residual)
         return hidden
 

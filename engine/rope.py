@@ -56,39 +56,39 @@ def _llama3_scale(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     return torch.where(~long_wave & ~short_wave, blended, scaled)
 
 
-def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin tables for `positions`.
+def rope_cos_sin_cache(inv_freq: torch.Tensor, max_position: int) -> torch.Tensor:
+    """cos | sin table for positions 0..max_position-1, the layout `kernels.rotary_embedding` reads.
 
-    inv_freq: float32 [head_dim // 2]; positions: int64 [num_tokens].
-    Returns (cos, sin), each float32 [num_tokens, head_dim] (frequencies repeated twice, HF layout);
-    computed in float32 like transformers' LlamaRotaryEmbedding.forward (attention_scaling is 1.0
-    for every supported rope type).
+    inv_freq: float32 [head_dim // 2]. Returns float32 [max_position, head_dim]: row p is
+    cos(p * inv_freq) then sin(p * inv_freq), computed in float32 like transformers'
+    LlamaRotaryEmbedding.forward (attention_scaling is 1.0 for every supported rope type).
     """
-    freqs = positions.to(torch.float32)[:, None] * inv_freq.to(positions.device, torch.float32)[None, :]
-    angles = torch.cat((freqs, freqs), dim=-1)
-    return angles.cos(), angles.sin()
+    positions = torch.arange(max_position, dtype=torch.int64, device=inv_freq.device).to(torch.float32)
+    freqs = positions[:, None] * inv_freq.to(torch.float32)[None, :]
+    return torch.cat((freqs.cos(), freqs.sin()), dim=-1)
 
 
 def apply_rotary_emb(
-    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate q [num_tokens, num_heads, head_dim] and k [num_tokens, num_kv_heads, head_dim].
+    """Rotate q [num_tokens, num_heads, head_dim] and k [num_tokens, num_kv_heads, head_dim] in place.
 
-    cos/sin: float32 [num_tokens, head_dim] from `rope_cos_sin`. Returns new (q, k) in their input
-    dtypes: x * cos + rotate_half(x) * sin (transformers' apply_rotary_pos_emb). Dispatches to
-    `kernels.rotary_embedding`.
+    positions: int64 [num_tokens]; cos_sin_cache from `rope_cos_sin_cache`. x * cos +
+    rotate_half(x) * sin (transformers' apply_rotary_pos_emb). Returns (q, k), the same tensors.
+    Dispatches to `kernels.rotary_embedding`.
     """
-    return kernels.rotary_embedding(q, k, cos, sin)
+    return kernels.rotary_embedding(positions, q, k, cos_sin_cache)
 
 
 class RotaryEmbedding:
-    """Per-model RoPE state: the inverse frequencies, kept on the device of the positions used."""
+    """Per-model RoPE state: the cos | sin table for every position, kept on the device used."""
 
-    def __init__(self, head_dim: int, rope_theta: float, rope_scaling: dict | None) -> None:
+    def __init__(self, head_dim: int, rope_theta: float, rope_scaling: dict | None, max_position: int) -> None:
         self.inv_freq = compute_inv_freq(head_dim, rope_theta, rope_scaling)
+        self._cos_sin_cache = rope_cos_sin_cache(self.inv_freq, max_position)
 
-    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(cos, sin) float32 [num_tokens, head_dim] for int64 `positions` [num_tokens]."""
-        if self.inv_freq.device != positions.device:
-            self.inv_freq = self.inv_freq.to(positions.device)
-        return rope_cos_sin(self.inv_freq, positions)
+    def cos_sin_cache(self, device: torch.device) -> torch.Tensor:
+        """float32 [max_position, head_dim] (cos | sin halves) on `device`."""
+        if self._cos_sin_cache.device != device:
+            self._cos_sin_cache = self._cos_sin_cache.to(device)
+        return self._cos_sin_cache

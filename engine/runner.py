@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+import kernels
+
 from engine.attention import AttentionMetadata
 from engine.config import EngineConfig, ModelConfig
 from engine.kv_cache import PagedKVCache
@@ -48,6 +50,7 @@ class ModelRunner:
         self.model_config = model_config or ModelConfig.from_pretrained(engine_config.model)
         self.max_model_len = engine_config.resolved_max_model_len(self.model_config)
         torch.set_num_threads(engine_config.torch_threads)
+        kernels.set_backend(engine_config.kernel_backend)
         self.device = torch.device(engine_config.device)
         dtype = engine_config.torch_dtype()
         self.model = build_model(self.model_config, dtype, self.device)

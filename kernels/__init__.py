@@ -1,25 +1,111 @@
 """Kernel dispatch: the engine calls these functions, never an implementation directly.
 
-Every function currently runs its torch reference (`kernels.reference`). The Triton kernels
-(CUDA tensors, or CPU under TRITON_INTERPRET=1) plug in here: pick the implementation per call
-from the tensors' device, keeping the reference as the fallback and the test oracle.
-Shapes, dtypes and semantics are documented on the reference functions.
+Each function runs its Triton kernel (`kernels.triton_*`) or its torch reference
+(`kernels.reference`, the CPU path and the test oracle), chosen per call by the backend:
+
+- "auto" (default): Triton for CUDA tensors, the reference otherwise;
+- "triton": always Triton. CPU tensors then run in Triton's interpreter, which triton selects
+  from `TRITON_INTERPRET=1` in the environment when the kernels are first imported; without it
+  `set_backend("triton")` on a machine without CUDA raises. Ray workers get the variable
+  through their runtime environment (`runtime_env_vars`);
+- "torch": always the reference.
+
+triton is imported only when a Triton kernel is first needed. Shapes, dtypes and semantics are
+documented on the reference functions; the launchers (`kernels.triton_*.plan_*`) check shapes,
+strides and dtypes and raise `KernelInputError` (a ValueError) for anything unsupported.
 """
 
 from __future__ import annotations
+
+import importlib
+from types import ModuleType
 
 import torch
 
 from kernels import reference
 
 __all__ = [
+    "BACKENDS",
+    "get_backend",
     "paged_decode_attention",
     "paged_prefill_attention",
     "rms_norm",
     "rotary_embedding",
+    "runtime_env_vars",
+    "set_backend",
     "silu_and_mul",
     "store_kv_cache",
+    "triton_interpreted",
 ]
+
+BACKENDS = ("auto", "triton", "torch")
+_backend = "auto"
+_modules: dict[str, ModuleType] = {}
+
+
+def set_backend(backend: str) -> str:
+    """Select "auto" | "triton" | "torch" for every later call in this process; returns the old one.
+
+    Raises ValueError for an unknown name, ImportError if "triton" is asked for and triton is not
+    installed, and RuntimeError if "triton" is asked for on a machine without CUDA while Triton's
+    interpreter is off (TRITON_INTERPRET=1 was not set before the kernels were imported).
+    """
+    global _backend
+    if backend not in BACKENDS:
+        raise ValueError(f"kernel backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "triton" and not torch.cuda.is_available() and not triton_interpreted():
+        raise RuntimeError(
+            "kernel backend 'triton' without CUDA needs Triton's interpreter: set TRITON_INTERPRET=1 in the "
+            "environment before triton is imported (Ray workers: runtime_env env_vars, see kernels.runtime_env_vars)"
+        )
+    previous, _backend = _backend, backend
+    return previous
+
+
+def get_backend() -> str:
+    return _backend
+
+
+def runtime_env_vars(backend: str, device: str | torch.device) -> dict[str, str]:
+    """Environment a worker process needs for `backend` on `device` (for Ray's runtime_env).
+
+    {"TRITON_INTERPRET": "1"} when Triton is forced on a non-CUDA device, else {}."""
+    if backend not in BACKENDS:
+        raise ValueError(f"kernel backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "triton" and torch.device(device).type != "cuda":
+        return {"TRITON_INTERPRET": "1"}
+    return {}
+
+
+def triton_interpreted() -> bool:
+    """Whether this process's Triton kernels run in the interpreter (imports them)."""
+    from kernels._triton_common import is_interpreted
+
+    return is_interpreted(_triton("triton_kv_cache")._store_kv_cache_kernel)
+
+
+def _triton(name: str) -> ModuleType:
+    module = _modules.get(name)
+    if module is None:
+        try:
+            module = importlib.import_module(f"kernels.{name}")
+        except ModuleNotFoundError as error:
+            if error.name != "triton" and not (error.name or "").startswith("triton."):
+                raise
+            raise ImportError(
+                "the Triton kernel backend needs the `triton` package (pip install triton); "
+                "or use kernels.set_backend('torch')"
+            ) from error
+        _modules[name] = module
+    return module
+
+
+def _use_triton(tensor: torch.Tensor) -> bool:
+    if _backend == "torch":
+        return False
+    if _backend == "auto":
+        return tensor.device.type == "cuda"
+    return True
 
 
 def store_kv_cache(
@@ -32,7 +118,10 @@ def store_kv_cache(
     """Scatter k/v [T, num_kv_heads, head_dim] into paged caches at slots; -1 skipped. In place.
 
     See `reference.store_kv_cache`."""
-    reference.store_kv_cache(k, v, k_cache, v_cache, slot_mapping)
+    if _use_triton(k):
+        _triton("triton_kv_cache").store_kv_cache(k, v, k_cache, v_cache, slot_mapping)
+    else:
+        reference.store_kv_cache(k, v, k_cache, v_cache, slot_mapping)
 
 
 def paged_prefill_attention(
@@ -47,7 +136,8 @@ def paged_prefill_attention(
     """Varlen causal attention of packed new tokens over paged K/V -> [total_q, num_heads, head_dim].
 
     See `reference.paged_prefill_attention`."""
-    return reference.paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale)
+    impl = _triton("triton_paged_prefill") if _use_triton(q) else reference
+    return impl.paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale)
 
 
 def paged_decode_attention(
@@ -60,8 +150,9 @@ def paged_decode_attention(
 ) -> torch.Tensor:
     """One-token-per-sequence attention over paged K/V -> [num_seqs, num_heads, head_dim].
 
-    See `reference.paged_decode_attention`."""
-    return reference.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale)
+    Split-K (flash-decoding) on the Triton path. See `reference.paged_decode_attention`."""
+    impl = _triton("triton_paged_decode") if _use_triton(q) else reference
+    return impl.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale)
 
 
 def rms_norm(
@@ -70,18 +161,21 @@ def rms_norm(
     """RMSNorm, fused with the residual add when given -> (out, new_residual).
 
     See `reference.rms_norm`."""
-    return reference.rms_norm(x, weight, eps, residual)
+    impl = _triton("triton_rms_norm") if _use_triton(x) else reference
+    return impl.rms_norm(x, weight, eps, residual)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up for x [..., 2d] = gate | up -> [..., d]. See `reference.silu_and_mul`."""
-    return reference.silu_and_mul(x)
+    impl = _triton("triton_activation") if _use_triton(x) else reference
+    return impl.silu_and_mul(x)
 
 
 def rotary_embedding(
-    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate-half RoPE of q [T, H, D] and k [T, Hkv, D] with cos/sin [T, D] -> (q, k).
+    """Rotate-half RoPE of q [T, H, D] and k [T, Hkv, D] in place at `positions`; returns (q, k).
 
-    See `reference.rotary_embedding`."""
-    return reference.rotary_embedding(q, k, cos, sin)
+    cos_sin_cache [max_position, D] = cos | sin halves. See `reference.rotary_embedding`."""
+    impl = _triton("triton_rotary") if _use_triton(q) else reference
+    return impl.rotary_embedding(positions, q, k, cos_sin_cache)

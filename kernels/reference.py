@@ -140,20 +140,24 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 def rotary_embedding(
-    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Neox/HF "rotate half" RoPE on q [T, num_heads, D] and k [T, num_kv_heads, D].
+    """Neox/HF "rotate half" RoPE of q [T, num_heads, D] and k [T, num_kv_heads, D], in place.
 
-    cos/sin: [T, D] (half-width frequencies repeated twice). out = x * cos + rotate_half(x) * sin
-    with rotate_half(x) = cat(-x[..., D/2:], x[..., :D/2]) (transformers' apply_rotary_pos_emb).
-    cos/sin are cast to each input's dtype first, as transformers does. Returns new tensors.
+    positions: int [T]; cos_sin_cache: [max_position, D] = cos | sin, each [max_position, D/2]
+    (vLLM's layout; row p holds cos(p * inv_freq) then sin(p * inv_freq)). With x = x1 | x2
+    (halves): out = x1 cos - x2 sin | x2 cos + x1 sin, i.e. transformers' apply_rotary_pos_emb
+    (x * cos + rotate_half(x) * sin with the frequencies repeated twice). cos/sin are cast to each
+    input's dtype first, as transformers does. Returns (q, k), the same tensors.
     """
-    return _rotate(q, cos, sin), _rotate(k, cos, sin)
+    cos, sin = cos_sin_cache[positions.to(torch.int64)].chunk(2, dim=-1)
+    q.copy_(_rotate(q, cos, sin))
+    k.copy_(_rotate(k, cos, sin))
+    return q, k
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     cos = cos.to(x.dtype)[:, None, :]
     sin = sin.to(x.dtype)[:, None, :]
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

@@ -8,6 +8,8 @@ PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 # The CPU build of torch first: with it installed, pyproject's torch range pulls no CUDA wheels.
 .venv/bin/python -m pip install -q torch==2.13.0
+# Triton without dependencies (it would not pull CUDA torch, but keep the tested version exact).
+[ "$(uname -s)" = Linux ] && .venv/bin/python -m pip install -q --no-deps triton==3.9.0
 if [ "${1:-}" = "--dev" ]; then
   .venv/bin/python -m pip install -q -e ".[dev]"
   if ! command -v redis-server >/dev/null 2>&1; then

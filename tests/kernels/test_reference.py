@@ -111,10 +111,21 @@ def test_silu_and_mul_and_rotary():
     x = torch.randn(4, 10)
     torch.testing.assert_close(reference.silu_and_mul(x), torch.sigmoid(x[:, :5]) * x[:, :5] * x[:, 5:])
     q, k = torch.randn(3, 4, 8), torch.randn(3, 2, 8)
-    angles = torch.rand(3, 4) * 6
-    cos, sin = torch.cat((angles, angles), -1).cos(), torch.cat((angles, angles), -1).sin()
-    q_rot, k_rot = reference.rotary_embedding(q, k, cos, sin)
+    angles = torch.rand(10, 4) * 6  # [max_position, D/2]
+    angles[0] = 0.0  # position 0: no rotation, as rope_cos_sin_cache builds it
+    cos_sin_cache = torch.cat((angles.cos(), angles.sin()), -1)
+    positions = torch.tensor([7, 0, 3])
+    q_rot, k_rot = reference.rotary_embedding(positions, q.clone(), k.clone(), cos_sin_cache)
     # Rotate-half pairs element i with i + D/2: check as complex multiplication by e^{i*angle}.
-    as_complex = torch.complex(q[..., :4], q[..., 4:]) * torch.polar(torch.ones(3, 1, 4), angles[:, None, :])
+    rotation = torch.polar(torch.ones(3, 1, 4), angles[positions][:, None, :])
+    as_complex = torch.complex(q[..., :4], q[..., 4:]) * rotation
     torch.testing.assert_close(q_rot, torch.cat((as_complex.real, as_complex.imag), -1))
     assert k_rot.shape == k.shape and torch.allclose(k_rot.norm(dim=-1), k.norm(dim=-1))
+    torch.testing.assert_close(k_rot[1], k[1])  # position 0: identity
+
+
+def test_rotary_is_in_place():
+    q, k = torch.randn(2, 4, 8), torch.randn(2, 2, 8)
+    cos_sin_cache = torch.randn(5, 8)
+    q_out, k_out = reference.rotary_embedding(torch.tensor([1, 2]), q, k, cos_sin_cache)
+    assert q_out is q and k_out is k

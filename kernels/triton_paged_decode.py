@@ -1,0 +1,347 @@
+"""Triton `paged_decode_attention`: one query token per sequence over its paged K/V, split-K.
+
+Flash-decoding (Dao et al., 2023): the context of a sequence is cut into `num_splits` ranges;
+program (seq, kv_head, split) runs the online softmax (FlashAttention-2) over its range for all
+`group = num_heads // num_kv_heads` query heads sharing that KV head, so each K/V tile is read
+once per group. The GQA group is the M dimension of both `tl.dot`s, padded to 16 (tl.dot's
+minimum on GPUs), and head_dim is padded to a power of two >= 16. With one split the kernel
+normalizes and writes the output itself; with more it writes unnormalized partial outputs and
+their (max, sum) in float32, and `_decode_reduce_kernel` merges them per (seq, head).
+
+K/V tiles are BLOCK_N tokens gathered through the block table token by token, so any cache
+block_size works. Reference: `kernels.reference.paged_decode_attention`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from kernels._triton_common import (
+    LOG2E,
+    Launch,
+    check_float,
+    check_int,
+    check_last_contiguous,
+    check_out,
+    check_rank,
+    check_same_device,
+    check_vector,
+    dot_precision,
+    for_gpu,
+    next_pow2,
+    require,
+    run_all,
+    tl,
+    triton,
+)
+
+MAX_HEAD_DIM = 256
+MAX_SPLITS = 64
+# GPU: a split covers at least this many tokens (smaller splits cost more than they balance).
+MIN_SPLIT_TOKENS = 256
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    out_ptr,
+    partial_out_ptr,
+    partial_max_ptr,
+    partial_sum_ptr,
+    qk_scale,
+    stride_q_s,
+    stride_q_h,
+    stride_o_s,
+    stride_o_h,
+    stride_c_block,
+    stride_c_slot,
+    stride_c_head,
+    stride_bt,
+    split_size,
+    num_splits,
+    NUM_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SPLIT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    seq = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    start = split * split_size
+    end = tl.minimum(start + split_size, seq_len)
+
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, BLOCK_D)
+    heads = kv_head * GROUP + g
+    head_mask = g < GROUP
+    d_mask = d < HEAD_DIM
+    q = tl.load(
+        q_ptr + seq * stride_q_s + heads[:, None] * stride_q_h + d[None, :],
+        mask=head_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    table_row = block_tables_ptr + seq * stride_bt
+    head_offset = kv_head.to(tl.int64) * stride_c_head
+    for n_start in range(start, end, BLOCK_N):
+        n = n_start + tl.arange(0, BLOCK_N)
+        n_mask = n < end
+        block = tl.load(table_row + n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
+        kv_offset = block * stride_c_block + (n % BLOCK_SIZE).to(tl.int64) * stride_c_slot + head_offset
+        kv_ptrs = kv_offset[:, None] + d[None, :]
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(k_cache_ptr + kv_ptrs, mask=kv_mask, other=0.0)
+        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        scores = tl.where(n_mask[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(scores - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_cache_ptr + kv_ptrs, mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    if SPLIT:
+        # partial buffers: out [num_seqs, NUM_HEADS, num_splits, BLOCK_D], max/sum [.., num_splits]
+        row = (seq * NUM_HEADS + heads) * num_splits + split
+        tl.store(partial_out_ptr + row[:, None] * BLOCK_D + d[None, :], acc, mask=head_mask[:, None])
+        tl.store(partial_max_ptr + row, m_i, mask=head_mask)
+        tl.store(partial_sum_ptr + row, l_i, mask=head_mask)
+    else:
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        tl.store(
+            out_ptr + seq * stride_o_s + heads[:, None] * stride_o_h + d[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=head_mask[:, None] & d_mask[None, :],
+        )
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    partial_out_ptr,
+    partial_max_ptr,
+    partial_sum_ptr,
+    out_ptr,
+    stride_o_s,
+    stride_o_h,
+    num_splits,
+    NUM_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    seq = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    d = tl.arange(0, BLOCK_D)
+    base = (seq * NUM_HEADS + head) * num_splits
+    m_run = float("-inf")
+    l_run = 0.0
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    for split in range(num_splits):
+        m_s = tl.load(partial_max_ptr + base + split)
+        l_s = tl.load(partial_sum_ptr + base + split)
+        acc_s = tl.load(partial_out_ptr + (base + split) * BLOCK_D + d)
+        m_new = tl.maximum(m_run, m_s)
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # all splits so far empty: no NaN
+        alpha = tl.exp2(m_run - m_ref)
+        beta = tl.exp2(m_s - m_ref)
+        acc = acc * alpha + acc_s * beta
+        l_run = l_run * alpha + l_s * beta
+        m_run = m_new
+    out = acc / tl.where(l_run == 0.0, 1.0, l_run)
+    tl.store(out_ptr + seq * stride_o_s + head * stride_o_h + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 132  # an H100/H200: plans made on CPU (interpreter, AOT) mirror that GPU
+
+
+def choose_num_splits(num_programs: int, max_context: int, num_sms: int, block_n: int) -> int:
+    """Splits per sequence: FlashAttention-2's flash-decoding heuristic.
+
+    No split when the (seq, kv_head) programs already fill ~80% of the SMs; otherwise the
+    smallest split count whose last wave is >= 85% as full as the best count's, with each split
+    at least MIN_SPLIT_TOKENS (and one BLOCK_N tile) long."""
+    if num_programs >= 0.8 * num_sms or max_context <= 0:
+        return 1
+    tile_tokens = max(MIN_SPLIT_TOKENS, block_n)
+    limit = max(1, min(MAX_SPLITS, num_sms, -(-max_context // tile_tokens)))
+    efficiency = {}
+    for splits in range(1, limit + 1):
+        waves = num_programs * splits / num_sms
+        efficiency[splits] = waves / math.ceil(waves)
+    best = max(efficiency.values())
+    return next(s for s, e in efficiency.items() if e >= 0.85 * best)
+
+
+def _config(gpu: bool, dtype: torch.dtype, block_d: int) -> tuple[int, int, int]:
+    """(BLOCK_N, num_warps, num_stages)."""
+    if not gpu:
+        return 16, 4, 1
+    if dtype == torch.float32 or block_d > 128:
+        return 32, 4, 2
+    return 64, 4, 2
+
+
+def plan_paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+    num_splits: int | None = None,
+    target: str | None = None,
+) -> tuple[list[Launch], torch.Tensor]:
+    """Check inputs, allocate `out` and split workspaces -> (launches, out).
+
+    q: [num_seqs, num_heads, head_dim]; caches [num_blocks, block_size, num_kv_heads, head_dim]
+    of q's dtype with equal strides; block_tables int32 [num_seqs, max_blocks], last dim
+    contiguous; seq_lens int32 [num_seqs], contiguous, each in [1, max_blocks * block_size] (not
+    checked: needs a sync). `num_splits`: None = heuristic (uses max_blocks * block_size as the
+    longest context, no sync). `target`: "gpu" / "interpreter" tile configs (default: by device).
+    """
+    device = check_same_device(q=q, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables, seq_lens=seq_lens)
+    check_rank("q", q, 3, "[num_seqs, num_heads, head_dim]")
+    check_rank("k_cache", k_cache, 4, "[num_blocks, block_size, num_kv_heads, head_dim]")
+    require(
+        v_cache.shape == k_cache.shape and v_cache.stride() == k_cache.stride(),
+        f"v_cache: shape/strides {tuple(v_cache.shape)}/{v_cache.stride()} != k_cache "
+        f"{tuple(k_cache.shape)}/{k_cache.stride()}",
+    )
+    num_seqs, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
+    require(cache_head_dim == head_dim, f"k_cache: head_dim {cache_head_dim} != q head_dim {head_dim}")
+    require(head_dim <= MAX_HEAD_DIM, f"q: head_dim {head_dim} > {MAX_HEAD_DIM} is not supported")
+    require(
+        num_heads % num_kv_heads == 0,
+        f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}",
+    )
+    for name, tensor in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        check_float(name, tensor)
+        check_last_contiguous(name, tensor)
+    require(
+        k_cache.dtype == q.dtype and v_cache.dtype == q.dtype,
+        f"caches: dtype {k_cache.dtype}/{v_cache.dtype} != q dtype {q.dtype}",
+    )
+    check_int("block_tables", block_tables)
+    check_int("seq_lens", seq_lens)
+    require(
+        block_tables.dim() == 2 and block_tables.shape[0] == num_seqs and block_tables.shape[1] >= 1,
+        f"block_tables: expected [{num_seqs}, max_blocks >= 1], got {tuple(block_tables.shape)}",
+    )
+    check_last_contiguous("block_tables", block_tables)
+    check_vector("seq_lens", seq_lens, num_seqs)
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=device)
+    check_out(out, tuple(q.shape), q.dtype, device)
+    check_last_contiguous("out", out)
+
+    group = num_heads // num_kv_heads
+    block_g, block_d = max(16, next_pow2(group)), max(16, next_pow2(head_dim))
+    gpu = for_gpu(device, target)
+    block_n, num_warps, num_stages = _config(gpu, q.dtype, block_d)
+    max_context = block_tables.shape[1] * block_size
+    if num_splits is None:
+        num_splits = choose_num_splits(num_seqs * num_kv_heads, max_context, _num_sms(device), block_n)
+    require(num_splits >= 1, f"num_splits must be >= 1, got {num_splits}")
+    split_size = triton.cdiv(triton.cdiv(max_context, num_splits), block_n) * block_n
+    num_splits = triton.cdiv(max_context, split_size)
+    split = num_splits > 1
+    workspace_rows = num_seqs * num_heads * num_splits if split else 1
+    partial_out = torch.empty((workspace_rows, block_d), dtype=torch.float32, device=device)
+    partial_max = torch.empty((workspace_rows,), dtype=torch.float32, device=device)
+    partial_sum = torch.empty((workspace_rows,), dtype=torch.float32, device=device)
+    launches = [
+        Launch(
+            kernel=_decode_kernel,
+            grid=(num_seqs, num_kv_heads, num_splits),
+            args={
+                "q_ptr": q,
+                "k_cache_ptr": k_cache,
+                "v_cache_ptr": v_cache,
+                "block_tables_ptr": block_tables,
+                "seq_lens_ptr": seq_lens,
+                "out_ptr": out,
+                "partial_out_ptr": partial_out,
+                "partial_max_ptr": partial_max,
+                "partial_sum_ptr": partial_sum,
+                "qk_scale": float(scale) * LOG2E,
+                "stride_q_s": q.stride(0),
+                "stride_q_h": q.stride(1),
+                "stride_o_s": out.stride(0),
+                "stride_o_h": out.stride(1),
+                "stride_c_block": k_cache.stride(0),
+                "stride_c_slot": k_cache.stride(1),
+                "stride_c_head": k_cache.stride(2),
+                "stride_bt": block_tables.stride(0),
+                "split_size": split_size,
+                "num_splits": num_splits,
+            },
+            constexprs={
+                "NUM_HEADS": num_heads,
+                "GROUP": group,
+                "HEAD_DIM": head_dim,
+                "BLOCK_SIZE": block_size,
+                "BLOCK_G": block_g,
+                "BLOCK_D": block_d,
+                "BLOCK_N": block_n,
+                "SPLIT": split,
+                "DOT_PRECISION": dot_precision(q.dtype),
+            },
+            device=device,
+            num_warps=num_warps,
+            num_stages=num_stages,
+        )
+    ]
+    if split:
+        launches.append(
+            Launch(
+                kernel=_decode_reduce_kernel,
+                grid=(num_seqs, num_heads),
+                args={
+                    "partial_out_ptr": partial_out,
+                    "partial_max_ptr": partial_max,
+                    "partial_sum_ptr": partial_sum,
+                    "out_ptr": out,
+                    "stride_o_s": out.stride(0),
+                    "stride_o_h": out.stride(1),
+                    "num_splits": num_splits,
+                },
+                constexprs={"NUM_HEADS": num_heads, "HEAD_DIM": head_dim, "BLOCK_D": block_d},
+                device=device,
+                num_warps=1 if block_d <= 64 else 2,
+                num_stages=1,
+            )
+        )
+    return launches, out
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """-> out [num_seqs, num_heads, head_dim] in q's dtype."""
+    launches, out = plan_paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale)
+    run_all(launches)
+    return out
