@@ -201,3 +201,29 @@ def test_chat_plain_template_stream_and_not(client, hf):
     long = client.chat.completions.create(model=MODEL, messages=messages, temperature=0,
                                           extra_body={"ignore_eos": True})
     assert long.usage.total_tokens == 512 and long.choices[0].finish_reason == "length"
+
+
+def test_user_is_accepted_and_cache_salt_isolates_prefix_reuse(client, api_base, hf):
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def device_hits() -> float:
+        text = httpx.get(api_base.removesuffix("/v1") + "/metrics").text
+        return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+                   if s.name == "pdcluster_prefix_cache_hit_tokens_total")
+
+    prompt = hf.encode("Salted story: a red fox ran into the woods to find his little brother "
+                       "who was playing with a ball near the river bank.")
+    assert len(prompt) > 32
+    greedy = hf.greedy(prompt, 4)
+
+    def run(salt):
+        before = device_hits()
+        out = complete(client, prompt=prompt, max_tokens=4, temperature=0, user="tenant-x",
+                       cache_salt=salt)
+        assert ids_of(out.choices[0]) == greedy
+        return device_hits() - before
+
+    assert run("tenant-a") == 0        # cold
+    assert run("tenant-b") == 0        # another tenant's salt: nothing shared
+    assert run("tenant-a") >= 32       # the same salt: the prefix is reused
