@@ -25,6 +25,7 @@ LOG2E = 1.4426950408889634
 
 # torch dtypes the kernels accept (activations and KV cache).
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+KV_CACHE_LAYOUT = "[num_blocks, block_size, num_kv_heads, head_dim]"
 
 
 class KernelInputError(ValueError):
@@ -64,12 +65,44 @@ def check_contiguous(name: str, tensor: torch.Tensor) -> None:
     require(tensor.is_contiguous(), f"{name}: must be contiguous, got strides {tuple(tensor.stride())}")
 
 
+def check_float_inputs(**tensors: torch.Tensor) -> None:
+    """Each tensor (by name): a supported float dtype, last dimension contiguous."""
+    for name, tensor in tensors.items():
+        check_float(name, tensor)
+        check_last_contiguous(name, tensor)
+
+
+def check_kv_caches(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    """k_cache in the paged layout (`KV_CACHE_LAYOUT`); v_cache of the same shape and strides."""
+    check_rank("k_cache", k_cache, 4, KV_CACHE_LAYOUT)
+    require(
+        v_cache.shape == k_cache.shape and v_cache.stride() == k_cache.stride(),
+        f"v_cache: shape/strides {tuple(v_cache.shape)}/{v_cache.stride()} != k_cache "
+        f"{tuple(k_cache.shape)}/{k_cache.stride()}",
+    )
+
+
+def cache_strides(k_cache: torch.Tensor) -> dict[str, int]:
+    """The kernels' `stride_c_*` arguments of a paged cache (v_cache has the same strides)."""
+    return {
+        "stride_c_block": k_cache.stride(0),
+        "stride_c_slot": k_cache.stride(1),
+        "stride_c_head": k_cache.stride(2),
+    }
+
+
 def check_vector(name: str, tensor: torch.Tensor, length: int) -> None:
     """A contiguous 1-D tensor of `length` elements."""
     require(
         tuple(tensor.shape) == (length,) and (length <= 1 or tensor.stride(0) == 1),
         f"{name}: expected contiguous [{length}], got shape {tuple(tensor.shape)} strides {tensor.stride()}",
     )
+
+
+def check_index_vector(name: str, tensor: torch.Tensor, length: int) -> None:
+    """A per-token index (cache slots, positions): int32 or int64, contiguous [length]."""
+    check_int(name, tensor, (torch.int32, torch.int64))
+    check_vector(name, tensor, length)
 
 
 def check_same_device(**tensors: torch.Tensor) -> torch.device:
@@ -88,6 +121,17 @@ def check_out(out: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, dev
         tuple(out.shape) == tuple(shape) and out.dtype == dtype and out.device == device,
         f"out: expected shape {tuple(shape)} {dtype} on {device}, got {tuple(out.shape)} {out.dtype} on {out.device}",
     )
+
+
+def output(
+    out: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, name: str = "out"
+) -> torch.Tensor:
+    """`out` checked (`check_out`, last dimension contiguous), or a new empty tensor when None."""
+    if out is None:
+        out = torch.empty(shape, dtype=dtype, device=device)
+    check_out(out, shape, dtype, device)
+    check_last_contiguous(name, out)
+    return out
 
 
 def next_pow2(n: int) -> int:
@@ -155,12 +199,17 @@ def run_all(launches: list[Launch]) -> None:
 
 __all__ = [
     "FLOAT_DTYPES",
+    "KV_CACHE_LAYOUT",
     "LOG2E",
     "KernelInputError",
     "Launch",
+    "cache_strides",
     "check_contiguous",
     "check_float",
+    "check_float_inputs",
+    "check_index_vector",
     "check_int",
+    "check_kv_caches",
     "check_last_contiguous",
     "check_out",
     "check_rank",
@@ -170,6 +219,7 @@ __all__ = [
     "for_gpu",
     "is_interpreted",
     "next_pow2",
+    "output",
     "require",
     "run_all",
     "tl",

@@ -8,19 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels._triton_common import (
-    KernelInputError,
-    Launch,
-    check_float,
-    check_last_contiguous,
-    check_out,
-    check_same_device,
-    next_pow2,
-    require,
-    run_all,
-    tl,
-    triton,
-)
+from kernels._triton_common import KernelInputError, Launch, check_float, check_last_contiguous, check_same_device
+from kernels._triton_common import next_pow2, output, require, run_all, tl, triton
 
 MAX_BLOCK = 1024
 
@@ -53,10 +42,7 @@ def plan_silu_and_mul(
         raise KernelInputError(f"x: strides {x.stride()} cannot be viewed as [rows, 2*d] ({error})") from error
     d = x.shape[-1] // 2
     shape = (*x.shape[:-1], d)
-    if out is None:
-        out = torch.empty(shape, dtype=x.dtype, device=device)
-    check_out(out, shape, x.dtype, device)
-    check_last_contiguous("out", out)
+    out = output(out, shape, x.dtype, device)
     out2 = out.view(-1, d)
     block = min(next_pow2(d), MAX_BLOCK)
     launch = Launch(

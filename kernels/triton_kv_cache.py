@@ -9,20 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels._triton_common import (
-    Launch,
-    check_float,
-    check_int,
-    check_last_contiguous,
-    check_rank,
-    check_same_device,
-    check_vector,
-    next_pow2,
-    require,
-    run_all,
-    tl,
-    triton,
-)
+from kernels._triton_common import Launch, cache_strides, check_float_inputs, check_index_vector, check_kv_caches
+from kernels._triton_common import check_rank, check_same_device, next_pow2, require, run_all, tl, triton
 
 
 @triton.jit
@@ -76,25 +64,17 @@ def plan_store_kv_cache(
     del target
     device = check_same_device(k=k, v=v, k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping)
     check_rank("k", k, 3, "[num_tokens, num_kv_heads, head_dim]")
-    check_rank("k_cache", k_cache, 4, "[num_blocks, block_size, num_kv_heads, head_dim]")
+    check_kv_caches(k_cache, v_cache)
     require(v.shape == k.shape, f"v: shape {tuple(v.shape)} != k shape {tuple(k.shape)}")
-    require(
-        v_cache.shape == k_cache.shape and v_cache.stride() == k_cache.stride(),
-        f"v_cache: shape/strides {tuple(v_cache.shape)}/{v_cache.stride()} != k_cache "
-        f"{tuple(k_cache.shape)}/{k_cache.stride()}",
-    )
     num_tokens, num_kv_heads, head_dim = k.shape
     require(
         tuple(k_cache.shape[2:]) == (num_kv_heads, head_dim),
         f"k_cache: heads/head_dim {tuple(k_cache.shape[2:])} != k's {(num_kv_heads, head_dim)}",
     )
-    for name, tensor in (("k", k), ("v", v), ("k_cache", k_cache), ("v_cache", v_cache)):
-        check_float(name, tensor)
-        check_last_contiguous(name, tensor)
+    check_float_inputs(k=k, v=v, k_cache=k_cache, v_cache=v_cache)
     require(k.dtype == v.dtype, f"v: dtype {v.dtype} != k dtype {k.dtype}")
     require(k_cache.dtype == v_cache.dtype, f"v_cache: dtype {v_cache.dtype} != k_cache dtype {k_cache.dtype}")
-    check_int("slot_mapping", slot_mapping, (torch.int32, torch.int64))
-    check_vector("slot_mapping", slot_mapping, num_tokens)
+    check_index_vector("slot_mapping", slot_mapping, num_tokens)
     block_h, block_d = next_pow2(num_kv_heads), next_pow2(head_dim)
     launch = Launch(
         kernel=_store_kv_cache_kernel,
@@ -109,9 +89,7 @@ def plan_store_kv_cache(
             "stride_k_h": k.stride(1),
             "stride_v_t": v.stride(0),
             "stride_v_h": v.stride(1),
-            "stride_c_block": k_cache.stride(0),
-            "stride_c_slot": k_cache.stride(1),
-            "stride_c_head": k_cache.stride(2),
+            **cache_strides(k_cache),
         },
         constexprs={
             "NUM_KV_HEADS": num_kv_heads,

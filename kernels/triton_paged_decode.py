@@ -9,7 +9,8 @@ normalizes and writes the output itself; with more it writes unnormalized partia
 their (max, sum) in float32, and `_decode_reduce_kernel` merges them per (seq, head).
 
 K/V tiles are BLOCK_N tokens gathered through the block table token by token, so any cache
-block_size works. Reference: `kernels.reference.paged_decode_attention`.
+block_size works; the tile step is `_triton_attention.attend_tile`, shared with prefill.
+Reference: `kernels.reference.paged_decode_attention`.
 """
 
 from __future__ import annotations
@@ -18,26 +19,12 @@ import math
 
 import torch
 
-from kernels._triton_common import (
-    LOG2E,
-    Launch,
-    check_float,
-    check_int,
-    check_last_contiguous,
-    check_out,
-    check_rank,
-    check_same_device,
-    check_vector,
-    dot_precision,
-    for_gpu,
-    next_pow2,
-    require,
-    run_all,
-    tl,
-    triton,
-)
+from kernels._triton_attention import MAX_HEAD_DIM  # noqa: F401  (this launcher's head_dim limit)
+from kernels._triton_attention import attend_tile, check_block_tables, check_paged_attention
+from kernels._triton_attention import paged_attention_args, paged_attention_constexprs
+from kernels._triton_common import Launch, check_int, check_same_device, check_vector, for_gpu, next_pow2, output
+from kernels._triton_common import require, run_all, tl, triton
 
-MAX_HEAD_DIM = 256
 MAX_SPLITS = 64
 # GPU: a split covers at least this many tokens (smaller splits cost more than they balance).
 MIN_SPLIT_TOKENS = 256
@@ -55,9 +42,9 @@ def _decode_kernel(
     partial_max_ptr,
     partial_sum_ptr,
     qk_scale,
-    stride_q_s,
+    stride_q_t,
     stride_q_h,
-    stride_o_s,
+    stride_o_t,
     stride_o_h,
     stride_c_block,
     stride_c_slot,
@@ -88,7 +75,7 @@ def _decode_kernel(
     head_mask = g < GROUP
     d_mask = d < HEAD_DIM
     q = tl.load(
-        q_ptr + seq * stride_q_s + heads[:, None] * stride_q_h + d[None, :],
+        q_ptr + seq * stride_q_t + heads[:, None] * stride_q_h + d[None, :],
         mask=head_mask[:, None] & d_mask[None, :],
         other=0.0,
     )
@@ -97,23 +84,14 @@ def _decode_kernel(
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     table_row = block_tables_ptr + seq * stride_bt
     head_offset = kv_head.to(tl.int64) * stride_c_head
+    # The query is the sequence's last token: every row sees the keys before `end`.
+    last_pos = end - 1
+    q_pos = tl.zeros([BLOCK_G], tl.int32) + last_pos
     for n_start in range(start, end, BLOCK_N):
-        n = n_start + tl.arange(0, BLOCK_N)
-        n_mask = n < end
-        block = tl.load(table_row + n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
-        kv_offset = block * stride_c_block + (n % BLOCK_SIZE).to(tl.int64) * stride_c_slot + head_offset
-        kv_ptrs = kv_offset[:, None] + d[None, :]
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_cache_ptr + kv_ptrs, mask=kv_mask, other=0.0)
-        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-        scores = tl.where(n_mask[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(scores - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_cache_ptr + kv_ptrs, mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+        acc, m_i, l_i = attend_tile(
+            q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, table_row, head_offset, n_start, q_pos, last_pos, qk_scale,
+            stride_c_block, stride_c_slot, d, d_mask, BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION,
+        )
 
     if SPLIT:
         # partial buffers: out [num_seqs, NUM_HEADS, num_splits, BLOCK_D], max/sum [.., num_splits]
@@ -124,7 +102,7 @@ def _decode_kernel(
     else:
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         tl.store(
-            out_ptr + seq * stride_o_s + heads[:, None] * stride_o_h + d[None, :],
+            out_ptr + seq * stride_o_t + heads[:, None] * stride_o_h + d[None, :],
             out.to(out_ptr.dtype.element_ty),
             mask=head_mask[:, None] & d_mask[None, :],
         )
@@ -136,7 +114,7 @@ def _decode_reduce_kernel(
     partial_max_ptr,
     partial_sum_ptr,
     out_ptr,
-    stride_o_s,
+    stride_o_t,
     stride_o_h,
     num_splits,
     NUM_HEADS: tl.constexpr,
@@ -162,7 +140,7 @@ def _decode_reduce_kernel(
         l_run = l_run * alpha + l_s * beta
         m_run = m_new
     out = acc / tl.where(l_run == 0.0, 1.0, l_run)
-    tl.store(out_ptr + seq * stride_o_s + head * stride_o_h + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+    tl.store(out_ptr + seq * stride_o_t + head * stride_o_h + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
 
 def _num_sms(device: torch.device) -> int:
@@ -218,40 +196,14 @@ def plan_paged_decode_attention(
     longest context, no sync). `target`: "gpu" / "interpreter" tile configs (default: by device).
     """
     device = check_same_device(q=q, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables, seq_lens=seq_lens)
-    check_rank("q", q, 3, "[num_seqs, num_heads, head_dim]")
-    check_rank("k_cache", k_cache, 4, "[num_blocks, block_size, num_kv_heads, head_dim]")
-    require(
-        v_cache.shape == k_cache.shape and v_cache.stride() == k_cache.stride(),
-        f"v_cache: shape/strides {tuple(v_cache.shape)}/{v_cache.stride()} != k_cache "
-        f"{tuple(k_cache.shape)}/{k_cache.stride()}",
-    )
+    check_paged_attention(q, k_cache, v_cache, "[num_seqs, num_heads, head_dim]")
     num_seqs, num_heads, head_dim = q.shape
-    _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
-    require(cache_head_dim == head_dim, f"k_cache: head_dim {cache_head_dim} != q head_dim {head_dim}")
-    require(head_dim <= MAX_HEAD_DIM, f"q: head_dim {head_dim} > {MAX_HEAD_DIM} is not supported")
-    require(
-        num_heads % num_kv_heads == 0,
-        f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}",
-    )
-    for name, tensor in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
-        check_float(name, tensor)
-        check_last_contiguous(name, tensor)
-    require(
-        k_cache.dtype == q.dtype and v_cache.dtype == q.dtype,
-        f"caches: dtype {k_cache.dtype}/{v_cache.dtype} != q dtype {q.dtype}",
-    )
+    _, block_size, num_kv_heads, _ = k_cache.shape
     check_int("block_tables", block_tables)
     check_int("seq_lens", seq_lens)
-    require(
-        block_tables.dim() == 2 and block_tables.shape[0] == num_seqs and block_tables.shape[1] >= 1,
-        f"block_tables: expected [{num_seqs}, max_blocks >= 1], got {tuple(block_tables.shape)}",
-    )
-    check_last_contiguous("block_tables", block_tables)
+    check_block_tables(block_tables, num_seqs)
     check_vector("seq_lens", seq_lens, num_seqs)
-    if out is None:
-        out = torch.empty(q.shape, dtype=q.dtype, device=device)
-    check_out(out, tuple(q.shape), q.dtype, device)
-    check_last_contiguous("out", out)
+    out = output(out, tuple(q.shape), q.dtype, device)
 
     group = num_heads // num_kv_heads
     block_g, block_d = max(16, next_pow2(group)), max(16, next_pow2(head_dim))
@@ -273,37 +225,18 @@ def plan_paged_decode_attention(
             kernel=_decode_kernel,
             grid=(num_seqs, num_kv_heads, num_splits),
             args={
-                "q_ptr": q,
-                "k_cache_ptr": k_cache,
-                "v_cache_ptr": v_cache,
-                "block_tables_ptr": block_tables,
-                "seq_lens_ptr": seq_lens,
-                "out_ptr": out,
+                **paged_attention_args(q, k_cache, v_cache, out, block_tables, seq_lens, scale),
                 "partial_out_ptr": partial_out,
                 "partial_max_ptr": partial_max,
                 "partial_sum_ptr": partial_sum,
-                "qk_scale": float(scale) * LOG2E,
-                "stride_q_s": q.stride(0),
-                "stride_q_h": q.stride(1),
-                "stride_o_s": out.stride(0),
-                "stride_o_h": out.stride(1),
-                "stride_c_block": k_cache.stride(0),
-                "stride_c_slot": k_cache.stride(1),
-                "stride_c_head": k_cache.stride(2),
-                "stride_bt": block_tables.stride(0),
                 "split_size": split_size,
                 "num_splits": num_splits,
             },
             constexprs={
+                **paged_attention_constexprs(q, k_cache, block_n, block_d),
                 "NUM_HEADS": num_heads,
-                "GROUP": group,
-                "HEAD_DIM": head_dim,
-                "BLOCK_SIZE": block_size,
                 "BLOCK_G": block_g,
-                "BLOCK_D": block_d,
-                "BLOCK_N": block_n,
                 "SPLIT": split,
-                "DOT_PRECISION": dot_precision(q.dtype),
             },
             device=device,
             num_warps=num_warps,
@@ -320,7 +253,7 @@ def plan_paged_decode_attention(
                     "partial_max_ptr": partial_max,
                     "partial_sum_ptr": partial_sum,
                     "out_ptr": out,
-                    "stride_o_s": out.stride(0),
+                    "stride_o_t": out.stride(0),
                     "stride_o_h": out.stride(1),
                     "num_splits": num_splits,
                 },

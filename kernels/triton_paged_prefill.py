@@ -6,7 +6,7 @@ BLOCK_N-token tiles gathered through its block table (token by token, so any blo
 with the online softmax in float32. New token i of a sequence with L new tokens and S tokens in
 the cache sits at position S - L + i and sees positions 0..S - L + i (bottom-right causal mask).
 Key tiles wholly before the tile's first query are processed without a mask; only the tiles on
-the diagonal are masked.
+the diagonal are masked. The tile step is `_triton_attention.attend_tile`, shared with decode.
 
 Q tiles of all sequences share one grid axis without a host sync (vLLM's unified-attention
 layout): sequence i owns programs [cu[i] // BLOCK_M + i, cu[i+1] // BLOCK_M + i + 1), which is at
@@ -20,56 +20,11 @@ from __future__ import annotations
 
 import torch
 
-from kernels._triton_common import (
-    LOG2E,
-    Launch,
-    check_float,
-    check_int,
-    check_last_contiguous,
-    check_out,
-    check_rank,
-    check_same_device,
-    check_vector,
-    dot_precision,
-    for_gpu,
-    next_pow2,
-    require,
-    run_all,
-    tl,
-    triton,
-)
-
-MAX_HEAD_DIM = 256
-
-
-@triton.jit
-def _attend_tile(
-    q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, table_row, kv_head_offset, n_start, q_pos, last_pos, qk_scale,
-    stride_c_block, stride_c_slot, d, d_mask,
-    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
-):
-    """One K/V tile of the online softmax. MASKED: causal mask and the sequence end applied."""
-    n = n_start + tl.arange(0, BLOCK_N)
-    if MASKED:
-        n_mask = n <= last_pos
-        block = tl.load(table_row + n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-    else:
-        block = tl.load(table_row + n // BLOCK_SIZE).to(tl.int64)
-        kv_mask = d_mask[None, :]
-    kv_offset = block * stride_c_block + (n % BLOCK_SIZE).to(tl.int64) * stride_c_slot + kv_head_offset
-    kv_ptrs = kv_offset[:, None] + d[None, :]
-    k = tl.load(k_cache_ptr + kv_ptrs, mask=kv_mask, other=0.0)
-    scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-    if MASKED:
-        scores = tl.where(n[None, :] <= q_pos[:, None], scores, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(scores - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, axis=1)
-    v = tl.load(v_cache_ptr + kv_ptrs, mask=kv_mask, other=0.0)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-    return acc, m_new, l_i
+from kernels._triton_attention import MAX_HEAD_DIM  # noqa: F401  (this launcher's head_dim limit)
+from kernels._triton_attention import attend_tile, check_block_tables, check_paged_attention
+from kernels._triton_attention import paged_attention_args, paged_attention_constexprs
+from kernels._triton_common import Launch, check_int, check_rank, check_same_device, check_vector, for_gpu, next_pow2
+from kernels._triton_common import output, require, run_all, tl, triton
 
 
 @triton.jit
@@ -144,13 +99,13 @@ def _prefill_kernel(
             # Keys [0, unmasked_end) precede every query of the tile: no mask.
             unmasked_end = (first_pos + 1) // BLOCK_N * BLOCK_N
             for n_start in range(0, unmasked_end, BLOCK_N):
-                acc, m_i, l_i = _attend_tile(
+                acc, m_i, l_i = attend_tile(
                     q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, table_row, kv_head_offset, n_start, q_pos,
                     last_pos, qk_scale, stride_c_block, stride_c_slot, d, d_mask,
                     BLOCK_SIZE, BLOCK_N, False, DOT_PRECISION,
                 )
             for n_start in range(unmasked_end, last_pos + 1, BLOCK_N):
-                acc, m_i, l_i = _attend_tile(
+                acc, m_i, l_i = attend_tile(
                     q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, table_row, kv_head_offset, n_start, q_pos,
                     last_pos, qk_scale, stride_c_block, stride_c_slot, d, d_mask,
                     BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION,
@@ -194,43 +149,16 @@ def plan_paged_prefill_attention(
     device = check_same_device(
         q=q, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables, cu_seqlens_q=cu_seqlens_q, seq_lens=seq_lens
     )
-    check_rank("q", q, 3, "[total_q, num_heads, head_dim]")
-    check_rank("k_cache", k_cache, 4, "[num_blocks, block_size, num_kv_heads, head_dim]")
-    require(
-        v_cache.shape == k_cache.shape and v_cache.stride() == k_cache.stride(),
-        f"v_cache: shape/strides {tuple(v_cache.shape)}/{v_cache.stride()} != k_cache "
-        f"{tuple(k_cache.shape)}/{k_cache.stride()}",
-    )
+    check_paged_attention(q, k_cache, v_cache, "[total_q, num_heads, head_dim]")
     total_q, num_heads, head_dim = q.shape
-    _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
-    require(cache_head_dim == head_dim, f"k_cache: head_dim {cache_head_dim} != q head_dim {head_dim}")
-    require(head_dim <= MAX_HEAD_DIM, f"q: head_dim {head_dim} > {MAX_HEAD_DIM} is not supported")
-    require(
-        num_heads % num_kv_heads == 0,
-        f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}",
-    )
-    for name, tensor in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
-        check_float(name, tensor)
-        check_last_contiguous(name, tensor)
-    require(
-        k_cache.dtype == q.dtype and v_cache.dtype == q.dtype,
-        f"caches: dtype {k_cache.dtype}/{v_cache.dtype} != q dtype {q.dtype}",
-    )
     for name, tensor in (("block_tables", block_tables), ("cu_seqlens_q", cu_seqlens_q), ("seq_lens", seq_lens)):
         check_int(name, tensor)
     check_rank("seq_lens", seq_lens, 1, "[num_seqs]")
     num_seqs = seq_lens.shape[0]
-    require(
-        block_tables.dim() == 2 and block_tables.shape[0] == num_seqs and block_tables.shape[1] >= 1,
-        f"block_tables: expected [{num_seqs}, max_blocks >= 1], got {tuple(block_tables.shape)}",
-    )
-    check_last_contiguous("block_tables", block_tables)
+    check_block_tables(block_tables, num_seqs)
     check_vector("cu_seqlens_q", cu_seqlens_q, num_seqs + 1)
     check_vector("seq_lens", seq_lens, num_seqs)
-    if out is None:
-        out = torch.empty(q.shape, dtype=q.dtype, device=device)
-    check_out(out, tuple(q.shape), q.dtype, device)
-    check_last_contiguous("out", out)
+    out = output(out, tuple(q.shape), q.dtype, device)
 
     block_d = max(16, next_pow2(head_dim))
     config_m, config_n, num_warps, num_stages = _config(for_gpu(device, target), q.dtype, block_d)
@@ -241,34 +169,12 @@ def plan_paged_prefill_attention(
         kernel=_prefill_kernel,
         grid=(triton.cdiv(total_q, block_m) + num_seqs, num_heads),
         args={
-            "q_ptr": q,
-            "k_cache_ptr": k_cache,
-            "v_cache_ptr": v_cache,
-            "out_ptr": out,
-            "block_tables_ptr": block_tables,
+            **paged_attention_args(q, k_cache, v_cache, out, block_tables, seq_lens, scale),
             "cu_seqlens_q_ptr": cu_seqlens_q,
-            "seq_lens_ptr": seq_lens,
-            "qk_scale": float(scale) * LOG2E,
             "total_q": total_q,
             "num_seqs": num_seqs,
-            "stride_q_t": q.stride(0),
-            "stride_q_h": q.stride(1),
-            "stride_o_t": out.stride(0),
-            "stride_o_h": out.stride(1),
-            "stride_c_block": k_cache.stride(0),
-            "stride_c_slot": k_cache.stride(1),
-            "stride_c_head": k_cache.stride(2),
-            "stride_bt": block_tables.stride(0),
         },
-        constexprs={
-            "GROUP": num_heads // num_kv_heads,
-            "HEAD_DIM": head_dim,
-            "BLOCK_SIZE": block_size,
-            "BLOCK_M": block_m,
-            "BLOCK_N": block_n,
-            "BLOCK_D": block_d,
-            "DOT_PRECISION": dot_precision(q.dtype),
-        },
+        constexprs={**paged_attention_constexprs(q, k_cache, block_n, block_d), "BLOCK_M": block_m},
         device=device,
         num_warps=num_warps,
         num_stages=num_stages,

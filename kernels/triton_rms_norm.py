@@ -11,20 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels._triton_common import (
-    KernelInputError,
-    Launch,
-    check_float,
-    check_last_contiguous,
-    check_out,
-    check_same_device,
-    check_vector,
-    next_pow2,
-    require,
-    run_all,
-    tl,
-    triton,
-)
+from kernels._triton_common import KernelInputError, Launch, check_float, check_last_contiguous, check_same_device
+from kernels._triton_common import check_vector, next_pow2, output, require, run_all, tl, triton
 
 MAX_HIDDEN = 65536
 
@@ -99,17 +87,13 @@ def plan_rms_norm(
             f"residual: expected {tuple(x.shape)} {x.dtype}, got {tuple(residual.shape)} {residual.dtype}",
         )
         residual2 = _rows("residual", residual)
-        if new_residual is None:
-            new_residual = torch.empty(x.shape, dtype=x.dtype, device=device)
-        check_out(new_residual, tuple(x.shape), x.dtype, device)
+        new_residual = output(new_residual, tuple(x.shape), x.dtype, device, name="new_residual")
         new_residual2 = _rows("new_residual", new_residual)
     else:
         require(new_residual is None, "new_residual: only with a residual (without one, new_residual is x)")
         residual2 = new_residual2 = x2  # unused by the kernel (HAS_RESIDUAL=False)
         new_residual = x
-    if out is None:
-        out = torch.empty(x.shape, dtype=x.dtype, device=device)
-    check_out(out, tuple(x.shape), x.dtype, device)
+    out = output(out, tuple(x.shape), x.dtype, device)
     out2 = _rows("out", out)
     block = next_pow2(hidden)
     launch = Launch(

@@ -10,20 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels._triton_common import (
-    Launch,
-    check_float,
-    check_int,
-    check_last_contiguous,
-    check_rank,
-    check_same_device,
-    check_vector,
-    next_pow2,
-    require,
-    run_all,
-    tl,
-    triton,
-)
+from kernels._triton_common import Launch, check_float_inputs, check_index_vector, check_rank, check_same_device
+from kernels._triton_common import next_pow2, require, run_all, tl, triton
 
 
 @triton.jit
@@ -98,12 +86,9 @@ def plan_rotary_embedding(
         cos_sin_cache.shape[1] == head_dim,
         f"cos_sin_cache: width {cos_sin_cache.shape[1]} != head_dim {head_dim} (full rotary only)",
     )
-    for name, tensor in (("q", q), ("k", k), ("cos_sin_cache", cos_sin_cache)):
-        check_float(name, tensor)
-        check_last_contiguous(name, tensor)
+    check_float_inputs(q=q, k=k, cos_sin_cache=cos_sin_cache)
     require(q.dtype == k.dtype, f"k: dtype {k.dtype} != q dtype {q.dtype}")
-    check_int("positions", positions, (torch.int32, torch.int64))
-    check_vector("positions", positions, num_tokens)
+    check_index_vector("positions", positions, num_tokens)
     half = head_dim // 2
     block_h, block_kv_h, block_half = next_pow2(num_heads), next_pow2(k.shape[1]), next_pow2(half)
     launch = Launch(
