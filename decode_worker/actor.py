@@ -18,6 +18,7 @@ from decode_worker.kv_fetch import KVFetcher
 from engine.config import EngineConfig
 from engine.protocol import DecodeRequest, TokenDelta
 from engine.runner import ModelRunner
+from engine.tp_instance import TPInstance
 from kvstore.actor import kvstore_actor
 from kvstore.config import KVStoreConfig, KVTransferConfig
 from kvstore.node_client import NodeStoreClient
@@ -25,7 +26,10 @@ from kvstore.node_client import NodeStoreClient
 
 @ray.remote
 class DecodeWorker:
-    """One decode instance (tensor parallel size 1).
+    """One decode instance; with engine_config.tensor_parallel_size k > 1 this actor is its
+    rank 0 (the scheduler; it creates ranks 1..k-1, engine.tp_instance) and must be created in
+    the instance's placement group (deploy.placement.tp_rank_options(pg, 0)). Rank 0 fetches
+    each request's blocks in the KV pool's layout and scatters the KV-head slices to the ranks.
 
     transfer: the KV transfer settings (``--kv-transfer``), shared by every worker; None: gRPC
     with the KV store's timeout and token.
@@ -34,12 +38,14 @@ class DecodeWorker:
     def __init__(self, worker_id: str, engine_config: EngineConfig, kv_config: KVStoreConfig,
                  ray_namespace: str | None = None,
                  transfer: KVTransferConfig | None = None) -> None:
-        runner = ModelRunner(engine_config)
+        self.tp = TPInstance(engine_config)
+        runner = ModelRunner(engine_config, tp=self.tp.group)
+        self.tp.start(runner)
         node_id = ray.get_runtime_context().get_node_id()
         timeout = kv_config.transfer_timeout_s
         transfer = transfer or KVTransferConfig(timeout_s=timeout, token=kv_config.token)
         node_client = NodeStoreClient(kvstore_actor(node_id, ray_namespace), timeout)
-        fetcher = KVFetcher(runner.kv_cache, transfer, node_id, node_client)
+        fetcher = KVFetcher(runner.wire_kv, transfer, node_id, node_client)
         self.worker_id = worker_id
         self.engine = DecodeEngine(runner, worker_id, os.getpid(), fetcher)
 
@@ -63,7 +69,17 @@ class DecodeWorker:
 
     async def info(self) -> dict:
         return {"worker_id": self.worker_id, "pid": os.getpid(), "role": "decode",
-                "node_id": ray.get_runtime_context().get_node_id()}
+                "node_id": ray.get_runtime_context().get_node_id(), "tp_size": self.tp.size}
+
+    async def tp_info(self) -> dict:
+        """This rank's and the followers' (pid, rank, node, KV heads), and the all-reduces
+        this rank has issued."""
+        runner = self.engine.runner
+        return {"ranks": [{"pid": os.getpid(), "rank": 0,
+                           "node_id": ray.get_runtime_context().get_node_id(),
+                           "kv_heads": int(runner.kv_cache.k[0].shape[2])}]
+                + await asyncio.get_running_loop().run_in_executor(None, self.tp.info),
+                "num_all_reduces": runner.tp.num_all_reduces}
 
     async def stats(self) -> dict:
         return self.engine.stats()
@@ -78,3 +94,4 @@ class DecodeWorker:
 
     async def shutdown(self) -> None:
         self.engine.shutdown()
+        self.tp.shutdown()

@@ -50,7 +50,9 @@ class KVFetcher:
     """Starts, drains and accounts the fetches of one decode worker; thread-safe.
 
     Args:
-        kv_cache: the worker's paged cache (destination layout and dtype).
+        kv_cache: where blocks land, in the KV pool's layout (every KV head): the runner's
+            `wire_kv` (at TP=1 the paged cache itself; at TP=k rank 0 writes whole blocks and
+            each rank keeps its KV heads — fetched once, not once per rank).
         transfer: the transfer settings (``--kv-transfer``), or a number: gRPC with that
             timeout in seconds and no token (stores without auth, tests).
         node_id, node_client: this worker's Ray node and its KV store; with both, full blocks

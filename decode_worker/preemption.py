@@ -68,7 +68,7 @@ class RecomputePreemption(PreemptionMode):
 
 class SwapPreemption(PreemptionMode):
     def preempt(self, engine: "DecodeEngine", seq: "DecodeSequence") -> None:
-        seq.swapped = engine.runner.kv_cache.read_blocks(seq.block_table).cpu()
+        seq.swapped = engine.runner.wire_kv.read_blocks(seq.block_table).cpu()
         engine.pool.free(seq.block_table)
         seq.block_table = []
 
@@ -77,8 +77,8 @@ class SwapPreemption(PreemptionMode):
         if needed > engine.pool.num_free_blocks:
             return False
         seq.block_table = engine.pool.allocate(needed)
-        engine.runner.kv_cache.write_blocks(seq.block_table[: seq.swapped.shape[0]],
-                                            seq.swapped.to(engine.runner.kv_cache.device))
+        engine.runner.wire_kv.write_blocks(seq.block_table[: seq.swapped.shape[0]],
+                                            seq.swapped.to(engine.runner.wire_kv.device))
         seq.swapped = None
         return True
 

@@ -29,6 +29,10 @@ _SERVE_FLAGS = [
     ("--port", "port", int, "gateway port (default 8000)"),
     ("--prefill-instances", "prefill_instances", int, "prefill actors (default 1)"),
     ("--decode-instances", "decode_instances", int, "decode actors (default 1)"),
+    ("--prefill-tp", "prefill_tp", int, "tensor parallel size of each prefill instance "
+                                        "(default 1)"),
+    ("--decode-tp", "decode_tp", int, "tensor parallel size of each decode instance "
+                                      "(default 1)"),
     ("--address", "address", str, "join this Ray cluster instead of starting a local one"),
     ("--block-size", "engine.block_size", int, "tokens per KV block (default 16)"),
     ("--dtype", "engine.dtype", str, "float32 | bfloat16 | float16 (default float32)"),

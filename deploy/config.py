@@ -29,6 +29,9 @@ class ServeConfig(BaseModel):
         `Authorization: Bearer <key>` (keys are never logged).
     transfer: how KV gets from prefill to decode (``--kv-transfer grpc|torch``); its token is
         always the KV store's (``--kv-token``).
+    prefill_tp / decode_tp: tensor parallel size of each prefill / decode instance: k actors
+        (ranks) in one STRICT_PACK placement group (engine.tp_instance); each reserves
+        actor_num_cpus (and one GPU on CUDA).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -42,6 +45,8 @@ class ServeConfig(BaseModel):
     served_model_name: str | None = None
     prefill_instances: int = Field(1, ge=1)
     decode_instances: int = Field(1, ge=1)
+    prefill_tp: int = Field(1, ge=1)
+    decode_tp: int = Field(1, ge=1)
     policy: str = "round_robin"
     colocated: bool = False
     address: str | None = None
@@ -61,11 +66,11 @@ class ServeConfig(BaseModel):
         return transfer
 
     def local_ray_num_cpus(self) -> int:
-        """Logical CPUs for a local Ray: all worker actors plus 2 spare for helpers."""
+        """Logical CPUs for a local Ray: all worker actors (every TP rank) plus 2 spare."""
         if self.ray_num_cpus is not None:
             return self.ray_num_cpus
-        prefill = 0 if self.colocated else self.prefill_instances
-        needed = (prefill + self.decode_instances) * self.actor_num_cpus
+        prefill = 0 if self.colocated else self.prefill_instances * self.prefill_tp
+        needed = (prefill + self.decode_instances * self.decode_tp) * self.actor_num_cpus
         return int(needed) + 2
 
     def model_name(self) -> str:

@@ -15,7 +15,9 @@ import kernels
 
 from decode_worker.actor import DecodeWorker
 from deploy.config import ServeConfig
+from deploy.placement import tp_placement_group, tp_rank_options
 from engine.config import EngineConfig, ModelConfig
+from engine.model import check_tensor_parallel
 from kvstore.actor import start_kvstore_actors
 from kvstore.host_store import BlockLayout
 from prefill_worker.actor import PrefillWorker
@@ -26,6 +28,8 @@ log = logging.getLogger(__name__)
 
 # Calls a prefill actor answers at once; its engine lock serializes the forwards themselves.
 PREFILL_MAX_CONCURRENCY = 8
+# How long a TP instance's placement group may take to be placed.
+TP_PLACEMENT_TIMEOUT_S = 120
 
 
 def block_layout(engine: EngineConfig) -> BlockLayout:
@@ -46,6 +50,7 @@ class Cluster:
         self.kvstores: dict = {}
         self.prefill: list[Instance] = []
         self.decode: list[Instance] = []
+        self.placement_groups: list = []
         self._started_ray = False
 
     def start(self) -> "Cluster":
@@ -63,6 +68,9 @@ class Cluster:
             else:
                 ray.init(address=cfg.address, namespace=cfg.ray_namespace)
             self._started_ray = True
+        model = ModelConfig.from_pretrained(cfg.engine.model)
+        for tp in {cfg.prefill_tp, cfg.decode_tp}:
+            check_tensor_parallel(model, tp)  # a clear error before any actor starts
         self.kvstores = start_kvstore_actors(cfg.kvstore, cfg.kvpool, block_layout(cfg.engine),
                                              cfg.ray_namespace)
         # Triton on CPU runs interpreted: actors need TRITON_INTERPRET=1 before importing triton
@@ -70,17 +78,19 @@ class Cluster:
                                                             cfg.engine.device)}
         for node_id, handle in self.kvstores.items():  # for /metrics: tiers G2/G3 per node
             self.registry.add(Instance(f"kvstore-{node_id[:12]}", "kvstore", handle))
+        prefill_engine = cfg.engine.model_copy(update={"tensor_parallel_size": cfg.prefill_tp})
+        decode_engine = cfg.engine.model_copy(update={"tensor_parallel_size": cfg.decode_tp})
         for i in range(0 if cfg.colocated else cfg.prefill_instances):
             handle = PrefillWorker.options(
-                num_cpus=cfg.actor_num_cpus, max_concurrency=PREFILL_MAX_CONCURRENCY,
-                runtime_env=runtime_env,
-            ).remote(f"prefill-{i}", cfg.engine, cfg.kvstore, cfg.kvpool, cfg.ray_namespace,
+                max_concurrency=PREFILL_MAX_CONCURRENCY, runtime_env=runtime_env,
+                **self._rank0_options(cfg.prefill_tp),
+            ).remote(f"prefill-{i}", prefill_engine, cfg.kvstore, cfg.kvpool, cfg.ray_namespace,
                      transfer)
             self.prefill.append(Instance(f"prefill-{i}", "prefill", handle))
         for i in range(cfg.decode_instances):
-            handle = DecodeWorker.options(num_cpus=cfg.actor_num_cpus,
-                                          runtime_env=runtime_env).remote(
-                f"decode-{i}", cfg.engine, cfg.kvstore, cfg.ray_namespace, transfer)
+            handle = DecodeWorker.options(runtime_env=runtime_env,
+                                          **self._rank0_options(cfg.decode_tp)).remote(
+                f"decode-{i}", decode_engine, cfg.kvstore, cfg.ray_namespace, transfer)
             self.decode.append(Instance(f"decode-{i}", "decode", handle))
         infos = ray.get([i.handle.info.remote() for i in self.prefill + self.decode])
         for instance, info in zip(self.prefill + self.decode, infos):
@@ -89,9 +99,23 @@ class Cluster:
             self.registry.add(instance)
         return self
 
+    def _rank0_options(self, tp: int) -> dict:
+        """Options of a worker actor: at TP=1 its CPUs; at TP=k rank 0 of the instance, in a
+        new STRICT_PACK placement group of k bundles (its followers take the others)."""
+        if tp == 1:
+            return {"num_cpus": self.config.actor_num_cpus}
+        gpus = 1.0 if self.config.engine.device.startswith("cuda") else 0.0
+        pg = tp_placement_group(tp, None, self.config.actor_num_cpus, gpus)
+        self.placement_groups.append(pg)
+        ray.get(pg.ready(), timeout=TP_PLACEMENT_TIMEOUT_S)
+        return tp_rank_options(pg, 0)
+
     def shutdown(self) -> None:
         for instance in self.prefill + self.decode:
             ray.kill(instance.handle, no_restart=True)
+        for pg in self.placement_groups:
+            ray.util.remove_placement_group(pg)
+        self.placement_groups = []
         for handle in self.kvstores.values():
             try:
                 ray.get(handle.stop.remote(), timeout=10)  # frees the node's arena

@@ -200,6 +200,8 @@ class EngineConfig(pydantic.BaseModel):
     `preemption_mode`: how a decode worker makes room when its cache is full (vLLM's modes).
     `kernel_backend`: "auto" runs Triton kernels on CUDA tensors and torch references
     elsewhere; "triton" forces Triton (on CPU through TRITON_INTERPRET=1); "torch" forces torch.
+    `tensor_parallel_size`: ranks of this engine's TP instance (engine.parallel); the runner
+    is given the matching TPGroup. `num_kv_blocks` counts blocks, each rank holding its KV heads.
     """
 
     model_config = pydantic.ConfigDict(frozen=True, extra="forbid", protected_namespaces=())
@@ -215,6 +217,7 @@ class EngineConfig(pydantic.BaseModel):
     max_num_batched_tokens: int = pydantic.Field(512, gt=0)
     preemption_mode: Literal["recompute", "swap"] = "recompute"
     kernel_backend: Literal["auto", "triton", "torch"] = "auto"
+    tensor_parallel_size: int = pydantic.Field(1, gt=0)
 
     def torch_dtype(self) -> torch.dtype:
         """The torch dtype named by `dtype`."""

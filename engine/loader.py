@@ -3,13 +3,19 @@
 Supports a single `model.safetensors` or a sharded checkpoint described by
 `model.safetensors.index.json` (`{"weight_map": {tensor name: shard file}}`, the layout
 `PreTrainedModel.save_pretrained(max_shard_size=...)` writes).
+
+`load_state_dict` reads every tensor whole; `CheckpointReader` hands out lazy safetensors
+slices instead, so a tensor-parallel rank reads only its shard's bytes (engine.parallel).
 """
 
 from __future__ import annotations
 
 import json
 import pathlib
+from contextlib import ExitStack
+from typing import Any
 
+import safetensors
 import safetensors.torch
 import torch
 
@@ -59,3 +65,60 @@ def _load_sharded(directory: pathlib.Path) -> dict[str, torch.Tensor]:
     if missing:
         raise WeightLoadError(f"{directory}: tensors in {INDEX_FILE} missing from its shards: {missing[:5]}")
     return state
+
+
+class CheckpointReader:
+    """Lazy access to a checkpoint's tensors by HF name, for sharded loading. Use as a context
+    manager (it keeps the safetensors files open).
+
+    `slice(name)` is a safetensors PySafeSlice: `.get_shape()`, and indexing such as
+    `[a:b]` or `[:, a:b]` reads only those bytes into a CPU tensor of the disk dtype.
+    Raises WeightsNotFoundError / WeightLoadError like load_state_dict.
+    """
+
+    def __init__(self, path: str | pathlib.Path) -> None:
+        directory = pathlib.Path(path)
+        if (directory / SINGLE_FILE).is_file():
+            files = {None: directory / SINGLE_FILE}
+            weight_map = None
+        elif (directory / INDEX_FILE).is_file():
+            try:
+                weight_map = json.loads((directory / INDEX_FILE).read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError, TypeError) as exc:
+                raise WeightLoadError(f"{directory / INDEX_FILE}: malformed index ({exc})") from exc
+            files = {shard: directory / shard for shard in sorted(set(weight_map.values()))}
+            for shard, file in files.items():
+                if not file.is_file():
+                    raise WeightsNotFoundError(f"shard {shard} named by {INDEX_FILE} is missing "
+                                               f"from {directory}")
+        else:
+            load_state_dict(directory)  # raises WeightsNotFoundError with the listing
+            raise AssertionError("unreachable")
+        self._stack = ExitStack()
+        self._handles = {key: self._stack.enter_context(safetensors.safe_open(file, "pt"))
+                         for key, file in files.items()}
+        self._where: dict[str, Any] = {}
+        for key, handle in self._handles.items():
+            for name in handle.keys():
+                self._where[name] = key
+        if weight_map is not None:
+            missing = sorted(n for n, shard in weight_map.items() if self._where.get(n) != shard)
+            if missing:
+                self.close()
+                raise WeightLoadError(f"{directory}: tensors in {INDEX_FILE} missing from its "
+                                      f"shards: {missing[:5]}")
+
+    def names(self) -> list[str]:
+        return list(self._where)
+
+    def slice(self, name: str) -> Any:
+        return self._handles[self._where[name]].get_slice(name)
+
+    def close(self) -> None:
+        self._stack.close()
+
+    def __enter__(self) -> "CheckpointReader":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

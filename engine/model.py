@@ -2,9 +2,12 @@
 
 Tokens arrive flattened ([num_tokens], several sequences packed; see engine.attention), so every
 module works on [num_tokens, ...] tensors. Module and parameter names mirror transformers'
-LlamaForCausalLM, so HF checkpoint names map one to one. Separate q/k/v/o and gate/up/down
-linears keep a later tensor-parallel split (column-parallel q/k/v/gate/up, row-parallel o/down)
-a per-linear change.
+LlamaForCausalLM, so HF checkpoint names map one to one.
+
+Tensor parallel (engine.parallel; TP=1 is the same code with no communication): q/k/v and
+gate/up are column-parallel, o/down row-parallel (an all-reduce each), so a rank holds
+num_heads/k query heads, num_kv_heads/k KV heads (its slice of the paged cache) and
+intermediate_size/k of the MLP; embeddings, norms and lm_head are replicated.
 """
 
 from __future__ import annotations
@@ -16,8 +19,21 @@ import kernels
 from engine.attention import AttentionMetadata, paged_attention
 from engine.config import ModelConfig
 from engine.kv_cache import PagedKVCache
-from engine.loader import WeightLoadError
+from engine.loader import CheckpointReader, WeightLoadError
+from engine.parallel import ColumnParallelLinear, RowParallelLinear, TPGroup, replicated_weight_loader
 from engine.rope import RotaryEmbedding, apply_rotary_emb
+
+
+def check_tensor_parallel(config: ModelConfig, tp_size: int) -> None:
+    """Raise ValueError unless `tp_size` divides the heads, KV heads and intermediate size."""
+    if tp_size < 1:
+        raise ValueError(f"tensor parallel size must be >= 1, got {tp_size}")
+    for what, size in (("num_attention_heads", config.num_attention_heads),
+                       ("num_key_value_heads", config.num_key_value_heads),
+                       ("intermediate_size", config.intermediate_size)):
+        if size % tp_size:
+            raise ValueError(f"tensor parallel size {tp_size} does not divide the model's {what} "
+                             f"{size} ({config.name}); KV heads are never replicated across ranks")
 
 
 class RMSNorm(nn.Module):
@@ -37,17 +53,19 @@ class RMSNorm(nn.Module):
 class LlamaAttention(nn.Module):
     """GQA self-attention with RoPE; K/V go to the layer's paged cache before attending."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TPGroup) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        self.num_heads = config.num_attention_heads // tp.world_size  # this rank's heads
+        self.num_kv_heads = config.num_key_value_heads // tp.world_size
         self.head_dim = config.head_dim
         self.scale = self.head_dim**-0.5
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.q_proj = nn.Linear(config.hidden_size, q_size, bias=config.qkv_bias)
-        self.k_proj = nn.Linear(config.hidden_size, kv_size, bias=config.qkv_bias)
-        self.v_proj = nn.Linear(config.hidden_size, kv_size, bias=config.qkv_bias)
-        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=config.o_bias)
+        q_size = config.num_attention_heads * self.head_dim
+        kv_size = config.num_key_value_heads * self.head_dim
+        hidden, bias = config.hidden_size, config.qkv_bias
+        self.q_proj = ColumnParallelLinear(hidden, q_size, bias, tp)
+        self.k_proj = ColumnParallelLinear(hidden, kv_size, bias, tp)
+        self.v_proj = ColumnParallelLinear(hidden, kv_size, bias, tp)
+        self.o_proj = RowParallelLinear(q_size, hidden, config.o_bias, tp)
 
     def forward(
         self,
@@ -69,11 +87,12 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     """SwiGLU MLP: down(silu(gate(x)) * up(x))."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TPGroup) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+        hidden, inter, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
+        self.gate_proj = ColumnParallelLinear(hidden, inter, bias, tp)
+        self.up_proj = ColumnParallelLinear(hidden, inter, bias, tp)
+        self.down_proj = RowParallelLinear(inter, hidden, bias, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = torch.cat((self.gate_proj(x), self.up_proj(x)), dim=-1)
@@ -83,12 +102,12 @@ class LlamaMLP(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     """Pre-norm block; the residual stream is carried separately (vLLM's fused add+norm style)."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TPGroup) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config)
+        self.self_attn = LlamaAttention(config, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = LlamaMLP(config)
+        self.mlp = LlamaMLP(config, tp)
 
     def forward(
         self,
@@ -108,23 +127,38 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     """Embedding, decoder layers and final norm (HF prefix `model.`)."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TPGroup) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config) for _ in range(config.num_hidden_layers))
+        # _weight: no random init (build_model loads every parameter; init on the meta device
+        # would cost seconds of one-time imports per process)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size,
+                                         _weight=torch.empty(config.vocab_size, config.hidden_size))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, tp) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
-class LlamaForCausalLM(nn.Module):
-    """The whole model. forward -> final hidden states; compute_logits -> float32 logits."""
+class LMHead(nn.Module):
+    """The untied output projection's weight [vocab, hidden], replicated on every rank."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, hidden_size: int, vocab_size: int) -> None:
         super().__init__()
+        self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size))
+
+
+class LlamaForCausalLM(nn.Module):
+    """The whole model (this rank's shard of it). forward -> final hidden states (replicated);
+    compute_logits -> float32 logits. Raises ValueError if tp's size does not divide the heads,
+    KV heads and intermediate size."""
+
+    def __init__(self, config: ModelConfig, tp: TPGroup | None = None) -> None:
+        super().__init__()
+        self.tp = tp or TPGroup()
+        check_tensor_parallel(config, self.tp.world_size)
         self.config = config
-        self.model = LlamaModel(config)
-        self.lm_head: nn.Linear | None = None
+        self.model = LlamaModel(config, self.tp)
+        self.lm_head: LMHead | None = None
         if not config.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.lm_head = LMHead(config.hidden_size, config.vocab_size)
         self.rotary = RotaryEmbedding(
             config.head_dim, config.rope_theta, config.rope_scaling, config.max_position_embeddings
         )
@@ -152,41 +186,49 @@ class LlamaForCausalLM(nn.Module):
         return nn.functional.linear(hidden, weight).to(torch.float32)
 
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
-        """Copy HF-named tensors (`model.layers.N.self_attn.q_proj.weight`, ...) into the parameters.
+        """Copy HF-named tensors (`model.layers.N.self_attn.q_proj.weight`, ...) into the
+        parameters, each rank its shard (see load_checkpoint)."""
+        self._load(state_dict.keys(), state_dict.__getitem__)
 
-        Casts to each parameter's dtype and device. `lm_head.weight` is ignored when embeddings are
-        tied; rotary `inv_freq` buffers some checkpoints carry are ignored. Raises WeightLoadError
-        for a missing parameter, a shape mismatch or an unexpected tensor name.
+    def load_checkpoint(self, reader: CheckpointReader) -> None:
+        """Load from lazy safetensors slices: each parameter's weight_loader reads only this
+        rank's rows or columns from disk (engine.parallel)."""
+        self._load(reader.names(), reader.slice)
+
+    def _load(self, names, get) -> None:
+        """Casts to each parameter's dtype and device. `lm_head.weight` is ignored when
+        embeddings are tied; rotary `inv_freq` buffers some checkpoints carry are ignored.
+        Raises WeightLoadError for a missing parameter, a shape mismatch or an unexpected name.
         """
         params = dict(self.named_parameters())
+        names = set(names)
         unexpected = sorted(
             name
-            for name in state_dict
+            for name in names
             if name not in params
             and not name.endswith("rotary_emb.inv_freq")
             and not (name == "lm_head.weight" and self.lm_head is None)
         )
         if unexpected:
             raise WeightLoadError(f"checkpoint has tensors the model does not: {unexpected[:5]}")
-        missing = sorted(name for name in params if name not in state_dict)
+        missing = sorted(name for name in params if name not in names)
         if missing:
             raise WeightLoadError(f"checkpoint lacks tensors: {missing[:5]} ({len(missing)} in all)")
-        with torch.no_grad():
-            for name, param in params.items():
-                tensor = state_dict[name]
-                if tensor.shape != param.shape:
-                    raise WeightLoadError(
-                        f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(param.shape)}"
-                    )
-                param.copy_(tensor)
+        for module_name, module in self.named_modules():
+            loader = getattr(module, "weight_loader", None)
+            for param_name, param in module.named_parameters(recurse=False):
+                name = f"{module_name}.{param_name}" if module_name else param_name
+                (loader or replicated_weight_loader)(param, get(name), name)
 
 
-def build_model(config: ModelConfig, dtype: torch.dtype, device: str | torch.device) -> LlamaForCausalLM:
-    """An uninitialized model with parameters allocated in `dtype` on `device`, in eval mode.
+def build_model(config: ModelConfig, dtype: torch.dtype, device: str | torch.device,
+                tp: TPGroup | None = None) -> LlamaForCausalLM:
+    """An uninitialized model (this rank's shard, with `tp`) with parameters allocated in
+    `dtype` on `device`, in eval mode.
 
     Built on the meta device then materialized, so no time goes into random init; call
     `load_weights` before use."""
     with torch.device("meta"):
-        model = LlamaForCausalLM(config)
+        model = LlamaForCausalLM(config, tp)
     model.to_empty(device=device).to(dtype)
     return model.eval().requires_grad_(False)

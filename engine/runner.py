@@ -4,11 +4,32 @@ A chunk is the next slice of one sequence: a whole prompt, one piece of a chunke
 earlier pieces, or a reused cached prefix, already in the cache), or the single token of a
 decode step. Any mix can share one `execute` call. The caller (a worker's scheduler) owns block
 allocation; the runner only checks that each block table covers the chunk.
+
+Tensor parallel (engine.parallel): the runner of rank 0 (the driver) is the one a worker's
+engine calls; every call is a command that the other ranks' runners, looping in `follow()`,
+run in the same order. A command is an int64 header broadcast from rank 0, then its tensors —
+never `broadcast_object_list` (it pickles):
+
+    STEP   header [1, T, S, B, max_seq_len]; one int64 payload of 3T + S*B + 2S + 1:
+           input_ids[T] | positions[T] | slot_mapping[T] | block_tables[S*B] | seq_lens[S] |
+           query_start_loc[S+1]; every rank runs the forward (2 all-reduces per layer),
+           rank 0 alone computes logits (lm_head is replicated)
+    WRITE  header [2, n]; block ids[n]; then a scatter: rank r gets its KV-head slice of the
+           n full blocks rank 0 holds (the KV pool's layout has every head, as at TP=1)
+    READ   header [3, n]; block ids[n]; then a gather: rank 0 gets every rank's head slice
+           and concatenates them into full blocks
+    STOP   header [4]: follow() returns
+
+Rank 0 serializes commands with a lock, so the engine loop's steps and a KV fetch's writes
+(from transfer threads) may call it concurrently. At TP=1 there is no command, no lock and no
+communication: `wire_kv` is the cache itself.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -18,8 +39,12 @@ import kernels
 from engine.attention import AttentionMetadata
 from engine.config import EngineConfig, ModelConfig
 from engine.kv_cache import PagedKVCache
-from engine.loader import load_state_dict
-from engine.model import build_model
+from engine.loader import CheckpointReader
+from engine.model import build_model, check_tensor_parallel
+from engine.parallel import TPError, TPGroup
+
+_STEP, _WRITE, _READ, _STOP = 1, 2, 3, 4
+_HEADER = 8
 
 
 @dataclass(frozen=True)
@@ -37,50 +62,183 @@ class SequenceChunk:
 
 
 class ModelRunner:
-    """Owns the model weights and this worker's paged KV cache; runs batches of chunks."""
+    """Owns the model weights (this rank's shard) and this worker's paged KV cache (this rank's
+    KV heads); runs batches of chunks.
 
-    def __init__(self, engine_config: EngineConfig, model_config: ModelConfig | None = None) -> None:
-        """Load config (unless given) and weights from `engine_config.model`, allocate the cache.
+    wire_kv: the cache as the KV pool sees it — blocks of every KV head, in the layout
+    (layers, K|V, block_size, num_kv_heads, head_dim), with read_blocks / write_blocks /
+    block_shape / dtype / device like PagedKVCache. At TP=1 it is `kv_cache` itself; at TP=k a
+    view whose reads gather and whose writes scatter the head slices over the ranks (rank 0).
+    """
 
+    def __init__(self, engine_config: EngineConfig, model_config: ModelConfig | None = None,
+                 tp: TPGroup | None = None) -> None:
+        """Load config (unless given) and this rank's weights from `engine_config.model`
+        (reading only its shard from the safetensors files), allocate the cache.
+
+        tp: this process's TP group, of engine_config.tensor_parallel_size ranks (default: TP=1).
         Raises ModelConfigError / WeightsNotFoundError / WeightLoadError for a bad checkpoint and
-        ValueError for a max_model_len beyond the model's limit. Sets torch's intra-op threads
+        ValueError for a max_model_len beyond the model's limit, or a TP size that does not
+        divide the heads, KV heads or intermediate size. Sets torch's intra-op threads
         (process-wide) to `engine_config.torch_threads`.
         """
         self.engine_config = engine_config
         self.model_config = model_config or ModelConfig.from_pretrained(engine_config.model)
         self.max_model_len = engine_config.resolved_max_model_len(self.model_config)
+        self.tp = tp or TPGroup()
+        if self.tp.world_size != engine_config.tensor_parallel_size:
+            raise ValueError(f"TP group of {self.tp.world_size} ranks, engine config says "
+                             f"tensor_parallel_size={engine_config.tensor_parallel_size}")
+        check_tensor_parallel(self.model_config, self.tp.world_size)
         torch.set_num_threads(engine_config.torch_threads)
         kernels.set_backend(engine_config.kernel_backend)
         self.device = torch.device(engine_config.device)
         dtype = engine_config.torch_dtype()
-        self.model = build_model(self.model_config, dtype, self.device)
-        self.model.load_weights(load_state_dict(engine_config.model))
+        self.model = build_model(self.model_config, dtype, self.device, self.tp)
+        with CheckpointReader(engine_config.model) as reader:
+            self.model.load_checkpoint(reader)
         self.kv_cache = PagedKVCache(
             num_layers=self.model_config.num_hidden_layers,
             num_blocks=engine_config.num_kv_blocks,
             block_size=engine_config.block_size,
-            num_kv_heads=self.model_config.num_key_value_heads,
+            num_kv_heads=self.model_config.num_key_value_heads // self.tp.world_size,
             head_dim=self.model_config.head_dim,
             dtype=dtype,
             device=self.device,
         )
+        self.wire_kv = self.kv_cache if self.tp.world_size == 1 else ShardedKVView(self)
+        self._lock = threading.Lock() if self.tp.world_size > 1 else contextlib.nullcontext()
+        self._broken: TPError | None = None
+        #: called (on the failing thread) once a collective failed; engine.tp_instance exits
+        #: the process there, so the instance restarts as a whole
+        self.on_tp_failure: Callable[[TPError], None] | None = None
 
     @torch.inference_mode()
     def execute(self, chunks: list[SequenceChunk], *, all_logits: bool = False) -> torch.Tensor:
-        """Run one forward pass over `chunks`, writing their K/V into the cache.
+        """Run one forward pass over `chunks`, writing their K/V into the cache (rank 0 of a TP
+        instance: on every rank).
 
         Returns float32 logits on the engine device: [len(chunks), vocab] for each chunk's last
         token, or [total new tokens, vocab] in chunk order if `all_logits`.
         Raises ValueError for an empty batch or chunk, a negative num_computed_tokens, a sequence
-        longer than max_model_len, or a block table too short or naming a block outside the cache.
+        longer than max_model_len, or a block table too short or naming a block outside the
+        cache (before any rank is told); TPError when the TP group failed.
         """
         if not chunks:
             raise ValueError("execute needs at least one chunk")
         input_ids, positions, attn = self._prepare(chunks)
-        hidden = self.model(input_ids, positions, self.kv_cache, attn)
+        with self._command():
+            if self.tp.world_size > 1:
+                self._send_step(input_ids, positions, attn)
+            hidden = self.model(input_ids, positions, self.kv_cache, attn)
         if not all_logits:
             hidden = hidden[attn.query_start_loc[1:].to(torch.int64) - 1]
         return self.model.compute_logits(hidden)
+
+    # ---- tensor parallel: rank 0's commands and the other ranks' loop -----------------------
+    def read_wire_blocks(self, block_ids: Sequence[int]) -> torch.Tensor:
+        """[n, layers, 2, block_size, num_kv_heads (all), head_dim] copy of the blocks, gathered
+        from every rank (rank 0 only). Raises ValueError for a bad block id, TPError."""
+        index = self.kv_cache._index(block_ids)
+        with self._command():
+            if self.tp.world_size > 1:
+                self._send_header(_READ, len(index))
+                self.tp.broadcast(index)
+            local = self.kv_cache.read_blocks(index.tolist())
+            return torch.cat(self.tp.gather(local), dim=4)
+
+    def write_wire_blocks(self, block_ids: Sequence[int], data: torch.Tensor) -> None:
+        """Write full-head blocks `data` [n, *wire_kv.block_shape]; each rank keeps its KV-head
+        slice (rank 0 only). Raises ValueError for a bad shape, dtype or block id, TPError."""
+        index = self.kv_cache._index(block_ids)
+        expected = (len(index), *self.wire_kv.block_shape)
+        if tuple(data.shape) != expected:
+            raise ValueError(f"write_blocks: data shape {tuple(data.shape)} != expected {expected}")
+        if data.dtype != self.kv_cache.dtype:
+            raise ValueError(f"write_blocks: data dtype {data.dtype} != cache dtype "
+                             f"{self.kv_cache.dtype}")
+        if len(set(index.tolist())) != len(index):
+            raise ValueError(f"write_blocks: repeated block ids in {list(block_ids)}")
+        with self._command():
+            if self.tp.world_size > 1:
+                self._send_header(_WRITE, len(index))
+                self.tp.broadcast(index)
+            chunks = [c.contiguous() for c in data.to(self.device).chunk(self.tp.world_size, dim=4)]
+            local = torch.empty((len(index), *self.kv_cache.block_shape), dtype=self.kv_cache.dtype,
+                                device=self.device)
+            self.kv_cache.write_blocks(index.tolist(), self.tp.scatter(local, chunks))
+
+    def stop_followers(self) -> None:
+        """Rank 0: end the other ranks' follow() loops (no-op at TP=1 or once broken)."""
+        if self.tp.world_size > 1 and self._broken is None:
+            with self._command():
+                self._send_header(_STOP)
+
+    @torch.inference_mode()
+    def follow(self) -> None:
+        """Ranks 1..k-1: run rank 0's commands until STOP. Raises TPError when the group fails
+        (rank 0 died): this process must then go, since a gloo group cannot be rejoined."""
+        if self.tp.is_driver:
+            raise RuntimeError("rank 0 drives; only ranks 1..k-1 follow")
+        header = torch.empty(_HEADER, dtype=torch.int64, device=self.device)
+        while True:
+            command, *args = self.tp.broadcast(header).tolist()
+            if command == _STOP:
+                return
+            if command == _STEP:
+                input_ids, positions, attn = self._receive_step(*args[:4])
+                self.model(input_ids, positions, self.kv_cache, attn)
+                continue
+            index = self.tp.broadcast(torch.empty(args[0], dtype=torch.int64, device=self.device))
+            local = torch.empty((args[0], *self.kv_cache.block_shape), dtype=self.kv_cache.dtype,
+                                device=self.device)
+            if command == _WRITE:
+                self.kv_cache.write_blocks(index.tolist(), self.tp.scatter(local, None))
+            elif command == _READ:
+                self.tp.gather(self.kv_cache.read_blocks(index.tolist()))
+            else:
+                raise TPError(f"TP rank {self.tp.rank}: unknown command {command}")
+
+    @contextlib.contextmanager
+    def _command(self):
+        with self._lock:
+            if self._broken is not None:
+                raise TPError(f"TP instance unusable since: {self._broken}")
+            try:
+                yield
+            except TPError as exc:
+                self._broken = exc
+                if self.on_tp_failure is not None:
+                    self.on_tp_failure(exc)
+                raise
+
+    def _send_header(self, command: int, *args: int) -> None:
+        header = torch.zeros(_HEADER, dtype=torch.int64)
+        header[0], header[1:1 + len(args)] = command, torch.tensor(args, dtype=torch.int64)
+        self.tp.broadcast(header.to(self.device))
+
+    def _send_step(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                   attn: AttentionMetadata) -> None:
+        num_seqs, max_blocks = attn.block_tables.shape
+        self._send_header(_STEP, input_ids.shape[0], num_seqs, max_blocks, attn.max_seq_len)
+        self.tp.broadcast(torch.cat([input_ids, positions, attn.slot_mapping,
+                                     attn.block_tables.flatten().to(torch.int64),
+                                     attn.seq_lens.to(torch.int64),
+                                     attn.query_start_loc.to(torch.int64)]))
+
+    def _receive_step(self, num_tokens: int, num_seqs: int, max_blocks: int, max_seq_len: int
+                      ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        sizes = [num_tokens] * 3 + [num_seqs * max_blocks, num_seqs, num_seqs + 1]
+        payload = torch.empty(sum(sizes), dtype=torch.int64, device=self.device)
+        input_ids, positions, slots, tables, seq_lens, starts = self.tp.broadcast(payload).split(sizes)
+        attn = AttentionMetadata(
+            slot_mapping=slots,
+            block_tables=tables.view(num_seqs, max_blocks).to(torch.int32),
+            seq_lens=seq_lens.to(torch.int32),
+            query_start_loc=starts.to(torch.int32),
+            max_seq_len=max_seq_len,
+        )
+        return input_ids, positions, attn
 
     def _prepare(self, chunks: list[SequenceChunk]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         block_size = self.kv_cache.block_size
@@ -135,3 +293,23 @@ class ModelRunner:
         vocab = self.model_config.vocab_size
         if any(not 0 <= t < vocab for t in chunk.token_ids):
             raise ValueError(f"chunk {index}: token id outside the vocabulary [0, {vocab})")
+
+
+class ShardedKVView:
+    """`ModelRunner.wire_kv` at TP > 1 (rank 0): the sharded cache as full-head blocks."""
+
+    def __init__(self, runner: ModelRunner) -> None:
+        cache, k = runner.kv_cache, runner.tp.world_size
+        self._runner = runner
+        self.num_layers, self.num_blocks, self.block_size = (cache.num_layers, cache.num_blocks,
+                                                             cache.block_size)
+        self.dtype, self.device = cache.dtype, cache.device
+        layers, kv, block_size, heads, head_dim = cache.block_shape
+        self.block_shape: tuple[int, ...] = (layers, kv, block_size, heads * k, head_dim)
+        self.block_nbytes: int = cache.block_nbytes * k
+
+    def read_blocks(self, block_ids: Sequence[int]) -> torch.Tensor:
+        return self._runner.read_wire_blocks(block_ids)
+
+    def write_blocks(self, block_ids: Sequence[int], data: torch.Tensor) -> None:
+        self._runner.write_wire_blocks(block_ids, data)

@@ -14,6 +14,7 @@ import ray
 from engine.config import EngineConfig
 from engine.protocol import PrefillRequest, PrefillResult
 from engine.runner import ModelRunner
+from engine.tp_instance import TPInstance
 from kvstore.actor import kvstore_actor
 from kvstore.client import KVStoreClient
 from kvstore.config import KVStoreConfig, KVTransferConfig
@@ -28,7 +29,10 @@ from prefill_worker.prefix_loader import PrefixLoader
 
 @ray.remote
 class PrefillWorker:
-    """One prefill instance (tensor parallel size 1), using its node's KV store actor.
+    """One prefill instance, using its node's KV store actor. With
+    engine_config.tensor_parallel_size k > 1 this actor is rank 0 of the TP instance (see
+    DecodeWorker); it publishes full blocks (every KV head, gathered from the ranks), so the KV
+    pool's layout does not depend on TP, and loads cached prefixes by scattering head slices.
 
     transfer: the KV transfer settings (``--kv-transfer``), shared by every worker; with
     ``torch`` each request naming a decode peer has its blocks pushed to that peer over their
@@ -38,7 +42,9 @@ class PrefillWorker:
     def __init__(self, worker_id: str, engine_config: EngineConfig, kv_config: KVStoreConfig,
                  pool_config: KVPoolConfig, ray_namespace: str | None = None,
                  transfer: KVTransferConfig | None = None) -> None:
-        runner = ModelRunner(engine_config)
+        self.tp = TPInstance(engine_config)
+        runner = ModelRunner(engine_config, tp=self.tp.group)
+        self.tp.start(runner)
         timeout = kv_config.transfer_timeout_s
         node_id = ray.get_runtime_context().get_node_id()
         store = kvstore_actor(node_id, ray_namespace)
@@ -47,7 +53,7 @@ class PrefillWorker:
         index = open_index(pool_config.index_url)
         loader = PrefixLoader(node_id, index, node_client,
                               RemoteStores(ray_namespace, kv_config.token, timeout),
-                              runner.kv_cache)
+                              runner.wire_kv)
         pusher = None
         if transfer is not None and transfer.backend == "torch":
             pusher = TorchKVPusher(transfer, kv_config.tail_ttl_s, runner.kv_cache.device.type)
@@ -64,7 +70,16 @@ class PrefillWorker:
 
     def info(self) -> dict:
         return {"worker_id": self.worker_id, "pid": os.getpid(), "role": "prefill",
-                "node_id": self.engine.kv.node_id, "kv_address": self.engine.kv_address}
+                "node_id": self.engine.kv.node_id, "kv_address": self.engine.kv_address,
+                "tp_size": self.tp.size}
+
+    def tp_info(self) -> dict:
+        """This rank's and the followers' (pid, rank, node, KV heads), and the all-reduces
+        this rank has issued."""
+        runner = self.engine.runner
+        return {"ranks": [{"pid": os.getpid(), "rank": 0, "node_id": self.engine.kv.node_id,
+                           "kv_heads": int(runner.kv_cache.k[0].shape[2])}] + self.tp.info(),
+                "num_all_reduces": runner.tp.num_all_reduces}
 
     def stats(self) -> dict:
         return self.engine.stats()

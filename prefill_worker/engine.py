@@ -169,7 +169,7 @@ class PrefillEngine:
         """Full blocks to the KV store by key (the store keeps one copy of a key), the tail by
         handle. Returns (tail handle or None, tokens in the tail, the prompt's blocks as one
         new contiguous [n_full (+1), *block_shape] tensor)."""
-        data = self.runner.kv_cache.read_blocks(blocks)
+        data = self.runner.wire_kv.read_blocks(blocks)  # every KV head (TP: gathered)
         if keys:
             self.kv.publisher.publish(keys, data[: len(keys)])
         num_tail = len(prompt) - len(keys) * self.block_size

@@ -1,0 +1,225 @@
+"""Tensor parallelism in one place (STYLE.md item 10): the TP group and the parallel linears.
+
+A TP instance of size k is k processes in one torch.distributed default group (DESIGN.md
+"Tensor parallelism": the default group is used only here, because a TP instance restarts as a
+whole; see engine.tp_instance). TP=1 is the same code: `TPGroup()` has world_size 1 and every
+collective is a no-op, so no process group is ever created.
+
+Megatron-LM's split (Shoeybi et al. 2019, §3), as nano-vllm and vLLM do it:
+
+    q/k/v_proj, gate/up_proj   ColumnParallelLinear  weight rows  [r*n/k : (r+1)*n/k]  (heads)
+    o_proj, down_proj          RowParallelLinear     weight cols  [r*n/k : (r+1)*n/k], then
+                                                     all-reduce (sum), then the bias once
+    embed_tokens, lm_head, norms                     replicated (small next to the layers here;
+                                                     no vocab-parallel split)
+
+so one forward issues exactly 2 all-reduces per decoder layer (`TPGroup.num_all_reduces`).
+Each parallel layer has a `weight_loader(param, loaded)` that copies the rank's shard of its
+weight or bias (a method of the layer, not a parameter attribute: materializing a meta-device
+model replaces the Parameter objects); `loaded` is a full tensor or a safetensors slice (`safe_open(...).get_slice(name)`), so a rank reads only
+its shard from disk and never materializes the full tensor.
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+class TPError(RuntimeError):
+    """A collective of the TP group failed (a rank died or timed out); the instance is unusable
+    and must restart as a whole (a gloo group cannot be rejoined)."""
+
+
+class TPGroup:
+    """The tensor-parallel group of this process: rank, world size and the collectives.
+
+    world_size 1 (the default): every collective is a no-op or the identity. world_size k:
+    the torch.distributed default group, which `init_tp_group` formed.
+
+    Attributes:
+        num_all_reduces: all-reduces issued so far (a test counts 2 per layer per forward).
+    """
+
+    def __init__(self, rank: int = 0, world_size: int = 1) -> None:
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} outside [0, {world_size})")
+        if world_size > 1 and not (dist.is_initialized() and dist.get_world_size() == world_size):
+            raise ValueError(f"TPGroup of {world_size} needs an initialized default group of "
+                             "that size (init_tp_group)")
+        self.rank = rank
+        self.world_size = world_size
+        self.num_all_reduces = 0
+
+    @property
+    def is_driver(self) -> bool:
+        """Rank 0 schedules and samples; the other ranks follow its commands."""
+        return self.rank == 0
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum of x over the ranks, in place; x itself at world size 1."""
+        if self.world_size > 1:
+            self.num_all_reduces += 1
+            self._run(dist.all_reduce, x)
+        return x
+
+    def broadcast(self, x: torch.Tensor) -> torch.Tensor:
+        """x of rank 0 into every rank's x (same shape and dtype on all ranks), in place."""
+        if self.world_size > 1:
+            self._run(dist.broadcast, x, src=0)
+        return x
+
+    def scatter(self, out: torch.Tensor, chunks: list[torch.Tensor] | None) -> torch.Tensor:
+        """Rank r receives rank 0's chunks[r] into out (chunks: rank 0 only, contiguous)."""
+        if self.world_size > 1:
+            self._run(dist.scatter, out, chunks if self.is_driver else None, src=0)
+        elif chunks is not None:
+            out.copy_(chunks[0])
+        return out
+
+    def gather(self, x: torch.Tensor) -> list[torch.Tensor] | None:
+        """Every rank's x, in rank order, on rank 0 (None elsewhere)."""
+        if self.world_size == 1:
+            return [x]
+        out = [torch.empty_like(x) for _ in range(self.world_size)] if self.is_driver else None
+        self._run(dist.gather, x, out, dst=0)
+        return out
+
+    def shard(self, size: int, what: str) -> tuple[int, int]:
+        """(start, end) of this rank's equal part of `size`; ValueError if k does not divide it."""
+        if size % self.world_size:
+            raise ValueError(f"{what} {size} is not divisible by the tensor parallel size "
+                             f"{self.world_size}")
+        n = size // self.world_size
+        return self.rank * n, (self.rank + 1) * n
+
+    def _run(self, op: Callable, *args: Any, **kwargs: Any) -> None:
+        try:
+            op(*args, **kwargs)
+        except (RuntimeError, ValueError) as exc:  # gloo: "Connection closed by peer", timeouts
+            raise TPError(f"TP rank {self.rank}: {op.__name__} failed: {exc}") from exc
+
+
+def tp_backend(device: str | torch.device) -> str:
+    """gloo on CPU, NCCL on CUDA."""
+    return "nccl" if torch.device(device).type == "cuda" else "gloo"
+
+
+def create_master_store(host: str, world_size: int, timeout_s: float) -> dist.TCPStore:
+    """Rank 0's TCPStore on a free port of `host` (its `.port`); never waits for the others."""
+    return dist.TCPStore(host, 0, world_size, is_master=True, wait_for_workers=False,
+                         timeout=datetime.timedelta(seconds=timeout_s))
+
+
+#: The group's collective timeout. Ranks 1..k-1 wait in a broadcast for rank 0's next command
+#: for as long as the instance is idle, so it must not fire then; a dead peer is noticed at
+#: once instead, by its closed connections (and by Ray, engine.tp_instance).
+COLLECTIVE_TIMEOUT = datetime.timedelta(days=7)
+
+
+def init_tp_group(rank: int, world_size: int, host: str, port: int, device: str,
+                  timeout_s: float = 120.0, store: dist.TCPStore | None = None) -> TPGroup:
+    """Join the default group of a TP instance at rank 0's store host:port (rank 0 passes the
+    store it created with create_master_store). Blocks until all `world_size` ranks joined.
+    Raises TPError when they do not within `timeout_s`."""
+    if world_size == 1:
+        return TPGroup()
+    if store is None:
+        store = dist.TCPStore(host, port, world_size, is_master=False,
+                              timeout=datetime.timedelta(seconds=timeout_s))
+    try:
+        dist.init_process_group(tp_backend(device), store=store, rank=rank,
+                                world_size=world_size, timeout=COLLECTIVE_TIMEOUT)
+    except (RuntimeError, ValueError) as exc:
+        raise TPError(f"TP rank {rank}/{world_size} could not join {host}:{port}: {exc}") from exc
+    return TPGroup(rank, world_size)
+
+
+# ---- loading -------------------------------------------------------------------------------
+
+def _shape(loaded: Any) -> tuple[int, ...]:
+    return tuple(loaded.get_shape()) if hasattr(loaded, "get_shape") else tuple(loaded.shape)
+
+
+def _copy(param: torch.Tensor, part: torch.Tensor, name: str) -> None:
+    if tuple(part.shape) != tuple(param.shape):
+        from engine.loader import WeightLoadError
+
+        raise WeightLoadError(f"{name}: checkpoint shape {tuple(part.shape)} != model "
+                              f"{tuple(param.shape)}")
+    with torch.no_grad():
+        param.copy_(part)
+
+
+def replicated_weight_loader(param: nn.Parameter, loaded: Any, name: str = "") -> None:
+    """The whole tensor on every rank (norms, embeddings, lm_head)."""
+    _copy(param, loaded[:], name)
+
+
+def _sharded_loader(dim: int, rank: int, world_size: int) -> Callable:
+    def weight_loader(param: nn.Parameter, loaded: Any, name: str = "") -> None:
+        full = _shape(loaded)
+        if len(full) <= dim or full[dim] != param.shape[dim] * world_size:
+            from engine.loader import WeightLoadError
+
+            raise WeightLoadError(f"{name}: checkpoint shape {full} does not split into "
+                                  f"{world_size} x {tuple(param.shape)} along dim {dim}")
+        start, end = rank * param.shape[dim], (rank + 1) * param.shape[dim]
+        _copy(param, loaded[start:end] if dim == 0 else loaded[:, start:end], name)
+    return weight_loader
+
+
+# ---- layers --------------------------------------------------------------------------------
+
+class ColumnParallelLinear(nn.Module):
+    """y_r = x W_r^T + b_r: this rank's out_features/k outputs (weight rows, bias split).
+
+    x [n, in_features] replicated -> [n, out_features / k]. No communication.
+    Raises ValueError if k does not divide out_features.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPGroup) -> None:
+        super().__init__()
+        start, end = tp.shard(out_features, "output size")
+        self.weight = nn.Parameter(torch.empty(end - start, in_features))
+        self.bias = nn.Parameter(torch.empty(end - start)) if bias else None
+        self._load_rows = _sharded_loader(0, tp.rank, tp.world_size)
+
+    def weight_loader(self, param: nn.Parameter, loaded: Any, name: str = "") -> None:
+        """Rows [r*n/k, (r+1)*n/k) of the full weight or bias."""
+        self._load_rows(param, loaded, name)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(x, self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    """y = all_reduce(x_r W_r^T) + b: this rank's in_features/k inputs (weight columns); the
+    bias (replicated) is added once, after the sum.
+
+    x [n, in_features / k] (a column-parallel output) -> [n, out_features] replicated.
+    Raises ValueError if k does not divide in_features.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPGroup) -> None:
+        super().__init__()
+        self.tp = tp
+        start, end = tp.shard(in_features, "input size")
+        self.weight = nn.Parameter(torch.empty(out_features, end - start))
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        self._load_cols = _sharded_loader(1, tp.rank, tp.world_size)
+
+    def weight_loader(self, param: nn.Parameter, loaded: Any, name: str = "") -> None:
+        """Columns [r*n/k, (r+1)*n/k) of the full weight; the whole bias."""
+        if param is self.weight:
+            self._load_cols(param, loaded, name)
+        else:
+            replicated_weight_loader(param, loaded, name)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.tp.all_reduce(nn.functional.linear(x, self.weight))
+        return y if self.bias is None else y + self.bias
