@@ -48,6 +48,10 @@ _SERVE_FLAGS = [
     ("--ray-num-cpus", "ray_num_cpus", int, "logical CPUs of the local Ray "
                                             "(default: worker actors + 2)"),
     ("--actor-num-cpus", "actor_num_cpus", float, "logical CPUs per worker actor (default 1)"),
+    ("--actor-num-gpus", "actor_num_gpus", float,
+     "GPUs per worker actor (default: 1 when engine.device is cuda, else 0)"),
+    ("--placement", "placement", str, "auto | resources | none: place workers by the Ray "
+                                      "custom resources prefill/decode (default auto)"),
     ("--kv-bind", "kvstore.host", str, "KV store gRPC bind address (default 127.0.0.1; a "
                                         "node's routable address in a multi-node cluster)"),
     ("--kv-transfer", "transfer.backend", str, "KV data plane prefill -> decode: grpc (default) "

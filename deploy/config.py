@@ -7,6 +7,7 @@ read only by the CLI, never below it.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
@@ -23,6 +24,12 @@ class ServeConfig(BaseModel):
         are logical: this only has to cover every actor's `actor_num_cpus` so none stays
         pending; real CPU use is governed by `engine.torch_threads` per actor.
     actor_num_cpus: logical CPUs each prefill/decode actor reserves (KV store actors reserve 0).
+    actor_num_gpus: GPUs each prefill/decode actor reserves; None: 1 when `engine.device` is
+        cuda, else 0 (a fraction shares a GPU, e.g. 0.5 for prefill and decode on one GPU).
+    placement: where worker actors run (deploy/placement.py): "auto" asks for the Ray custom
+        resource of the actor's role (`prefill`, `decode`) when some node advertises it, and a
+        local Ray advertises both; "resources" always (fails fast if no node does); "none"
+        never. Only nodes that may run workers get a KV store.
     colocated: each decode instance also prefills its requests (no prefill actors, no KV
         transfer) — for comparison and one-GPU deployments.
     api_keys / api_key_file: when any key is set, every request but /health needs
@@ -53,6 +60,8 @@ class ServeConfig(BaseModel):
     ray_namespace: str = "pdcluster"
     ray_num_cpus: int | None = Field(None, ge=1)
     actor_num_cpus: float = Field(1.0, gt=0)
+    actor_num_gpus: float | None = Field(None, ge=0)
+    placement: Literal["auto", "resources", "none"] = "auto"
     log_level: str = "info"
     max_request_body_bytes: int = Field(4 << 20, ge=1024)
     api_keys: list[SecretStr] = Field(default_factory=list)
@@ -72,6 +81,12 @@ class ServeConfig(BaseModel):
         prefill = 0 if self.colocated else self.prefill_instances * self.prefill_tp
         needed = (prefill + self.decode_instances * self.decode_tp) * self.actor_num_cpus
         return int(needed) + 2
+
+    def worker_num_gpus(self) -> float:
+        """GPUs each prefill/decode actor reserves (actor_num_gpus, or 1 on cuda, else 0)."""
+        if self.actor_num_gpus is not None:
+            return self.actor_num_gpus
+        return 1.0 if self.engine.device.startswith("cuda") else 0.0
 
     def model_name(self) -> str:
         return self.served_model_name or Path(self.engine.model).name

@@ -15,7 +15,7 @@ import kernels
 
 from decode_worker.actor import DecodeWorker
 from deploy.config import ServeConfig
-from deploy.placement import tp_placement_group, tp_rank_options
+from deploy import placement
 from engine.config import EngineConfig, ModelConfig
 from engine.model import check_tensor_parallel
 from kvstore.actor import start_kvstore_actors
@@ -51,6 +51,8 @@ class Cluster:
         self.prefill: list[Instance] = []
         self.decode: list[Instance] = []
         self.placement_groups: list = []
+        self._resources: dict[str, float] = {}  # ray.cluster_resources() at start
+        self._role_demand: dict[str, dict[str, float]] = {}
         self._started_ray = False
 
     def start(self) -> "Cluster":
@@ -64,6 +66,7 @@ class Cluster:
             if cfg.address is None:
                 ray.init(address="local",  # a new cluster, never a stray one on this machine
                          num_cpus=cfg.local_ray_num_cpus(), namespace=cfg.ray_namespace,
+                         resources=placement.local_node_resources(),
                          include_dashboard=False, log_to_driver=True)
             else:
                 ray.init(address=cfg.address, namespace=cfg.ray_namespace)
@@ -71,8 +74,14 @@ class Cluster:
         model = ModelConfig.from_pretrained(cfg.engine.model)
         for tp in {cfg.prefill_tp, cfg.decode_tp}:
             check_tensor_parallel(model, tp)  # a clear error before any actor starts
-        self.kvstores = start_kvstore_actors(cfg.kvstore, cfg.kvpool, block_layout(cfg.engine),
-                                             cfg.ray_namespace)
+        # each role's Ray custom resource (deploy/placement.py); KV stores only where workers go
+        self._resources = ray.cluster_resources()
+        roles = (placement.DECODE,) if cfg.colocated else placement.ROLES
+        self._role_demand = {r: placement.role_resources(r, cfg.placement, self._resources)
+                             for r in roles}
+        self.kvstores = start_kvstore_actors(
+            cfg.kvstore, cfg.kvpool, block_layout(cfg.engine), cfg.ray_namespace,
+            node_ids=placement.worker_node_ids(ray.nodes(), self._role_demand.values()))
         # Triton on CPU runs interpreted: actors need TRITON_INTERPRET=1 before importing triton
         runtime_env = {"env_vars": kernels.runtime_env_vars(cfg.engine.kernel_backend,
                                                             cfg.engine.device)}
@@ -83,13 +92,14 @@ class Cluster:
         for i in range(0 if cfg.colocated else cfg.prefill_instances):
             handle = PrefillWorker.options(
                 max_concurrency=PREFILL_MAX_CONCURRENCY, runtime_env=runtime_env,
-                **self._rank0_options(cfg.prefill_tp),
+                **self._rank0_options(cfg.prefill_tp, placement.PREFILL),
             ).remote(f"prefill-{i}", prefill_engine, cfg.kvstore, cfg.kvpool, cfg.ray_namespace,
                      transfer)
             self.prefill.append(Instance(f"prefill-{i}", "prefill", handle))
         for i in range(cfg.decode_instances):
             handle = DecodeWorker.options(runtime_env=runtime_env,
-                                          **self._rank0_options(cfg.decode_tp)).remote(
+                                          **self._rank0_options(cfg.decode_tp,
+                                                                placement.DECODE)).remote(
                 f"decode-{i}", decode_engine, cfg.kvstore, cfg.ray_namespace, transfer)
             self.decode.append(Instance(f"decode-{i}", "decode", handle))
         infos = ray.get([i.handle.info.remote() for i in self.prefill + self.decode])
@@ -99,16 +109,22 @@ class Cluster:
             self.registry.add(instance)
         return self
 
-    def _rank0_options(self, tp: int) -> dict:
-        """Options of a worker actor: at TP=1 its CPUs; at TP=k rank 0 of the instance, in a
-        new STRICT_PACK placement group of k bundles (its followers take the others)."""
+    def _rank0_options(self, tp: int, role: str) -> dict:
+        """Options of a worker actor of `role`: at TP=1 its CPUs, GPUs, role resource and
+        restarts (placement.worker_options); at TP=k rank 0 of the instance, in a new
+        STRICT_PACK placement group of k bundles on a node of the role (its followers take the
+        others)."""
+        cfg = self.config
+        gpus = cfg.worker_num_gpus()
         if tp == 1:
-            return {"num_cpus": self.config.actor_num_cpus}
-        gpus = 1.0 if self.config.engine.device.startswith("cuda") else 0.0
-        pg = tp_placement_group(tp, None, self.config.actor_num_cpus, gpus)
+            return placement.worker_options(role, cfg.placement, self._resources,
+                                            cfg.actor_num_cpus, gpus)
+        demand = self._role_demand[role]
+        pg = placement.tp_placement_group(tp, next(iter(demand), None), cfg.actor_num_cpus,
+                                          gpus)
         self.placement_groups.append(pg)
         ray.get(pg.ready(), timeout=TP_PLACEMENT_TIMEOUT_S)
-        return tp_rank_options(pg, 0)
+        return placement.tp_rank_options(pg, 0)
 
     def shutdown(self) -> None:
         for instance in self.prefill + self.decode:

@@ -8,6 +8,7 @@ descendant survives and the port is free.
 from __future__ import annotations
 
 import logging
+import signal
 
 import uvicorn
 from fastapi import FastAPI
@@ -44,7 +45,13 @@ def serve(config: ServeConfig) -> int:
                                                port=config.port, log_level=config.log_level,
                                                lifespan="off"))
         log.info("serving %s at http://%s:%d/v1", config.model_name(), config.host, config.port)
-        server.run()
+        try:
+            server.run()
+        except SystemExit as exc:
+            # uvicorn re-raises the SIGINT/SIGTERM it stopped on; Ray's handler (ray.init)
+            # turns SIGTERM into exit(15). Either is a graceful stop: exit 0 after cleanup.
+            if exc.code not in (signal.SIGTERM, signal.SIGINT):
+                raise
     finally:
         cluster.shutdown()
     return 0

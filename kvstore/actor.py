@@ -13,6 +13,7 @@ import logging
 import os
 import threading
 import time
+from typing import Iterable
 
 import ray
 from ray.actor import ActorHandle
@@ -119,8 +120,10 @@ class KVStoreActor:
 
 
 def start_kvstore_actors(config: KVStoreConfig, pool: KVPoolConfig, layout: BlockLayout,
-                         namespace: str | None = None) -> dict[str, ActorHandle]:
-    """Start one KV store actor on every ALIVE Ray node and wait until each serves.
+                         namespace: str | None = None,
+                         node_ids: Iterable[str] | None = None) -> dict[str, ActorHandle]:
+    """Start one KV store actor on every ALIVE Ray node (or on each of `node_ids`: the nodes
+    that may run workers, deploy/placement.py) and wait until each serves.
 
     Each actor is pinned with ``NodeAffinitySchedulingStrategy(node_id, soft=False)`` and named
     ``KVSTORE_ACTOR_PREFIX + node_id`` in ``namespace`` (default: the caller's). Lifetime is
@@ -130,11 +133,11 @@ def start_kvstore_actors(config: KVStoreConfig, pool: KVPoolConfig, layout: Bloc
     Returns node id (hex) -> actor handle. Raises KVStoreError if one fails to start within
     ``config.transfer_timeout_s * 6`` s.
     """
-    actors: dict[str, ActorHandle] = {}
-    for node in ray.nodes():
-        if node.get("Alive"):
-            actors[node["NodeID"]] = start_kvstore_actor(node["NodeID"], config, pool, layout,
-                                                         namespace)
+    if node_ids is None:
+        node_ids = [node["NodeID"] for node in ray.nodes() if node.get("Alive")]
+    actors: dict[str, ActorHandle] = {
+        node_id: start_kvstore_actor(node_id, config, pool, layout, namespace)
+        for node_id in node_ids}
     refs = [a.address.remote() for a in actors.values()]
     try:
         ray.get(refs, timeout=config.transfer_timeout_s * 6)

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Entrypoint of the pdcluster images: one role per container.
+#
+#   serve     pdcluster serve on a local Ray: one machine, no other service  (default)
+#   head      Ray head, no worker actors on it (RAY_PORT, default 6379)
+#   prefill   Ray worker node offering the "prefill" role (joins RAY_ADDRESS)
+#   decode    Ray worker node offering the "decode" role  (joins RAY_ADDRESS)
+#   gateway   joins RAY_ADDRESS as a CPU-less node (object store RAY_OBJECT_STORE_MEMORY
+#             bytes, default 256 MiB), then runs the gateway, which is the Ray driver:
+#             pdcluster serve --address auto (a driver needs a raylet on its own machine)
+#   other     run as a command, e.g. `pdcluster bench ...` or `bash`
+#
+# Extra arguments go to `ray start` (head, prefill, decode) or to `pdcluster serve` (serve,
+# gateway). Role resource names are deploy/placement.py's PREFILL and DECODE. Ray ports must
+# be on a trusted network; with Ray's token auth set RAY_AUTH_MODE=token and RAY_AUTH_TOKEN on
+# every node (docs/deploy.md, "Network and security").
+set -euo pipefail
+
+role="${1:-serve}"
+[ $# -gt 0 ] && shift
+
+case "$role" in
+  serve)
+    exec pdcluster serve --host 0.0.0.0 "$@" ;;
+  head)
+    exec ray start --head --port="${RAY_PORT:-6379}" --num-cpus=0 --dashboard-host=127.0.0.1 \
+      --disable-usage-stats --block "$@" ;;
+  prefill | decode)
+    exec ray start --address="${RAY_ADDRESS:?set RAY_ADDRESS to the head, host:port}" \
+      --resources="{\"$role\": 1}" --disable-usage-stats --block "$@" ;;
+  gateway)
+    ray start --address="${RAY_ADDRESS:?set RAY_ADDRESS to the head, host:port}" \
+      --num-cpus=0 --object-store-memory="${RAY_OBJECT_STORE_MEMORY:-268435456}" \
+      --disable-usage-stats
+    exec pdcluster serve --address auto --host 0.0.0.0 "$@" ;;
+  *)
+    exec "$role" "$@" ;;
+esac

