@@ -4,12 +4,14 @@ usage accounting and logprob token strings."""
 from __future__ import annotations
 
 import json
+import math
 import time
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 
 from engine.sampler import draw_seed
 from engine.tokenizer import Tokenizer
+from router.conductor import RequestRejected
 from router.pipeline import GenerationError
 from router.schemas import SamplingFields
 from router.serving import ChoiceDelta, ChoiceSpec, GenerationService
@@ -20,12 +22,16 @@ _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
 
 
 class APIError(Exception):
-    """An error answered with OpenAI's error body and `status`."""
+    """An error answered with OpenAI's error body and `status`. headers: extra response
+    headers (Retry-After on 429); reason: the `pdcluster_requests_rejected_total` label
+    (default: by status)."""
 
     def __init__(self, status: int, message: str, param: str | None = None,
-                 code: str | None = None) -> None:
+                 code: str | None = None, headers: dict[str, str] | None = None,
+                 reason: str | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
+        self.headers, self.reason = headers, reason
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": _ERROR_TYPES.get(self.status, "api_error"),
@@ -86,8 +92,21 @@ async def start_stream(ctx: ServingContext, request_id: str, specs: list[ChoiceS
         first = await anext(stream)
     except GenerationError as exc:
         await stream.aclose()
-        raise APIError(exc.status, str(exc)) from exc
+        raise _start_error(exc) from exc
     return first, stream
+
+
+def _start_error(exc: GenerationError) -> APIError:
+    """A rejection by admission control (the Conductor's RequestRejected, wrapped by the
+    pipeline) is 429 with Retry-After, counted under its reason; anything else keeps its
+    status."""
+    cause = exc.__cause__
+    if isinstance(cause, RequestRejected):
+        rejection = cause.rejection
+        return APIError(429, str(cause), code=rejection.reason,
+                        headers={"Retry-After": str(max(1, math.ceil(rejection.retry_after_s)))},
+                        reason=rejection.reason)
+    return APIError(exc.status, str(exc))
 
 
 async def collect(first: ChoiceDelta, rest: AsyncIterator[ChoiceDelta],

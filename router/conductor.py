@@ -1,21 +1,49 @@
-"""The Conductor: picks the prefill and decode instance for every request.
+"""The Conductor: picks the prefill and decode instance for every request, or refuses it.
 
-Policies plug in behind `SchedulingPolicy` and are registered by name in POLICIES (STYLE.md
-item 6: a dict, not an if/elif chain). The walking skeleton ships round robin; the KV-cache-
-centric policy of Mooncake FAST'25 §4 (Algorithm 1) arrives later behind the same interface.
+Mooncake FAST'25 §4 (Algorithm 1) and arXiv 2407.00079v1 §6. Per request:
+
+    block keys of the prompt ──▶ global index: longest cached prefix, per prefill instance
+    LoadSource ──▶ each prefill instance's predicted queue, each decode instance's load
+    prefill policy ──▶ PrefillPlan (instance, reused/pulled prefix, predicted TTFT)
+    DecodeForecast ──▶ decode loads as predicted for when that prefill finishes
+    decode policy ──▶ DecodePlan (instance, predicted TBT)
+    admission ──▶ admit, or raise RequestRejected (HTTP 429 + Retry-After)
+
+Everything the Conductor reads sits behind two small interfaces, a `KVIndex` and a `LoadSource`,
+so the live gateway (`router.policies.live_loads`) and the simulator (`loadtest.simulator`)
+run this same code. Policies are registered by name in `router.policies.POLICIES`.
 """
 
 from __future__ import annotations
 
 import abc
-import itertools
+import logging
 import threading
-from dataclasses import dataclass
-from typing import Any, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Sequence
+
+from kvstore.hashing import block_keys, make_namespace
+from kvstore.index import KVIndex
+from kvstore.errors import KVStoreError
+from router.admission import SLO, Rejection, make_admission
+from router.cost_model import DEFAULT_COST_MODEL, CostModel, load_cost_model
+from router.policies import (DEFAULT_POLICY, DecodeLoad, DecodePlan, PrefillCandidate,
+                             PrefillPlan, RouteContext, make_policy, prefix_hits)
+from router.policies.forecast import DecodeForecast
+
+log = logging.getLogger(__name__)
 
 
 class NoInstanceError(RuntimeError):
     """No live instance of the needed role is registered."""
+
+
+class RequestRejected(NoInstanceError):
+    """Admission control refused the request (answered 429 with Retry-After)."""
+
+    def __init__(self, rejection: Rejection) -> None:
+        super().__init__(rejection.message)
+        self.rejection = rejection
 
 
 @dataclass(frozen=True)
@@ -23,16 +51,33 @@ class Instance:
     """A worker the Conductor can route to. handle: the Ray actor handle."""
 
     worker_id: str
-    role: str  # "prefill" | "decode"
+    role: str  # "prefill" | "decode" | "kvstore"
     handle: Any
 
 
 @dataclass(frozen=True)
 class RouteRequest:
-    """What a policy may look at: the request id and prompt tokens."""
+    """What the Conductor looks at. block_keys: the prompt's full-block keys when the caller
+    has them (the simulator); otherwise they are computed from the tokens."""
 
     request_id: str
     prompt_token_ids: tuple[int, ...]
+    cache_salt: str | None = None
+    block_keys: tuple[bytes, ...] | None = None
+    num_tokens: int | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return self.num_tokens if self.num_tokens is not None else len(self.prompt_token_ids)
+
+
+@dataclass(frozen=True)
+class RouteDecision:
+    request_id: str
+    prefill: PrefillPlan
+    decode: DecodePlan
+    num_tokens: int
+    routed_at: float
 
 
 class InstanceRegistry:
@@ -55,48 +100,161 @@ class InstanceRegistry:
             return [i for i in self._instances.values() if i.role == role]
 
 
-class SchedulingPolicy(abc.ABC):
+class LoadSource(abc.ABC):
+    """The Conductor's view of instance load (live: load reports plus its own ledger; in the
+    simulator: the simulated instances)."""
+
     @abc.abstractmethod
-    def select(self, request: RouteRequest, candidates: Sequence[Instance]) -> Instance:
-        """Pick one of `candidates` (never empty) for `request`."""
+    def now(self) -> float:
+        """Seconds on the clock every time here is measured on."""
+
+    @abc.abstractmethod
+    def prefill_queue_s(self, instance_id: str) -> float:
+        """Predicted seconds until a request routed now to `instance_id` could start."""
+
+    @abc.abstractmethod
+    def decode_load(self, instance_id: str) -> DecodeLoad:
+        """`instance_id`'s current decode load."""
+
+    def node_of(self, instance_id: str) -> str | None:
+        """The node an instance runs on (None: unknown; its node-level cache then is too)."""
+        return None
+
+    def exec_scale(self, instance_id: str) -> float:
+        """Factor on the cost model's prefill estimate for this instance (live calibration)."""
+        return 1.0
+
+    def on_routed(self, decision: RouteDecision) -> None:
+        """A request was admitted and routed (ledgers update here)."""
+
+    def on_prefill_done(self, request_id: str, ok: bool = True) -> None:
+        """The request's prefill ended (or failed/aborted)."""
 
 
-class RoundRobinPolicy(SchedulingPolicy):
-    """Cycles through the candidates in registration order, per role."""
+class PrefixKeyer:
+    """Prompt tokens -> chained block keys, as the workers key them (kvstore.hashing)."""
 
-    def __init__(self) -> None:
-        self._counter = itertools.count()
+    def __init__(self, block_size: int, model_name: str) -> None:
+        self.block_size = block_size
+        self.model_name = model_name
 
-    def select(self, request: RouteRequest, candidates: Sequence[Instance]) -> Instance:
-        return candidates[next(self._counter) % len(candidates)]
-
-
-POLICIES: dict[str, type[SchedulingPolicy]] = {"round_robin": RoundRobinPolicy}
+    def __call__(self, request: RouteRequest) -> list[bytes]:
+        if request.block_keys is not None:
+            return list(request.block_keys)
+        namespace = make_namespace(self.model_name, request.cache_salt)
+        return block_keys(request.prompt_token_ids, self.block_size, namespace)
 
 
 class Conductor:
-    """Routes each request to a (prefill, decode) pair with one policy object per role."""
+    """Routes each request to a (prefill, decode) pair, or raises RequestRejected.
 
-    def __init__(self, registry: InstanceRegistry, policy: str = "round_robin") -> None:
-        if policy not in POLICIES:
-            raise ValueError(f"unknown policy {policy!r}; choose from {sorted(POLICIES)}")
+    Args:
+        registry: the live instances.
+        policy: a name in router.policies.POLICIES.
+        loads: the LoadSource (default: a ledger of this Conductor's own decisions).
+        index: the global KV index (None: no prefix is known anywhere).
+        keyer: block keys of a request (needed with an index unless requests carry keys).
+        cost_model: a CostModel or a name/file for load_cost_model.
+        admission: "none" | "arrival" | "prediction"; slo: the SLOs it enforces.
+    """
+
+    def __init__(self, registry: InstanceRegistry, policy: str = DEFAULT_POLICY, *,
+                 loads: LoadSource | None = None, index: KVIndex | None = None,
+                 keyer: Callable[[RouteRequest], list[bytes]] | None = None,
+                 cost_model: CostModel | str = DEFAULT_COST_MODEL, admission: str = "none",
+                 slo: SLO = SLO(), forecast: DecodeForecast | None = None) -> None:
         self.registry = registry
-        self._prefill_policy = POLICIES[policy]()
-        self._decode_policy = POLICIES[policy]()
+        self.policy_name = policy
+        self._prefill_policy, self._decode_policy = make_policy(policy)
+        self.cost = cost_model if isinstance(cost_model, CostModel) else \
+            load_cost_model(cost_model)
+        self.admission = make_admission(admission, slo)
+        self.slo = slo
+        if loads is None:
+            from router.policies.live_loads import LedgerLoads
+            loads = LedgerLoads(self.cost)
+        self.loads = loads
+        self.index = index
+        self.keyer = keyer
+        self.block_size = getattr(keyer, "block_size", 16)
+        self.forecast = forecast or DecodeForecast(self.cost)
+        self._lock = threading.Lock()
 
     def route_decode(self, request: RouteRequest) -> Instance:
         """A decode instance alone (colocated mode). Raises NoInstanceError."""
         decodes = self.registry.by_role("decode")
         if not decodes:
             raise NoInstanceError("no decode instance is live")
-        return self._decode_policy.select(request, decodes)
+        with self._lock:
+            ctx = self._context(request, [], [d.worker_id for d in decodes], [])
+            plan = self._decode_policy.select(ctx)
+        return next(d for d in decodes if d.worker_id == plan.instance_id)
 
     def route(self, request: RouteRequest) -> tuple[Instance, Instance]:
-        """Returns (prefill, decode). Raises NoInstanceError when a role has no instance."""
+        """Returns (prefill, decode). Raises NoInstanceError when a role has no instance and
+        RequestRejected when admission refuses the request."""
         prefills = self.registry.by_role("prefill")
         decodes = self.registry.by_role("decode")
         if not prefills or not decodes:
             raise NoInstanceError(f"{len(prefills)} prefill and {len(decodes)} decode "
                                   "instances are live")
-        return (self._prefill_policy.select(request, prefills),
-                self._decode_policy.select(request, decodes))
+        decision = self.decide(request, [p.worker_id for p in prefills],
+                               [d.worker_id for d in decodes])
+        return (next(p for p in prefills if p.worker_id == decision.prefill.instance_id),
+                next(d for d in decodes if d.worker_id == decision.decode.instance_id))
+
+    def decide(self, request: RouteRequest, prefill_ids: Sequence[str],
+               decode_ids: Sequence[str]) -> RouteDecision:
+        """The routing decision over the given instance ids (the simulator calls this
+        directly). Raises RequestRejected; records an admitted decision in the ledgers."""
+        keys = self._keys(request)
+        locations = self._longest_prefix(keys)
+        with self._lock:
+            now = self.loads.now()
+            ctx = self._context(request, prefill_ids, decode_ids, locations, now)
+            prefill = self._prefill_policy.select(ctx)
+            join_at = now + prefill.ttft_s
+            self.forecast.expire(now)
+            at_join = replace(ctx, decodes=tuple(self.forecast.load_at(d, now, join_at)
+                                                 for d in ctx.decodes))
+            decode = self._decode_policy.select(at_join)
+            rejection = self.admission.check(ctx, at_join, prefill, decode)
+            if rejection is not None:
+                raise RequestRejected(rejection)
+            decision = RouteDecision(request.request_id, prefill, decode, ctx.num_tokens, now)
+            self.forecast.add(request.request_id, decode.instance_id, join_at, ctx.num_tokens)
+            self.loads.on_routed(decision)
+        return decision
+
+    def prefill_done(self, request_id: str, ok: bool = True) -> None:
+        """Feedback from the pipeline: the request's prefill ended (ok=False: failed)."""
+        self.loads.on_prefill_done(request_id, ok)
+        if not ok:
+            self.forecast.discard(request_id)
+
+    def _keys(self, request: RouteRequest) -> list[bytes]:
+        if self.keyer is None:
+            return list(request.block_keys or ())
+        return self.keyer(request)
+
+    def _longest_prefix(self, keys: list[bytes]) -> list:
+        if self.index is None or not keys:
+            return []
+        try:
+            return self.index.longest_prefix(keys)
+        except KVStoreError as exc:  # the index is a hint: route without it
+            log.warning("global index unavailable, routing without prefixes: %s", exc)
+            return []
+
+    def _context(self, request: RouteRequest, prefill_ids: Sequence[str],
+                 decode_ids: Sequence[str], locations: list, now: float | None = None
+                 ) -> RouteContext:
+        nodes = [(p, self.loads.node_of(p)) for p in prefill_ids]
+        hits = prefix_hits(locations, nodes) if locations else {}
+        prefills = tuple(PrefillCandidate(p, node, self.loads.prefill_queue_s(p),
+                                          *hits.get(p, (0, 0)), self.loads.exec_scale(p))
+                         for p, node in nodes)
+        return RouteContext(request.request_id, request.num_prompt_tokens, self.block_size,
+                            len(locations), prefills,
+                            tuple(self.loads.decode_load(d) for d in decode_ids), self.cost,
+                            self.loads.now() if now is None else now)

@@ -2,7 +2,9 @@
 
 Endpoints: POST /v1/completions and /v1/chat/completions (SSE streaming and not),
 GET /v1/models, GET /health, GET /metrics (Prometheus, the whole cluster). Errors use OpenAI's error body: 400 for bad input (never FastAPI's
-422), 404 for an unknown model, 413 for a body over the limit, 503 when the cluster cannot serve.
+422), 404 for an unknown model, 413 for a body over the limit, 429 with Retry-After when
+admission control refuses a request (counted by reason: ttft_slo, tbt_slo, decode_kv_full),
+503 when the cluster cannot serve.
 """
 
 from __future__ import annotations
@@ -42,8 +44,9 @@ def build_app(pipeline: Pipeline, tokenizer: Tokenizer, served_model_name: str,
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
-        metrics.rejected.labels(reason=_REJECT_REASONS.get(exc.status, str(exc.status))).inc()
-        return JSONResponse(exc.body(), status_code=exc.status)
+        reason = exc.reason or _REJECT_REASONS.get(exc.status, str(exc.status))
+        metrics.rejected.labels(reason=reason).inc()
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:

@@ -1,0 +1,158 @@
+"""`pdcluster simulate`: replay a trace on a simulated cluster under the real Conductor.
+
+    pdcluster simulate --trace conversation_trace.jsonl --prefill-instances 8 \\
+        --decode-instances 8 --time-scale 0.6 --policy all --output sim.json
+
+`--policy all` runs every policy on the same trace and writes
+{"policies": {name: {"mean_ttft_ms", "p99_ttft_ms", "slo_attainment", "goodput",
+"hit_ratio", ...}}, "runs": {name: full summary}}; `--admission all` does the same over
+admission modes under "admissions". One run writes its full summary (results.summarize).
+Plots go next to --output unless --no-plots. Before it is wired into `pdcluster`, the same
+command runs as `python -m loadtest.simulator.cli ...`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from loadtest.simulator.engine import SimConfig, Simulation
+from loadtest.simulator.results import POLICY_KEYS, policy_row, summarize
+from loadtest.simulator.workload import load_requests
+from router.admission import ADMISSIONS, SLO
+from router.cost_model import DEFAULT_COST_MODEL, load_cost_model
+from router.policies import DEFAULT_POLICY, POLICIES
+
+_TABLE_KEYS = (*POLICY_KEYS, "mean_tbt_ms", "rejected", "wasted_prefill_s")
+
+
+def add_simulate_parser(subparsers: argparse._SubParsersAction) -> None:
+    """Register `simulate` on a `pdcluster` subparsers object."""
+    p = subparsers.add_parser("simulate", help="trace-driven simulation of a cluster",
+                              description=__doc__.split("\n")[0])
+    p.add_argument("--trace", required=True, help="Mooncake-format trace (JSONL)")
+    p.add_argument("--start", type=int, default=0, help="first record (0-based)")
+    p.add_argument("--num-requests", type=int, help="records to replay (default: all)")
+    p.add_argument("--prefill-instances", type=int, default=8)
+    p.add_argument("--decode-instances", type=int, default=8)
+    p.add_argument("--time-scale", type=float, default=1.0,
+                   help="multiply the trace's inter-arrival gaps (0.5 = twice as fast)")
+    p.add_argument("--cost-model", default=DEFAULT_COST_MODEL,
+                   help="built-in name or a file from `pdcluster profile`")
+    p.add_argument("--policy", default=DEFAULT_POLICY,
+                   help=f"{' | '.join(POLICIES)} | all (default {DEFAULT_POLICY})")
+    p.add_argument("--admission", default="none", help=f"{' | '.join(ADMISSIONS)} | all")
+    p.add_argument("--slo-ttft-s", type=float, default=30.0)
+    p.add_argument("--slo-tbt-ms", type=float, default=100.0)
+    p.add_argument("--device-cache-tokens", type=int, default=0,
+                   help="G1 prefix cache per prefill instance (default 0)")
+    p.add_argument("--dram-cache-tokens", type=int,
+                   help="G2 host-DRAM cache per prefill node (default: the cost model's)")
+    p.add_argument("--ssd-cache-tokens", type=int, default=0, help="G3 per prefill node")
+    p.add_argument("--decode-kv-tokens", type=int,
+                   help="KV capacity per decode instance (default: the cost model's)")
+    p.add_argument("--sample-interval-s", type=float, default=10.0,
+                   help="simulated seconds between load samples")
+    p.add_argument("--output", default="simulation.json", help="result JSON path")
+    p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+
+
+def _config(args: argparse.Namespace, policy: str, admission: str) -> SimConfig:
+    if args.prefill_instances < 1 or args.decode_instances < 1:
+        raise ValueError("--prefill-instances and --decode-instances must be >= 1")
+    return SimConfig(cost=load_cost_model(args.cost_model),
+                     prefill_instances=args.prefill_instances,
+                     decode_instances=args.decode_instances, policy=policy,
+                     admission=admission, slo=SLO(args.slo_ttft_s, args.slo_tbt_ms / 1000),
+                     device_cache_tokens=args.device_cache_tokens,
+                     dram_cache_tokens=args.dram_cache_tokens,
+                     ssd_cache_tokens=args.ssd_cache_tokens,
+                     decode_kv_tokens=args.decode_kv_tokens,
+                     sample_interval_s=args.sample_interval_s)
+
+
+def _one(config: SimConfig, requests) -> tuple[dict, list[float]]:
+    began = time.perf_counter()
+    sim = Simulation(config, requests).run()
+    summary = summarize(sim)
+    summary["wall_s"] = time.perf_counter() - began
+    ttfts = [r.first_token_s - r.request.arrival_s for r in sim.results if r.status == "ok"]
+    print(f"{config.policy}/{config.admission}: {len(requests)} requests simulated in "
+          f"{summary['wall_s']:.1f} s", file=sys.stderr)
+    return summary, ttfts
+
+
+def _cell(key: str, value) -> str:
+    if key.endswith("_ms") or key.endswith("_s"):
+        return f"{value:,.0f}" if abs(value) >= 100 else f"{value:.1f}"
+    return f"{value:.4f}" if isinstance(value, float) else str(value)
+
+
+def format_table(rows: dict[str, dict], axis: str) -> str:
+    """A Markdown table: one row per run."""
+    lines = [f"| {axis} | " + " | ".join(_TABLE_KEYS) + " |",
+             "|---" + "|---:" * len(_TABLE_KEYS) + "|"]
+    for name, row in rows.items():
+        lines.append(f"| {name} | " + " | ".join(_cell(k, row[k]) for k in _TABLE_KEYS) + " |")
+    return "\n".join(lines)
+
+
+def run_simulate(args: argparse.Namespace) -> int:
+    """Run the `simulate` subcommand in `args`; returns the exit status."""
+    try:
+        policies = list(POLICIES) if args.policy == "all" else [args.policy]
+        admissions = list(ADMISSIONS) if args.admission == "all" else [args.admission]
+        if len(policies) > 1 and len(admissions) > 1:
+            raise ValueError("--policy all and --admission all cannot be combined")
+        configs = [_config(args, p, a) for p in policies for a in admissions]
+        requests = load_requests(args.trace, args.time_scale, args.start, args.num_requests)
+        if not requests:
+            raise ValueError("the trace selection holds no request")
+        out = Path(args.output)
+        stem = out.stem
+        runs = {}
+        ttfts = {}
+        for config in configs:
+            name = config.policy if len(policies) > 1 else config.admission
+            runs[name], ttfts[name] = _one(config, requests)
+        if len(configs) == 1:
+            result = next(iter(runs.values()))
+        else:
+            axis = "policies" if len(policies) > 1 else "admissions"
+            result = {axis: {n: policy_row(s) for n, s in runs.items()},
+                      "runs": {n: {k: v for k, v in s.items() if k != "samples"}
+                               for n, s in runs.items()}}
+            print(format_table(result[axis], "policy" if axis == "policies" else "admission"))
+        result["args"] = {k: v for k, v in vars(args).items()
+                          if isinstance(v, (str, int, float, bool, type(None)))}
+        result["trace"] = {"path": str(args.trace), "start": args.start,
+                           "num_requests": len(requests), "time_scale": args.time_scale}
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
+        print(f"result: {out}", file=sys.stderr)
+        if not args.no_plots:
+            from loadtest.simulator.plots import write_compare_plot, write_run_plots
+
+            if len(configs) == 1:
+                write_run_plots(result, next(iter(ttfts.values())), out.parent, stem)
+            else:
+                write_compare_plot(ttfts, args.slo_ttft_s, out.parent, stem)
+    except (ValueError, OSError) as exc:
+        print(f"pdcluster simulate: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m loadtest.simulator.cli ARGS` ≡ `pdcluster simulate ARGS`."""
+    parser = argparse.ArgumentParser(prog="pdcluster")
+    add_simulate_parser(parser.add_subparsers(dest="command", required=True))
+    return run_simulate(parser.parse_args(["simulate", *(sys.argv[1:] if argv is None
+                                                          else argv)]))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,230 @@
+"""The discrete-event cluster simulation: N prefill and M decode instances driven by a trace,
+routed by the real Conductor (router.conductor) over real block pools and a real index.
+
+Events, in time order: a request arrives → `Conductor.decide` (policy + admission; a rejection
+ends it) → it waits in its prefill instance's FIFO → the prefill starts: the instance reuses its
+local prefix (G1, its node's G2/G3) and, when the plan says so, pulls the rest of the longest
+cached prefix from another node, then computes the remainder; busy for
+T_transfer(loaded) + T_prefill(new, cached) → the first token (TTFT); all full blocks are
+cached on the node → the KV reaches the decode instance (streamed during the prefill, so at
+max(prefill end, prefill start + T_transfer(prompt))) → decode admits it if its KV fits and the
+step time stays within the TBT SLO; otherwise the prefill was wasted: with admission the
+request is rejected there, without it the request runs anyway (or waits for KV room).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+from collections import Counter, deque
+from dataclasses import dataclass, field
+
+from kvstore.index import MemoryIndex
+from loadtest.simulator.cache import NodeCache
+from loadtest.simulator.decode import DecodeInstance
+from loadtest.simulator.workload import SimRequest
+from router.admission import SLO, decode_rejection
+from router.conductor import (Conductor, InstanceRegistry, LoadSource, PrefixKeyer,
+                              RequestRejected, RouteRequest)
+from router.cost_model import CostModel
+from router.policies import PrefillPlan
+from router.policies.base import DecodeLoad
+from router.policies.forecast import DecodeForecast
+
+TRACE_BLOCK = 512
+LEASE_S = 1e12
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """Cluster shape and capacities; None capacities come from the cost model."""
+
+    cost: CostModel
+    prefill_instances: int = 8
+    decode_instances: int = 8
+    policy: str = "kvcache_centric"
+    admission: str = "none"
+    slo: SLO = SLO()
+    device_cache_tokens: int = 0
+    dram_cache_tokens: int | None = None
+    ssd_cache_tokens: int = 0
+    decode_kv_tokens: int | None = None
+    block_size: int = TRACE_BLOCK
+    sample_interval_s: float = 10.0
+
+
+@dataclass(slots=True)
+class RequestResult:
+    request: SimRequest
+    status: str = "pending"  # ok | rejected | decode_rejected
+    reason: str | None = None
+    prefill_id: str | None = None
+    decode_id: str | None = None
+    started_s: float | None = None
+    first_token_s: float | None = None
+    end_s: float | None = None
+    prefill_s: float = 0.0
+    wasted: bool = False
+    hit_blocks: Counter = field(default_factory=Counter)
+
+
+class _Prefill:
+    def __init__(self, instance_id: str, node_id: str, cache: NodeCache) -> None:
+        self.instance_id, self.node_id, self.cache = instance_id, node_id, cache
+        self.queue: deque[tuple[RequestResult, PrefillPlan]] = deque()
+        self.backlog_s = 0.0  # predicted exec of the queued ones
+        self.busy_until = 0.0
+        self.running: RequestResult | None = None
+
+
+class _SimLoads(LoadSource):
+    def __init__(self, sim: Simulation) -> None:
+        self.sim = sim
+
+    def now(self) -> float:
+        return self.sim.now
+
+    def node_of(self, instance_id: str) -> str | None:
+        return self.sim.prefills[instance_id].node_id
+
+    def prefill_queue_s(self, instance_id: str) -> float:
+        p = self.sim.prefills[instance_id]
+        return max(0.0, p.busy_until - self.sim.now) + p.backlog_s
+
+    def decode_load(self, instance_id: str) -> DecodeLoad:
+        d = self.sim.decodes[instance_id]
+        d.advance_to(self.sim.now)
+        return d.load()
+
+
+class Simulation:
+    def __init__(self, config: SimConfig, requests: list[SimRequest]) -> None:
+        self.config = config
+        cost = config.cost
+        self.now = 0.0
+        self.index = MemoryIndex(clock=lambda: self.now)
+        blocks = lambda tokens: int(tokens) // config.block_size  # noqa: E731
+        dram = cost.dram_cache_tokens if config.dram_cache_tokens is None else \
+            config.dram_cache_tokens
+        self.prefills: dict[str, _Prefill] = {}
+        for i in range(config.prefill_instances):
+            node = f"prefill-node-{i}"
+            self.index.heartbeat(node, LEASE_S)
+            cache = NodeCache(f"prefill-{i}", node, self.index,
+                              blocks(config.device_cache_tokens), blocks(dram),
+                              blocks(config.ssd_cache_tokens))
+            self.prefills[f"prefill-{i}"] = _Prefill(f"prefill-{i}", node, cache)
+        kv = cost.decode_kv_tokens if config.decode_kv_tokens is None else config.decode_kv_tokens
+        self.decodes = {f"decode-{j}": DecodeInstance(f"decode-{j}", cost, kv, self._finished)
+                        for j in range(config.decode_instances)}
+        self.forecast = DecodeForecast(cost, grace_s=math.inf)  # joins are reported
+        self.conductor = Conductor(InstanceRegistry(), config.policy, loads=_SimLoads(self),
+                                   index=self.index, keyer=PrefixKeyer(config.block_size, ""),
+                                   cost_model=cost, admission=config.admission,
+                                   slo=config.slo, forecast=self.forecast)
+        self.results = [RequestResult(r) for r in requests]
+        self._by_id = {r.request.request_id: r for r in self.results}
+        self._events: list = []
+        self._seq = itertools.count()
+        self.reuse = Counter()  # block key -> times reused by a prefill
+        self.samples: list[dict] = []
+
+    def _push(self, t: float, kind: str, payload) -> None:
+        heapq.heappush(self._events, (t, next(self._seq), kind, payload))
+
+    def run(self) -> Simulation:
+        for res in self.results:
+            self._push(res.request.arrival_s, "arrive", res)
+        end = max((r.request.arrival_s for r in self.results), default=0.0)
+        t = 0.0
+        while t <= end:
+            self._push(t, "sample", None)
+            t += self.config.sample_interval_s
+        handlers = {"arrive": self._arrive, "prefill_done": self._prefill_done,
+                    "decode_ready": self._decode_ready, "sample": self._sample}
+        while self._events:
+            self.now, _, kind, payload = heapq.heappop(self._events)
+            handlers[kind](payload)
+        for d in self.decodes.values():
+            d.drain()
+        return self
+
+    def _arrive(self, res: RequestResult) -> None:
+        req = res.request
+        route = RouteRequest(req.request_id, (), block_keys=req.keys, num_tokens=req.input_tokens)
+        try:
+            decision = self.conductor.decide(route, list(self.prefills), list(self.decodes))
+        except RequestRejected as exc:
+            res.status, res.reason = "rejected", exc.rejection.reason
+            return
+        res.prefill_id = decision.prefill.instance_id
+        res.decode_id = decision.decode.instance_id
+        p = self.prefills[res.prefill_id]
+        p.queue.append((res, decision.prefill))
+        p.backlog_s += decision.prefill.exec_s
+        if p.running is None:
+            self._start(p)
+
+    def _start(self, p: _Prefill) -> None:
+        res, plan = p.queue.popleft()
+        p.backlog_s = max(0.0, p.backlog_s - plan.exec_s) if p.queue else 0.0
+        req, cost, bs = res.request, self.config.cost, self.config.block_size
+        max_hit = (req.input_tokens - 1) // bs
+        local, device_run, by_tier = p.cache.local_prefix(req.keys[:max_hit])
+        cached = local
+        if plan.pull and local < min(max_hit, len(req.keys)):
+            cached = max(local, len(self.index.longest_prefix(list(req.keys[:max_hit]))))
+            by_tier["remote"] += cached - local
+        self.reuse.update(req.keys[:cached])
+        res.hit_blocks = by_tier
+        moved = (cached - device_run) * bs
+        res.prefill_s = cost.t_transfer_tokens(moved) + \
+            cost.t_prefill(req.input_tokens - cached * bs, cached * bs)
+        res.started_s = self.now
+        p.running, p.busy_until = res, self.now + res.prefill_s
+        self._push(p.busy_until, "prefill_done", p)
+
+    def _prefill_done(self, p: _Prefill) -> None:
+        res, req = p.running, p.running.request
+        p.cache.store(req.keys)
+        res.first_token_s = self.now
+        self.conductor.prefill_done(req.request_id)
+        p.running = None
+        if p.queue:
+            self._start(p)
+        if req.output_tokens <= 1:
+            res.status, res.end_s = "ok", self.now
+            self.forecast.discard(req.request_id)
+            return
+        streamed = res.started_s + self.config.cost.t_transfer_tokens(req.input_tokens)
+        self._push(max(self.now, streamed), "decode_ready", res)
+
+    def _decode_ready(self, res: RequestResult) -> None:
+        req = res.request
+        d = self.decodes[res.decode_id]
+        d.advance_to(self.now)
+        rejection = decode_rejection(self.config.cost, d.load(), req.input_tokens,
+                                     self.config.slo)
+        res.wasted = rejection is not None
+        if rejection is not None and self.config.admission != "none":
+            res.status, res.reason, res.end_s = "decode_rejected", rejection.reason, self.now
+            self.forecast.discard(req.request_id)
+            return
+        d.join(req.request_id, req.input_tokens + 1, req.output_tokens - 1, self.now,
+               queue_when_full=True)
+        self.forecast.joined(req.request_id, self.now)
+
+    def _finished(self, request_id: str, joined_at: float, finished_at: float) -> None:
+        res = self._by_id[request_id]
+        res.status, res.end_s = "ok", finished_at
+        self.forecast.finished(request_id, finished_at - joined_at)
+
+    def _sample(self, _) -> None:
+        loads = self.conductor.loads
+        self.samples.append({
+            "t": self.now,
+            "prefill_queue_s": [round(loads.prefill_queue_s(p), 3) for p in self.prefills],
+            "decode_batch": [loads.decode_load(d).batch_size for d in self.decodes],
+            "decode_tokens": [loads.decode_load(d).context_tokens for d in self.decodes],
+        })

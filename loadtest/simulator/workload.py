@@ -1,0 +1,59 @@
+"""Simulated requests from a Mooncake trace: lengths, arrival times and block keys.
+
+The simulator works at the trace's own granularity: one KV block per trace block of 512 tokens.
+Trace hash id h at position i names block i together with every block before it
+(`../shared/traces/mooncake/README.md`), so a block's key is sha256 over the hash id alone —
+equal ids give equal keys, exactly the sharing the trace records. Only full blocks are keyed
+(DESIGN.md "Blocks and keys"): a prompt of n tokens has n // 512 keys; its partial tail is
+always computed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+
+from loadtest.arrivals import trace_arrivals
+from loadtest.trace import TRACE_BLOCK_SIZE, TraceRecord, read_trace
+
+
+@dataclass(frozen=True, slots=True)
+class SimRequest:
+    request_id: str
+    arrival_s: float
+    input_tokens: int
+    output_tokens: int
+    keys: tuple[bytes, ...]
+
+
+class _KeyCache:
+    def __init__(self) -> None:
+        self._keys: dict[int, bytes] = {}
+
+    def __call__(self, hash_id: int) -> bytes:
+        key = self._keys.get(hash_id)
+        if key is None:
+            key = hashlib.sha256(b"mooncake-trace-block:%d" % hash_id).digest()
+            self._keys[hash_id] = key
+        return key
+
+
+def requests_from_records(records: list[TraceRecord], time_scale: float = 1.0
+                          ) -> list[SimRequest]:
+    """One SimRequest per record, arrivals from the timestamps (gaps × time_scale)."""
+    key_of = _KeyCache()
+    arrivals = trace_arrivals([r.timestamp_ms for r in records], time_scale)
+    out = []
+    for record, arrival in zip(records, arrivals):
+        num_full = min(len(record.hash_ids), record.input_length // TRACE_BLOCK_SIZE)
+        out.append(SimRequest(f"r{record.index}", arrival, record.input_length,
+                              max(1, record.output_length),
+                              tuple(key_of(h) for h in record.hash_ids[:num_full])))
+    return out
+
+
+def load_requests(path: str | Path, time_scale: float = 1.0, start: int = 0,
+                  num_requests: int | None = None) -> list[SimRequest]:
+    """Raises ValueError for a malformed trace, OSError for an unreadable one."""
+    return requests_from_records(read_trace(path, start, num_requests), time_scale)

@@ -1,0 +1,144 @@
+"""Cost models the Conductor predicts with and the simulator executes with.
+
+Three functions (Mooncake FAST'25 §4, Algorithm 1's Estimate* calls):
+
+    T_prefill(new, cached) = a + b·new + c·new·(cached + new/2)          seconds
+        a: fixed cost of a forward; b: per computed token (linear layers); c: attention, each
+        new token attends to the cached prefix plus, on average, half of the new tokens.
+    T_step(batch, ctx)     = d + e·ctx (+ f·batch)                        seconds
+        one decode step of `batch` sequences holding `ctx` context tokens in all.
+    T_transfer(bytes)      = latency + bytes / bandwidth                  seconds
+        moving KV blocks into an instance's device memory from another tier or node.
+
+`BUILTIN_COST_MODELS["mooncake-70b"]` stands for LLaMA-70B on one 8×A800 node, from Mooncake's
+reported setup and rates. It was fixed before any policy was tuned; changing a constant needs a
+recorded reason (benchmarks/RESULTS.md). `pdcluster profile` fits the same form on the real
+engine and writes a JSON file that `serve --cost-model FILE` and `simulate --cost-model FILE`
+load (`load_cost_model`).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
+
+KIB = 1024
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Coefficients of the three cost functions plus the capacities they imply.
+
+    Units: seconds, tokens, bytes. `dram_cache_tokens`: a node's host-DRAM KV cache (G2);
+    `decode_kv_tokens`: KV tokens a decode instance's device memory holds.
+    """
+
+    name: str
+    prefill_base_s: float
+    prefill_per_token_s: float
+    prefill_attention_s: float
+    step_base_s: float
+    step_per_context_token_s: float
+    step_per_sequence_s: float
+    kv_bytes_per_token: int
+    transfer_bytes_per_s: float
+    transfer_latency_s: float
+    dram_cache_tokens: int
+    decode_kv_tokens: int
+    source: str = ""
+
+    def t_prefill(self, new: int, cached: int = 0) -> float:
+        """Seconds to prefill `new` tokens on top of `cached` ones (0 when new <= 0)."""
+        if new <= 0:
+            return 0.0
+        return (self.prefill_base_s + self.prefill_per_token_s * new
+                + self.prefill_attention_s * new * (cached + new / 2))
+
+    def t_step(self, batch: int, context_tokens: int) -> float:
+        """Seconds of one decode step (0 for an empty batch)."""
+        if batch <= 0:
+            return 0.0
+        return (self.step_base_s + self.step_per_context_token_s * context_tokens
+                + self.step_per_sequence_s * batch)
+
+    def t_transfer(self, num_bytes: float) -> float:
+        """Seconds to move `num_bytes` of KV (0 for nothing)."""
+        if num_bytes <= 0:
+            return 0.0
+        return self.transfer_latency_s + num_bytes / self.transfer_bytes_per_s
+
+    def t_transfer_tokens(self, tokens: int) -> float:
+        return self.t_transfer(tokens * self.kv_bytes_per_token)
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict) -> CostModel:
+        """Raises ValueError on a missing or unknown field."""
+        names = {f.name for f in fields(cls)}
+        unknown = set(data) - names
+        missing = {f.name for f in fields(cls) if f.name != "source"} - set(data)
+        if unknown or missing:
+            raise ValueError(f"cost model: unknown fields {sorted(unknown)}, "
+                             f"missing {sorted(missing)}")
+        return cls(**data)
+
+
+MOONCAKE_70B = CostModel(
+    name="mooncake-70b",
+    # LLaMA-70B prefill on 8×A800, Mooncake's reported prefill rate: ~1.2 s for 12k new tokens
+    prefill_base_s=0.05, prefill_per_token_s=8.3e-5, prefill_attention_s=2.1e-9,
+    step_base_s=0.0125, step_per_context_token_s=2.9e-8, step_per_sequence_s=0.0,
+    # 80 layers × K,V × 8 KV heads × 128 × fp16 = 320 KiB per token; RDMA at 87 GB/s + 5 ms
+    kv_bytes_per_token=320 * KIB, transfer_bytes_per_s=87e9, transfer_latency_s=0.005,
+    dram_cache_tokens=3_000_000,
+    # (8 × 80 GB × 0.9 − 140 GB of fp16 weights) / 320 KiB ≈ 1.33 M tokens of decode KV
+    decode_kv_tokens=1_330_000,
+    source="Mooncake FAST'25 setup: LLaMA-70B, one 8×A800 node per instance (issue 8)",
+)
+
+STORIES260K_CPU = CostModel(
+    name="stories260k-cpu",
+    # `pdcluster profile` of the bundled stories260K (float32, block 16, 1 torch thread) on the
+    # 2-core dev VM, 2026-11-20; live calibration (router.policies.live_loads) corrects drift
+    prefill_base_s=0.0, prefill_per_token_s=1.93e-5, prefill_attention_s=1.35e-6,
+    step_base_s=0.0052, step_per_context_token_s=2.1e-6, step_per_sequence_s=3.6e-5,
+    kv_bytes_per_token=1280, transfer_bytes_per_s=7.56e8, transfer_latency_s=0.0,
+    dram_cache_tokens=209_715, decode_kv_tokens=16_384,
+    source="pdcluster profile, bundled stories260K on a 2-core CPU VM",
+)
+
+BUILTIN_COST_MODELS: dict[str, CostModel] = {m.name: m for m in (MOONCAKE_70B, STORIES260K_CPU)}
+DEFAULT_COST_MODEL = MOONCAKE_70B.name
+
+
+def load_cost_model(name_or_path: str) -> CostModel:
+    """A built-in model by name, else a JSON file written by `pdcluster profile`.
+
+    Raises:
+        ValueError: neither a built-in name nor a readable, valid cost-model file.
+    """
+    if name_or_path in BUILTIN_COST_MODELS:
+        return BUILTIN_COST_MODELS[name_or_path]
+    path = Path(name_or_path)
+    if not path.is_file():
+        raise ValueError(f"cost model {name_or_path!r}: not one of {sorted(BUILTIN_COST_MODELS)} "
+                         "and no such file")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"cost model {path}: {exc}") from exc
+    return CostModel.from_json(data.get("cost_model", data))
+
+
+def save_cost_model(model: CostModel, path: str | Path, extra: dict | None = None) -> None:
+    """Write `{"cost_model": {...}, **extra}` (extra: fit residuals, samples) as JSON."""
+    Path(path).write_text(json.dumps({"cost_model": model.to_json(), **(extra or {})}, indent=2)
+                          + "\n", encoding="utf-8")
+
+
+def with_overrides(model: CostModel, **changes) -> CostModel:
+    """A copy with some fields changed (None values ignored): capacities from CLI flags."""
+    return replace(model, **{k: v for k, v in changes.items() if v is not None})

@@ -1,0 +1,218 @@
+"""The Conductor live: `pdcluster serve`'s gateway over 2 prefill instances and 1 decode
+instance, routed by kvcache_centric with the global index and load ledger (issue 8 item 6).
+
+  * requests sharing a long prefix go to the prefill instance that holds it in G1;
+  * a burst of unrelated requests spreads over both instances;
+  * under overload, admission answers 429 with Retry-After, counted by reason in /metrics, and
+    the requests it admits meet the TTFT SLO.
+
+Runs on a local Ray of its own in its own pytest process (see tests/conftest.py); reuses a Ray
+another fixture of tests/multinode already started, and then leaves it running.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+import ray
+import uvicorn
+
+from deploy.config import ServeConfig
+from deploy.launcher import Cluster
+from engine.config import ModelConfig
+from engine.tokenizer import Tokenizer
+from router.admission import SLO
+from router.chat_template import ChatTemplate
+from router.gateway import build_app
+from router.pipeline import Pipeline
+from router.policies.live_loads import build_live_conductor
+
+pytestmark = pytest.mark.slow
+
+MODEL = "stories260K"
+
+
+class FeedbackPipeline(Pipeline):
+    """Reports each prefill's end to the Conductor (calibrates its queue predictions)."""
+
+    async def generate(self, request_id, prompt_token_ids, sampling, cache_salt=None):
+        first = True
+        try:
+            async for delta in super().generate(request_id, prompt_token_ids, sampling,
+                                                cache_salt):
+                if first:
+                    self.conductor.prefill_done(request_id)
+                    first = False
+                yield delta
+        finally:
+            if first:
+                self.conductor.prefill_done(request_id, ok=False)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    config = ServeConfig(prefill_instances=2, decode_instances=1, ray_namespace="pdc-conductor",
+                         engine={"num_kv_blocks": 2048})
+    started = not ray.is_initialized()
+    if started:
+        ray.init(address="local", num_cpus=config.local_ray_num_cpus(),
+                 namespace=config.ray_namespace, include_dashboard=False)
+    try:
+        with Cluster(config) as c:
+            yield c
+    finally:
+        if started:
+            ray.shutdown()
+
+
+class Gateway:
+    """The gateway app over `conductor`, served by uvicorn on a free port in a thread."""
+
+    def __init__(self, cluster: Cluster, conductor) -> None:
+        cfg = cluster.config
+        model_dir = cfg.engine.model
+        app = build_app(FeedbackPipeline(conductor), Tokenizer.from_pretrained(model_dir),
+                        cfg.model_name(),
+                        cfg.engine.resolved_max_model_len(ModelConfig.from_pretrained(model_dir)),
+                        ChatTemplate.from_model_dir(model_dir))
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
+                                                    log_level="warning", lifespan="off"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.time() + 30
+        while not self.server.started:
+            assert time.time() < deadline and self.thread.is_alive(), "gateway did not start"
+            time.sleep(0.05)
+        self.url = f"http://127.0.0.1:{port}"
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+
+
+def live(cluster: Cluster, admission: str = "none", slo: SLO = SLO()):
+    """(conductor, poller, decisions): decisions maps request id -> prefill instance."""
+    cfg = cluster.config
+    conductor, poller = build_live_conductor(
+        cluster.registry, policy="kvcache_centric", admission=admission, slo=slo,
+        cost_model="stories260k-cpu", block_size=cfg.engine.block_size,
+        model_name=cfg.model_name(), index_url=cfg.kvpool.index_url)
+    decisions: dict[str, str] = {}
+    decide = conductor.decide
+
+    def recording(request, prefill_ids, decode_ids):
+        decision = decide(request, prefill_ids, decode_ids)
+        decisions[request.request_id] = decision.prefill.instance_id
+        return decision
+
+    conductor.decide = recording
+    return conductor, poller, decisions
+
+
+def tokens(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 512) for _ in range(n)]
+
+
+async def complete(client: httpx.AsyncClient, url: str, prompt: list[int], max_tokens: int = 4
+                   ) -> tuple[int, float, dict, httpx.Headers]:
+    """(status, TTFT s or -1, body or last chunk, headers) of a streamed completion."""
+    began = time.perf_counter()
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "stream": True}
+    async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            return r.status_code, -1.0, (await r.aread()) and r.json(), r.headers
+        ttft = -1.0
+        async for line in r.aiter_lines():
+            if line.startswith("data: ") and ttft < 0:
+                ttft = time.perf_counter() - began
+        return 200, ttft, {}, r.headers
+
+
+def rejected_total(metrics: str, reason: str = "ttft_slo") -> float:
+    prefix = f'pdcluster_requests_rejected_total{{reason="{reason}"}} '
+    return sum(float(line[len(prefix):]) for line in metrics.splitlines()
+               if line.startswith(prefix))
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_shared_prefix_follows_its_holder_and_a_burst_spreads(cluster):
+    conductor, poller, decisions = live(cluster)
+    gateway = Gateway(cluster, conductor)
+    try:
+        prefix = tokens(1, 320)
+
+        async def scenario():
+            async with httpx.AsyncClient(timeout=60) as client:
+                for i in range(5):  # one after the other: the prefix is cached after the first
+                    status, *_ = await complete(client, gateway.url, prefix + tokens(100 + i, 8))
+                    assert status == 200
+                    await asyncio.sleep(0.3)  # the worker's G1 events reach the index
+                burst = [complete(client, gateway.url, tokens(200 + i, 200)) for i in range(8)]
+                return await asyncio.gather(*burst)
+
+        burst = run(scenario())
+        assert all(status == 200 for status, *_ in burst)
+        routed = list(decisions.values())
+        holder = routed[0]
+        assert routed[1:5] == [holder] * 4, routed
+        spread = routed[5:]
+        assert len(spread) == 8 and {p: spread.count(p) >= 2 for p in set(spread)} == \
+            {"prefill-0": True, "prefill-1": True}, spread
+    finally:
+        gateway.stop()
+        poller.stop()
+
+
+def test_overload_gets_429_with_retry_after_and_admitted_requests_meet_the_slo(cluster):
+    slo = SLO(ttft_s=1.5, tbt_s=1.0)
+    conductor, poller, decisions = live(cluster, "arrival", slo)
+    gateway = Gateway(cluster, conductor)
+    try:
+        async def scenario():
+            async with httpx.AsyncClient(timeout=120) as client:
+                async def at(delay_s: float, seed: int):
+                    await asyncio.sleep(delay_s)
+                    return await complete(client, gateway.url, tokens(seed, 400))
+
+                for r in range(2):  # calibrate the ledger's per-instance scale under load
+                    await asyncio.gather(*(at(0.0, 300 + 10 * r + i) for i in range(6)))
+                before = rejected_total((await client.get(f"{gateway.url}/metrics")).text)
+                # 40 requests/s offered for 2 s: several times what 2 instances prefill
+                results = await asyncio.gather(*(at(0.025 * i, 400 + i) for i in range(80)))
+                after = rejected_total((await client.get(f"{gateway.url}/metrics")).text)
+                return results, after - before
+
+        results, counted = run(scenario())
+        rejected = [(body, headers) for status, _, body, headers in results if status == 429]
+        admitted = [ttft for status, ttft, _, _ in results if status == 200]
+        assert rejected and admitted, [r[0] for r in results]
+        for body, headers in rejected:
+            assert int(headers["retry-after"]) >= 1
+            assert body["error"]["type"] == "rate_limit_error"
+            assert body["error"]["code"] == "ttft_slo"
+        assert counted == len(rejected)
+        within = sum(t <= slo.ttft_s for t in admitted) / len(admitted)
+        print(f"admitted {len(admitted)}, rejected {len(rejected)}, within SLO {within:.0%}, "
+              f"max TTFT {max(admitted):.2f} s")
+        # NOTE this VM's 2 cores are shared by 2 prefill actors, the decode actor, the KV store,
+        # the gateway and this client (and other jobs), so service times are noisy: the bound
+        # is checked on 90% of admitted requests, the rest within twice the SLO
+        assert within >= 0.9 and max(admitted) <= 2 * slo.ttft_s, sorted(admitted)
+        assert len(results) == len(rejected) + len(admitted)
+    finally:
+        gateway.stop()
+        poller.stop()

@@ -1,0 +1,66 @@
+"""The live LoadSource: the prefill ledger, calibration and decode load reports."""
+
+from __future__ import annotations
+
+import pytest
+
+from router.conductor import RouteDecision
+from router.cost_model import MOONCAKE_70B
+from router.policies.base import DecodePlan, PrefillPlan
+from router.policies.live_loads import LedgerLoads
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def decision(rid: str, instance: str, exec_s: float, ttft_s: float = 0.0) -> RouteDecision:
+    return RouteDecision(rid, PrefillPlan(instance, 0, 0, exec_s, ttft_s),
+                         DecodePlan("d0", 0.01), 100, 0.0)
+
+
+def test_queue_accumulates_and_drains_by_prediction():
+    clock = Clock()
+    loads = LedgerLoads(MOONCAKE_70B, clock=clock)
+    loads.on_routed(decision("a", "p0", 1.0))
+    loads.on_routed(decision("b", "p0", 2.0))
+    assert loads.prefill_queue_s("p0") == pytest.approx(3.0)
+    assert loads.prefill_queue_s("p1") == 0.0
+    clock.t = 2.5
+    assert loads.prefill_queue_s("p0") == pytest.approx(0.5)
+    clock.t = 10.0
+    assert loads.prefill_queue_s("p0") == 0.0
+
+
+def test_reported_prefills_calibrate_the_scale_and_the_guard():
+    clock = Clock()
+    loads = LedgerLoads(MOONCAKE_70B, clock=clock, calibration_weight=1.0)
+    loads.on_routed(decision("a", "p0", 1.0))
+    loads.on_routed(decision("b", "p0", 1.0))
+    clock.t = 2.0  # "a" took twice as long as predicted
+    loads.on_prefill_done("a")
+    assert loads.scale == pytest.approx(2.0)
+    assert loads.guard == pytest.approx(2.0)  # measured 2 s for a predicted 1 s TTFT
+    # "b" is still queued: its predicted 1 s × scale 2, widened by the guard
+    assert loads.prefill_queue_s("p0") == pytest.approx(2.0 * 2.0)
+    assert loads.exec_scale("p0") == pytest.approx(4.0)
+    clock.t = 3.0
+    loads.on_prefill_done("b", ok=False)  # a failure neither calibrates nor stays queued
+    assert loads.scale == pytest.approx(2.0)
+    assert loads.prefill_queue_s("p0") == 0.0
+    loads.on_prefill_done("unknown")  # ignored
+
+
+def test_decode_reports():
+    loads = LedgerLoads(MOONCAKE_70B, block_size=16)
+    assert loads.decode_load("d0").batch_size == 0
+    loads.report_decode("d0", {"num_active": 3, "num_waiting": 1, "num_used_blocks": 10,
+                               "num_blocks": 100})
+    d = loads.decode_load("d0")
+    assert (d.batch_size, d.context_tokens, d.capacity_tokens) == (4, 160, 1600)
+    loads.set_node("p0", "node-a")
+    assert loads.node_of("p0") == "node-a" and loads.node_of("p1") is None

@@ -1,0 +1,105 @@
+"""Scheduling policies on hand-built contexts (router.policies)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvstore.index import Location
+from router.cost_model import MOONCAKE_70B
+from router.policies import POLICIES, make_policy, prefix_hits
+from router.policies.base import (DecodeLoad, PrefillCandidate, RouteContext, estimate,
+                                  local_plan)
+from router.policies.cache_aware import CacheAwarePrefill, KVCacheCentricPrefill, TBTDecode
+
+B = 512
+
+
+def ctx(prefills, decodes=(DecodeLoad("d0"),), tokens=20 * B, global_blocks=0):
+    return RouteContext("r", tokens, B, global_blocks, tuple(prefills), tuple(decodes),
+                        MOONCAKE_70B)
+
+
+def test_prefix_hits_count_own_device_blocks_and_node_tiers():
+    locs = [[Location("n0", "device", "p0"), Location("n1", "host")],
+            [Location("n0", "host")],
+            [Location("n1", "ssd")]]
+    hits = prefix_hits(locs, [("p0", "n0"), ("p1", "n0"), ("p2", "n1"), ("p3", None)])
+    # another instance's device blocks do not count: p1 shares p0's node but not its G1
+    assert hits == {"p0": (1, 2), "p1": (0, 0), "p2": (0, 1), "p3": (0, 0)}
+
+
+def test_estimate_follows_the_cost_model():
+    cand = PrefillCandidate("p0", "n0", queue_s=2.0, device_blocks=2, local_blocks=6)
+    plan = estimate(ctx([cand]), cand, 6)
+    cost = MOONCAKE_70B
+    expected = cost.t_transfer_tokens(4 * B) + cost.t_prefill(14 * B, 6 * B)
+    assert plan.exec_s == pytest.approx(expected)
+    assert plan.ttft_s == pytest.approx(2.0 + expected)
+    # at least one token is computed: a fully cached prompt still prefills its last block
+    assert estimate(ctx([cand], tokens=6 * B), cand, 6).cached_blocks == 5
+
+
+def test_cache_aware_prefers_its_prefix_until_the_queue_outweighs_it():
+    holder = PrefillCandidate("p0", "n0", 0.0, 0, 16)
+    other = PrefillCandidate("p1", "n1", 0.0, 0, 0)
+    assert CacheAwarePrefill().select(ctx([holder, other])).instance_id == "p0"
+    busy = PrefillCandidate("p0", "n0", 30.0, 0, 16)
+    assert CacheAwarePrefill().select(ctx([busy, other])).instance_id == "p1"
+
+
+def test_kvcache_centric_pulls_the_prefix_to_an_idle_instance():
+    busy_holder = PrefillCandidate("p0", "n0", 1.0, 0, 16)
+    idle = PrefillCandidate("p1", "n1", 0.0, 0, 0)
+    c = ctx([busy_holder, idle], global_blocks=16)
+    local = CacheAwarePrefill().select(c)
+    plan = KVCacheCentricPrefill().select(c)
+    assert plan.instance_id == "p1" and plan.pull and plan.pulled_blocks == 16
+    assert plan.ttft_s < local.ttft_s
+
+
+def test_balancing_threshold_keeps_a_nearly_as_long_local_prefix():
+    cand = PrefillCandidate("p0", "n0", 0.0, 0, 12)
+    c = ctx([cand], global_blocks=14)
+    assert KVCacheCentricPrefill(balancing_threshold=1.0).select(c).pulled_blocks == 2
+    assert KVCacheCentricPrefill(balancing_threshold=1.5).select(c).pulled_blocks == 0
+    with pytest.raises(ValueError):
+        KVCacheCentricPrefill(balancing_threshold=0.5)
+
+
+def test_ties_go_to_the_instance_holding_the_prefix_in_device_memory():
+    host_only = PrefillCandidate("p0", "n0", 0.0, 0, 4)
+    device = PrefillCandidate("p1", "n0", 0.0, 4, 4)
+    assert KVCacheCentricPrefill().select(ctx([host_only, device], global_blocks=4)) \
+        .instance_id == "p1"
+
+
+def test_baselines():
+    cands = [PrefillCandidate(f"p{i}", None, q) for i, q in enumerate((3.0, 1.0, 2.0))]
+    decodes = [DecodeLoad("d0", 4, 9000), DecodeLoad("d1", 2, 1000)]
+    c = ctx(cands, decodes)
+    pre, dec = make_policy("least_loaded")
+    assert pre.select(c).instance_id == "p1" and dec.select(c).instance_id == "d1"
+    pre, dec = make_policy("round_robin")
+    assert [pre.select(c).instance_id for _ in range(4)] == ["p0", "p1", "p2", "p0"]
+    assert [dec.select(c).instance_id for _ in range(3)] == ["d0", "d1", "d0"]
+    a, b = make_policy("random"), make_policy("random")
+    assert [a[0].select(c).instance_id for _ in range(20)] == \
+        [b[0].select(c).instance_id for _ in range(20)]
+    assert set(POLICIES) == {"random", "round_robin", "least_loaded", "cache_aware",
+                             "kvcache_centric"}
+    with pytest.raises(ValueError, match="unknown policy"):
+        make_policy("magic")
+
+
+def test_tbt_decode_picks_the_fastest_step_among_those_with_room():
+    full = DecodeLoad("d0", 1, 100, capacity_tokens=20 * B)
+    busy = DecodeLoad("d1", 30, 900_000, capacity_tokens=10**7)
+    light = DecodeLoad("d2", 10, 300_000, capacity_tokens=10**7)
+    plan = TBTDecode().select(ctx([PrefillCandidate("p0", None, 0)], [full, busy, light]))
+    assert plan.instance_id == "d2"
+    assert plan.tbt_s == pytest.approx(MOONCAKE_70B.t_step(11, 300_000 + 20 * B + 1))
+
+
+def test_local_plan_never_pulls():
+    cand = PrefillCandidate("p0", "n0", 0.0, 0, 3)
+    assert local_plan(ctx([cand], global_blocks=10), cand).pulled_blocks == 0
