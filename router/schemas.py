@@ -19,19 +19,6 @@ MAX_N = 16
 MAX_STOP_STRINGS = 16
 
 
-class ErrorDetail(BaseModel):
-    message: str
-    type: str
-    param: str | None = None
-    code: str | None = None
-
-
-class ErrorResponse(BaseModel):
-    """OpenAI's error body: {"error": {"message", "type", "param", "code"}}."""
-
-    error: ErrorDetail
-
-
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
