@@ -20,7 +20,6 @@ import time
 
 import httpx
 import pytest
-import ray
 import uvicorn
 
 from deploy.config import ServeConfig
@@ -56,19 +55,11 @@ class FeedbackPipeline(Pipeline):
 
 
 @pytest.fixture(scope="module")
-def cluster():
+def cluster(local_cluster):
     config = ServeConfig(prefill_instances=2, decode_instances=1, ray_namespace="pdc-conductor",
                          engine={"num_kv_blocks": 2048})
-    started = not ray.is_initialized()
-    if started:
-        ray.init(address="local", num_cpus=config.local_ray_num_cpus(),
-                 namespace=config.ray_namespace, include_dashboard=False)
-    try:
-        with Cluster(config) as c:
-            yield c
-    finally:
-        if started:
-            ray.shutdown()
+    with local_cluster(config) as c:
+        yield c
 
 
 class Gateway:

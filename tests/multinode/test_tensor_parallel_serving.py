@@ -30,18 +30,10 @@ LAYERS = ModelConfig.from_pretrained(BUNDLED_MODEL).num_hidden_layers
 
 
 @pytest.fixture(scope="module")
-def cluster():
+def cluster(local_cluster):
     config = ServeConfig(prefill_tp=2, decode_tp=2, ray_namespace="pdc-tp")
-    started = not ray.is_initialized()
-    if started:
-        ray.init(address="local", num_cpus=config.local_ray_num_cpus(),
-                 namespace=config.ray_namespace, include_dashboard=False)
-    try:
-        with Cluster(config) as c:
-            yield c
-    finally:
-        if started:
-            ray.shutdown()
+    with local_cluster(config) as c:
+        yield c
 
 
 def generate(cluster: Cluster, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
