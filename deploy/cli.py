@@ -4,6 +4,8 @@
                     [--decode-instances M] [--address ADDR] [--config FILE] ...
 
     pdcluster bench run|sweep|compare|report ...   (load tests; see loadtest/README.md)
+    pdcluster simulate --trace FILE ...             (trace-driven cluster simulation)
+    pdcluster profile ...                           (fit a cost model on the real engine)
 
 With no flags, `serve` serves the bundled stories260K model on 127.0.0.1:8000 on a local Ray with
 one prefill and one decode actor, and needs no other service.
@@ -68,7 +70,13 @@ _SERVE_FLAGS = [
     ("--index-url", "kvpool.index_url", str, "global KV index: ray://NAME (default, embedded) "
                                              "or redis://host:port/db"),
     ("--node-lease-s", "kvpool.node_lease_s", float, "node liveness lease in the index (<= 10)"),
-    ("--policy", "policy", str, "Conductor policy (default round_robin)"),
+    ("--policy", "policy", str, "Conductor policy: kvcache_centric (default) | cache_aware | "
+                                "least_loaded | round_robin | random"),
+    ("--admission", "admission", str, "SLO admission: none (default) | arrival | prediction"),
+    ("--slo-ttft-s", "slo_ttft_s", float, "TTFT SLO admission enforces (default 30 s)"),
+    ("--slo-tbt-ms", "slo_tbt_ms", float, "TBT SLO admission enforces (default 100 ms)"),
+    ("--cost-model", "cost_model", str, "Conductor cost model: stories260k-cpu (default) | "
+                                        "mooncake-70b | a `pdcluster profile` file"),
     ("--log-level", "log_level", str, "debug | info | warning (default info)"),
 ]
 
@@ -95,9 +103,13 @@ def _parser() -> argparse.ArgumentParser:
     for flag, path, help_text in _SERVE_SWITCHES:
         serve.add_argument(flag, dest=path, action=argparse.BooleanOptionalAction,
                            default=argparse.SUPPRESS, help=help_text)
+    from deploy.profile import add_profile_parser
     from loadtest.cli import add_bench_parser
+    from loadtest.simulator.cli import add_simulate_parser
 
     add_bench_parser(sub)
+    add_simulate_parser(sub)
+    add_profile_parser(sub)
     return parser
 
 
@@ -137,6 +149,14 @@ def main(argv: list[str] | None = None) -> int:
         from loadtest.cli import run_bench
 
         return run_bench(args)
+    if args.command == "simulate":
+        from loadtest.simulator.cli import run_simulate
+
+        return run_simulate(args)
+    if args.command == "profile":
+        from deploy.profile import run_profile
+
+        return run_profile(args)
     return 2
 
 

@@ -36,6 +36,11 @@ class ServeConfig(BaseModel):
         `Authorization: Bearer <key>` (keys are never logged).
     transfer: how KV gets from prefill to decode (``--kv-transfer grpc|torch``); its token is
         always the KV store's (``--kv-token``).
+    policy / admission / slo_ttft_s / slo_tbt_ms / cost_model: the Conductor
+        (router/conductor.py): a policy of router.policies.POLICIES (default kvcache_centric,
+        Mooncake FAST'25 Alg. 1), SLO admission (arrival-2407.00079 §6; none by default: a
+        rejection is a 429 with Retry-After), the SLOs it enforces, and the cost model it
+        predicts with (a built-in name of router.cost_model or a `pdcluster profile` file).
     prefill_tp / decode_tp: tensor parallel size of each prefill / decode instance: k actors
         (ranks) in one STRICT_PACK placement group (engine.tp_instance); each reserves
         actor_num_cpus (and one GPU on CUDA).
@@ -54,7 +59,11 @@ class ServeConfig(BaseModel):
     decode_instances: int = Field(1, ge=1)
     prefill_tp: int = Field(1, ge=1)
     decode_tp: int = Field(1, ge=1)
-    policy: str = "round_robin"
+    policy: str = "kvcache_centric"
+    admission: Literal["none", "arrival", "prediction"] = "none"
+    slo_ttft_s: float = Field(30.0, gt=0)
+    slo_tbt_ms: float = Field(100.0, gt=0)
+    cost_model: str = "stories260k-cpu"
     colocated: bool = False
     address: str | None = None
     ray_namespace: str = "pdcluster"
@@ -66,6 +75,15 @@ class ServeConfig(BaseModel):
     max_request_body_bytes: int = Field(4 << 20, ge=1024)
     api_keys: list[SecretStr] = Field(default_factory=list)
     api_key_file: str | None = None
+
+    @field_validator("policy")
+    @classmethod
+    def _known_policy(cls, policy: str) -> str:
+        from router.policies import POLICIES
+
+        if policy not in POLICIES:
+            raise ValueError(f"unknown policy {policy!r}; one of {sorted(POLICIES)}")
+        return policy
 
     @field_validator("transfer")
     @classmethod

@@ -21,7 +21,9 @@ from engine.model import check_tensor_parallel
 from kvstore.actor import start_kvstore_actors
 from kvstore.host_store import BlockLayout
 from prefill_worker.actor import PrefillWorker
+from router.admission import SLO
 from router.conductor import Conductor, Instance, InstanceRegistry
+from router.policies.live_loads import build_live_conductor
 from router.pipeline import ColocatedPipeline, Pipeline
 
 log = logging.getLogger(__name__)
@@ -45,6 +47,7 @@ class Cluster:
     def __init__(self, config: ServeConfig) -> None:
         self.config = config
         self.registry = InstanceRegistry()
+        # replaced in start() by the live Conductor (global index, load reports, admission)
         self.conductor = Conductor(self.registry, config.policy)
         self.pipeline = (ColocatedPipeline if config.colocated else Pipeline)(self.conductor)
         self.kvstores: dict = {}
@@ -54,6 +57,7 @@ class Cluster:
         self._resources: dict[str, float] = {}  # ray.cluster_resources() at start
         self._role_demand: dict[str, dict[str, float]] = {}
         self._started_ray = False
+        self._stats_poller = None
 
     def start(self) -> "Cluster":
         if self.config.kvstore.token is None:  # a local cluster gets a random KV-plane token
@@ -107,6 +111,12 @@ class Cluster:
             log.info("%s ready: pid %s on node %s", instance.worker_id, info["pid"],
                      info["node_id"])
             self.registry.add(instance)
+        self.conductor, self._stats_poller = build_live_conductor(
+            self.registry, policy=cfg.policy, admission=cfg.admission,
+            slo=SLO(cfg.slo_ttft_s, cfg.slo_tbt_ms / 1000), cost_model=cfg.cost_model,
+            block_size=cfg.engine.block_size, model_name=cfg.model_name(),
+            index_url=cfg.kvpool.index_url)
+        self.pipeline.conductor = self.conductor
         return self
 
     def _rank0_options(self, tp: int, role: str) -> dict:
@@ -127,6 +137,9 @@ class Cluster:
         return placement.tp_rank_options(pg, 0)
 
     def shutdown(self) -> None:
+        if self._stats_poller is not None:
+            self._stats_poller.stop()
+            self._stats_poller = None
         for instance in self.prefill + self.decode:
             ray.kill(instance.handle, no_restart=True)
         for pg in self.placement_groups:

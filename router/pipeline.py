@@ -51,7 +51,7 @@ class Pipeline:
         """Raises GenerationError before the first item if the request cannot start."""
         prompt = tuple(prompt_token_ids)
         try:
-            prefill, decode = self.conductor.route(RouteRequest(request_id, prompt))
+            prefill, decode = self.conductor.route(RouteRequest(request_id, prompt, cache_salt))
         except NoInstanceError as exc:
             raise GenerationError(str(exc)) from exc
         prefill_done = False
@@ -62,6 +62,8 @@ class Pipeline:
         except (RayTaskError, RayActorError) as exc:
             raise _worker_error(exc, prefill) from exc
         finally:
+            # the measured prefill calibrates the Conductor's queue predictions
+            self.conductor.prefill_done(request_id, ok=prefill_done)
             if not prefill_done:  # cancelled while waiting: the prefill may still be queued
                 _abort(prefill, request_id)
         first_logprobs = None if result.first_logprob is None else (result.first_logprob,)
@@ -81,7 +83,7 @@ class ColocatedPipeline(Pipeline):
                        cache_salt: str | None = None) -> AsyncIterator[TokenDelta]:
         prompt = tuple(prompt_token_ids)
         try:
-            decode = self.conductor.route_decode(RouteRequest(request_id, prompt))
+            decode = self.conductor.route_decode(RouteRequest(request_id, prompt, cache_salt))
         except NoInstanceError as exc:
             raise GenerationError(str(exc)) from exc
         async for delta in _stream_decode(decode, DecodeRequest(request_id, prompt, sampling)):

@@ -44,3 +44,18 @@ def test_api_keys_from_flags_and_file(tmp_path):
     cfg = load_config(None, _overrides(args))
     assert [k.get_secret_value() for k in cfg.api_keys] == ["k1", "k2"]
     assert "k1" not in repr(cfg) and cfg.api_key_file == str(path)
+
+
+def test_conductor_flags():
+    default = load_config(None, {})
+    assert (default.policy, default.admission, default.slo_ttft_s, default.slo_tbt_ms,
+            default.cost_model) == ("kvcache_centric", "none", 30.0, 100.0, "stories260k-cpu")
+    args = _parser().parse_args(["serve", "--policy", "cache_aware", "--admission", "prediction",
+                                 "--slo-ttft-s", "2.5", "--slo-tbt-ms", "50",
+                                 "--cost-model", "mooncake-70b"])
+    cfg = load_config(None, _overrides(args))
+    assert (cfg.policy, cfg.admission, cfg.slo_ttft_s, cfg.slo_tbt_ms, cfg.cost_model) == \
+        ("cache_aware", "prediction", 2.5, 50.0, "mooncake-70b")
+    for bad in ({"policy": "fastest"}, {"admission": "always"}, {"slo_ttft_s": 0}):
+        with pytest.raises(ValidationError):
+            load_config(None, bad)

@@ -114,3 +114,17 @@ def test_requests_join_and_leave_the_decode_batch(cluster, hf):
     assert forward == sum(len(e) - 1 for e in expected)
     assert steps < forward  # some steps ran several requests together
     assert after["num_free_blocks"] == after["num_blocks"]
+
+
+def test_serve_routes_with_the_live_conductor(cluster, hf):
+    """`pdcluster serve`'s Cluster runs the Conductor of issue 8: kvcache_centric over the
+    global index, a prefill ledger the pipeline feeds back into (prefill_done), decode loads
+    polled from the workers."""
+    conductor = cluster.conductor
+    assert cluster.pipeline.conductor is conductor
+    assert conductor.policy_name == "kvcache_centric" and conductor.index is not None
+    ids = hf.encode(LONG_PROMPT)
+    scale = conductor.loads.scale
+    run(cluster, "live-conductor-0", ids, 3)
+    assert conductor.loads.scale != scale  # the measured prefill calibrated the cost model
+    assert conductor.loads.decode_load(cluster.decode[0].worker_id).capacity_tokens

@@ -38,23 +38,6 @@ pytestmark = pytest.mark.slow
 MODEL = "stories260K"
 
 
-class FeedbackPipeline(Pipeline):
-    """Reports each prefill's end to the Conductor (calibrates its queue predictions)."""
-
-    async def generate(self, request_id, prompt_token_ids, sampling, cache_salt=None):
-        first = True
-        try:
-            async for delta in super().generate(request_id, prompt_token_ids, sampling,
-                                                cache_salt):
-                if first:
-                    self.conductor.prefill_done(request_id)
-                    first = False
-                yield delta
-        finally:
-            if first:
-                self.conductor.prefill_done(request_id, ok=False)
-
-
 @pytest.fixture(scope="module")
 def cluster(local_cluster):
     config = ServeConfig(prefill_instances=2, decode_instances=1, ray_namespace="pdc-conductor",
@@ -69,7 +52,7 @@ class Gateway:
     def __init__(self, cluster: Cluster, conductor) -> None:
         cfg = cluster.config
         model_dir = cfg.engine.model
-        app = build_app(FeedbackPipeline(conductor), Tokenizer.from_pretrained(model_dir),
+        app = build_app(Pipeline(conductor), Tokenizer.from_pretrained(model_dir),
                         cfg.model_name(),
                         cfg.engine.resolved_max_model_len(ModelConfig.from_pretrained(model_dir)),
                         ChatTemplate.from_model_dir(model_dir))
