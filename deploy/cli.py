@@ -60,6 +60,11 @@ _SERVE_FLAGS = [
                                                "| torch (torch.distributed pairs: gloo/NCCL)"),
     ("--kv-transfer-bind", "transfer.bind_host", str, "torch transfer: address a prefill's pair "
                                                       "store binds (a routable one across nodes)"),
+    ("--kv-streaming", "transfer.streaming", str, "request (default): decode pulls a request's "
+                                                  "KV after prefill | layer: layer by layer, "
+                                                  "overlapping prefill compute"),
+    ("--drain-timeout", "drain_timeout_s", float, "on SIGTERM: stop admitting, let in-flight "
+                                                  "requests finish for this long (default 30 s)"),
     ("--kv-token", "kvstore.token", str, "shared token of the KV gRPC plane (default: random "
                                          "per local cluster)"),
     ("--kv-tail-capacity-bytes", "kvstore.capacity_bytes", int,

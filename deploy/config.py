@@ -32,6 +32,8 @@ class ServeConfig(BaseModel):
         never. Only nodes that may run workers get a KV store.
     colocated: each decode instance also prefills its requests (no prefill actors, no KV
         transfer) — for comparison and one-GPU deployments.
+    drain_timeout_s: on SIGTERM the gateway stops admitting (503) and in-flight requests get
+        this long to finish before they end with an error event and the workers stop.
     api_keys / api_key_file: when any key is set, every request but /health needs
         `Authorization: Bearer <key>` (keys are never logged).
     transfer: how KV gets from prefill to decode (``--kv-transfer grpc|torch``); its token is
@@ -72,6 +74,7 @@ class ServeConfig(BaseModel):
     actor_num_gpus: float | None = Field(None, ge=0)
     placement: Literal["auto", "resources", "none"] = "auto"
     log_level: str = "info"
+    drain_timeout_s: float = Field(30.0, ge=0)
     max_request_body_bytes: int = Field(4 << 20, ge=1024)
     api_keys: list[SecretStr] = Field(default_factory=list)
     api_key_file: str | None = None

@@ -55,6 +55,9 @@ class KVTransferConfig(pydantic.BaseModel):
         token: the KV plane's shared secret (``--kv-token``); ``None`` only in tests.
         bind_host: torch: address the sender's pair store binds (a node's routable address
             in a cluster).
+        streaming: ``request`` (decode pulls the whole request's KV once prefill is done) or
+            ``layer`` (each layer's KV for the new tokens is published as soon as that layer's
+            prefill compute ends, overlapping the rest; Mooncake FAST'25 §3.1).
     """
 
     model_config = pydantic.ConfigDict(frozen=True, extra="forbid")
@@ -67,3 +70,4 @@ class KVTransferConfig(pydantic.BaseModel):
     max_message_bytes: int = pydantic.Field(default=64 << 20, gt=0)
     token: pydantic.SecretStr | None = None
     bind_host: str = "127.0.0.1"
+    streaming: Literal["request", "layer"] = "request"
