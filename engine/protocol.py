@@ -31,6 +31,11 @@ class SamplingParams:
         tokens: a logit > 0 is divided by it, otherwise multiplied; 1 = off.
     logprobs: None = none; k >= 0 = the sampled token's logprob plus the top k, computed from
         the raw model logits (vLLM's default "raw_logprobs").
+    output_offset: a migrated request (router.pipeline.resumed_request): the last
+        output_offset tokens of its prompt are output tokens generated before it moved. The
+        sampler draws this request's token t from the (seed, output_offset + t) stream and counts
+        those tokens as output for presence/frequency penalties; max_tokens and min_tokens then
+        count only the tokens still to generate. 0 for every request that did not move.
     Raises ValueError on out-of-range values.
     """
 
@@ -47,6 +52,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logprobs: int | None = None
+    output_offset: int = 0
 
     def __post_init__(self) -> None:
         checks = [
@@ -65,6 +71,7 @@ class SamplingParams:
              f"repetition_penalty must be > 0, got {self.repetition_penalty}"),
             (self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
              f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}"),
+            (self.output_offset >= 0, f"output_offset must be >= 0, got {self.output_offset}"),
         ]
         for ok, message in checks:
             if not ok:
