@@ -140,6 +140,7 @@ class Cluster:
         if self._stats_poller is not None:
             self._stats_poller.stop()
             self._stats_poller = None
+        self.registry.close()  # its dead-instance probes
         for instance in self.prefill + self.decode:
             ray.kill(instance.handle, no_restart=True)
         for pg in self.placement_groups:

@@ -44,13 +44,27 @@ class SampleInput:
     """One row of a sampling batch.
 
     seed: the request's effective seed; prompt_ids / output_ids: the request's tokens so far
-    (output_ids excludes the token being sampled, so len(output_ids) is its step index).
+    (output_ids excludes the token being sampled). The token's step index is
+    params.output_offset + len(output_ids): a migrated request carries its earlier output as
+    the last output_offset prompt ids (SamplingParams.output_offset).
     """
 
     params: SamplingParams
     seed: int
     prompt_ids: Sequence[int]
     output_ids: Sequence[int]
+
+    def history(self) -> tuple[Sequence[int], Sequence[int]]:
+        """(prompt ids, every output id so far) as the request was first submitted: the
+        output_offset tail of prompt_ids moves to the output. Raises ValueError when
+        output_offset exceeds the prompt."""
+        k = self.params.output_offset
+        if not k:
+            return self.prompt_ids, self.output_ids
+        if k > len(self.prompt_ids):
+            raise ValueError(f"output_offset {k} exceeds the prompt's {len(self.prompt_ids)} ids")
+        prompt = list(self.prompt_ids)
+        return prompt[:-k], prompt[-k:] + list(self.output_ids)
 
 
 def sample(logits: torch.Tensor, rows: Sequence[SampleInput],
@@ -80,8 +94,9 @@ def _is_plain_greedy(row: SampleInput) -> bool:
 def _sample_row(raw: torch.Tensor, row: SampleInput,
                 eos_token_ids: AbstractSet[int]) -> tuple[int, TokenLogprob | None]:
     p = row.params
-    logits = apply_penalties(raw.clone(), p, row.prompt_ids, row.output_ids)
-    if len(row.output_ids) < p.min_tokens:
+    prompt_ids, output_ids = row.history()
+    logits = apply_penalties(raw.clone(), p, prompt_ids, output_ids)
+    if len(row.output_ids) < p.min_tokens:  # min_tokens counts this run's tokens (see protocol)
         banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
         if banned:
             logits[list(banned)] = float("-inf")
@@ -90,7 +105,7 @@ def _sample_row(raw: torch.Tensor, row: SampleInput,
     else:
         probs = filter_probs(torch.softmax(logits / p.temperature, dim=-1), p)
         gen = torch.Generator(device=logits.device)
-        gen.manual_seed(step_seed(row.seed, len(row.output_ids)))
+        gen.manual_seed(step_seed(row.seed, len(output_ids)))
         token = int(torch.multinomial(probs, 1, generator=gen).item())
     return token, (None if p.logprobs is None else token_logprob(raw, token, p.logprobs))
 

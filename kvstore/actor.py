@@ -2,7 +2,13 @@
 
 DESIGN.md "Control plane": one KV store actor per Ray node, pinned to it, serving gRPC on a
 port chosen at start. It owns the node's G2 arena and G3 SSD tier (TieredNodeStore), publishes
-placements to the global index and heartbeats the node's lease there. Same-node workers call
+placements to the global index and heartbeats the node's lease there. When a heartbeat finds
+the lease unknown to the index (Redis restarted empty, or the node was cut off past its lease),
+it re-announces every block the node holds; until then a lookup misses and costs recompute.
+
+It is not restarted when its process dies: same-node workers hold its gRPC address and map
+its arena, so a fresh store behind the same name would serve them a different arena. Requests
+that need a dead store end with a clear error (or move to a worker on another node). Same-node workers call
 its metadata methods and move bytes through the arena; other nodes use gRPC. KV bytes never
 travel through Ray (no pickle, no object store).
 """
@@ -22,8 +28,8 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from kvstore.config import KVStoreConfig
 from kvstore.errors import KVStoreError
 from kvstore.host_store import BlockLayout, HostBlockStore
-from kvstore.index import open_index
-from kvstore.node_store import TieredNodeStore
+from kvstore.index import Location, open_index
+from kvstore.node_store import HOST, SSD, TieredNodeStore
 from kvstore.pool_config import KVPoolConfig
 from kvstore.server import KVStoreServer
 
@@ -31,6 +37,7 @@ log = logging.getLogger(__name__)
 
 KVSTORE_ACTOR_PREFIX = "pdcluster-kvstore-"
 _WILDCARD_HOSTS = {"0.0.0.0", "::", "[::]", ""}
+_REANNOUNCE_BATCH = 1000  # keys per index call when re-announcing a node's blocks
 
 
 @ray.remote(num_cpus=0, max_concurrency=8)  # TieredNodeStore is thread-safe
@@ -56,6 +63,10 @@ class KVStoreActor:
         self._server.start()
         self._lease_s = pool.node_lease_s
         self._stop = threading.Event()
+        self._heartbeat_lock = threading.Lock()
+        self._index_lost = False
+        self.reannouncements = 0  # times this node's blocks were published again
+        self.reannounced_blocks = 0
         self._heartbeat_once()
         threading.Thread(target=self._heartbeat_loop, name="kv-heartbeat", daemon=True).start()
 
@@ -72,7 +83,9 @@ class KVStoreActor:
     def stats(self) -> dict:
         """Store counters plus per-tier block states and promotions."""
         return {**self.store.stats(), "tiers": self.store.tier_stats(),
-                "promotions": self.store.promotions, "node_id": self._node_id}
+                "promotions": self.store.promotions, "node_id": self._node_id,
+                "index_reannouncements": self.reannouncements,
+                "index_reannounced_blocks": self.reannounced_blocks}
 
     # ---- metadata methods for same-node workers (see TieredNodeStore) ---------------------
     def arena_info(self) -> dict:
@@ -108,11 +121,41 @@ class KVStoreActor:
         self._server.stop(grace=1.0)
         self.store.close()
 
-    def _heartbeat_once(self) -> None:
-        try:
-            self._index.heartbeat(self._node_id, self._lease_s)
-        except Exception as exc:  # noqa: BLE001 — keep trying; lookups skip us meanwhile
-            log.warning("node heartbeat failed: %s", exc)
+    def heartbeat_now_for_testing(self) -> bool:
+        """TEST-ONLY: one heartbeat now (re-announcing if the index lost this node), instead of
+        waiting up to a third of the lease. Returns whether it reached the index."""
+        return self._heartbeat_once()
+
+    def _heartbeat_once(self) -> bool:
+        """Renew the node's lease. When the index did not know the lease (first heartbeat,
+        lease ran out, index restarted empty) or the last heartbeat failed (updates may have
+        been lost meanwhile), re-announce every block this node holds."""
+        with self._heartbeat_lock:
+            try:
+                renewed = self._index.heartbeat(self._node_id, self._lease_s)
+                if not renewed or self._index_lost:
+                    self._reannounce()
+                self._index_lost = False
+                return True
+            except Exception as exc:  # noqa: BLE001 — keep trying; lookups skip us meanwhile
+                self._index_lost = True
+                log.warning("node heartbeat failed: %s", exc)
+                return False
+
+    def _reannounce(self) -> None:
+        """Publish the keys resident in G2 and G3 as this node's locations (idempotent adds).
+        Raises the index's error (the next heartbeat tries again)."""
+        tiers = {HOST: self.store.arena.keys(),
+                 SSD: self.store.ssd.keys() if self.store.ssd is not None else []}
+        for tier, keys in tiers.items():
+            for start in range(0, len(keys), _REANNOUNCE_BATCH):
+                self._index.add(keys[start:start + _REANNOUNCE_BATCH],
+                                Location(self._node_id, tier))
+        self.reannouncements += 1
+        self.reannounced_blocks += sum(len(k) for k in tiers.values())
+        if self.reannouncements > 1:  # the first is this store's start
+            log.warning("global index had lost node %s: re-announced %d G2 and %d G3 blocks",
+                        self._node_id, len(tiers[HOST]), len(tiers[SSD]))
 
     def _heartbeat_loop(self) -> None:
         while not self._stop.wait(self._lease_s / 3):

@@ -20,12 +20,13 @@ import abc
 import logging
 import threading
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Sequence
+from typing import AbstractSet, Callable, Sequence
 
 from kvstore.hashing import block_keys, make_namespace
 from kvstore.index import KVIndex
 from kvstore.errors import KVStoreError
 from router.admission import SLO, Rejection, make_admission
+from router.registry import Instance, InstanceRegistry  # noqa: F401 — re-exported
 from router.cost_model import DEFAULT_COST_MODEL, CostModel, load_cost_model
 from router.policies import (DEFAULT_POLICY, DecodeLoad, DecodePlan, PrefillCandidate,
                              PrefillPlan, RouteContext, make_policy, prefix_hits)
@@ -44,15 +45,6 @@ class RequestRejected(NoInstanceError):
     def __init__(self, rejection: Rejection) -> None:
         super().__init__(rejection.message)
         self.rejection = rejection
-
-
-@dataclass(frozen=True)
-class Instance:
-    """A worker the Conductor can route to. handle: the Ray actor handle."""
-
-    worker_id: str
-    role: str  # "prefill" | "decode" | "kvstore"
-    handle: Any
 
 
 @dataclass(frozen=True)
@@ -80,24 +72,10 @@ class RouteDecision:
     routed_at: float
 
 
-class InstanceRegistry:
-    """Live instances by role. Thread-safe."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._instances: dict[str, Instance] = {}
-
-    def add(self, instance: Instance) -> None:
-        with self._lock:
-            self._instances[instance.worker_id] = instance
-
-    def remove(self, worker_id: str) -> None:
-        with self._lock:
-            self._instances.pop(worker_id, None)
-
-    def by_role(self, role: str) -> list[Instance]:
-        with self._lock:
-            return [i for i in self._instances.values() if i.role == role]
+def _without(instances: list[Instance], exclude: AbstractSet[str]) -> list[Instance]:
+    """instances minus `exclude`, unless that leaves none."""
+    kept = [i for i in instances if i.worker_id not in exclude]
+    return kept or instances
 
 
 class LoadSource(abc.ABC):
@@ -180,9 +158,11 @@ class Conductor:
         self.forecast = forecast or DecodeForecast(self.cost)
         self._lock = threading.Lock()
 
-    def route_decode(self, request: RouteRequest) -> Instance:
-        """A decode instance alone (colocated mode). Raises NoInstanceError."""
-        decodes = self.registry.by_role("decode")
+    def route_decode(self, request: RouteRequest, exclude: AbstractSet[str] = frozenset()
+                     ) -> Instance:
+        """A decode instance alone (colocated mode), not one of `exclude` while another is
+        live. Raises NoInstanceError."""
+        decodes = _without(self.registry.by_role("decode"), exclude)
         if not decodes:
             raise NoInstanceError("no decode instance is live")
         with self._lock:
@@ -190,11 +170,13 @@ class Conductor:
             plan = self._decode_policy.select(ctx)
         return next(d for d in decodes if d.worker_id == plan.instance_id)
 
-    def route(self, request: RouteRequest) -> tuple[Instance, Instance]:
-        """Returns (prefill, decode). Raises NoInstanceError when a role has no instance and
-        RequestRejected when admission refuses the request."""
-        prefills = self.registry.by_role("prefill")
-        decodes = self.registry.by_role("decode")
+    def route(self, request: RouteRequest, exclude: AbstractSet[str] = frozenset()
+              ) -> tuple[Instance, Instance]:
+        """Returns (prefill, decode), avoiding the instance ids in `exclude` (ones that just
+        failed the request) where another of the role is live. Raises NoInstanceError when a
+        role has no live instance and RequestRejected when admission refuses the request."""
+        prefills = _without(self.registry.by_role("prefill"), exclude)
+        decodes = _without(self.registry.by_role("decode"), exclude)
         if not prefills or not decodes:
             raise NoInstanceError(f"{len(prefills)} prefill and {len(decodes)} decode "
                                   "instances are live")

@@ -1,23 +1,52 @@
-"""Runs one request through the disaggregated path: Conductor → prefill actor → decode actor.
+"""Runs one request through the disaggregated path: Conductor → prefill actor → decode actor,
+and moves it elsewhere when a worker dies under it.
 
 Yields TokenDelta items: the first carries the prefill's token (output token 0); the rest come
 from the decode actor's streaming generator. If the consumer stops early (client disconnect,
 error), both workers get an idempotent abort so no block stays held.
+
+Migration (issue 9; Llumnix OSDI'24 migrates live requests the same way, by recompute). When a
+call fails with RayActorError (the worker's process is gone), the instance is marked dead in
+the registry (router.registry) and the request starts over elsewhere as a new attempt:
+
+    attempt n+1 prompt  = original prompt + every token streamed so far
+    attempt n+1 params  = max_tokens/min_tokens minus those tokens, output_offset = their count
+
+so the next prefill recomputes the KV (prefix-cache hits make that cheap), samples exactly the
+token the dead worker would have sampled next (the sampler draws output token t from the
+(seed, t) stream: engine.sampler), and the client stream goes on with no duplicate and no
+missing token. A worker that reports an error for the request (a failed KV fetch, a store it
+could not reach) gets the same treatment once, on another instance when one is live. When no
+live instance turns up within `migration_deadline_s`, the request ends: GenerationError if
+nothing was streamed yet (the gateway answers 503), else a TokenDelta with FinishReason.ERROR
+(the gateway's error event).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
+from contextlib import aclosing
+from dataclasses import dataclass, field, replace
 from typing import AsyncIterator
 
-import ray
 from ray.exceptions import RayActorError, RayTaskError
 
 from engine.protocol import (DecodeRequest, FinishReason, PrefillRequest, SamplingParams,
                              TokenDelta)
-from router.conductor import Conductor, Instance, NoInstanceError, RouteRequest
+from engine.sampler import draw_seed
+from router.conductor import Conductor, Instance, NoInstanceError, RequestRejected, RouteRequest
 
 log = logging.getLogger(__name__)
+
+#: How long a request whose worker died may wait for a live instance to move to, seconds.
+MIGRATION_DEADLINE_S = 60.0
+#: Attempts of one request in all (the first, plus migrations).
+MAX_ATTEMPTS = 8
+#: Of those, attempts restarted because a live worker reported an error for the request.
+MAX_WORKER_ERROR_RETRIES = 1
+_WAIT_POLL_S = 0.1
 
 
 class GenerationError(RuntimeError):
@@ -29,81 +58,218 @@ class GenerationError(RuntimeError):
         self.status = status
 
 
+class _Moved(Exception):
+    """The attempt cannot go on where it runs. dead: the worker's process is gone (vs. it
+    reported an error for this request)."""
+
+    def __init__(self, instance: Instance, message: str, dead: bool) -> None:
+        super().__init__(message)
+        self.instance = instance
+        self.dead = dead
+
+
+def resumed_request(prompt: tuple[int, ...], sampling: SamplingParams,
+                    generated: list[int]) -> tuple[tuple[int, ...], SamplingParams]:
+    """The (prompt, params) that continue a request after `generated` output tokens.
+
+    sampling: the request's original params (output_offset 0); generated: every token streamed
+    so far, fewer than sampling.max_tokens. The resumed request's output token t is the
+    original's token len(generated) + t, drawn from the same (seed, step) stream.
+    """
+    k = len(generated)
+    if not k:
+        return prompt, sampling
+    return prompt + tuple(generated), replace(
+        sampling, max_tokens=sampling.max_tokens - k,
+        min_tokens=max(0, sampling.min_tokens - k), output_offset=k)
+
+
+@dataclass
+class _Run:
+    """One client request across its attempts."""
+
+    request_id: str
+    prompt: tuple[int, ...]
+    sampling: SamplingParams
+    cache_salt: str | None
+    generated: list[int] = field(default_factory=list)
+    attempts: int = 0
+    worker_errors: int = 0
+    failed: set[str] = field(default_factory=set)  # instances that failed this request
+
+    @property
+    def attempt_id(self) -> str:
+        return self.request_id if self.attempts <= 1 else f"{self.request_id}.m{self.attempts - 1}"
+
+    def resumed(self) -> tuple[tuple[int, ...], SamplingParams]:
+        return resumed_request(self.prompt, self.sampling, self.generated)
+
+
 def _worker_error(exc: Exception, instance: Instance) -> GenerationError:
     if isinstance(exc, RayTaskError) and isinstance(exc.cause, ValueError):
         return GenerationError(str(exc.cause), 400)
-    if isinstance(exc, RayActorError):
+    if isinstance(exc, RayActorError) and not isinstance(exc, RayTaskError):
         return GenerationError(f"{instance.role} worker {instance.worker_id} is unavailable")
     cause = exc.cause if isinstance(exc, RayTaskError) else exc
     return GenerationError(f"{instance.role} worker {instance.worker_id} failed: {cause}")
+
+
+def _moved(exc: Exception, instance: Instance) -> _Moved:
+    """A failed call as a reason to move: the process died (RayActorError that is not a task
+    error: Ray makes a task error an instance of its cause's class too), or the worker raised."""
+    dead = isinstance(exc, RayActorError) and not isinstance(exc, RayTaskError)
+    return _Moved(instance, str(_worker_error(exc, instance)), dead)
 
 
 class Pipeline:
     """Disaggregated: the Conductor's prefill instance computes the prompt and token 0, the
     decode instance pulls the KV and generates the rest."""
 
-    def __init__(self, conductor: Conductor) -> None:
+    roles: tuple[str, ...] = ("prefill", "decode")
+
+    def __init__(self, conductor: Conductor,
+                 migration_deadline_s: float = MIGRATION_DEADLINE_S) -> None:
         self.conductor = conductor
+        self.migration_deadline_s = migration_deadline_s
+        self.migrations_total = 0
 
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        sampling: SamplingParams,
                        cache_salt: str | None = None) -> AsyncIterator[TokenDelta]:
         """Raises GenerationError before the first item if the request cannot start."""
-        prompt = tuple(prompt_token_ids)
+        if sampling.seed is None:  # every attempt must draw from the same stream
+            sampling = replace(sampling, seed=draw_seed())
+        run = _Run(request_id, tuple(prompt_token_ids), sampling, cache_salt)
+        while True:
+            run.attempts += 1
+            try:
+                async with aclosing(self._attempt(run)) as deltas:
+                    async for delta in deltas:
+                        run.generated.extend(delta.token_ids)
+                        yield delta if run.attempts == 1 else replace(delta,
+                                                                      request_id=request_id)
+                        if delta.finish_reason is not None:
+                            return
+                return
+            except _Moved as moved:
+                error = await self._before_retry(run, moved)
+            except GenerationError as exc:
+                if not run.generated:
+                    raise
+                error = str(exc)
+            if error is not None:
+                if not run.generated:
+                    raise GenerationError(error)
+                yield TokenDelta(request_id, (), FinishReason.ERROR, error=error)
+                return
+
+    async def _before_retry(self, run: _Run, moved: _Moved) -> str | None:
+        """Marks a dead instance, waits for somewhere to go. Returns None to retry, else the
+        error that ends the request."""
+        run.failed.add(moved.instance.worker_id)
+        if moved.dead:
+            self.conductor.registry.mark_dead(moved.instance.worker_id)
+        else:
+            run.worker_errors += 1
+            if run.worker_errors > MAX_WORKER_ERROR_RETRIES:
+                return str(moved)
+        if run.attempts >= MAX_ATTEMPTS:
+            return f"{moved} (gave up after {run.attempts} attempts)"
+        log.warning("request %s: %s; migrating after %d tokens", run.request_id, moved,
+                    len(run.generated))
+        if not await self._wait_for_live(run):
+            return (f"{moved}; no live instance to migrate to within "
+                    f"{self.migration_deadline_s:g} s")
+        self.migrations_total += 1
+        return None
+
+    async def _wait_for_live(self, run: _Run) -> bool:
+        registry = self.conductor.registry
+        deadline = time.monotonic() + self.migration_deadline_s
+        while not all(registry.by_role(r) for r in self.roles):
+            if time.monotonic() >= deadline or not all(registry.count(r) for r in self.roles):
+                return False
+            await asyncio.sleep(_WAIT_POLL_S)
+        return True
+
+    def _route_request(self, run: _Run, prompt: tuple[int, ...]) -> RouteRequest:
+        return RouteRequest(run.attempt_id, prompt, run.cache_salt)
+
+    def _routing_error(self, run: _Run, exc: NoInstanceError) -> Exception:
+        """First attempt: the request cannot start (503, or 429 on admission). Later ones:
+        wait for an instance (a rejection is retried until the deadline too)."""
+        if run.attempts == 1 and (isinstance(exc, RequestRejected)
+                                  or not all(self.conductor.registry.count(r)
+                                             for r in self.roles)):
+            return GenerationError(str(exc))
+        placeholder = Instance("(none)", self.roles[-1], None)
+        return _Moved(placeholder, str(exc), dead=True)  # wait for an instance to come back
+
+    async def _attempt(self, run: _Run) -> AsyncIterator[TokenDelta]:
+        prompt, params = run.resumed()
         try:
-            prefill, decode = self.conductor.route(RouteRequest(request_id, prompt, cache_salt))
+            prefill, decode = self.conductor.route(self._route_request(run, prompt), run.failed)
         except NoInstanceError as exc:
-            raise GenerationError(str(exc)) from exc
+            raise self._routing_error(run, exc) from exc
+        attempt_id = run.attempt_id
         prefill_done = False
         try:
             result = await prefill.handle.prefill.remote(
-                PrefillRequest(request_id, prompt, sampling, cache_salt, decode.worker_id))
+                PrefillRequest(attempt_id, prompt, params, run.cache_salt, decode.worker_id))
             prefill_done = True
         except (RayTaskError, RayActorError) as exc:
-            raise _worker_error(exc, prefill) from exc
+            if isinstance(exc, RayTaskError) and isinstance(exc.cause, ValueError):
+                raise _worker_error(exc, prefill) from exc  # the input itself: no retry
+            raise _moved(exc, prefill) from exc
         finally:
             # the measured prefill calibrates the Conductor's queue predictions
-            self.conductor.prefill_done(request_id, ok=prefill_done)
+            self.conductor.prefill_done(attempt_id, ok=prefill_done)
             if not prefill_done:  # cancelled while waiting: the prefill may still be queued
-                _abort(prefill, request_id)
+                _abort(prefill, attempt_id)
         first_logprobs = None if result.first_logprob is None else (result.first_logprob,)
-        yield TokenDelta(request_id, (result.first_token,), None, logprobs=first_logprobs,
+        yield TokenDelta(attempt_id, (result.first_token,), None, logprobs=first_logprobs,
                          extra={"prefill_worker_id": result.prefill_worker_id,
                                 "prefill_pid": result.prefill_pid})
-        async for delta in _stream_decode(decode, DecodeRequest(request_id, prompt, sampling,
-                                                                result)):
-            yield delta
+        async with aclosing(_stream_decode(decode, DecodeRequest(attempt_id, prompt, params,
+                                                                result))) as stream:
+            async for delta in stream:
+                yield delta
 
 
 class ColocatedPipeline(Pipeline):
     """Colocated (`--colocated`): one decode instance prefills and decodes, no KV transfer."""
 
-    async def generate(self, request_id: str, prompt_token_ids: list[int],
-                       sampling: SamplingParams,
-                       cache_salt: str | None = None) -> AsyncIterator[TokenDelta]:
-        prompt = tuple(prompt_token_ids)
+    roles = ("decode",)
+
+    async def _attempt(self, run: _Run) -> AsyncIterator[TokenDelta]:
+        prompt, params = run.resumed()
         try:
-            decode = self.conductor.route_decode(RouteRequest(request_id, prompt, cache_salt))
+            decode = self.conductor.route_decode(self._route_request(run, prompt), run.failed)
         except NoInstanceError as exc:
-            raise GenerationError(str(exc)) from exc
-        async for delta in _stream_decode(decode, DecodeRequest(request_id, prompt, sampling)):
-            yield delta
+            raise self._routing_error(run, exc) from exc
+        request = DecodeRequest(run.attempt_id, prompt, params)
+        async with aclosing(_stream_decode(decode, request)) as stream:
+            async for delta in stream:
+                yield delta
 
 
 async def _stream_decode(decode: Instance, request: DecodeRequest) -> AsyncIterator[TokenDelta]:
     """The decode instance's stream; an explicit abort if the consumer stops early (a Ray
-    streaming generator runs on when dropped)."""
+    streaming generator runs on when dropped). Raises _Moved when the worker dies or ends the
+    request with an error."""
     finished = False
     stream = decode.handle.generate.options(num_returns="streaming").remote(request)
     try:
         async for ref in stream:
             delta: TokenDelta = await ref
             finished = delta.finish_reason is not None
+            if delta.finish_reason is FinishReason.ERROR:
+                raise _Moved(decode, f"decode worker {decode.worker_id} failed: {delta.error}",
+                             dead=False)
             yield delta
     except (RayTaskError, RayActorError) as exc:
         finished = True
-        yield TokenDelta(request.request_id, (), FinishReason.ERROR,
-                         error=str(_worker_error(exc, decode)))
+        raise _moved(exc, decode) from exc
     finally:
         if not finished:
             _abort(decode, request.request_id)

@@ -50,8 +50,8 @@ class IndexActor:
     def longest_prefix(self, keys: list[bytes]) -> list[list[Location]]:
         return self._index.longest_prefix(keys)
 
-    def heartbeat(self, node_id: str, lease_s: float) -> None:
-        self._index.heartbeat(node_id, lease_s)
+    def heartbeat(self, node_id: str, lease_s: float) -> bool:
+        return self._index.heartbeat(node_id, lease_s)
 
     def alive_nodes(self) -> set[str]:
         return self._index.alive_nodes()
@@ -123,9 +123,9 @@ class ActorIndex(KVIndex):
     def longest_prefix(self, keys: Sequence[bytes]) -> list[list[Location]]:
         return self._call("longest_prefix", list(keys))
 
-    def heartbeat(self, node_id: str, lease_s: float = DEFAULT_NODE_LEASE_S) -> None:
+    def heartbeat(self, node_id: str, lease_s: float = DEFAULT_NODE_LEASE_S) -> bool:
         check_lease(lease_s)
-        self._call("heartbeat", node_id, lease_s)
+        return self._call("heartbeat", node_id, lease_s)
 
     def alive_nodes(self) -> set[str]:
         return self._call("alive_nodes")

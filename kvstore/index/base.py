@@ -15,7 +15,9 @@ Semantics shared by every backend (``MemoryIndex``, ``RedisIndex``, ``ActorIndex
   heartbeats again gets them back. Entries are dropped only by ``remove``/``remove_location``
   (a restarting node or instance should call ``remove_location`` before publishing again).
   A node that stops heartbeating drops out of lookups within its lease (``DEFAULT_NODE_LEASE_S``);
-  heartbeat every ``lease_s / 3``.
+  heartbeat every ``lease_s / 3``. ``heartbeat`` tells whether the lease was still running;
+  when it was not, the index may have lost the node's entries too, so the node re-announces
+  its blocks (issue 9: an index restarted empty costs recompute until then, never errors).
 * **Load reports** are small JSON-able dicts per instance with their own TTL; they round-trip
   through JSON in every backend (tuples come back as lists).
 * **Events.** ``apply_events`` replays a pool's ``kvstore.events`` in order:
@@ -163,8 +165,13 @@ class KVIndex(abc.ABC):
         backend (two for Redis: the sets, then the liveness of the nodes they name)."""
 
     @abc.abstractmethod
-    def heartbeat(self, node_id: str, lease_s: float = DEFAULT_NODE_LEASE_S) -> None:
-        """Mark ``node_id`` alive for the next ``lease_s`` seconds (> 0)."""
+    def heartbeat(self, node_id: str, lease_s: float = DEFAULT_NODE_LEASE_S) -> bool:
+        """Mark ``node_id`` alive for the next ``lease_s`` seconds (> 0).
+
+        Returns whether its lease was still running. False after a first heartbeat, a lease
+        that ran out, or an index that lost its contents (a Redis restarted empty): the node
+        must then publish its blocks again (``kvstore.actor`` re-announces them).
+        """
 
     @abc.abstractmethod
     def alive_nodes(self) -> set[str]:

@@ -82,10 +82,13 @@ class MemoryIndex(KVIndex):
     def _alive_holders(self, key: bytes, alive: set[str]) -> list[Location]:
         return sorted_locations(loc for loc in self._blocks.get(key, ()) if loc.node_id in alive)
 
-    def heartbeat(self, node_id: str, lease_s: float = DEFAULT_NODE_LEASE_S) -> None:
+    def heartbeat(self, node_id: str, lease_s: float = DEFAULT_NODE_LEASE_S) -> bool:
         check_lease(lease_s)
         with self._lock:
-            self._node_deadline[node_id] = self._clock() + lease_s
+            now = self._clock()
+            renewed = self._node_deadline.get(node_id, now) > now
+            self._node_deadline[node_id] = now + lease_s
+        return renewed
 
     def alive_nodes(self) -> set[str]:
         with self._lock:

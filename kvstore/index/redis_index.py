@@ -19,7 +19,9 @@ location (base module docstring) they stay consistent.
 
 Redis restart (or data loss): the client reconnects on the next call (redis-py retries with
 backoff, ``retries`` times); the caller then sees an empty index: lookups miss, no node is alive
-until it heartbeats again, no loads. Entries come back as pools publish new events. While the
+until it heartbeats again, no loads. The next heartbeat finds the node's lease gone (returns
+False), and the node's KV store re-announces every block it holds (kvstore.actor); G1 entries
+come back as pools publish new events. While the
 server is unreachable every call raises ``KVIndexUnavailableError`` after the retries.
 """
 
@@ -181,13 +183,14 @@ class RedisIndex(KVIndex):
             result.append(live)
         return result
 
-    def heartbeat(self, node_id: str, lease_s: float = DEFAULT_NODE_LEASE_S) -> None:
+    def heartbeat(self, node_id: str, lease_s: float = DEFAULT_NODE_LEASE_S) -> bool:
         ttl_ms = _ttl_ms(lease_s)
         with _translate_errors():
             pipe = self._client.pipeline(transaction=False)
-            pipe.set(self._node(node_id), b"1", px=ttl_ms)
+            pipe.set(self._node(node_id), b"1", px=ttl_ms, get=True)  # SET ... GET: Redis 6.2+
             pipe.sadd(f"{self._ns}:nodes", node_id)
-            pipe.execute()
+            previous, _ = pipe.execute()
+        return previous is not None
 
     def alive_nodes(self) -> set[str]:
         with _translate_errors():

@@ -1,0 +1,91 @@
+"""Index loss (issue 9): a heartbeat tells whether the index still knew the node's lease, and a
+node's KV store re-announces its blocks when it did not (a Redis restarted empty)."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import pytest
+import torch
+
+from kvstore.hashing import block_keys, make_namespace
+from kvstore.index import KVIndex, Location, MemoryIndex, open_index
+
+
+def make_keys(num_blocks: int) -> list[bytes]:
+    return block_keys(list(range(16 * num_blocks)), 16, make_namespace("reannounce-test"))
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_memory_heartbeat_reports_whether_the_lease_was_running():
+    clock = Clock()
+    index = MemoryIndex(clock=clock)
+    assert index.heartbeat("n", 5.0) is False  # never seen
+    clock.t += 4.9
+    assert index.heartbeat("n", 5.0) is True
+    clock.t += 5.1
+    assert index.heartbeat("n", 5.0) is False  # lease ran out
+    index.clear()
+    assert index.heartbeat("n", 5.0) is False  # index lost its contents
+
+
+def test_redis_heartbeat_reports_whether_the_lease_was_running(fresh_redis_server):
+    with open_index(fresh_redis_server.url, namespace=f"t-{uuid.uuid4().hex[:8]}") as index:
+        assert index.heartbeat("n", 0.3) is False
+        assert index.heartbeat("n", 0.3) is True
+        time.sleep(0.4)
+        assert index.heartbeat("n", 30.0) is False  # expired
+        assert index.heartbeat("n", 30.0) is True
+        fresh_redis_server.restart(kill=True)  # back on the same port, empty
+        assert index.heartbeat("n", 30.0) is False
+
+
+@pytest.mark.slow
+def test_kv_store_reannounces_its_blocks_after_redis_restarts_empty(fresh_redis_server):
+    ray = pytest.importorskip("ray")
+    from kvstore.actor import start_kvstore_actors
+    from kvstore.client import KVStoreClient
+    from kvstore.config import KVStoreConfig
+    from kvstore.host_store import BlockLayout
+    from kvstore.pool_config import KVPoolConfig
+
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+    ns = f"reannounce-{uuid.uuid4().hex[:8]}"
+    layout = BlockLayout("float32", (2, 2, 16, 2, 4))
+    pool = KVPoolConfig(dram_cache_bytes=1 << 20, index_url=fresh_redis_server.url,
+                        node_lease_s=1.5)
+    actors = start_kvstore_actors(KVStoreConfig(), pool, layout, ns)
+    try:
+        [(node_id, actor)] = list(actors.items())[:1]
+        keys = make_keys(4)
+        with KVStoreClient(ray.get(actor.address.remote())) as client:
+            client.put_blocks(keys, torch.randn(4, *layout.shape))
+        index: KVIndex = open_index(fresh_redis_server.url)
+        host = Location(node_id, "host")
+        assert index.longest_prefix(keys) == [[host]] * 4
+
+        fresh_redis_server.restart(kill=True)  # empty: no persistence
+        assert index.longest_prefix(keys) == []  # a miss (recompute), not an error
+        deadline = time.monotonic() + 10
+        while index.longest_prefix(keys) != [[host]] * 4:  # the heartbeat loop's doing
+            assert time.monotonic() < deadline, "blocks were not re-announced"
+            time.sleep(0.1)
+        stats = ray.get(actor.stats.remote())
+        assert stats["index_reannouncements"] >= 2 and stats["index_reannounced_blocks"] >= 4
+        index.close()
+    finally:
+        for handle in actors.values():
+            ray.get(handle.stop.remote())
+            ray.kill(handle)
+        if started:
+            ray.shutdown()
