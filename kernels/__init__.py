@@ -1,14 +1,16 @@
 """Kernel dispatch: the engine calls these functions, never an implementation directly.
 
-Each function runs its Triton kernel (`kernels.triton_*`) or its torch reference
-(`kernels.reference`, the CPU path and the test oracle), chosen per call by the backend:
+Each function runs its Triton kernel (`kernels.triton_*`) or its torch implementation, chosen
+per call by the backend. The torch implementation is `kernels.reference` (the test oracle),
+except paged attention, which runs `kernels.torch_attention` (same contract, no gathering
+copies; checked against the reference in tests/kernels):
 
-- "auto" (default): Triton for CUDA tensors, the reference otherwise;
+- "auto" (default): Triton for CUDA tensors, torch otherwise;
 - "triton": always Triton. CPU tensors then run in Triton's interpreter, which triton selects
   from `TRITON_INTERPRET=1` in the environment when the kernels are first imported; without it
   `set_backend("triton")` on a machine without CUDA raises. Ray workers get the variable
   through their runtime environment (`runtime_env_vars`);
-- "torch": always the reference.
+- "torch": always torch.
 
 triton is imported only when a Triton kernel is first needed. Shapes, dtypes and semantics are
 documented on the reference functions; the launchers (`kernels.triton_*.plan_*`) check shapes,
@@ -22,7 +24,7 @@ from types import ModuleType
 
 import torch
 
-from kernels import reference
+from kernels import reference, torch_attention
 
 __all__ = [
     "BACKENDS",
@@ -136,7 +138,7 @@ def paged_prefill_attention(
     """Varlen causal attention of packed new tokens over paged K/V -> [total_q, num_heads, head_dim].
 
     See `reference.paged_prefill_attention`."""
-    impl = _triton("triton_paged_prefill") if _use_triton(q) else reference
+    impl = _triton("triton_paged_prefill") if _use_triton(q) else torch_attention
     return impl.paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale)
 
 
@@ -151,7 +153,7 @@ def paged_decode_attention(
     """One-token-per-sequence attention over paged K/V -> [num_seqs, num_heads, head_dim].
 
     Split-K (flash-decoding) on the Triton path. See `reference.paged_decode_attention`."""
-    impl = _triton("triton_paged_decode") if _use_triton(q) else reference
+    impl = _triton("triton_paged_decode") if _use_triton(q) else torch_attention
     return impl.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale)
 
 

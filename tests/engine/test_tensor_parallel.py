@@ -92,8 +92,9 @@ def test_tp2_matches_tp1(model, request, tmp_path):
     # the KV pool's block layout is the same at TP=1 and TP=2 (every KV head)
     assert tp2["wire_shape"] == tp1["wire_shape"]
     assert tp1["wire_shape"][3] == config.num_key_value_heads
+    # (fp32 sums in another order: K/V values reach ~25, so a relative tolerance too)
     torch.testing.assert_close(torch.load(tp2_out / "wire.pt"), torch.load(tp1_out / "wire.pt"),
-                               atol=1e-5, rtol=0)
+                               atol=1e-5, rtol=1e-5)
     # a forward issues 2 all-reduces per layer (after o_proj, after down_proj); none at TP=1
     layers = config.num_hidden_layers
     assert tp2["prefill_all_reduces"] == 2 * layers

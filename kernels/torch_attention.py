@@ -1,0 +1,99 @@
+"""Paged attention in plain torch without gathering copies: the CPU path of the engine.
+
+Same contracts (shapes, dtypes, masks, GQA mapping) as `kernels.reference`, which stays the
+simple test oracle. What differs is memory traffic, which decides CPU decode speed (measured:
+the reference's padded gather + einsum copies took ~70 % of a 100M-model decode step at batch
+32; see benchmarks/RESULTS.md, "CPU attention path"):
+
+- a sequence whose block table is a run of consecutive block ids reads its K/V as a *view* of
+  the cache (no copy); otherwise `index_select` copies only its own blocks, never a padded
+  max_blocks slab;
+- GQA never repeats K/V: the query heads of one KV head form the rows of one matrix
+  ([num_kv_heads, group, head_dim] @ [num_kv_heads, head_dim, seq_len]), and the strided K/V
+  views go to BLAS as they are;
+- prefill runs `torch.nn.functional.scaled_dot_product_attention` per sequence (its fused CPU
+  kernel),
+  with a bottom-right causal mask when a cached prefix precedes the new tokens (FlashAttention's
+  `causal=True` convention for seqlen_k > seqlen_q).
+
+Math in float32, output cast back to q's dtype, as the reference.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def sequence_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """The first `seq_len` tokens of one sequence from a paged cache [num_blocks, block_size,
+    num_kv_heads, head_dim]: [seq_len, num_kv_heads, head_dim], float32; a view of the cache
+    when its blocks are consecutive ids in a float32 cache, else a copy of its blocks only."""
+    block_size = cache.shape[1]
+    num_blocks = -(-seq_len // block_size)
+    table = block_table[:num_blocks].to(torch.int64)
+    first = int(table[0])
+    if num_blocks == 1 or bool((table[1:] - table[:-1] == 1).all()):
+        blocks = cache[first:first + num_blocks]
+    else:
+        blocks = cache.index_select(0, table)
+    return blocks.reshape(-1, *cache.shape[2:])[:seq_len].to(torch.float32)
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """One new token per sequence over its paged K/V -> [num_seqs, num_heads, head_dim] in q's
+    dtype. See `reference.paged_decode_attention` for the contract."""
+    num_seqs, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    qg = q.to(torch.float32).view(num_seqs, num_kv_heads, group, head_dim)
+    out = torch.empty(num_seqs, num_kv_heads, group, head_dim, dtype=torch.float32,
+                      device=q.device)
+    for seq, seq_len in enumerate(seq_lens.tolist()):
+        k = sequence_kv(k_cache, block_tables[seq], seq_len)  # [S, N, D]
+        v = sequence_kv(v_cache, block_tables[seq], seq_len)
+        scores = torch.bmm(qg[seq], k.permute(1, 2, 0)).mul_(scale)  # [N, G, S]
+        torch.bmm(scores.softmax(dim=-1), v.transpose(0, 1), out=out[seq])  # [N, G, D]
+    return out.view(num_seqs, num_heads, head_dim).to(q.dtype)
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of packed new tokens over each sequence's paged K/V ->
+    [total_q, num_heads, head_dim] in q's dtype (padding rows zero). See
+    `reference.paged_prefill_attention` for the contract."""
+    out = torch.zeros_like(q)
+    starts = cu_seqlens_q.tolist()
+    for seq, seq_len in enumerate(seq_lens.tolist()):
+        start, end = starts[seq], starts[seq + 1]
+        num_new = end - start
+        if num_new == 0:
+            continue
+        k = sequence_kv(k_cache, block_tables[seq], seq_len).transpose(0, 1)  # [N, S, D]
+        v = sequence_kv(v_cache, block_tables[seq], seq_len).transpose(0, 1)
+        qs = q[start:end].to(torch.float32).transpose(0, 1)  # [H, L, D]
+        if num_new == seq_len:
+            mask, causal = None, True
+        else:  # bottom-right aligned: new token i sits at position seq_len - num_new + i
+            key_pos = torch.arange(seq_len, device=q.device)
+            query_pos = key_pos[seq_len - num_new:]
+            mask, causal = key_pos[None, :] <= query_pos[:, None], False
+        # 4-D inputs: CPU SDPA takes its fused (flash) kernel with a mask only with a batch dim
+        o = F.scaled_dot_product_attention(qs[None], k[None], v[None], attn_mask=mask,
+                                           is_causal=causal, scale=scale, enable_gqa=True)
+        out[start:end] = o[0].transpose(0, 1).to(q.dtype)  # [H, L, D] -> [L, H, D]
+    return out
