@@ -22,6 +22,8 @@ from engine.tp_instance import TPInstance
 from kvstore.actor import kvstore_actor
 from kvstore.config import KVStoreConfig, KVTransferConfig
 from kvstore.node_client import NodeStoreClient
+from kvstore.transfer.layer_stream import LayerStreamAnnounce
+from kvstore.transfer.peers import RayStreamPeers, register_self
 
 
 @ray.remote
@@ -32,7 +34,8 @@ class DecodeWorker:
     each request's blocks in the KV pool's layout and scatters the KV-head slices to the ranks.
 
     transfer: the KV transfer settings (``--kv-transfer``), shared by every worker; None: gRPC
-    with the KV store's timeout and token.
+    with the KV store's timeout and token. With ``transfer.streaming == "layer"`` the actor
+    registers itself (kvstore.transfer.peers) so prefills can announce their layer streams.
     """
 
     def __init__(self, worker_id: str, engine_config: EngineConfig, kv_config: KVStoreConfig,
@@ -46,8 +49,12 @@ class DecodeWorker:
         transfer = transfer or KVTransferConfig(timeout_s=timeout, token=kv_config.token)
         node_client = NodeStoreClient(kvstore_actor(node_id, ray_namespace), timeout)
         fetcher = KVFetcher(runner.wire_kv, transfer, node_id, node_client)
+        peers = None
+        if transfer.streaming == "layer":
+            register_self(worker_id, ray_namespace)
+            peers = RayStreamPeers(ray_namespace, timeout)
         self.worker_id = worker_id
-        self.engine = DecodeEngine(runner, worker_id, os.getpid(), fetcher)
+        self.engine = DecodeEngine(runner, worker_id, os.getpid(), fetcher, peers)
 
     async def generate(self, request: DecodeRequest) -> AsyncIterator[TokenDelta]:
         loop = asyncio.get_running_loop()
@@ -66,6 +73,19 @@ class DecodeWorker:
 
     async def abort(self, request_id: str) -> None:
         self.engine.abort(request_id)
+
+    async def expect_layer_stream(self, announce: LayerStreamAnnounce) -> None:
+        """A prefill announces a request's layer stream (--kv-streaming layer)."""
+        self.engine.expect_layer_stream(announce)
+
+    async def cancel_layer_stream(self, request_id: str) -> None:
+        """The prefill gave an announced layer stream up."""
+        self.engine.cancel_layer_stream(request_id)
+
+    async def kv_timings(self, request_id: str) -> dict | None:
+        """How the request's KV arrived (DecodeEngine.kv_timings), None if unknown."""
+        timings = self.engine.kv_timings.get(request_id)
+        return None if timings is None else dict(timings)
 
     async def info(self) -> dict:
         return {"worker_id": self.worker_id, "pid": os.getpid(), "role": "decode",

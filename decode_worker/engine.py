@@ -9,8 +9,12 @@ Lifecycle of a request on a decode worker:
 3. WAITING_FOR_KV — the prompt's KV comes into the reserved blocks through a transfer backend
                     (kv_fetch.py): pushed by the prefill over a torch.distributed pair
                     (--kv-transfer torch), else pulled from the prefill node's KV store (arena
-                    on the same node, gRPC otherwise). The engine loop polls the fetch once per
-                    iteration, never blocks on it; a failed fetch frees the blocks at once.
+                    on the same node, gRPC otherwise); with --kv-streaming layer the blocks
+                    were reserved when the prefill announced the request and its layers land
+                    while the prefill computes (kv_streams.py), so this state may be short.
+                    The engine loop polls the fetch once per iteration, never blocks on it.
+                    A fetch that fails after its one retry (kv_fetch.py) is replaced by
+                    recomputing the prompt here, into the same blocks.
 4. RUNNING        — joins the batch at the next step; each step feeds the last token of every
                     running request (one forward token each), samples the next, streams it.
    PREEMPTED      — when a growing request finds no free block, the newest running request
@@ -32,17 +36,21 @@ import logging
 import math
 import queue
 import threading
-from collections import deque
+import time
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Callable
 
 from decode_worker.kv_fetch import KVFetch, KVFetcher
-from decode_worker.preemption import PREEMPTION_MODES, prefill_locally
+from decode_worker.kv_streams import PendingStreams
+from decode_worker.preemption import PREEMPTION_MODES, prefill_locally, recompute_prompt
 from engine.protocol import DecodeRequest, FinishReason, TokenDelta, TokenLogprob
 from engine.runner import ModelRunner, SequenceChunk
 from engine.sampler import SampleInput, draw_seed, sample
 from kvstore.block_pool import BlockPool
 from kvstore.transfer.base import TransferState
+from kvstore.transfer.layer_stream import LayerStreamAnnounce
+from kvstore.transfer.peers import StreamPeers
 
 log = logging.getLogger(__name__)
 
@@ -88,10 +96,14 @@ class DecodeEngine:
 
     step_log: the request ids of each of the last STEP_LOG_SIZE decode steps, as
     (step number, ids) — which requests shared a batch, and when each joined and left.
+    kv_timings: per request (the last STEP_LOG_SIZE fetched ones): when its fetch started and
+    when it was admitted to run (time.time()), the paths tried, a layer stream's per-piece
+    arrivals, whether the prompt was recomputed, and the PrefillResult's extra.
+    peers: how to tell a prefill its layer stream is no longer wanted (None: nobody).
     """
 
     def __init__(self, runner: ModelRunner, worker_id: str, pid: int,
-                 fetcher: KVFetcher) -> None:
+                 fetcher: KVFetcher, peers: StreamPeers | None = None) -> None:
         self.runner = runner
         self.worker_id = worker_id
         self.pid = pid
@@ -113,6 +125,10 @@ class DecodeEngine:
         self.num_forward_tokens_total = 0
         self.num_steps_total = 0
         self.step_log: deque[tuple[int, tuple[str, ...]]] = deque(maxlen=STEP_LOG_SIZE)
+        self.kv_timings: OrderedDict[str, dict] = OrderedDict()
+        self.streams = PendingStreams(self, peers, orphan_s=fetcher.transfer.timeout_s)
+        self.num_fetch_retries_total = 0
+        self.num_fetch_recomputes_total = 0
         self._thread = threading.Thread(target=self._loop, name="decode-engine", daemon=True)
         self._thread.start()
 
@@ -129,6 +145,16 @@ class DecodeEngine:
         self._inbox.put(("abort", request_id))
         self._wakeup.set()
 
+    def expect_layer_stream(self, announce: LayerStreamAnnounce) -> None:
+        """A prefill is about to stream this request's layers here (kv_streams.py)."""
+        self._inbox.put(("expect", announce))
+        self._wakeup.set()
+
+    def cancel_layer_stream(self, request_id: str) -> None:
+        """The prefill gave up an announced stream: drop it unless its request came."""
+        self._inbox.put(("cancel", request_id))
+        self._wakeup.set()
+
     def stats(self) -> dict:
         return {
             "worker_id": self.worker_id,
@@ -142,6 +168,9 @@ class DecodeEngine:
             "num_recomputed_tokens_total": self.num_recomputed_tokens_total,
             "kv_bytes_fetched_total": self.fetcher.bytes_fetched_total,
             "kv_bytes_fetched_by_backend": dict(self.fetcher.bytes_by_backend),
+            "num_pending_layer_streams": len(self.streams),
+            "num_fetch_retries_total": self.num_fetch_retries_total,
+            "num_fetch_recomputes_total": self.num_fetch_recomputes_total,
         }
 
     def shutdown(self) -> None:
@@ -155,6 +184,8 @@ class DecodeEngine:
         while not self._stop.is_set():
             try:
                 self._drain_inbox()
+                self.streams.poll()
+                self.streams.attach_waiting()
                 self._admit_waiting()
                 self._poll_fetches()
                 running = self._grow_blocks(
@@ -162,7 +193,8 @@ class DecodeEngine:
                 if running:
                     self._step(running)
                 else:
-                    fetching = any(s.fetch is not None for s in self._active.values())
+                    fetching = len(self.streams) or any(s.fetch is not None
+                                                        for s in self._active.values())
                     self._wakeup.wait(timeout=FETCH_POLL_S if fetching else IDLE_WAIT_S)
                     self._wakeup.clear()
             except Exception:  # noqa: BLE001 — the loop must outlive one bad step
@@ -181,10 +213,16 @@ class DecodeEngine:
                 self._arrivals += 1
                 item.arrival = self._arrivals
                 self._waiting.append(item)
+            elif kind == "expect":
+                self.streams.expect(item)
+            elif kind == "cancel":
+                if not any(s.request_id == item for s in self._waiting):
+                    self.streams.drop(item)
             else:
                 self._abort_now(item)
 
     def _abort_now(self, request_id: str) -> None:
+        self.streams.drop(request_id, tell_prefill=True)
         for seq in self._waiting:
             if seq.request_id == request_id:
                 self._waiting.remove(seq)
@@ -206,6 +244,15 @@ class DecodeEngine:
         total = min(len(seq.request.prompt_token_ids) + seq.request.sampling.max_tokens,
                     self.max_model_len)
         return math.ceil(total / self.block_size)
+
+    def _start_waiting_for_kv(self, seq: DecodeSequence, fetch: KVFetch) -> None:
+        self.streams.seen(seq.request_id)
+        seq.status = RequestStatus.WAITING_FOR_KV
+        seq.fetch = fetch
+        self.kv_timings[seq.request_id] = {"fetch_start_s": fetch.started_s,
+                                           "prefill_extra": dict(seq.request.prefill.extra)}
+        while len(self.kv_timings) > STEP_LOG_SIZE:
+            self.kv_timings.popitem(last=False)
 
     def _admit_waiting(self) -> None:
         """First come, first served: stop at the first request that does not fit."""
@@ -242,8 +289,13 @@ class DecodeEngine:
             if seq.request.prefill is None:
                 self._prefill_colocated(seq)
                 continue
-            seq.status = RequestStatus.WAITING_FOR_KV
-            seq.fetch = self.fetcher.start_fetch(seq.request.prefill, seq.block_table)
+            prefill = seq.request.prefill
+            if prefill.layer_stream is not None:  # not announced here in time: take it now
+                fetch = self.fetcher.start_stream(prefill.layer_stream, seq.block_table)
+                fetch.attach(prefill)
+            else:
+                fetch = self.fetcher.start_fetch(prefill, seq.block_table)
+            self._start_waiting_for_kv(seq, fetch)
 
     def _prefill_colocated(self, seq: DecodeSequence) -> None:
         """Colocated mode: prefill the prompt here and sample output token 0 (no transfer)."""
@@ -267,12 +319,20 @@ class DecodeEngine:
             if not state.done:
                 continue
             fetch, seq.fetch = seq.fetch, None
+            self.num_fetch_retries_total += fetch.retries
+            timings = self.kv_timings.get(seq.request_id, {})
+            timings.update(fetch.timings())
             if seq.aborted:
                 self._finish(seq, FinishReason.ABORT)
-            elif state is TransferState.FAILED:
-                self._finish(seq, FinishReason.ERROR, f"KV fetch failed: {fetch.error}")
-            else:
-                seq.status = RequestStatus.RUNNING
+                continue
+            if state is TransferState.FAILED:
+                log.warning("KV fetch of %s failed (%s), recomputing the prompt here: %s",
+                            seq.request_id, "→".join(fetch.paths), fetch.error)
+                if not recompute_prompt(self, seq):
+                    continue
+                timings["recomputed"] = True
+            seq.status = RequestStatus.RUNNING
+            timings["admitted_s"] = time.time()
 
     def _grow_blocks(self, running: list[DecodeSequence]) -> list[DecodeSequence]:
         """Give each running request the block its next token needs, oldest first; when none

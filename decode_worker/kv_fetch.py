@@ -11,6 +11,16 @@ The path a request's blocks take (KVFetcher.start_fetch):
 2. store — full blocks through this node's shared-memory arena when the prefill ran on this
    node, else by key over gRPC streams; the tail by its one-shot handle over gRPC
    (``--kv-transfer fake``, tests only: the fake backend instead).
+3. layer — with ``--kv-streaming layer`` the prefill announces the request before computing
+   (KVFetcher.start_stream, before the decode even has the request) and the pieces of each
+   layer are taken from the prefill node's store as they are put (LayerStreamReceiver).
+
+Faults (issue 9): every attempt has a deadline (KVTransferConfig.timeout_s; a layer stream's
+bounds the silence between pieces). A failed or timed-out attempt is retried once from
+another holder: after a pair or layer stream, the prefill node's store (keyed blocks + tail);
+after the store itself, the store again over gRPC (the one other path to the only node known
+to hold the tail). If the retry fails too, the fetch FAILS and the engine recomputes the
+prompt locally (decode_worker/engine.py), so a transfer fault costs time, not the request.
 
 Blocks land straight in the reserved cache blocks, written from the backends' threads (a
 CallbackDest): no running request uses those blocks, and once poll() has returned FAILED, or
@@ -24,26 +34,31 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from typing import Sequence
 
 import torch
 
+from decode_worker.kv_receivers import ArenaReceiver, LayerWriter
 from engine.kv_cache import PagedKVCache
 from engine.protocol import PrefillResult
 from kvstore.config import KVTransferConfig
-from kvstore.errors import BlockLayoutError, BlockNotFoundError, KVStoreError, KVTransferError
+from kvstore.errors import KVStoreError
 from kvstore.node_client import NodeStoreClient
 from kvstore.transfer.base import FetchRequest, KVReceiver, KVTransferBackend, TransferState
-from kvstore.transfer.dest import BlockDest, CallbackDest, as_dest
+from kvstore.transfer.dest import CallbackDest
 from kvstore.transfer.grpc_backend import GrpcTransferBackend
+from kvstore.transfer.layer_stream import LayerStreamAnnounce, LayerStreamReceiver
 from kvstore.transfer.registry import create_backend
 
 log = logging.getLogger(__name__)
 
 #: Paths whose success took the tail block from the prefill node's store.
 _TAKES_STORE_TAIL = frozenset({"grpc", "arena"})
+#: Attempts of one fetch: the first path, then one retry from another holder.
+MAX_ATTEMPTS = 2
 
 
 class KVFetcher:
@@ -96,10 +111,13 @@ class KVFetcher:
         """Begin writing the prompt's KV into ``block_table[0 : n_full (+1 if tail)]``; never
         blocks. Poll the returned fetch once per engine step."""
         num_blocks = len(prefill.block_keys) + (prefill.tail_handle is not None)
-        table = list(block_table[:num_blocks])
-        dest = CallbackDest(lambda start, blocks: self._write(table, start, blocks), num_blocks,
-                            self.kv_cache.block_shape, self.kv_cache.dtype)
-        return KVFetch(self, prefill, dest)
+        return KVFetch(self, list(block_table[:num_blocks]), prefill)
+
+    def start_stream(self, announce: LayerStreamAnnounce, block_table: Sequence[int]) -> KVFetch:
+        """Begin taking a layer stream into ``block_table[0 : announce.num_blocks]`` while the
+        prefill computes; never blocks. The fetch needs the PrefillResult (KVFetch.attach)
+        only to retry from the store."""
+        return KVFetch(self, list(block_table[:announce.num_blocks]), None, announce)
 
     def fetch(self, prefill: PrefillResult, block_table: Sequence[int]) -> int:
         """Synchronous start_fetch: waits for the fetch; returns the bytes written.
@@ -119,6 +137,8 @@ class KVFetcher:
         do for a colocated request (prefill None)."""
         if prefill is None:
             return
+        if prefill.layer_stream is not None:
+            self.release_pieces(prefill.layer_stream)
         if self.pair is not None and prefill.pair_address is not None:
             request = _pair_request(prefill)
             sink = CallbackDest(lambda start, blocks: None, request.num_blocks,
@@ -131,6 +151,12 @@ class KVFetcher:
         if prefill is not None and prefill.tail_handle is not None:
             self._threads.submit(self._release_tail_now, prefill)
 
+    def release_pieces(self, announce: LayerStreamAnnounce, start: int = 0) -> None:
+        """Drop a layer stream's pieces ``start..`` from the prefill's store (background)."""
+        if start < len(announce.pieces):
+            self._threads.submit(self._release_handles, announce.address,
+                                 announce.handles[start:])
+
     def close(self) -> None:
         self._threads.shutdown(wait=False, cancel_futures=True)
         for backend in {id(b): b for b in (self.backend, self.grpc)}.values():
@@ -138,9 +164,20 @@ class KVFetcher:
 
     # ---- internals ----------------------------------------------------------------------
 
+    def _dest(self, table: list[int]) -> CallbackDest:
+        return CallbackDest(lambda start, blocks: self._write(table, start, blocks), len(table),
+                            self.kv_cache.block_shape, self.kv_cache.dtype)
+
+    def _stream_receiver(self, announce: LayerStreamAnnounce,
+                         table: list[int]) -> LayerStreamReceiver:
+        writer = LayerWriter(self, table)
+        return LayerStreamReceiver(self.grpc.client(announce.address), announce, writer.write,
+                                   writer.finish, writer.piece_shape, self.kv_cache.dtype,
+                                   self.transfer.timeout_s)
+
     def _receiver(self, path: str) -> KVReceiver:
         if path == "arena":
-            return _ArenaReceiver(self)
+            return ArenaReceiver(self)
         if path == "torch":
             return self.pair.create_receiver()
         return self.store.create_receiver()
@@ -152,10 +189,25 @@ class KVFetcher:
         return self.store.name
 
     def _write(self, table: list[int], start: int, blocks: torch.Tensor) -> None:
-        if self.v_perturbation:
-            blocks = blocks.clone()  # the backend's blocks are read-only views
-            blocks[:, :, 1] += self.v_perturbation  # block layout [n, layers, k|v, ...]
-        self.kv_cache.write_blocks(table[start:start + blocks.shape[0]], blocks)
+        self.kv_cache.write_blocks(table[start:start + blocks.shape[0]],
+                                   self._perturbed(blocks, 2))
+
+    def _perturbed(self, blocks: torch.Tensor, kv_dim: int) -> torch.Tensor:
+        """v_perturbation added to V (index 1 of dim ``kv_dim``: 2 for blocks [n, layers,
+        k|v, ...], 1 for one layer's [n, k|v, ...])."""
+        if not self.v_perturbation:
+            return blocks
+        blocks = blocks.clone()  # the backend's blocks are read-only views
+        blocks.select(kv_dim, 1).add_(self.v_perturbation)
+        return blocks
+
+    def _release_handles(self, address: str, handles: list[str]) -> None:
+        client = self.grpc.client(address)
+        for handle in handles:
+            try:
+                client.release_tail(handle)
+            except KVStoreError:
+                pass  # the store's tail TTL reclaims it
 
     def _count(self, by_backend: dict[str, int]) -> None:
         with self._lock:
@@ -173,34 +225,59 @@ class KVFetch:
     per step (STYLE.md item 7) and never blocks on it.
 
     Attributes:
-        path: the path in use: "torch", "grpc", "arena" or "fake" (changes once, from "torch"
-            to the store path, on the pair's failure).
+        paths: the paths tried so far, in order: "layer", "torch", "grpc", "arena" or "fake";
+            at most MAX_ATTEMPTS (the first, then one retry from another holder).
         receiver: the current path's receiver.
-        error: the error the fetch FAILED with, once it has.
+        stream: the layer stream it started with, or None.
+        error: the error the fetch FAILED with, once it has (then the engine recomputes).
         nbytes: bytes written, once SUCCESS.
     """
 
-    def __init__(self, fetcher: KVFetcher, prefill: PrefillResult, dest: BlockDest) -> None:
-        self._fetcher, self.prefill, self._dest = fetcher, prefill, dest
-        pushed = fetcher.pair is not None and prefill.pair_address is not None
-        self.path = "torch" if pushed else fetcher._store_path(prefill)
+    def __init__(self, fetcher: KVFetcher, table: list[int], prefill: PrefillResult | None,
+                 stream: LayerStreamAnnounce | None = None) -> None:
+        self._fetcher, self._table, self.prefill, self.stream = fetcher, table, prefill, stream
+        self.started_s = time.time()
+        self.paths: list[str] = []
         self.error: KVStoreError | None = None
         self.nbytes = 0
         self._aborted = False
         self._settled = False
         self._state = TransferState.TRANSFERRING
-        self.receiver = self._start(self.path)
+        self.layer_receiver: LayerStreamReceiver | None = None
+        if stream is not None:
+            first = "layer"
+        elif fetcher.pair is not None and prefill.pair_address is not None:
+            first = "torch"
+        else:
+            first = fetcher._store_path(prefill)
+        self.receiver = self._start(first)
+
+    @property
+    def path(self) -> str:
+        return self.paths[-1]
+
+    @property
+    def retries(self) -> int:
+        return len(self.paths) - 1
+
+    def attach(self, prefill: PrefillResult) -> None:
+        """The request's PrefillResult, for a fetch started from a layer-stream announce."""
+        self.prefill = prefill
 
     def poll(self) -> TransferState:
-        """The fetch's state; SUCCESS and FAILED are final."""
+        """The fetch's state; SUCCESS and FAILED are final. A layer stream that failed before
+        its PrefillResult is attached stays TRANSFERRING (its retry needs the result)."""
         if self._settled:
             return self._state
         state = self.receiver.poll()
-        if state is TransferState.FAILED and self.path == "torch" and not self._aborted:
-            log.warning("KV pair transfer of %s failed, fetching from the KV store instead: %s",
-                        self.prefill.request_id, _error_of(self.receiver))
-            self.path = self._fetcher._store_path(self.prefill)
-            self.receiver = self._start(self.path)
+        if state is TransferState.FAILED and not self._aborted \
+                and len(self.paths) < MAX_ATTEMPTS:
+            if self.prefill is None:
+                return TransferState.TRANSFERRING
+            log.warning("KV fetch of %s over %s failed, retrying from the KV store: %s",
+                        self.prefill.request_id, self.path, _error_of(self.receiver))
+            self._leave_path()
+            self.receiver = self._start(self._retry_path())
             state = self.receiver.poll()
         if state.done:
             self._settle(state)
@@ -218,13 +295,34 @@ class KVFetch:
         self.poll()
         return True
 
+    def timings(self) -> dict:
+        """The paths tried and a layer stream's arrivals: [(piece, layer, time.time())]."""
+        arrivals = self.layer_receiver.arrivals if self.layer_receiver is not None else []
+        return {"paths": list(self.paths), "arrivals": list(arrivals)}
+
     def _start(self, path: str) -> KVReceiver:
+        self.paths.append(path)
+        if path == "layer":
+            receiver = self.layer_receiver = self._fetcher._stream_receiver(self.stream,
+                                                                            self._table)
+            receiver.start()
+            return receiver
         prefill = self.prefill
         request = _pair_request(prefill) if path == "torch" else FetchRequest(
             prefill.kv_address, prefill.block_keys, prefill.tail_handle, prefill.num_tail_tokens)
         receiver = self._fetcher._receiver(path)
-        receiver.start(request, self._dest)
+        receiver.start(request, self._fetcher._dest(self._table))
         return receiver
+
+    def _retry_path(self) -> str:
+        if self.path in ("layer", "torch"):
+            return self._fetcher._store_path(self.prefill)
+        return "grpc" if self.path == "arena" else self.path
+
+    def _leave_path(self) -> None:
+        """The layer stream's pieces nobody will take are dropped from the store."""
+        if self.path == "layer":
+            self._fetcher.release_pieces(self.stream, self.receiver.num_taken)
 
     def _settle(self, state: TransferState) -> None:
         self._settled, self._state = True, state
@@ -234,62 +332,9 @@ class KVFetch:
             self._fetcher._count(by_backend)
         else:
             self.error = _error_of(self.receiver)
+            self._leave_path()
         if not (state is TransferState.SUCCESS and self.path in _TAKES_STORE_TAIL):
             self._fetcher.release_tail(self.prefill)  # not taken: do not wait for its TTL
-
-
-class _ArenaReceiver(KVReceiver):
-    """Store path on the prefill's own node: full blocks from the node's shared-memory arena
-    (only metadata over Ray RPC), then the tail by handle over gRPC; on the fetcher's threads.
-
-    Attributes:
-        arena_bytes: bytes of the full blocks (the rest of result() came over gRPC).
-    """
-
-    def __init__(self, fetcher: KVFetcher) -> None:
-        super().__init__()
-        self._fetcher = fetcher
-        self.arena_bytes = 0
-
-    def start(self, request: FetchRequest, dest: BlockDest | torch.Tensor) -> None:
-        dest = as_dest(dest)
-        if dest.num_blocks != request.num_blocks:
-            raise BlockLayoutError(f"destination holds {dest.num_blocks} block(s), the request "
-                                   f"{request.num_blocks}")
-        self.request = request
-        self._begin(request.deadline_s or self._fetcher.transfer.timeout_s,
-                    TransferState.TRANSFERRING)
-        self._fetcher._threads.submit(self._run, dest)
-
-    def _run(self, dest: BlockDest) -> None:
-        request = self.request
-        try:
-            keys = list(request.keys)
-            if keys:
-                out = torch.empty((len(keys), *dest.block_shape), dtype=dest.dtype)
-                tiers = self._fetcher.node_client.read(keys, out)
-                missing = [k for k, t in zip(keys, tiers) if t is None]
-                if missing:
-                    raise BlockNotFoundError(f"{len(missing)} of {len(keys)} blocks left this "
-                                             "node's pool before decode read them",
-                                             missing=missing)
-                self._write(dest.write_tensor, 0, out)
-                self.arena_bytes = len(keys) * dest.block_nbytes
-                self._add_bytes(self.arena_bytes)
-            if request.tail_handle is not None:
-                client = self._fetcher.grpc.client(request.address)
-                tail, num_tokens = client.take_tail(request.tail_handle,
-                                                    timeout_s=self._remaining_s())
-                if num_tokens != request.num_tail_tokens:
-                    raise BlockLayoutError(f"tail {request.tail_handle!r} holds {num_tokens} "
-                                           f"tokens, expected {request.num_tail_tokens}")
-                self._write(dest.write_tensor, len(keys), tail.unsqueeze(0))
-                self._add_bytes(dest.block_nbytes)
-            self._succeed()
-        except KVStoreError as exc:
-            self._fail(exc)  # a no-op once aborted
-        except Exception as exc:  # noqa: BLE001 — the write guard after an abort, or a bug
-            self._fail(KVTransferError(f"{self._describe()}: {exc!r}", address=request.address))
 
 
 def _pair_request(prefill: PrefillResult) -> FetchRequest:
@@ -299,9 +344,9 @@ def _pair_request(prefill: PrefillResult) -> FetchRequest:
 
 def _bytes_by_backend(receiver: KVReceiver, path: str) -> dict[str, int]:
     total = receiver.result()
-    if isinstance(receiver, _ArenaReceiver):
+    if isinstance(receiver, ArenaReceiver):
         return {"arena": receiver.arena_bytes, "grpc": total - receiver.arena_bytes}
-    return {path: total}
+    return {path: total}  # "layer": the layer stream's pieces (over gRPC)
 
 
 def _error_of(receiver: KVReceiver) -> KVStoreError:

@@ -15,13 +15,17 @@ kernels, same positions) and sampling draws token t from the (seed, t) stream.
 from __future__ import annotations
 
 import abc
+import logging
 import math
 from typing import TYPE_CHECKING
 
+from engine.protocol import FinishReason
 from engine.runner import SequenceChunk
 
 if TYPE_CHECKING:  # the engine imports this module
     from decode_worker.engine import DecodeEngine, DecodeSequence
+
+log = logging.getLogger(__name__)
 
 
 class PreemptionMode(abc.ABC):
@@ -43,6 +47,22 @@ def prefill_locally(engine: "DecodeEngine", tokens: list[int], block_table: list
         chunk = tuple(tokens[start:start + budget])
         logits = engine.runner.execute([SequenceChunk(chunk, start, block_table)])
     return logits
+
+
+def recompute_prompt(engine: "DecodeEngine", seq: "DecodeSequence") -> bool:
+    """A KV fetch failed for good (after its retry): compute the prompt's KV into seq's
+    blocks here instead (its output so far is kept: output token 0 came from the prefill).
+    False: the recompute failed too and the request ended with an error."""
+    prompt = list(seq.request.prompt_token_ids)
+    try:
+        prefill_locally(engine, prompt, seq.block_table)
+    except Exception as exc:  # noqa: BLE001 — this request fails, the engine goes on
+        log.exception("recomputing %s failed", seq.request_id)
+        engine._finish(seq, FinishReason.ERROR, f"KV fetch and recompute failed: {exc}")
+        return False
+    engine.num_fetch_recomputes_total += 1
+    engine.num_recomputed_tokens_total += len(prompt)
+    return True
 
 
 def _blocks_for(engine: "DecodeEngine", seq: "DecodeSequence") -> int:

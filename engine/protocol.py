@@ -10,6 +10,10 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvstore.transfer.layer_stream import LayerStreamAnnounce
 
 
 @dataclass(frozen=True)
@@ -145,6 +149,12 @@ class PrefillResult:
         then the tail) under ``pair_tag``; None when nothing was pushed. The blocks are in the
         KV store as well (the fallback, and the prefix cache).
     pair_tag: the push's tag on that pair (unique among its in-flight transfers).
+    layer_stream: ``--kv-streaming layer``: the stream of per-layer pieces the prefill put on
+        its node's store while computing, announced to the decode peer before the compute
+        (kvstore.transfer.layer_stream); None when the KV was not streamed. The blocks are in
+        the KV store as well (keys + tail: the retry path, and the prefix cache).
+    extra: diagnostics, e.g. ``layer_compute_end_s``: time.time() at which each layer of the
+        last chunk finished computing (layer streaming only).
     """
 
     request_id: str
@@ -160,6 +170,8 @@ class PrefillResult:
     kv_node_id: str | None = None
     pair_address: str | None = None
     pair_tag: int = 0
+    layer_stream: "LayerStreamAnnounce | None" = None
+    extra: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ loop, so a forward pass blocks nothing but itself; the engine's lock serializes 
 
 from __future__ import annotations
 
+import logging
 import os
 
 import ray
@@ -23,8 +24,12 @@ from kvstore.node_client import NodeStoreClient
 from kvstore.pool_config import KVPoolConfig
 from kvstore.publish import ArenaPublisher
 from kvstore.remote import RemoteStores
+from kvstore.transfer.peers import RayStreamPeers, register_self
 from prefill_worker.engine import PrefillEngine, PrefillKV, TorchKVPusher
+from prefill_worker.layer_streamer import LayerStreamer
 from prefill_worker.prefix_loader import PrefixLoader
+
+log = logging.getLogger(__name__)
 
 
 @ray.remote
@@ -37,6 +42,8 @@ class PrefillWorker:
     transfer: the KV transfer settings (``--kv-transfer``), shared by every worker; with
     ``torch`` each request naming a decode peer has its blocks pushed to that peer over their
     pair channel, for as long as the store keeps a tail (``kv_config.tail_ttl_s``). None: gRPC.
+    With ``transfer.streaming == "layer"`` (TP=1 only; at TP>1 whole requests, logged), each
+    layer's KV goes to the request's decode peer while the prefill computes.
     """
 
     def __init__(self, worker_id: str, engine_config: EngineConfig, kv_config: KVStoreConfig,
@@ -57,8 +64,19 @@ class PrefillWorker:
         pusher = None
         if transfer is not None and transfer.backend == "torch":
             pusher = TorchKVPusher(transfer, kv_config.tail_ttl_s, runner.kv_cache.device.type)
-        kv = PrefillKV(KVStoreClient(address, timeout_s=timeout, token=kv_config.token),
-                       address, node_id, ArenaPublisher(node_client), loader, index, pusher)
+        client = KVStoreClient(address, timeout_s=timeout, token=kv_config.token)
+        streamer = None
+        if transfer is not None and transfer.streaming == "layer":
+            if self.tp.size == 1:
+                register_self(worker_id, ray_namespace)  # the decode cancels through it
+                streamer = LayerStreamer(runner, client, address,
+                                         RayStreamPeers(ray_namespace, timeout), worker_id,
+                                         transfer.timeout_s)
+            else:
+                log.warning("--kv-streaming layer needs --prefill-tp 1; %s transfers whole "
+                            "requests", worker_id)
+        kv = PrefillKV(client, address, node_id, ArenaPublisher(node_client), loader, index,
+                       pusher, streamer)
         self.worker_id = worker_id
         self.engine = PrefillEngine(runner, kv, worker_id, os.getpid())
 
@@ -67,6 +85,10 @@ class PrefillWorker:
 
     def abort(self, request_id: str) -> None:
         self.engine.abort(request_id)
+
+    def cancel_layer_stream(self, request_id: str) -> None:
+        """The decode peer gave the request up (layer streaming)."""
+        self.engine.cancel_layer_stream(request_id)
 
     def info(self) -> dict:
         return {"worker_id": self.worker_id, "pid": os.getpid(), "role": "prefill",

@@ -13,7 +13,9 @@ Lifecycle of a request on a prefill worker:
    and computed ones are cached in G1 (their events go to the global index); the partial tail
    block goes to the node's store under a per-request handle, never keyed or indexed; with
    --kv-transfer torch, all of the prompt's blocks are also pushed to the request's decode
-   worker over their pair channel (TorchKVPusher), in the background;
+   worker over their pair channel (TorchKVPusher), in the background; with --kv-streaming
+   layer, each layer's KV went to the decode worker already during step 3, as soon as that
+   layer ran (prefill_worker/layer_streamer.py), and nothing is pushed;
 5. the request's references on its blocks are dropped — on success and on every error path;
    cached blocks stay in G1 until evicted (LRU).
 """
@@ -41,6 +43,7 @@ from kvstore.index import KVIndex, Location
 from kvstore.publish import BlockPublisher
 from kvstore.transfer.torch_dist import TorchKVSender
 from kvstore.transfer.torch_pair import TorchPairChannel
+from prefill_worker.layer_streamer import LayerStream, LayerStreamer, StreamCancelled
 from prefill_worker.prefix_loader import LoadResult, PrefixLoader
 
 log = logging.getLogger(__name__)
@@ -65,6 +68,8 @@ class PrefillKV:
     publisher: puts full blocks into the node's G2; loader: cluster-wide prefix reuse beyond G1
     (None: G1 only); index: receives G1 cache events as (node, "device", worker) locations;
     pusher: --kv-transfer torch, pushes each request's blocks to its decode peer (None: off).
+    streamer: --kv-streaming layer, streams each layer's KV to the decode peer while the
+        prefill computes (None: off, the decode fetches the request's KV whole).
     """
 
     tail_client: KVStoreClient
@@ -74,6 +79,7 @@ class PrefillKV:
     loader: PrefixLoader | None = None
     index: KVIndex | None = None
     pusher: TorchKVPusher | None = None
+    streamer: LayerStreamer | None = None
 
 
 class PrefillEngine:
@@ -102,7 +108,10 @@ class PrefillEngine:
         self.prefix_cache_hit_tokens_total: Counter[str] = Counter()  # of those, by tier
 
     def abort(self, request_id: str) -> None:
-        """Idempotent: a request not yet started is skipped when its turn comes."""
+        """Idempotent: a request not yet started is skipped when its turn comes; one that is
+        streaming its layers stops at the next layer (RequestAborted)."""
+        if self.kv.streamer is not None and self.kv.streamer.cancel(request_id):
+            return
         with self._abort_lock:
             self._aborted[request_id] = None
             while len(self._aborted) > MAX_TRACKED_ABORTS:
@@ -133,16 +142,27 @@ class PrefillEngine:
                 raise PrefillRejected(f"prompt needs {num_new} new KV blocks, "
                                       f"{self.pool.num_free_blocks} free")
             blocks = hit + self.pool.allocate(num_new)
+            stream: LayerStream | None = None
+            layer_stream, extra = None, {}
             try:
                 loaded = self._load_prefix(keys[len(hit):max_hit], blocks[len(hit):])
                 num_cached = (len(hit) + loaded.num_blocks) * self.block_size
-                logits = self._run_chunks(prompt, num_cached, blocks)
+                chunks = self._chunks(len(prompt), num_cached)
+                stream = self._open_stream(request, blocks, num_cached, chunks)
+                logits = self._run_chunks(prompt, chunks, blocks, stream)
                 [(first_token, first_logprob)] = sample(
                     logits, [SampleInput(request.sampling, seed, prompt, ())], self.eos_token_ids)
                 tail_handle, num_tail, data = self._publish(request, prompt, keys, blocks)
                 self.pool.cache_full_blocks(blocks[len(hit): len(keys)], keys[len(hit):],
                                             keys[len(hit) - 1] if hit else None)
+                if stream is not None:
+                    extra = self.kv.streamer.timings(stream)
+                    stream, layer_stream = None, self.kv.streamer.finish(stream)
+            except StreamCancelled:
+                raise RequestAborted(request.request_id) from None
             finally:
+                if stream is not None:  # failed or aborted mid-stream: dropped on both sides
+                    self.kv.streamer.abandon(stream)
                 self.pool.free(blocks)
                 self._send_events()
             self.num_prefill_tokens_total += len(prompt) - num_cached
@@ -150,10 +170,25 @@ class PrefillEngine:
             self.prefix_cache_queried_tokens_total += len(prompt)
             self.prefix_cache_hit_tokens_total["device"] += len(hit) * self.block_size
             self.prefix_cache_hit_tokens_total.update(loaded.tokens_by_tier)
-        pair_address, pair_tag = self._push(request, data)
+        pair_address, pair_tag = (None, 0) if layer_stream else self._push(request, data)
         return PrefillResult(request.request_id, first_token, self.kv_address, tuple(keys),
                              tail_handle, num_tail, num_cached, self.worker_id, self.pid,
-                             first_logprob, self.kv.node_id, pair_address, pair_tag)
+                             first_logprob, self.kv.node_id, pair_address, pair_tag,
+                             layer_stream, extra)
+
+    def cancel_layer_stream(self, request_id: str) -> None:
+        """The decode peer gave the request up: as abort()."""
+        self.abort(request_id)
+
+    def _open_stream(self, request: PrefillRequest, blocks: list[int], num_cached: int,
+                     chunks: list[tuple[int, int]]) -> LayerStream | None:
+        """--kv-streaming layer: announce the request's stream to its decode peer (not for
+        max_tokens 1: the decode finishes such a request at admission, fetching nothing)."""
+        if self.kv.streamer is None or request.decode_peer is None \
+                or request.sampling.max_tokens == 1:
+            return None
+        return self.kv.streamer.open(request.request_id, request.decode_peer,
+                                     len(request.prompt_token_ids), blocks, num_cached, chunks)
 
     def _push(self, request: PrefillRequest, data: torch.Tensor) -> tuple[str | None, int]:
         """--kv-transfer torch: start pushing the prompt's blocks to the request's decode peer.
@@ -179,17 +214,21 @@ class PrefillEngine:
         self.kv_client.put_tail(handle, data[len(keys)], num_tail)
         return handle, num_tail, data
 
-    def _run_chunks(self, prompt: list[int], start: int, blocks: list[int]):
-        """Positions start.. of the prompt through the model in chunks of at most
-        max_num_batched_tokens (vLLM's chunked prefill): each chunk attends to the KV the
-        earlier ones wrote. Returns the last chunk's last-token logits."""
+    def _chunks(self, num_tokens: int, start: int) -> list[tuple[int, int]]:
+        """Token ranges [start, end) of the chunks of at most max_num_batched_tokens that
+        compute positions start.. (vLLM's chunked prefill)."""
         budget = self.runner.engine_config.max_num_batched_tokens
-        while True:
-            end = min(len(prompt), start + budget)
+        return [(s, min(num_tokens, s + budget)) for s in range(start, num_tokens, budget)]
+
+    def _run_chunks(self, prompt: list[int], chunks: list[tuple[int, int]], blocks: list[int],
+                    stream: LayerStream | None):
+        """The chunks through the model in order: each attends to the KV the earlier ones
+        wrote. Returns the last chunk's last-token logits."""
+        for start, end in chunks:
+            if stream is not None:
+                self.kv.streamer.next_chunk(stream)
             logits = self.runner.execute([SequenceChunk(tuple(prompt[start:end]), start, blocks)])
-            if end == len(prompt):
-                return logits
-            start = end
+        return logits
 
     def reset_prefix_cache(self) -> bool:
         """Drop every G1 key (refused while a prefill holds blocks); the index hears of it."""
@@ -224,7 +263,8 @@ class PrefillEngine:
                 "num_requests_total": self.num_requests_total,
                 "prefix_cache_queried_tokens_total": self.prefix_cache_queried_tokens_total,
                 "prefix_cache_hit_tokens_total": dict(self.prefix_cache_hit_tokens_total),
-                **(self.kv.pusher.stats() if self.kv.pusher is not None else {})}
+                **(self.kv.pusher.stats() if self.kv.pusher is not None else {}),
+                **(self.kv.streamer.stats() if self.kv.streamer is not None else {})}
 
 
 class TorchKVPusher:

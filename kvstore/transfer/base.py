@@ -162,6 +162,13 @@ class _TransferBase:
             self._deadline = time.monotonic() + deadline_s
             self._state = state
 
+    def _extend_deadline(self, seconds: float) -> None:
+        """Move the deadline to at least ``seconds`` from now (a stream that keeps making
+        progress: its deadline bounds the silence between two pieces, not the whole stream)."""
+        with self._lock:
+            if not self._state.done and self._deadline is not None:
+                self._deadline = max(self._deadline, time.monotonic() + seconds)
+
     def _remaining_s(self) -> float:
         """Seconds left before the deadline (>= 0)."""
         assert self._deadline is not None
@@ -244,6 +251,22 @@ class KVReceiver(_TransferBase, ABC):
             BlockLayoutError: ``dest`` has the wrong number of blocks or an unusable layout.
             RuntimeError: already started.
         """
+
+    def _accept(self, request: FetchRequest, dest: BlockDest | torch.Tensor,
+                deadline_s: float, state: TransferState) -> BlockDest:
+        """The common start: check ``dest`` against ``request`` (BlockLayoutError), record
+        the request, start the deadline (``request.deadline_s`` wins over ``deadline_s``) in
+        ``state``. Returns ``dest`` as a BlockDest."""
+        from kvstore.errors import BlockLayoutError
+        from kvstore.transfer.dest import as_dest
+
+        dest = as_dest(dest)
+        if dest.num_blocks != request.num_blocks:
+            raise BlockLayoutError(f"destination holds {dest.num_blocks} block(s), the request "
+                                   f"{request.num_blocks}")
+        self.request = request
+        self._begin(request.deadline_s or deadline_s, state)
+        return dest
 
     def _describe(self) -> str:
         if self.request is None:

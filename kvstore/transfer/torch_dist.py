@@ -30,7 +30,7 @@ from kvstore.config import KVTransferConfig
 from kvstore.errors import BlockLayoutError, KVStoreError, KVTransferError
 from kvstore.transfer.base import (FetchRequest, KVReceiver, KVSender, KVTransferBackend,
                                    TransferState, _Cancelled)
-from kvstore.transfer.dest import BlockDest, as_dest
+from kvstore.transfer.dest import BlockDest
 from kvstore.transfer.runs import budget_runs
 from kvstore.transfer.torch_pair import TorchPairChannel
 
@@ -142,13 +142,8 @@ class TorchKVReceiver(KVReceiver):
         self._backend = backend
 
     def start(self, request: FetchRequest, dest: BlockDest | torch.Tensor) -> None:
-        dest = as_dest(dest)
-        if dest.num_blocks != request.num_blocks:
-            raise BlockLayoutError(f"destination holds {dest.num_blocks} block(s), the request "
-                                   f"{request.num_blocks}")
-        self.request = request
-        self._begin(request.deadline_s or self._backend.config.timeout_s,
-                    TransferState.BOOTSTRAPPING)
+        dest = self._accept(request, dest, self._backend.config.timeout_s,
+                            TransferState.BOOTSTRAPPING)
         threading.Thread(target=self._run, args=(dest,), daemon=True,
                          name="kv-torch-recv").start()
 
