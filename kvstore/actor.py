@@ -80,6 +80,10 @@ class KVStoreActor:
         """Hex Ray node id this actor runs on."""
         return self._node_id
 
+    def pid(self) -> int:
+        """This actor's process id (fault-injection tests kill it)."""
+        return os.getpid()
+
     def stats(self) -> dict:
         """Store counters plus per-tier block states and promotions."""
         return {**self.store.stats(), "tiers": self.store.tier_stats(),

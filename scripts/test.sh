@@ -7,3 +7,5 @@ if [ $# -gt 0 ]; then exec .venv/bin/python -m pytest -q -ra "$@"; fi
 # tests/multinode runs its own multi-node Ray cluster: a separate pytest process
 .venv/bin/python -m pytest -q -ra tests
 .venv/bin/python -m pytest -q -ra tests/multinode
+# tests/chaos kills actors and redis-server under load in a Ray of its own: a separate process too
+.venv/bin/python -m pytest -q -ra tests/chaos

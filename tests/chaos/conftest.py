@@ -1,0 +1,240 @@
+"""The chaos suite's cluster and load (issue 9).
+
+A real cluster (deploy.launcher.Cluster: 2 prefill + 2 decode actors, a KV store, the global
+index in a real redis-server) behind the real gateway served by uvicorn; load is 16 streaming
+completions through the `openai` client. The suite starts its own Ray, so it runs as its own
+pytest process (scripts/test.sh) and is collected only when named on the command line.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import pytest
+import ray
+import uvicorn
+
+from deploy.config import ServeConfig
+from deploy.launcher import Cluster
+from deploy.serve import gateway_app
+from engine.config import EngineConfig
+from kvstore.config import KVStoreConfig
+from kvstore.pool_config import KVPoolConfig
+from tests.kvstore.conftest import RedisServer, _free_port, _need_redis
+
+HERE = Path(__file__).parent
+NUM_REQUESTS = 16
+MAX_TOKENS = 64
+REQUEST_DEADLINE_S = 120.0  # a request with no final event by then is lost
+SETTLE_DEADLINE_S = 60.0
+TAIL_TTL_S = 5.0  # tails a dead decode never took are reclaimed after this
+
+
+def pytest_ignore_collect(collection_path: Path, config) -> bool | None:
+    """Only when named: the suite runs its own Ray (like tests/multinode)."""
+    if collection_path.parent == HERE:
+        named = [Path(a.split("::")[0]).resolve() for a in config.args]
+        return not any(p == HERE or HERE in p.parents for p in named) or None
+    return None
+
+
+@dataclass(frozen=True)
+class RequestSpec:
+    index: int
+    prompt: str
+    temperature: float
+    seed: int
+
+
+def request_specs() -> list[RequestSpec]:
+    """Half greedy, half seeded sampling; every prompt different."""
+    subjects = ["a cat", "a dog", "a little girl", "a boy", "a bird", "a big tree", "a red ball",
+                "a fish", "a king", "a frog", "a small car", "a bear", "a cake", "a star",
+                "a boat", "a bunny"]
+    return [RequestSpec(i, f"Once upon a time, there was {subjects[i]} who",
+                        0.0 if i % 2 == 0 else 1.0, 1000 + i) for i in range(NUM_REQUESTS)]
+
+
+@dataclass
+class Outcome:
+    """What the client got for one request."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    error: str | None = None
+    lost: bool = False
+    chunks: int = 0
+
+    @property
+    def completed(self) -> bool:
+        return self.finish_reason is not None and self.error is None and not self.lost
+
+
+@dataclass
+class Report:
+    kind: str
+    outcomes: list[Outcome]
+    migrations: int = 0
+
+    @property
+    def completed(self) -> int:
+        return sum(o.completed for o in self.outcomes)
+
+    @property
+    def errored(self) -> int:
+        return sum(o.error is not None and not o.lost for o in self.outcomes)
+
+    @property
+    def lost(self) -> int:
+        return sum(o.lost or (o.finish_reason is None and o.error is None)
+                   for o in self.outcomes)
+
+    def __str__(self) -> str:
+        errors = sorted({o.error[:100] for o in self.outcomes if o.error})
+        return (f"[chaos] {self.kind}: {self.completed} completed, {self.errored} ended with a "
+                f"clear error, {self.lost} lost; {self.migrations} migrations"
+                + "".join(f"\n    error: {e}" for e in errors))
+
+
+async def _one(client, model: str, spec: RequestSpec, out: Outcome) -> None:
+    import openai
+
+    try:
+        stream = await client.completions.create(
+            model=model, prompt=spec.prompt, max_tokens=MAX_TOKENS, temperature=spec.temperature,
+            seed=spec.seed, stream=True, extra_body={"ignore_eos": True, "return_token_ids": True})
+        async for chunk in stream:
+            choice = chunk.choices[0]
+            out.chunks += 1
+            out.text += choice.text
+            out.token_ids += (choice.model_extra or {}).get("token_ids") or []
+            out.finish_reason = choice.finish_reason or out.finish_reason
+    except openai.APIError as exc:  # an HTTP error status or an SSE error event
+        out.error = f"{type(exc).__name__}: {exc}"
+
+
+async def _load(api_base: str, model: str, specs: list[RequestSpec],
+                fault: Callable[[], None] | None, trigger_chunks: int) -> list[Outcome]:
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=api_base, api_key="unused", max_retries=0,
+                                timeout=REQUEST_DEADLINE_S)
+    outcomes = [Outcome() for _ in specs]
+
+    async def guarded(spec: RequestSpec) -> None:
+        try:
+            await asyncio.wait_for(_one(client, model, spec, outcomes[spec.index]),
+                                   REQUEST_DEADLINE_S)
+        except asyncio.TimeoutError:
+            outcomes[spec.index].lost = True
+
+    async def inject() -> None:
+        while sum(o.chunks for o in outcomes) < trigger_chunks:
+            if all(o.finish_reason or o.error for o in outcomes):
+                raise AssertionError("the load finished before the fault was injected")
+            await asyncio.sleep(0.002)
+        await asyncio.to_thread(fault)
+
+    tasks = [guarded(s) for s in specs] + ([inject()] if fault is not None else [])
+    try:
+        await asyncio.gather(*tasks)
+    finally:
+        await client.close()
+    return outcomes
+
+
+@dataclass
+class ChaosEnv:
+    cluster: Cluster
+    redis: RedisServer
+    api_base: str
+    model: str
+
+    def run(self, kind: str, fault: Callable[[], None] | None = None,
+            trigger_chunks: int = 0) -> Report:
+        """The 16 requests, with `fault` run once `trigger_chunks` chunks have streamed."""
+        before = self.cluster.pipeline.migrations_total
+        outcomes = asyncio.run(_load(self.api_base, self.model, request_specs(), fault,
+                                     trigger_chunks))
+        report = Report(kind, outcomes, self.cluster.pipeline.migrations_total - before)
+        print(report)
+        return report
+
+    @staticmethod
+    def pid_of(instance) -> int:
+        """The process id of a registry Instance (worker or KV store)."""
+        if instance.role == "kvstore":
+            return ray.get(instance.handle.pid.remote(), timeout=30)
+        return ray.get(instance.handle.info.remote(), timeout=30)["pid"]
+
+    def settle(self, roles=("prefill", "decode")) -> dict[str, dict]:
+        """Wait until every live worker holds no block and runs nothing and every live KV store
+        pins no G2 slot and keeps no tail. Returns the last stats per instance (AssertionError
+        past SETTLE_DEADLINE_S, listing what is still held)."""
+        deadline = time.monotonic() + SETTLE_DEADLINE_S
+        while True:
+            stats, held = {}, []
+            for role in (*roles, "kvstore"):
+                for inst in self.cluster.registry.by_role(role):
+                    try:
+                        s = stats[inst.worker_id] = ray.get(inst.handle.stats.remote(), timeout=10)
+                    except ray.exceptions.RayActorError:
+                        continue  # a dead KV store: nothing of it can leak into a live part
+                    if role == "kvstore":
+                        busy = s["tiers"]["host"]["used"] + s["num_tails"]
+                    else:
+                        # free counts cached blocks too (evictable): all free = baseline
+                        busy = (s["num_blocks"] - s["num_free_blocks"] + s["num_used_blocks"]
+                                + s.get("num_active", 0) + s.get("num_waiting", 0))
+                    if busy:
+                        held.append((inst.worker_id, s))
+            if not held:
+                return stats
+            assert time.monotonic() < deadline, f"blocks still held after settling: {held}"
+            time.sleep(0.25)
+
+    def wait_rejoined(self, role: str, count: int) -> None:
+        deadline = time.monotonic() + SETTLE_DEADLINE_S
+        while len(self.cluster.registry.by_role(role)) < count:
+            assert time.monotonic() < deadline, f"killed {role} actor did not rejoin"
+            time.sleep(0.1)
+
+
+@pytest.fixture(scope="module")
+def chaos_env(tmp_path_factory):
+    _need_redis()
+    redis = RedisServer(tmp_path_factory.mktemp("redis"))
+    redis.start()
+    config = ServeConfig(
+        prefill_instances=2, decode_instances=2, ray_num_cpus=6,
+        ray_namespace=f"pdcluster-chaos-{os.getpid()}",
+        engine=EngineConfig(num_kv_blocks=256),
+        kvstore=KVStoreConfig(tail_ttl_s=TAIL_TTL_S),
+        kvpool=KVPoolConfig(index_url=redis.url, node_lease_s=3.0, dram_cache_bytes=64 << 20))
+    port = _free_port()
+    try:
+        with Cluster(config) as cluster:
+            server = uvicorn.Server(uvicorn.Config(gateway_app(cluster.config, cluster),
+                                                   host="127.0.0.1", port=port,
+                                                   log_level="warning", lifespan="off"))
+            thread = threading.Thread(target=server.run, name="gateway", daemon=True)
+            thread.start()
+            deadline = time.time() + 30
+            while not server.started:
+                assert time.time() < deadline and thread.is_alive(), "gateway did not start"
+                time.sleep(0.05)
+            try:
+                yield ChaosEnv(cluster, redis, f"http://127.0.0.1:{port}/v1",
+                               config.model_name())
+            finally:
+                server.should_exit = True
+                thread.join(timeout=10)
+    finally:
+        redis.stop()
