@@ -49,9 +49,9 @@ class DecodeWorker:
         transfer = transfer or KVTransferConfig(timeout_s=timeout, token=kv_config.token)
         node_client = NodeStoreClient(kvstore_actor(node_id, ray_namespace), timeout)
         fetcher = KVFetcher(runner.wire_kv, transfer, node_id, node_client)
-        peers = None
+        peers, self._peer_entry = None, None
         if transfer.streaming == "layer":
-            register_self(worker_id, ray_namespace)
+            self._peer_entry = register_self(worker_id, ray_namespace)
             peers = RayStreamPeers(ray_namespace, timeout)
         self.worker_id = worker_id
         self.engine = DecodeEngine(runner, worker_id, os.getpid(), fetcher, peers)
@@ -83,9 +83,12 @@ class DecodeWorker:
         self.engine.cancel_layer_stream(request_id)
 
     async def kv_timings(self, request_id: str) -> dict | None:
-        """How the request's KV arrived (DecodeEngine.kv_timings), None if unknown."""
+        """How the request's KV arrived (DecodeEngine.kv_timings); for a layer stream still
+        waiting for its request, its progress; None if unknown."""
         timings = self.engine.kv_timings.get(request_id)
-        return None if timings is None else dict(timings)
+        if timings is None:
+            return self.engine.streams.progress(request_id)
+        return dict(timings)
 
     async def info(self) -> dict:
         return {"worker_id": self.worker_id, "pid": os.getpid(), "role": "decode",

@@ -66,6 +66,15 @@ class PendingStreams:
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._streams
 
+    def progress(self, request_id: str) -> dict | None:
+        """{"pending": True, "num_taken", "num_pieces"} of a pending stream, else None."""
+        pending = self._streams.get(request_id)
+        receiver = None if pending is None else pending.fetch.layer_receiver
+        if receiver is None:
+            return None
+        return {"pending": True, "num_taken": receiver.num_taken,
+                "num_pieces": len(pending.announce.pieces)}
+
     def seen(self, request_id: str) -> None:
         """The request reached the engine (or ended): a later announce of it is ignored."""
         self._seen[request_id] = None

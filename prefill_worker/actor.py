@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 
 import ray
 
@@ -65,10 +66,10 @@ class PrefillWorker:
         if transfer is not None and transfer.backend == "torch":
             pusher = TorchKVPusher(transfer, kv_config.tail_ttl_s, runner.kv_cache.device.type)
         client = KVStoreClient(address, timeout_s=timeout, token=kv_config.token)
-        streamer = None
+        streamer, self._peer_entry = None, None
         if transfer is not None and transfer.streaming == "layer":
             if self.tp.size == 1:
-                register_self(worker_id, ray_namespace)  # the decode cancels through it
+                self._peer_entry = register_self(worker_id, ray_namespace)  # for cancels
                 streamer = LayerStreamer(runner, client, address,
                                          RayStreamPeers(ray_namespace, timeout), worker_id,
                                          transfer.timeout_s)
@@ -105,6 +106,15 @@ class PrefillWorker:
 
     def stats(self) -> dict:
         return self.engine.stats()
+
+    def set_layer_delay_for_testing(self, seconds: float) -> None:
+        """TEST-ONLY: sleep this long after every decoder layer's forward (0: off), so a test
+        can act while a prefill is mid-way (e.g. abort a layer stream)."""
+        self._layer_delay_s = float(seconds)
+        if not getattr(self, "_delay_hooked", False):
+            self._delay_hooked = True
+            for layer in self.engine.runner.model.model.layers:
+                layer.register_forward_hook(lambda *_: time.sleep(self._layer_delay_s))
 
     def reset_prefix_cache_for_testing(self) -> bool:
         """TEST-ONLY: drop this worker's G1 prefix cache (vLLM's reset_prefix_cache)."""

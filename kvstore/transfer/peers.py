@@ -48,9 +48,10 @@ class _PeerEntry:
         return self._handle
 
 
-def register_self(worker_id: str, namespace: str | None, timeout_s: float = 10.0) -> None:
+def register_self(worker_id: str, namespace: str | None, timeout_s: float = 10.0):
     """From inside a worker actor: make it findable by ``worker_id`` (replacing an entry a
-    previous actor of that id left behind)."""
+    previous actor of that id left behind). Returns the entry's handle: keep it, Ray reclaims
+    a non-detached actor, named or not, once no handle to it is left."""
     name = ENTRY_PREFIX + worker_id
     me = ray.get_runtime_context().current_actor
     deadline = time.monotonic() + timeout_s
@@ -62,7 +63,7 @@ def register_self(worker_id: str, namespace: str | None, timeout_s: float = 10.0
         try:
             entry = _PeerEntry.options(name=name, namespace=namespace).remote(me)
             ray.get(entry.handle.remote(), timeout=timeout_s)
-            return
+            return entry
         except ValueError:  # the old entry's name is not free yet
             if time.monotonic() > deadline:
                 raise
