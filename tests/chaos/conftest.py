@@ -9,12 +9,14 @@ pytest process (scripts/test.sh) and is collected only when named on the command
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+import signal
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import pytest
 import ray
@@ -174,6 +176,22 @@ class ChaosEnv:
             return ray.get(instance.handle.pid.remote(), timeout=30)
         return ray.get(instance.handle.info.remote(), timeout=30)["pid"]
 
+    def kill_busiest(self, role: str) -> tuple[Callable[[], None], dict]:
+        """A fault that kill -9s the live `role` instance running the most requests at the
+        moment it runs (routing may leave one idle), and the record it fills in: the
+        victim's worker_id and pid."""
+        pids = {i.worker_id: self.pid_of(i) for i in self.cluster.registry.by_role(role)}
+        victim: dict = {}
+
+        def fault() -> None:
+            live = self.cluster.registry.by_role(role)
+            stats = ray.get([i.handle.stats.remote() for i in live], timeout=10)
+            busiest = max(zip(live, stats), key=lambda p: p[1].get("num_active", 0))[0]
+            victim.update(worker_id=busiest.worker_id, pid=pids[busiest.worker_id])
+            os.kill(victim["pid"], signal.SIGKILL)
+
+        return fault, victim
+
     def settle(self, roles=("prefill", "decode")) -> dict[str, dict]:
         """Wait until every live worker holds no block and runs nothing and every live KV store
         pins no G2 slot and keeps no tail. Returns the last stats per instance (AssertionError
@@ -207,17 +225,21 @@ class ChaosEnv:
             time.sleep(0.1)
 
 
-@pytest.fixture(scope="module")
-def chaos_env(tmp_path_factory):
+@contextlib.contextmanager
+def running_env(workdir: Path, **overrides) -> Iterator[ChaosEnv]:
+    """A redis-server, a Cluster on it (2 prefill + 2 decode unless overridden) and the
+    gateway over real HTTP; all stopped on exit."""
     _need_redis()
-    redis = RedisServer(tmp_path_factory.mktemp("redis"))
+    redis = RedisServer(workdir)
     redis.start()
-    config = ServeConfig(
-        prefill_instances=2, decode_instances=2, ray_num_cpus=6,
-        ray_namespace=f"pdcluster-chaos-{os.getpid()}",
-        engine=EngineConfig(num_kv_blocks=256),
-        kvstore=KVStoreConfig(tail_ttl_s=TAIL_TTL_S),
-        kvpool=KVPoolConfig(index_url=redis.url, node_lease_s=3.0, dram_cache_bytes=64 << 20))
+    config = ServeConfig(**{
+        "prefill_instances": 2, "decode_instances": 2, "ray_num_cpus": 6,
+        "ray_namespace": f"pdcluster-chaos-{os.getpid()}",
+        "engine": EngineConfig(num_kv_blocks=256),
+        "kvstore": KVStoreConfig(tail_ttl_s=TAIL_TTL_S),
+        "kvpool": KVPoolConfig(index_url=redis.url, node_lease_s=3.0,
+                               dram_cache_bytes=64 << 20),
+        **overrides})
     port = _free_port()
     try:
         with Cluster(config) as cluster:
@@ -238,3 +260,17 @@ def chaos_env(tmp_path_factory):
                 thread.join(timeout=10)
     finally:
         redis.stop()
+
+
+@pytest.fixture(scope="module")
+def chaos_env(tmp_path_factory) -> Iterator[ChaosEnv]:
+    """The disaggregated cluster, for the whole module."""
+    with running_env(tmp_path_factory.mktemp("redis")) as env:
+        yield env
+
+
+@pytest.fixture(scope="module")
+def colocated_env(tmp_path_factory) -> Iterator[ChaosEnv]:
+    """Two colocated decode instances (`--colocated`), for the whole module."""
+    with running_env(tmp_path_factory.mktemp("redis"), colocated=True) as env:
+        yield env
