@@ -1,0 +1,235 @@
+"""Transfer faults (issue 9 item 3): every fetch has a deadline; a timed-out or failed attempt
+is retried once from another holder of the blocks, then the decode recomputes the prompt. The
+output never changes and every block comes back, on both sides.
+
+Real prefill and decode engines, a real KV store over gRPC, real threads; the faults come from
+real parts too — a TCP server that accepts connections and never answers (a stalled store), a
+layer-stream piece removed from the store — except one fault-injecting backend whose first
+receiver never moves (a transfer that hangs until its deadline), as a fake is allowed to do.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import queue
+import socket
+import threading
+import time
+
+import pytest
+
+from decode_worker.engine import DecodeEngine
+from decode_worker.kv_fetch import KVFetcher
+from engine.config import EngineConfig
+from engine.protocol import DecodeRequest, PrefillRequest, PrefillResult, SamplingParams
+from engine.runner import ModelRunner
+from kvstore.client import KVStoreClient
+from kvstore.config import KVStoreConfig, KVTransferConfig
+from kvstore.publish import GrpcPublisher
+from kvstore.server import KVStoreServer
+from kvstore.transfer.base import KVReceiver, KVTransferBackend, TransferState
+from kvstore.transfer.grpc_backend import GrpcTransferBackend
+from kvstore.transfer.peers import LocalStreamPeers
+from prefill_worker.engine import PrefillEngine, PrefillKV
+from prefill_worker.layer_streamer import LayerStreamer
+
+TIMEOUT_S = 1.0
+STORY = ("Once upon a time, there was a little boy named Tim. Tim had a big red ball. He liked "
+         "to play with it in the park every day with his friend Sue. ")
+GREEDY = SamplingParams(max_tokens=16, temperature=0)
+SEEDED = SamplingParams(max_tokens=16, temperature=0.9, seed=7, ignore_eos=True)
+
+
+class _LostAnnounces:
+    """A decode peer whose announces go nowhere (the stream's pieces wait in the store)."""
+
+    def expect_layer_stream(self, announce) -> None:
+        pass
+
+    def cancel_layer_stream(self, request_id: str) -> None:
+        pass
+
+
+class _HangingReceiver(KVReceiver):
+    """Fault injection: starts, then never moves; only its deadline ends it."""
+
+    def start(self, request, dest) -> None:
+        self._accept(request, dest, TIMEOUT_S, TransferState.TRANSFERRING)
+
+
+class _HangFirst(KVTransferBackend):
+    """gRPC, except that receivers number ``hang`` (1 = the first) hang."""
+
+    name = "grpc"
+
+    def __init__(self, config: KVTransferConfig, hang: set[int]) -> None:
+        super().__init__(config)
+        self.real, self.hang, self.calls = GrpcTransferBackend(config), hang, 0
+
+    def create_receiver(self) -> KVReceiver:
+        self.calls += 1
+        return _HangingReceiver() if self.calls in self.hang else self.real.create_receiver()
+
+    def close(self) -> None:
+        self.real.close()
+
+
+@pytest.fixture(scope="module")
+def store():
+    """A real KV store (gRPC, no auth) and a client of it."""
+    server = KVStoreServer(KVStoreConfig(tail_ttl_s=60))
+    server.start()
+    try:
+        with KVStoreClient(server.address) as client:
+            yield server, client
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def prefill(store):
+    """A prefill engine that streams layers (chunks of 32 tokens) to the peer 'lost'."""
+    runner = ModelRunner(EngineConfig(num_kv_blocks=128, max_num_batched_tokens=32))
+    server, client = store
+    streamer = LayerStreamer(runner, client, server.address,
+                             LocalStreamPeers({"lost": _LostAnnounces()}), "prefill-f", 10)
+    return PrefillEngine(runner, PrefillKV(client, server.address, "node-f",
+                                           GrpcPublisher(client), streamer=streamer),
+                         "prefill-f", 0)
+
+
+@pytest.fixture
+def stalled_address():
+    """A TCP server that accepts connections and never says a word (a hung KV store)."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16)
+    held: list[socket.socket] = []
+    stop = threading.Event()
+
+    def accept():
+        listener.settimeout(0.1)
+        while not stop.is_set():
+            try:
+                held.append(listener.accept()[0])
+            except OSError:
+                pass
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    yield f"127.0.0.1:{listener.getsockname()[1]}"
+    stop.set()
+    thread.join()
+    for conn in held + [listener]:
+        conn.close()
+
+
+def decode_engine(backend: KVTransferBackend | None = None) -> DecodeEngine:
+    runner = ModelRunner(EngineConfig(num_kv_blocks=64))
+    transfer = KVTransferConfig(timeout_s=TIMEOUT_S)
+    return DecodeEngine(runner, "decode-f", 0, KVFetcher(runner.kv_cache, transfer,
+                                                        backend=backend))
+
+
+def prefill_for(prefill: PrefillEngine, request_id: str, prompt: list[int],
+                params: SamplingParams, stream: bool) -> PrefillResult:
+    return prefill.prefill(PrefillRequest(request_id, tuple(prompt), params,
+                                          decode_peer="lost" if stream else None))
+
+
+def decode(engine: DecodeEngine, result: PrefillResult, prompt: list[int],
+           params: SamplingParams) -> list[int]:
+    deltas: queue.SimpleQueue = queue.SimpleQueue()
+    engine.add_request(DecodeRequest(result.request_id, tuple(prompt), params, result),
+                       deltas.put)
+    tokens = [result.first_token]
+    while True:
+        delta = deltas.get(timeout=60)
+        tokens += delta.token_ids
+        if delta.finish_reason is not None:
+            assert delta.error is None, delta.error
+            return tokens
+
+
+def assert_settled(engine: DecodeEngine, prefill: PrefillEngine, client: KVStoreClient) -> dict:
+    deadline = time.monotonic() + 10
+    while True:
+        stats, pstats = engine.stats(), prefill.stats()
+        state = (stats["num_free_blocks"] == stats["num_blocks"], stats["num_active"] == 0,
+                 pstats["num_free_blocks"] == pstats["num_blocks"],
+                 client.stats()["num_tails"] == 0)
+        if all(state):
+            return stats
+        assert time.monotonic() < deadline, (state, stats, client.stats())
+        time.sleep(0.02)
+
+
+@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_hung_transfer_times_out_and_the_retry_succeeds(prefill, store, hf, params):
+    _, client = store
+    prompt = hf.encode(STORY * 2)
+    clean_engine, faulty = decode_engine(), _HangFirst(KVTransferConfig(timeout_s=TIMEOUT_S),
+                                                       hang={1})
+    engine = decode_engine(faulty)
+    try:
+        want = decode(clean_engine, prefill_for(prefill, "clean", prompt, params, False),
+                      prompt, params)
+        start = time.monotonic()
+        got = decode(engine, prefill_for(prefill, "hung", prompt, params, False), prompt, params)
+        assert got == want and time.monotonic() - start >= TIMEOUT_S  # waited for the deadline
+        if params is GREEDY:
+            assert got == hf.greedy(prompt, 16)
+        stats = assert_settled(engine, prefill, client)
+        assert (stats["num_fetch_retries_total"], stats["num_fetch_recomputes_total"]) == (1, 0)
+        assert faulty.calls == 2 and engine.kv_timings["hung"]["paths"] == ["grpc", "grpc"]
+        assert_settled(clean_engine, prefill, client)
+    finally:
+        engine.shutdown()
+        clean_engine.shutdown()
+
+
+def test_stalled_store_is_retried_then_the_prompt_recomputed(prefill, store, hf,
+                                                             stalled_address):
+    _, client = store
+    prompt = hf.encode(STORY * 3)
+    engine = decode_engine()
+    try:
+        for params in (GREEDY, SEEDED):
+            want = decode(engine, prefill_for(prefill, f"ok-{params.temperature}", prompt,
+                                              params, False), prompt, params)
+            result = prefill_for(prefill, f"stalled-{params.temperature}", prompt, params, False)
+            client.release_tail(result.tail_handle)  # the stalled store is the only holder
+            stalled = dataclasses.replace(result, kv_address=stalled_address)
+            assert decode(engine, stalled, prompt, params) == want
+            timings = engine.kv_timings[result.request_id]
+            assert timings["paths"] == ["grpc", "grpc"] and timings["recomputed"] is True
+            if params is GREEDY:
+                assert want == hf.greedy(prompt, 16)
+        stats = assert_settled(engine, prefill, client)
+        assert stats["num_fetch_recomputes_total"] == 2 and stats["num_fetch_retries_total"] == 2
+        assert stats["num_recomputed_tokens_total"] == 2 * len(prompt)
+    finally:
+        engine.shutdown()
+
+
+def test_stalled_layer_stream_falls_back_to_the_store(prefill, store, hf):
+    """A piece of the layer stream never comes (removed from the store): the stream times out
+    TIMEOUT_S after its last piece, the pieces left are dropped, and the request's KV comes
+    from the store's keyed blocks and tail."""
+    _, client = store
+    prompt = hf.encode("Lily and Ben went to the park. " + STORY * 3)  # nothing cached
+    engine = decode_engine()
+    try:
+        result = prefill_for(prefill, "ls-stall", prompt, GREEDY, True)
+        stream = result.layer_stream
+        assert stream is not None and len(stream.pieces) > 10
+        middle = len(stream.pieces) // 2
+        assert client.release_tail(stream.handle(middle))
+        assert decode(engine, result, prompt, GREEDY) == hf.greedy(prompt, 16)
+        timings = engine.kv_timings["ls-stall"]
+        assert timings["paths"] == ["layer", "grpc"] and "recomputed" not in timings
+        assert len(timings["arrivals"]) == middle  # every piece before the missing one
+        stats = assert_settled(engine, prefill, client)  # the pieces after it were dropped
+        assert (stats["num_fetch_retries_total"], stats["num_fetch_recomputes_total"]) == (1, 0)
+    finally:
+        engine.shutdown()
