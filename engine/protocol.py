@@ -153,8 +153,8 @@ class PrefillResult:
         its node's store while computing, announced to the decode peer before the compute
         (kvstore.transfer.layer_stream); None when the KV was not streamed. The blocks are in
         the KV store as well (keys + tail: the retry path, and the prefix cache).
-    extra: diagnostics, e.g. ``layer_compute_end_s``: time.time() at which each layer of the
-        last chunk finished computing (layer streaming only).
+    extra: diagnostics: ``compute_end_s``, time.time() when the last chunk's forward ended,
+        and with layer streaming ``layer_compute_end_s``, when each layer of it did.
     """
 
     request_id: str

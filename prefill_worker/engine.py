@@ -26,6 +26,7 @@ import itertools
 import logging
 import math
 import threading
+import time
 from collections import Counter, OrderedDict
 from dataclasses import dataclass
 
@@ -150,13 +151,14 @@ class PrefillEngine:
                 chunks = self._chunks(len(prompt), num_cached)
                 stream = self._open_stream(request, blocks, num_cached, chunks)
                 logits = self._run_chunks(prompt, chunks, blocks, stream)
+                extra["compute_end_s"] = time.time()
                 [(first_token, first_logprob)] = sample(
                     logits, [SampleInput(request.sampling, seed, prompt, ())], self.eos_token_ids)
                 tail_handle, num_tail, data = self._publish(request, prompt, keys, blocks)
                 self.pool.cache_full_blocks(blocks[len(hit): len(keys)], keys[len(hit):],
                                             keys[len(hit) - 1] if hit else None)
                 if stream is not None:
-                    extra = self.kv.streamer.timings(stream)
+                    extra.update(self.kv.streamer.timings(stream))
                     stream, layer_stream = None, self.kv.streamer.finish(stream)
             except StreamCancelled:
                 raise RequestAborted(request.request_id) from None

@@ -1,0 +1,126 @@
+"""How much KV transfer time layer-wise streaming hides (issue 6 item 4).
+
+    .venv/bin/python benchmarks/layer_streaming.py [--lengths 256,512,1024] [--reps 3]
+        [--output results.json] [--small]
+
+For each mode (`--kv-streaming request`, then `layer`) a real local cluster (launcher: Ray,
+one KV store, one prefill and one decode actor, 1 torch thread each) serves the same prompts
+(random token ids, max_tokens 2) one at a time through the Pipeline. Per request, from the
+workers' own timestamps (time.time(), one machine):
+
+    compute_end  the prefill's last forward ended          (PrefillResult.extra)
+    admitted     the decode had the whole KV and admitted the request to run (kv_timings)
+
+    exposed = admitted - compute_end: transfer time left on the critical path
+    hidden  = exposed(request) - exposed(layer)
+
+The model is a random-weight Llama in HF format written to a temp dir: hidden 768, 12 layers,
+12 heads, 12 KV heads (MHA: 72 KiB of fp32 KV per token, 72 MiB for 1024 tokens), vocab 32000,
+about 115M parameters (460 MB). `--small` shrinks it for a smoke run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import ray
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.throughput import write_model  # noqa: E402
+from deploy.config import ServeConfig  # noqa: E402
+from deploy.launcher import Cluster  # noqa: E402
+from engine.config import EngineConfig  # noqa: E402
+from engine.protocol import SamplingParams  # noqa: E402
+from kvstore.config import KVTransferConfig  # noqa: E402
+
+MODEL = dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
+             num_attention_heads=12, num_key_value_heads=12, vocab_size=32000,
+             max_position_embeddings=2048)
+SMALL = dict(MODEL, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+             num_attention_heads=4, num_key_value_heads=4, vocab_size=2000)
+
+
+def run_mode(model_dir: Path, streaming: str, prompts: list[list[int]]) -> list[dict]:
+    config = ServeConfig(
+        ray_num_cpus=4, ray_namespace=f"pdc-bench-{streaming}",
+        engine=EngineConfig(model=str(model_dir), num_kv_blocks=256),
+        transfer=KVTransferConfig(streaming=streaming, timeout_s=60))
+    rows = []
+    with Cluster(config) as cluster:
+        decode = cluster.decode[0].handle
+        params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+
+        async def one(rid: str, prompt: list[int]) -> float:
+            start = time.time()
+            async for _ in cluster.pipeline.generate(rid, prompt, params):
+                pass
+            return start
+
+        asyncio.run(one(f"{streaming}-warmup", prompts[0][:64]))
+        for i, prompt in enumerate(prompts):
+            rid = f"{streaming}-{i}"
+            start = asyncio.run(one(rid, prompt))
+            t = ray.get(decode.kv_timings.remote(rid))
+            compute_end = t["prefill_extra"]["compute_end_s"]
+            rows.append({"mode": streaming, "prompt_tokens": len(prompt), "paths": t["paths"],
+                         "prefill_s": compute_end - start,
+                         "exposed_s": t["admitted_s"] - compute_end,
+                         "start_to_admitted_s": t["admitted_s"] - start})
+            print(json.dumps(rows[-1]), flush=True)
+    ray.shutdown()
+    return rows
+
+
+def summarize(rows: list[dict]) -> list[dict]:
+    out = []
+    for n in sorted({r["prompt_tokens"] for r in rows}):
+        med = {mode: {k: statistics.median(r[k] for r in rows
+                                           if r["mode"] == mode and r["prompt_tokens"] == n)
+                      for k in ("prefill_s", "exposed_s", "start_to_admitted_s")}
+               for mode in ("request", "layer")}
+        out.append({"prompt_tokens": n, **{f"{m}_{k}": v for m, d in med.items()
+                                          for k, v in d.items()},
+                    "hidden_s": med["request"]["exposed_s"] - med["layer"]["exposed_s"]})
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--lengths", default="256,512,1024")
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--small", action="store_true")
+    parser.add_argument("--output", type=Path)
+    args = parser.parse_args()
+    shape = SMALL if args.small else MODEL
+    rng = random.Random(0)
+    lengths = [int(x) for x in args.lengths.split(",")]
+    prompts = [[rng.randrange(3, shape["vocab_size"]) for _ in range(n)]
+               for n in lengths for _ in range(args.reps)]
+    with tempfile.TemporaryDirectory() as tmp:
+        params = write_model(Path(tmp), shape, seed=0)
+        print(f"model: {params / 1e6:.1f}M parameters", flush=True)
+        rows = run_mode(Path(tmp), "request", prompts) + run_mode(Path(tmp), "layer", prompts)
+    summary = summarize(rows)
+    print(f"{'tokens':>7} {'prefill s':>10} {'exposed req ms':>15} {'exposed layer ms':>17} "
+          f"{'hidden ms':>10}")
+    for s in summary:
+        print(f"{s['prompt_tokens']:>7} {s['layer_prefill_s']:>10.2f} "
+              f"{1000 * s['request_exposed_s']:>15.1f} {1000 * s['layer_exposed_s']:>17.1f} "
+              f"{1000 * s['hidden_s']:>10.1f}")
+    if args.output:
+        args.output.write_text(json.dumps({"rows": rows, "summary": summary}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
