@@ -14,7 +14,6 @@ one prefill and one decode actor, and needs no other service.
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import sys
 
@@ -67,6 +66,11 @@ _SERVE_FLAGS = [
                                                   "requests finish for this long (default 30 s)"),
     ("--kv-token", "kvstore.token", str, "shared token of the KV gRPC plane (default: random "
                                          "per local cluster)"),
+    ("--kv-tls-cert", "kvstore.tls.cert_file", str, "PEM certificate chain of the KV gRPC "
+                                                     "plane (TLS on when given, with the key)"),
+    ("--kv-tls-key", "kvstore.tls.key_file", str, "PEM private key of --kv-tls-cert"),
+    ("--kv-tls-ca", "kvstore.tls.ca_file", str, "PEM CA bundle: clients verify stores against "
+                                                "it, stores require client certs (mutual TLS)"),
     ("--kv-tail-capacity-bytes", "kvstore.capacity_bytes", int,
      "bytes per node for per-request tail blocks in flight"),
     ("--dram-cache-gb", "kvpool.dram_cache_bytes", _gib, "G2 shared-memory arena per node"),
@@ -82,7 +86,11 @@ _SERVE_FLAGS = [
     ("--slo-tbt-ms", "slo_tbt_ms", float, "TBT SLO admission enforces (default 100 ms)"),
     ("--cost-model", "cost_model", str, "Conductor cost model: stories260k-cpu (default) | "
                                         "mooncake-70b | a `pdcluster profile` file"),
+    ("--max-inflight-requests", "max_inflight_requests", int,
+     "sequences in flight through the gateway; past it 503 + Retry-After (default 256)"),
     ("--log-level", "log_level", str, "debug | info | warning (default info)"),
+    ("--log-format", "log_format", str, "text (default) | json: one JSON object per line, "
+                                        "with request_id on records about a request"),
 ]
 
 
@@ -147,8 +155,9 @@ def main(argv: list[str] | None = None) -> int:
         except (ValueError, OSError) as exc:
             print(f"pdcluster: invalid configuration: {exc}", file=sys.stderr)
             return 2
-        logging.basicConfig(level=config.log_level.upper(),
-                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        from router.logs import configure_logging
+
+        configure_logging(config.log_level, config.log_format)
         return serve(config)
     if args.command == "bench":
         from loadtest.cli import run_bench

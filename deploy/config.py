@@ -32,8 +32,14 @@ class ServeConfig(BaseModel):
         never. Only nodes that may run workers get a KV store.
     colocated: each decode instance also prefills its requests (no prefill actors, no KV
         transfer) — for comparison and one-GPU deployments.
-    drain_timeout_s: on SIGTERM the gateway stops admitting (503) and in-flight requests get
-        this long to finish before they end with an error event and the workers stop.
+    drain_timeout_s: on SIGTERM the gateway stops admitting (503 + Retry-After, /health 503
+        "draining") and in-flight requests get this long, in seconds, to finish before they
+        end with an error event and the workers stop (deploy/serve.py).
+    max_inflight_requests: sequences (each choice of each prompt) the gateway lets run at
+        once; past it a request gets 503 + Retry-After (router/inflight.py). The workers'
+        own queues are not bounded, so this is the cluster's bound.
+    log_format: "text" or "json" (one JSON object per line with timestamp, level, logger,
+        message and, for a record about a request, request_id; router/logs.py).
     api_keys / api_key_file: when any key is set, every request but /health needs
         `Authorization: Bearer <key>` (keys are never logged).
     transfer: how KV gets from prefill to decode (``--kv-transfer grpc|torch``); its token is
@@ -75,6 +81,8 @@ class ServeConfig(BaseModel):
     placement: Literal["auto", "resources", "none"] = "auto"
     log_level: str = "info"
     drain_timeout_s: float = Field(30.0, ge=0)
+    max_inflight_requests: int = Field(256, ge=1)
+    log_format: Literal["text", "json"] = "text"
     max_request_body_bytes: int = Field(4 << 20, ge=1024)
     api_keys: list[SecretStr] = Field(default_factory=list)
     api_key_file: str | None = None

@@ -1,14 +1,26 @@
 """`pdcluster serve`: the cluster plus the gateway in this process.
 
-Shutdown: uvicorn turns SIGINT/SIGTERM into a graceful stop of the HTTP server; then every
-actor is killed and, when this process started the local Ray, Ray's processes with it, so no
-descendant survives and the port is free.
+Shutdown (SIGTERM, or a first Ctrl-C) drains:
+
+1. the gateway stops admitting: new requests get 503 + Retry-After (reason "draining") and
+   /health answers 503 {"status": "draining"}, while the listening socket stays open;
+2. requests in flight get `drain_timeout_s` to finish;
+3. those still running then end with an explicit error event (SSE `data: {"error": …}` then
+   `[DONE]`; a non-streamed request gets a 503 body), which aborts them on their workers;
+4. uvicorn closes its connections, every actor is killed and, when this process started the
+   local Ray, Ray's processes with it, so no descendant survives and the port is free.
+
+A second signal during the drain stops at once (step 4).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import signal
+import threading
+import time
+from types import FrameType
 
 import uvicorn
 from fastapi import FastAPI
@@ -20,8 +32,15 @@ from engine.tokenizer import Tokenizer
 from router.auth import APIKeyAuth, load_api_keys
 from router.chat_template import ChatTemplate
 from router.gateway import build_app
+from router.inflight import InflightGate
+from router.serving import GenerationService
 
 log = logging.getLogger(__name__)
+
+#: After the drain deadline: how long the error events get to reach their clients.
+ABORT_FLUSH_S = 5.0
+#: uvicorn's own bound on closing connections once the drain is over.
+CLOSE_CONNECTIONS_S = 5.0
 
 
 def gateway_app(config: ServeConfig, cluster: Cluster) -> FastAPI:
@@ -30,20 +49,102 @@ def gateway_app(config: ServeConfig, cluster: Cluster) -> FastAPI:
     max_model_len = config.engine.resolved_max_model_len(ModelConfig.from_pretrained(model_dir))
     app = build_app(cluster.pipeline, Tokenizer.from_pretrained(model_dir), config.model_name(),
                     max_model_len, ChatTemplate.from_model_dir(model_dir),
-                    config.max_request_body_bytes)
+                    config.max_request_body_bytes, InflightGate(config.max_inflight_requests))
     keys = load_api_keys([k.get_secret_value() for k in config.api_keys], config.api_key_file)
     if keys:
         app.add_middleware(APIKeyAuth, keys=keys)
     return app
 
 
+async def drain(service: GenerationService, timeout_s: float) -> None:
+    """Steps 1-3 above: refuse new requests, wait up to `timeout_s` for the in-flight ones,
+    then end the rest with an error event and wait (at most ABORT_FLUSH_S) for them to go."""
+    gate = service.gate
+    gate.start_draining()
+    log.info("draining: %d sequence(s) in flight, %.1f s to finish", gate.inflight, timeout_s)
+    if await gate.wait_idle(timeout_s):
+        log.info("drained: every in-flight request finished")
+        return
+    aborted = service.abort_all(f"the server shut down; the request did not finish within "
+                                f"the {timeout_s:g} s drain timeout")
+    log.warning("drain timeout: ended %d stream(s) with an error event", aborted)
+    await gate.wait_idle(ABORT_FLUSH_S)
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn, with its exit signals turned into a drain of `service` first."""
+
+    def __init__(self, config: uvicorn.Config, service: GenerationService,
+                 drain_timeout_s: float) -> None:
+        super().__init__(config)
+        self.service = service
+        self.drain_timeout_s = drain_timeout_s
+        self._drain_requested = False
+        self._drain_task: asyncio.Task | None = None
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self._drain_requested:  # a second signal: stop now
+            super().handle_exit(sig, frame)
+            self.force_exit = True
+            return
+        self._drain_requested = True
+        self._captured_signals.append(sig)  # re-raised by uvicorn once the server is down
+
+    async def on_tick(self, counter: int) -> bool:
+        if self._drain_requested and self._drain_task is None:
+            self._drain_task = asyncio.create_task(self._drain_then_exit())
+        return await super().on_tick(counter)
+
+    async def _drain_then_exit(self) -> None:
+        try:
+            await drain(self.service, self.drain_timeout_s)
+        finally:
+            self.should_exit = True
+
+
+class BackgroundServer:
+    """A context manager serving an ASGI app by uvicorn on a daemon thread (tests, embedding):
+    `with BackgroundServer(app) as srv: httpx.get(srv.url + "/health")`.
+
+    Raises RuntimeError when the server has not started within `start_timeout_s`.
+    """
+
+    def __init__(self, app, host: str = "127.0.0.1", port: int = 0,
+                 log_level: str = "warning", start_timeout_s: float = 30.0) -> None:
+        self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port,
+                                                    log_level=log_level, lifespan="off"))
+        self.start_timeout_s = start_timeout_s
+        self._thread = threading.Thread(target=self.server.run, name="gateway", daemon=True)
+        self.url = ""
+
+    def __enter__(self) -> "BackgroundServer":
+        self._thread.start()
+        deadline = time.monotonic() + self.start_timeout_s
+        while not self.server.started:
+            if time.monotonic() > deadline or not self._thread.is_alive():
+                raise RuntimeError("gateway did not start")
+            time.sleep(0.05)
+        host, port = self.server.servers[0].sockets[0].getsockname()[:2]
+        self.url = f"http://{host}:{port}"
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self._thread.join(timeout=10)
+
+
 def serve(config: ServeConfig) -> int:
     cluster = Cluster(config)
     try:
         cluster.start()
-        server = uvicorn.Server(uvicorn.Config(gateway_app(config, cluster), host=config.host,
-                                               port=config.port, log_level=config.log_level,
-                                               lifespan="off"))
+        app = gateway_app(config, cluster)
+        # text: uvicorn's own log config; json: uvicorn's loggers go through the root handler
+        log_config = uvicorn.config.LOGGING_CONFIG if config.log_format == "text" else None
+        server = DrainingServer(
+            uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,
+                           lifespan="off", log_config=log_config,
+                           timeout_graceful_shutdown=CLOSE_CONNECTIONS_S),
+            app.state.service, config.drain_timeout_s)
         log.info("serving %s at http://%s:%d/v1", config.model_name(), config.host, config.port)
         try:
             server.run()

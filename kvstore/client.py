@@ -22,6 +22,8 @@ import numpy as np
 import pydantic
 import torch
 
+from kvstore import tls as kv_tls
+from kvstore.config import KVTLSConfig
 from kvstore.errors import (BlockLayoutError, BlockNotFoundError, KVAuthError, KVStoreError,
                             KVTransferError, StoreCapacityError)
 from kvstore.hashing import KEY_BYTES
@@ -150,6 +152,8 @@ class KVStoreClient:
         max_message_bytes: max gRPC message size in bytes, both directions.
         token: the KV plane's shared secret (``--kv-token``), sent with every call; ``None``
             for a store without auth.
+        tls: TLS settings (kvstore.config.KVTLSConfig) when the store serves TLS; ``None``:
+            plaintext. Unreadable files raise KVStoreError here.
 
     Every method raises :class:`KVTransferError` (naming the address and reason) on a deadline
     or RPC failure and :class:`KVAuthError` when the store refuses the token;
@@ -157,7 +161,7 @@ class KVStoreClient:
     """
 
     def __init__(self, address: str, timeout_s: float = 10.0, max_message_bytes: int = 64 << 20,
-                 token: str | pydantic.SecretStr | None = None):
+                 token: str | pydantic.SecretStr | None = None, tls: KVTLSConfig | None = None):
         self.address = address
         self.timeout_s = timeout_s
         self.max_message_bytes = max_message_bytes
@@ -167,9 +171,10 @@ class KVStoreClient:
         self._metadata = ((AUTH_METADATA_KEY, f"Bearer {token}"),) if token else ()
         # SingleThreadedUnaryStream: a GetBlocks stream is read on the caller's thread, not
         # handed over from gRPC's channel thread per message (less CPU per byte; cancel() works).
-        self._channel = grpc.insecure_channel(address, options=[
-            *channel_options(max_message_bytes),
-            (grpc.experimental.ChannelOptions.SingleThreadedUnaryStream, 1)])
+        options = [*channel_options(max_message_bytes), *kv_tls.channel_options(tls),
+                   (grpc.experimental.ChannelOptions.SingleThreadedUnaryStream, 1)]
+        self._channel = grpc.insecure_channel(address, options=options) if tls is None else \
+            grpc.secure_channel(address, kv_tls.channel_credentials(tls), options=options)
         self._stub = pb_grpc.KVStoreStub(self._channel)
         self._get_blocks_raw = self._channel.unary_stream(  # replies decoded by wire.py
             f"/{SERVICE_NAME}/GetBlocks",

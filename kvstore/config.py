@@ -11,6 +11,29 @@ import pydantic
 TransferBackendName = Literal["grpc", "torch", "fake"]
 
 
+class KVTLSConfig(pydantic.BaseModel):
+    """TLS of the KV gRPC plane (``--kv-tls-cert``, ``--kv-tls-key``, ``--kv-tls-ca``); PEM
+    file paths, read when a server or channel is built (kvstore/tls.py).
+
+    Attributes:
+        cert_file / key_file: this node's certificate chain and private key: the KV store
+            server presents them, and clients present them when the server asks (mutual TLS).
+            The certificate's subjectAltName must name the address clients dial (the node's
+            ``--kv-bind`` address), or set ``server_name``.
+        ca_file: CA bundle clients verify servers against (None: the system's roots). When
+            set, servers also require client certificates signed by it (mutual TLS).
+        server_name: the name clients check in the server's certificate instead of the dialed
+            host (one shared cluster certificate for every node).
+    """
+
+    model_config = pydantic.ConfigDict(frozen=True, extra="forbid")
+
+    cert_file: str
+    key_file: str
+    ca_file: str | None = None
+    server_name: str | None = None
+
+
 class KVStoreConfig(pydantic.BaseModel):
     """Settings of a :class:`kvstore.server.KVStoreServer` and its host-DRAM block store.
 
@@ -27,6 +50,8 @@ class KVStoreConfig(pydantic.BaseModel):
             ``authorization: Bearer <token>``; ``None`` turns auth off (tests of this module
             only: the cluster launcher always sets one). A ``SecretStr``, so it never shows in
             a repr or a log.
+        tls: TLS of the gRPC server and its clients; ``None``: plaintext (the token still
+            guards every call, but crosses the network in the clear).
     """
 
     model_config = pydantic.ConfigDict(frozen=True, extra="forbid")
@@ -38,6 +63,7 @@ class KVStoreConfig(pydantic.BaseModel):
     transfer_timeout_s: float = pydantic.Field(default=10.0, gt=0)
     max_message_bytes: int = pydantic.Field(default=64 << 20, gt=0)
     token: pydantic.SecretStr | None = None
+    tls: KVTLSConfig | None = None
 
 
 class KVTransferConfig(pydantic.BaseModel):

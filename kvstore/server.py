@@ -2,7 +2,8 @@
 
 Serves a :class:`HostBlockStore` over the ``pdcluster.kvstore.v1.KVStore`` service: protobuf
 messages with raw tensor bytes, never pickle. Binds only ``config.host`` (``--kv-bind``,
-127.0.0.1 by default). With ``config.token`` set, every call must carry
+127.0.0.1 by default), over TLS when ``config.tls`` is set (``--kv-tls-cert/-key/-ca``; mutual
+TLS with a CA). With ``config.token`` set, every call must carry
 ``authorization: Bearer <token>`` (or ``x-pdcluster-token: <token>``) in its metadata, else it
 fails with UNAUTHENTICATED (STYLE.md trap 6: KV planes shipped unauthenticated and bound to
 all interfaces). A daemon thread sweeps expired tails every ``min(tail_ttl_s / 4, 5)`` seconds.
@@ -24,6 +25,7 @@ from concurrent import futures
 
 import grpc
 
+from kvstore import tls
 from kvstore.config import KVStoreConfig
 from kvstore.errors import BlockLayoutError, KVStoreError, StoreCapacityError
 from kvstore.host_store import BlockLayout, HostBlockStore
@@ -257,7 +259,10 @@ class KVStoreServer:
         server.add_registered_method_handlers(SERVICE_NAME, handlers)
         bind = f"{_host_for_uri(self.config.host)}:{self.config.port}"
         try:
-            port = server.add_insecure_port(bind)
+            if self.config.tls is None:
+                port = server.add_insecure_port(bind)
+            else:
+                port = server.add_secure_port(bind, tls.server_credentials(self.config.tls))
         except RuntimeError as exc:
             raise KVStoreError(f"cannot bind KV store server to {bind}: {exc}") from exc
         if port == 0:
@@ -268,8 +273,9 @@ class KVStoreServer:
         self._sweeper = threading.Thread(target=self._sweep_loop, name="kvstore-tail-sweep",
                                          daemon=True)
         self._sweeper.start()
-        logger.info("KV store server listening on %s (auth %s)", self.address,
-                    "on" if self.config.token is not None else "OFF")
+        logger.info("KV store server listening on %s (auth %s, TLS %s)", self.address,
+                    "on" if self.config.token is not None else "OFF",
+                    "on" if self.config.tls is not None else "off")
         return port
 
     @property

@@ -4,6 +4,7 @@ usage accounting and logprob token strings."""
 from __future__ import annotations
 
 import json
+import logging
 import math
 import time
 from dataclasses import dataclass
@@ -12,13 +13,16 @@ from typing import AsyncIterator, Callable
 from engine.sampler import draw_seed
 from engine.tokenizer import Tokenizer
 from router.conductor import RequestRejected
+from router.inflight import Overloaded
 from router.pipeline import GenerationError
 from router.schemas import SamplingFields
 from router.serving import ChoiceDelta, ChoiceSpec, GenerationService
 
+log = logging.getLogger(__name__)
+
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
                 404: "not_found_error", 413: "invalid_request_error", 429: "rate_limit_error",
-                503: "service_unavailable"}
+                500: "internal_error", 503: "service_unavailable"}
 
 
 class APIError(Exception):
@@ -86,14 +90,24 @@ def build_specs(body: SamplingFields, prompts: list[list[int]], max_tokens: list
 async def start_stream(ctx: ServingContext, request_id: str, specs: list[ChoiceSpec],
                        cache_salt: str | None) -> tuple[ChoiceDelta, AsyncIterator[ChoiceDelta]]:
     """Starts generation and waits for the first delta, so a request that cannot start gets
-    an HTTP error instead of a 200 stream. Returns (first delta, the rest)."""
+    an HTTP error instead of a 200 stream: 503 + Retry-After when the in-flight gate refuses
+    it (overloaded or draining). Returns (first delta, the rest)."""
     stream = ctx.service.stream(request_id, specs, cache_salt)
     try:
         first = await anext(stream)
+    except Overloaded as exc:
+        await stream.aclose()
+        raise APIError(503, str(exc), code=exc.reason, reason=exc.reason,
+                       headers={"Retry-After": _retry_after(exc.retry_after_s)}) from exc
     except GenerationError as exc:
         await stream.aclose()
         raise _start_error(exc) from exc
     return first, stream
+
+
+def _retry_after(seconds: float) -> str:
+    """Retry-After in whole seconds (RFC 9110 §10.2.3), at least 1."""
+    return str(max(1, math.ceil(seconds)))
 
 
 def _start_error(exc: GenerationError) -> APIError:
@@ -104,7 +118,7 @@ def _start_error(exc: GenerationError) -> APIError:
     if isinstance(cause, RequestRejected):
         rejection = cause.rejection
         return APIError(429, str(cause), code=rejection.reason,
-                        headers={"Retry-After": str(max(1, math.ceil(rejection.retry_after_s)))},
+                        headers={"Retry-After": _retry_after(rejection.retry_after_s)},
                         reason=rejection.reason)
     return APIError(exc.status, str(exc))
 
@@ -121,6 +135,7 @@ async def collect(first: ChoiceDelta, rest: AsyncIterator[ChoiceDelta],
             acc.logprobs += delta.logprobs
             acc.finish_reason = delta.finish_reason or acc.finish_reason
     except GenerationError as exc:
+        log.warning("request failed: %s", exc)
         raise APIError(exc.status, str(exc)) from exc
     return out
 
@@ -138,6 +153,7 @@ async def sse(first: ChoiceDelta, rest: AsyncIterator[ChoiceDelta],
         if usage_chunk is not None:
             yield f"data: {json.dumps(usage_chunk(completion_tokens))}\n\n"
     except GenerationError as exc:
+        log.warning("stream ended by an error: %s", exc)
         yield f"data: {json.dumps(APIError(exc.status, str(exc)).body())}\n\n"
     finally:
         await rest.aclose()  # on client disconnect: aborts the requests on the workers

@@ -9,6 +9,7 @@ from engine.tokenizer import Tokenizer
 from router.api_common import (APIError, ServingContext, build_specs, collect, envelope, sse,
                                start_stream, usage)
 from router.chat_template import ChatTemplate, ChatTemplateError
+from router.logs import bind_request_id
 from router.schemas import ChatCompletionRequest, new_request_id
 from router.serving import ChoiceDelta
 
@@ -29,6 +30,7 @@ async def create_chat_completion(body: ChatCompletionRequest, ctx: ServingContex
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     specs = build_specs(body, [prompt], [max_tokens], logprobs)
     request_id = new_request_id("chatcmpl")
+    bind_request_id(request_id)
     first, rest = await start_stream(ctx, request_id, specs, body.cache_salt)
     if body.stream:
         head = envelope(request_id, "chat.completion.chunk", body.model)

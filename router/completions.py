@@ -8,6 +8,7 @@ from engine.protocol import TokenLogprob
 from engine.tokenizer import Tokenizer
 from router.api_common import (APIError, ServingContext, build_specs, collect, envelope, sse,
                                start_stream, usage)
+from router.logs import bind_request_id
 from router.schemas import CompletionRequest, new_request_id
 from router.serving import ChoiceDelta
 
@@ -18,6 +19,7 @@ async def create_completion(body: CompletionRequest, ctx: ServingContext):
     max_tokens = [ctx.max_tokens_for(p, body.max_tokens, "max_tokens") for p in prompts]
     specs = build_specs(body, prompts, max_tokens, body.logprobs)
     request_id = new_request_id("cmpl")
+    bind_request_id(request_id)
     first, rest = await start_stream(ctx, request_id, specs, body.cache_salt)
     head = envelope(request_id, "text_completion", body.model)
     num_prompt_tokens = sum(len(p) for p in prompts)

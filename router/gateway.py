@@ -4,7 +4,12 @@ Endpoints: POST /v1/completions and /v1/chat/completions (SSE streaming and not)
 GET /v1/models, GET /health, GET /metrics (Prometheus, the whole cluster). Errors use OpenAI's error body: 400 for bad input (never FastAPI's
 422), 404 for an unknown model, 413 for a body over the limit, 429 with Retry-After when
 admission control refuses a request (counted by reason: ttft_slo, tbt_slo, decode_kv_full),
-503 when the cluster cannot serve.
+503 when the cluster cannot serve, and 503 with Retry-After when the in-flight bound is reached
+(reason overloaded) or the gateway is draining (reason draining; /health answers 503
+{"status": "draining"} then, so load balancers stop sending).
+
+Each request's id is set in router.logs' context variable, so every log record about it (here,
+in the pipeline, in the Conductor) carries `request_id`.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from router.api_common import APIError, ServingContext
 from router.chat import create_chat_completion
 from router.chat_template import ChatTemplate
 from router.completions import create_completion
+from router.inflight import InflightGate
 from router.metrics import ClusterStatsCollector, GatewayMetrics, exposition
 from router.pipeline import Pipeline
 from router.schemas import ChatCompletionRequest, CompletionRequest
@@ -32,14 +38,18 @@ _REJECT_REASONS = {400: "invalid_request", 404: "unknown_model", 413: "body_too_
 
 def build_app(pipeline: Pipeline, tokenizer: Tokenizer, served_model_name: str,
               max_model_len: int, chat_template: ChatTemplate,
-              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+              gate: InflightGate | None = None) -> FastAPI:
     """The gateway app. max_model_len bounds prompt + max_tokens; max_body_bytes bounds a
-    request body (larger ones get 413 before they are read whole)."""
+    request body (larger ones get 413 before they are read whole); gate bounds the sequences
+    in flight (default: unbounded). `app.state.service` (a GenerationService, with its gate)
+    is what a drain (deploy/serve.py) acts on."""
     metrics = GatewayMetrics()
-    cluster_stats = ClusterStatsCollector(pipeline.conductor.registry)
-    ctx = ServingContext(GenerationService(pipeline, tokenizer, metrics), tokenizer,
-                         served_model_name, max_model_len)
+    service = GenerationService(pipeline, tokenizer, metrics, gate)
+    cluster_stats = ClusterStatsCollector(pipeline.conductor.registry, service.gate)
+    ctx = ServingContext(service, tokenizer, served_model_name, max_model_len)
     app = FastAPI(title="pdcluster", docs_url=None, redoc_url=None)
+    app.state.service = service
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
 
     @app.exception_handler(APIError)
@@ -68,8 +78,10 @@ def build_app(pipeline: Pipeline, tokenizer: Tokenizer, served_model_name: str,
                             status_code=exc.status_code)
 
     @app.get("/health")
-    async def health() -> dict:
-        return {"status": "ok"}
+    async def health() -> JSONResponse:
+        if service.gate.draining:
+            return JSONResponse({"status": "draining"}, status_code=503)
+        return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:

@@ -16,12 +16,17 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from router.conductor import InstanceRegistry
+from router.inflight import InflightGate
 
 log = logging.getLogger(__name__)
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0,
                     2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 STATS_TIMEOUT_S = 2.0
+#: `reason` labels of pdcluster_requests_rejected_total: bad input (gateway), SLO admission
+#: (router.admission), the in-flight gate (router.inflight).
+KNOWN_REJECT_REASONS = ("invalid_request", "unknown_model", "body_too_large", "unavailable",
+                        "ttft_slo", "tbt_slo", "decode_kv_full", "overloaded", "draining")
 
 
 class GatewayMetrics:
@@ -44,6 +49,8 @@ class GatewayMetrics:
                                          registry=r)
         self.rejected = Counter("pdcluster_requests_rejected", "Requests rejected, by reason",
                                 ["reason"], registry=r)
+        for reason in KNOWN_REJECT_REASONS:  # present at 0, so rate() has a series from start
+            self.rejected.labels(reason=reason)
 
     def observe_request(self, ttft_s: float, e2e_s: float, num_output_tokens: int) -> None:
         self.ttft.observe(ttft_s)
@@ -56,8 +63,9 @@ class GatewayMetrics:
 class ClusterStatsCollector:
     """Sums worker stats into Prometheus families. Use `await scrape()`, then expose."""
 
-    def __init__(self, instances: InstanceRegistry) -> None:
+    def __init__(self, instances: InstanceRegistry, gate: InflightGate | None = None) -> None:
         self.instances = instances
+        self.gate = gate
 
     async def scrape(self) -> list[Metric]:
         stats_p = await _gather_stats(self.instances.by_role("prefill"))
@@ -97,6 +105,8 @@ class ClusterStatsCollector:
         running = GaugeMetricFamily("pdcluster_requests_running", "Requests running, by role",
                                     labels=["role"])
         running.add_metric(["decode"], sum(s.get("num_active", 0) for s in stats_d))
+        if self.gate is not None:  # sequences the gateway has admitted and not yet finished
+            running.add_metric(["gateway"], self.gate.inflight)
         waiting = GaugeMetricFamily("pdcluster_requests_waiting", "Requests waiting, by role",
                                     labels=["role"])
         waiting.add_metric(["decode"], sum(s.get("num_waiting", 0) for s in stats_d))

@@ -17,6 +17,10 @@ from engine.protocol import MAX_LOGPROBS, SamplingParams
 
 MAX_N = 16
 MAX_STOP_STRINGS = 16
+#: Temperatures below this are greedy (vLLM's `_SAMPLING_EPS`, vllm/sampling_params.py):
+#: logits divided by 1e-170 overflow to inf and the distribution to NaN.
+SAMPLING_EPS = 1e-5
+MIN_REPETITION_PENALTY = 0.01
 
 
 class StreamOptions(BaseModel):
@@ -25,9 +29,10 @@ class StreamOptions(BaseModel):
 
 
 class SamplingFields(BaseModel):
-    """Fields both endpoints share."""
+    """Fields both endpoints share. Infinity and NaN (which Python's JSON parser accepts) are
+    refused in every float field."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     model: str
     temperature: float = Field(1.0, ge=0.0)
@@ -42,7 +47,10 @@ class SamplingFields(BaseModel):
     min_tokens: int = Field(0, ge=0)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    repetition_penalty: float = Field(1.0, gt=0.0)
+    # vLLM accepts any value > 0; past 100x either way a seen token is already certain or
+    # impossible, and 5e-324 overflowed the penalized logits to inf (found by the fuzz test)
+    repetition_penalty: float = Field(1.0, ge=MIN_REPETITION_PENALTY,
+                                      le=1 / MIN_REPETITION_PENALTY)
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -58,8 +66,12 @@ class SamplingFields(BaseModel):
 
     def sampling_params(self, max_tokens: int, logprobs: int | None, seed: int | None) -> SamplingParams:
         """Raises ValueError for combinations pydantic's per-field checks cannot see."""
+        temperature = 0.0 if self.temperature < SAMPLING_EPS else self.temperature
+        # a top_p this small keeps only the most likely token either way; smaller ones
+        # underflow to 0 in float32 and drop every token (found by the fuzz test)
+        top_p = max(self.top_p, SAMPLING_EPS)
         return SamplingParams(
-            max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
+            max_tokens=max_tokens, temperature=temperature, top_p=top_p,
             top_k=self.top_k, min_p=self.min_p, seed=seed,
             stop_token_ids=tuple(self.stop_token_ids), ignore_eos=self.ignore_eos,
             min_tokens=self.min_tokens, presence_penalty=self.presence_penalty,

@@ -1,19 +1,22 @@
 """Turns one API request into choice streams: n choices per prompt, each a pipeline run, with
 incremental detokenization and stop strings applied, merged into one stream of ChoiceDelta.
 
-Every exit path — a stop string, the client going away, an error in a sibling choice — closes
-the choice's pipeline generator, which aborts the request on its worker (no held blocks).
+Every exit path — a stop string, the client going away, an error in a sibling choice, a drain
+that ran out of time — closes the choice's pipeline generator, which aborts the request on its
+worker (no held blocks). Each stream holds its slots of the InflightGate until it ends.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Sequence
 
 from engine.protocol import FinishReason, SamplingParams, TokenLogprob
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from router.inflight import InflightGate
 from router.metrics import GatewayMetrics
 from router.pipeline import GenerationError, Pipeline
 from router.stop import StopStringMatcher
@@ -41,23 +44,35 @@ class ChoiceDelta:
 
 
 _DONE = object()
+log = logging.getLogger(__name__)
 
 
 class GenerationService:
+    """Runs requests' choices on the pipeline, bounded by `gate` (default: unbounded)."""
+
     def __init__(self, pipeline: Pipeline, tokenizer: Tokenizer,
-                 metrics: GatewayMetrics | None = None) -> None:
+                 metrics: GatewayMetrics | None = None,
+                 gate: InflightGate | None = None) -> None:
         self.pipeline = pipeline
         self.tokenizer = tokenizer
         self.metrics = metrics or GatewayMetrics()
+        self.gate = gate or InflightGate(None)
+        self._active: set[asyncio.Queue] = set()
+
+    def abort_all(self, message: str) -> int:
+        """Ends every running stream with GenerationError(message, 503) (the SSE error event
+        a drain past its deadline sends). Returns how many streams were running."""
+        for queue in self._active:
+            queue.put_nowait(GenerationError(message, 503))
+        return len(self._active)
 
     async def stream(self, request_id: str, specs: Sequence[ChoiceSpec],
                      cache_salt: str | None = None) -> AsyncIterator[ChoiceDelta]:
-        """Merged deltas of all choices. Raises GenerationError (from any choice)."""
-        if len(specs) == 1:
-            async for delta in self._choice(request_id, specs[0], cache_salt):
-                yield delta
-            return
+        """Merged deltas of all choices. Raises Overloaded (router.inflight) before anything
+        starts when the gate refuses, GenerationError from any choice or from abort_all."""
+        taken = self.gate.acquire(len(specs))
         queue: asyncio.Queue = asyncio.Queue()
+        self._active.add(queue)
 
         async def pump(spec: ChoiceSpec) -> None:
             try:
@@ -65,6 +80,9 @@ class GenerationService:
                     await queue.put(delta)
             except GenerationError as exc:
                 await queue.put(exc)
+            except Exception:  # noqa: BLE001 — a bug must end the stream, not hang it
+                log.exception("choice %d of %s failed", spec.index, request_id)
+                await queue.put(GenerationError("internal error", 500))
             finally:
                 await queue.put(_DONE)
 
@@ -80,9 +98,13 @@ class GenerationService:
                 else:
                     yield item
         finally:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            self._active.discard(queue)
+            try:
+                for task in tasks:
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+            finally:
+                self.gate.release(taken)
 
     async def _choice(self, request_id: str, spec: ChoiceSpec,
                       cache_salt: str | None) -> AsyncIterator[ChoiceDelta]:

@@ -4,15 +4,18 @@ the gateway served over real HTTP by uvicorn."""
 from __future__ import annotations
 
 import socket
-import threading
+import subprocess
+import sys
 import time
+from pathlib import Path
 
+import httpx
+import psutil
 import pytest
-import uvicorn
 
 from deploy.config import ServeConfig
 from deploy.launcher import Cluster
-from deploy.serve import gateway_app
+from deploy.serve import BackgroundServer, gateway_app
 
 
 def free_port() -> int:
@@ -31,17 +34,40 @@ def cluster():
 @pytest.fixture(scope="session")
 def api_base(cluster) -> str:
     """Base URL (http://127.0.0.1:PORT/v1) of the gateway `pdcluster serve` would run."""
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(gateway_app(cluster.config, cluster),
-                                           host="127.0.0.1", port=port, log_level="warning",
-                                           lifespan="off"))
-    thread = threading.Thread(target=server.run, name="gateway", daemon=True)
-    thread.start()
-    deadline = time.time() + 30
-    while not server.started:
-        if time.time() > deadline or not thread.is_alive():
-            raise RuntimeError("gateway did not start")
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}/v1"
-    server.should_exit = True
-    thread.join(timeout=10)
+    with BackgroundServer(gateway_app(cluster.config, cluster)) as server:
+        yield f"{server.url}/v1"
+
+
+@pytest.fixture(scope="session")
+def serve_process(tmp_path_factory):
+    """Factory: `serve_process(*flags)` starts `pdcluster serve --port P *flags` as a real
+    subprocess (own session, output in a log file), waits for /health, and returns
+    (Popen, port, log path). Whatever is still running at session end is killed."""
+    started: list[subprocess.Popen] = []
+
+    def start(*flags: str) -> tuple[subprocess.Popen, int, Path]:
+        port = free_port()
+        log = tmp_path_factory.mktemp("serve") / "serve.log"
+        exe = Path(sys.executable).parent / "pdcluster"
+        with log.open("w") as out:
+            proc = subprocess.Popen([str(exe), "serve", "--port", str(port), *flags],
+                                    stdout=out, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+        started.append(proc)
+        deadline = time.time() + 180
+        while time.time() < deadline:
+            if proc.poll() is not None:
+                pytest.fail(f"pdcluster serve exited with {proc.returncode}:\n{log.read_text()}")
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    return proc, port, log
+            except httpx.HTTPError:
+                time.sleep(0.5)
+        pytest.fail(f"server not healthy in 180 s:\n{log.read_text()}")
+
+    yield start
+    for proc in started:
+        if proc.poll() is None:
+            for child in psutil.Process(proc.pid).children(recursive=True):
+                child.kill()
+            proc.kill()

@@ -4,10 +4,6 @@ from __future__ import annotations
 
 import signal
 import socket
-import subprocess
-import sys
-import time
-from pathlib import Path
 
 import httpx
 import psutil
@@ -19,12 +15,6 @@ pytestmark = pytest.mark.slow
 MODEL = "stories260K"
 KEY = "e2e-test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def port_is_free(port: int) -> bool:
@@ -43,30 +33,8 @@ def port_is_free(port: int) -> bool:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    port = free_port()
-    log = tmp_path_factory.mktemp("serve") / "serve.log"
-    exe = Path(sys.executable).parent / "pdcluster"
-    with log.open("w") as out:
-        proc = subprocess.Popen([str(exe), "serve", "--port", str(port), "--api-key", KEY], stdout=out,
-                                stderr=subprocess.STDOUT, start_new_session=True)
-    deadline = time.time() + 180
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            pytest.fail(f"pdcluster serve exited with {proc.returncode}:\n{log.read_text()}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            time.sleep(0.5)
-    else:
-        proc.kill()
-        pytest.fail(f"server not healthy in 180 s:\n{log.read_text()}")
-    yield proc, port, log
-    if proc.poll() is None:  # the SIGTERM test did not run or failed
-        for child in psutil.Process(proc.pid).children(recursive=True):
-            child.kill()
-        proc.kill()
+def server(serve_process):
+    return serve_process("--api-key", KEY)
 
 
 def test_streamed_greedy_completion_matches_hf(server, hf):
