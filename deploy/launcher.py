@@ -65,7 +65,8 @@ class Cluster:
                 update={"token": SecretStr(secrets.token_hex(16))})
             self.config = self.config.model_copy(update={"kvstore": kvstore})
         cfg = self.config
-        transfer = cfg.transfer.model_copy(update={"token": cfg.kvstore.token})
+        transfer = cfg.transfer.model_copy(update={"token": cfg.kvstore.token,
+                                                   "tls": cfg.kvstore.tls})
         if not ray.is_initialized():
             if cfg.address is None:
                 ray.init(address="local",  # a new cluster, never a stray one on this machine

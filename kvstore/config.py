@@ -79,6 +79,7 @@ class KVTransferConfig(pydantic.BaseModel):
             this many bytes (small transfers stay on one stream).
         max_message_bytes: grpc channel's max message size in bytes.
         token: the KV plane's shared secret (``--kv-token``); ``None`` only in tests.
+        tls: the KV plane's TLS (``--kv-tls-*``, copied from the KV store's config).
         bind_host: torch: address the sender's pair store binds (a node's routable address
             in a cluster).
         streaming: ``request`` (decode pulls the whole request's KV once prefill is done) or
@@ -95,5 +96,6 @@ class KVTransferConfig(pydantic.BaseModel):
     min_stream_bytes: int = pydantic.Field(default=8 << 20, gt=0)
     max_message_bytes: int = pydantic.Field(default=64 << 20, gt=0)
     token: pydantic.SecretStr | None = None
+    tls: KVTLSConfig | None = None
     bind_host: str = "127.0.0.1"
     streaming: Literal["request", "layer"] = "request"

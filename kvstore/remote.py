@@ -9,6 +9,7 @@ import ray
 
 from kvstore.actor import kvstore_actor
 from kvstore.client import KVStoreClient
+from kvstore.config import KVTLSConfig
 from kvstore.errors import KVTransferError
 
 
@@ -18,9 +19,11 @@ class RemoteStores:
     Thread-safe. Raises KVTransferError when a node's store cannot be resolved in time.
     """
 
-    def __init__(self, namespace: str | None, token: str | None, timeout_s: float) -> None:
+    def __init__(self, namespace: str | None, token: str | None, timeout_s: float,
+                 tls: KVTLSConfig | None = None) -> None:
         self.namespace = namespace
         self.token = token
+        self.tls = tls
         self.timeout_s = timeout_s
         self._clients: dict[str, KVStoreClient] = {}
         self._lock = threading.Lock()
@@ -35,7 +38,8 @@ class RemoteStores:
             address = ray.get(actor.address.remote(), timeout=self.timeout_s)
         except Exception as exc:  # noqa: BLE001 — dead node, missing actor, Ray timeout
             raise KVTransferError(f"no KV store reachable on node {node_id}: {exc}") from exc
-        client = KVStoreClient(address, timeout_s=self.timeout_s, token=self.token)
+        client = KVStoreClient(address, timeout_s=self.timeout_s, token=self.token,
+                               tls=self.tls)
         with self._lock:
             return self._clients.setdefault(node_id, client)
 

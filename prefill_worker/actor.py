@@ -60,12 +60,13 @@ class PrefillWorker:
         node_client = NodeStoreClient(store, timeout)
         index = open_index(pool_config.index_url)
         loader = PrefixLoader(node_id, index, node_client,
-                              RemoteStores(ray_namespace, kv_config.token, timeout),
+                              RemoteStores(ray_namespace, kv_config.token, timeout, kv_config.tls),
                               runner.wire_kv)
         pusher = None
         if transfer is not None and transfer.backend == "torch":
             pusher = TorchKVPusher(transfer, kv_config.tail_ttl_s, runner.kv_cache.device.type)
-        client = KVStoreClient(address, timeout_s=timeout, token=kv_config.token)
+        client = KVStoreClient(address, timeout_s=timeout, token=kv_config.token,
+                               tls=kv_config.tls)
         streamer, self._peer_entry = None, None
         if transfer is not None and transfer.streaming == "layer":
             if self.tp.size == 1:

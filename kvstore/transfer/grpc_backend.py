@@ -44,7 +44,8 @@ class GrpcTransferBackend(KVTransferBackend):
             if client is None:
                 client = self._clients[address] = KVStoreClient(
                     address, timeout_s=self.config.timeout_s,
-                    max_message_bytes=self.config.max_message_bytes, token=self.config.token)
+                    max_message_bytes=self.config.max_message_bytes, token=self.config.token,
+                    tls=self.config.tls)
             return client
 
     def create_receiver(self) -> GrpcKVReceiver:
