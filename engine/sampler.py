@@ -100,10 +100,16 @@ def _sample_row(raw: torch.Tensor, row: SampleInput,
         banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
         if banned:
             logits[list(banned)] = float("-inf")
-    if p.temperature == 0:
-        token = int(torch.argmax(logits).item())
-    else:
+    probs = None
+    if p.temperature > 0:
         probs = filter_probs(torch.softmax(logits / p.temperature, dim=-1), p)
+        if not bool(torch.isfinite(probs).all()) or float(probs.sum()) <= 0:
+            # extreme settings (a temperature or penalty that overflows the float32 logits to
+            # inf): the distribution degenerates to its mode, so take the argmax
+            probs = None
+    if probs is None:
+        token = int(torch.argmax(torch.nan_to_num(logits, nan=float("-inf"))).item())
+    else:
         gen = torch.Generator(device=logits.device)
         gen.manual_seed(step_seed(row.seed, len(output_ids)))
         token = int(torch.multinomial(probs, 1, generator=gen).item())
@@ -138,6 +144,7 @@ def filter_probs(probs: torch.Tensor, p: SamplingParams) -> torch.Tensor:
         sorted_probs, order = torch.sort(probs, descending=True)
         mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
         drop = mass_before >= p.top_p * sorted_probs.sum()
+        drop[0] = False  # the most likely token always stays (a top_p that underflows to 0)
         sorted_probs[drop] = 0
         probs = torch.zeros_like(probs).scatter(0, order, sorted_probs)
     return probs / probs.sum()

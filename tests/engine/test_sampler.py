@@ -101,3 +101,17 @@ def test_logprobs_are_raw_log_softmax():
 def test_invalid_params_raise(bad):
     with pytest.raises(ValueError):
         SamplingParams(**bad)
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=1e-40, max_tokens=1),  # logits / T overflow to inf
+    SamplingParams(temperature=1.0, top_p=1e-46, max_tokens=1),  # top_p mass underflows to 0
+    SamplingParams(temperature=1.0, repetition_penalty=5e-324, max_tokens=1),  # to +-inf
+])
+def test_degenerate_settings_still_pick_the_mode(params):
+    """Settings at the edge of float32 never fail a request: the distribution collapses to its
+    most likely token (what the limit of the setting means)."""
+    logits = torch.tensor([[0.5, 2.0, -1.0, 1.5]])
+    want = tokens(sample(apply_penalties(logits[0].clone(), params, [1], [])[None],
+                         rows(SamplingParams(temperature=0.0), [7])))
+    assert tokens(sample(logits, rows(params, [7], prompt=(1,)))) == want
