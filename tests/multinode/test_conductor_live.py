@@ -27,7 +27,7 @@ from deploy.config import ServeConfig
 from deploy.launcher import Cluster
 from engine.config import ModelConfig
 from engine.tokenizer import Tokenizer
-from router.admission import SLO
+from router.admission import SLO, make_admission
 from router.chat_template import ChatTemplate
 from router.gateway import build_app
 from router.pipeline import Pipeline
@@ -154,8 +154,7 @@ def test_shared_prefix_follows_its_holder_and_a_burst_spreads(cluster):
 
 
 def test_overload_gets_429_with_retry_after_and_admits_only_predicted_slo_hits(cluster):
-    slo = SLO(ttft_s=1.5, tbt_s=1.0)
-    conductor, poller, decisions = live(cluster, "arrival", slo)
+    conductor, poller, decisions = live(cluster)  # admission switched on after calibration
     gateway = Gateway(cluster, conductor)
     try:
         async def scenario():
@@ -164,17 +163,27 @@ def test_overload_gets_429_with_retry_after_and_admits_only_predicted_slo_hits(c
                     await asyncio.sleep(delay_s)
                     return await complete(client, gateway.url, tokens(seed, 400))
 
-                calibration = []  # calibrates the ledger's per-instance scale under load
+                solo = [(await at(0.0, 200 + i))[1] for i in range(4)]
+                # calibrates the ledger's scale and guard under a burst's contention (the
+                # client, the gateway and the workers share this VM's cores)
+                calibration = []
                 for r in range(2):
-                    calibration += await asyncio.gather(*(at(0.0, 300 + 10 * r + i)
-                                                          for i in range(6)))
+                    calibration += await asyncio.gather(*(at(0.002 * i, 300 + 100 * r + i)
+                                                          for i in range(40)))
+                # the SLO in units of this machine's service time (at least 1 s: the gateway's
+                # own work under a burst must stay small against it)
+                service_s = sorted(solo)[1]
+                slo = SLO(ttft_s=max(1.0, 6 * service_s), tbt_s=1.0)
+                conductor.admission, conductor.slo = make_admission("arrival", slo), slo
                 before = rejected_total((await client.get(f"{gateway.url}/metrics")).text)
-                # 40 requests/s offered for 2 s: several times what 2 instances prefill
-                results = await asyncio.gather(*(at(0.025 * i, 400 + i) for i in range(80)))
+                decisions.clear()
+                # a burst needing ~3 SLOs of work on the 2 instances: most must be refused
+                burst = min(240, max(60, int(2 * 3 * slo.ttft_s / service_s)))
+                results = await asyncio.gather(*(at(0.002 * i, 400 + i) for i in range(burst)))
                 after = rejected_total((await client.get(f"{gateway.url}/metrics")).text)
-                return results, after - before, sum(r[0] == 200 for r in calibration)
+                return results, after - before, slo
 
-        results, counted, calibrated = run(scenario())
+        results, counted, slo = run(scenario())
         rejected = [(body, headers) for status, _, body, headers in results if status == 429]
         admitted = [ttft for status, ttft, _, _ in results if status == 200]
         assert rejected and admitted, [r[0] for r in results]
@@ -184,13 +193,14 @@ def test_overload_gets_429_with_retry_after_and_admits_only_predicted_slo_hits(c
             assert body["error"]["code"] == "ttft_slo"
         assert counted == len(rejected)
         # admitted exactly when the prediction meets the SLO; each was served
-        assert len(decisions) == len(admitted) + calibrated
+        assert len(decisions) == len(admitted)
         assert all(ttft_s <= slo.ttft_s for _, ttft_s in decisions.values()), decisions
         assert all(t > 0 for t in admitted)
         # NOTE measured TTFT vs the SLO is printed, not asserted: on this VM's 2 shared cores it
         # is a noisy performance figure (the simulator measures attainment: RESULTS.md)
         within = sum(t <= slo.ttft_s for t in admitted) / len(admitted)
-        print(f"admitted {len(admitted)}, rejected {len(rejected)}, within SLO {within:.0%}, "
+        print(f"SLO {slo.ttft_s:.2f} s: admitted {len(admitted)}, rejected {len(rejected)}, "
+              f"within SLO {within:.0%}, "
               f"max TTFT {max(admitted):.2f} s")
         assert len(results) == len(rejected) + len(admitted)
     finally:

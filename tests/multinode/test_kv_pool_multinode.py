@@ -153,7 +153,10 @@ def test_tier_round_trip_through_ssd(nodes, hf):
     warm = prefill(env["prefill_a"], "rt-warm", prompt)
     assert hits(env["prefill_a"])["ssd"] - before > 0  # served from this node's G3
     assert warm.num_cached_tokens == (len(prompt) - 1) // 16 * 16
-    assert warm.first_logprob.logprob == cold.first_logprob.logprob
+    # same token; the logprob to fp32 rounding (a cached prefix runs the masked attention
+    # kernel, a cold prompt the causal one: their sums differ in the last bits)
+    assert warm.first_token == cold.first_token
+    assert abs(warm.first_logprob.logprob - cold.first_logprob.logprob) < 1e-5
     tokens, _ = decode(env, warm, prompt)
     assert tokens == want
     check_baseline(env)
@@ -183,7 +186,7 @@ def test_corrupt_ssd_block_is_recomputed(nodes, hf, tmp_path):
     check_baseline(env)
 
 
-def test_failed_transfer_recomputes_and_unrecoverable_fails_cleanly(nodes, hf):
+def test_failed_transfers_recompute(nodes, hf):
     env = nodes
     prompt = story_prompt(hf, "Faults.")
     want = hf.greedy(prompt, 12)
@@ -194,9 +197,13 @@ def test_failed_transfer_recomputes_and_unrecoverable_fails_cleanly(nodes, hf):
     assert on_b.num_cached_tokens == 0 and on_b.first_token == want[0]
     tokens, _ = decode(env, on_b, prompt)
     assert tokens == want
-    # unrecoverable: A's result points at A's store, which cannot serve its blocks any more
+    # A's result points at A's store, which cannot serve its blocks any more: the decode
+    # retries once, then recomputes the prompt itself (issue 9 item 3), output unchanged.
+    # (Faults nothing can recover from end with a clear error: tests/chaos, KV store killed.)
+    recomputes = ray.get(env["decode"].stats.remote())["num_fetch_recomputes_total"]
     tokens, last = decode(env, on_a, prompt)
-    assert last.finish_reason is FinishReason.ERROR and "KV fetch failed" in last.error
+    assert tokens == want and last.finish_reason is FinishReason.LENGTH
+    assert ray.get(env["decode"].stats.remote())["num_fetch_recomputes_total"] == recomputes + 1
     check_baseline(env)
 
 
