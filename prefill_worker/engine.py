@@ -8,7 +8,8 @@ Lifecycle of a request on a prefill worker:
 2. blocks for the rest are allocated; the next part of the prefix that G1 lacks is loaded from
    the cluster pool (this node's G2/G3, or another node's) into them (PrefixLoader);
 3. the uncached suffix runs through the model in chunks of at most max_num_batched_tokens
-   (chunked prefill), and output token 0 is sampled;
+   (chunked prefill), and output token 0 is sampled; chunks of concurrent requests share
+   forward steps under that token budget (prefill_worker/step_batcher.py);
 4. the prompt's full blocks are published to this node's G2 under their keys, and the loaded
    and computed ones are cached in G1 (their events go to the global index); the partial tail
    block goes to the node's store under a per-request handle, never keyed or indexed; with
@@ -46,6 +47,7 @@ from kvstore.transfer.torch_dist import TorchKVSender
 from kvstore.transfer.torch_pair import TorchPairChannel
 from prefill_worker.layer_streamer import LayerStream, LayerStreamer, StreamCancelled
 from prefill_worker.prefix_loader import LoadResult, PrefixLoader
+from prefill_worker.step_batcher import StepBatcher
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +86,8 @@ class PrefillKV:
 
 
 class PrefillEngine:
-    """Runs prefills one at a time (a lock serializes the model) and publishes their KV."""
+    """Runs prefills — concurrent callers' chunks share forward steps (StepBatcher) — and
+    publishes their KV."""
 
     def __init__(self, runner: ModelRunner, kv: PrefillKV, worker_id: str, pid: int) -> None:
         self.runner = runner
@@ -99,7 +102,9 @@ class PrefillEngine:
         self.model_id = runner.model_config.name
         self.eos_token_ids = frozenset(runner.model_config.eos_token_ids)
         self.pool = BlockPool(cfg.num_kv_blocks, enable_caching=cfg.enable_prefix_caching)
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # pool, publishing, counters (not the forward)
+        self._model_lock = threading.RLock()
+        self.batcher = StepBatcher(runner, cfg.max_num_batched_tokens, self._model_lock)
         # ids aborted before their prefill ran; bounded, as aborts may name finished requests
         self._aborted: OrderedDict[str, None] = OrderedDict()
         self._abort_lock = threading.Lock()
@@ -120,6 +125,12 @@ class PrefillEngine:
 
     def prefill(self, request: PrefillRequest) -> PrefillResult:
         """Run one request's prefill. Raises PrefillRejected, RequestAborted or KVStoreError."""
+        if self.kv.streamer is None:
+            return self._prefill(request)
+        with self._model_lock:  # --kv-streaming layer: one request at a time (its hooks)
+            return self._prefill(request)
+
+    def _prefill(self, request: PrefillRequest) -> PrefillResult:
         prompt = list(request.prompt_token_ids)
         if not prompt:
             raise PrefillRejected("prompt is empty")
@@ -127,56 +138,83 @@ class PrefillEngine:
             raise PrefillRejected(f"prompt has {len(prompt)} tokens, max_model_len is "
                                   f"{self.max_model_len}")
         seed = request.sampling.seed if request.sampling.seed is not None else draw_seed()
-        with self._lock:
-            with self._abort_lock:
-                aborted = self._aborted.pop(request.request_id, False) is None
-            if aborted:
-                raise RequestAborted(request.request_id)
-            keys = block_keys(prompt, self.block_size,
-                              make_namespace(self.model_id, request.cache_salt))
-            max_hit = (len(prompt) - 1) // self.block_size  # at least one token is computed
-            hit = self.pool.longest_cached_prefix(keys[:max_hit])
-            num_new = math.ceil(len(prompt) / self.block_size) - len(hit)
-            self.pool.touch(hit)  # hit blocks leave the free queue: count free blocks after
-            if num_new > self.pool.num_free_blocks:
-                self.pool.free(hit)
-                raise PrefillRejected(f"prompt needs {num_new} new KV blocks, "
-                                      f"{self.pool.num_free_blocks} free")
-            blocks = hit + self.pool.allocate(num_new)
-            stream: LayerStream | None = None
-            layer_stream, extra = None, {}
-            try:
+        keys = block_keys(prompt, self.block_size, make_namespace(self.model_id, request.cache_salt))
+        blocks: list[int] = []
+        stream: LayerStream | None = None
+        layer_stream, extra = None, {}
+        try:
+            with self._lock:  # admission, G1 hits, allocation, cluster-pool prefix
+                hit, blocks = self._allocate(request, keys, len(prompt))
+                max_hit = (len(prompt) - 1) // self.block_size  # >= 1 token is computed
                 loaded = self._load_prefix(keys[len(hit):max_hit], blocks[len(hit):])
                 num_cached = (len(hit) + loaded.num_blocks) * self.block_size
                 chunks = self._chunks(len(prompt), num_cached)
                 stream = self._open_stream(request, blocks, num_cached, chunks)
-                logits = self._run_chunks(prompt, chunks, blocks, stream)
-                extra["compute_end_s"] = time.time()
-                [(first_token, first_logprob)] = sample(
-                    logits, [SampleInput(request.sampling, seed, prompt, ())], self.eos_token_ids)
+            # the forward runs outside the engine lock: concurrent prefills share steps
+            logits = self._compute(prompt, chunks, blocks, stream)
+            extra["compute_end_s"] = time.time()
+            [(first_token, first_logprob)] = sample(
+                logits, [SampleInput(request.sampling, seed, prompt, ())], self.eos_token_ids)
+            with self._lock:  # publish, cache in G1, count
                 tail_handle, num_tail, data = self._publish(request, prompt, keys, blocks)
                 self.pool.cache_full_blocks(blocks[len(hit): len(keys)], keys[len(hit):],
                                             keys[len(hit) - 1] if hit else None)
                 if stream is not None:
                     extra.update(self.kv.streamer.timings(stream))
                     stream, layer_stream = None, self.kv.streamer.finish(stream)
-            except StreamCancelled:
-                raise RequestAborted(request.request_id) from None
-            finally:
+                self.num_prefill_tokens_total += len(prompt) - num_cached
+                self.num_requests_total += 1
+                self.prefix_cache_queried_tokens_total += len(prompt)
+                self.prefix_cache_hit_tokens_total["device"] += len(hit) * self.block_size
+                self.prefix_cache_hit_tokens_total.update(loaded.tokens_by_tier)
+        except StreamCancelled:
+            raise RequestAborted(request.request_id) from None
+        finally:
+            with self._lock:
                 if stream is not None:  # failed or aborted mid-stream: dropped on both sides
                     self.kv.streamer.abandon(stream)
                 self.pool.free(blocks)
                 self._send_events()
-            self.num_prefill_tokens_total += len(prompt) - num_cached
-            self.num_requests_total += 1
-            self.prefix_cache_queried_tokens_total += len(prompt)
-            self.prefix_cache_hit_tokens_total["device"] += len(hit) * self.block_size
-            self.prefix_cache_hit_tokens_total.update(loaded.tokens_by_tier)
         pair_address, pair_tag = (None, 0) if layer_stream else self._push(request, data)
         return PrefillResult(request.request_id, first_token, self.kv_address, tuple(keys),
                              tail_handle, num_tail, num_cached, self.worker_id, self.pid,
                              first_logprob, self.kv.node_id, pair_address, pair_tag,
                              layer_stream, extra)
+
+    def _allocate(self, request: PrefillRequest, keys: list[bytes], num_tokens: int
+                  ) -> tuple[list[int], list[int]]:
+        """(G1 hit blocks, all of the prompt's blocks: hits then new ones), referenced.
+        Caller holds the lock. Raises RequestAborted, PrefillRejected (no free blocks)."""
+        with self._abort_lock:
+            aborted = self._aborted.pop(request.request_id, False) is None
+        if aborted:
+            raise RequestAborted(request.request_id)
+        max_hit = (num_tokens - 1) // self.block_size  # at least one token is computed
+        hit = self.pool.longest_cached_prefix(keys[:max_hit])
+        num_new = math.ceil(num_tokens / self.block_size) - len(hit)
+        self.pool.touch(hit)  # hit blocks leave the free queue: count free blocks after
+        if num_new > self.pool.num_free_blocks:
+            self.pool.free(hit)
+            raise PrefillRejected(f"prompt needs {num_new} new KV blocks, "
+                                  f"{self.pool.num_free_blocks} free")
+        return hit, hit + self.pool.allocate(num_new)
+
+    def _compute(self, prompt: list[int], chunks: list[tuple[int, int]], blocks: list[int],
+                 stream: LayerStream | None) -> torch.Tensor:
+        """The chunks through the model in order (each attends to the KV the earlier ones
+        wrote); their steps are shared with concurrent prefills (StepBatcher), except a
+        layer-streamed request's, whose forwards run alone (its hooks see one request).
+        Returns the last chunk's last-token logits [1, vocab]."""
+        if stream is not None:
+            with self._model_lock:
+                for start, end in chunks:
+                    self.kv.streamer.next_chunk(stream)
+                    logits = self.runner.execute(
+                        [SequenceChunk(tuple(prompt[start:end]), start, blocks)])
+            return logits
+        for start, end in chunks:
+            logits = self.batcher.run(SequenceChunk(tuple(prompt[start:end]), start, blocks))
+        return logits
 
     def cancel_layer_stream(self, request_id: str) -> None:
         """The decode peer gave the request up: as abort()."""
@@ -222,16 +260,6 @@ class PrefillEngine:
         budget = self.runner.engine_config.max_num_batched_tokens
         return [(s, min(num_tokens, s + budget)) for s in range(start, num_tokens, budget)]
 
-    def _run_chunks(self, prompt: list[int], chunks: list[tuple[int, int]], blocks: list[int],
-                    stream: LayerStream | None):
-        """The chunks through the model in order: each attends to the KV the earlier ones
-        wrote. Returns the last chunk's last-token logits."""
-        for start, end in chunks:
-            if stream is not None:
-                self.kv.streamer.next_chunk(stream)
-            logits = self.runner.execute([SequenceChunk(tuple(prompt[start:end]), start, blocks)])
-        return logits
-
     def reset_prefix_cache(self) -> bool:
         """Drop every G1 key (refused while a prefill holds blocks); the index hears of it."""
         with self._lock:
@@ -260,7 +288,7 @@ class PrefillEngine:
 
     def stats(self) -> dict:
         return {"worker_id": self.worker_id, "pid": self.pid,
-                **self.pool.stats(),
+                **self.pool.stats(), **self.batcher.stats(),
                 "num_prefill_tokens_total": self.num_prefill_tokens_total,
                 "num_requests_total": self.num_requests_total,
                 "prefix_cache_queried_tokens_total": self.prefix_cache_queried_tokens_total,

@@ -231,3 +231,47 @@ def test_colocated_request_prefills_on_the_decode_worker(engines, hf):
     assert deltas[0].token_ids == (want[0],)  # token 0 sampled here, from the local prefill
     assert decode.stats()["num_forward_tokens_total"] - forward_before == len(want) - 1
     assert decode.stats()["num_free_blocks"] == decode.stats()["num_blocks"]
+
+
+def test_concurrent_prefills_share_steps_and_outputs_are_unchanged(engines, eos_model_dir, hf):
+    """Chunks of several requests run in one forward step under the token budget (issue 6
+    item 2); each request's first token, logprob and KV equal the request run alone."""
+    prefill, _ = engines
+    config = EngineConfig(model=str(eos_model_dir), num_kv_blocks=128,
+                          max_num_batched_tokens=128, enable_prefix_caching=False)
+    shared = PrefillEngine(ModelRunner(config), grpc_kv(prefill.kv_client, prefill.kv_address),
+                           "batched", 0)
+    alone = PrefillEngine(ModelRunner(config), grpc_kv(prefill.kv_client, prefill.kv_address),
+                          "alone", 0)
+    stories = ["a big dog named Max", "a little cat named Sue", "a red ball in the park",
+               "a girl who liked to sing", "a tall tree by the river", "a boy and his kite"]
+    prompts = [(hf.encode(f"Once upon a time, there was {s}.") +
+                hf.encode(f" Every day {s} was happy." * 12, add_special_tokens=False))
+               [:100 + 37 * i] for i, s in enumerate(stories)]
+    params = SamplingParams(max_tokens=1, temperature=0, logprobs=2)
+    start, results = threading.Barrier(len(prompts)), {}
+
+    def run(i):
+        start.wait()
+        results[i] = shared.prefill(PrefillRequest(f"b{i}", tuple(prompts[i]), params))
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    stats = shared.stats()
+    assert stats["num_prefill_chunks_total"] == sum(-(-len(p) // 128) for p in prompts)
+    assert stats["max_prefill_chunks_per_step"] >= 2
+    assert stats["num_prefill_steps_total"] < stats["num_prefill_chunks_total"]
+    assert stats["num_used_blocks"] == 0
+    for i, prompt in enumerate(prompts):
+        want = alone.prefill(PrefillRequest(f"a{i}", tuple(prompt), params))
+        got = results[i]
+        assert got.first_token == want.first_token == hf.greedy(prompt, 1)[0]
+        assert got.first_logprob.logprob == pytest.approx(want.first_logprob.logprob, abs=1e-5)
+        # the last (partial) block's KV depends on every earlier token through every layer
+        (kv_got, n_got), (kv_want, n_want) = (prefill.kv_client.take_tail(r.tail_handle)
+                                              for r in (got, want))
+        assert n_got == n_want == len(prompt) % 16
+        assert (kv_got - kv_want).abs().max() < 1e-4
