@@ -16,6 +16,7 @@ import ray
 from decode_worker.engine import DecodeEngine
 from decode_worker.kv_fetch import KVFetcher
 from engine.config import EngineConfig
+from engine.logs import setup_worker_logging
 from engine.protocol import DecodeRequest, TokenDelta
 from engine.runner import ModelRunner
 from engine.tp_instance import TPInstance
@@ -41,6 +42,7 @@ class DecodeWorker:
     def __init__(self, worker_id: str, engine_config: EngineConfig, kv_config: KVStoreConfig,
                  ray_namespace: str | None = None,
                  transfer: KVTransferConfig | None = None) -> None:
+        setup_worker_logging()  # --log-level / --log-format, as the gateway logs
         self.tp = TPInstance(engine_config)
         runner = ModelRunner(engine_config, tp=self.tp.group)
         self.tp.start(runner)

@@ -327,7 +327,8 @@ class DecodeEngine:
                 continue
             if state is TransferState.FAILED:
                 log.warning("KV fetch of %s failed (%s), recomputing the prompt here: %s",
-                            seq.request_id, "→".join(fetch.paths), fetch.error)
+                            seq.request_id, "→".join(fetch.paths), fetch.error,
+                            extra={"request_id": seq.request_id})
                 if not recompute_prompt(self, seq):
                     continue
                 timings["recomputed"] = True
@@ -352,7 +353,8 @@ class DecodeEngine:
         del self._active[seq.request_id]
         self._waiting.insert(0, seq)
         self.num_preemptions_total += 1
-        log.debug("preempted %s after %d tokens", seq.request_id, len(seq.output_ids))
+        log.debug("preempted %s after %d tokens", seq.request_id, len(seq.output_ids),
+                  extra={"request_id": seq.request_id})
 
     def _step(self, running: list[DecodeSequence]) -> None:
         chunks = [SequenceChunk(token_ids=(s.output_ids[-1],), num_computed_tokens=s.num_tokens - 1,

@@ -275,7 +275,8 @@ class KVFetch:
             if self.prefill is None:
                 return TransferState.TRANSFERRING
             log.warning("KV fetch of %s over %s failed, retrying from the KV store: %s",
-                        self.prefill.request_id, self.path, _error_of(self.receiver))
+                        self.prefill.request_id, self.path, _error_of(self.receiver),
+                        extra={"request_id": self.prefill.request_id})
             self._leave_path()
             self.receiver = self._start(self._retry_path())
             state = self.receiver.poll()

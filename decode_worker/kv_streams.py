@@ -143,6 +143,7 @@ class PendingStreams:
                 if pending.fetch.receiver.poll().done:
                     pending.done_at = now
             elif now - pending.done_at > self.orphan_s:
-                log.warning("layer stream of %s: no request came, blocks freed", rid)
+                log.warning("layer stream of %s: no request came, blocks freed", rid,
+                            extra={"request_id": rid})
                 self.orphans_total += 1
                 self.drop(rid, tell_prefill=True)

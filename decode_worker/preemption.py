@@ -57,7 +57,8 @@ def recompute_prompt(engine: "DecodeEngine", seq: "DecodeSequence") -> bool:
     try:
         prefill_locally(engine, prompt, seq.block_table)
     except Exception as exc:  # noqa: BLE001 — this request fails, the engine goes on
-        log.exception("recomputing %s failed", seq.request_id)
+        log.exception("recomputing %s failed", seq.request_id,
+                      extra={"request_id": seq.request_id})
         engine._finish(seq, FinishReason.ERROR, f"KV fetch and recompute failed: {exc}")
         return False
     engine.num_fetch_recomputes_total += 1

@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         except (ValueError, OSError) as exc:
             print(f"pdcluster: invalid configuration: {exc}", file=sys.stderr)
             return 2
-        from router.logs import configure_logging
+        from engine.logs import configure_logging
 
         configure_logging(config.log_level, config.log_format)
         return serve(config)

@@ -39,7 +39,7 @@ class ServeConfig(BaseModel):
         once; past it a request gets 503 + Retry-After (router/inflight.py). The workers'
         own queues are not bounded, so this is the cluster's bound.
     log_format: "text" or "json" (one JSON object per line with timestamp, level, logger,
-        message and, for a record about a request, request_id; router/logs.py).
+        message and, for a record about a request, request_id; engine/logs.py).
     api_keys / api_key_file: when any key is set, every request but /health needs
         `Authorization: Bearer <key>` (keys are never logged).
     transfer: how KV gets from prefill to decode (``--kv-transfer grpc|torch``); its token is

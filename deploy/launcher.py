@@ -23,6 +23,7 @@ from kvstore.host_store import BlockLayout
 from prefill_worker.actor import PrefillWorker
 from router.admission import SLO
 from router.conductor import Conductor, Instance, InstanceRegistry
+from engine.logs import worker_env_vars
 from router.policies.live_loads import build_live_conductor
 from router.pipeline import ColocatedPipeline, Pipeline
 
@@ -88,8 +89,10 @@ class Cluster:
             cfg.kvstore, cfg.kvpool, block_layout(cfg.engine), cfg.ray_namespace,
             node_ids=placement.worker_node_ids(ray.nodes(), self._role_demand.values()))
         # Triton on CPU runs interpreted: actors need TRITON_INTERPRET=1 before importing triton
-        runtime_env = {"env_vars": kernels.runtime_env_vars(cfg.engine.kernel_backend,
-                                                            cfg.engine.device)}
+        # and they log like the gateway (level, text|json, request ids): engine.logs
+        runtime_env = {"env_vars": {**worker_env_vars(cfg.log_level, cfg.log_format),
+                                    **kernels.runtime_env_vars(cfg.engine.kernel_backend,
+                                                               cfg.engine.device)}}
         for node_id, handle in self.kvstores.items():  # for /metrics: tiers G2/G3 per node
             self.registry.add(Instance(f"kvstore-{node_id[:12]}", "kvstore", handle))
         prefill_engine = cfg.engine.model_copy(update={"tensor_parallel_size": cfg.prefill_tp})

@@ -14,6 +14,7 @@ import time
 import ray
 
 from engine.config import EngineConfig
+from engine.logs import setup_worker_logging
 from engine.protocol import PrefillRequest, PrefillResult
 from engine.runner import ModelRunner
 from engine.tp_instance import TPInstance
@@ -50,6 +51,7 @@ class PrefillWorker:
     def __init__(self, worker_id: str, engine_config: EngineConfig, kv_config: KVStoreConfig,
                  pool_config: KVPoolConfig, ray_namespace: str | None = None,
                  transfer: KVTransferConfig | None = None) -> None:
+        setup_worker_logging()  # --log-level / --log-format, as the gateway logs
         self.tp = TPInstance(engine_config)
         runner = ModelRunner(engine_config, tp=self.tp.group)
         self.tp.start(runner)

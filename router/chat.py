@@ -9,7 +9,7 @@ from engine.tokenizer import Tokenizer
 from router.api_common import (APIError, ServingContext, build_specs, collect, envelope, sse,
                                start_stream, usage)
 from router.chat_template import ChatTemplate, ChatTemplateError
-from router.logs import bind_request_id
+from engine.logs import bind_request_id
 from router.schemas import ChatCompletionRequest, new_request_id
 from router.serving import ChoiceDelta
 

@@ -8,7 +8,7 @@ from engine.protocol import TokenLogprob
 from engine.tokenizer import Tokenizer
 from router.api_common import (APIError, ServingContext, build_specs, collect, envelope, sse,
                                start_stream, usage)
-from router.logs import bind_request_id
+from engine.logs import bind_request_id
 from router.schemas import CompletionRequest, new_request_id
 from router.serving import ChoiceDelta
 

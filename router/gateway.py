@@ -8,7 +8,7 @@ admission control refuses a request (counted by reason: ttft_slo, tbt_slo, decod
 (reason overloaded) or the gateway is draining (reason draining; /health answers 503
 {"status": "draining"} then, so load balancers stop sending).
 
-Each request's id is set in router.logs' context variable, so every log record about it (here,
+Each request's id is set in engine.logs' context variable, so every log record about it (here,
 in the pipeline, in the Conductor) carries `request_id`.
 """
 

@@ -1,4 +1,4 @@
-"""router.logs: JSON lines with request ids from the context variable, text mode likewise."""
+"""engine.logs: JSON lines with request ids from the context variable, text mode likewise."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import logging
 
 import pytest
 
-from router.logs import bind_request_id, configure_logging
+from engine.logs import bind_request_id, configure_logging
 
 
 @pytest.fixture

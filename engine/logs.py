@@ -9,12 +9,14 @@ served — by the gateway, the pipeline, the Conductor, uvicorn's access log —
      "message": "127.0.0.1:5000 - \"POST /v1/completions HTTP/1.1\" 200", "request_id": "cmpl-…"}
 
 Records not about a request have no `request_id` key. Nothing here reads headers or config, so
-API keys and the KV token never reach a record through it.
+API keys and the KV token never reach a record through it. Worker actors log the same way
+(setup_worker_logging), passing the id of the request a record is about in `extra`.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from contextvars import ContextVar
 from datetime import datetime, timezone
@@ -86,3 +88,25 @@ def configure_logging(level: str = "info", fmt: str = "text") -> logging.Handler
     root.addHandler(handler)
     root.setLevel(level.upper())
     return handler
+
+
+#: Environment of a worker actor (set by deploy.launcher through Ray's runtime_env): its log
+#: level and format, read by setup_worker_logging when the actor starts.
+WORKER_LOG_LEVEL_ENV = "PDCLUSTER_LOG_LEVEL"
+WORKER_LOG_FORMAT_ENV = "PDCLUSTER_LOG_FORMAT"
+
+
+def worker_env_vars(level: str, fmt: str) -> dict[str, str]:
+    """Env vars (for a Ray actor's runtime_env) that make setup_worker_logging log at `level`
+    in `fmt`."""
+    return {WORKER_LOG_LEVEL_ENV: level, WORKER_LOG_FORMAT_ENV: fmt}
+
+
+def setup_worker_logging() -> None:
+    """Called first thing in a worker actor's __init__: configure_logging from the two env vars
+    above (the process edge of a worker: deploy.launcher wrote them from the ServeConfig).
+    Without them, leaves logging as it is. Worker records about a request carry `request_id`
+    through logging's `extra`."""
+    if WORKER_LOG_FORMAT_ENV in os.environ:
+        configure_logging(os.environ.get(WORKER_LOG_LEVEL_ENV, "info"),
+                          os.environ[WORKER_LOG_FORMAT_ENV])
