@@ -2,8 +2,7 @@
 small in-flight bound. Only 200/429/503 answers, rejections counted by reason in /metrics, the
 bound never exceeded, every worker's RSS under its configured pools + 1 GiB.
 
-NOTE: the issue asks for 60 s at 3× capacity; on the 2-core CI VM the whole test must stay
-near 2 min, so the overload phase lasts OVERLOAD_S = 30 s. p99 TTFT of admitted requests is a
+The overload phase lasts OVERLOAD_S = 60 s, as the issue asks. p99 TTFT of admitted requests is a
 performance figure: printed, not asserted (admission is off here; with `--admission arrival`
 tests/multinode/test_conductor_live.py checks the decision-level property).
 """
@@ -34,7 +33,7 @@ MAX_INFLIGHT = 6
 SLO_TTFT_S = 1.0          # the SLO that defines capacity (p99 TTFT)
 STEP_S = 5.0              # seconds of arrivals per rate step of the capacity search
 RATES = (1.0, 2.0, 4.0, 8.0, 16.0, 32.0)
-OVERLOAD_S = 30.0
+OVERLOAD_S = 60.0
 GIB = 1 << 30
 
 
