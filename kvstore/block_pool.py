@@ -49,6 +49,9 @@ class _PrefixCache:
     def key_of(self, block_id: int) -> bytes | None:
         return self._key_of[block_id]
 
+    def keys(self) -> list[bytes]:
+        return list(self._block_of)
+
     def longest_prefix(self, keys: Sequence[bytes]) -> list[int]:
         blocks = []
         for key in keys:
@@ -112,6 +115,9 @@ class _NoPrefixCache:
     def key_of(self, block_id: int) -> bytes | None:
         return None
 
+    def keys(self) -> list[bytes]:
+        return []
+
     def longest_prefix(self, keys: Sequence[bytes]) -> list[int]:
         return []
 
@@ -158,6 +164,11 @@ class BlockPool:
     def num_used_blocks(self) -> int:
         """Blocks with refcount > 0."""
         return self.num_blocks - len(self._free)
+
+    def cached_keys(self) -> list[bytes]:
+        """Keys of every cached block, in use or free (no order), e.g. to announce them again
+        to an index that lost them."""
+        return self._cache.keys()
 
     @property
     def num_cached_blocks(self) -> int:

@@ -40,6 +40,7 @@ from kvstore.block_pool import BlockPool
 from kvstore.client import KVStoreClient
 from kvstore.config import KVTransferConfig
 from kvstore.errors import KVTransferError
+from kvstore.events import BlockStored
 from kvstore.hashing import block_keys, make_namespace
 from kvstore.index import KVIndex, Location
 from kvstore.publish import BlockPublisher
@@ -53,6 +54,8 @@ log = logging.getLogger(__name__)
 
 
 MAX_TRACKED_ABORTS = 4096
+#: Seconds between checks that the global index still lists this worker's G1 blocks.
+INDEX_CHECK_S = 2.0
 
 
 class PrefillRejected(ValueError):
@@ -108,6 +111,8 @@ class PrefillEngine:
         # ids aborted before their prefill ran; bounded, as aborts may name finished requests
         self._aborted: OrderedDict[str, None] = OrderedDict()
         self._abort_lock = threading.Lock()
+        self._index_checked_at = 0.0
+        self.g1_reannouncements_total = 0
         self.num_prefill_tokens_total = 0  # tokens run through the model
         self.num_requests_total = 0
         self.prefix_cache_queried_tokens_total = 0  # prompt tokens looked up (vLLM's "queries")
@@ -281,19 +286,36 @@ class PrefillEngine:
 
     def _send_events(self) -> None:
         events = self.pool.take_events()
-        if self.kv.index is None or not events:
+        if self.kv.index is None:
             return
+        location = Location(self.kv.node_id, "device", self.worker_id)
         try:
-            self.kv.index.apply_events(Location(self.kv.node_id, "device", self.worker_id),
-                                       events)
+            if events:
+                self.kv.index.apply_events(location, events)
+            self._reannounce_if_lost(location)
         except Exception as exc:  # noqa: BLE001 — an index outage costs hits, not requests
             log.warning("G1 events not indexed: %s", exc)
+
+    def _reannounce_if_lost(self, location: Location) -> None:
+        """If the index lost this worker's G1 entries (Redis restarted empty, or events failed
+        to reach it), announce every cached key again (issue 9: index loss). Checked at most
+        every INDEX_CHECK_S, by looking one cached key up."""
+        now = time.monotonic()
+        if now - self._index_checked_at < INDEX_CHECK_S:
+            return
+        self._index_checked_at = now
+        keys = self.pool.cached_keys()
+        if not keys or location in self.kv.index.lookup(keys[:1])[0]:
+            return
+        self.kv.index.apply_events(location, [BlockStored(tuple(keys))])
+        self.g1_reannouncements_total += 1
 
     def stats(self) -> dict:
         return {"worker_id": self.worker_id, "pid": self.pid,
                 **self.pool.stats(), **self.batcher.stats(),
                 "num_prefill_tokens_total": self.num_prefill_tokens_total,
                 "num_requests_total": self.num_requests_total,
+                "g1_reannouncements_total": self.g1_reannouncements_total,
                 "prefix_cache_queried_tokens_total": self.prefix_cache_queried_tokens_total,
                 "prefix_cache_hit_tokens_total": dict(self.prefix_cache_hit_tokens_total),
                 **(self.kv.pusher.stats() if self.kv.pusher is not None else {}),

@@ -89,3 +89,47 @@ def test_kv_store_reannounces_its_blocks_after_redis_restarts_empty(fresh_redis_
             ray.kill(handle)
         if started:
             ray.shutdown()
+
+
+def test_prefill_worker_reannounces_its_g1_blocks_after_redis_restarts_empty(
+        fresh_redis_server, monkeypatch):
+    """A prefill worker's G1 (device) entries come back too: the next request after the loss
+    finds one cached key missing from the index and announces all of them again."""
+    import prefill_worker.engine as prefill_engine
+    from engine.config import BUNDLED_MODEL, EngineConfig
+    from engine.protocol import PrefillRequest, SamplingParams
+    from engine.runner import ModelRunner
+    from kvstore.client import KVStoreClient
+    from kvstore.config import KVStoreConfig
+    from kvstore.publish import GrpcPublisher
+    from kvstore.server import KVStoreServer
+
+    monkeypatch.setattr(prefill_engine, "INDEX_CHECK_S", 0.0)
+    server = KVStoreServer(KVStoreConfig())
+    server.start()
+    client = KVStoreClient(server.address)
+    index = open_index(fresh_redis_server.url, namespace=f"t-{uuid.uuid4().hex[:8]}")
+    kv = prefill_engine.PrefillKV(client, server.address, "node-x", GrpcPublisher(client),
+                                  index=index)
+    engine = prefill_engine.PrefillEngine(
+        ModelRunner(EngineConfig(model=str(BUNDLED_MODEL), num_kv_blocks=64)), kv, "p-0", 0)
+    mine = Location("node-x", "device", "p-0")
+    params = SamplingParams(max_tokens=1, temperature=0)
+    try:
+        index.heartbeat("node-x", 30.0)
+        first = engine.prefill(PrefillRequest("r1", tuple(range(5, 45)), params))
+        assert all(mine in locs for locs in index.lookup(list(first.block_keys)))
+        fresh_redis_server.restart(kill=True)  # back on the same port, empty
+        index.heartbeat("node-x", 30.0)
+        assert index.lookup(list(first.block_keys)) == [[], []]
+        engine.prefill(PrefillRequest("r2", tuple(range(100, 120)), params))
+        assert all(mine in locs for locs in index.lookup(list(first.block_keys)))
+        assert engine.stats()["g1_reannouncements_total"] == 1
+        engine.prefill(PrefillRequest("r3", tuple(range(200, 220)), params))
+        assert engine.stats()["g1_reannouncements_total"] == 1  # nothing lost since
+    finally:
+        for r in ("r1", "r2", "r3"):
+            client.release_tail(f"tail:{r}")
+        index.close()
+        client.close()
+        server.stop()
