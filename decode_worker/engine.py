@@ -43,7 +43,7 @@ from typing import Callable
 
 from decode_worker.kv_fetch import KVFetch, KVFetcher
 from decode_worker.kv_streams import PendingStreams
-from decode_worker.preemption import PREEMPTION_MODES, prefill_locally, recompute_prompt
+from decode_worker.preemption import PREEMPTION_MODES, prefill_colocated, recompute_prompt
 from engine.protocol import DecodeRequest, FinishReason, TokenDelta, TokenLogprob
 from engine.runner import ModelRunner, SequenceChunk
 from engine.sampler import SampleInput, draw_seed, sample
@@ -136,23 +136,22 @@ class DecodeEngine:
     def add_request(self, request: DecodeRequest, emit: Callable[[TokenDelta], None]) -> None:
         seed = request.sampling.seed if request.sampling.seed is not None else draw_seed()
         first = [request.prefill.first_token] if request.prefill is not None else []
-        seq = DecodeSequence(request, emit, seed, first)
-        self._inbox.put(("add", seq))
-        self._wakeup.set()
+        self._post("add", DecodeSequence(request, emit, seed, first))
 
     def abort(self, request_id: str) -> None:
         """Idempotent: an unknown or finished request id is ignored."""
-        self._inbox.put(("abort", request_id))
-        self._wakeup.set()
+        self._post("abort", request_id)
 
     def expect_layer_stream(self, announce: LayerStreamAnnounce) -> None:
         """A prefill is about to stream this request's layers here (kv_streams.py)."""
-        self._inbox.put(("expect", announce))
-        self._wakeup.set()
+        self._post("expect", announce)
 
     def cancel_layer_stream(self, request_id: str) -> None:
         """The prefill gave up an announced stream: drop it unless its request came."""
-        self._inbox.put(("cancel", request_id))
+        self._post("cancel", request_id)
+
+    def _post(self, kind: str, item) -> None:  # to the engine loop, which alone schedules
+        self._inbox.put((kind, item))
         self._wakeup.set()
 
     def stats(self) -> dict:
@@ -225,10 +224,7 @@ class DecodeEngine:
         self.streams.drop(request_id, tell_prefill=True)
         for seq in self._waiting:
             if seq.request_id == request_id:
-                self._waiting.remove(seq)
-                self._release_remote_tail(seq)
-                seq.status = RequestStatus.FINISHED
-                seq.emit(self._delta(seq, (), FinishReason.ABORT))
+                self._end_waiting(seq, FinishReason.ABORT)
                 return
         seq = self._active.get(request_id)
         if seq is None:
@@ -238,6 +234,14 @@ class DecodeEngine:
         else:
             seq.fetch = None
             self._finish(seq, FinishReason.ABORT)
+
+    def _end_waiting(self, seq: DecodeSequence, reason: FinishReason,
+                     error: str | None = None) -> None:
+        """A waiting request ends before it ran here (its prefill's tail is released)."""
+        self._waiting.remove(seq)
+        self._release_remote_tail(seq)
+        seq.status = RequestStatus.FINISHED
+        seq.emit(self._delta(seq, (), reason, error))
 
     def _blocks_at_most(self, seq: DecodeSequence) -> int:
         """Blocks the request holds when it is as long as it can get."""
@@ -267,18 +271,12 @@ class DecodeEngine:
                 continue
             finish = self._check_stop(seq) if seq.output_ids else None
             if finish is not None:
-                self._waiting.pop(0)
-                self._release_remote_tail(seq)
-                seq.status = RequestStatus.FINISHED
-                seq.emit(self._delta(seq, (), finish))
+                self._end_waiting(seq, finish)
                 continue
             if self._blocks_at_most(seq) > self.pool.num_blocks:
-                self._waiting.pop(0)
-                self._release_remote_tail(seq)
-                seq.status = RequestStatus.FINISHED
-                seq.emit(self._delta(seq, (), FinishReason.ERROR,
-                                     f"request needs up to {self._blocks_at_most(seq)} KV "
-                                     f"blocks, worker has {self.pool.num_blocks}"))
+                self._end_waiting(seq, FinishReason.ERROR,
+                                  f"request needs up to {self._blocks_at_most(seq)} KV blocks, "
+                                  f"worker has {self.pool.num_blocks}")
                 continue
             needed = math.ceil((len(seq.request.prompt_token_ids) + 1) / self.block_size)
             if needed > self.pool.num_free_blocks:
@@ -287,7 +285,7 @@ class DecodeEngine:
             seq.block_table = self.pool.allocate(needed)
             self._active[seq.request_id] = seq
             if seq.request.prefill is None:
-                self._prefill_colocated(seq)
+                prefill_colocated(self, seq)
                 continue
             prefill = seq.request.prefill
             if prefill.layer_stream is not None:  # not announced here in time: take it now
@@ -296,20 +294,6 @@ class DecodeEngine:
             else:
                 fetch = self.fetcher.start_fetch(prefill, seq.block_table)
             self._start_waiting_for_kv(seq, fetch)
-
-    def _prefill_colocated(self, seq: DecodeSequence) -> None:
-        """Colocated mode: prefill the prompt here and sample output token 0 (no transfer)."""
-        prompt = list(seq.request.prompt_token_ids)
-        logits = prefill_locally(self, prompt, seq.block_table)
-        [(token, logprob)] = sample(logits, [SampleInput(seq.request.sampling, seq.seed, prompt,
-                                                         ())], self.eos_token_ids)
-        seq.output_ids.append(token)
-        finish = self._check_stop(seq)
-        if finish is not None:
-            self._finish(seq, finish, new_tokens=(token,), logprob=logprob)
-            return
-        seq.status = RequestStatus.RUNNING
-        seq.emit(self._delta(seq, (token,), None, logprob=logprob))
 
     def _poll_fetches(self) -> None:
         for seq in list(self._active.values()):

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 from engine.protocol import FinishReason
 from engine.runner import SequenceChunk
+from engine.sampler import SampleInput, sample
 
 if TYPE_CHECKING:  # the engine imports this module
     from decode_worker.engine import DecodeEngine, DecodeSequence
@@ -47,6 +48,24 @@ def prefill_locally(engine: "DecodeEngine", tokens: list[int], block_table: list
         chunk = tuple(tokens[start:start + budget])
         logits = engine.runner.execute([SequenceChunk(chunk, start, block_table)])
     return logits
+
+
+def prefill_colocated(engine: "DecodeEngine", seq: "DecodeSequence") -> None:
+    """Colocated mode: prefill the prompt into seq's blocks here and sample output token 0
+    (no transfer); the request then runs, or finishes if token 0 already stops it."""
+    prompt = list(seq.request.prompt_token_ids)
+    logits = prefill_locally(engine, prompt, seq.block_table)
+    [(token, logprob)] = sample(logits, [SampleInput(seq.request.sampling, seq.seed, prompt, ())],
+                                engine.eos_token_ids)
+    seq.output_ids.append(token)
+    finish = engine._check_stop(seq)
+    if finish is not None:
+        engine._finish(seq, finish, new_tokens=(token,), logprob=logprob)
+        return
+    from decode_worker.engine import RequestStatus  # the engine imports this module
+
+    seq.status = RequestStatus.RUNNING
+    seq.emit(engine._delta(seq, (token,), None, logprob=logprob))
 
 
 def recompute_prompt(engine: "DecodeEngine", seq: "DecodeSequence") -> bool:

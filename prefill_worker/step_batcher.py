@@ -44,6 +44,7 @@ class StepBatcher:
         self._cv = threading.Condition()
         self._queue: list[_Pending] = []
         self._running = False
+        self.num_in_step = 0  # chunks of the step now running
         self.num_steps_total = 0
         self.num_chunks_total = 0
         self.max_chunks_per_step = 0
@@ -63,6 +64,7 @@ class StepBatcher:
                     break
                 self._running = True
                 step = self._take()
+                self.num_in_step = len(step)
             self._run_step(step)
         if mine.error is not None:
             raise mine.error
@@ -92,10 +94,17 @@ class StepBatcher:
                 for pending in step:
                     pending.done = True
                 self._running = False
+                self.num_in_step = 0
                 self.num_steps_total += 1
                 self.num_chunks_total += len(step)
                 self.max_chunks_per_step = max(self.max_chunks_per_step, len(step))
                 self._cv.notify_all()
+
+    @property
+    def num_pending(self) -> int:
+        """Chunks handed over and not yet run (queued, or in the running step)."""
+        with self._cv:
+            return len(self._queue) + self.num_in_step
 
     def stats(self) -> dict:
         return {"num_prefill_steps_total": self.num_steps_total,

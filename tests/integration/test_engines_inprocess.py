@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import shutil
 import threading
+import time
 
 import pytest
 
@@ -238,7 +239,7 @@ def test_concurrent_prefills_share_steps_and_outputs_are_unchanged(engines, eos_
     item 2); each request's first token, logprob and KV equal the request run alone."""
     prefill, _ = engines
     config = EngineConfig(model=str(eos_model_dir), num_kv_blocks=128,
-                          max_num_batched_tokens=128, enable_prefix_caching=False)
+                          max_num_batched_tokens=512, enable_prefix_caching=False)
     shared = PrefillEngine(ModelRunner(config), grpc_kv(prefill.kv_client, prefill.kv_address),
                            "batched", 0)
     alone = PrefillEngine(ModelRunner(config), grpc_kv(prefill.kv_client, prefill.kv_address),
@@ -249,19 +250,24 @@ def test_concurrent_prefills_share_steps_and_outputs_are_unchanged(engines, eos_
                 hf.encode(f" Every day {s} was happy." * 12, add_special_tokens=False))
                [:100 + 37 * i] for i, s in enumerate(stories)]
     params = SamplingParams(max_tokens=1, temperature=0, logprobs=2)
-    start, results = threading.Barrier(len(prompts)), {}
+    results = {}
 
     def run(i):
-        start.wait()
         results[i] = shared.prefill(PrefillRequest(f"b{i}", tuple(prompts[i]), params))
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
-    for t in threads:
-        t.start()
+    with shared.batcher.model_lock:  # the first step waits here until every chunk is handed over
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 30
+        while shared.batcher.num_pending < len(prompts):
+            assert time.monotonic() < deadline, "prefills never reached the step batcher"
+            time.sleep(0.01)
     for t in threads:
         t.join(60)
     stats = shared.stats()
-    assert stats["num_prefill_chunks_total"] == sum(-(-len(p) // 128) for p in prompts)
+    assert stats["num_prefill_chunks_total"] == len(prompts)  # one chunk each (<= 512 tokens)
+    # 6 chunks of 100..285 tokens under a 512-token budget: at least one step has several
     assert stats["max_prefill_chunks_per_step"] >= 2
     assert stats["num_prefill_steps_total"] < stats["num_prefill_chunks_total"]
     assert stats["num_used_blocks"] == 0
