@@ -1,4 +1,5 @@
-"""The decode Ray actor: an async actor whose engine loop runs on its own thread.
+"""The decode Ray actor: an async actor whose engine loop runs on its own thread (the thread
+that also built the model: run_engine_thread).
 
 `generate` is a Ray streaming generator: the gateway iterates it and gets TokenDelta items as
 the engine loop produces them. A Ray streaming generator keeps running when nobody consumes it,
@@ -9,7 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import os
-from typing import AsyncIterator
+import threading
+from concurrent.futures import Future
+from typing import AsyncIterator, Callable
 
 import ray
 
@@ -25,6 +28,32 @@ from kvstore.config import KVStoreConfig, KVTransferConfig
 from kvstore.node_client import NodeStoreClient
 from kvstore.transfer.layer_stream import LayerStreamAnnounce
 from kvstore.transfer.peers import RayStreamPeers, register_self
+
+
+def run_engine_thread(build: Callable[[], DecodeEngine], timeout_s: float | None = None
+                      ) -> DecodeEngine:
+    """Builds the engine (model included) on a new thread that then runs its loop; returns it
+    once built, re-raising what `build` raised. `build` must construct the engine with
+    start=False.
+
+    Why: with torch's OpenMP runtime, ops run ~1.8x slower on a thread that is not the first of
+    the process to use OpenMP (measured: a 100M-model decode step at batch 21, 0.165 s vs
+    0.09 s; benchmarks/RESULTS.md, "Throughput"). Building the ModelRunner here makes the engine
+    loop that first thread, provided nothing in the process ran torch ops before.
+    """
+    built: Future = Future()
+
+    def main() -> None:
+        try:
+            engine = build()
+        except BaseException as exc:  # noqa: BLE001 — re-raised in the caller
+            built.set_exception(exc)
+            return
+        built.set_result(engine)
+        engine.run()
+
+    threading.Thread(target=main, name="decode-engine", daemon=True).start()
+    return built.result(timeout=timeout_s)
 
 
 @ray.remote
@@ -44,19 +73,23 @@ class DecodeWorker:
                  transfer: KVTransferConfig | None = None) -> None:
         setup_worker_logging()  # --log-level / --log-format, as the gateway logs
         self.tp = TPInstance(engine_config)
-        runner = ModelRunner(engine_config, tp=self.tp.group)
-        self.tp.start(runner)
         node_id = ray.get_runtime_context().get_node_id()
         timeout = kv_config.transfer_timeout_s
         transfer = transfer or KVTransferConfig(timeout_s=timeout, token=kv_config.token)
         node_client = NodeStoreClient(kvstore_actor(node_id, ray_namespace), timeout)
-        fetcher = KVFetcher(runner.wire_kv, transfer, node_id, node_client)
         peers, self._peer_entry = None, None
         if transfer.streaming == "layer":
             self._peer_entry = register_self(worker_id, ray_namespace)
             peers = RayStreamPeers(ray_namespace, timeout)
         self.worker_id = worker_id
-        self.engine = DecodeEngine(runner, worker_id, os.getpid(), fetcher, peers)
+
+        def build() -> DecodeEngine:  # on the engine's own thread (run_engine_thread)
+            runner = ModelRunner(engine_config, tp=self.tp.group)
+            self.tp.start(runner)
+            fetcher = KVFetcher(runner.wire_kv, transfer, node_id, node_client)
+            return DecodeEngine(runner, worker_id, os.getpid(), fetcher, peers, start=False)
+
+        self.engine = run_engine_thread(build)
 
     async def generate(self, request: DecodeRequest) -> AsyncIterator[TokenDelta]:
         loop = asyncio.get_running_loop()

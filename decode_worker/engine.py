@@ -103,7 +103,8 @@ class DecodeEngine:
     """
 
     def __init__(self, runner: ModelRunner, worker_id: str, pid: int,
-                 fetcher: KVFetcher, peers: StreamPeers | None = None) -> None:
+                 fetcher: KVFetcher, peers: StreamPeers | None = None,
+                 start: bool = True) -> None:
         self.runner = runner
         self.worker_id = worker_id
         self.pid = pid
@@ -129,8 +130,15 @@ class DecodeEngine:
         self.streams = PendingStreams(self, peers, orphan_s=fetcher.transfer.timeout_s)
         self.num_fetch_retries_total = 0
         self.num_fetch_recomputes_total = 0
-        self._thread = threading.Thread(target=self._loop, name="decode-engine", daemon=True)
-        self._thread.start()
+        self._thread: threading.Thread | None = None
+        if start:
+            threading.Thread(target=self.run, name="decode-engine", daemon=True).start()
+
+    def run(self) -> None:
+        """The engine loop, on the calling thread, until shutdown() (start=False: the caller's
+        thread, e.g. the one that built the runner: decode_worker.actor.run_engine_thread)."""
+        self._thread = threading.current_thread()
+        self._loop()
 
     # ---- called from other threads -------------------------------------------------------
     def add_request(self, request: DecodeRequest, emit: Callable[[TokenDelta], None]) -> None:
@@ -175,7 +183,8 @@ class DecodeEngine:
     def shutdown(self) -> None:
         self._stop.set()
         self._wakeup.set()
-        self._thread.join(timeout=10)
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=10)
         self.fetcher.close()
 
     # ---- engine loop ---------------------------------------------------------------------
@@ -387,4 +396,5 @@ class DecodeEngine:
         return TokenDelta(seq.request_id, tuple(tokens), reason, seq.num_forward_tokens,
                           self.worker_id, self.pid, error,
                           logprobs=None if logprob is None else (logprob,))
+
 

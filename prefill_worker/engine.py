@@ -181,8 +181,8 @@ class PrefillEngine:
                     self.kv.streamer.abandon(stream)
                 self.pool.free(blocks)
                 self._send_events()
-        log.info("prefill of %d tokens (%d cached) in %.1f ms", len(prompt), num_cached,
-                 (time.perf_counter() - began) * 1e3, extra={"request_id": request.request_id})
+        log.debug("prefill of %d tokens (%d cached) in %.1f ms", len(prompt), num_cached,
+                  (time.perf_counter() - began) * 1e3, extra={"request_id": request.request_id})
         pair_address, pair_tag = (None, 0) if layer_stream else self._push(request, data)
         return PrefillResult(request.request_id, first_token, self.kv_address, tuple(keys),
                              tail_handle, num_tail, num_cached, self.worker_id, self.pid,

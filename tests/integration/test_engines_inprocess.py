@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+from decode_worker.actor import run_engine_thread
 from decode_worker.engine import DecodeEngine
 from decode_worker.kv_fetch import KVFetcher
 from engine.config import BUNDLED_MODEL, EngineConfig
@@ -232,6 +233,38 @@ def test_colocated_request_prefills_on_the_decode_worker(engines, hf):
     assert deltas[0].token_ids == (want[0],)  # token 0 sampled here, from the local prefill
     assert decode.stats()["num_forward_tokens_total"] - forward_before == len(want) - 1
     assert decode.stats()["num_free_blocks"] == decode.stats()["num_blocks"]
+
+
+def test_engine_thread_builds_the_model_and_runs_the_loop(eos_model_dir, hf):
+    """The decode actor's engine: built (model included) and run on one thread, as
+    run_engine_thread does (see its docstring: the first OpenMP thread runs fastest)."""
+    built_on = {}
+
+    def build():
+        built_on["thread"] = threading.get_ident()
+        runner = ModelRunner(EngineConfig(model=str(eos_model_dir), num_kv_blocks=32))
+        return DecodeEngine(runner, "own-thread", 0, KVFetcher(runner.kv_cache, 5), start=False)
+
+    engine = run_engine_thread(build, timeout_s=60)
+    try:
+        prompt = hf.encode("Once upon a time")
+        deltas, done = [], threading.Event()
+
+        def emit(delta):
+            deltas.append(delta)
+            if delta.finish_reason is not None:
+                done.set()
+
+        engine.add_request(DecodeRequest("own", tuple(prompt),
+                                         SamplingParams(max_tokens=5, temperature=0)), emit)
+        assert done.wait(60)
+        assert [t for d in deltas for t in d.token_ids] == hf.greedy(prompt, 5,
+                                                                      eos_token_id=[1, 2])
+        assert engine._thread.ident == built_on["thread"] != threading.get_ident()
+    finally:
+        engine.shutdown()
+    with pytest.raises(ValueError, match="no such model"):
+        run_engine_thread(lambda: (_ for _ in ()).throw(ValueError("no such model")))
 
 
 def test_concurrent_prefills_share_steps_and_outputs_are_unchanged(engines, eos_model_dir, hf):

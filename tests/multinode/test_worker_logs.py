@@ -35,7 +35,7 @@ def json_records(path: Path) -> list[dict]:
 
 
 def test_worker_records_are_json_with_request_ids(local_cluster):
-    config = ServeConfig(ray_namespace="pdc-logs", log_format="json")
+    config = ServeConfig(ray_namespace="pdc-logs", log_format="json", log_level="debug")
     with local_cluster(config) as cluster:
         async def run():
             params = SamplingParams(max_tokens=3, temperature=0)
@@ -53,6 +53,6 @@ def test_worker_records_are_json_with_request_ids(local_cluster):
             time.sleep(0.2)
         assert mine, path.read_text()[-2000:]
         record = mine[0]
-        assert record["logger"] == "prefill_worker.engine" and record["level"] == "INFO"
+        assert record["logger"] == "prefill_worker.engine" and record["level"] == "DEBUG"
         assert "prefill of 4 tokens" in record["message"]
         assert record["timestamp"].endswith("Z")
