@@ -149,9 +149,9 @@ class PrefillEngine:
         stream: LayerStream | None = None
         layer_stream, extra = None, {}
         try:
+            max_hit = (len(prompt) - 1) // self.block_size  # >= 1 token is computed
             with self._lock:  # admission, G1 hits, allocation, cluster-pool prefix
-                hit, blocks = self._allocate(request, keys, len(prompt))
-                max_hit = (len(prompt) - 1) // self.block_size  # >= 1 token is computed
+                hit, blocks = self._allocate(request, keys[:max_hit], len(prompt))
                 loaded = self._load_prefix(keys[len(hit):max_hit], blocks[len(hit):])
                 num_cached = (len(hit) + loaded.num_blocks) * self.block_size
                 chunks = self._chunks(len(prompt), num_cached)
@@ -189,16 +189,16 @@ class PrefillEngine:
                              first_logprob, self.kv.node_id, pair_address, pair_tag,
                              layer_stream, extra)
 
-    def _allocate(self, request: PrefillRequest, keys: list[bytes], num_tokens: int
+    def _allocate(self, request: PrefillRequest, reusable: list[bytes], num_tokens: int
                   ) -> tuple[list[int], list[int]]:
-        """(G1 hit blocks, all of the prompt's blocks: hits then new ones), referenced.
-        Caller holds the lock. Raises RequestAborted, PrefillRejected (no free blocks)."""
+        """(G1 hit blocks among the `reusable` leading keys, all of the prompt's blocks: hits
+        then new ones), referenced. Caller holds the lock. Raises RequestAborted,
+        PrefillRejected (no free blocks)."""
         with self._abort_lock:
             aborted = self._aborted.pop(request.request_id, False) is None
         if aborted:
             raise RequestAborted(request.request_id)
-        max_hit = (num_tokens - 1) // self.block_size  # at least one token is computed
-        hit = self.pool.longest_cached_prefix(keys[:max_hit])
+        hit = self.pool.longest_cached_prefix(reusable)
         num_new = math.ceil(num_tokens / self.block_size) - len(hit)
         self.pool.touch(hit)  # hit blocks leave the free queue: count free blocks after
         if num_new > self.pool.num_free_blocks:

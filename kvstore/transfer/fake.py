@@ -23,7 +23,7 @@ from kvstore.config import KVTransferConfig
 from kvstore.errors import BlockLayoutError, BlockNotFoundError, KVStoreError, KVTransferError
 from kvstore.transfer.base import (FetchRequest, KVReceiver, KVTransferBackend, TransferState,
                                    _Cancelled)
-from kvstore.transfer.dest import BlockDest, as_dest
+from kvstore.transfer.dest import BlockDest
 
 
 class FakeTransferBackend(KVTransferBackend):
@@ -80,12 +80,8 @@ class FakeReceiver(KVReceiver):
         self._dest: BlockDest | None = None
 
     def start(self, request: FetchRequest, dest: BlockDest | torch.Tensor) -> None:
-        dest = as_dest(dest)
-        if dest.num_blocks != request.num_blocks:
-            raise BlockLayoutError(f"destination holds {dest.num_blocks} block(s), the request "
-                                   f"{request.num_blocks}")
-        self.request, self._dest = request, dest
-        self._begin(request.deadline_s or self._default_deadline_s, TransferState.TRANSFERRING)
+        self._dest = self._accept(request, dest, self._default_deadline_s,
+                                  TransferState.TRANSFERRING)
         self._ready_at = time.monotonic() + self._delay_s
 
     def poll(self) -> TransferState:

@@ -22,7 +22,7 @@ from kvstore.config import KVTransferConfig
 from kvstore.errors import BlockLayoutError, KVStoreError, KVTransferError
 from kvstore.transfer.base import (FetchRequest, KVReceiver, KVTransferBackend, TransferState,
                                    _Cancelled)
-from kvstore.transfer.dest import WIRE_DTYPES, BlockDest, as_dest
+from kvstore.transfer.dest import WIRE_DTYPES, BlockDest
 
 
 class GrpcTransferBackend(KVTransferBackend):
@@ -73,13 +73,9 @@ class GrpcKVReceiver(KVReceiver):
         self._dest: BlockDest | None = None
 
     def start(self, request: FetchRequest, dest: BlockDest | torch.Tensor) -> None:
-        dest = as_dest(dest)
-        if dest.num_blocks != request.num_blocks:
-            raise BlockLayoutError(f"destination holds {dest.num_blocks} block(s), the request "
-                                   f"{request.num_blocks}")
         config = self._backend.config
-        self.request, self._dest = request, dest
-        self._begin(request.deadline_s or config.timeout_s, TransferState.TRANSFERRING)
+        dest = self._dest = self._accept(request, dest, config.timeout_s,
+                                         TransferState.TRANSFERRING)
         keys = request.keys
         total = len(keys) * dest.block_nbytes
         num = max(1, min(config.num_streams, total // config.min_stream_bytes, len(keys)))

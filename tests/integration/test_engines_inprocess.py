@@ -54,9 +54,8 @@ def grpc_kv(client: KVStoreClient, address: str) -> PrefillKV:
     return PrefillKV(client, address, "local-node", GrpcPublisher(client))
 
 
-def generate(engines, request_id: str, prompt: list[int], params: SamplingParams):
-    prefill, decode = engines
-    result = prefill.prefill(PrefillRequest(request_id, tuple(prompt), params))
+def decode_all(decode: DecodeEngine, request: DecodeRequest) -> list:
+    """Every TokenDelta of `request` on the decode engine, once it finished."""
     deltas, done = [], threading.Event()
 
     def emit(delta):
@@ -64,8 +63,15 @@ def generate(engines, request_id: str, prompt: list[int], params: SamplingParams
         if delta.finish_reason is not None:
             done.set()
 
-    decode.add_request(DecodeRequest(request_id, tuple(prompt), params, result), emit)
+    decode.add_request(request, emit)
     assert done.wait(60)
+    return deltas
+
+
+def generate(engines, request_id: str, prompt: list[int], params: SamplingParams):
+    prefill, decode = engines
+    result = prefill.prefill(PrefillRequest(request_id, tuple(prompt), params))
+    deltas = decode_all(decode, DecodeRequest(request_id, tuple(prompt), params, result))
     return result, [result.first_token] + [t for d in deltas for t in d.token_ids], deltas[-1]
 
 
@@ -219,16 +225,8 @@ def test_colocated_request_prefills_on_the_decode_worker(engines, hf):
     prompt = hf.encode("Once upon a time, there was a little boy named Tim.")
     want = hf.greedy(prompt, 20, eos_token_id=[1, 2])
     forward_before = decode.stats()["num_forward_tokens_total"]
-    deltas, done = [], threading.Event()
-
-    def emit(delta):
-        deltas.append(delta)
-        if delta.finish_reason is not None:
-            done.set()
-
-    decode.add_request(DecodeRequest("colocated", tuple(prompt),
-                                     SamplingParams(max_tokens=20, temperature=0)), emit)
-    assert done.wait(60)
+    deltas = decode_all(decode, DecodeRequest("colocated", tuple(prompt),
+                                              SamplingParams(max_tokens=20, temperature=0)))
     assert [t for d in deltas for t in d.token_ids] == want
     assert deltas[0].token_ids == (want[0],)  # token 0 sampled here, from the local prefill
     assert decode.stats()["num_forward_tokens_total"] - forward_before == len(want) - 1
@@ -248,16 +246,8 @@ def test_engine_thread_builds_the_model_and_runs_the_loop(eos_model_dir, hf):
     engine = run_engine_thread(build, timeout_s=60)
     try:
         prompt = hf.encode("Once upon a time")
-        deltas, done = [], threading.Event()
-
-        def emit(delta):
-            deltas.append(delta)
-            if delta.finish_reason is not None:
-                done.set()
-
-        engine.add_request(DecodeRequest("own", tuple(prompt),
-                                         SamplingParams(max_tokens=5, temperature=0)), emit)
-        assert done.wait(60)
+        deltas = decode_all(engine, DecodeRequest("own", tuple(prompt),
+                                                  SamplingParams(max_tokens=5, temperature=0)))
         assert [t for d in deltas for t in d.token_ids] == hf.greedy(prompt, 5,
                                                                       eos_token_id=[1, 2])
         assert engine._thread.ident == built_on["thread"] != threading.get_ident()

@@ -75,60 +75,19 @@ def store(arena: HostArena, view: ArenaView, ids: list[int]) -> list[int]:
     return slots
 
 
-def start_python(code: str) -> subprocess.Popen:
-    """A separate Python process running ``code``, its stdin/stdout/stderr piped (text)."""
+# Worker processes (tests/kvstore/arena_workers/): each attaches after reading one JSON job from
+# stdin, so their interpreter and torch start-up overlaps the test's own work.
+WORKERS = Path(__file__).resolve().parent / "arena_workers"
+
+
+def start_python(script: str) -> subprocess.Popen:
+    """A separate Python process running arena_workers/``script``, its stdin/stdout/stderr
+    piped (text)."""
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     return subprocess.Popen(
-        [sys.executable, "-c", code], cwd=ROOT, env=env, text=True,
+        [sys.executable, str(WORKERS / script)], cwd=ROOT, env=env, text=True,
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
     )
-
-
-# Worker processes: each attaches after reading one JSON job from stdin, so their interpreter and
-# torch start-up overlaps the test's own work.
-WRITER = """
-import json, random, sys
-from kvstore.arena.view import ArenaView
-p = json.loads(sys.stdin.readline())
-with ArenaView(p["name"], p["num_slots"], p["block_nbytes"]) as v:
-    for slot, seed in zip(p["slots"], p["seeds"]):
-        v.write(slot, random.Random(seed).randbytes(p["block_nbytes"]))
-"""
-READER = """
-import hashlib, json, sys, torch
-from kvstore.arena.view import ArenaView
-p = json.loads(sys.stdin.readline())
-out = torch.empty(len(p["slots"]), p["block_nbytes"], dtype=torch.uint8)
-with ArenaView(p["name"], p["num_slots"], p["block_nbytes"]) as v:
-    v.read_into(p["slots"], out)
-print(json.dumps([hashlib.sha256(r.numpy().tobytes()).hexdigest() for r in out]))
-"""
-# The owner (no torch) spawns a child with multiprocessing, which shares the owner's
-# resource tracker; then checks the child's bytes through its own mapping.
-SPAWN_OWNER = """
-import multiprocessing as mp, random, sys
-from kvstore.arena import HostArena
-from kvstore.arena.segment import attach_segment
-CHILD = '''
-import random
-from kvstore.arena.view import ArenaView
-with ArenaView(NAME, 2, 4096) as v:
-    v.write(SLOT, random.Random(7).randbytes(4096))
-'''
-a = HostArena(2 * 4096, 4096, node_id=sys.stdin.readline().strip())
-[slot] = a.reserve([b"k"])
-p = mp.get_context("spawn").Process(target=exec, args=(CHILD, {"NAME": a.shm_name, "SLOT": slot}))
-p.start()
-p.join()
-assert p.exitcode == 0
-a.commit([b"k"], [slot])
-[s] = a.acquire([b"k"])
-m = attach_segment(a.shm_name, 2 * 4096)
-assert m[s * 4096 : (s + 1) * 4096] == random.Random(7).randbytes(4096)
-a.release([s])
-a.close()
-print("ok")
-"""
 
 
 # -- leases --------------------------------------------------------------------------------
@@ -310,7 +269,7 @@ def test_many_scattered_slots_round_trip_byte_exact():
 
 
 def test_other_processes_write_and_read_the_same_bytes(arena):
-    writer, reader = start_python(WRITER), start_python(READER)
+    writer, reader = start_python("writer.py"), start_python("reader.py")
     keys = [key(i) for i in range(3)]
     slots = arena.reserve(keys)
     spec = {"name": arena.shm_name, "num_slots": arena.num_slots, "block_nbytes": B}
@@ -333,7 +292,7 @@ def test_other_processes_write_and_read_the_same_bytes(arena):
 def test_spawn_child_sharing_the_owners_resource_tracker_stays_quiet():
     """A multiprocessing spawn child shares its parent's resource tracker: attaching must
     neither unlink the owner's segment nor upset the tracker (which writes to stderr)."""
-    proc = start_python(SPAWN_OWNER)
+    proc = start_python("spawn_owner.py")
     out, err = proc.communicate(NODE + "\n", timeout=60)
     assert proc.returncode == 0, err
     assert (out, err) == ("ok\n", "")

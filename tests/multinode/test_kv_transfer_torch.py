@@ -28,19 +28,11 @@ STORY = ("Once upon a time, there was a little boy named Tim. Tim had a big red 
 
 
 @pytest.fixture(scope="module")
-def cluster():
+def cluster(local_cluster):
     config = ServeConfig(transfer=KVTransferConfig(backend="torch"), ray_num_cpus=4,
                          ray_namespace="pdc-kv-torch")
-    started = not ray.is_initialized()
-    if started:  # "local": a Ray of our own, even if another one runs on this machine
-        ray.init(address="local", num_cpus=4, namespace=config.ray_namespace,
-                 include_dashboard=False)
-    try:
-        with Cluster(config) as c:
-            yield c
-    finally:
-        if started:
-            ray.shutdown()
+    with local_cluster(config) as c:
+        yield c
 
 
 def run(cluster: Cluster, request_id: str, prompt: list[int], max_tokens: int, **sampling):
