@@ -9,6 +9,9 @@ process into a preallocated buffer, request/response, one request at a time:
   bytes from a preallocated buffer, the client ``recv_into``s its preallocated buffer.
 * grpc: a KVStoreServer (with a token, like a cluster) holding the blocks; a
   GrpcTransferBackend receiver fetches them by key into a preallocated tensor.
+* grpc floor (``--floor``): what grpcio itself costs, no pdcluster code: a bare server holding
+  one prebuilt message per size answers each request on one long-lived bidirectional stream
+  (identity serializers); the client copies the reply into the same preallocated buffer.
 * gloo: a TorchPairChannel; the client sends a 16-byte request tensor, the server answers with
   a TorchKVSender, a TorchTransferBackend receiver receives into a preallocated tensor.
 
@@ -73,6 +76,25 @@ def _grpc_server(ready: mp.Queue, num_blocks: int, block_elems: int) -> None:
     time.sleep(1e6)
 
 
+def _floor_server(ready: mp.Queue, sizes: list[int]) -> None:
+    from concurrent import futures
+
+    import grpc
+
+    replies = {size: os.urandom(size) for size in sizes}
+
+    def fetch(requests, context):
+        for request in requests:
+            yield replies[int.from_bytes(request, "little")]
+    options = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2), options=options)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
+        "floor", {"Fetch": grpc.stream_stream_rpc_method_handler(fetch)}),))
+    ready.put(f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}")
+    server.start()
+    server.wait_for_termination()
+
+
 def _gloo_server(ready: mp.Queue, num_blocks: int, block_elems: int, chunk_bytes: int) -> None:
     from kvstore.transfer.torch_dist import TorchKVSender
     from kvstore.transfer.torch_pair import TorchPairChannel
@@ -114,6 +136,23 @@ def _raw_client(port: int, max_bytes: int) -> Callable[[int], None]:
             if n == 0:
                 raise ConnectionError("raw server closed the connection")
             got += n
+    return fetch
+
+
+def _floor_client(address: str, max_bytes: int) -> Callable[[int], None]:
+    import queue
+
+    import grpc
+
+    options = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
+    channel = grpc.insecure_channel(address, options=options)
+    requests: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+    replies = channel.stream_stream("/floor/Fetch")(iter(requests.get, None))
+    buf = memoryview(bytearray(max_bytes))
+
+    def fetch(size: int) -> None:
+        requests.put(size.to_bytes(8, "little"))
+        buf[:size] = next(replies)
     return fetch
 
 
@@ -175,6 +214,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--min-stream-kib", type=int,
                         default=KVTransferConfig().min_stream_bytes >> 10)
     parser.add_argument("--no-gloo", action="store_true")
+    parser.add_argument("--floor", action="store_true",
+                        help="add bare grpcio on a persistent stream (no pdcluster code)")
     args = parser.parse_args(argv)
 
     from kvstore.transfer.grpc_backend import GrpcTransferBackend
@@ -199,6 +240,10 @@ def main(argv: list[str] | None = None) -> None:
     grpc_backend = GrpcTransferBackend(config)
     clients["grpc"] = _receiver_client(grpc_backend, grpc_address, dest, keys)
     procs = [raw_proc, grpc_proc]
+    if args.floor:
+        floor_proc, floor_address = _spawn(_floor_server, sizes)
+        procs.append(floor_proc)
+        clients["floor"] = _floor_client(floor_address, max_bytes)
     if not args.no_gloo:
         gloo_proc, gloo_address = _spawn(_gloo_server, num_blocks, block_elems,
                                          config.max_chunk_bytes)
@@ -217,6 +262,7 @@ def main(argv: list[str] | None = None) -> None:
           f"torch {torch.__version__}\n")
     header = "| size | raw socket GB/s | grpc GB/s | grpc/raw |"
     header += "" if args.no_gloo else " gloo GB/s | gloo/raw |"
+    header += " grpc floor GB/s | floor/raw |" if args.floor else ""
     print(header)
     print("|" + "---|" * (header.count("|") - 1))
     try:
@@ -226,6 +272,8 @@ def main(argv: list[str] | None = None) -> None:
                    f"{gbps['grpc'] / gbps['raw']:.2f} |")
             if "gloo" in gbps:
                 row += f" {gbps['gloo']:.2f} | {gbps['gloo'] / gbps['raw']:.2f} |"
+            if "floor" in gbps:
+                row += f" {gbps['floor']:.2f} | {gbps['floor'] / gbps['raw']:.2f} |"
             print(row, flush=True)
     finally:
         grpc_backend.close()

@@ -14,10 +14,8 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Iterator, Sequence
-from typing import NamedTuple
 
 import grpc
-import grpc.experimental
 import numpy as np
 import pydantic
 import torch
@@ -26,6 +24,7 @@ from kvstore import tls as kv_tls
 from kvstore.config import KVTLSConfig
 from kvstore.errors import (BlockLayoutError, BlockNotFoundError, KVAuthError, KVStoreError,
                             KVTransferError, StoreCapacityError)
+from kvstore.fetch_session import BlockStream, FetchSession, SessionPool
 from kvstore.hashing import KEY_BYTES
 from kvstore.host_store import BlockLayout
 from kvstore.proto import kvstore_pb2 as pb
@@ -33,7 +32,6 @@ from kvstore.proto import kvstore_pb2_grpc as pb_grpc
 from kvstore.server import (AUTH_METADATA_KEY, ERROR_METADATA_KEY, MESSAGE_OVERHEAD_BYTES,
                             SERVICE_NAME, channel_options)
 from kvstore.transfer.runs import budget_runs
-from kvstore.transfer.wire import decode_block_data
 
 TORCH_DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
@@ -84,65 +82,6 @@ def _check_keys(keys: Sequence[bytes]) -> None:
             raise ValueError(f"block keys must be {KEY_BYTES}-byte bytes, got {k!r:.80}")
 
 
-class BlockChunk(NamedTuple):
-    """One message of a block stream: blocks ``[start, start + count)`` of the request.
-
-    ``payload`` (``count * layout.nbytes`` little-endian bytes) is a read-only view into the
-    received message, valid as long as the chunk is referenced.
-    """
-
-    start: int
-    count: int
-    layout: BlockLayout
-    payload: memoryview
-
-
-class BlockStream:
-    """An open GetBlocks stream: iterate for :class:`BlockChunk` s, ``cancel()`` to stop.
-
-    Iteration raises the typed errors of :meth:`KVStoreClient.get_blocks`; after ``cancel()``
-    it raises KVTransferError. Thread-safe to cancel from another thread.
-    """
-
-    def __init__(self, client: KVStoreClient, keys: Sequence[bytes], call):
-        self._client = client
-        self._keys = keys
-        self._call = call
-
-    def cancel(self) -> None:
-        """Cancel the RPC. Idempotent."""
-        self._call.cancel()
-
-    def __iter__(self) -> Iterator[BlockChunk]:
-        keys, client = self._keys, self._client
-        received = 0
-        layout: BlockLayout | None = None
-        try:
-            for raw in self._call:
-                msg = decode_block_data(raw)
-                msg_layout = BlockLayout(msg.layout.dtype, tuple(msg.layout.shape))
-                if layout is None:
-                    layout = msg_layout
-                if msg_layout != layout:
-                    raise BlockLayoutError(f"blocks from {client.address} mix layouts "
-                                           f"{layout} and {msg_layout}")
-                n = len(msg.keys)
-                if n == 0 or list(msg.keys) != list(keys[received:received + n]) or \
-                        len(msg.payload) != n * layout.nbytes:
-                    raise BlockLayoutError(f"malformed GetBlocks reply from {client.address} "
-                                           f"at block {received}")
-                yield BlockChunk(received, n, layout, msg.payload)
-                received += n
-        except grpc.RpcError as exc:
-            raise client._typed_error("GetBlocks", exc, None) from None
-        except ValueError as exc:  # grpc raises ValueError on a closed channel
-            raise KVTransferError(f"{client.address}: GetBlocks failed: {exc}",
-                                  address=client.address) from None
-        if received != len(keys):
-            raise KVTransferError(f"{client.address}: GetBlocks stream ended after {received} "
-                                  f"of {len(keys)} block(s)", address=client.address)
-
-
 class KVStoreClient:
     """Client of one KV store server. Thread-safe (one gRPC channel); a context manager.
 
@@ -154,6 +93,9 @@ class KVStoreClient:
             for a store without auth.
         tls: TLS settings (kvstore.config.KVTLSConfig) when the store serves TLS; ``None``:
             plaintext. Unreadable files raise KVStoreError here.
+        max_idle_sessions, session_idle_s: block fetches run on pooled FetchBlocks sessions
+            (kvstore.fetch_session); at most this many stay open while idle, none longer than
+            this many seconds.
 
     Every method raises :class:`KVTransferError` (naming the address and reason) on a deadline
     or RPC failure and :class:`KVAuthError` when the store refuses the token;
@@ -161,7 +103,8 @@ class KVStoreClient:
     """
 
     def __init__(self, address: str, timeout_s: float = 10.0, max_message_bytes: int = 64 << 20,
-                 token: str | pydantic.SecretStr | None = None, tls: KVTLSConfig | None = None):
+                 token: str | pydantic.SecretStr | None = None, tls: KVTLSConfig | None = None,
+                 max_idle_sessions: int = 4, session_idle_s: float = 10.0):
         self.address = address
         self.timeout_s = timeout_s
         self.max_message_bytes = max_message_bytes
@@ -169,17 +112,16 @@ class KVStoreClient:
         if isinstance(token, pydantic.SecretStr):
             token = token.get_secret_value()
         self._metadata = ((AUTH_METADATA_KEY, f"Bearer {token}"),) if token else ()
-        # SingleThreadedUnaryStream: a GetBlocks stream is read on the caller's thread, not
-        # handed over from gRPC's channel thread per message (less CPU per byte; cancel() works).
-        options = [*channel_options(max_message_bytes), *kv_tls.channel_options(tls),
-                   (grpc.experimental.ChannelOptions.SingleThreadedUnaryStream, 1)]
+        options = [*channel_options(max_message_bytes), *kv_tls.channel_options(tls)]
         self._channel = grpc.insecure_channel(address, options=options) if tls is None else \
             grpc.secure_channel(address, kv_tls.channel_credentials(tls), options=options)
         self._stub = pb_grpc.KVStoreStub(self._channel)
-        self._get_blocks_raw = self._channel.unary_stream(  # replies decoded by wire.py
-            f"/{SERVICE_NAME}/GetBlocks",
+        fetch = self._channel.stream_stream(  # replies decoded by kvstore.transfer.wire
+            f"/{SERVICE_NAME}/FetchBlocks",
             request_serializer=pb.GetBlocksRequest.SerializeToString,
             response_deserializer=None, _registered_method=True)
+        self.sessions = SessionPool(lambda: FetchSession(fetch, self._metadata),
+                                    max_idle_sessions, session_idle_s)
 
     def __repr__(self) -> str:
         return f"KVStoreClient({self.address!r}, auth={'on' if self._metadata else 'off'})"
@@ -251,12 +193,13 @@ class KVStoreClient:
 
     def stream_blocks(self, keys: Sequence[bytes], max_chunk_bytes: int | None = None,
                       timeout_s: float | None = None) -> BlockStream:
-        """Open a GetBlocks stream; blocks arrive in order, coalesced into chunks.
+        """Fetch blocks on a pooled FetchBlocks session; they arrive in order, coalesced into
+        chunks (nothing is sent until iteration starts).
 
         Args:
             keys: n >= 1 keys of 32 bytes.
             max_chunk_bytes: payload budget per message (capped by ``max_message_bytes``).
-            timeout_s: deadline of the whole stream (default ``self.timeout_s``).
+            timeout_s: deadline of the whole fetch (default ``self.timeout_s``).
 
         Raises (on iteration): as :meth:`get_blocks`.
         """
@@ -264,10 +207,8 @@ class KVStoreClient:
         if max_chunk_bytes is not None:
             budget = max(1, min(budget, max_chunk_bytes))
         request = pb.GetBlocksRequest(keys=list(keys), max_chunk_bytes=budget)
-        call = self._call("GetBlocks", lambda: self._get_blocks_raw(
-            request, timeout=self.timeout_s if timeout_s is None else timeout_s,
-            metadata=self._metadata))
-        return BlockStream(self, keys, call)
+        return BlockStream(self, self.sessions, keys, request,
+                           self.timeout_s if timeout_s is None else timeout_s)
 
     def put_tail(self, handle: str, block: torch.Tensor, num_tokens: int) -> None:
         """Store a request's partial tail block under ``handle`` (never keyed or indexed).
@@ -323,7 +264,8 @@ class KVStoreClient:
         return {f.name: getattr(reply, f.name) for f in pb.StatsReply.DESCRIPTOR.fields}
 
     def close(self) -> None:
-        """Close the channel. Idempotent."""
+        """Close the sessions and the channel. Idempotent."""
+        self.sessions.close()
         self._channel.close()
 
     def __enter__(self) -> KVStoreClient:
@@ -348,6 +290,14 @@ class KVStoreClient:
         except ValueError as exc:  # grpc raises ValueError on a closed channel
             raise KVTransferError(f"{self.address}: {method} failed: {exc}",
                                   address=self.address) from None
+
+    def fetch_error(self, error: pb.FetchError) -> KVStoreError:
+        """The typed error of a FetchBlocks reply's in-band ``error``."""
+        where = f"{self.address}: FetchBlocks"
+        if error.kind == "not_found":
+            return BlockNotFoundError(f"{where}: {error.details}", missing=list(error.missing))
+        return KVTransferError(f"{where} failed ({error.kind}): {error.details}",
+                               address=self.address)
 
     def _typed_error(self, method: str, exc: grpc.RpcError, handle: str | None) -> KVStoreError:
         code = exc.code() if hasattr(exc, "code") else None
@@ -378,7 +328,7 @@ def _layout_msg(layout: BlockLayout) -> pb.BlockLayout:
 
 
 def _parse_missing(details: str) -> list[bytes]:
-    """Keys from ``missing N of M block(s): hex,hex[ (+K more)]`` (server.GetBlocks)."""
+    """Keys from ``missing N of M block(s): hex,hex[ (+K more)]`` (server._missing_details)."""
     _, _, listed = details.partition(": ")
     listed = listed.split(" ", 1)[0]
     out = []

@@ -74,7 +74,7 @@ class KVTransferConfig(pydantic.BaseModel):
             point-to-point over a pair group: gloo on CPU, NCCL on CUDA) or ``fake`` (tests).
         timeout_s: default deadline of one transfer in seconds (FetchRequest.deadline_s wins).
         max_chunk_bytes: payload bytes per wire message (grpc) or per send/recv (torch).
-        num_streams: grpc: concurrent GetBlocks streams one large transfer is split across.
+        num_streams: grpc: concurrent FetchBlocks sessions one large transfer is split across.
         min_stream_bytes: grpc: a transfer is split only so that each stream gets at least
             this many bytes (small transfers stay on one stream).
         max_message_bytes: grpc channel's max message size in bytes.

@@ -8,7 +8,8 @@ TLS with a CA). With ``config.token`` set, every call must carry
 fails with UNAUTHENTICATED (STYLE.md trap 6: KV planes shipped unauthenticated and bound to
 all interfaces). A daemon thread sweeps expired tails every ``min(tail_ttl_s / 4, 5)`` seconds.
 
-GetBlocks replies are pre-encoded (kvstore.transfer.wire): the blocks' bytes are joined once
+Block replies (GetBlocks, and FetchBlocks: the same replies on one long-lived stream per
+client session) are pre-encoded (kvstore.transfer.wire): the blocks' bytes are joined once
 into the serialized message instead of being copied into a protobuf object and serialized.
 
 Errors carry the trailing-metadata entry ``pdcluster-error`` (``not_found`` | ``capacity`` |
@@ -68,6 +69,13 @@ def _layout(msg: pb.BlockData, context: grpc.ServicerContext) -> BlockLayout:
         raise  # unreachable: abort raises
 
 
+def _missing_details(missing: list[bytes], num_keys: int) -> str:
+    shown = ",".join(k.hex() for k in missing[:MAX_MISSING_KEYS_IN_DETAILS])
+    more = len(missing) - MAX_MISSING_KEYS_IN_DETAILS
+    suffix = f" (+{more} more)" if more > 0 else ""
+    return f"missing {len(missing)} of {num_keys} block(s): {shown}{suffix}"
+
+
 class _KVStoreServicer(pb_grpc.KVStoreServicer):
     def __init__(self, store: HostBlockStore, max_message_bytes: int):
         self._store = store
@@ -101,18 +109,38 @@ class _KVStoreServicer(pb_grpc.KVStoreServicer):
 
     def GetBlocks(self, request: pb.GetBlocksRequest, context) -> Iterator[bytes]:
         """Yields serialized BlockData messages (see :func:`_method_handlers`)."""
+        missing, messages = self._reply(request)
+        if missing:
+            _abort(context, grpc.StatusCode.NOT_FOUND, "not_found",
+                   _missing_details(missing, len(request.keys)))
+        yield from messages
+
+    def FetchBlocks(self, request_iterator: Iterable[pb.GetBlocksRequest],
+                    context) -> Iterator[bytes]:
+        """A session: each request's reply (ending ``last``), or an in-band ``error``."""
+        for request in request_iterator:
+            missing, messages = self._reply(request)
+            if missing:
+                error = pb.FetchError(kind="not_found",
+                                      details=_missing_details(missing, len(request.keys)),
+                                      missing=missing[:MAX_MISSING_KEYS_IN_DETAILS])
+                yield pb.BlockData(error=error, last=True).SerializeToString()
+            else:
+                yield from messages
+
+    def _reply(self, request: pb.GetBlocksRequest) -> tuple[list[bytes], Iterator[bytes]]:
+        """(missing keys, the encoded reply messages: coalesced runs, the final one ``last``).
+
+        All or nothing: when any key is missing the messages are not to be sent."""
         keys = list(request.keys)
         entries = self._store.get_many(keys)
         missing = [k for k, e in zip(keys, entries) if e is None]
         if missing:
-            shown = ",".join(k.hex() for k in missing[:MAX_MISSING_KEYS_IN_DETAILS])
-            more = len(missing) - MAX_MISSING_KEYS_IN_DETAILS
-            suffix = f" (+{more} more)" if more > 0 else ""
-            _abort(context, grpc.StatusCode.NOT_FOUND, "not_found",
-                   f"missing {len(missing)} of {len(keys)} block(s): {shown}{suffix}")
+            return missing, iter(())
         budget = self._chunk_budget
         if request.max_chunk_bytes > 0:
             budget = min(budget, request.max_chunk_bytes)
+        chunks: list[tuple[range, pb.BlockLayout]] = []
         start = 0
         while start < len(keys):
             layout = entries[start][1]
@@ -120,11 +148,18 @@ class _KVStoreServicer(pb_grpc.KVStoreServicer):
             while end < len(keys) and entries[end][1] == layout:
                 end += 1
             layout_msg = pb.BlockLayout(dtype=layout.dtype, shape=layout.shape)
-            for run in budget_runs(layout.nbytes, end - start, budget):
-                idx = range(start + run.start, start + run.stop)
-                yield encode_block_data([entries[i][0] for i in idx],
-                                        keys=keys[idx.start:idx.stop], layout=layout_msg)
+            chunks.extend((range(start + run.start, start + run.stop), layout_msg)
+                          for run in budget_runs(layout.nbytes, end - start, budget))
             start = end
+
+        def messages() -> Iterator[bytes]:
+            if not chunks:
+                yield pb.BlockData(last=True).SerializeToString()
+            for i, (idx, layout_msg) in enumerate(chunks):
+                yield encode_block_data([entries[j][0] for j in idx],
+                                        keys=keys[idx.start:idx.stop], layout=layout_msg,
+                                        last=i == len(chunks) - 1)
+        return missing, messages()
 
     def PutTail(self, request: pb.BlockData, context) -> pb.PutReply:
         layout = _layout(request, context)
@@ -154,14 +189,17 @@ class _KVStoreServicer(pb_grpc.KVStoreServicer):
 
 
 def _method_handlers(servicer: _KVStoreServicer) -> dict[str, grpc.RpcMethodHandler]:
-    """The generated ``add_KVStoreServicer_to_server`` table, except that GetBlocks yields
-    pre-encoded ``bytes`` (its serializer is the identity)."""
+    """The generated ``add_KVStoreServicer_to_server`` table, except that GetBlocks and
+    FetchBlocks yield pre-encoded ``bytes`` (their serializer is the identity)."""
     return {
         "PutBlocks": grpc.stream_unary_rpc_method_handler(
             servicer.PutBlocks, request_deserializer=pb.BlockData.FromString,
             response_serializer=pb.PutReply.SerializeToString),
         "GetBlocks": grpc.unary_stream_rpc_method_handler(
             servicer.GetBlocks, request_deserializer=pb.GetBlocksRequest.FromString,
+            response_serializer=None),
+        "FetchBlocks": grpc.stream_stream_rpc_method_handler(
+            servicer.FetchBlocks, request_deserializer=pb.GetBlocksRequest.FromString,
             response_serializer=None),
         "PutTail": grpc.unary_unary_rpc_method_handler(
             servicer.PutTail, request_deserializer=pb.BlockData.FromString,
@@ -223,11 +261,13 @@ class KVStoreServer:
     Args:
         config: bind host/port, capacity, tail TTL, max message size.
         store: the block store to serve; a new ``HostBlockStore`` from ``config`` if ``None``.
-        max_workers: gRPC handler threads (each open stream holds one).
+        max_workers: gRPC handler threads. Each open stream holds one, a FetchBlocks session
+            for as long as it stays open (clients close theirs after a few idle seconds,
+            kvstore.fetch_session), so this bounds concurrent sessions plus other calls.
     """
 
     def __init__(
-        self, config: KVStoreConfig, store: HostBlockStore | None = None, max_workers: int = 8
+        self, config: KVStoreConfig, store: HostBlockStore | None = None, max_workers: int = 64
     ):
         self.config = config
         self.store = store if store is not None else HostBlockStore(

@@ -15,18 +15,32 @@ class BlockLayout(_message.Message):
     def __init__(self, dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class BlockData(_message.Message):
-    __slots__ = ("keys", "handle", "layout", "payload", "num_tokens")
+    __slots__ = ("keys", "handle", "layout", "payload", "num_tokens", "last", "error")
     KEYS_FIELD_NUMBER: _ClassVar[int]
     HANDLE_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LAST_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     handle: str
     layout: BlockLayout
     payload: bytes
     num_tokens: int
-    def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., handle: _Optional[str] = ..., layout: _Optional[_Union[BlockLayout, _Mapping]] = ..., payload: _Optional[bytes] = ..., num_tokens: _Optional[int] = ...) -> None: ...
+    last: bool
+    error: FetchError
+    def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., handle: _Optional[str] = ..., layout: _Optional[_Union[BlockLayout, _Mapping]] = ..., payload: _Optional[bytes] = ..., num_tokens: _Optional[int] = ..., last: _Optional[bool] = ..., error: _Optional[_Union[FetchError, _Mapping]] = ...) -> None: ...
+
+class FetchError(_message.Message):
+    __slots__ = ("kind", "details", "missing")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    DETAILS_FIELD_NUMBER: _ClassVar[int]
+    MISSING_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    details: str
+    missing: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, kind: _Optional[str] = ..., details: _Optional[str] = ..., missing: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class PutReply(_message.Message):
     __slots__ = ("num_blocks",)

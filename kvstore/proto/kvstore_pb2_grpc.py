@@ -44,6 +44,11 @@ class KVStoreStub:
                 request_serializer=kvstore_dot_proto_dot_kvstore__pb2.GetBlocksRequest.SerializeToString,
                 response_deserializer=kvstore_dot_proto_dot_kvstore__pb2.BlockData.FromString,
                 _registered_method=True)
+        self.FetchBlocks = channel.stream_stream(
+                '/pdcluster.kvstore.v1.KVStore/FetchBlocks',
+                request_serializer=kvstore_dot_proto_dot_kvstore__pb2.GetBlocksRequest.SerializeToString,
+                response_deserializer=kvstore_dot_proto_dot_kvstore__pb2.BlockData.FromString,
+                _registered_method=True)
         self.PutTail = channel.unary_unary(
                 '/pdcluster.kvstore.v1.KVStore/PutTail',
                 request_serializer=kvstore_dot_proto_dot_kvstore__pb2.BlockData.SerializeToString,
@@ -78,6 +83,15 @@ class KVStoreServicer:
 
     def GetBlocks(self, request, context):
         """All-or-nothing: NOT_FOUND (missing keys as hex in details) before any data is streamed.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def FetchBlocks(self, request_iterator, context):
+        """A session: each request is answered, in order, like GetBlocks, its reply ending with the
+        message whose `last` is set; a missing key is an in-band `error` (the stream stays open).
+        One long-lived session saves the per-call cost of a new RPC on every transfer.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -120,6 +134,11 @@ def add_KVStoreServicer_to_server(servicer, server):
             ),
             'GetBlocks': grpc.unary_stream_rpc_method_handler(
                     servicer.GetBlocks,
+                    request_deserializer=kvstore_dot_proto_dot_kvstore__pb2.GetBlocksRequest.FromString,
+                    response_serializer=kvstore_dot_proto_dot_kvstore__pb2.BlockData.SerializeToString,
+            ),
+            'FetchBlocks': grpc.stream_stream_rpc_method_handler(
+                    servicer.FetchBlocks,
                     request_deserializer=kvstore_dot_proto_dot_kvstore__pb2.GetBlocksRequest.FromString,
                     response_serializer=kvstore_dot_proto_dot_kvstore__pb2.BlockData.SerializeToString,
             ),
@@ -196,6 +215,33 @@ class KVStore:
             request,
             target,
             '/pdcluster.kvstore.v1.KVStore/GetBlocks',
+            kvstore_dot_proto_dot_kvstore__pb2.GetBlocksRequest.SerializeToString,
+            kvstore_dot_proto_dot_kvstore__pb2.BlockData.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FetchBlocks(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/pdcluster.kvstore.v1.KVStore/FetchBlocks',
             kvstore_dot_proto_dot_kvstore__pb2.GetBlocksRequest.SerializeToString,
             kvstore_dot_proto_dot_kvstore__pb2.BlockData.FromString,
             options,

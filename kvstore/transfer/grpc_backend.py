@@ -2,7 +2,9 @@
 
 (Named ``grpc_backend`` rather than ``grpc`` so that ``import grpc`` can never resolve to it.)
 
-One transfer = ``k`` concurrent GetBlocks streams over contiguous slices of the key list
+One transfer = ``k`` concurrent fetches, each on its own pooled FetchBlocks session
+(kvstore.fetch_session: one long-lived stream per session, no new RPC per transfer), over
+contiguous slices of the key list
 (``k = min(num_streams, total_bytes // min_stream_bytes)``, at least 1), each delivering
 coalesced chunks of at most ``max_chunk_bytes`` that are copied straight from the received
 message into the destination; then, once every keyed block is in, the tail block by TakeTail
@@ -17,9 +19,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from kvstore.client import BlockStream, KVStoreClient
+from kvstore.client import KVStoreClient
 from kvstore.config import KVTransferConfig
 from kvstore.errors import BlockLayoutError, KVStoreError, KVTransferError
+from kvstore.fetch_session import BlockStream
 from kvstore.transfer.base import (FetchRequest, KVReceiver, KVTransferBackend, TransferState,
                                    _Cancelled)
 from kvstore.transfer.dest import WIRE_DTYPES, BlockDest

@@ -32,14 +32,16 @@ class BlockDataView(NamedTuple):
     layout: pb.BlockLayout
     num_tokens: int
     payload: memoryview
+    last: bool
+    error: pb.FetchError | None
 
 
 def encode_block_data(payload_parts: Sequence[_Buffer], *, keys: Sequence[bytes] = (),
                       layout: pb.BlockLayout | None = None, handle: str = "",
-                      num_tokens: int = 0) -> bytes:
+                      num_tokens: int = 0, last: bool = False) -> bytes:
     """Serialized BlockData whose payload is the concatenation of ``payload_parts``."""
-    head = pb.BlockData(keys=keys, layout=layout, handle=handle,
-                        num_tokens=num_tokens).SerializeToString()
+    head = pb.BlockData(keys=keys, layout=layout, handle=handle, num_tokens=num_tokens,
+                        last=last).SerializeToString()
     size = sum(len(p) for p in payload_parts)
     return b"".join((head, _PAYLOAD_TAG, _varint(size), *payload_parts))
 
@@ -78,7 +80,8 @@ def decode_block_data(raw: bytes) -> BlockDataView:
         msg = pb.BlockData.FromString(b"".join(rest))
     except Exception as exc:  # protobuf's DecodeError has no stable import path
         raise BlockLayoutError(f"malformed BlockData: {exc}") from None
-    return BlockDataView(msg.keys, msg.handle, msg.layout, msg.num_tokens, payload)
+    return BlockDataView(msg.keys, msg.handle, msg.layout, msg.num_tokens, payload, msg.last,
+                         msg.error if msg.HasField("error") else None)
 
 
 def _varint(value: int) -> bytes:

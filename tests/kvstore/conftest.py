@@ -1,4 +1,5 @@
-"""A real ``redis-server`` per test session (and fresh ones on demand) for the index tests.
+"""Shared kvstore fixtures: real KV store gRPC servers (``make_server``), and a real
+``redis-server`` per test session (and fresh ones on demand) for the index tests.
 
 Started on a free port with persistence off (``--save "" --appendonly no``), bound to 127.0.0.1,
 killed at teardown. Tests needing it are skipped when the ``redis-server`` binary or redis-py
@@ -98,3 +99,23 @@ def fresh_redis_server(tmp_path):
     server.start()
     yield server
     server.stop()
+
+
+@pytest.fixture
+def make_server():
+    """Start real KV store gRPC servers on port 0: ``make(config, store, max_workers)``;
+    all stopped at teardown."""
+    from kvstore.config import KVStoreConfig
+    from kvstore.server import KVStoreServer
+
+    servers = []
+
+    def make(config: KVStoreConfig | None = None, store=None, max_workers: int = 64):
+        server = KVStoreServer(config or KVStoreConfig(), store, max_workers=max_workers)
+        server.start()
+        servers.append(server)
+        return server
+
+    yield make
+    for s in servers:
+        s.stop(grace=0)

@@ -15,7 +15,6 @@ from kvstore.hashing import block_keys, make_namespace
 from kvstore.host_store import HostBlockStore
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto import kvstore_pb2_grpc as pb_grpc
-from kvstore.server import KVStoreServer
 from kvstore.transfer.runs import budget_runs
 
 BLOCK_SHAPE = (2, 2, 16, 2, 8)  # [layers, k/v, block_size, kv_heads, head_dim]
@@ -33,21 +32,6 @@ def random_blocks(n: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
 
 def bits(t: torch.Tensor) -> torch.Tensor:
     return t.view({4: torch.int32, 2: torch.int16}[t.element_size()])
-
-
-@pytest.fixture
-def make_server():
-    servers = []
-
-    def make(config: KVStoreConfig = KVStoreConfig(), store: HostBlockStore | None = None):
-        server = KVStoreServer(config, store)
-        server.start()
-        servers.append(server)
-        return server
-
-    yield make
-    for s in servers:
-        s.stop(grace=0)
 
 
 @pytest.fixture
