@@ -15,6 +15,7 @@ import ray
 
 from engine.config import EngineConfig
 from engine.logs import setup_worker_logging
+from engine.model_thread import ModelThread
 from engine.protocol import PrefillRequest, PrefillResult
 from engine.runner import ModelRunner
 from engine.tp_instance import TPInstance
@@ -53,7 +54,10 @@ class PrefillWorker:
                  transfer: KVTransferConfig | None = None) -> None:
         setup_worker_logging()  # --log-level / --log-format, as the gateway logs
         self.tp = TPInstance(engine_config)
-        runner = ModelRunner(engine_config, tp=self.tp.group)
+        # forwards run on the thread that built the model (engine/model_thread.py: OpenMP)
+        self.model_thread = ModelThread(lambda: ModelRunner(engine_config, tp=self.tp.group),
+                                        "prefill-model")
+        runner = self.model_thread.built
         self.tp.start(runner)
         timeout = kv_config.transfer_timeout_s
         node_id = ray.get_runtime_context().get_node_id()
@@ -82,7 +86,7 @@ class PrefillWorker:
         kv = PrefillKV(client, address, node_id, ArenaPublisher(node_client), loader, index,
                        pusher, streamer)
         self.worker_id = worker_id
-        self.engine = PrefillEngine(runner, kv, worker_id, os.getpid())
+        self.engine = PrefillEngine(runner, kv, worker_id, os.getpid(), self.model_thread.call)
 
     def prefill(self, request: PrefillRequest) -> PrefillResult:
         return self.engine.prefill(request)

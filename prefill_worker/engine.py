@@ -29,6 +29,7 @@ import math
 import threading
 import time
 from collections import Counter, OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -92,7 +93,8 @@ class PrefillEngine:
     """Runs prefills — concurrent callers' chunks share forward steps (StepBatcher) — and
     publishes their KV."""
 
-    def __init__(self, runner: ModelRunner, kv: PrefillKV, worker_id: str, pid: int) -> None:
+    def __init__(self, runner: ModelRunner, kv: PrefillKV, worker_id: str, pid: int,
+                 call: Callable[..., torch.Tensor] | None = None) -> None:
         self.runner = runner
         self.kv = kv
         self.kv_client = kv.tail_client
@@ -107,7 +109,7 @@ class PrefillEngine:
         self.pool = BlockPool(cfg.num_kv_blocks, enable_caching=cfg.enable_prefix_caching)
         self._lock = threading.Lock()  # pool, publishing, counters (not the forward)
         self._model_lock = threading.RLock()
-        self.batcher = StepBatcher(runner, cfg.max_num_batched_tokens, self._model_lock)
+        self.batcher = StepBatcher(runner, cfg.max_num_batched_tokens, self._model_lock, call)
         # ids aborted before their prefill ran; bounded, as aborts may name finished requests
         self._aborted: OrderedDict[str, None] = OrderedDict()
         self._abort_lock = threading.Lock()
@@ -217,7 +219,8 @@ class PrefillEngine:
             with self._model_lock:
                 for start, end in chunks:
                     self.kv.streamer.next_chunk(stream)
-                    logits = self.runner.execute(
+                    logits = self.batcher.call(
+                        self.runner.execute,
                         [SequenceChunk(tuple(prompt[start:end]), start, blocks)])
             return logits
         for start, end in chunks:

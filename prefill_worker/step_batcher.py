@@ -13,6 +13,7 @@ to back, and requests that arrive while a step runs share the next one.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -32,13 +33,15 @@ class StepBatcher:
     """Runs chunks of concurrent callers in shared steps of at most `budget_tokens` new tokens.
 
     model_lock: held around each forward, shared with code that must run the model alone
-    (--kv-streaming layer's hooked forwards). Counters: num_steps_total, num_chunks_total,
-    max_chunks_per_step. Thread-safe.
+    (--kv-streaming layer's hooked forwards). call: runs the forward, ``call(fn, *args)``
+    (engine.model_thread.ModelThread.call: on the thread that built the model); default in
+    place. Counters: num_steps_total, num_chunks_total, max_chunks_per_step. Thread-safe.
     """
 
-    def __init__(self, runner: ModelRunner, budget_tokens: int,
-                 model_lock: threading.RLock) -> None:
+    def __init__(self, runner: ModelRunner, budget_tokens: int, model_lock: threading.RLock,
+                 call: Callable[..., torch.Tensor] | None = None) -> None:
         self.runner = runner
+        self.call = call or (lambda fn, *args: fn(*args))
         self.budget_tokens = budget_tokens
         self.model_lock = model_lock
         self._cv = threading.Condition()
@@ -83,7 +86,7 @@ class StepBatcher:
     def _run_step(self, step: list[_Pending]) -> None:
         try:
             with self.model_lock:
-                logits = self.runner.execute([p.chunk for p in step])
+                logits = self.call(self.runner.execute, [p.chunk for p in step])
             for row, pending in enumerate(step):
                 pending.logits = logits[row:row + 1]
         except BaseException as exc:  # noqa: BLE001 — handed to every caller of the step

@@ -14,6 +14,7 @@ from decode_worker.actor import run_engine_thread
 from decode_worker.engine import DecodeEngine
 from decode_worker.kv_fetch import KVFetcher
 from engine.config import BUNDLED_MODEL, EngineConfig
+from engine.model_thread import ModelThread
 from engine.protocol import DecodeRequest, FinishReason, PrefillRequest, SamplingParams
 from engine.runner import ModelRunner
 from kvstore.client import KVStoreClient
@@ -259,12 +260,17 @@ def test_engine_thread_builds_the_model_and_runs_the_loop(eos_model_dir, hf):
 
 def test_concurrent_prefills_share_steps_and_outputs_are_unchanged(engines, eos_model_dir, hf):
     """Chunks of several requests run in one forward step under the token budget (issue 6
-    item 2); each request's first token, logprob and KV equal the request run alone."""
+    item 2); each request's first token, logprob and KV equal the request run alone. The
+    steps run on the thread that built the model, as in the prefill actor."""
     prefill, _ = engines
     config = EngineConfig(model=str(eos_model_dir), num_kv_blocks=128,
                           max_num_batched_tokens=512, enable_prefix_caching=False)
-    shared = PrefillEngine(ModelRunner(config), grpc_kv(prefill.kv_client, prefill.kv_address),
-                           "batched", 0)
+    model_thread = ModelThread(lambda: ModelRunner(config), "prefill-model")
+    forward_threads = set()
+    model_thread.built.model.register_forward_hook(
+        lambda *_: forward_threads.add(threading.current_thread().name))
+    shared = PrefillEngine(model_thread.built, grpc_kv(prefill.kv_client, prefill.kv_address),
+                           "batched", 0, model_thread.call)
     alone = PrefillEngine(ModelRunner(config), grpc_kv(prefill.kv_client, prefill.kv_address),
                           "alone", 0)
     stories = ["a big dog named Max", "a little cat named Sue", "a red ball in the park",
@@ -294,6 +300,8 @@ def test_concurrent_prefills_share_steps_and_outputs_are_unchanged(engines, eos_
     assert stats["max_prefill_chunks_per_step"] >= 2
     assert stats["num_prefill_steps_total"] < stats["num_prefill_chunks_total"]
     assert stats["num_used_blocks"] == 0
+    assert forward_threads == {"prefill-model"}
+    model_thread.close()
     for i, prompt in enumerate(prompts):
         want = alone.prefill(PrefillRequest(f"a{i}", tuple(prompt), params))
         got = results[i]
