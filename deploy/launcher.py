@@ -19,6 +19,7 @@ from deploy import placement
 from engine.config import EngineConfig, ModelConfig
 from engine.model import check_tensor_parallel
 from kvstore.actor import start_kvstore_actors
+from kvstore.index import ActorIndex, open_index
 from kvstore.host_store import BlockLayout
 from prefill_worker.actor import PrefillWorker
 from router.admission import SLO
@@ -59,6 +60,7 @@ class Cluster:
         self._role_demand: dict[str, dict[str, float]] = {}
         self._started_ray = False
         self._stats_poller = None
+        self._index = None
 
     def start(self) -> "Cluster":
         if self.config.kvstore.token is None:  # a local cluster gets a random KV-plane token
@@ -85,6 +87,9 @@ class Cluster:
         roles = (placement.DECODE,) if cfg.colocated else placement.ROLES
         self._role_demand = {r: placement.role_resources(r, cfg.placement, self._resources)
                              for r in roles}
+        # the driver opens the global index first: an index actor (ray://) lives as long as the
+        # process that created it, and a KV store may die (Ray restarts it)
+        self._index = open_index(cfg.kvpool.index_url)
         self.kvstores = start_kvstore_actors(
             cfg.kvstore, cfg.kvpool, block_layout(cfg.engine), cfg.ray_namespace,
             node_ids=placement.worker_node_ids(ray.nodes(), self._role_demand.values()))
@@ -157,6 +162,14 @@ class Cluster:
                 log.warning("KV store did not stop cleanly: %s", exc)
             ray.kill(handle, no_restart=True)
         self.prefill, self.decode, self.kvstores = [], [], {}
+        if self._index is not None:
+            try:
+                if isinstance(self._index, ActorIndex):  # ours, and it outlives the stores
+                    self._index.clear()
+                self._index.close()
+            except Exception as exc:  # noqa: BLE001 -- shutting down either way
+                log.warning("global index not cleared: %s", exc)
+            self._index = None
         if self._started_ray:
             ray.shutdown()
             self._started_ray = False

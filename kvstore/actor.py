@@ -6,19 +6,26 @@ placements to the global index and heartbeats the node's lease there. When a hea
 the lease unknown to the index (Redis restarted empty, or the node was cut off past its lease),
 it re-announces every block the node holds; until then a lookup misses and costs recompute.
 
-It is not restarted when its process dies: same-node workers hold its gRPC address and map
-its arena, so a fresh store behind the same name would serve them a different arena. Requests
-that need a dead store end with a clear error (or move to a worker on another node). Same-node workers call
-its metadata methods and move bytes through the arena; other nodes use gRPC. KV bytes never
-travel through Ray (no pickle, no object store).
+Ray restarts it when its process dies (``max_restarts=-1``), empty: its G2 arena is a new
+shared-memory segment (the dead one's resource tracker unlinks the old) and its G3 directory is
+wiped. The restarted store first drops the node's G2/G3 locations from the global index (they
+are gone), then serves on the port it had (recorded in a file under the temp directory, per
+Ray node), so every worker's gRPC address stays valid. Same-node workers pass the arena's name
+with every pin (``arena=``): a store that has a different arena raises StaleArenaError and
+the worker re-attaches (kvstore/node_client.py). Requests in flight when it died end with a
+clear error or recompute; later ones are served. Same-node workers call its metadata methods
+and move bytes through the arena; other nodes use gRPC. KV bytes never travel through Ray (no
+pickle, no object store).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import tempfile
 import threading
 import time
+from pathlib import Path
 from typing import Iterable
 
 import ray
@@ -26,7 +33,7 @@ from ray.actor import ActorHandle
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from kvstore.config import KVStoreConfig
-from kvstore.errors import KVStoreError
+from kvstore.errors import KVStoreError, StaleArenaError
 from kvstore.host_store import BlockLayout, HostBlockStore
 from kvstore.index import Location, open_index
 from kvstore.node_store import HOST, SSD, TieredNodeStore
@@ -59,8 +66,13 @@ class KVStoreActor:
         self.store = TieredNodeStore(self._node_id, layout, pool.dram_cache_bytes, ssd_dir,
                                      pool.ssd_cache_bytes, self._index,
                                      HostBlockStore(config.capacity_bytes, config.tail_ttl_s))
-        self._server = KVStoreServer(config, store=self.store)
-        self._server.start()
+        self.restarted = ray.get_runtime_context().was_current_actor_reconstructed
+        if self.restarted:  # what the dead instance held is gone
+            for tier in (HOST, SSD):
+                self._index.remove_location(Location(self._node_id, tier))
+            log.warning("KV store of node %s restarted empty: dropped its index locations",
+                        self._node_id)
+        self._server = self._start_server(config)
         self._lease_s = pool.node_lease_s
         self._stop = threading.Event()
         self._heartbeat_lock = threading.Lock()
@@ -69,6 +81,26 @@ class KVStoreActor:
         self.reannounced_blocks = 0
         self._heartbeat_once()
         threading.Thread(target=self._heartbeat_loop, name="kv-heartbeat", daemon=True).start()
+
+    def _start_server(self, config: KVStoreConfig) -> KVStoreServer:
+        """Serve on ``config.port``; with port 0, on the port this node's store had before a
+        restart when it is still free (else a new one), recorded for the next restart."""
+        port_file = Path(tempfile.gettempdir()) / "pdcluster" / f"kvstore-{self._node_id}.port"
+        if config.port == 0 and self.restarted and port_file.exists():
+            server = KVStoreServer(config.model_copy(update={"port": int(port_file.read_text())}),
+                                   store=self.store)
+            try:
+                server.start()
+                return server
+            except KVStoreError as exc:
+                log.warning("restarted KV store cannot reuse its port (%s); workers holding "
+                            "the old address will get errors", exc)
+        server = KVStoreServer(config, store=self.store)
+        server.start()
+        if config.port == 0:
+            port_file.parent.mkdir(parents=True, exist_ok=True)
+            port_file.write_text(str(server.port))
+        return server
 
     def address(self) -> str:
         """``host:port`` for workers; a wildcard bind advertises this node's Ray IP."""
@@ -95,7 +127,8 @@ class KVStoreActor:
     def arena_info(self) -> dict:
         return self.store.arena_info()
 
-    def reserve(self, keys: list[bytes]) -> list[int | None]:
+    def reserve(self, keys: list[bytes], arena: str | None = None) -> list[int | None]:
+        self._check_arena(arena)
         return self.store.reserve(keys)
 
     def commit(self, keys: list[bytes], slots: list[int | None]) -> None:
@@ -104,8 +137,17 @@ class KVStoreActor:
     def abort(self, slots: list[int | None]) -> None:
         self.store.abort(slots)
 
-    def acquire(self, keys: list[bytes]) -> list[tuple[int | None, str | None]]:
+    def acquire(self, keys: list[bytes],
+                arena: str | None = None) -> list[tuple[int | None, str | None]]:
+        self._check_arena(arena)
         return self.store.acquire(keys)
+
+    def _check_arena(self, arena: str | None) -> None:
+        """Slots name places in this store's arena: a caller attached to another one (the
+        store restarted since) must re-attach first."""
+        current = self.store.arena.shm_name
+        if arena is not None and arena != current:
+            raise StaleArenaError(arena, current)
 
     def release(self, slots: list[int | None]) -> None:
         self.store.release(slots)
@@ -198,6 +240,7 @@ def start_kvstore_actor(node_id: str, config: KVStoreConfig, pool: KVPoolConfig,
     """The KV store actor of one node (created, or the running one of that name)."""
     return KVStoreActor.options(
         name=KVSTORE_ACTOR_PREFIX + node_id, namespace=namespace, get_if_exists=True,
+        max_restarts=-1,
         scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node_id, soft=False),
     ).remote(config, pool, layout)
 

@@ -56,3 +56,20 @@ class BlockLayoutError(KVStoreError):
 
 class StoreCapacityError(KVStoreError):
     """A single block (or tail) is larger than the store's whole capacity."""
+
+
+class StaleArenaError(KVStoreError):
+    """A same-node worker named a host arena its KV store no longer has (the store restarted
+    with a new one): re-attach (kvstore/node_client.py) and retry.
+
+    Attributes:
+        attached: the arena (shared-memory name) the worker is attached to.
+        current: the store's arena now.
+    """
+
+    def __init__(self, attached: str, current: str):
+        super().__init__(f"attached to host arena {attached}, the KV store now has {current}")
+        self.attached, self.current = attached, current
+
+    def __reduce__(self):  # rebuilt from its own arguments when it crosses Ray's RPC
+        return (type(self), (self.attached, self.current))

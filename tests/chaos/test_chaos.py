@@ -6,8 +6,10 @@ status or an SSE error event) and lost (no final event within the deadline); los
 Killed prefill and decode actors cost nothing visible: every request completes with exactly
 the output it has without faults (computed first, in the same cluster), greedy and seeded,
 and the killed actor rejoins once Ray restarts it. Redis restarting empty costs recompute,
-never a request; the KV store re-announces its blocks. After each fault every live worker and
-KV store returns every block (no request holds one, no tail is left behind).
+never a request; the KV store re-announces its blocks. A killed KV store costs the requests
+that needed it at that moment a clear error at most; Ray restarts it and the next requests all
+complete. After each fault every live worker and KV store returns every block (no request
+holds one, no tail is left behind).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import signal
 import time
 
 import pytest
+import ray
 
 from tests.chaos.conftest import NUM_REQUESTS, ChaosEnv, Report
 
@@ -85,17 +88,31 @@ def test_redis_restarting_empty_costs_recompute_never_errors(chaos_env: ChaosEnv
         time.sleep(0.2)
 
 
-def test_killed_kv_store_ends_requests_clearly_and_leaks_nothing(chaos_env: ChaosEnv,
-                                                                 no_fault: Report):
-    """Last: a KV store is not restarted (kvstore/actor.py says why); on this one-node cluster
-    requests that need it end with a clear error, the others complete."""
+def test_killed_kv_store_restarts_and_serves_again(chaos_env: ChaosEnv, no_fault: Report):
+    """Last: kill -9 the node's KV store. Requests that needed it end with a clear error or
+    complete correctly (never lost); Ray restarts it empty at its address (kvstore/actor.py),
+    the workers re-attach to its new arena, and then every request completes with the no-fault
+    output. Nothing stays held."""
     [store] = chaos_env.cluster.registry.by_role("kvstore")
-    report = chaos_env.run("KV store actor killed", kill9(chaos_env.pid_of(store)),
-                           1)
+    pid = chaos_env.pid_of(store)
+    report = chaos_env.run("KV store actor killed", kill9(pid), 1)
     assert report.lost == 0 and report.completed + report.errored == NUM_REQUESTS, str(report)
     for got, want in zip(report.outcomes, no_fault.outcomes):
         if got.completed:  # what completed is right; what failed streamed a correct prefix
             assert got.token_ids == want.token_ids
         else:
             assert want.token_ids[:len(got.token_ids)] == got.token_ids
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            if chaos_env.pid_of(store) != pid:
+                break
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            pass
+        assert time.monotonic() < deadline, "the KV store actor was not restarted"
+        time.sleep(0.2)
+    chaos_env.settle()
+    after = chaos_env.run("after the KV store restarted")
+    assert after.completed == NUM_REQUESTS and after.lost == 0, str(after)
+    assert_same_outputs(after, no_fault)
     chaos_env.settle()

@@ -1,6 +1,8 @@
 """One KV store actor per Ray node; workers reach their own node's store over gRPC."""
 
 import os
+import signal
+import time
 
 import pytest
 
@@ -14,6 +16,8 @@ from kvstore.config import KVStoreConfig  # noqa: E402
 from kvstore.errors import KVStoreError  # noqa: E402
 from kvstore.hashing import block_keys, make_namespace  # noqa: E402
 from kvstore.host_store import BlockLayout  # noqa: E402
+from kvstore.index import Location, open_index  # noqa: E402
+from kvstore.node_store import HOST  # noqa: E402
 from kvstore.pool_config import KVPoolConfig  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -99,6 +103,69 @@ def test_wildcard_bind_advertises_node_ip(ray_cluster):
     try:
         host, _, port = ray.get(actor.address.remote()).rpartition(":")
         assert host == ray.util.get_node_ip_address() and int(port) > 0
+    finally:
+        ray.get(actor.stop.remote())
+        ray.kill(actor)
+
+
+@ray.remote(num_cpus=0)
+class ArenaWorker:
+    """A same-node worker moving blocks through its node's arena (kvstore.node_client)."""
+
+    def __init__(self):
+        from kvstore.actor import kvstore_actor
+        from kvstore.node_client import NodeStoreClient
+
+        self.client = NodeStoreClient(kvstore_actor(None, NS), timeout_s=60.0)
+
+    def publish(self, keys: list[bytes], blocks: torch.Tensor) -> int:
+        return self.client.publish(keys, blocks)
+
+    def read(self, keys: list[bytes]) -> tuple[torch.Tensor, list, int]:
+        out = torch.zeros((len(keys), *LAYOUT.shape), dtype=torch.bfloat16)
+        tiers = self.client.read(keys, out)
+        return out, tiers, self.client.reattachments
+
+
+def test_killed_store_restarts_empty_at_its_address_and_workers_reattach(ray_cluster):
+    """kill -9 a node's KV store: Ray restarts it empty on the same port, its G2 locations
+    leave the index, a worker's next read re-attaches to the new arena and misses (never the
+    dead arena's bytes), and publishing and gRPC fetches work again."""
+    node_id = ray.get_runtime_context().get_node_id()
+    pool = POOL.model_copy(update={"index_url": f"ray://{NS}-restart-index"})
+    index = open_index(pool.index_url)  # created by the driver, as the launcher does: an
+    # index actor lives as long as the process that created it
+    actor = start_kvstore_actors(KVStoreConfig(), pool, LAYOUT, NS, node_ids=[node_id])[node_id]
+    try:
+        address, pid = ray.get(actor.address.remote()), ray.get(actor.pid.remote())
+        worker = ArenaWorker.remote()
+        keys = block_keys(list(range(64)), 16, make_namespace("restart-test"))
+        blocks = torch.randn(4, *LAYOUT.shape).to(torch.bfloat16)
+        assert ray.get(worker.publish.remote(keys, blocks)) == 4
+        assert all(Location(node_id, HOST) in locs for locs in index.lookup(keys))
+
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if ray.get(actor.pid.remote(), timeout=10) != pid:
+                    break
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                pass
+            assert time.monotonic() < deadline, "the KV store actor was not restarted"
+            time.sleep(0.2)
+        assert ray.get(actor.address.remote()) == address
+        assert not any(Location(node_id, HOST) in locs for locs in index.lookup(keys))
+
+        _, tiers, reattachments = ray.get(worker.read.remote(keys))
+        assert tiers == [None] * 4 and reattachments == 1
+        assert ray.get(worker.publish.remote(keys, blocks)) == 4
+        got, tiers, reattachments = ray.get(worker.read.remote(keys))
+        assert tiers == [HOST] * 4 and reattachments == 1
+        assert torch.equal(got.view(torch.int16), blocks.view(torch.int16))
+        with KVStoreClient(address, timeout_s=10.0) as client:  # same address, new server
+            assert torch.equal(client.get_blocks(keys).view(torch.int16),
+                               blocks.view(torch.int16))
     finally:
         ray.get(actor.stop.remote())
         ray.kill(actor)
