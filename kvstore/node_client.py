@@ -42,7 +42,8 @@ class NodeStoreClient:
     def _attach(self) -> None:
         info = ray.get(self.actor.arena_info.remote(), timeout=self.timeout_s)
         # the old view is not closed: a batch in another thread may still copy through it
-        # (it unmaps once unreferenced)
+        # (it unmaps once unreferenced). The view is replaced before the name, so a batch
+        # never pairs the new name (slots the store hands out now) with the old view.
         self.view = ArenaView(info["shm_name"], info["num_slots"], info["block_nbytes"])
         self.arena: str = info["shm_name"]
         self.batch = max(1, min(MAX_BATCH, info["num_slots"] // 4))
