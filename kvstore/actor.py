@@ -85,7 +85,7 @@ class KVStoreActor:
     def _start_server(self, config: KVStoreConfig) -> KVStoreServer:
         """Serve on ``config.port``; with port 0, on the port this node's store had before a
         restart when it is still free (else a new one), recorded for the next restart."""
-        port_file = Path(tempfile.gettempdir()) / "pdcluster" / f"kvstore-{self._node_id}.port"
+        port_file = self._port_file()
         if config.port == 0 and self.restarted and port_file.exists():
             server = KVStoreServer(config.model_copy(update={"port": int(port_file.read_text())}),
                                    store=self.store)
@@ -166,6 +166,10 @@ class KVStoreActor:
         self._stop.set()
         self._server.stop(grace=1.0)
         self.store.close()
+        self._port_file().unlink(missing_ok=True)  # a stopped store is not restarted
+
+    def _port_file(self) -> Path:
+        return Path(tempfile.gettempdir()) / "pdcluster" / f"kvstore-{self._node_id}.port"
 
     def heartbeat_now_for_testing(self) -> bool:
         """TEST-ONLY: one heartbeat now (re-announcing if the index lost this node), instead of
