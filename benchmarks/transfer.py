@@ -37,6 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from kvstore.config import KVStoreConfig, KVTransferConfig  # noqa: E402
 from kvstore.hashing import block_keys, make_namespace  # noqa: E402
+from kvstore.server import channel_options  # noqa: E402
 from kvstore.transfer.base import FetchRequest  # noqa: E402
 
 TOKEN = "benchmark-token"
@@ -86,7 +87,7 @@ def _floor_server(ready: mp.Queue, sizes: list[int]) -> None:
     def fetch(requests, context):
         for request in requests:
             yield replies[int.from_bytes(request, "little")]
-    options = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
+    options = channel_options(-1)  # unlimited message size
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=2), options=options)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
         "floor", {"Fetch": grpc.stream_stream_rpc_method_handler(fetch)}),))
@@ -144,7 +145,7 @@ def _floor_client(address: str, max_bytes: int) -> Callable[[int], None]:
 
     import grpc
 
-    options = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
+    options = channel_options(-1)  # unlimited message size
     channel = grpc.insecure_channel(address, options=options)
     requests: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
     replies = channel.stream_stream("/floor/Fetch")(iter(requests.get, None))

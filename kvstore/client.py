@@ -207,7 +207,7 @@ class KVStoreClient:
         if max_chunk_bytes is not None:
             budget = max(1, min(budget, max_chunk_bytes))
         request = pb.GetBlocksRequest(keys=list(keys), max_chunk_bytes=budget)
-        return BlockStream(self, self.sessions, keys, request,
+        return BlockStream(self, keys, request,
                            self.timeout_s if timeout_s is None else timeout_s)
 
     def put_tail(self, handle: str, block: torch.Tensor, num_tokens: int) -> None:

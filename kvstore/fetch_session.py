@@ -132,7 +132,8 @@ class SessionPool:
     Args:
         open_session: makes a new FetchSession.
         max_idle: idle sessions kept; more are closed when released.
-        idle_s: an idle session older than this is closed (by the sweep, or when found).
+        idle_s: an idle session is closed after this long (the Deadlines thread sweeps every
+            ``idle_s / 2``).
     """
 
     def __init__(self, open_session: Callable[[], FetchSession], max_idle: int = 4,
@@ -147,7 +148,6 @@ class SessionPool:
 
     def acquire(self) -> FetchSession:
         """An idle session, or a new one."""
-        self.sweep()
         with self._lock:
             if self._idle:
                 return self._idle.pop()
@@ -210,9 +210,9 @@ class BlockStream:
     session while this stream holds it.
     """
 
-    def __init__(self, client: KVStoreClient, pool: SessionPool, keys: Sequence[bytes],
+    def __init__(self, client: KVStoreClient, keys: Sequence[bytes],
                  request: pb.GetBlocksRequest, timeout_s: float):
-        self._client, self._pool, self._keys = client, pool, keys
+        self._client, self._pool, self._keys = client, client.sessions, keys
         self._request, self._timeout_s = request, timeout_s
         self._lock = threading.Lock()
         self._session: FetchSession | None = None

@@ -12,7 +12,6 @@ from kvstore.errors import (BlockLayoutError, BlockNotFoundError, KVAuthError, K
 from kvstore.hashing import block_keys, make_namespace
 from kvstore.host_store import HostBlockStore
 from kvstore.proto import kvstore_pb2 as pb
-from kvstore.server import KVStoreServer
 from kvstore.transfer.base import FetchRequest, TransferState
 from kvstore.transfer.dest import CallbackDest, TensorDest
 from kvstore.transfer.fake import FakeTransferBackend
@@ -84,18 +83,11 @@ def test_registry_maps_names_to_backends():
 # ---- grpc backend ---------------------------------------------------------------------------
 
 @pytest.fixture
-def make_server():
-    servers = []
-
+def make_server(make_server):
+    """conftest's make_server, with the cluster's token by default."""
     def make(store: HostBlockStore | None = None, token: str | None = TOKEN):
-        server = KVStoreServer(KVStoreConfig(token=token), store)
-        server.start()
-        servers.append(server)
-        return server
-
-    yield make
-    for server in servers:
-        server.stop(grace=0)
+        return make_server(KVStoreConfig(token=token), store)
+    return make
 
 
 @pytest.fixture
