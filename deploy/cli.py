@@ -87,7 +87,13 @@ _SERVE_FLAGS = [
     ("--cost-model", "cost_model", str, "Conductor cost model: stories260k-cpu (default) | "
                                         "mooncake-70b | a `pdcluster profile` file"),
     ("--max-inflight-requests", "max_inflight_requests", int,
-     "sequences in flight through the gateway; past it 503 + Retry-After (default 256)"),
+     "sequences in flight through the gateway; more wait in its fair queue (default 256)"),
+    ("--max-queued-sequences", "max_queued_sequences", int,
+     "sequences waiting for the gate; past it 503 + Retry-After (default 4 x the gate)"),
+    ("--max-seqs-per-request", "max_seqs_per_request", int,
+     "prompts x n one request may run; over it 400 (default 64, at most half the gate)"),
+    ("--header-timeout-s", "header_timeout_s", float,
+     "close connections that send no complete request head within this (default 30 s)"),
     ("--log-level", "log_level", str, "debug | info | warning (default info)"),
     ("--log-format", "log_format", str, "text (default) | json: one JSON object per line, "
                                         "with request_id on records about a request"),

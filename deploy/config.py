@@ -10,11 +10,13 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
 from engine.config import EngineConfig
 from kvstore.config import KVStoreConfig, KVTransferConfig
 from kvstore.pool_config import KVPoolConfig
+
+DEFAULT_MAX_SEQS_PER_REQUEST = 64
 
 
 class ServeConfig(BaseModel):
@@ -36,8 +38,15 @@ class ServeConfig(BaseModel):
         "draining") and in-flight requests get this long, in seconds, to finish before they
         end with an error event and the workers stop (deploy/serve.py).
     max_inflight_requests: sequences (each choice of each prompt) the gateway lets run at
-        once; past it a request gets 503 + Retry-After (router/inflight.py). The workers'
-        own queues are not bounded, so this is the cluster's bound.
+        once (router/inflight.py). The workers' own queues are not bounded, so this is the
+        cluster's bound.
+    max_queued_sequences: sequences that may wait for the gate, released round-robin across
+        requests; a request that does not fit gets 503 + Retry-After. None: 4 x the gate.
+    max_seqs_per_request: prompts x n one request may ask for; over it a 400. At most half
+        of max_inflight_requests, so no single request can fill the gate. None: 64, or half
+        the gate when that is less.
+    header_timeout_s: a connection that has not sent a complete request head within this
+        many seconds is closed by the gateway (deploy/http_protocol.py).
     log_format: "text" or "json" (one JSON object per line with timestamp, level, logger,
         message and, for a record about a request, request_id; engine/logs.py).
     api_keys / api_key_file: when any key is set, every request but /health needs
@@ -82,6 +91,9 @@ class ServeConfig(BaseModel):
     log_level: str = "info"
     drain_timeout_s: float = Field(30.0, ge=0)
     max_inflight_requests: int = Field(256, ge=1)
+    max_queued_sequences: int | None = Field(None, ge=0)
+    max_seqs_per_request: int | None = Field(None, ge=1)
+    header_timeout_s: float = Field(30.0, gt=0)
     log_format: Literal["text", "json"] = "text"
     max_request_body_bytes: int = Field(4 << 20, ge=1024)
     api_keys: list[SecretStr] = Field(default_factory=list)
@@ -102,6 +114,25 @@ class ServeConfig(BaseModel):
         if transfer.backend == "fake":
             raise ValueError("transfer.backend 'fake' is for tests; serve with grpc or torch")
         return transfer
+
+    @model_validator(mode="after")
+    def _cap_within_gate(self) -> "ServeConfig":
+        if self.max_seqs_per_request is not None and \
+                self.max_seqs_per_request > max(1, self.max_inflight_requests // 2):
+            raise ValueError(
+                f"max_seqs_per_request ({self.max_seqs_per_request}) must be at most half of "
+                f"max_inflight_requests ({self.max_inflight_requests})")
+        return self
+
+    def resolved_max_seqs_per_request(self) -> int:
+        if self.max_seqs_per_request is not None:
+            return self.max_seqs_per_request
+        return min(DEFAULT_MAX_SEQS_PER_REQUEST, max(1, self.max_inflight_requests // 2))
+
+    def resolved_max_queued_sequences(self) -> int:
+        if self.max_queued_sequences is not None:
+            return self.max_queued_sequences
+        return 4 * self.max_inflight_requests
 
     def local_ray_num_cpus(self) -> int:
         """Logical CPUs for a local Ray: all worker actors (every TP rank) plus 2 spare."""
