@@ -1,0 +1,75 @@
+"""Logprob entries as the OpenAI API shows them: token strings, bytes and text offsets.
+
+A token's string is its UTF-8 bytes (Tokenizer.token_bytes) decoded, so the tokens of a
+completion concatenate to its text. A token that holds only part of a UTF-8 character (a
+byte-fallback piece, or a byte-level BPE piece that splits a character) cannot be a str; it is
+shown as `bytes:` followed by `\\xNN` per byte, as OpenAI and vLLM show it, and chat entries
+carry the real bytes alongside.
+"""
+
+from __future__ import annotations
+
+import codecs
+
+from engine.protocol import TokenLogprob
+from engine.tokenizer import Tokenizer
+
+
+def token_string(data: bytes) -> str:
+    """The API string of a token with UTF-8 bytes `data`: the text when `data` is whole
+    characters, else `bytes:\\xe2\\x80`-style escapes of every byte."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in data)
+
+
+class TextOffsets:
+    """Character offsets of a choice's tokens in its text, fed one token at a time.
+
+    Counted from the tokens' bytes, so the count is right however the text was cut into
+    stream chunks (a chunk's text is held back while a UTF-8 character is incomplete). A token
+    starting inside a character gets that character's offset. Special tokens are not in the
+    text and take no room. Bytes that are not valid UTF-8 count as the text shows them when
+    decoded with replacement (one U+FFFD per maximal invalid subsequence).
+    """
+
+    def __init__(self) -> None:
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._chars = 0
+
+    def take(self, data: bytes) -> int:
+        """Offset (characters) of a token with bytes `data` that follows the ones taken."""
+        offset = self._chars
+        self._chars += len(self._utf8.decode(data))
+        return offset
+
+
+def completion_logprobs(entries: list[TokenLogprob], tokenizer: Tokenizer,
+                        offsets: TextOffsets) -> dict:
+    """The completions `logprobs` object (tokens, token_logprobs, top_logprobs, text_offset)
+    for a choice's next `entries`; `offsets` carries the choice's position across chunks."""
+    tokens, text_offset = [], []
+    for e in entries:
+        data = tokenizer.token_bytes(e.token_id)
+        tokens.append(token_string(data))
+        text_offset.append(offsets.take(b"" if tokenizer.is_special(e.token_id) else data))
+    return {
+        "tokens": tokens,
+        "token_logprobs": [e.logprob for e in entries],
+        "top_logprobs": [{token_string(tokenizer.token_bytes(t)): lp for t, lp in e.top}
+                         for e in entries],
+        "text_offset": text_offset,
+    }
+
+
+def chat_logprob(token_id: int, logprob: float, tokenizer: Tokenizer) -> dict:
+    """A chat `{token, logprob, bytes}` object; bytes are the token's UTF-8 bytes."""
+    data = tokenizer.token_bytes(token_id)
+    return {"token": token_string(data), "logprob": logprob, "bytes": list(data)}
+
+
+def chat_logprob_entry(entry: TokenLogprob, tokenizer: Tokenizer) -> dict:
+    """One chat `logprobs.content` item with its `top_logprobs`."""
+    return {**chat_logprob(entry.token_id, entry.logprob, tokenizer),
+            "top_logprobs": [chat_logprob(t, lp, tokenizer) for t, lp in entry.top]}
