@@ -26,6 +26,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from deploy.config import ServeConfig
+from deploy.http_protocol import DEFAULT_HEADER_TIMEOUT_S, header_timeout_protocol
 from deploy.launcher import Cluster
 from engine.config import ModelConfig
 from engine.tokenizer import Tokenizer
@@ -49,7 +50,10 @@ def gateway_app(config: ServeConfig, cluster: Cluster) -> FastAPI:
     max_model_len = config.engine.resolved_max_model_len(ModelConfig.from_pretrained(model_dir))
     app = build_app(cluster.pipeline, Tokenizer.from_pretrained(model_dir), config.model_name(),
                     max_model_len, ChatTemplate.from_model_dir(model_dir),
-                    config.max_request_body_bytes, InflightGate(config.max_inflight_requests))
+                    config.max_request_body_bytes,
+                    InflightGate(config.max_inflight_requests,
+                                 config.resolved_max_queued_sequences()),
+                    config.resolved_max_seqs_per_request())
     keys = load_api_keys([k.get_secret_value() for k in config.api_keys], config.api_key_file)
     if keys:
         app.add_middleware(APIKeyAuth, keys=keys)
@@ -106,13 +110,18 @@ class BackgroundServer:
     """A context manager serving an ASGI app by uvicorn on a daemon thread (tests, embedding):
     `with BackgroundServer(app) as srv: httpx.get(srv.url + "/health")`.
 
-    Raises RuntimeError when the server has not started within `start_timeout_s`.
+    Connections are served by the gateway's protocol (deploy/http_protocol.py): one that sends
+    no complete request head within `header_timeout_s` seconds is closed.
+
+    Raises RuntimeError when the server has not started within `start_timeout_s` seconds.
     """
 
     def __init__(self, app, host: str = "127.0.0.1", port: int = 0,
-                 log_level: str = "warning", start_timeout_s: float = 30.0) -> None:
-        self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port,
-                                                    log_level=log_level, lifespan="off"))
+                 log_level: str = "warning", start_timeout_s: float = 30.0,
+                 header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S) -> None:
+        self.server = uvicorn.Server(uvicorn.Config(
+            app, host=host, port=port, log_level=log_level, lifespan="off",
+            http=header_timeout_protocol(header_timeout_s)))
         self.start_timeout_s = start_timeout_s
         self._thread = threading.Thread(target=self.server.run, name="gateway", daemon=True)
         self.url = ""
@@ -143,7 +152,8 @@ def serve(config: ServeConfig) -> int:
         server = DrainingServer(
             uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,
                            lifespan="off", log_config=log_config,
-                           timeout_graceful_shutdown=CLOSE_CONNECTIONS_S),
+                           timeout_graceful_shutdown=CLOSE_CONNECTIONS_S,
+                           http=header_timeout_protocol(config.header_timeout_s)),
             app.state.service, config.drain_timeout_s)
         log.info("serving %s at http://%s:%d/v1", config.model_name(), config.host, config.port)
         try:
