@@ -3,19 +3,23 @@ usage accounting and logprob token strings."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import math
 import time
 from dataclasses import dataclass
-from typing import AsyncIterator, Callable
+from typing import AsyncIterator, Awaitable, Callable, Sequence
+
+from fastapi import Request
+from fastapi.responses import Response
 
 from engine.sampler import draw_seed
-from engine.tokenizer import Tokenizer
+from engine.tokenizer import Tokenizer, TokenizerError
 from router.conductor import RequestRejected
 from router.inflight import Overloaded
 from router.pipeline import GenerationError
-from router.schemas import SamplingFields
+from router.schemas import SamplingFields, StreamOptions
 from router.serving import ChoiceDelta, ChoiceSpec, GenerationService
 
 log = logging.getLogger(__name__)
@@ -44,14 +48,37 @@ class APIError(Exception):
 
 @dataclass(frozen=True)
 class ServingContext:
+    """What every endpoint needs. max_seqs_per_request: prompts × n one request may run
+    (None: no cap of its own; the gate still bounds it)."""
+
     service: GenerationService
     tokenizer: Tokenizer
     served_model_name: str
     max_model_len: int
+    max_seqs_per_request: int | None = None
 
     def check_model(self, model: str) -> None:
         if model != self.served_model_name:
             raise APIError(404, f"The model `{model}` does not exist.", "model", "model_not_found")
+
+    def check_num_sequences(self, num_prompts: int, n: int) -> None:
+        """Raises APIError(400, reason too_many_sequences) when num_prompts × n is over the
+        per-request cap: one request must not hold the gate on its own."""
+        cap = self.max_seqs_per_request
+        if cap is not None and num_prompts * n > cap:
+            raise APIError(400, f"This request asks for {num_prompts} prompt(s) × n={n} = "
+                           f"{num_prompts * n} sequences; the limit is {cap} per request "
+                           "(--max-seqs-per-request). Split it into smaller requests.",
+                           "n" if num_prompts == 1 else "prompt", "too_many_sequences",
+                           reason="too_many_sequences")
+
+    def encode(self, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
+        """The tokenizer's ids of `text`. Raises APIError(400) for text it cannot take (a lone
+        surrogate, which JSON's \\uD800 escapes can carry)."""
+        try:
+            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        except TokenizerError as exc:
+            raise APIError(400, f"{param}: {exc}", param) from exc
 
     def max_tokens_for(self, prompt_ids: list[int], requested: int | None, param: str) -> int:
         """The request's max_tokens, or the rest of the context if None.
@@ -95,6 +122,9 @@ async def start_stream(ctx: ServingContext, request_id: str, specs: list[ChoiceS
     stream = ctx.service.stream(request_id, specs, cache_salt)
     try:
         first = await anext(stream)
+    except asyncio.CancelledError:  # the client went away while the request was starting
+        await stream.aclose()
+        raise
     except Overloaded as exc:
         await stream.aclose()
         raise APIError(503, str(exc), code=exc.reason, reason=exc.reason,
@@ -137,21 +167,31 @@ async def collect(first: ChoiceDelta, rest: AsyncIterator[ChoiceDelta],
     except GenerationError as exc:
         log.warning("request failed: %s", exc)
         raise APIError(exc.status, str(exc)) from exc
+    finally:
+        await rest.aclose()  # cancelled (client gone): aborts the requests on the workers
     return out
 
 
 async def sse(first: ChoiceDelta, rest: AsyncIterator[ChoiceDelta],
-              chunk: Callable[[ChoiceDelta], dict],
-              usage_chunk: Callable[[int], dict] | None) -> AsyncIterator[str]:
-    """SSE frames of `chunk(delta)` per delta, then the usage chunk (given the completion
-    token count) when asked for, then `[DONE]`. A mid-stream failure becomes an error event."""
+              chunk: Callable[[ChoiceDelta], dict], head: dict, prompt_tokens: int,
+              stream_options: StreamOptions | None) -> AsyncIterator[str]:
+    """SSE frames of `chunk(delta)` per delta, then `[DONE]`. With stream_options
+    include_usage, a last chunk (`head` with no choices) carries the request's usage; with
+    continuous_usage_stats (vLLM's extension), every chunk also carries the usage so far.
+    A mid-stream failure becomes an error event."""
     completion_tokens = 0
+    include_usage = bool(stream_options and stream_options.include_usage)
+    continuous = include_usage and stream_options.continuous_usage_stats
     try:
         async for delta in _chain(first, rest):
             completion_tokens += len(delta.token_ids)
-            yield f"data: {json.dumps(chunk(delta))}\n\n"
-        if usage_chunk is not None:
-            yield f"data: {json.dumps(usage_chunk(completion_tokens))}\n\n"
+            frame = chunk(delta)
+            if continuous:
+                frame["usage"] = usage(prompt_tokens, completion_tokens)
+            yield f"data: {json.dumps(frame)}\n\n"
+        if include_usage:
+            last = {**head, "choices": [], "usage": usage(prompt_tokens, completion_tokens)}
+            yield f"data: {json.dumps(last)}\n\n"
     except GenerationError as exc:
         log.warning("stream ended by an error: %s", exc)
         yield f"data: {json.dumps(APIError(exc.status, str(exc)).body())}\n\n"
@@ -174,3 +214,102 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
 def envelope(request_id: str, obj: str, model: str, created: int | None = None) -> dict:
     return {"id": request_id, "object": obj, "created": created or int(time.time()),
             "model": model}
+
+
+async def until_disconnected(request: Request, handler: Awaitable[Response]) -> Response:
+    """Runs an endpoint's `handler`, cancelled when the client disconnects first.
+
+    Cancelling closes the request's generation stream, which aborts every sequence on its
+    workers (streamed responses are already cancelled that way by Starlette; this covers the
+    time before a stream starts and every non-streamed request). The body has been read, so
+    the next ASGI message is the disconnect. The handler runs in the calling task, so what it
+    binds in context variables (the request id of the access log) stays visible after it.
+    """
+    task = asyncio.current_task()
+    state = {"finished": False, "disconnected": False}
+
+    async def watch() -> None:
+        await _disconnected(request)
+        if not state["finished"]:
+            state["disconnected"] = True
+            task.cancel()
+
+    watcher = asyncio.create_task(watch())
+    try:
+        return await handler
+    except asyncio.CancelledError:
+        if not state["disconnected"]:
+            raise
+        task.uncancel()
+        log.info("client disconnected; request aborted")
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+    finally:
+        state["finished"] = True  # no await between the handler's end and this line
+        watcher.cancel()
+
+
+#: nginx's status for a request whose client went away; no one receives it.
+CLIENT_CLOSED_REQUEST = 499
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+_UNION_TYPE_NAMES = {"str": "a string", "int": "an integer", "float": "a number",
+                     "bool": "a boolean", "list[str]": "a list of strings",
+                     "list[int]": "a list of integers", "list[TextPart]":
+                     "a list of content parts", "dict": "an object"}
+
+
+def validation_error(errors: Sequence[dict]) -> APIError:
+    """The 400 for pydantic's errors about a request body, naming the field and what it
+    expected: a feature this server does not support is named as such; the alternatives of a
+    union field (e.g. `stop`: a string or a list of strings) are listed together instead of
+    reporting the first failed one; invalid JSON says so."""
+    unsupported = [e for e in errors if e.get("type") == "unsupported_feature"]
+    if unsupported:
+        first = unsupported[0]
+        loc = _field_path(first.get("loc", ()))
+        field = first.get("ctx", {}).get("field")
+        param = loc or field
+        return APIError(400, first["msg"], param, "unsupported_feature")
+    first = errors[0] if errors else {}
+    if first.get("type") == "json_invalid":
+        return APIError(400, "request body is not valid JSON: "
+                        f"{first.get('ctx', {}).get('error', '')}".strip())
+    loc = [p for p in first.get("loc", ()) if p != "body"]
+    tag_at = next((i for i, p in enumerate(loc) if isinstance(p, str) and _is_union_tag(p)),
+                  None)
+    param = _field_path(loc) or None
+    if tag_at is not None:
+        head = loc[:tag_at]
+        alternatives = []
+        for e in errors:
+            other = [p for p in e.get("loc", ()) if p != "body"]
+            if other[:tag_at] == head and len(other) > tag_at:
+                name = _UNION_TYPE_NAMES.get(str(other[tag_at]), str(other[tag_at]))
+                if name not in alternatives:
+                    alternatives.append(name)
+        param = _field_path(head)
+        got = type(first.get("input")).__name__
+        return APIError(400, f"{param}: expected {' or '.join(alternatives)} "
+                        f"(got {_JSON_TYPE_NAMES.get(got, got)})", param)
+    if first.get("type") == "prompt_invalid":
+        return APIError(400, first["msg"], param)
+    return APIError(400, f"{param or 'body'}: {first.get('msg', 'invalid request')}", param)
+
+
+_JSON_TYPE_NAMES = {"str": "string", "int": "integer", "float": "number", "bool": "boolean",
+                    "dict": "object", "list": "array", "NoneType": "null"}
+
+
+def _is_union_tag(part: str) -> bool:
+    # pydantic names a union member in `loc` by its type ("str", "list[str]", "TextPart")
+    return part in _UNION_TYPE_NAMES or "[" in part or part[:1].isupper()
+
+
+def _field_path(loc: Sequence) -> str:
+    return ".".join(str(p) for p in loc if p != "body" and not
+                    (isinstance(p, str) and _is_union_tag(p)))

@@ -10,27 +10,29 @@ from router.api_common import (APIError, ServingContext, build_specs, collect, e
                                start_stream, usage)
 from router.chat_template import ChatTemplate, ChatTemplateError
 from engine.logs import bind_request_id
+from router.logprobs import chat_logprob_entry
 from router.schemas import ChatCompletionRequest, new_request_id
 from router.serving import ChoiceDelta
 
 
 async def create_chat_completion(body: ChatCompletionRequest, ctx: ServingContext,
                                  template: ChatTemplate):
+    request_id = new_request_id("chatcmpl")
+    bind_request_id(request_id)
     ctx.check_model(body.model)
+    ctx.check_num_sequences(1, body.n)
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "top_logprobs requires logprobs to be true", "top_logprobs")
     try:
         text = template.render([{"role": m.role, "content": m.text()} for m in body.messages])
     except ChatTemplateError as exc:
         raise APIError(400, str(exc), "messages") from exc
-    prompt = ctx.tokenizer.encode(text, add_special_tokens=False)
+    prompt = ctx.encode(text, "messages", add_special_tokens=body.add_special_tokens)
     requested = body.max_completion_tokens or body.max_tokens
     param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
     max_tokens = ctx.max_tokens_for(prompt, requested, param)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     specs = build_specs(body, [prompt], [max_tokens], logprobs)
-    request_id = new_request_id("chatcmpl")
-    bind_request_id(request_id)
     first, rest = await start_stream(ctx, request_id, specs, body.cache_salt)
     if body.stream:
         head = envelope(request_id, "chat.completion.chunk", body.model)
@@ -43,10 +45,8 @@ async def create_chat_completion(body: ChatCompletionRequest, ctx: ServingContex
                 message = {"role": "assistant", **message}
             return {**head, "choices": [_choice(delta, body, ctx.tokenizer, "delta", message)]}
 
-        usage_chunk = (lambda n: {**head, "choices": [], "usage": usage(len(prompt), n)}) \
-            if body.include_usage() else None
-        return StreamingResponse(sse(first, rest, chunk, usage_chunk),
-                                 media_type="text/event-stream")
+        return StreamingResponse(sse(first, rest, chunk, head, len(prompt),
+                                     body.stream_options), media_type="text/event-stream")
     choices = await collect(first, rest, len(specs))
     response = {**envelope(request_id, "chat.completion", body.model),
                 "choices": [_choice(c, body, ctx.tokenizer, "message",
@@ -69,8 +69,4 @@ def _choice(delta: ChoiceDelta, body: ChatCompletionRequest, tokenizer: Tokenize
 
 
 def _entry(e: TokenLogprob, tokenizer: Tokenizer) -> dict:
-    def token(token_id: int, logprob: float) -> dict:
-        text = tokenizer.token_text(token_id)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
-
-    return {**token(e.token_id, e.logprob), "top_logprobs": [token(t, lp) for t, lp in e.top]}
+    return chat_logprob_entry(e, tokenizer)

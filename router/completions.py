@@ -9,51 +9,57 @@ from engine.tokenizer import Tokenizer
 from router.api_common import (APIError, ServingContext, build_specs, collect, envelope, sse,
                                start_stream, usage)
 from engine.logs import bind_request_id
+from router.logprobs import TextOffsets, completion_logprobs
 from router.schemas import CompletionRequest, new_request_id
 from router.serving import ChoiceDelta
 
 
 async def create_completion(body: CompletionRequest, ctx: ServingContext):
-    ctx.check_model(body.model)
-    prompts = _prompts(body, ctx.tokenizer)
-    max_tokens = [ctx.max_tokens_for(p, body.max_tokens, "max_tokens") for p in prompts]
-    specs = build_specs(body, prompts, max_tokens, body.logprobs)
     request_id = new_request_id("cmpl")
     bind_request_id(request_id)
+    ctx.check_model(body.model)
+    ctx.check_num_sequences(body.num_prompts(), body.n)
+    prompts = _prompts(body, ctx)
+    max_tokens = [ctx.max_tokens_for(p, body.max_tokens, "max_tokens") for p in prompts]
+    specs = build_specs(body, prompts, max_tokens, body.logprobs)
     first, rest = await start_stream(ctx, request_id, specs, body.cache_salt)
     head = envelope(request_id, "text_completion", body.model)
     num_prompt_tokens = sum(len(p) for p in prompts)
     if body.stream:
-        offsets = [0] * len(specs)
+        offsets = [TextOffsets() for _ in specs]
 
         def chunk(delta: ChoiceDelta) -> dict:
-            choice = _choice(delta, body, ctx.tokenizer, offsets[delta.index])
-            offsets[delta.index] += len(delta.text)
-            return {**head, "choices": [choice]}
+            return {**head, "choices": [_choice(delta, body, ctx.tokenizer,
+                                                offsets[delta.index])]}
 
-        usage_chunk = (lambda n: {**head, "choices": [], "usage": usage(num_prompt_tokens, n)}) \
-            if body.include_usage() else None
-        return StreamingResponse(sse(first, rest, chunk, usage_chunk),
-                                 media_type="text/event-stream")
+        return StreamingResponse(sse(first, rest, chunk, head, num_prompt_tokens,
+                                     body.stream_options), media_type="text/event-stream")
     choices = await collect(first, rest, len(specs))
     completion_tokens = sum(len(c.token_ids) for c in choices)
-    response = {**head, "choices": [_choice(c, body, ctx.tokenizer, 0) for c in choices],
+    response = {**head,
+                "choices": [_choice(c, body, ctx.tokenizer, TextOffsets()) for c in choices],
                 "usage": usage(num_prompt_tokens, completion_tokens)}
     if body.return_token_ids:
         response["prompt_token_ids"] = prompts if len(prompts) > 1 else prompts[0]
     return JSONResponse(response)
 
 
-def _prompts(body: CompletionRequest, tokenizer: Tokenizer) -> list[list[int]]:
+def _prompts(body: CompletionRequest, ctx: ServingContext) -> list[list[int]]:
+    """Token ids of each prompt (the schema has checked that none is empty)."""
     prompt = body.prompt
+
+    def encode(text: str) -> list[int]:
+        return ctx.encode(text, "prompt", add_special_tokens=body.add_special_tokens)
+
     if isinstance(prompt, str):
-        prompts = [tokenizer.encode(prompt)]
+        prompts = [encode(prompt)]
     elif isinstance(prompt[0], str):
-        prompts = [tokenizer.encode(p) for p in prompt]
+        prompts = [encode(p) for p in prompt]
     elif isinstance(prompt[0], int):
         prompts = [list(prompt)]
     else:
         prompts = [list(p) for p in prompt]
+    tokenizer = ctx.tokenizer
     for p in prompts:
         if not p:
             raise APIError(400, "prompt is empty", "prompt")
@@ -65,9 +71,9 @@ def _prompts(body: CompletionRequest, tokenizer: Tokenizer) -> list[list[int]]:
 
 
 def _choice(delta: ChoiceDelta, body: CompletionRequest, tokenizer: Tokenizer,
-            text_offset: int) -> dict:
+            offsets: TextOffsets) -> dict:
     choice = {"index": delta.index, "text": delta.text,
-              "logprobs": _logprobs(delta.logprobs, tokenizer, text_offset)
+              "logprobs": _logprobs(delta.logprobs, tokenizer, offsets)
               if body.logprobs is not None else None,
               "finish_reason": delta.finish_reason}
     if body.return_token_ids:
@@ -75,16 +81,6 @@ def _choice(delta: ChoiceDelta, body: CompletionRequest, tokenizer: Tokenizer,
     return choice
 
 
-def _logprobs(entries: list[TokenLogprob], tokenizer: Tokenizer, text_offset: int) -> dict:
+def _logprobs(entries: list[TokenLogprob], tokenizer: Tokenizer, offsets: TextOffsets) -> dict:
     """The completions logprobs object: tokens, token_logprobs, top_logprobs, text_offset."""
-    tokens = [tokenizer.token_text(e.token_id) for e in entries]
-    offsets = []
-    for token in tokens:  # vLLM's convention: cumulative length of the token strings
-        offsets.append(text_offset)
-        text_offset += len(token)
-    return {
-        "tokens": tokens,
-        "token_logprobs": [e.logprob for e in entries],
-        "top_logprobs": [{tokenizer.token_text(t): lp for t, lp in e.top} for e in entries],
-        "text_offset": offsets,
-    }
+    return completion_logprobs(entries, tokenizer, offsets)

@@ -14,14 +14,18 @@ in the pipeline, in the Conductor) carries `request_id`.
 
 from __future__ import annotations
 
+import logging
+import time
+
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from engine.logs import request_id_var
 from engine.tokenizer import Tokenizer
-from router.api_common import APIError, ServingContext
+from router.api_common import APIError, ServingContext, until_disconnected, validation_error
 from router.chat import create_chat_completion
 from router.chat_template import ChatTemplate
 from router.completions import create_completion
@@ -31,23 +35,28 @@ from router.pipeline import Pipeline
 from router.schemas import ChatCompletionRequest, CompletionRequest
 from router.serving import GenerationService
 
+log = logging.getLogger(__name__)
+
 DEFAULT_MAX_BODY_BYTES = 4 << 20
 _REJECT_REASONS = {400: "invalid_request", 404: "unknown_model", 413: "body_too_large",
-                   503: "unavailable"}
+                   500: "internal_error", 503: "unavailable"}
 
 
 def build_app(pipeline: Pipeline, tokenizer: Tokenizer, served_model_name: str,
               max_model_len: int, chat_template: ChatTemplate,
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-              gate: InflightGate | None = None) -> FastAPI:
+              gate: InflightGate | None = None,
+              max_seqs_per_request: int | None = None) -> FastAPI:
     """The gateway app. max_model_len bounds prompt + max_tokens; max_body_bytes bounds a
-    request body (larger ones get 413 before they are read whole); gate bounds the sequences
-    in flight (default: unbounded). `app.state.service` (a GenerationService, with its gate)
-    is what a drain (deploy/serve.py) acts on."""
+    request body (larger ones get 413 before they are read whole); gate bounds and queues the
+    sequences in flight (default: unbounded); max_seqs_per_request caps prompts × n of one
+    request (400 over it; default: no cap). `app.state.service` (a GenerationService, with
+    its gate) is what a drain (deploy/serve.py) acts on."""
     metrics = GatewayMetrics()
     service = GenerationService(pipeline, tokenizer, metrics, gate)
     cluster_stats = ClusterStatsCollector(pipeline.conductor.registry, service.gate)
-    ctx = ServingContext(service, tokenizer, served_model_name, max_model_len)
+    ctx = ServingContext(service, tokenizer, served_model_name, max_model_len,
+                         max_seqs_per_request)
     app = FastAPI(title="pdcluster", docs_url=None, redoc_url=None)
     app.state.service = service
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
@@ -60,17 +69,20 @@ def build_app(pipeline: Pipeline, tokenizer: Tokenizer, served_model_name: str,
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
-        errors = exc.errors()
-        first = errors[0] if errors else {}
-        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-        param = ".".join(loc) or None
-        if first.get("type") == "json_invalid":
-            message = f"request body is not valid JSON: {first.get('ctx', {}).get('error', '')}"
-            param = None
-        else:
-            message = f"{param or 'body'}: {first.get('msg', 'invalid request')}"
+        error = validation_error(exc.errors())
         metrics.rejected.labels(reason="invalid_request").inc()
-        return JSONResponse(APIError(400, message.strip(), param).body(), status_code=400)
+        return JSONResponse(error.body(), status_code=400)
+
+    @app.exception_handler(Exception)
+    async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
+        # a bug must still answer with OpenAI's body; the log record carries the trace and,
+        # through engine.logs' context variable, the request id the message names
+        request_id = request_id_var.get()
+        log.error("unhandled error on %s %s (request %s)", request.method, request.url.path,
+                  request_id, exc_info=exc)
+        where = f" (request {request_id})" if request_id else ""
+        return JSONResponse(APIError(500, f"internal server error{where}; the server log has "
+                                          "the details").body(), status_code=500)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -88,19 +100,26 @@ def build_app(pipeline: Pipeline, tokenizer: Tokenizer, served_model_name: str,
         body = exposition(metrics, await cluster_stats.scrape())
         return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
+    model_card = {"id": served_model_name, "object": "model", "created": int(time.time()),
+                  "owned_by": "pdcluster", "max_model_len": max_model_len}
+
     @app.get("/v1/models")
     async def models() -> dict:
-        return {"object": "list", "data": [{"id": served_model_name, "object": "model",
-                                            "owned_by": "pdcluster",
-                                            "max_model_len": max_model_len}]}
+        return {"object": "list", "data": [model_card]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict:
+        ctx.check_model(model_id)
+        return model_card
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest):
-        return await create_completion(body, ctx)
+    async def completions(body: CompletionRequest, request: Request):
+        return await until_disconnected(request, create_completion(body, ctx))
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest):
-        return await create_chat_completion(body, ctx, chat_template)
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        return await until_disconnected(request, create_chat_completion(body, ctx,
+                                                                        chat_template))
 
     return app
 

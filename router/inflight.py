@@ -1,16 +1,30 @@
-"""The gateway's bound on work in flight, and its drain on shutdown (issue 9 "Overload").
+"""The gateway's bound on work in flight: a fair queue of sequences, and the drain on shutdown.
 
-Every choice of every request is one sequence on a worker (its own request id there), so the
-gate counts sequences: a request of P prompts with n choices each takes P × n slots, capped at
-the limit (so one large request can still run alone). Past the limit, or once draining has
-begun, a request is refused at once — 503 with Retry-After (OpenAI's status for an overloaded
-server) — instead of queueing without bound in the workers (the prefill actor's Ray task queue
-and the decode engine's waiting list grow with whatever is sent to them).
+Every choice of every prompt is one sequence on a worker (its own request id there), so the gate
+counts sequences. A request reserves all of its sequences when it arrives (`InflightGate.open`)
+and each sequence then waits for a slot of its own (`GateTicket.acquire`). While `limit` slots
+are taken, sequences wait in a queue; slots are handed out round-robin across requests, one
+sequence per request per turn, so a request of many sequences cannot starve one of a few. The
+last `reserve` free slots go only to a request's first sequence: a request that arrives while
+large ones hold the gate starts as soon as one of those slots is free, instead of after every
+sequence queued before it (sequences are never preempted, so without a reserve a newcomer
+waits for whole running sequences to end).
+
+A request is refused at once — 503 with Retry-After (OpenAI's status for an overloaded server)
+— only when its sequences do not fit in the queue (`limit + max_queued` in all), or once
+draining has begun. Bounding the queue bounds memory; the workers' own queues (the prefill
+actor's Ray task queue, the decode engine's waiting list) sit behind it.
+
+    open(n) ──► ticket: n pending ──acquire──► granted (slot held) ──release──► slot free
+                      │                 ▲                                         │
+                      │                 └─── round-robin over tickets with waiters ┘
+                      └──close──► pending sequences withdrawn, held slots returned
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 
 
 class Overloaded(Exception):
@@ -23,51 +37,178 @@ class Overloaded(Exception):
 
 
 class InflightGate:
-    """Admits sequences while fewer than `limit` are in flight and draining has not begun.
+    """At most `limit` sequences in flight, at most `max_queued` more waiting for a slot.
 
-    Not thread-safe: used from the gateway's event loop only. limit None: unbounded (tests).
+    Args:
+        limit: slots (sequences running on the workers at once); None: unbounded (tests).
+        max_queued: sequences that may wait for a slot; None: 4 × limit.
+        reserve: free slots kept for requests that hold none yet; None: limit // 8.
+        retry_after_s: the Retry-After of a refusal, seconds.
+
+    Raises:
+        ValueError: limit < 1, max_queued < 0, or reserve not below limit.
+
+    Not thread-safe: used from the gateway's event loop only.
     """
 
-    def __init__(self, limit: int | None, retry_after_s: float = 1.0) -> None:
+    def __init__(self, limit: int | None, max_queued: int | None = None,
+                 reserve: int | None = None, retry_after_s: float = 1.0) -> None:
         if limit is not None and limit < 1:
             raise ValueError(f"in-flight limit must be >= 1 (got {limit})")
+        if max_queued is not None and max_queued < 0:
+            raise ValueError(f"max_queued must be >= 0 (got {max_queued})")
         self.limit = limit
+        self.max_queued = max_queued if max_queued is not None else 4 * (limit or 0)
+        self.reserve = reserve if reserve is not None else (limit or 0) // 8
+        if limit is not None and not 0 <= self.reserve < limit:
+            raise ValueError(f"reserve must be in [0, {limit}) (got {self.reserve})")
         self.retry_after_s = retry_after_s
         self.inflight = 0
+        self.queued = 0  # reserved by open tickets, not yet granted
         self.draining = False
+        self._rotation: deque[GateTicket] = deque()  # tickets with waiters, in turn order
         self._idle = asyncio.Event()
         self._idle.set()
 
-    def acquire(self, n: int) -> int:
-        """Takes slots for a request of `n` sequences; returns how many (release that many).
+    def open(self, num_sequences: int) -> "GateTicket":
+        """Reserves room for a request of `num_sequences` sequences; each then takes its slot
+        with `ticket.acquire()`. Close the ticket when the request ends.
 
-        Raises Overloaded when draining or when they would exceed the limit.
+        Raises Overloaded when draining or when the sequences would overflow the queue.
         """
         if self.draining:
             raise Overloaded("draining", "the server is shutting down; retry on another "
                              "replica", self.retry_after_s)
-        need = n if self.limit is None else min(n, self.limit)
-        if self.limit is not None and self.inflight + need > self.limit:
+        if self.limit is not None and \
+                self.inflight + self.queued + num_sequences > self.limit + self.max_queued:
             raise Overloaded("overloaded", f"the server is at its limit of {self.limit} "
-                             "sequences in flight; retry later", self.retry_after_s)
-        self.inflight += need
+                             f"sequences in flight and {self.max_queued} queued; retry later",
+                             self.retry_after_s)
+        self.queued += num_sequences
         self._idle.clear()
-        return need
-
-    def release(self, taken: int) -> None:
-        self.inflight -= taken
-        if self.inflight <= 0:
-            self.inflight = 0
-            self._idle.set()
+        return GateTicket(self, num_sequences)
 
     def start_draining(self) -> None:
         """From now on every request is refused (reason "draining"). Idempotent."""
         self.draining = True
 
     async def wait_idle(self, timeout_s: float) -> bool:
-        """True once nothing is in flight, False if `timeout_s` passes first."""
+        """True once nothing is in flight or queued, False if `timeout_s` passes first."""
         try:
             await asyncio.wait_for(self._idle.wait(), timeout_s)
         except TimeoutError:
             return False
         return True
+
+    def _eligible(self, ticket: "GateTicket") -> bool:
+        if self.limit is None:
+            return True
+        free = self.limit - self.inflight
+        return free > 0 and (ticket.held == 0 or free > self.reserve)
+
+    def _grant(self, ticket: "GateTicket") -> None:
+        ticket.held += 1
+        ticket.pending -= 1
+        self.inflight += 1
+        self.queued -= 1
+
+    def _dispatch(self) -> None:
+        """Hands free slots to waiting sequences, one per ticket per turn."""
+        while self._rotation:
+            for _ in range(len(self._rotation)):
+                ticket = self._rotation.popleft()
+                if self._eligible(ticket) and ticket._wake_one():
+                    if ticket._waiters:
+                        self._rotation.append(ticket)
+                    break
+                if ticket._waiters:
+                    self._rotation.append(ticket)
+            else:
+                return  # a full turn granted nothing
+
+    def _check_idle(self) -> None:
+        if self.inflight <= 0 and self.queued <= 0:
+            self.inflight = self.queued = 0
+            self._idle.set()
+
+
+class GateTicket:
+    """One request's sequences at the gate: `acquire` a slot per sequence before it starts,
+    `release` it when the sequence ends, `close` when the request ends (idempotent)."""
+
+    def __init__(self, gate: InflightGate, num_sequences: int) -> None:
+        self._gate = gate
+        self.pending = num_sequences
+        self.held = 0
+        self._waiters: deque[asyncio.Future] = deque()
+        self._closed = False
+
+    async def acquire(self) -> None:
+        """Waits for a slot for one sequence of this request (FIFO within the request).
+
+        Raises RuntimeError when all reserved sequences were already granted or the ticket is
+        closed; asyncio.CancelledError leaves nothing taken.
+        """
+        gate = self._gate
+        if self._closed or self.pending <= 0:
+            raise RuntimeError("no reserved sequence left on this gate ticket")
+        if not self._waiters and gate._eligible(self):
+            gate._grant(self)
+            return
+        waiter = asyncio.get_running_loop().create_future()
+        self._waiters.append(waiter)
+        if self not in gate._rotation:
+            gate._rotation.append(self)
+        try:
+            await waiter
+        except asyncio.CancelledError:
+            if waiter.done() and not waiter.cancelled():  # granted as we were cancelled
+                self.release()
+            else:
+                self._forget(waiter)
+            raise
+
+    def release(self) -> None:
+        """Returns one held slot and hands it on."""
+        if self.held <= 0:
+            return
+        self.held -= 1
+        self._gate.inflight -= 1
+        self._gate._dispatch()
+        self._gate._check_idle()
+
+    def close(self) -> None:
+        """Withdraws every sequence not yet granted and returns every held slot."""
+        if self._closed:
+            return
+        self._closed = True
+        gate = self._gate
+        for waiter in self._waiters:
+            waiter.cancel()
+        self._waiters.clear()
+        if self in gate._rotation:
+            gate._rotation.remove(self)
+        gate.queued -= self.pending
+        self.pending = 0
+        gate.inflight -= self.held
+        self.held = 0
+        gate._dispatch()
+        gate._check_idle()
+
+    def _wake_one(self) -> bool:
+        """Grants the oldest live waiter a slot; False when none is left."""
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                self._gate._grant(self)
+                waiter.set_result(None)
+                return True
+        return False
+
+    def _forget(self, waiter: asyncio.Future) -> None:
+        try:
+            self._waiters.remove(waiter)
+        except ValueError:
+            pass
+        if not self._waiters and self in self._gate._rotation:
+            self._gate._rotation.remove(self)

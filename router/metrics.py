@@ -23,10 +23,12 @@ log = logging.getLogger(__name__)
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0,
                     2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 STATS_TIMEOUT_S = 2.0
-#: `reason` labels of pdcluster_requests_rejected_total: bad input (gateway), SLO admission
-#: (router.admission), the in-flight gate (router.inflight).
+#: `reason` labels of pdcluster_requests_rejected_total: bad input (gateway), more sequences
+#: than one request may run, SLO admission (router.admission), the in-flight gate
+#: (router.inflight).
 KNOWN_REJECT_REASONS = ("invalid_request", "unknown_model", "body_too_large", "unavailable",
-                        "ttft_slo", "tbt_slo", "decode_kv_full", "overloaded", "draining")
+                        "too_many_sequences", "ttft_slo", "tbt_slo", "decode_kv_full",
+                        "overloaded", "draining")
 
 
 class GatewayMetrics:
@@ -43,6 +45,9 @@ class GatewayMetrics:
         self.e2e = Histogram("pdcluster_e2e_request_latency_seconds",
                              "End-to-end request latency, seconds", buckets=_LATENCY_BUCKETS,
                              registry=r)
+        self.queue_time = Histogram("pdcluster_request_queue_time_seconds",
+                                    "Time a sequence waited in the gateway's fair queue for a "
+                                    "slot, seconds", buckets=_LATENCY_BUCKETS, registry=r)
         self.prompt_tokens = Counter("pdcluster_prompt_tokens", "Prompt tokens received",
                                      registry=r)
         self.generation_tokens = Counter("pdcluster_generation_tokens", "Tokens generated",
@@ -110,6 +115,8 @@ class ClusterStatsCollector:
         waiting = GaugeMetricFamily("pdcluster_requests_waiting", "Requests waiting, by role",
                                     labels=["role"])
         waiting.add_metric(["decode"], sum(s.get("num_waiting", 0) for s in stats_d))
+        if self.gate is not None:  # sequences in the gateway's fair queue
+            waiting.add_metric(["gateway"], self.gate.queued)
         return [queried, hits, transfer, blocks, running, waiting]
 
 

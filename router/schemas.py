@@ -1,19 +1,25 @@
 """OpenAI API request bodies (pydantic), per the OpenAI API reference for /v1/completions and
 /v1/chat/completions, with vLLM's extensions (`top_k`, `min_p`, `min_tokens`,
-`repetition_penalty`, `ignore_eos`, `stop_token_ids`, `return_token_ids`) and `cache_salt`.
+`repetition_penalty`, `ignore_eos`, `stop_token_ids`, `return_token_ids`, `add_special_tokens`,
+`stream_options.continuous_usage_stats`) and `cache_salt`.
 
 Unknown fields are rejected (400): a typo'd sampling field silently ignored would change
-results without telling the user.
+results without telling the user. Fields vLLM or OpenAI define that this server does not
+implement are accepted with a value that asks for nothing and otherwise refused by name
+(router/unsupported_fields.py).
 """
 
 from __future__ import annotations
 
 import uuid
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+from pydantic_core import PydanticCustomError
 
 from engine.protocol import MAX_LOGPROBS, SamplingParams
+from router.unsupported_fields import (CHAT_FIELDS, COMPLETION_FIELDS, MESSAGE_FIELDS,
+                                       TEXT_PART_TYPES, drop_neutral)
 
 MAX_N = 16
 MAX_STOP_STRINGS = 16
@@ -24,8 +30,12 @@ MIN_REPETITION_PENALTY = 0.01
 
 
 class StreamOptions(BaseModel):
+    """include_usage: a last chunk with the request's usage; continuous_usage_stats (vLLM):
+    with include_usage, every chunk also carries the usage so far."""
+
     model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
+    continuous_usage_stats: bool = False
 
 
 class SamplingFields(BaseModel):
@@ -61,9 +71,6 @@ class SamplingFields(BaseModel):
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return [s for s in stops if s]
 
-    def include_usage(self) -> bool:
-        return bool(self.stream_options and self.stream_options.include_usage)
-
     def sampling_params(self, max_tokens: int, logprobs: int | None, seed: int | None) -> SamplingParams:
         """Raises ValueError for combinations pydantic's per-field checks cannot see."""
         temperature = 0.0 if self.temperature < SAMPLING_EPS else self.temperature
@@ -79,23 +86,100 @@ class SamplingFields(BaseModel):
             repetition_penalty=self.repetition_penalty, logprobs=logprobs)
 
 
-TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+_PROMPT_FORMS = "a string, a list of strings, a list of token ids or a list of token-id lists"
+_JSON_TYPES = {str: "string", int: "integer", float: "number", bool: "boolean", dict: "object",
+               list: "array", type(None): "null"}
+
+
+def _json_type(value: Any) -> str:
+    return _JSON_TYPES.get(type(value), type(value).__name__)
+
+
+def _check_prompt(value: Any) -> Any:
+    """The `prompt` of a completion request, checked with messages that say what is wrong
+    where (a plain union would report one failed alternative, e.g. "prompt.str: ...")."""
+
+    def fail(message: str) -> PydanticCustomError:
+        return PydanticCustomError("prompt_invalid", message)
+
+    def token_ids(ids: list, where: str) -> None:
+        if not ids:
+            raise fail(f"{where} is an empty token list")
+        for i, t in enumerate(ids):
+            if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+                raise fail(f"{where}[{i}] is {t!r}; token ids are integers >= 0")
+
+    if isinstance(value, str):
+        if not value:
+            raise fail("prompt is empty")
+        return value
+    if not isinstance(value, list):
+        raise fail(f"prompt must be {_PROMPT_FORMS} (got {_json_type(value)})")
+    if not value:
+        raise fail("prompt is an empty list")
+    first = value[0]
+    if isinstance(first, str):
+        for i, p in enumerate(value):
+            if not isinstance(p, str):
+                raise fail(f"prompt[{i}] is {_json_type(p)}; a list of prompts holds "
+                           "strings only")
+            if not p:
+                raise fail(f"prompt[{i}] is empty")
+    elif isinstance(first, list):
+        for i, p in enumerate(value):
+            if not isinstance(p, list):
+                raise fail(f"prompt[{i}] is {_json_type(p)}; a list of token-id lists "
+                           "holds lists only")
+            token_ids(p, f"prompt[{i}]")
+    elif isinstance(first, int) and not isinstance(first, bool):
+        token_ids(value, "prompt")
+    else:
+        raise fail(f"prompt[0] is {_json_type(first)}; prompt must be {_PROMPT_FORMS}")
+    return value
+
+
+Prompt = Annotated[str | list[str] | list[int] | list[list[int]], BeforeValidator(_check_prompt)]
 
 
 class CompletionRequest(SamplingFields):
     """Body of POST /v1/completions. `prompt`: a string, a list of strings, a token-id list,
-    or a list of token-id lists; each prompt gets `n` choices (index = prompt × n + i)."""
+    or a list of token-id lists, none empty; each prompt gets `n` choices
+    (index = prompt × n + i)."""
 
-    prompt: str | Annotated[list[str], Field(min_length=1)] | TokenIds | \
-        Annotated[list[TokenIds], Field(min_length=1)]
+    prompt: Prompt
     max_tokens: int | None = Field(16, ge=1)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    add_special_tokens: bool = True
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unsupported(cls, data: Any) -> Any:
+        return drop_neutral(data, COMPLETION_FIELDS, "")
+
+    def num_prompts(self) -> int:
+        """How many prompts the request holds (before tokenizing)."""
+        if isinstance(self.prompt, str) or isinstance(self.prompt[0], int):
+            return 1
+        return len(self.prompt)
 
 
 class TextPart(BaseModel):
+    """A text content part. OpenAI's Responses-style `input_text` / `output_text` are text
+    too; any other part type (image_url, input_audio, ...) is a modality this model lacks."""
+
     model_config = ConfigDict(extra="forbid")
-    type: Literal["text"]
+    type: str
     text: str
+
+    @model_validator(mode="before")
+    @classmethod
+    def _text_only(cls, data: Any) -> Any:
+        if isinstance(data, dict) and isinstance(data.get("type"), str) and \
+                data["type"] not in TEXT_PART_TYPES:
+            raise PydanticCustomError(
+                "unsupported_feature", "content parts of type `{field}` are not supported "
+                "(this model takes text only)", {"field": data["type"]})
+        return data
 
 
 class ChatMessage(BaseModel):
@@ -103,6 +187,11 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unsupported(cls, data: Any) -> Any:
+        return drop_neutral(data, MESSAGE_FIELDS, "messages: ")
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -119,6 +208,13 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    # vLLM's default for chat: the template already places the special tokens
+    add_special_tokens: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unsupported(cls, data: Any) -> Any:
+        return drop_neutral(data, CHAT_FIELDS, "")
 
 
 def new_request_id(prefix: str) -> str:

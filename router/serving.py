@@ -3,7 +3,8 @@ incremental detokenization and stop strings applied, merged into one stream of C
 
 Every exit path — a stop string, the client going away, an error in a sibling choice, a drain
 that ran out of time — closes the choice's pipeline generator, which aborts the request on its
-worker (no held blocks). Each stream holds its slots of the InflightGate until it ends.
+worker (no held blocks). Each choice holds its slot of the InflightGate from the moment the
+gate grants it until the choice ends.
 """
 
 from __future__ import annotations
@@ -69,13 +70,19 @@ class GenerationService:
     async def stream(self, request_id: str, specs: Sequence[ChoiceSpec],
                      cache_salt: str | None = None) -> AsyncIterator[ChoiceDelta]:
         """Merged deltas of all choices. Raises Overloaded (router.inflight) before anything
-        starts when the gate refuses, GenerationError from any choice or from abort_all."""
-        taken = self.gate.acquire(len(specs))
+        starts when the gate refuses, GenerationError from any choice or from abort_all.
+        Each choice waits for its own slot of the gate before it starts."""
+        ticket = self.gate.open(len(specs))
         queue: asyncio.Queue = asyncio.Queue()
         self._active.add(queue)
+        queued_at = time.perf_counter()
 
         async def pump(spec: ChoiceSpec) -> None:
+            acquired = False
             try:
+                await ticket.acquire()
+                acquired = True
+                self.metrics.queue_time.observe(time.perf_counter() - queued_at)
                 async for delta in self._choice(request_id, spec, cache_salt):
                     await queue.put(delta)
             except GenerationError as exc:
@@ -84,6 +91,8 @@ class GenerationService:
                 log.exception("choice %d of %s failed", spec.index, request_id)
                 await queue.put(GenerationError("internal error", 500))
             finally:
+                if acquired:
+                    ticket.release()
                 await queue.put(_DONE)
 
         tasks = [asyncio.create_task(pump(spec)) for spec in specs]
@@ -104,7 +113,7 @@ class GenerationService:
                     task.cancel()
                 await asyncio.gather(*tasks, return_exceptions=True)
             finally:
-                self.gate.release(taken)
+                ticket.close()
 
     async def _choice(self, request_id: str, spec: ChoiceSpec,
                       cache_salt: str | None) -> AsyncIterator[ChoiceDelta]:

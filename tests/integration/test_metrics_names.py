@@ -36,7 +36,7 @@ DESIGN_METRICS = {
 #: Dashboard topics (issue 9) → a word its panel title must contain.
 TOPICS = {"TTFT": "TTFT", "TPOT": "TPOT", "throughput": "Throughput",
           "hit ratio per tier": "hit ratio per tier", "KV transfer rate": "KV transfer",
-          "queues": "Queues", "rejections": "Rejections"}
+          "queues": "Queues", "rejections": "Rejections", "gateway queue time": "queue time"}
 PROMQL_WORDS = {"by", "without", "sum", "rate", "irate", "increase", "histogram_quantile",
                 "scalar", "avg", "max", "min", "count", "on", "ignoring", "and", "or", "unless",
                 "bool", "offset", "le"}

@@ -1,4 +1,4 @@
-"""router.inflight: the gateway's in-flight bound and its drain (no Ray needed)."""
+"""router.inflight: the gateway's fair queue of sequences and its drain (no Ray needed)."""
 
 from __future__ import annotations
 
@@ -9,41 +9,138 @@ import pytest
 from router.inflight import InflightGate, Overloaded
 
 
-def test_limit_counts_sequences_and_refuses_past_it():
-    gate = InflightGate(4, retry_after_s=2)
-    assert gate.acquire(3) == 3
-    with pytest.raises(Overloaded) as info:
-        gate.acquire(2)
-    assert info.value.reason == "overloaded" and info.value.retry_after_s == 2
-    assert gate.acquire(1) == 1 and gate.inflight == 4
-    gate.release(3)
-    assert gate.acquire(3) == 3
+def run(coro):
+    return asyncio.run(coro)
 
 
-def test_a_request_larger_than_the_limit_runs_alone():
-    gate = InflightGate(4)
-    assert gate.acquire(16) == 4  # capped: it takes the whole gate
-    with pytest.raises(Overloaded):
-        gate.acquire(1)
-    gate.release(4)
-    assert gate.inflight == 0
+async def settle() -> None:
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+def test_limit_counts_sequences_and_the_queue_bounds_what_waits():
+    async def main() -> None:
+        gate = InflightGate(4, max_queued=2, reserve=0, retry_after_s=2)
+        a = gate.open(3)
+        for _ in range(3):
+            await a.acquire()
+        b = gate.open(3)  # 1 runs, 2 wait: limit + queue = 6 sequences in all
+        await b.acquire()
+        assert (gate.inflight, gate.queued) == (4, 2)
+        with pytest.raises(Overloaded) as info:
+            gate.open(1)
+        assert info.value.reason == "overloaded" and info.value.retry_after_s == 2
+        waiting = [asyncio.create_task(b.acquire()) for _ in range(2)]
+        await settle()
+        assert not any(t.done() for t in waiting)
+        a.release()
+        await settle()
+        assert sum(t.done() for t in waiting) == 1 and gate.inflight == 4
+        a.close()  # returns its 2 remaining slots
+        await asyncio.gather(*waiting)
+        assert (gate.inflight, gate.queued) == (3, 0)
+        b.close()
+        assert (gate.inflight, gate.queued) == (0, 0)
+
+    run(main())
+
+
+def test_slots_go_round_robin_across_requests():
+    """A request of many sequences that fills the gate cannot make later small requests wait
+    for all of its queued sequences: each freed slot goes to the next request in turn."""
+
+    async def main() -> list[str]:
+        gate = InflightGate(2, max_queued=100, reserve=0)
+        order: list[str] = []
+        big = gate.open(10)
+        for _ in range(2):
+            await big.acquire()
+
+        async def sequence(ticket, name: str) -> None:
+            await ticket.acquire()
+            order.append(name)
+
+        tasks = [asyncio.create_task(sequence(big, "big")) for _ in range(8)]
+        await settle()
+        small = [gate.open(1) for _ in range(3)]
+        tasks += [asyncio.create_task(sequence(t, f"small{i}")) for i, t in enumerate(small)]
+        await settle()
+        for _ in range(11):  # each release frees one slot; whoever got it releases it later
+            big.release() if big.held else next(t for t in small if t.held).release()
+            await settle()
+        await asyncio.gather(*tasks)
+        return order
+
+    order = run(main())
+    # big's 8 waiters queued first, yet one turn of the rotation serves each request once:
+    # the smalls come right after big's next sequence instead of after all 8
+    assert order[:4] == ["big", "small0", "small1", "small2"], order
+    assert order.count("big") == 8
+
+
+def test_the_reserve_admits_a_new_request_while_big_ones_wait():
+    async def main() -> None:
+        gate = InflightGate(8, max_queued=100, reserve=2)
+        big = gate.open(10)
+        for _ in range(6):  # 6 of 8: the last 2 are the reserve
+            await big.acquire()
+        blocked = asyncio.create_task(big.acquire())
+        await settle()
+        assert not blocked.done() and gate.inflight == 6
+        small = gate.open(2)
+        await small.acquire()  # its first sequence takes a reserved slot at once
+        second = asyncio.create_task(small.acquire())
+        await settle()
+        assert not second.done()  # its second is not a first sequence: it waits its turn
+        assert gate.inflight == 7
+        small.close()
+        big.close()
+        await asyncio.gather(blocked, second, return_exceptions=True)
+        assert (gate.inflight, gate.queued) == (0, 0)
+
+    run(main())
+
+
+def test_a_cancelled_waiter_takes_nothing_and_close_withdraws_the_rest():
+    async def main() -> None:
+        gate = InflightGate(1, max_queued=10, reserve=0)
+        a = gate.open(1)
+        await a.acquire()
+        b = gate.open(3)
+        waiter = asyncio.create_task(b.acquire())
+        await settle()
+        waiter.cancel()
+        await asyncio.gather(waiter, return_exceptions=True)
+        a.close()
+        assert gate.inflight == 0  # nobody got the slot: the cancelled waiter left the queue
+        b.close()
+        assert (gate.inflight, gate.queued) == (0, 0)
+        assert await gate.wait_idle(0.1)
+
+    run(main())
 
 
 def test_draining_refuses_everything_and_wait_idle_sees_the_last_release():
     async def main() -> tuple[bool, bool]:
         gate = InflightGate(None)
-        taken = gate.acquire(5)
+        ticket = gate.open(5)
+        for _ in range(5):
+            await ticket.acquire()
         gate.start_draining()
         with pytest.raises(Overloaded) as info:
-            gate.acquire(1)
+            gate.open(1)
         assert info.value.reason == "draining"
         timed_out = await gate.wait_idle(0.05)
-        asyncio.get_running_loop().call_later(0.05, gate.release, taken)
+        asyncio.get_running_loop().call_later(0.05, ticket.close)
         return timed_out, await gate.wait_idle(5)
 
-    assert asyncio.run(main()) == (False, True)
+    assert run(main()) == (False, True)
 
 
-def test_limit_must_be_positive():
+def test_bad_settings():
     with pytest.raises(ValueError):
         InflightGate(0)
+    with pytest.raises(ValueError):
+        InflightGate(4, reserve=4)
+    with pytest.raises(ValueError):
+        InflightGate(4, max_queued=-1)

@@ -1,0 +1,134 @@
+"""Request fields that vLLM's or OpenAI's server accepts and this one does not implement.
+
+A client written for vLLM (a load tool, a framework) sends some of these on every request, most
+often with a value that asks for nothing (`echo: false`, `tools: []`, `priority: 0`). Such a
+value is accepted and the field dropped; any other value is refused with a 400 that names the
+feature, never a generic schema error. A field in neither list, nor in the request model, is a
+typo and stays refused as an unknown field.
+
+Each entry: field name -> (the values that ask for nothing, what the feature is). The names are
+those of vLLM's CompletionRequest / ChatCompletionRequest and OpenAI's API reference.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic_core import PydanticCustomError
+
+_ANY = object()  # every value asks for nothing (an id or a hint this server has no use for)
+
+_COMMON: dict[str, tuple[tuple, str]] = {
+    "echo": ((False, None), "echoing the prompt"),
+    "logit_bias": ((None, {}), "logit_bias"),
+    "prompt_logprobs": ((None,), "prompt logprobs"),
+    "logprob_token_ids": ((None, []), "logprobs of chosen token ids"),
+    "use_beam_search": ((False, None), "beam search"),
+    "length_penalty": ((1.0, None), "beam-search length penalty"),
+    "include_stop_str_in_output": ((False, None), "include_stop_str_in_output"),
+    "skip_special_tokens": ((True, None), "skip_special_tokens=false"),
+    "spaces_between_special_tokens": ((True, None), "spaces_between_special_tokens=false"),
+    "allowed_token_ids": ((None, []), "allowed_token_ids"),
+    "bad_words": ((None, []), "bad_words"),
+    "truncate_prompt_tokens": ((None,), "prompt truncation"),
+    "truncation_side": ((None,), "prompt truncation"),
+    "response_format": ((None, {"type": "text"}), "structured output (response_format)"),
+    "structured_outputs": ((None,), "structured output"),
+    "repetition_detection": ((None,), "repetition detection"),
+    "thinking_token_budget": ((None, -1), "a thinking-token budget"),
+    "watermarking": ((None, False), "watermarking"),
+    "stream_interval": ((None, 1), "stream_interval"),
+    "kv_transfer_params": ((None,), "kv_transfer_params (KV transfer is the cluster's own)"),
+    "ec_transfer_params": ((None,), "encoder-cache transfer"),
+    "vllm_xargs": ((None, {}), "vllm_xargs"),
+    "return_tokens_as_token_ids": ((None, False), "return_tokens_as_token_ids"),
+    "return_token_offsets": ((None, False), "return_token_offsets"),
+    "return_mm_kwargs": ((None, False), "multimodal inputs"),
+    "routed_experts_prompt_start": ((None,), "mixture-of-experts routing data"),
+    "priority": ((None, 0), "request priorities"),
+    "request_id": (_ANY, ""),
+    "session_id": (_ANY, ""),
+    "metadata": (_ANY, ""),
+    "store": ((None, False), "stored completions"),
+    "service_tier": (_ANY, ""),
+    "prompt_cache_key": (_ANY, ""),
+    "safety_identifier": (_ANY, ""),
+}
+
+COMPLETION_FIELDS: dict[str, tuple[tuple, str]] = {
+    **_COMMON,
+    "suffix": ((None, ""), "suffix (insertion)"),
+    "prompt_embeds": ((None,), "prompt embeddings"),
+    "best_of": ((None, 1), "best_of"),
+}
+
+CHAT_FIELDS: dict[str, tuple[tuple, str]] = {
+    **_COMMON,
+    "add_generation_prompt": ((True, None), "add_generation_prompt=false"),
+    "continue_final_message": ((False, None), "continue_final_message"),
+    "chat_template": ((None,), "a per-request chat template"),
+    "chat_template_kwargs": ((None, {}), "chat_template_kwargs"),
+    "documents": ((None, []), "documents for the chat template"),
+    "include_reasoning": (_ANY, ""),  # the model has no reasoning output to include
+    "reasoning_effort": ((None,), "reasoning_effort"),
+    "media_io_kwargs": ((None, {}), "multimodal inputs"),
+    "mm_processor_kwargs": ((None, {}), "multimodal inputs"),
+    "return_prompt_text": ((None, False), "return_prompt_text"),
+    "tools": ((None, []), "tool calling"),
+    "tool_choice": ((None, "none", "auto"), "tool calling"),
+    "parallel_tool_calls": (_ANY, ""),  # vacuous without tools
+    "functions": ((None, []), "function calling"),
+    "function_call": ((None, "none", "auto"), "function calling"),
+    "modalities": ((None, ["text"]), "output modalities other than text"),
+    "audio": ((None,), "audio output"),
+    "prediction": ((None,), "predicted outputs"),
+    "web_search_options": ((None,), "web search"),
+}
+
+#: Keys of a chat message this server does not use, and the values that ask for nothing.
+MESSAGE_FIELDS: dict[str, tuple[tuple, str]] = {
+    "tool_calls": ((None, []), "tool calls in messages"),
+    "tool_call_id": ((None,), "tool results in messages"),
+    "function_call": ((None,), "function calls in messages"),
+    "reasoning": (_ANY, ""),  # earlier turns' reasoning: templates drop it
+    "reasoning_content": (_ANY, ""),
+    "refusal": ((None,), "refusal messages"),
+    "audio": ((None,), "audio in messages"),
+    "tools": ((None, []), "tool calling"),
+    "task": ((None,), "message tasks"),
+}
+
+#: Content-part types read as text; any other known type is a modality this server lacks.
+TEXT_PART_TYPES = ("text", "input_text", "output_text")
+
+
+def drop_neutral(data: Any, table: dict[str, tuple[tuple, str]], where: str) -> Any:
+    """`data` (a request or message dict before validation) without the fields of `table`
+    whose value asks for nothing.
+
+    Raises PydanticCustomError("unsupported_feature") naming the first field whose value asks
+    for a feature this server lacks; its ctx `field` is the field's name.
+    """
+    if not isinstance(data, dict):
+        return data
+    out = dict(data)
+    for name, (neutral, feature) in table.items():
+        if name not in out:
+            continue
+        value = out.pop(name)
+        if neutral is _ANY or any(_same(value, n) for n in neutral):
+            continue
+        raise PydanticCustomError(
+            "unsupported_feature",
+            "{where}`{field}` asks for {feature}, which this server does not support; "
+            "omit it or send its default",
+            {"field": name, "feature": feature, "where": where})
+    return out
+
+
+def _same(value: Any, neutral: Any) -> bool:
+    if isinstance(value, bool) or isinstance(neutral, bool):  # bool is an int in Python
+        return value is neutral
+    if isinstance(neutral, float) and isinstance(value, int):
+        return float(value) == neutral
+    return type(value) is type(neutral) and value == neutral
