@@ -16,6 +16,7 @@ import kernels
 from decode_worker.actor import DecodeWorker
 from deploy.config import ServeConfig
 from deploy import placement
+from deploy.local_ray import LocalRay, start_local_ray
 from engine.config import EngineConfig, ModelConfig
 from engine.model import check_tensor_parallel
 from kvstore.actor import start_kvstore_actors
@@ -58,7 +59,8 @@ class Cluster:
         self.placement_groups: list = []
         self._resources: dict[str, float] = {}  # ray.cluster_resources() at start
         self._role_demand: dict[str, dict[str, float]] = {}
-        self._started_ray = False
+        self._started_ray = False  # this process called ray.init (started or joined)
+        self._local_ray: LocalRay | None = None  # the Ray it started, None when it joined one
         self._stats_poller = None
         self._index = None
 
@@ -71,12 +73,10 @@ class Cluster:
         transfer = cfg.transfer.model_copy(update={"token": cfg.kvstore.token,
                                                    "tls": cfg.kvstore.tls})
         if not ray.is_initialized():
-            if cfg.address is None:
-                ray.init(address="local",  # a new cluster, never a stray one on this machine
-                         num_cpus=cfg.local_ray_num_cpus(), namespace=cfg.ray_namespace,
-                         resources=placement.local_node_resources(),
-                         include_dashboard=False, log_to_driver=True)
-            else:
+            if cfg.address is None:  # ours: loopback only, cleaned up if this process dies
+                self._local_ray = start_local_ray(cfg.local_ray_num_cpus(), cfg.ray_namespace,
+                                                  placement.local_node_resources())
+            else:  # someone else's cluster: neither bound nor cleaned up by us
                 ray.init(address=cfg.address, namespace=cfg.ray_namespace)
             self._started_ray = True
         model = ModelConfig.from_pretrained(cfg.engine.model)
@@ -170,9 +170,12 @@ class Cluster:
             except Exception as exc:  # noqa: BLE001 -- shutting down either way
                 log.warning("global index not cleared: %s", exc)
             self._index = None
-        if self._started_ray:
+        if self._local_ray is not None:
+            self._local_ray.shutdown()  # and its guardian sweeps whatever Ray left running
+            self._local_ray = None
+        elif self._started_ray:
             ray.shutdown()
-            self._started_ray = False
+        self._started_ray = False
 
     def __enter__(self) -> "Cluster":
         return self.start()

@@ -35,7 +35,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvstore.arena.errors import ArenaClosedError, ArenaFullError
-from kvstore.arena.segment import create_segment, segment_name
+from kvstore.arena.segment import create_segment, reclaim_dead_segments, segment_name
 from kvstore.errors import StoreCapacityError
 from kvstore.free_queue import FreeBlockQueue
 
@@ -74,9 +74,13 @@ class HostArena:
         ArenaAllocationError: the segment could not be created or its memory preallocated.
 
     The segment's memory is committed at construction (``posix_fallocate`` on Linux), so a too
-    small ``/dev/shm`` fails here instead of a worker dying of SIGBUS on first write. The segment
-    is registered with this process's ``multiprocessing`` resource tracker, which unlinks it if
-    the owner dies without :meth:`close`.
+    small ``/dev/shm`` fails here instead of a worker dying of SIGBUS on first write. The arena
+    holds an ``flock`` on its segment until :meth:`close`, the mark of a live owner
+    (kvstore/arena/segment.py). Before creating its own, it unlinks the segments of owners that
+    died without closing theirs (a SIGKILLed KV store, a crashed node's previous run): neither
+    a restarted KV store nor the next start may leave them filling ``/dev/shm``. The segment is
+    also registered with this process's ``multiprocessing`` resource tracker, which unlinks it
+    if the owner dies without :meth:`close` and the tracker outlives it.
     """
 
     def __init__(
@@ -96,7 +100,9 @@ class HostArena:
             )
         self._block_nbytes = block_nbytes
         self._num_slots = num_slots
-        self._shm = create_segment(segment_name(node_id), num_slots * block_nbytes)
+        reclaim_dead_segments()
+        self._segment = create_segment(segment_name(node_id), num_slots * block_nbytes)
+        self._shm = self._segment.shm
         self._on_evict = on_evict
         self._lock = threading.Lock()
         self._closed = False
@@ -296,7 +302,7 @@ class HostArena:
                 return
             self._closed = True
             try:
-                self._shm.unlink()
+                self._segment.unlink()  # then drops the owner lock
             except FileNotFoundError:
                 pass  # unlinked by someone else (an operator cleaning /dev/shm)
             try:
