@@ -112,6 +112,8 @@ class PrefillEngine:
         self.batcher = StepBatcher(runner, cfg.max_num_batched_tokens, self._model_lock, call)
         # ids aborted before their prefill ran; bounded, as aborts may name finished requests
         self._aborted: OrderedDict[str, None] = OrderedDict()
+        # tails of finished prefills, by request id (bounded), so an abort can release one
+        self._tails: OrderedDict[str, str] = OrderedDict()
         self._abort_lock = threading.Lock()
         self._index_checked_at = 0.0
         self.g1_reannouncements_total = 0
@@ -122,13 +124,25 @@ class PrefillEngine:
 
     def abort(self, request_id: str) -> None:
         """Idempotent: a request not yet started is skipped when its turn comes; one that is
-        streaming its layers stops at the next layer (RequestAborted)."""
+        streaming its layers stops at the next layer (RequestAborted); one already prefilled,
+        whose decode never took its tail (the client left at the first token), has its tail
+        dropped from the node's store now rather than at the store's TTL."""
         if self.kv.streamer is not None and self.kv.streamer.cancel(request_id):
             return
         with self._abort_lock:
-            self._aborted[request_id] = None
-            while len(self._aborted) > MAX_TRACKED_ABORTS:
-                self._aborted.popitem(last=False)
+            tail_handle = self._tails.pop(request_id, None)
+            if tail_handle is None:  # not started, or running: its own thread checks this
+                self._aborted[request_id] = None
+                while len(self._aborted) > MAX_TRACKED_ABORTS:
+                    self._aborted.popitem(last=False)
+        if tail_handle is not None:
+            self._release_tail(tail_handle)
+
+    def _release_tail(self, handle: str) -> None:
+        try:
+            self.kv_client.release_tail(handle)
+        except Exception as exc:  # noqa: BLE001 — the store's TTL drops it anyway
+            log.warning("tail %s not released: %s", handle, exc)
 
     def prefill(self, request: PrefillRequest) -> PrefillResult:
         """Run one request's prefill. Raises PrefillRejected, RequestAborted or KVStoreError."""
@@ -185,6 +199,15 @@ class PrefillEngine:
                 self._send_events()
         log.debug("prefill of %d tokens (%d cached) in %.1f ms", len(prompt), num_cached,
                   (time.perf_counter() - began) * 1e3, extra={"request_id": request.request_id})
+        if tail_handle is not None:
+            with self._abort_lock:  # an abort that came while this ran releases the tail now
+                aborted = self._aborted.pop(request.request_id, False) is None
+                if not aborted:
+                    self._tails[request.request_id] = tail_handle
+                    while len(self._tails) > MAX_TRACKED_ABORTS:
+                        self._tails.popitem(last=False)
+            if aborted:
+                self._release_tail(tail_handle)
         pair_address, pair_tag = (None, 0) if layer_stream else self._push(request, data)
         return PrefillResult(request.request_id, first_token, self.kv_address, tuple(keys),
                              tail_handle, num_tail, num_cached, self.worker_id, self.pid,

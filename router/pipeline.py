@@ -227,13 +227,19 @@ class Pipeline:
             if not prefill_done:  # cancelled while waiting: the prefill may still be queued
                 _abort(prefill, attempt_id)
         first_logprobs = None if result.first_logprob is None else (result.first_logprob,)
-        yield TokenDelta(attempt_id, (result.first_token,), None, logprobs=first_logprobs,
-                         extra={"prefill_worker_id": result.prefill_worker_id,
-                                "prefill_pid": result.prefill_pid})
-        async with aclosing(_stream_decode(decode, DecodeRequest(attempt_id, prompt, params,
-                                                                result))) as stream:
-            async for delta in stream:
-                yield delta
+        handed_to_decode = False
+        try:
+            yield TokenDelta(attempt_id, (result.first_token,), None, logprobs=first_logprobs,
+                             extra={"prefill_worker_id": result.prefill_worker_id,
+                                    "prefill_pid": result.prefill_pid})
+            handed_to_decode = True  # from here the decode's abort releases what it holds
+            async with aclosing(_stream_decode(decode, DecodeRequest(attempt_id, prompt, params,
+                                                                    result))) as stream:
+                async for delta in stream:
+                    yield delta
+        finally:
+            if not handed_to_decode:  # closed at the first token: the prefill releases its tail
+                _abort(prefill, attempt_id)
 
 
 class ColocatedPipeline(Pipeline):

@@ -9,9 +9,11 @@ import time
 
 import httpx
 import pytest
+import ray
 from prometheus_client.parser import text_string_to_metric_families
 
 from deploy.serve import BackgroundServer, gateway_app
+from kvstore.client import KVStoreClient
 
 pytestmark = pytest.mark.slow
 
@@ -102,11 +104,23 @@ def test_a_request_over_the_cap_is_refused_with_a_message_naming_the_limit(gated
     assert after == before + 1
 
 
-def test_dropped_non_streaming_requests_free_every_block_within_2s(api_base):
+def store_tails(cluster) -> int:
+    """Per-request tail blocks held in the prefill nodes' KV stores."""
+    total = 0
+    for instance in cluster.prefill:
+        address = ray.get(instance.handle.info.remote())["kv_address"]
+        with KVStoreClient(address, token=cluster.config.kvstore.token) as client:
+            total += client.stats()["num_tails"]
+    return total
+
+
+def test_dropped_non_streaming_requests_free_every_block_within_2s(api_base, cluster):
     """100 non-streaming requests whose clients give up after 0.3 s: everything they held on
-    the workers is back within 2 s (before, they ran to the end)."""
+    the workers, and their tails in the KV store, is back within 2 s (before, they ran to the
+    end)."""
     base = api_base.removesuffix("/v1")
     idle = held(scrape(base))
+    assert store_tails(cluster) == 0
     body = {"model": MODEL, "prompt": "Once upon a time, there was a big red dog.",
             "max_tokens": 200, "temperature": 0, "ignore_eos": True}
 
@@ -126,6 +140,6 @@ def test_dropped_non_streaming_requests_free_every_block_within_2s(api_base):
     during = asyncio.run(main())
     dropped_at = time.monotonic()
     assert during != idle  # the requests were running when their clients left
-    while (now := held(scrape(base))) != idle:
-        assert time.monotonic() - dropped_at < 2.0, (now, idle)
+    while (now := held(scrape(base))) != idle or (tails := store_tails(cluster)):
+        assert time.monotonic() - dropped_at < 2.0, (now, idle, tails)
         time.sleep(0.05)

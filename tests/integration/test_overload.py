@@ -162,9 +162,19 @@ def test_three_times_capacity_only_sheds_load(cluster, overload_gateway):
         assert 0 < rss <= limit, f"{name} RSS {rss} > {limit}"
 
 
-def test_overloaded_answer_has_retry_after_and_openai_body(overload_gateway):
-    """Fill the gate with slow streams, then one more request is refused at once."""
-    base = overload_gateway
+@pytest.fixture(scope="module")
+def unqueued_gateway(cluster):
+    """As overload_gateway, with no queue behind the gate: full gate, full queue."""
+    config = cluster.config.model_copy(update={"max_inflight_requests": MAX_INFLIGHT,
+                                               "max_queued_sequences": 0})
+    with BackgroundServer(gateway_app(config, cluster)) as server:
+        yield server.url
+
+
+def test_overloaded_answer_has_retry_after_and_openai_body(unqueued_gateway):
+    """Fill the gate (and its queue, here of 0) with slow streams, then one more request is
+    refused at once."""
+    base = unqueued_gateway
     body = {"model": MODEL, "prompt": list(range(3, 40)), "max_tokens": 400,
             "ignore_eos": True, "stream": True}
 
