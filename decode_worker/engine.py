@@ -2,10 +2,12 @@
 
 Lifecycle of a request on a decode worker:
 
-1. WAITING        — received after prefill, with the prefill's first token and KV handles.
-2. admission      — first come, first served: blocks for the prompt and the first fed token
-                    are taken from this worker's paged cache; more are added one at a time as
-                    the request grows.
+1. WAITING        — received after prefill, with the prefill's first token and KV handles
+                    (a request that its first token already ends, or that could never fit in
+                    this worker's cache, ends on arrival).
+2. admission      — first come, first served (engine.core.scheduler): blocks for the prompt
+                    and the first fed token are taken from this worker's paged cache through
+                    its KV cache manager; more are added one at a time as the request grows.
 3. WAITING_FOR_KV — the prompt's KV comes into the reserved blocks through a transfer backend
                     (kv_fetch.py): pushed by the prefill over a torch.distributed pair
                     (--kv-transfer torch), else pulled from the prefill node's KV store (arena
@@ -18,32 +20,37 @@ Lifecycle of a request on a decode worker:
 4. RUNNING        — joins the batch at the next step; each step feeds the last token of every
                     running request (one forward token each), samples the next, streams it.
    PREEMPTED      — when a growing request finds no free block, the newest running request
-                    is preempted (its blocks freed, recomputed or swapped to host memory; see
-                    preemption.py) and waits at the head of the queue to resume, output intact.
+                    is preempted (its blocks freed, recomputed or swapped to host memory: the
+                    scheduler's preemption policy, engine.core.preemption) and waits at the
+                    head of the queue to resume, output intact.
 5. FINISHED       — EOS / stop id / max_tokens / max_model_len, abort, or a failed fetch; every
                     block it held goes back to the pool in the same loop iteration (an abort
                     during a pair receive: once that receive settles, see KVFetch.abort).
 
-The loop runs on its own thread (DESIGN.md pitfalls: never on the actor's event loop); requests
-and aborts reach it through a thread-safe inbox, and tokens leave through each request's
-`emit` callback.
+The statuses are engine.core.request.RequestStatus. The loop runs on its own thread (DESIGN.md
+pitfalls: never on the actor's event loop); requests and aborts reach it through a thread-safe
+inbox, and tokens leave through each request's `emit` callback.
 """
 
 from __future__ import annotations
 
-import enum
 import logging
-import math
 import queue
 import threading
 import time
 from collections import OrderedDict, deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Callable
 
+import torch
+
 from decode_worker.kv_fetch import KVFetch, KVFetcher
 from decode_worker.kv_streams import PendingStreams
-from decode_worker.preemption import PREEMPTION_MODES, prefill_colocated, recompute_prompt
+from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.preemption import PREEMPTION_MODES
+from engine.core.request import RequestStatus
+from engine.core.scheduler import Scheduler
 from engine.protocol import DecodeRequest, FinishReason, TokenDelta, TokenLogprob
 from engine.runner import ModelRunner, SequenceChunk
 from engine.sampler import SampleInput, draw_seed, sample
@@ -55,15 +62,7 @@ from kvstore.transfer.peers import StreamPeers
 log = logging.getLogger(__name__)
 
 
-class RequestStatus(enum.Enum):
-    WAITING = "waiting"
-    WAITING_FOR_KV = "waiting_for_kv"
-    RUNNING = "running"
-    PREEMPTED = "preempted"
-    FINISHED = "finished"
-
-
-@dataclass
+@dataclass(eq=False)  # a request is itself: queues compare by identity
 class DecodeSequence:
     request: DecodeRequest
     emit: Callable[[TokenDelta], None]
@@ -75,15 +74,24 @@ class DecodeSequence:
     num_forward_tokens: int = 0
     aborted: bool = False
     arrival: int = 0
-    swapped: object = None  # host copy of the KV of a request preempted by swapping
+    swapped: torch.Tensor | None = None  # host copy of the KV of a request preempted by swap
 
     @property
     def request_id(self) -> str:
         return self.request.request_id
 
     @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.request.prompt_token_ids)
+
+    @property
     def num_tokens(self) -> int:
         return len(self.request.prompt_token_ids) + len(self.output_ids)
+
+    def kv_token_ids(self) -> list[int]:
+        """The tokens whose KV the request holds: all but the last output token (the next
+        step feeds that one)."""
+        return list(self.request.prompt_token_ids) + self.output_ids[:-1]
 
 
 STEP_LOG_SIZE = 4096
@@ -92,7 +100,8 @@ FETCH_POLL_S = 0.002  # ... while a KV fetch is in flight (fetches are polled, n
 
 
 class DecodeEngine:
-    """Owns one decode worker's model runner, block pool and engine-loop thread.
+    """Owns one decode worker's model runner, scheduler (over its block pool) and engine-loop
+    thread.
 
     step_log: the request ids of each of the last STEP_LOG_SIZE decode steps, as
     (step number, ids) — which requests shared a batch, and when each joined and left.
@@ -113,23 +122,23 @@ class DecodeEngine:
         self.max_model_len = cfg.resolved_max_model_len(runner.model_config)
         self.eos_token_ids = frozenset(runner.model_config.eos_token_ids)
         self.pool = BlockPool(cfg.num_kv_blocks, enable_caching=False)  # decode keys nothing
-        self.preemption = PREEMPTION_MODES[cfg.preemption_mode]()
-        self.num_preemptions_total = 0
-        self.num_recomputed_tokens_total = 0
-        self._arrivals = 0
+        self.kv = KVCacheManager(self.pool, self.block_size)
+        self.scheduler: Scheduler[DecodeSequence] = Scheduler(
+            self.kv, PREEMPTION_MODES[cfg.preemption_mode](self.kv, self._prefill_locally,
+                                                           runner.wire_kv))
+        self.num_fetch_recomputes_total = 0
+        self._num_fetch_recomputed_tokens = 0
         self.fetcher = fetcher
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._stop = threading.Event()
-        self._waiting: list[DecodeSequence] = []
-        self._active: dict[str, DecodeSequence] = {}
         self.num_forward_tokens_total = 0
         self.num_steps_total = 0
         self.step_log: deque[tuple[int, tuple[str, ...]]] = deque(maxlen=STEP_LOG_SIZE)
         self.kv_timings: OrderedDict[str, dict] = OrderedDict()
-        self.streams = PendingStreams(self, peers, orphan_s=fetcher.transfer.timeout_s)
+        self.streams = PendingStreams(self.scheduler, fetcher, self._start_waiting_for_kv,
+                                      peers, orphan_s=fetcher.transfer.timeout_s)
         self.num_fetch_retries_total = 0
-        self.num_fetch_recomputes_total = 0
         self._thread: threading.Thread | None = None
         if start:
             threading.Thread(target=self.run, name="decode-engine", daemon=True).start()
@@ -162,16 +171,23 @@ class DecodeEngine:
         self._inbox.put((kind, item))
         self._wakeup.set()
 
+    @property
+    def num_recomputed_tokens_total(self) -> int:
+        """Tokens run through the model again here: preempted requests resumed by recompute
+        and prompts recomputed after a failed fetch."""
+        return (self.scheduler.preemption.num_recomputed_tokens_total
+                + self._num_fetch_recomputed_tokens)
+
     def stats(self) -> dict:
         return {
             "worker_id": self.worker_id,
             "pid": self.pid,
-            "num_waiting": len(self._waiting),
-            "num_active": len(self._active),
+            "num_waiting": len(self.scheduler.waiting),
+            "num_active": len(self.scheduler.active),
             **self.pool.stats(),
             "num_forward_tokens_total": self.num_forward_tokens_total,
             "num_steps_total": self.num_steps_total,
-            "num_preemptions_total": self.num_preemptions_total,
+            "num_preemptions_total": self.scheduler.num_preemptions_total,
             "num_recomputed_tokens_total": self.num_recomputed_tokens_total,
             "kv_bytes_fetched_total": self.fetcher.bytes_fetched_total,
             "kv_bytes_fetched_by_backend": dict(self.fetcher.bytes_by_backend),
@@ -196,18 +212,17 @@ class DecodeEngine:
                 self.streams.attach_waiting()
                 self._admit_waiting()
                 self._poll_fetches()
-                running = self._grow_blocks(
-                    [s for s in self._active.values() if s.status is RequestStatus.RUNNING])
+                running = self.scheduler.grow()
                 if running:
                     self._step(running)
                 else:
-                    fetching = len(self.streams) or any(s.fetch is not None
-                                                        for s in self._active.values())
+                    fetching = len(self.streams) or any(
+                        s.fetch is not None for s in self.scheduler.active.values())
                     self._wakeup.wait(timeout=FETCH_POLL_S if fetching else IDLE_WAIT_S)
                     self._wakeup.clear()
             except Exception:  # noqa: BLE001 — the loop must outlive one bad step
                 log.exception("decode engine step failed; failing the running requests")
-                for seq in list(self._active.values()):
+                for seq in list(self.scheduler.active.values()):
                     if seq.status is RequestStatus.RUNNING:
                         self._finish(seq, FinishReason.ERROR, "internal error in decode step")
 
@@ -218,24 +233,41 @@ class DecodeEngine:
             except queue.Empty:
                 return
             if kind == "add":
-                self._arrivals += 1
-                item.arrival = self._arrivals
-                self._waiting.append(item)
+                self._arrive(item)
             elif kind == "expect":
                 self.streams.expect(item)
             elif kind == "cancel":
-                if not any(s.request_id == item for s in self._waiting):
+                if self.scheduler.find_waiting(item) is None:
                     self.streams.drop(item)
             else:
                 self._abort_now(item)
 
+    def _arrive(self, seq: DecodeSequence) -> None:
+        """Queue a new request, unless it ends here and now: its first token (from the
+        prefill) already stops it, or it could never fit in this worker's cache."""
+        finish, error = (self._check_stop(seq) if seq.output_ids else None), None
+        most = min(seq.num_prompt_tokens + seq.request.sampling.max_tokens, self.max_model_len)
+        if finish is None and not self.kv.fits_ever(most):
+            finish = FinishReason.ERROR
+            error = (f"request needs up to {self.kv.blocks_for(most)} KV blocks, worker has "
+                     f"{self.kv.num_blocks}")
+        if finish is None:
+            self.scheduler.add(seq)
+            return
+        self.streams.drop(seq.request_id)  # a stream announced for it is not needed
+        self._release_remote_tail(seq)
+        seq.status = RequestStatus.FINISHED
+        seq.emit(self._delta(seq, (), finish, error))
+
     def _abort_now(self, request_id: str) -> None:
         self.streams.drop(request_id, tell_prefill=True)
-        for seq in self._waiting:
-            if seq.request_id == request_id:
-                self._end_waiting(seq, FinishReason.ABORT)
-                return
-        seq = self._active.get(request_id)
+        seq = self.scheduler.find_waiting(request_id)
+        if seq is not None:
+            if seq.status is not RequestStatus.PREEMPTED:
+                self._release_remote_tail(seq)  # it never fetched
+            self._finish(seq, FinishReason.ABORT)
+            return
+        seq = self.scheduler.active.get(request_id)
         if seq is None:
             return
         if seq.status is RequestStatus.WAITING_FOR_KV and not seq.fetch.abort():
@@ -244,23 +276,8 @@ class DecodeEngine:
             seq.fetch = None
             self._finish(seq, FinishReason.ABORT)
 
-    def _end_waiting(self, seq: DecodeSequence, reason: FinishReason,
-                     error: str | None = None) -> None:
-        """A waiting request ends before it ran here (its prefill's tail is released)."""
-        self._waiting.remove(seq)
-        self._release_remote_tail(seq)
-        seq.status = RequestStatus.FINISHED
-        seq.emit(self._delta(seq, (), reason, error))
-
-    def _blocks_at_most(self, seq: DecodeSequence) -> int:
-        """Blocks the request holds when it is as long as it can get."""
-        total = min(len(seq.request.prompt_token_ids) + seq.request.sampling.max_tokens,
-                    self.max_model_len)
-        return math.ceil(total / self.block_size)
-
     def _start_waiting_for_kv(self, seq: DecodeSequence, fetch: KVFetch) -> None:
         self.streams.seen(seq.request_id)
-        seq.status = RequestStatus.WAITING_FOR_KV
         seq.fetch = fetch
         self.kv_timings[seq.request_id] = {"fetch_start_s": fetch.started_s,
                                            "prefill_extra": dict(seq.request.prefill.extra)}
@@ -268,35 +285,13 @@ class DecodeEngine:
             self.kv_timings.popitem(last=False)
 
     def _admit_waiting(self) -> None:
-        """First come, first served: stop at the first request that does not fit."""
-        while self._waiting:
-            seq = self._waiting[0]
-            if seq.status is RequestStatus.PREEMPTED:
-                if not self.preemption.resume(self, seq):
-                    return
-                self._waiting.pop(0)
-                seq.status = RequestStatus.RUNNING
-                self._active[seq.request_id] = seq
-                continue
-            finish = self._check_stop(seq) if seq.output_ids else None
-            if finish is not None:
-                self._end_waiting(seq, finish)
-                continue
-            if self._blocks_at_most(seq) > self.pool.num_blocks:
-                self._end_waiting(seq, FinishReason.ERROR,
-                                  f"request needs up to {self._blocks_at_most(seq)} KV blocks, "
-                                  f"worker has {self.pool.num_blocks}")
-                continue
-            needed = math.ceil((len(seq.request.prompt_token_ids) + 1) / self.block_size)
-            if needed > self.pool.num_free_blocks:
-                return
-            self._waiting.pop(0)
-            seq.block_table = self.pool.allocate(needed)
-            self._active[seq.request_id] = seq
-            if seq.request.prefill is None:
-                prefill_colocated(self, seq)
-                continue
+        """New requests the scheduler admits start their KV: computed here when colocated,
+        else fetched from the prefill side (or taken from its layer stream)."""
+        for seq in self.scheduler.admit():
             prefill = seq.request.prefill
+            if prefill is None:
+                self._prefill_colocated(seq)
+                continue
             if prefill.layer_stream is not None:  # not announced here in time: take it now
                 fetch = self.fetcher.start_stream(prefill.layer_stream, seq.block_table)
                 fetch.attach(prefill)
@@ -305,8 +300,8 @@ class DecodeEngine:
             self._start_waiting_for_kv(seq, fetch)
 
     def _poll_fetches(self) -> None:
-        for seq in list(self._active.values()):
-            if seq.status is not RequestStatus.WAITING_FOR_KV:
+        for seq in list(self.scheduler.active.values()):
+            if seq.status is not RequestStatus.WAITING_FOR_KV or seq.fetch is None:
                 continue
             state = seq.fetch.poll()
             if not state.done:
@@ -322,32 +317,53 @@ class DecodeEngine:
                 log.warning("KV fetch of %s failed (%s), recomputing the prompt here: %s",
                             seq.request_id, "→".join(fetch.paths), fetch.error,
                             extra={"request_id": seq.request_id})
-                if not recompute_prompt(self, seq):
+                if not self._recompute_prompt(seq):
                     continue
                 timings["recomputed"] = True
             seq.status = RequestStatus.RUNNING
             timings["admitted_s"] = time.time()
 
-    def _grow_blocks(self, running: list[DecodeSequence]) -> list[DecodeSequence]:
-        """Give each running request the block its next token needs, oldest first; when none
-        is free, preempt the newest running request (possibly the one asking)."""
-        running = sorted(running, key=lambda s: s.arrival)
-        for seq in list(running):
-            while seq in running and len(seq.block_table) * self.block_size < seq.num_tokens:
-                if self.pool.num_free_blocks:
-                    seq.block_table += self.pool.allocate(1)
-                else:
-                    self._preempt(running.pop())
-        return running
+    def _prefill_locally(self, tokens: Sequence[int], block_table: Sequence[int]
+                         ) -> torch.Tensor:
+        """Run tokens through the model from position 0 into block_table, in chunks of at
+        most max_num_batched_tokens. Returns the last token's logits [1, vocab]."""
+        budget = self.runner.engine_config.max_num_batched_tokens
+        logits = None
+        for start in range(0, len(tokens), budget):
+            chunk = tuple(tokens[start:start + budget])
+            logits = self.runner.execute([SequenceChunk(chunk, start, block_table)])
+        return logits
 
-    def _preempt(self, seq: DecodeSequence) -> None:
-        self.preemption.preempt(self, seq)
-        seq.status = RequestStatus.PREEMPTED
-        del self._active[seq.request_id]
-        self._waiting.insert(0, seq)
-        self.num_preemptions_total += 1
-        log.debug("preempted %s after %d tokens", seq.request_id, len(seq.output_ids),
-                  extra={"request_id": seq.request_id})
+    def _prefill_colocated(self, seq: DecodeSequence) -> None:
+        """Colocated mode: prefill the prompt into seq's blocks here and sample output token 0
+        (no transfer); the request then runs, or finishes if token 0 already stops it."""
+        prompt = list(seq.request.prompt_token_ids)
+        logits = self._prefill_locally(prompt, seq.block_table)
+        [(token, logprob)] = sample(
+            logits, [SampleInput(seq.request.sampling, seq.seed, prompt, ())], self.eos_token_ids)
+        seq.output_ids.append(token)
+        finish = self._check_stop(seq)
+        if finish is not None:
+            self._finish(seq, finish, new_tokens=(token,), logprob=logprob)
+            return
+        seq.status = RequestStatus.RUNNING
+        seq.emit(self._delta(seq, (token,), None, logprob=logprob))
+
+    def _recompute_prompt(self, seq: DecodeSequence) -> bool:
+        """A KV fetch failed for good (after its retry): compute the prompt's KV into seq's
+        blocks here instead (its output so far is kept: output token 0 came from the prefill).
+        False: the recompute failed too and the request ended with an error."""
+        prompt = list(seq.request.prompt_token_ids)
+        try:
+            self._prefill_locally(prompt, seq.block_table)
+        except Exception as exc:  # noqa: BLE001 — this request fails, the engine goes on
+            log.exception("recomputing %s failed", seq.request_id,
+                          extra={"request_id": seq.request_id})
+            self._finish(seq, FinishReason.ERROR, f"KV fetch and recompute failed: {exc}")
+            return False
+        self.num_fetch_recomputes_total += 1
+        self._num_fetch_recomputed_tokens += len(prompt)
+        return True
 
     def _step(self, running: list[DecodeSequence]) -> None:
         chunks = [SequenceChunk(token_ids=(s.output_ids[-1],), num_computed_tokens=s.num_tokens - 1,
@@ -380,11 +396,8 @@ class DecodeEngine:
 
     def _finish(self, seq: DecodeSequence, reason: FinishReason, error: str | None = None,
                 new_tokens: tuple[int, ...] = (), logprob: TokenLogprob | None = None) -> None:
-        self._active.pop(seq.request_id, None)
-        if seq.block_table:
-            self.pool.free(seq.block_table)
-            seq.block_table = []
-        seq.status = RequestStatus.FINISHED
+        self.scheduler.finish(seq)
+        seq.swapped = None
         seq.emit(self._delta(seq, new_tokens, reason, error, logprob))
 
     def _release_remote_tail(self, seq: DecodeSequence) -> None:
@@ -396,5 +409,3 @@ class DecodeEngine:
         return TokenDelta(seq.request_id, tuple(tokens), reason, seq.num_forward_tokens,
                           self.worker_id, self.pid, error,
                           logprobs=None if logprob is None else (logprob,))
-
-

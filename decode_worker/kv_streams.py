@@ -18,18 +18,17 @@ thread only.
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-from decode_worker.kv_fetch import KVFetch
+from decode_worker.kv_fetch import KVFetch, KVFetcher
+from engine.core.request import RequestStatus
+from engine.core.scheduler import Scheduler
+from engine.protocol import DecodeRequest
 from kvstore.transfer.layer_stream import LayerStreamAnnounce
 from kvstore.transfer.peers import StreamPeers
-
-if TYPE_CHECKING:  # the engine imports this module
-    from decode_worker.engine import DecodeEngine, DecodeSequence
 
 log = logging.getLogger(__name__)
 
@@ -48,14 +47,21 @@ class PendingStreams:
     """Announced layer streams without their request yet; see the module docstring.
 
     Args:
-        engine: the decode engine (its pool, fetcher and waiting queue).
+        scheduler: the engine's scheduler (its KV cache manager and waiting queue); waiting
+            requests are expected to carry `request` (a DecodeRequest) and `block_table`.
+        fetcher: starts the streams' receivers.
+        start_waiting_for_kv: the engine's hook for a request that took its stream, called
+            once the request is active and holds the stream's blocks.
         peers: to tell a prefill its stream is no longer wanted (None: nobody to tell).
         orphan_s: how long a finished stream waits for its request before it is dropped.
     """
 
-    def __init__(self, engine: "DecodeEngine", peers: StreamPeers | None,
-                 orphan_s: float) -> None:
-        self.engine, self.peers, self.orphan_s = engine, peers, orphan_s
+    def __init__(self, scheduler: Scheduler, fetcher: KVFetcher,
+                 start_waiting_for_kv: Callable[[object, KVFetch], None],
+                 peers: StreamPeers | None, orphan_s: float) -> None:
+        self.scheduler, self.fetcher = scheduler, fetcher
+        self.start_waiting_for_kv = start_waiting_for_kv
+        self.peers, self.orphan_s = peers, orphan_s
         self._streams: dict[str, PendingStream] = {}
         self._seen: OrderedDict[str, None] = OrderedDict()  # late announces are ignored
         self.orphans_total = 0
@@ -82,27 +88,26 @@ class PendingStreams:
             self._seen.popitem(last=False)
 
     def expect(self, announce: LayerStreamAnnounce) -> None:
-        rid, engine = announce.request_id, self.engine
+        rid, kv = announce.request_id, self.scheduler.kv
         if rid in self._seen or rid in self._streams:
             return
-        needed = math.ceil((announce.num_prompt_tokens + 1) / engine.block_size)
-        preempted = any(s.status.name == "PREEMPTED" for s in engine._waiting)
-        if preempted or needed > engine.pool.num_free_blocks:
+        table: list[int] = []
+        if self.scheduler.has_preempted() or \
+                not kv.allocate_slots(table, announce.num_prompt_tokens + 1):
             return  # taken at admission instead
-        table = engine.pool.allocate(needed)
         self._streams[rid] = PendingStream(announce, table,
-                                           engine.fetcher.start_stream(announce, table))
+                                           self.fetcher.start_stream(announce, table))
 
-    def take(self, seq: "DecodeSequence") -> PendingStream | None:
-        """The stream announced for seq, if it may be attached; a stream seq's PrefillResult
-        does not name (the prefill gave it up) is dropped."""
-        pending = self._streams.get(seq.request_id)
+    def take(self, request_id: str, request: DecodeRequest) -> PendingStream | None:
+        """The stream announced for the request, if it may be attached; a stream the request's
+        PrefillResult does not name (the prefill gave it up) is dropped."""
+        pending = self._streams.get(request_id)
         if pending is None:
             return None
-        if seq.request.prefill is None or seq.request.prefill.layer_stream is None:
-            self.drop(seq.request_id)
+        if request.prefill is None or request.prefill.layer_stream is None:
+            self.drop(request_id)
             return None
-        return self._streams.pop(seq.request_id)
+        return self._streams.pop(request_id)
 
     def drop(self, request_id: str, tell_prefill: bool = False) -> bool:
         """Abort the stream, free its blocks (now: nothing more is written to them)."""
@@ -111,29 +116,23 @@ class PendingStreams:
         if pending is None:
             return False
         pending.fetch.abort()
-        self.engine.pool.free(pending.block_table)
+        self.scheduler.kv.free(pending.block_table)
         if tell_prefill and self.peers is not None:
             self.peers.cancel_at_prefill(pending.announce.prefill_worker_id, request_id)
         return True
 
     def attach_waiting(self) -> None:
         """Waiting requests whose stream was announced hold their blocks already: they move
-        to WAITING_FOR_KV at once, out of turn (unless they end at admission)."""
-        engine = self.engine
-        for seq in list(engine._waiting):
-            if seq.status.name == "PREEMPTED" or seq.request_id not in self._streams:
+        to WAITING_FOR_KV at once, out of turn."""
+        for seq in list(self.scheduler.waiting):
+            if seq.status is RequestStatus.PREEMPTED or seq.request_id not in self._streams:
                 continue
-            if (seq.output_ids and engine._check_stop(seq) is not None) \
-                    or engine._blocks_at_most(seq) > engine.pool.num_blocks:
-                self.drop(seq.request_id)  # it ends at admission, fetching nothing
-                continue
-            pending = self.take(seq)
+            pending = self.take(seq.request_id, seq.request)
             if pending is not None:
-                engine._waiting.remove(seq)
-                engine._active[seq.request_id] = seq
                 seq.block_table = pending.block_table
+                self.scheduler.activate(seq, RequestStatus.WAITING_FOR_KV)
                 pending.fetch.attach(seq.request.prefill)
-                engine._start_waiting_for_kv(seq, pending.fetch)
+                self.start_waiting_for_kv(seq, pending.fetch)
 
     def poll(self) -> None:
         """Drop streams whose request never came (orphan_s after the stream ended)."""

@@ -42,6 +42,7 @@ from engine.kv_cache import PagedKVCache
 from engine.loader import CheckpointReader
 from engine.model import build_model, check_tensor_parallel
 from engine.parallel import TPError, TPGroup
+from kvstore.blocks import num_blocks_for
 
 _STEP, _WRITE, _READ, _STOP = 1, 2, 3, 4
 _HEADER = 8
@@ -249,7 +250,7 @@ class ModelRunner:
             start, num_new = chunk.num_computed_tokens, len(chunk.token_ids)
             seq_len = start + num_new
             self._validate(index, chunk, seq_len)
-            table = torch.tensor(list(chunk.block_table[: -(-seq_len // block_size)]), dtype=torch.int64)
+            table = torch.tensor(list(chunk.block_table[: num_blocks_for(seq_len, block_size)]), dtype=torch.int64)
             chunk_positions = torch.arange(start, seq_len, dtype=torch.int64)
             token_ids.extend(chunk.token_ids)
             positions.append(chunk_positions)
@@ -281,7 +282,7 @@ class ModelRunner:
             raise ValueError(
                 f"chunk {index}: positions up to {seq_len - 1} exceed max_model_len {self.max_model_len}"
             )
-        needed = -(-seq_len // block_size)
+        needed = num_blocks_for(seq_len, block_size)
         if len(chunk.block_table) < needed:
             raise ValueError(
                 f"chunk {index}: block_table has {len(chunk.block_table)} blocks, {seq_len} tokens "

@@ -30,6 +30,7 @@ import torch
 
 from engine.runner import ModelRunner
 from kvstore.client import KVStoreClient
+from kvstore.blocks import num_blocks_for
 from kvstore.transfer.layer_stream import (LayerStreamAnnounce, LayerStreamSender,
                                            plan_pieces)
 from kvstore.transfer.peers import StreamPeers
@@ -99,7 +100,7 @@ class LayerStreamer:
                 index += 1
         pieces = tuple(p for segment in segments for p in segment)
         announce = LayerStreamAnnounce(request_id, self.address, f"layer:{request_id}:", pieces,
-                                       -(-num_prompt_tokens // bs), num_prompt_tokens, layers,
+                                       num_blocks_for(num_prompt_tokens, bs), num_prompt_tokens, layers,
                                        self.worker_id)
         if not self.peers.announce(decode_id, announce):
             return None

@@ -36,6 +36,7 @@ from kvstore.client import KVStoreClient
 from kvstore.errors import BlockLayoutError, BlockNotFoundError, KVStoreError, KVTransferError
 from kvstore.transfer.base import KVReceiver, TransferState, _Cancelled
 from kvstore.transfer.dest import WIRE_DTYPES
+from kvstore.blocks import num_blocks_for
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +92,7 @@ def plan_pieces(num_prefix_blocks: int, chunks: list[tuple[int, int]], block_siz
     pieces = [LayerPiece(ALL_LAYERS, b, min(max_prefix_blocks, num_prefix_blocks - b))
               for b in range(0, num_prefix_blocks, max_prefix_blocks)]
     for start, end in chunks:
-        first, stop = start // block_size, -(-end // block_size)
+        first, stop = start // block_size, num_blocks_for(end, block_size)
         for layer in range(num_layers):
             pieces += [LayerPiece(layer, b, min(max_blocks_per_layer, stop - b))
                        for b in range(first, stop, max_blocks_per_layer)]

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from kvstore.index import Location
+from kvstore.blocks import num_full_blocks
 from router.cost_model import CostModel
 
 
@@ -58,7 +59,7 @@ class RouteContext:
 
     @property
     def max_hit_blocks(self) -> int:
-        return max(0, (self.num_tokens - 1) // self.block_size)
+        return num_full_blocks(max(0, self.num_tokens - 1), self.block_size)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,119 @@
+"""The scheduler of a worker's engine loop: request queues, admission by free blocks, growth
+and preemption (vLLM v1's `Scheduler`, without its per-feature branches).
+
+    waiting (FCFS; preempted ones at the head) ──admit()──▶ active ──finish()──▶ gone
+                         ▲                                    │
+                         └──────── preempt() ◀── grow(): no block for the next token
+
+Admission is first come, first served and stops at the first request that does not fit, so a
+large request is never overtaken for ever. A preempted request resumes (through the preemption
+policy) before any new one. `grow()` gives every running request the blocks its next step
+needs, oldest first; when none is free the newest running request is preempted. What a newly
+admitted request does next (load its KV, or compute its prompt) is the engine's business.
+Not thread-safe: the engine loop is its only user.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Generic, TypeVar
+
+from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.preemption import PreemptionPolicy
+from engine.core.request import RequestStatus, SchedulableRequest
+
+R = TypeVar("R", bound=SchedulableRequest)
+
+
+class Scheduler(Generic[R]):
+    """Queues and block accounting of one worker's requests.
+
+    Args:
+        kv: the worker's KV cache manager.
+        preemption: how a preempted request gives its blocks up and gets them back.
+
+    Attributes:
+        waiting: requests not admitted yet, in admission order.
+        active: admitted requests (waiting for KV or running), by id.
+        num_preemptions_total: preemptions so far.
+    """
+
+    def __init__(self, kv: KVCacheManager, preemption: PreemptionPolicy) -> None:
+        self.kv = kv
+        self.preemption = preemption
+        self.waiting: list[R] = []
+        self.active: dict[str, R] = {}
+        self.num_preemptions_total = 0
+        self._arrivals = 0
+
+    def add(self, request: R) -> None:
+        """Queue a new request (status WAITING) behind the others."""
+        self._arrivals += 1
+        request.arrival = self._arrivals
+        request.status = RequestStatus.WAITING
+        self.waiting.append(request)
+
+    def has_preempted(self) -> bool:
+        """Whether a preempted request waits to resume (it comes before anything new)."""
+        return any(r.status is RequestStatus.PREEMPTED for r in self.waiting)
+
+    def find_waiting(self, request_id: str) -> R | None:
+        return next((r for r in self.waiting if r.request_id == request_id), None)
+
+    def activate(self, request: R, status: RequestStatus) -> None:
+        """Move a waiting request into the active set out of turn (it already holds blocks,
+        e.g. reserved for a layer stream announced before it arrived)."""
+        self.waiting.remove(request)
+        request.status = status
+        self.active[request.request_id] = request
+
+    def admit(self) -> Iterator[R]:
+        """Admit waiting requests, first come first served, while blocks last.
+
+        A preempted request is resumed by the preemption policy and runs again; a new one gets
+        blocks for its prompt plus the first fed token and is yielded (status WAITING_FOR_KV):
+        the caller starts its KV and may finish it. Stops at the first request that does not
+        fit.
+        """
+        while self.waiting:
+            request = self.waiting[0]
+            if request.status is RequestStatus.PREEMPTED:
+                if not self.preemption.resume(request):
+                    return
+                self.waiting.pop(0)
+                request.status = RequestStatus.RUNNING
+                self.active[request.request_id] = request
+                continue
+            if not self.kv.allocate_slots(request.block_table, request.num_prompt_tokens + 1):
+                return
+            self.waiting.pop(0)
+            request.status = RequestStatus.WAITING_FOR_KV
+            self.active[request.request_id] = request
+            yield request
+
+    def grow(self) -> list[R]:
+        """The running requests, oldest first, each holding the blocks its next step needs
+        (its tokens so far); the newest are preempted while blocks are short (possibly the one
+        asking)."""
+        running = sorted((r for r in self.active.values() if r.status is RequestStatus.RUNNING),
+                         key=lambda r: r.arrival)
+        for request in list(running):
+            while request in running and \
+                    not self.kv.allocate_slots(request.block_table, request.num_tokens):
+                self._preempt(running.pop())
+        return running
+
+    def finish(self, request: R) -> None:
+        """The request leaves (done, aborted or failed): its blocks go back to the pool."""
+        self.active.pop(request.request_id, None)
+        if request in self.waiting:
+            self.waiting.remove(request)
+        self.kv.free(request.block_table)
+        request.status = RequestStatus.FINISHED
+
+    def _preempt(self, request: R) -> None:
+        self.preemption.preempt(request)
+        request.status = RequestStatus.PREEMPTED
+        del self.active[request.request_id]
+        self.waiting.insert(0, request)
+        self.num_preemptions_total += 1

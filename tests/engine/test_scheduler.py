@@ -1,0 +1,205 @@
+"""engine.core: the KV cache manager and the scheduler, driven without Ray or a model."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.preemption import PREEMPTION_MODES, RecomputePreemption, SwapPreemption
+from engine.core.request import RequestStatus
+from engine.core.scheduler import Scheduler
+from kvstore.block_pool import BlockPool
+from kvstore.blocks import num_blocks_for, num_full_blocks
+from kvstore.hashing import block_keys, make_namespace
+
+BLOCK = 4
+
+
+@dataclass(eq=False)
+class Req:
+    """A request as the scheduler sees it: prompt_len tokens of prompt, `out` output tokens."""
+
+    request_id: str
+    prompt_len: int
+    out: int = 1
+    status: RequestStatus = RequestStatus.WAITING
+    block_table: list[int] = field(default_factory=list)
+    arrival: int = 0
+    swapped: torch.Tensor | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return self.prompt_len
+
+    @property
+    def num_tokens(self) -> int:
+        return self.prompt_len + self.out
+
+    def kv_token_ids(self) -> list[int]:
+        return list(range(self.num_tokens - 1))
+
+
+class Recorder:
+    """A local prefill that records what it was asked to recompute (no model)."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[int, tuple[int, ...]]] = []
+
+    def __call__(self, tokens, block_table):
+        self.calls.append((len(tokens), tuple(block_table)))
+        return torch.zeros(1, 8)
+
+
+class HostCache:
+    """A block copier over a tensor of blocks (what ModelRunner.wire_kv is, without a model)."""
+
+    device = torch.device("cpu")
+
+    def __init__(self, num_blocks: int) -> None:
+        self.blocks = torch.zeros(num_blocks, 2)
+
+    def read_blocks(self, ids):
+        return self.blocks[list(ids)].clone()
+
+    def write_blocks(self, ids, data):
+        self.blocks[list(ids)] = data
+
+
+def make(num_blocks: int, mode: str = "recompute"):
+    kv = KVCacheManager(BlockPool(num_blocks, enable_caching=True), BLOCK)
+    recorder, cache = Recorder(), HostCache(num_blocks)
+    return Scheduler(kv, PREEMPTION_MODES[mode](kv, recorder, cache)), recorder, cache
+
+
+def test_block_arithmetic():
+    assert [num_blocks_for(n, 4) for n in (0, 1, 4, 5, 8, 9)] == [0, 1, 1, 2, 2, 3]
+    assert [num_full_blocks(n, 4) for n in (0, 3, 4, 7, 8)] == [0, 0, 1, 1, 2]
+    with pytest.raises(ValueError):
+        num_blocks_for(-1, 4)
+    with pytest.raises(ValueError):
+        num_full_blocks(3, 0)
+
+
+def test_allocate_slots_grows_in_place_or_takes_nothing():
+    kv = KVCacheManager(BlockPool(3), BLOCK)
+    table: list[int] = []
+    assert kv.allocate_slots(table, 5) and len(table) == 2
+    assert kv.allocate_slots(table, 8) and len(table) == 2  # still fits
+    assert not kv.allocate_slots(table, 13) and len(table) == 2  # needs 2 more, 1 free
+    assert kv.num_free_blocks == 1
+    kv.free(table)
+    assert table == [] and kv.num_free_blocks == 3
+
+
+def test_computed_blocks_leave_one_token_to_compute_and_are_referenced():
+    pool = BlockPool(8)
+    kv = KVCacheManager(pool, BLOCK)
+    prompt = list(range(12))  # exactly 3 full blocks
+    keys = block_keys(prompt, BLOCK, make_namespace("m", None))
+    table: list[int] = []
+    assert kv.allocate_slots(table, len(prompt))
+    written = list(table)
+    pool.cache_full_blocks(table, keys)
+    kv.free(table)
+    hit = kv.get_computed_blocks(keys, len(prompt))
+    assert hit == written[:2]  # the third block holds the last token, which must be computed
+    assert pool.num_used_blocks == 2  # referenced: eviction cannot take them
+    kv.free(hit)
+    assert kv.get_computed_blocks(keys, 13) == written  # one more token: all 3 are reusable
+
+
+def test_admission_is_first_come_first_served_and_stops_at_the_first_misfit():
+    scheduler, _, _ = make(4)
+    big, small = Req("big", prompt_len=20), Req("small", prompt_len=2)  # 6 blocks, 1 block
+    scheduler.add(big)
+    scheduler.add(small)
+    assert list(scheduler.admit()) == []  # big does not fit; small does not overtake it
+    assert [r.request_id for r in scheduler.waiting] == ["big", "small"]
+    first = Req("a", prompt_len=6)  # 2 blocks for 6 prompt tokens + the first fed token
+    scheduler2, _, _ = make(4)
+    scheduler2.add(first)
+    scheduler2.add(Req("b", prompt_len=3))  # 1 block
+    scheduler2.add(Req("c", prompt_len=7))  # 2 blocks: only 1 left
+    admitted = list(scheduler2.admit())
+    assert [r.request_id for r in admitted] == ["a", "b"]
+    assert all(r.status is RequestStatus.WAITING_FOR_KV for r in admitted)
+    assert [len(r.block_table) for r in admitted] == [2, 1]
+
+
+def test_growth_preempts_the_newest_and_resumes_it_first():
+    scheduler, recorder, _ = make(4)
+    old, new = Req("old", prompt_len=3, out=1), Req("new", prompt_len=3, out=1)
+    for r in (old, new):
+        scheduler.add(r)
+    for r in scheduler.admit():
+        r.status = RequestStatus.RUNNING  # their KV arrived
+    later = Req("later", prompt_len=1)
+    scheduler.add(later)
+    assert [r.request_id for r in scheduler.grow()] == ["old", "new"]
+    old.out, new.out = 5, 5  # 8 tokens each: 2 blocks each, 4 in all: still fits
+    assert [r.request_id for r in scheduler.grow()] == ["old", "new"]
+    old.out = 6  # old needs a third block; none free: the newest (new) is preempted
+    assert [r.request_id for r in scheduler.grow()] == ["old"]
+    assert new.status is RequestStatus.PREEMPTED and new.block_table == []
+    assert [r.request_id for r in scheduler.waiting] == ["new", "later"]
+    assert scheduler.num_preemptions_total == 1
+    scheduler.finish(old)
+    assert list(scheduler.admit()) == [later]  # new resumed first, then later admitted
+    assert new.status is RequestStatus.RUNNING and len(new.block_table) == 2
+    assert recorder.calls == [(7, tuple(new.block_table))]  # its KV recomputed into them
+    assert scheduler.preemption.num_recomputed_tokens_total == 7
+
+
+def test_the_asking_request_is_preempted_when_it_is_the_newest():
+    scheduler, _, _ = make(2)
+    only = Req("only", prompt_len=3, out=1)
+    scheduler.add(only)
+    for r in scheduler.admit():
+        r.status = RequestStatus.RUNNING
+    only.out = 10  # 13 tokens: 4 blocks, the cache has 2
+    assert scheduler.grow() == []
+    assert only.status is RequestStatus.PREEMPTED and scheduler.kv.num_free_blocks == 2
+
+
+def test_swap_keeps_the_blocks_contents_across_preemption():
+    scheduler, recorder, cache = make(4, "swap")
+    assert isinstance(scheduler.preemption, SwapPreemption)
+    a, b = Req("a", prompt_len=3, out=1), Req("b", prompt_len=3, out=1)
+    for r in (a, b):
+        scheduler.add(r)
+    for r in scheduler.admit():
+        r.status = RequestStatus.RUNNING
+    cache.blocks[b.block_table] = torch.tensor([[7.0, 8.0]])
+    a.out = 10  # a needs 4 blocks: b goes
+    scheduler.grow()
+    assert b.status is RequestStatus.PREEMPTED and b.swapped is not None
+    scheduler.finish(a)
+    list(scheduler.admit())
+    assert b.status is RequestStatus.RUNNING and b.swapped is None
+    assert torch.equal(cache.blocks[b.block_table], torch.tensor([[7.0, 8.0]]))
+    assert recorder.calls == []  # nothing recomputed
+
+
+def test_finish_frees_and_activate_takes_a_request_out_of_turn():
+    scheduler, _, _ = make(4)
+    a, b = Req("a", prompt_len=20), Req("b", prompt_len=2)
+    scheduler.add(a)
+    scheduler.add(b)
+    b.block_table = [0]  # e.g. reserved for its announced layer stream
+    scheduler.kv.pool.allocate(1)
+    scheduler.activate(b, RequestStatus.WAITING_FOR_KV)
+    assert scheduler.active == {"b": b} and scheduler.waiting == [a]
+    scheduler.finish(b)
+    scheduler.finish(a)
+    assert scheduler.kv.num_free_blocks == 4 and not scheduler.active and not scheduler.waiting
+    assert a.status is b.status is RequestStatus.FINISHED
+
+
+def test_modes_are_registered_by_name():
+    kv = KVCacheManager(BlockPool(2), BLOCK)
+    assert isinstance(PREEMPTION_MODES["recompute"](kv, Recorder(), HostCache(2)),
+                      RecomputePreemption)
+    assert set(PREEMPTION_MODES) == {"recompute", "swap"}
