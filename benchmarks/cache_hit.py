@@ -5,7 +5,7 @@ Replays the ``hash_ids`` of ``conversation_trace.jsonl`` (12,031 requests, 288,5
 32-byte keys with ``kvstore.hashing.block_keys`` (one hash id per "token", block size 1; the ids
 already name a prefix, the chaining keeps the keys' real form); LRU runs on
 ``kvstore.block_pool.BlockPool`` (its O(1) free queue), every other policy on
-``kvstore.eviction.PolicyCache``. Per request (``PolicyCache.serve``): hits = leading cached
+``benchmarks.eviction.PolicyCache``. Per request (``PolicyCache.serve``): hits = leading cached
 blocks; then every block of the request is cached, the missing ones evicting; released tail-first.
 Every block of the trace counts, the partial last block of a request too, as in the trace's
 README (infinite cache: 36.6%).
@@ -43,7 +43,7 @@ from benchmarks.cache_hit_sim import (  # noqa: E402
     ROUTERS, BlockPoolCache, Request, infinite_cache_hits, replay, trace_requests)
 from benchmarks.cache_hit_sweep import (  # noqa: E402
     CellResult, belady_hits, check_lru, ordered_dict_lru_hits, run_sweep, sweep_cells)
-from kvstore.eviction import DEFAULT_EVICTION, EVICTION_POLICIES  # noqa: E402
+from benchmarks.eviction import DEFAULT_EVICTION, EVICTION_POLICIES  # noqa: E402
 from loadtest.trace import read_trace  # noqa: E402
 
 __all__ = ["BlockPoolCache", "Request", "belady_hits", "check_lru", "infinite_cache_hits",

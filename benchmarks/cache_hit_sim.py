@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Protocol, Sequence
 
 from kvstore.block_pool import BlockPool
-from kvstore.eviction import PolicyCache, make_policy
+from benchmarks.eviction import PolicyCache, make_policy
 from kvstore.events import KVCacheEvent
 from kvstore.hashing import block_keys, make_namespace
 from kvstore.index import Location, MemoryIndex

@@ -37,7 +37,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from kvstore.config import KVStoreConfig, KVTransferConfig  # noqa: E402
 from kvstore.hashing import block_keys, make_namespace  # noqa: E402
+from kvstore.layout import BlockLayout  # noqa: E402
 from kvstore.server import channel_options  # noqa: E402
+from kvstore.tail_store import TailStore  # noqa: E402
 from kvstore.transfer.base import FetchRequest  # noqa: E402
 
 TOKEN = "benchmark-token"
@@ -64,12 +66,29 @@ def _raw_server(ready: mp.Queue, max_bytes: int) -> None:
         conn.sendall(payload[:int.from_bytes(header, "little")])
 
 
+class _HeldBlocks(TailStore):
+    """The grpc server's blocks in a dict (kvstore.server.BlockStore), so the cells time the
+    transfer, not a store (a node's TieredNodeStore adds one arena copy per block read)."""
+
+    def __init__(self) -> None:
+        super().__init__(capacity_bytes=1 << 20, tail_ttl_s=60.0)
+        self.blocks: dict[bytes, tuple[bytes, BlockLayout]] = {}
+
+    def put(self, key: bytes, payload: bytes, layout: BlockLayout) -> None:
+        self.blocks[key] = (payload, layout)
+
+    def get_many(self, keys) -> list[tuple[bytes, BlockLayout] | None]:
+        return [self.blocks.get(k) for k in keys]
+
+    def stats(self) -> dict[str, int]:
+        return {**super().stats(), "num_blocks": len(self.blocks), "evictions": 0}
+
+
 def _grpc_server(ready: mp.Queue, num_blocks: int, block_elems: int) -> None:
     from kvstore.client import KVStoreClient
     from kvstore.server import KVStoreServer
 
-    server = KVStoreServer(KVStoreConfig(capacity_bytes=2 * num_blocks * block_elems * 4,
-                                         token=TOKEN))
+    server = KVStoreServer(KVStoreConfig(token=TOKEN), _HeldBlocks())
     server.start()
     with KVStoreClient(server.address, token=TOKEN) as client:
         client.put_blocks(_keys(num_blocks), _blocks(num_blocks, block_elems))

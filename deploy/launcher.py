@@ -21,12 +21,11 @@ from engine.config import EngineConfig, ModelConfig
 from engine.model import check_tensor_parallel
 from kvstore.actor import start_kvstore_actors
 from kvstore.index import ActorIndex, open_index
-from kvstore.host_store import BlockLayout
+from kvstore.layout import BlockLayout
 from prefill_worker.actor import PrefillWorker
 from router.admission import SLO
-from router.conductor import Conductor, Instance, InstanceRegistry
+from router.conductor import Conductor, Instance, InstanceRegistry, build_live_conductor
 from engine.logs import worker_env_vars
-from router.policies.live_loads import build_live_conductor
 from router.pipeline import ColocatedPipeline, Pipeline
 
 log = logging.getLogger(__name__)

@@ -23,7 +23,8 @@ from typing import Iterable, Literal, Mapping
 
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from engine.tp_placement import bundle_options
 
 PREFILL = "prefill"
 DECODE = "decode"
@@ -122,25 +123,13 @@ def tp_placement_group(tp: int, resource: str | None, num_cpus_per_rank: float,
 def tp_rank_options(pg: PlacementGroup, rank: int,
                     max_restarts: int = WORKER_MAX_RESTARTS) -> dict:
     """``ActorClass.options(**...)`` for rank `rank` of the group: exactly its bundle's
-    resources, scheduled into that bundle.
+    resources, scheduled into that bundle (engine.tp_placement.bundle_options).
 
     max_restarts: a TP instance restarts as a whole (DESIGN.md; engine/tp_instance.py): rank 0
     restarts (the default) and re-creates its followers, which pass 0, since a rank restarted
     alone would wait for peers that are gone.
     """
-    spec = dict(pg.bundle_specs[rank])
-    options: dict = {
-        "num_cpus": spec.pop("CPU", 0.0),
-        "max_restarts": max_restarts,
-        "scheduling_strategy": PlacementGroupSchedulingStrategy(
-            pg, placement_group_bundle_index=rank, placement_group_capture_child_tasks=True),
-    }
-    if "GPU" in spec:
-        options["num_gpus"] = spec.pop("GPU")
-    spec.pop("memory", None)
-    if spec:
-        options["resources"] = spec
-    return options
+    return {**bundle_options(pg, rank), "max_restarts": max_restarts}
 
 
 def node_ids_by_resource(resource: str) -> list[str]:

@@ -1,7 +1,8 @@
 """A tensor-parallel instance as Ray actors: rank 0 is the worker actor (DecodeWorker or
 PrefillWorker, which schedules, samples and talks to the rest of the cluster); ranks 1..k-1 are
 TPFollower actors it creates, in the other bundles of its STRICT_PACK placement group
-(deploy.placement.tp_placement_group), so the whole group is on one node.
+(made by the deployment, e.g. deploy.placement.tp_placement_group; each rank in its bundle,
+engine.tp_placement), so the whole group is on one node.
 
 Bootstrap (no fixed port, STYLE.md item 11): rank 0 binds a TCPStore on a free port of its
 node's IP, creates the followers with host:port as arguments (Ray RPC: trusted control plane),
@@ -9,8 +10,8 @@ and all k processes form the default torch.distributed group (gloo on CPU, NCCL 
 
 Failure: the instance restarts as a whole, because a gloo group cannot be rejoined.
 - rank 0 dies: its followers die with it (Ray kills the actors an actor owns), and Ray restarts
-  rank 0 (deploy.placement.WORKER_MAX_RESTARTS) in the same placement group, which re-creates
-  the followers and forms a new group;
+  rank 0 (deployed restartable: deploy.placement.WORKER_MAX_RESTARTS) in the same placement
+  group, which re-creates the followers and forms a new group;
 - a follower dies: its `follow` call errors, rank 0's monitor thread sees it and exits the
   rank 0 process, which then restarts as above (a collective rank 0 was in fails at once, as
   the dead peer's connections close: the runner turns that into TPError).
@@ -28,6 +29,7 @@ import ray
 from engine.config import EngineConfig
 from engine.parallel import TPError, TPGroup, create_master_store, init_tp_group
 from engine.runner import ModelRunner
+from engine.tp_placement import bundle_options
 
 log = logging.getLogger(__name__)
 
@@ -79,17 +81,14 @@ class TPInstance:
         if self.size == 1:
             self.group = TPGroup()
             return
-        from deploy.placement import tp_rank_options
-
         pg = ray.util.get_current_placement_group()
         if pg is None or len(pg.bundle_specs) != self.size:
             raise RuntimeError(f"rank 0 of a TP={self.size} instance must run in its STRICT_PACK "
-                               "placement group of as many bundles "
-                               "(deploy.placement.tp_placement_group)")
+                               "placement group of as many bundles")
         host = ray.util.get_node_ip_address()
         store = create_master_store(host, self.size, join_timeout_s)
         for rank in range(1, self.size):
-            options = {**tp_rank_options(pg, rank), "max_restarts": 0}
+            options = {**bundle_options(pg, rank), "max_restarts": 0}
             if runtime_env:
                 options["runtime_env"] = runtime_env
             self.followers.append(TPFollower.options(**options).remote(

@@ -1,4 +1,4 @@
-"""KV store: block hashing, host-DRAM block store, gRPC data plane, per-node Ray actor.
+"""KV store: block hashing, block pool, tiered node store, gRPC data plane, per-node Ray actor.
 
 Light re-exports only; importing ``kvstore`` does not import Ray, gRPC or torch
 (``kvstore.actor`` imports Ray, ``kvstore.server``/``kvstore.client`` import gRPC).

@@ -26,7 +26,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, Literal
 
 import ray
 from ray.actor import ActorHandle
@@ -34,17 +34,21 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from kvstore.config import KVStoreConfig
 from kvstore.errors import KVStoreError, StaleArenaError
-from kvstore.host_store import BlockLayout, HostBlockStore
 from kvstore.index import Location, open_index
+from kvstore.layout import BlockLayout
 from kvstore.node_store import HOST, SSD, TieredNodeStore
 from kvstore.pool_config import KVPoolConfig
 from kvstore.server import KVStoreServer
+from kvstore.tail_store import TailStore
 
 log = logging.getLogger(__name__)
 
 KVSTORE_ACTOR_PREFIX = "pdcluster-kvstore-"
 _WILDCARD_HOSTS = {"0.0.0.0", "::", "[::]", ""}
 _REANNOUNCE_BATCH = 1000  # keys per index call when re-announcing a node's blocks
+
+#: Faults KVStoreActor.inject_fault can cause (with KVStoreConfig.fault_injection on).
+StoreFault = Literal["stop_serving", "stop_heartbeat"]
 
 
 @ray.remote(num_cpus=0, max_concurrency=8)  # TieredNodeStore is thread-safe
@@ -65,7 +69,7 @@ class KVStoreActor:
                    if pool.ssd_cache_dir else None)
         self.store = TieredNodeStore(self._node_id, layout, pool.dram_cache_bytes, ssd_dir,
                                      pool.ssd_cache_bytes, self._index,
-                                     HostBlockStore(config.capacity_bytes, config.tail_ttl_s))
+                                     TailStore(config.capacity_bytes, config.tail_ttl_s))
         self.restarted = ray.get_runtime_context().was_current_actor_reconstructed
         if self.restarted:  # what the dead instance held is gone
             for tier in (HOST, SSD):
@@ -152,14 +156,26 @@ class KVStoreActor:
     def release(self, slots: list[int | None]) -> None:
         self.store.release(slots)
 
-    def stop_serving_for_testing(self) -> None:
-        """TEST-ONLY: take the gRPC data plane down while the node keeps heartbeating, as a
-        wedged or firewalled store would: its blocks stay listed but cannot be fetched."""
-        self._server.stop(grace=0)
+    def inject_fault(self, fault: StoreFault) -> None:
+        """Break this store on purpose, for fault-tolerance tests of a running cluster.
 
-    def stop_heartbeat_for_testing(self) -> None:
-        """TEST-ONLY: stop renewing the node lease, as a hung or partitioned node would."""
-        self._stop.set()
+        ``"stop_serving"``: the gRPC data plane goes down while the node keeps heartbeating,
+        as a wedged or firewalled store's would: its blocks stay listed but cannot be fetched.
+        ``"stop_heartbeat"``: the node lease is no longer renewed, as a hung or partitioned
+        node's is not; its locations drop out of lookups within ``node_lease_s``.
+
+        Raises:
+            RuntimeError: the store's config has ``fault_injection`` off (the default).
+            ValueError: an unknown fault.
+        """
+        if not self._config.fault_injection:
+            raise RuntimeError("fault injection is off in this KV store's config "
+                               "(KVStoreConfig.fault_injection)")
+        faults = {"stop_serving": lambda: self._server.stop(grace=0),
+                  "stop_heartbeat": self._stop.set}
+        if fault not in faults:
+            raise ValueError(f"unknown fault {fault!r}; known: {', '.join(faults)}")
+        faults[fault]()
 
     def stop(self) -> None:
         """Stop heartbeating and serving, free the arena (the actor stays until killed)."""
@@ -170,11 +186,6 @@ class KVStoreActor:
 
     def _port_file(self) -> Path:
         return Path(tempfile.gettempdir()) / "pdcluster" / f"kvstore-{self._node_id}.port"
-
-    def heartbeat_now_for_testing(self) -> bool:
-        """TEST-ONLY: one heartbeat now (re-announcing if the index lost this node), instead of
-        waiting up to a third of the lease. Returns whether it reached the index."""
-        return self._heartbeat_once()
 
     def _heartbeat_once(self) -> bool:
         """Renew the node's lease. When the index did not know the lease (first heartbeat,

@@ -22,15 +22,14 @@ import torch
 
 from kvstore import tls as kv_tls
 from kvstore.config import KVTLSConfig
-from kvstore.errors import (BlockLayoutError, BlockNotFoundError, KVAuthError, KVStoreError,
-                            KVTransferError, StoreCapacityError)
+from kvstore.errors import BlockLayoutError, KVTransferError
 from kvstore.fetch_session import BlockStream, FetchSession, SessionPool
 from kvstore.hashing import KEY_BYTES
-from kvstore.host_store import BlockLayout
+from kvstore.layout import BlockLayout
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto import kvstore_pb2_grpc as pb_grpc
-from kvstore.server import (AUTH_METADATA_KEY, ERROR_METADATA_KEY, MESSAGE_OVERHEAD_BYTES,
-                            SERVICE_NAME, channel_options)
+from kvstore.rpc_errors import rpc_error
+from kvstore.server import AUTH_METADATA_KEY, MESSAGE_OVERHEAD_BYTES, SERVICE_NAME, channel_options
 from kvstore.transfer.runs import budget_runs
 
 TORCH_DTYPES: dict[str, torch.dtype] = {
@@ -207,7 +206,7 @@ class KVStoreClient:
         if max_chunk_bytes is not None:
             budget = max(1, min(budget, max_chunk_bytes))
         request = pb.GetBlocksRequest(keys=list(keys), max_chunk_bytes=budget)
-        return BlockStream(self, keys, request,
+        return BlockStream(self.address, self.sessions, keys, request,
                            self.timeout_s if timeout_s is None else timeout_s)
 
     def put_tail(self, handle: str, block: torch.Tensor, num_tokens: int) -> None:
@@ -286,55 +285,11 @@ class KVStoreClient:
         try:
             return fn()
         except grpc.RpcError as exc:
-            raise self._typed_error(method, exc, handle) from None
+            raise rpc_error(self.address, method, exc, handle) from None
         except ValueError as exc:  # grpc raises ValueError on a closed channel
             raise KVTransferError(f"{self.address}: {method} failed: {exc}",
                                   address=self.address) from None
 
-    def fetch_error(self, error: pb.FetchError) -> KVStoreError:
-        """The typed error of a FetchBlocks reply's in-band ``error``."""
-        where = f"{self.address}: FetchBlocks"
-        if error.kind == "not_found":
-            return BlockNotFoundError(f"{where}: {error.details}", missing=list(error.missing))
-        return KVTransferError(f"{where} failed ({error.kind}): {error.details}",
-                               address=self.address)
-
-    def _typed_error(self, method: str, exc: grpc.RpcError, handle: str | None) -> KVStoreError:
-        code = exc.code() if hasattr(exc, "code") else None
-        details = exc.details() if hasattr(exc, "details") else str(exc)
-        trailers = dict(exc.trailing_metadata() or ()) if hasattr(exc, "trailing_metadata") else {}
-        kind = trailers.get(ERROR_METADATA_KEY)
-        where = f"{self.address}: {method}"
-        if code == grpc.StatusCode.UNAUTHENTICATED:
-            return KVAuthError(f"{where} refused: missing or invalid KV store token",
-                               address=self.address)
-        if code == grpc.StatusCode.NOT_FOUND and kind == "not_found":
-            if handle is not None:
-                return BlockNotFoundError(f"{where}: {details}", handle=handle)
-            return BlockNotFoundError(f"{where}: {details}", missing=_parse_missing(details))
-        if kind == "capacity":
-            return StoreCapacityError(f"{where}: {details}")
-        if kind == "layout":
-            return BlockLayoutError(f"{where}: {details}")
-        if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-            return KVTransferError(f"{where} exceeded its deadline",
-                                   address=self.address)
-        name = code.name if code is not None else "UNKNOWN"
-        return KVTransferError(f"{where} failed with {name}: {details}", address=self.address)
-
 
 def _layout_msg(layout: BlockLayout) -> pb.BlockLayout:
     return pb.BlockLayout(dtype=layout.dtype, shape=layout.shape)
-
-
-def _parse_missing(details: str) -> list[bytes]:
-    """Keys from ``missing N of M block(s): hex,hex[ (+K more)]`` (server._missing_details)."""
-    _, _, listed = details.partition(": ")
-    listed = listed.split(" ", 1)[0]
-    out = []
-    for token in listed.split(","):
-        try:
-            out.append(bytes.fromhex(token))
-        except ValueError:
-            continue
-    return out

@@ -35,13 +35,16 @@ class KVTLSConfig(pydantic.BaseModel):
 
 
 class KVStoreConfig(pydantic.BaseModel):
-    """Settings of a :class:`kvstore.server.KVStoreServer` and its host-DRAM block store.
+    """Settings of one node's KV store: its gRPC server (kvstore.server.KVStoreServer), its
+    tail blocks (kvstore.tail_store.TailStore) and its Ray actor (kvstore.actor.KVStoreActor).
 
     Attributes:
         host: bind address of the gRPC server (``--kv-bind``); 127.0.0.1 unless the cluster
             spans machines, then the node's routable address.
         port: TCP port; 0 picks a free port at start.
-        capacity_bytes: host-DRAM budget in bytes; keyed blocks past it are LRU-evicted.
+        capacity_bytes: host-DRAM budget in bytes of the tail blocks held at once
+            (``--kv-tail-capacity-bytes``); keyed blocks live in the G2 arena and G3 tier,
+            sized by kvstore.pool_config.KVPoolConfig.
         tail_ttl_s: seconds a tail block may wait to be taken before it is dropped (so a
             decode worker that never comes leaks nothing).
         transfer_timeout_s: deadline in seconds of each client RPC.
@@ -52,6 +55,10 @@ class KVStoreConfig(pydantic.BaseModel):
             a repr or a log.
         tls: TLS of the gRPC server and its clients; ``None``: plaintext (the token still
             guards every call, but crosses the network in the clear).
+        fault_injection: lets callers break the store actor on purpose
+            (:meth:`kvstore.actor.KVStoreActor.inject_fault`: stop serving gRPC, stop
+            heartbeating), as fault-tolerance tests do to a running cluster. Off by default,
+            and no CLI flag sets it; with it off, injecting raises.
     """
 
     model_config = pydantic.ConfigDict(frozen=True, extra="forbid")
@@ -64,6 +71,7 @@ class KVStoreConfig(pydantic.BaseModel):
     max_message_bytes: int = pydantic.Field(default=64 << 20, gt=0)
     token: pydantic.SecretStr | None = None
     tls: KVTLSConfig | None = None
+    fault_injection: bool = False
 
 
 class KVTransferConfig(pydantic.BaseModel):

@@ -20,17 +20,15 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import grpc
 
 from kvstore.errors import BlockLayoutError, KVTransferError
-from kvstore.host_store import BlockLayout
+from kvstore.layout import BlockLayout
 from kvstore.proto import kvstore_pb2 as pb
+from kvstore.rpc_errors import fetch_error, rpc_error
 from kvstore.transfer.wire import decode_block_data
-
-if TYPE_CHECKING:
-    from kvstore.client import KVStoreClient
 
 
 class FetchSession:
@@ -201,18 +199,19 @@ class BlockChunk(NamedTuple):
 
 
 class BlockStream:
-    """One fetch on a pooled session: iterate for :class:`BlockChunk` s, ``cancel()`` to stop.
+    """One fetch from the store at ``address`` on a session of ``sessions``: iterate for
+    :class:`BlockChunk` s, ``cancel()`` to stop.
 
     Iterating sends the request and reads its reply to the ``last`` message; the session goes
     back to the pool only then (or after an in-band error, which ends the reply). Iteration
-    raises the typed errors of :meth:`KVStoreClient.get_blocks`; past ``timeout_s`` or after
-    ``cancel()`` it raises KVTransferError. ``cancel`` is thread-safe and only ever touches the
-    session while this stream holds it.
+    raises the typed errors of kvstore.rpc_errors, as KVStoreClient.get_blocks does; past
+    ``timeout_s`` or after ``cancel()`` it raises KVTransferError. ``cancel`` is thread-safe and
+    only ever touches the session while this stream holds it.
     """
 
-    def __init__(self, client: KVStoreClient, keys: Sequence[bytes],
+    def __init__(self, address: str, sessions: SessionPool, keys: Sequence[bytes],
                  request: pb.GetBlocksRequest, timeout_s: float):
-        self._client, self._pool, self._keys = client, client.sessions, keys
+        self._address, self._pool, self._keys = address, sessions, keys
         self._request, self._timeout_s = request, timeout_s
         self._lock = threading.Lock()
         self._session: FetchSession | None = None
@@ -231,13 +230,13 @@ class BlockStream:
         self.cancel()
 
     def __iter__(self) -> Iterator[BlockChunk]:
-        client, keys = self._client, self._keys
-        where = f"{client.address}: FetchBlocks"
+        address, keys = self._address, self._keys
+        where = f"{address}: FetchBlocks"
         session = self._pool.acquire()
         with self._lock:
             if self._cancelled:
                 session.cancel()
-                raise KVTransferError(f"{where} cancelled", address=client.address)
+                raise KVTransferError(f"{where} cancelled", address=address)
             self._session = session
         deadline = self._pool.deadlines.add(time.monotonic() + self._timeout_s, self._expire)
         complete = False
@@ -249,36 +248,36 @@ class BlockStream:
                 msg = decode_block_data(session.read())
                 if msg.error is not None:
                     complete = msg.last  # the reply ended; the session serves the next one
-                    raise client.fetch_error(msg.error)
+                    raise fetch_error(address, msg.error)
                 n = len(msg.keys)
                 if n:
                     msg_layout = BlockLayout(msg.layout.dtype, tuple(msg.layout.shape))
                     layout = layout or msg_layout
                     if msg_layout != layout:
-                        raise BlockLayoutError(f"blocks from {client.address} mix layouts "
+                        raise BlockLayoutError(f"blocks from {address} mix layouts "
                                                f"{layout} and {msg_layout}")
                     if list(msg.keys) != list(keys[received:received + n]) or \
                             len(msg.payload) != n * layout.nbytes:
                         raise BlockLayoutError(f"malformed FetchBlocks reply from "
-                                               f"{client.address} at block {received}")
+                                               f"{address} at block {received}")
                     yield BlockChunk(received, n, layout, msg.payload)
                     received += n
                 if msg.last:
                     break
             if received != len(keys):
                 raise KVTransferError(f"{where} reply ended after {received} of {len(keys)} "
-                                      f"block(s)", address=client.address)
+                                      f"block(s)", address=address)
             complete = True
         except grpc.RpcError as exc:
             if self._expired:
                 raise KVTransferError(f"{where} exceeded its deadline of {self._timeout_s:g} s",
-                                      address=client.address) from None
+                                      address=address) from None
             if self._cancelled:
-                raise KVTransferError(f"{where} cancelled", address=client.address) from None
-            raise client._typed_error("FetchBlocks", exc, None) from None
+                raise KVTransferError(f"{where} cancelled", address=address) from None
+            raise rpc_error(address, "FetchBlocks", exc) from None
         except (StopIteration, ValueError) as exc:  # stream ended / channel closed
             raise KVTransferError(f"{where} failed: stream closed {exc}".rstrip(),
-                                  address=client.address) from None
+                                  address=address) from None
         finally:
             self._pool.deadlines.discard(deadline)
             with self._lock:

@@ -8,7 +8,7 @@ the pool spans DRAM and SSD of every node; the index holds metadata only).
 
 Same-node workers move bytes through the arena directly and call only the metadata methods
 (reserve/commit/abort/acquire/release) over Ray RPC; other nodes use the gRPC service, which
-calls put/get_many here. Partial tail blocks stay in a HostBlockStore under per-request handles
+calls put/get_many here. Partial tail blocks stay in a TailStore under per-request handles
 and are never indexed.
 """
 
@@ -21,9 +21,10 @@ from typing import Sequence
 from kvstore.arena import ArenaFullError, HostArena
 from kvstore.arena.view import ArenaView
 from kvstore.errors import BlockLayoutError
-from kvstore.host_store import BlockLayout, HostBlockStore, StoredTail
 from kvstore.index import KVIndex, Location
+from kvstore.layout import BlockLayout
 from kvstore.ssd_tier import SSDTier
+from kvstore.tail_store import StoredTail, TailStore
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +44,7 @@ class TieredNodeStore:
 
     def __init__(self, node_id: str, layout: BlockLayout, dram_bytes: int,
                  ssd_dir: str | None, ssd_bytes: int, index: KVIndex | None,
-                 tails: HostBlockStore) -> None:
+                 tails: TailStore) -> None:
         self.node_id = node_id
         self.layout = layout
         self.index = index

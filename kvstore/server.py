@@ -1,19 +1,20 @@
 """gRPC server of one node's KV store (DESIGN.md "Data plane"; Mooncake FAST'25 §3 Messenger).
 
-Serves a :class:`HostBlockStore` over the ``pdcluster.kvstore.v1.KVStore`` service: protobuf
-messages with raw tensor bytes, never pickle. Binds only ``config.host`` (``--kv-bind``,
-127.0.0.1 by default), over TLS when ``config.tls`` is set (``--kv-tls-cert/-key/-ca``; mutual
-TLS with a CA). With ``config.token`` set, every call must carry
-``authorization: Bearer <token>`` (or ``x-pdcluster-token: <token>``) in its metadata, else it
-fails with UNAUTHENTICATED (STYLE.md trap 6: KV planes shipped unauthenticated and bound to
-all interfaces). A daemon thread sweeps expired tails every ``min(tail_ttl_s / 4, 5)`` seconds.
+Serves a :class:`BlockStore` (the node's TieredNodeStore) over the
+``pdcluster.kvstore.v1.KVStore`` service: protobuf messages with raw tensor bytes, never pickle.
+Binds only ``config.host`` (``--kv-bind``, 127.0.0.1 by default), over TLS when ``config.tls``
+is set (``--kv-tls-cert/-key/-ca``; mutual TLS with a CA). With ``config.token`` set, every
+call must carry ``authorization: Bearer <token>`` (or ``x-pdcluster-token: <token>``) in its
+metadata, else it fails with UNAUTHENTICATED (STYLE.md trap 6: KV planes shipped
+unauthenticated and bound to all interfaces). A daemon thread sweeps expired tails every
+``min(tail_ttl_s / 4, 5)`` seconds.
 
 Block replies (GetBlocks, and FetchBlocks: the same replies on one long-lived stream per
 client session) are pre-encoded (kvstore.transfer.wire): the blocks' bytes are joined once
 into the serialized message instead of being copied into a protobuf object and serialized.
 
-Errors carry the trailing-metadata entry ``pdcluster-error`` (``not_found`` | ``capacity`` |
-``layout``) so clients map them to typed errors without parsing text.
+Errors carry their kind in trailing metadata (kvstore.rpc_errors), so clients map them to
+typed errors without parsing text.
 """
 
 from __future__ import annotations
@@ -21,25 +22,26 @@ from __future__ import annotations
 import hmac
 import logging
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from concurrent import futures
+from typing import Protocol
 
 import grpc
 
 from kvstore import tls
 from kvstore.config import KVStoreConfig
 from kvstore.errors import BlockLayoutError, KVStoreError, StoreCapacityError
-from kvstore.host_store import BlockLayout, HostBlockStore
+from kvstore.layout import BlockLayout
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto import kvstore_pb2_grpc as pb_grpc
+from kvstore.rpc_errors import (ERROR_METADATA_KEY, MAX_MISSING_KEYS_IN_DETAILS,
+                                missing_details)
+from kvstore.tail_store import StoredTail
 from kvstore.transfer.runs import budget_runs
 from kvstore.transfer.wire import encode_block_data
 
 logger = logging.getLogger(__name__)
 
-ERROR_METADATA_KEY = "pdcluster-error"
-#: NOT_FOUND details list at most this many missing keys (grpc-message is a size-limited header).
-MAX_MISSING_KEYS_IN_DETAILS = 64
 #: Bytes kept free in each message for keys and framing when coalescing a run of blocks.
 MESSAGE_OVERHEAD_BYTES = 64 << 10
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["KVStore"].full_name
@@ -69,15 +71,40 @@ def _layout(msg: pb.BlockData, context: grpc.ServicerContext) -> BlockLayout:
         raise  # unreachable: abort raises
 
 
-def _missing_details(missing: list[bytes], num_keys: int) -> str:
-    shown = ",".join(k.hex() for k in missing[:MAX_MISSING_KEYS_IN_DETAILS])
-    more = len(missing) - MAX_MISSING_KEYS_IN_DETAILS
-    suffix = f" (+{more} more)" if more > 0 else ""
-    return f"missing {len(missing)} of {num_keys} block(s): {shown}{suffix}"
+class BlockStore(Protocol):
+    """What the gRPC service serves: keyed full blocks and tail blocks of one node.
+
+    kvstore.node_store.TieredNodeStore is the product's; methods are called from many gRPC
+    handler threads at once, so an implementation is thread-safe. Errors: BlockLayoutError
+    (payload/layout mismatch), StoreCapacityError (no room), ValueError (bad argument).
+    """
+
+    def put(self, key: bytes, payload: bytes, layout: BlockLayout) -> None:
+        """Store one keyed block (a key already present is kept)."""
+
+    def get_many(self, keys: Sequence[bytes]) -> list[tuple[bytes, BlockLayout] | None]:
+        """Each key's ``(payload, layout)``, ``None`` where absent."""
+
+    def put_tail(self, handle: str, payload: bytes, layout: BlockLayout,
+                 num_tokens: int) -> None:
+        """Store a tail block under ``handle``."""
+
+    def take_tail(self, handle: str) -> StoredTail | None:
+        """Return and remove the tail under ``handle``; ``None`` if absent or expired."""
+
+    def release_tail(self, handle: str) -> bool:
+        """Drop the tail under ``handle``; ``False`` if it was not there."""
+
+    def expire_tails(self) -> int:
+        """Drop tails past their TTL; returns how many."""
+
+    def stats(self) -> dict[str, int]:
+        """The StatsReply fields: num_blocks, bytes_used, capacity_bytes, num_tails,
+        evictions, expired_tails."""
 
 
 class _KVStoreServicer(pb_grpc.KVStoreServicer):
-    def __init__(self, store: HostBlockStore, max_message_bytes: int):
+    def __init__(self, store: BlockStore, max_message_bytes: int):
         self._store = store
         self._chunk_budget = max(1, max_message_bytes - MESSAGE_OVERHEAD_BYTES)
 
@@ -112,7 +139,7 @@ class _KVStoreServicer(pb_grpc.KVStoreServicer):
         missing, messages = self._reply(request)
         if missing:
             _abort(context, grpc.StatusCode.NOT_FOUND, "not_found",
-                   _missing_details(missing, len(request.keys)))
+                   missing_details(missing, len(request.keys)))
         yield from messages
 
     def FetchBlocks(self, request_iterator: Iterable[pb.GetBlocksRequest],
@@ -122,7 +149,7 @@ class _KVStoreServicer(pb_grpc.KVStoreServicer):
             missing, messages = self._reply(request)
             if missing:
                 error = pb.FetchError(kind="not_found",
-                                      details=_missing_details(missing, len(request.keys)),
+                                      details=missing_details(missing, len(request.keys)),
                                       missing=missing[:MAX_MISSING_KEYS_IN_DETAILS])
                 yield pb.BlockData(error=error, last=True).SerializeToString()
             else:
@@ -259,19 +286,18 @@ class KVStoreServer:
     """One node's KV store gRPC server (thread pool; no asyncio).
 
     Args:
-        config: bind host/port, capacity, tail TTL, max message size.
-        store: the block store to serve; a new ``HostBlockStore`` from ``config`` if ``None``.
+        config: bind host/port, TLS, token, max message size.
+        store: the block store to serve.
         max_workers: gRPC handler threads. Each open stream holds one, a FetchBlocks session
             for as long as it stays open (clients close theirs after a few idle seconds,
             kvstore.fetch_session), so this bounds concurrent sessions plus other calls.
     """
 
     def __init__(
-        self, config: KVStoreConfig, store: HostBlockStore | None = None, max_workers: int = 64
+        self, config: KVStoreConfig, store: BlockStore, max_workers: int = 64
     ):
         self.config = config
-        self.store = store if store is not None else HostBlockStore(
-            config.capacity_bytes, config.tail_ttl_s)
+        self.store = store
         self._max_workers = max_workers
         self._server: grpc.Server | None = None
         self._port: int | None = None

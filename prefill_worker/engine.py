@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import math
 import threading
 import time
 from collections import Counter, OrderedDict
@@ -34,10 +33,12 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.core.kv_cache_manager import KVCacheManager
 from engine.protocol import PrefillRequest, PrefillResult
 from engine.runner import ModelRunner, SequenceChunk
 from engine.sampler import SampleInput, draw_seed, sample
 from kvstore.block_pool import BlockPool
+from kvstore.blocks import num_full_blocks
 from kvstore.client import KVStoreClient
 from kvstore.config import KVTransferConfig
 from kvstore.errors import KVTransferError
@@ -107,6 +108,7 @@ class PrefillEngine:
         self.model_id = runner.model_config.name
         self.eos_token_ids = frozenset(runner.model_config.eos_token_ids)
         self.pool = BlockPool(cfg.num_kv_blocks, enable_caching=cfg.enable_prefix_caching)
+        self.kv_manager = KVCacheManager(self.pool, self.block_size)
         self._lock = threading.Lock()  # pool, publishing, counters (not the forward)
         self._model_lock = threading.RLock()
         self.batcher = StepBatcher(runner, cfg.max_num_batched_tokens, self._model_lock, call)
@@ -165,9 +167,9 @@ class PrefillEngine:
         stream: LayerStream | None = None
         layer_stream, extra = None, {}
         try:
-            max_hit = (len(prompt) - 1) // self.block_size  # >= 1 token is computed
+            max_hit = num_full_blocks(len(prompt) - 1, self.block_size)  # >= 1 token computed
             with self._lock:  # admission, G1 hits, allocation, cluster-pool prefix
-                hit, blocks = self._allocate(request, keys[:max_hit], len(prompt))
+                hit, blocks = self._allocate(request, keys, len(prompt))
                 loaded = self._load_prefix(keys[len(hit):max_hit], blocks[len(hit):])
                 num_cached = (len(hit) + loaded.num_blocks) * self.block_size
                 chunks = self._chunks(len(prompt), num_cached)
@@ -214,23 +216,23 @@ class PrefillEngine:
                              first_logprob, self.kv.node_id, pair_address, pair_tag,
                              layer_stream, extra)
 
-    def _allocate(self, request: PrefillRequest, reusable: list[bytes], num_tokens: int
+    def _allocate(self, request: PrefillRequest, keys: list[bytes], num_tokens: int
                   ) -> tuple[list[int], list[int]]:
-        """(G1 hit blocks among the `reusable` leading keys, all of the prompt's blocks: hits
+        """(G1 hit blocks of the prompt's leading `keys`, all of the prompt's blocks: hits
         then new ones), referenced. Caller holds the lock. Raises RequestAborted,
         PrefillRejected (no free blocks)."""
         with self._abort_lock:
             aborted = self._aborted.pop(request.request_id, False) is None
         if aborted:
             raise RequestAborted(request.request_id)
-        hit = self.pool.longest_cached_prefix(reusable)
-        num_new = math.ceil(num_tokens / self.block_size) - len(hit)
-        self.pool.touch(hit)  # hit blocks leave the free queue: count free blocks after
-        if num_new > self.pool.num_free_blocks:
+        hit = self.kv_manager.get_computed_blocks(keys, num_tokens)  # referenced: not evictable
+        blocks = list(hit)
+        if not self.kv_manager.allocate_slots(blocks, num_tokens):
             self.pool.free(hit)
+            num_new = self.kv_manager.blocks_for(num_tokens) - len(hit)
             raise PrefillRejected(f"prompt needs {num_new} new KV blocks, "
                                   f"{self.pool.num_free_blocks} free")
-        return hit, hit + self.pool.allocate(num_new)
+        return hit, blocks
 
     def _compute(self, prompt: list[int], chunks: list[tuple[int, int]], blocks: list[int],
                  stream: LayerStream | None) -> torch.Tensor:

@@ -9,28 +9,30 @@ Mooncake FAST'25 §4 (Algorithm 1) and arXiv 2407.00079v1 §6. Per request:
     decode policy ──▶ DecodePlan (instance, predicted TBT)
     admission ──▶ admit, or raise RequestRejected (HTTP 429 + Retry-After)
 
-Everything the Conductor reads sits behind two small interfaces, a `KVIndex` and a `LoadSource`,
-so the live gateway (`router.policies.live_loads`) and the simulator (`loadtest.simulator`)
-run this same code. Policies are registered by name in `router.policies.POLICIES`.
+Everything the Conductor reads sits behind two small interfaces, a `KVIndex` and a `LoadSource`
+(router.load_source), so the live gateway (`router.policies.live_loads`) and the simulator
+(`loadtest.simulator`) run this same code. Policies are registered by name in
+`router.policies.POLICIES`; `build_live_conductor` assembles the one `pdcluster serve` runs.
 """
 
 from __future__ import annotations
 
-import abc
 import logging
 import threading
 from dataclasses import dataclass, replace
 from typing import AbstractSet, Callable, Sequence
 
 from kvstore.hashing import block_keys, make_namespace
-from kvstore.index import KVIndex
+from kvstore.index import KVIndex, open_index
 from kvstore.errors import KVStoreError
 from router.admission import SLO, Rejection, make_admission
 from router.registry import Instance, InstanceRegistry  # noqa: F401 — re-exported
 from router.cost_model import DEFAULT_COST_MODEL, CostModel, load_cost_model
-from router.policies import (DEFAULT_POLICY, DecodeLoad, DecodePlan, PrefillCandidate,
-                             PrefillPlan, RouteContext, make_policy, prefix_hits)
+from router.load_source import LoadSource, RouteDecision
+from router.policies import (DEFAULT_POLICY, PrefillCandidate, RouteContext, make_policy,
+                             prefix_hits)
 from router.policies.forecast import DecodeForecast
+from router.policies.live_loads import LedgerLoads, StatsPoller
 
 log = logging.getLogger(__name__)
 
@@ -63,50 +65,10 @@ class RouteRequest:
         return self.num_tokens if self.num_tokens is not None else len(self.prompt_token_ids)
 
 
-@dataclass(frozen=True)
-class RouteDecision:
-    request_id: str
-    prefill: PrefillPlan
-    decode: DecodePlan
-    num_tokens: int
-    routed_at: float
-
-
 def _without(instances: list[Instance], exclude: AbstractSet[str]) -> list[Instance]:
     """instances minus `exclude`, unless that leaves none."""
     kept = [i for i in instances if i.worker_id not in exclude]
     return kept or instances
-
-
-class LoadSource(abc.ABC):
-    """The Conductor's view of instance load (live: load reports plus its own ledger; in the
-    simulator: the simulated instances)."""
-
-    @abc.abstractmethod
-    def now(self) -> float:
-        """Seconds on the clock every time here is measured on."""
-
-    @abc.abstractmethod
-    def prefill_queue_s(self, instance_id: str) -> float:
-        """Predicted seconds until a request routed now to `instance_id` could start."""
-
-    @abc.abstractmethod
-    def decode_load(self, instance_id: str) -> DecodeLoad:
-        """`instance_id`'s current decode load."""
-
-    def node_of(self, instance_id: str) -> str | None:
-        """The node an instance runs on (None: unknown; its node-level cache then is too)."""
-        return None
-
-    def exec_scale(self, instance_id: str) -> float:
-        """Factor on the cost model's prefill estimate for this instance (live calibration)."""
-        return 1.0
-
-    def on_routed(self, decision: RouteDecision) -> None:
-        """A request was admitted and routed (ledgers update here)."""
-
-    def on_prefill_done(self, request_id: str, ok: bool = True) -> None:
-        """The request's prefill ended (or failed/aborted)."""
 
 
 class PrefixKeyer:
@@ -148,10 +110,7 @@ class Conductor:
             load_cost_model(cost_model)
         self.admission = make_admission(admission, slo)
         self.slo = slo
-        if loads is None:
-            from router.policies.live_loads import LedgerLoads
-            loads = LedgerLoads(self.cost)
-        self.loads = loads
+        self.loads = loads if loads is not None else LedgerLoads(self.cost)
         self.index = index
         self.keyer = keyer
         self.block_size = getattr(keyer, "block_size", 16)
@@ -240,3 +199,21 @@ class Conductor:
                             len(locations), prefills,
                             tuple(self.loads.decode_load(d) for d in decode_ids), self.cost,
                             self.loads.now() if now is None else now)
+
+
+def build_live_conductor(registry: InstanceRegistry, *, policy: str, admission: str,
+                         slo: SLO, cost_model: CostModel | str, block_size: int,
+                         model_name: str, index_url: str | None,
+                         poll_interval_s: float = 0.25) -> tuple[Conductor, StatsPoller]:
+    """The Conductor `pdcluster serve` runs: the global index at `index_url` (None: none),
+    block keys as the workers compute them, LedgerLoads fed by a started StatsPoller.
+    Returns (conductor, poller); stop the poller at shutdown."""
+    cost = cost_model if isinstance(cost_model, CostModel) else load_cost_model(cost_model)
+    loads = LedgerLoads(cost, block_size)
+    conductor = Conductor(registry, policy, loads=loads,
+                          index=open_index(index_url) if index_url else None,
+                          keyer=PrefixKeyer(block_size, model_name), cost_model=cost,
+                          admission=admission, slo=slo)
+    poller = StatsPoller(registry, loads, poll_interval_s)
+    poller.poll_once()
+    return conductor, poller.start()

@@ -3,6 +3,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh --dev
+# the package table of DESIGN.md: import-linter contracts in pyproject.toml
+.venv/bin/lint-imports
 if [ $# -gt 0 ]; then exec .venv/bin/python -m pytest -q -ra "$@"; fi
 # tests/multinode runs its own multi-node Ray cluster: a separate pytest process
 .venv/bin/python -m pytest -q -ra tests

@@ -18,7 +18,7 @@ import torch
 from kvstore.errors import BlockLayoutError
 from kvstore.transfer.runs import coalesce_runs
 
-#: Wire dtype names (kvstore.host_store.DTYPE_ITEMSIZE) of the torch dtypes a block may have.
+#: Wire dtype names (kvstore.layout.DTYPE_ITEMSIZE) of the torch dtypes a block may have.
 WIRE_DTYPES: dict[torch.dtype, str] = {
     torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16",
 }

@@ -25,9 +25,9 @@ from loadtest.simulator.cache import NodeCache
 from loadtest.simulator.decode import DecodeInstance
 from loadtest.simulator.workload import SimRequest
 from router.admission import SLO, decode_rejection
-from router.conductor import (Conductor, InstanceRegistry, LoadSource, PrefixKeyer,
-                              RequestRejected, RouteRequest)
+from router.conductor import Conductor, InstanceRegistry, PrefixKeyer, RequestRejected, RouteRequest
 from router.cost_model import CostModel
+from router.load_source import LoadSource
 from router.policies import PrefillPlan
 from router.policies.base import DecodeLoad
 from router.policies.forecast import DecodeForecast

@@ -19,9 +19,10 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Callable
 
-from router.conductor import InstanceRegistry, LoadSource, RouteDecision
 from router.cost_model import CostModel
+from router.load_source import LoadSource, RouteDecision
 from router.policies.base import DecodeLoad
+from router.registry import InstanceRegistry
 
 log = logging.getLogger(__name__)
 
@@ -176,24 +177,3 @@ class StatsPoller:
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
             self.poll_once()
-
-
-def build_live_conductor(registry: InstanceRegistry, *, policy: str, admission: str,
-                         slo, cost_model, block_size: int, model_name: str,
-                         index_url: str | None, poll_interval_s: float = 0.25):
-    """The Conductor `pdcluster serve` runs: the global index at `index_url` (None: none),
-    block keys as the workers compute them, LedgerLoads fed by a started StatsPoller.
-    Returns (conductor, poller); stop the poller at shutdown."""
-    from kvstore.index import open_index
-    from router.conductor import Conductor, PrefixKeyer
-    from router.cost_model import load_cost_model
-
-    cost = cost_model if isinstance(cost_model, CostModel) else load_cost_model(cost_model)
-    loads = LedgerLoads(cost, block_size)
-    conductor = Conductor(registry, policy, loads=loads,
-                          index=open_index(index_url) if index_url else None,
-                          keyer=PrefixKeyer(block_size, model_name), cost_model=cost,
-                          admission=admission, slo=slo)
-    poller = StatsPoller(registry, loads, poll_interval_s)
-    poller.poll_once()
-    return conductor, poller.start()

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kvstore.eviction import DEFAULT_EVICTION, LRUPolicy, PolicyCache
+from benchmarks.eviction import DEFAULT_EVICTION, LRUPolicy, PolicyCache
 from loadtest.trace import read_trace
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -46,3 +46,27 @@ def test_kv_stores_go_where_workers_may_go():
     assert placement.worker_node_ids(nodes, [{"decode": 0.001}]) == ["d"]  # colocated
     assert placement.worker_node_ids(nodes, [{"prefill": 0.001}, {}]) == ["head", "p", "d"]
     assert placement.worker_node_ids(nodes, []) == ["head", "p", "d"]
+
+
+def test_tp_rank_options_take_exactly_the_ranks_bundle_and_the_restart_policy():
+    from types import SimpleNamespace
+
+    from engine.tp_placement import bundle_options
+
+    # stands in for a ray PlacementGroup: the options read only its bundle specs
+    pg = SimpleNamespace(bundle_specs=[{"CPU": 1.0, "decode": 0.001},
+                                       {"CPU": 2.0, "GPU": 1.0, "memory": 5.0, "decode": 0.001}])
+    rank1 = placement.tp_rank_options(pg, 1)
+    assert (rank1["num_cpus"], rank1["num_gpus"], rank1["resources"]) == (2.0, 1.0,
+                                                                          {"decode": 0.001})
+    assert rank1["max_restarts"] == placement.WORKER_MAX_RESTARTS
+    strategy = rank1["scheduling_strategy"]
+    assert (strategy.placement_group, strategy.placement_group_bundle_index) == (pg, 1)
+    assert strategy.placement_group_capture_child_tasks
+    follower = bundle_options(pg, 0)  # what a TP instance's rank 0 gives its followers
+    assert "max_restarts" not in follower and "num_gpus" not in follower
+    rank0 = placement.tp_rank_options(pg, 0, max_restarts=0)
+    assert rank0.pop("max_restarts") == 0
+    assert rank0.pop("scheduling_strategy").placement_group_bundle_index == 0
+    assert rank0 == {k: v for k, v in follower.items() if k != "scheduling_strategy"}
+    assert rank0 == {"num_cpus": 1.0, "resources": {"decode": 0.001}}

@@ -20,8 +20,8 @@ from engine.runner import ModelRunner
 from kvstore.client import KVStoreClient
 from kvstore.config import KVStoreConfig
 from kvstore.publish import GrpcPublisher
-from kvstore.server import KVStoreServer
 from prefill_worker.engine import PrefillEngine, PrefillKV
+from tests.kvstore.lru_block_store import lru_server
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +37,7 @@ def eos_model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engines(eos_model_dir):
-    server = KVStoreServer(KVStoreConfig())
+    server = lru_server(KVStoreConfig())
     server.start()
     config = EngineConfig(model=str(eos_model_dir), num_kv_blocks=128)
     client = KVStoreClient(server.address)

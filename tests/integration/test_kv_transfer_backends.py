@@ -24,10 +24,10 @@ from engine.runner import ModelRunner
 from kvstore.client import KVStoreClient
 from kvstore.config import KVStoreConfig, KVTransferConfig
 from kvstore.publish import GrpcPublisher
-from kvstore.server import KVStoreServer
 from kvstore.transfer.base import TransferState
 from kvstore.transfer.fake import FakeTransferBackend
 from prefill_worker.engine import PrefillEngine, PrefillKV, TorchKVPusher
+from tests.kvstore.lru_block_store import lru_server
 
 TORCH = KVTransferConfig(backend="torch", timeout_s=10)
 STORY = ("Once upon a time, there was a little boy named Tim. Tim had a big red ball. He liked "
@@ -36,7 +36,7 @@ STORY = ("Once upon a time, there was a little boy named Tim. Tim had a big red 
 
 @pytest.fixture(scope="module")
 def store():
-    server = KVStoreServer(KVStoreConfig())
+    server = lru_server(KVStoreConfig())
     server.start()
     client = KVStoreClient(server.address)
     yield server, client

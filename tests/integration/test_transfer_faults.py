@@ -26,12 +26,12 @@ from engine.runner import ModelRunner
 from kvstore.client import KVStoreClient
 from kvstore.config import KVStoreConfig, KVTransferConfig
 from kvstore.publish import GrpcPublisher
-from kvstore.server import KVStoreServer
 from kvstore.transfer.base import KVReceiver, KVTransferBackend, TransferState
 from kvstore.transfer.grpc_backend import GrpcTransferBackend
 from kvstore.transfer.peers import LocalStreamPeers
 from prefill_worker.engine import PrefillEngine, PrefillKV
 from prefill_worker.layer_streamer import LayerStreamer
+from tests.kvstore.lru_block_store import lru_server
 
 TIMEOUT_S = 1.0
 STORY = ("Once upon a time, there was a little boy named Tim. Tim had a big red ball. He liked "
@@ -77,7 +77,7 @@ class _HangFirst(KVTransferBackend):
 @pytest.fixture(scope="module")
 def store():
     """A real KV store (gRPC, no auth) and a client of it."""
-    server = KVStoreServer(KVStoreConfig(tail_ttl_s=60))
+    server = lru_server(KVStoreConfig(tail_ttl_s=60))
     server.start()
     try:
         with KVStoreClient(server.address) as client:

@@ -103,15 +103,18 @@ def fresh_redis_server(tmp_path):
 
 @pytest.fixture
 def make_server():
-    """Start real KV store gRPC servers on port 0: ``make(config, store, max_workers)``;
-    all stopped at teardown."""
+    """Start real KV store gRPC servers on port 0: ``make(config, store, max_workers)``
+    (store: an LRUBlockStore sized by ``config`` unless given); all stopped at teardown."""
     from kvstore.config import KVStoreConfig
     from kvstore.server import KVStoreServer
+    from tests.kvstore.lru_block_store import LRUBlockStore
 
     servers = []
 
     def make(config: KVStoreConfig | None = None, store=None, max_workers: int = 64):
-        server = KVStoreServer(config or KVStoreConfig(), store, max_workers=max_workers)
+        config = config or KVStoreConfig()
+        store = store if store is not None else LRUBlockStore.for_config(config)
+        server = KVStoreServer(config, store, max_workers=max_workers)
         server.start()
         servers.append(server)
         return server

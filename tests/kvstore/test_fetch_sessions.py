@@ -12,10 +12,10 @@ import torch
 from kvstore.client import KVStoreClient
 from kvstore.errors import BlockNotFoundError, KVTransferError
 from kvstore.hashing import block_keys, make_namespace
-from kvstore.host_store import HostBlockStore
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto import kvstore_pb2_grpc as pb_grpc
 from kvstore.transfer.wire import decode_block_data
+from tests.kvstore.lru_block_store import LRUBlockStore
 
 BLOCK_SHAPE = (2, 2, 16, 2, 8)
 NS = make_namespace("session-test")
@@ -86,7 +86,7 @@ def test_abandoned_or_cancelled_fetch_closes_its_session(make_server):
         assert client.sessions.opened == 3
 
 
-class SlowOnceStore(HostBlockStore):
+class SlowOnceStore(LRUBlockStore):
     """Fault injection: the first lookup stalls (a slow node), later ones do not."""
 
     def __init__(self, *args):

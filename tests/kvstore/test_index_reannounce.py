@@ -54,7 +54,7 @@ def test_kv_store_reannounces_its_blocks_after_redis_restarts_empty(fresh_redis_
     from kvstore.actor import start_kvstore_actors
     from kvstore.client import KVStoreClient
     from kvstore.config import KVStoreConfig
-    from kvstore.host_store import BlockLayout
+    from kvstore.layout import BlockLayout
     from kvstore.pool_config import KVPoolConfig
 
     started = not ray.is_initialized()
@@ -102,10 +102,10 @@ def test_prefill_worker_reannounces_its_g1_blocks_after_redis_restarts_empty(
     from kvstore.client import KVStoreClient
     from kvstore.config import KVStoreConfig
     from kvstore.publish import GrpcPublisher
-    from kvstore.server import KVStoreServer
+    from tests.kvstore.lru_block_store import lru_server
 
     monkeypatch.setattr(prefill_engine, "INDEX_CHECK_S", 0.0)
-    server = KVStoreServer(KVStoreConfig())
+    server = lru_server(KVStoreConfig())
     server.start()
     client = KVStoreClient(server.address)
     index = open_index(fresh_redis_server.url, namespace=f"t-{uuid.uuid4().hex[:8]}")

@@ -13,10 +13,10 @@ from kvstore.actor import (KVSTORE_ACTOR_PREFIX, local_kvstore_address,  # noqa:
                            start_kvstore_actors)
 from kvstore.client import KVStoreClient  # noqa: E402
 from kvstore.config import KVStoreConfig  # noqa: E402
-from kvstore.errors import KVStoreError  # noqa: E402
+from kvstore.errors import KVStoreError, KVTransferError  # noqa: E402
 from kvstore.hashing import block_keys, make_namespace  # noqa: E402
-from kvstore.host_store import BlockLayout  # noqa: E402
 from kvstore.index import Location, open_index  # noqa: E402
+from kvstore.layout import BlockLayout  # noqa: E402
 from kvstore.node_store import HOST  # noqa: E402
 from kvstore.pool_config import KVPoolConfig  # noqa: E402
 
@@ -106,6 +106,29 @@ def test_wildcard_bind_advertises_node_ip(ray_cluster):
     finally:
         ray.get(actor.stop.remote())
         ray.kill(actor)
+
+
+def test_faults_are_injected_only_when_the_config_enables_them(ray_cluster):
+    from kvstore.actor import KVStoreActor
+
+    off = KVStoreActor.remote(KVStoreConfig(), POOL, LAYOUT)
+    on = KVStoreActor.remote(KVStoreConfig(fault_injection=True), POOL, LAYOUT)
+    try:
+        with pytest.raises(RuntimeError, match="fault injection is off"):
+            ray.get(off.inject_fault.remote("stop_serving"))
+        with KVStoreClient(ray.get(off.address.remote()), timeout_s=5) as client:
+            assert client.stats()["num_blocks"] == 0  # still serving
+        with pytest.raises(ValueError, match="unknown fault"):
+            ray.get(on.inject_fault.remote("reboot"))
+        address = ray.get(on.address.remote())
+        ray.get(on.inject_fault.remote("stop_serving"))
+        with KVStoreClient(address, timeout_s=2) as client:
+            with pytest.raises(KVTransferError):
+                client.stats()
+    finally:
+        for actor in (off, on):
+            ray.get(actor.stop.remote())
+            ray.kill(actor)
 
 
 @ray.remote(num_cpus=0)

@@ -12,7 +12,7 @@ from kvstore.errors import KVAuthError
 from kvstore.hashing import block_keys, make_namespace
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto import kvstore_pb2_grpc as pb_grpc
-from kvstore.server import KVStoreServer
+from tests.kvstore.lru_block_store import lru_server
 
 TOKEN = "s3cret-kv-token-for-tests"
 KEYS = block_keys(list(range(32)), 16, make_namespace("auth-test"))
@@ -20,7 +20,7 @@ KEYS = block_keys(list(range(32)), 16, make_namespace("auth-test"))
 
 @pytest.fixture
 def server():
-    server = KVStoreServer(KVStoreConfig(token=TOKEN))
+    server = lru_server(KVStoreConfig(token=TOKEN))
     server.start()
     yield server
     server.stop(grace=0)
@@ -61,7 +61,7 @@ def test_token_header_alternative(server):
 
 
 def test_no_token_configured_means_no_auth():
-    server = KVStoreServer(KVStoreConfig())
+    server = lru_server(KVStoreConfig())
     server.start()
     try:
         with KVStoreClient(server.address, token="anything") as client:
@@ -79,7 +79,7 @@ def test_token_never_shown(server, caplog):
             assert TOKEN not in repr(client)
             with pytest.raises(KVAuthError) as info:
                 client.stats()
-        logged = KVStoreServer(KVStoreConfig(token=TOKEN))
+        logged = lru_server(KVStoreConfig(token=TOKEN))
         logged.start()
         logged.stop(grace=0)
     assert "wrong" not in str(info.value) and TOKEN not in str(info.value)

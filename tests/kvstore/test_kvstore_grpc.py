@@ -12,10 +12,10 @@ from kvstore.config import KVStoreConfig
 from kvstore.errors import (BlockLayoutError, BlockNotFoundError, KVTransferError,
                             StoreCapacityError)
 from kvstore.hashing import block_keys, make_namespace
-from kvstore.host_store import HostBlockStore
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto import kvstore_pb2_grpc as pb_grpc
 from kvstore.transfer.runs import budget_runs
+from tests.kvstore.lru_block_store import LRUBlockStore
 
 BLOCK_SHAPE = (2, 2, 16, 2, 8)  # [layers, k/v, block_size, kv_heads, head_dim]
 NS = make_namespace("test-model")
@@ -111,7 +111,7 @@ def test_unreachable_server_is_transfer_error_quickly():
     assert address in str(info.value) and info.value.address == address
 
 
-class SlowStore(HostBlockStore):
+class SlowStore(LRUBlockStore):
     """Fault injection for the deadline test only: lookups stall."""
 
     def get_many(self, keys):

@@ -7,9 +7,10 @@ import uuid
 
 import pytest
 
-from kvstore.host_store import BlockLayout, HostBlockStore
 from kvstore.index import Location, MemoryIndex, RedisIndex
+from kvstore.layout import BlockLayout
 from kvstore.node_store import TieredNodeStore
+from kvstore.tail_store import TailStore
 
 LAYOUT = BlockLayout("float32", (2, 2, 4, 2, 8))  # 1 KiB blocks
 NODE = "node-a"
@@ -33,7 +34,7 @@ def store(request, tmp_path):
     index.heartbeat(NODE, 30)
     s = TieredNodeStore(NODE, LAYOUT, dram_bytes=2 * LAYOUT.nbytes, ssd_dir=str(tmp_path / "ssd"),
                         ssd_bytes=4 * LAYOUT.nbytes, index=index,
-                        tails=HostBlockStore(1 << 20, 60))
+                        tails=TailStore(1 << 20, 60))
     yield s, index
     s.close()
 

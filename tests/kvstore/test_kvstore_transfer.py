@@ -10,7 +10,6 @@ from kvstore.client import KVStoreClient
 from kvstore.config import KVStoreConfig, KVTransferConfig
 from kvstore.errors import (BlockLayoutError, BlockNotFoundError, KVAuthError, KVTransferError)
 from kvstore.hashing import block_keys, make_namespace
-from kvstore.host_store import HostBlockStore
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.transfer.base import FetchRequest, TransferState
 from kvstore.transfer.dest import CallbackDest, TensorDest
@@ -19,6 +18,7 @@ from kvstore.transfer.grpc_backend import GrpcTransferBackend
 from kvstore.transfer.registry import TRANSFER_BACKENDS, create_backend
 from kvstore.transfer.runs import BlockRun, coalesce_runs
 from kvstore.transfer.wire import decode_block_data, encode_block_data
+from tests.kvstore.lru_block_store import LRUBlockStore
 
 BLOCK_SHAPE = (2, 2, 16, 2, 8)  # [layers, k/v, block_size, kv_heads, head_dim]: 4 KiB float32
 BLOCK_NBYTES = 4096
@@ -85,7 +85,7 @@ def test_registry_maps_names_to_backends():
 @pytest.fixture
 def make_server(make_server):
     """conftest's make_server, with the cluster's token by default."""
-    def make(store: HostBlockStore | None = None, token: str | None = TOKEN):
+    def make(store: LRUBlockStore | None = None, token: str | None = TOKEN):
         return make_server(KVStoreConfig(token=token), store)
     return make
 
@@ -157,7 +157,7 @@ def test_grpc_callback_destination_and_plain_tensor(make_server, make_backend):
     assert torch.equal(staging[:4], blocks[2:6])
 
 
-class SlowStore(HostBlockStore):
+class SlowStore(LRUBlockStore):
     """Fault injection: lookups stall for ``delay_s``."""
 
     delay_s = 1.5

@@ -29,9 +29,9 @@ from engine.config import ModelConfig
 from engine.tokenizer import Tokenizer
 from router.admission import SLO, make_admission
 from router.chat_template import ChatTemplate
+from router.conductor import build_live_conductor
 from router.gateway import build_app
 from router.pipeline import Pipeline
-from router.policies.live_loads import build_live_conductor
 
 pytestmark = pytest.mark.slow
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from router.conductor import RouteDecision
 from router.cost_model import MOONCAKE_70B
+from router.load_source import RouteDecision
 from router.policies.base import DecodePlan, PrefillPlan
 from router.policies.live_loads import LedgerLoads
 

@@ -18,7 +18,7 @@ from kvstore.client import KVStoreClient
 from kvstore.config import KVStoreConfig, KVTLSConfig
 from kvstore.errors import KVStoreError, KVTransferError
 from kvstore.hashing import block_keys, make_namespace
-from kvstore.server import KVStoreServer
+from tests.kvstore.lru_block_store import lru_server
 
 TOKEN = "tls-test-kv-token"
 KEYS = block_keys(list(range(32)), 16, make_namespace("tls-test"))
@@ -68,7 +68,7 @@ def _tls(files: dict[str, str], ca: str | None = None) -> KVTLSConfig:
 
 
 def _server(tls: KVTLSConfig):
-    server = KVStoreServer(KVStoreConfig(token=TOKEN, tls=tls))
+    server = lru_server(KVStoreConfig(token=TOKEN, tls=tls))
     server.start()
     return server
 
@@ -117,7 +117,7 @@ def test_mutual_tls_refuses_a_client_certificate_from_another_ca(pki):
 def test_unreadable_files_are_a_clear_error(tmp_path, pki):
     missing = KVTLSConfig(cert_file=str(tmp_path / "nope.pem"), key_file=pki["good"]["key"])
     with pytest.raises(KVStoreError, match="nope.pem"):
-        KVStoreServer(KVStoreConfig(tls=missing)).start()
+        lru_server(KVStoreConfig(tls=missing)).start()
     with pytest.raises(KVStoreError, match="nope.pem"):
         KVStoreClient("127.0.0.1:1", tls=missing)
 

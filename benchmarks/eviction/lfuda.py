@@ -5,7 +5,7 @@ from __future__ import annotations
 import heapq
 import itertools
 
-from kvstore.eviction.base import EvictionPolicy, Key
+from benchmarks.eviction.base import EvictionPolicy, Key
 
 
 class LFUDAPolicy(EvictionPolicy):

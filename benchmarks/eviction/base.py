@@ -1,6 +1,6 @@
 """Base class of the eviction policies: reference and child counting, leaf-first pinning.
 
-The owner protocol and the policies are described in :mod:`kvstore.eviction`.
+The owner protocol and the policies are described in :mod:`benchmarks.eviction`.
 """
 
 from __future__ import annotations

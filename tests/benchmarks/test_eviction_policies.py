@@ -1,5 +1,5 @@
-"""Eviction policies (kvstore/eviction.py): lifecycle, LRU order, leaf-first, each policy's rule,
-and the prefix-hit replay of PolicyCache on hand-computed traces."""
+"""Eviction policies of the cache-hit benchmark (benchmarks/eviction): lifecycle, LRU order,
+leaf-first, each policy's rule, and the prefix-hit replay of PolicyCache on hand-computed traces."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from kvstore.eviction import (DEFAULT_EVICTION, EVICTION_POLICIES, ARCPolicy, LFUDAPolicy,
-                              LRUPolicy, PolicyCache, S3FIFOPolicy, make_policy)
+from benchmarks.eviction import (DEFAULT_EVICTION, EVICTION_POLICIES, ARCPolicy, LFUDAPolicy,
+                                 LRUPolicy, PolicyCache, S3FIFOPolicy, make_policy)
 from kvstore.events import BlockRemoved, BlockStored
 
 ALL = sorted(EVICTION_POLICIES)

@@ -1,11 +1,13 @@
-"""HostBlockStore: LRU of keyed blocks, TTL'd tails, capacity."""
+"""LRUBlockStore, the in-memory store the gRPC tests serve: LRU of keyed blocks, tails in the
+same byte budget."""
 
 import threading
 
 import pytest
 
 from kvstore.errors import BlockLayoutError, StoreCapacityError
-from kvstore.host_store import BlockLayout, HostBlockStore
+from kvstore.layout import BlockLayout
+from tests.kvstore.lru_block_store import LRUBlockStore
 
 LAYOUT = BlockLayout("float32", (2, 4))  # 32 bytes per block
 
@@ -18,16 +20,8 @@ def payload(i: int) -> bytes:
     return bytes([i % 256]) * LAYOUT.nbytes
 
 
-class FakeClock:
-    def __init__(self):
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def test_lru_eviction_at_capacity_touch_on_get():
-    store = HostBlockStore(capacity_bytes=3 * LAYOUT.nbytes, tail_ttl_s=10)
+    store = LRUBlockStore(capacity_bytes=3 * LAYOUT.nbytes, tail_ttl_s=10)
     for i in range(3):
         store.put(key(i), payload(i), LAYOUT)
     assert store.get(key(0)) == (payload(0), LAYOUT)  # touch 0: 1 is now LRU
@@ -40,7 +34,7 @@ def test_lru_eviction_at_capacity_touch_on_get():
 
 
 def test_put_of_present_key_keeps_and_touches():
-    store = HostBlockStore(capacity_bytes=2 * LAYOUT.nbytes, tail_ttl_s=10)
+    store = LRUBlockStore(capacity_bytes=2 * LAYOUT.nbytes, tail_ttl_s=10)
     store.put(key(0), payload(0), LAYOUT)
     store.put(key(1), payload(1), LAYOUT)
     store.put(key(0), payload(9), LAYOUT)  # touch, not replace
@@ -50,50 +44,20 @@ def test_put_of_present_key_keeps_and_touches():
 
 
 def test_block_larger_than_capacity_rejected():
-    store = HostBlockStore(capacity_bytes=LAYOUT.nbytes - 1, tail_ttl_s=10)
+    store = LRUBlockStore(capacity_bytes=LAYOUT.nbytes - 1, tail_ttl_s=10)
     with pytest.raises(StoreCapacityError):
         store.put(key(0), payload(0), LAYOUT)
     assert store.stats()["bytes_used"] == 0
 
 
-def test_payload_layout_mismatch_and_bad_dtype():
-    store = HostBlockStore(capacity_bytes=1 << 20, tail_ttl_s=10)
+def test_payload_layout_mismatch():
+    store = LRUBlockStore(capacity_bytes=1 << 20, tail_ttl_s=10)
     with pytest.raises(BlockLayoutError):
         store.put(key(0), b"\0" * 3, LAYOUT)
-    with pytest.raises(BlockLayoutError):
-        BlockLayout("int64", (2,))
-
-
-def test_take_tail_removes_and_release_is_idempotent():
-    store = HostBlockStore(capacity_bytes=1 << 20, tail_ttl_s=10)
-    store.put_tail("req-1", payload(7), LAYOUT, num_tokens=3)
-    assert store.stats()["num_tails"] == 1
-    tail = store.take_tail("req-1")
-    assert tail == (payload(7), LAYOUT, 3)
-    assert store.take_tail("req-1") is None
-    assert store.stats()["bytes_used"] == 0
-    store.put_tail("req-2", payload(1), LAYOUT, num_tokens=1)
-    assert store.release_tail("req-2") is True
-    assert store.release_tail("req-2") is False
-    assert store.release_tail("never") is False
-
-
-def test_tail_ttl_expiry_lazy_and_sweep():
-    clock = FakeClock()
-    store = HostBlockStore(capacity_bytes=1 << 20, tail_ttl_s=5.0, clock=clock)
-    store.put_tail("a", payload(1), LAYOUT, 2)
-    clock.now = 3.0
-    store.put_tail("b", payload(2), LAYOUT, 2)
-    clock.now = 5.0  # a expires now, b at 8
-    assert store.take_tail("a") is None  # lazy on access
-    clock.now = 8.5
-    assert store.expire_tails() == 1  # sweep drops b
-    stats = store.stats()
-    assert stats["num_tails"] == 0 and stats["bytes_used"] == 0 and stats["expired_tails"] == 2
 
 
 def test_tails_count_against_capacity_but_are_never_evicted():
-    store = HostBlockStore(capacity_bytes=2 * LAYOUT.nbytes, tail_ttl_s=10)
+    store = LRUBlockStore(capacity_bytes=2 * LAYOUT.nbytes, tail_ttl_s=10)
     store.put(key(0), payload(0), LAYOUT)
     store.put_tail("t1", payload(1), LAYOUT, 1)
     store.put_tail("t2", payload(2), LAYOUT, 1)  # evicts keyed block 0
@@ -104,7 +68,7 @@ def test_tails_count_against_capacity_but_are_never_evicted():
 
 
 def test_concurrent_puts_and_gets_keep_accounting():
-    store = HostBlockStore(capacity_bytes=50 * LAYOUT.nbytes, tail_ttl_s=10)
+    store = LRUBlockStore(capacity_bytes=50 * LAYOUT.nbytes, tail_ttl_s=10)
 
     def work(base: int):
         for i in range(base + 3, base + 203):

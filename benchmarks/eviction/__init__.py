@@ -1,7 +1,9 @@
 """Pluggable eviction policies for a fixed-capacity cache of chained prefix blocks.
 
-A policy only *chooses*: its owner (a block pool, or :class:`PolicyCache`) holds the data
-and calls ``victim()`` when it needs room. Calls an owner makes::
+Research code of ``benchmarks/cache_hit.py``: the product's pools keep the O(1) LRU free queue
+of ``kvstore.block_pool.BlockPool``, which none of these beat by enough on the Mooncake trace
+(benchmarks/RESULTS.md). A policy only *chooses*: its owner (:class:`PolicyCache`) holds the
+data and calls ``victim()`` when it needs room. Calls an owner makes::
 
     on_insert(k, parent)  new entry, referenced once; ``parent`` = key of the block before it
     on_hit(k)             one more reference (an access the policy records)
@@ -32,12 +34,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from kvstore.eviction.arc import ARCPolicy
-from kvstore.eviction.base import EvictionPolicy, Key
-from kvstore.eviction.lfuda import LFUDAPolicy
-from kvstore.eviction.lru import LRUPolicy
-from kvstore.eviction.replay import PolicyCache
-from kvstore.eviction.s3fifo import S3FIFOPolicy
+from benchmarks.eviction.arc import ARCPolicy
+from benchmarks.eviction.base import EvictionPolicy, Key
+from benchmarks.eviction.lfuda import LFUDAPolicy
+from benchmarks.eviction.lru import LRUPolicy
+from benchmarks.eviction.replay import PolicyCache
+from benchmarks.eviction.s3fifo import S3FIFOPolicy
 
 __all__ = ["ARCPolicy", "DEFAULT_EVICTION", "EVICTION_POLICIES", "EvictionPolicy", "Key",
            "LFUDAPolicy", "LRUPolicy", "PolicyCache", "S3FIFOPolicy", "make_policy"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from kvstore.eviction.base import EvictionPolicy, Key
+from benchmarks.eviction.base import EvictionPolicy, Key
 
 
 class LRUPolicy(EvictionPolicy):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvstore.eviction.base import EvictionPolicy, Key
+from benchmarks.eviction.base import EvictionPolicy, Key
 from kvstore.events import BlockRemoved, BlockStored, KVCacheEvent
 
 
