@@ -12,7 +12,7 @@ import asyncio
 import os
 import threading
 from concurrent.futures import Future
-from typing import AsyncIterator, Callable
+from typing import AsyncIterator, Callable, Literal
 
 import ray
 
@@ -28,6 +28,9 @@ from kvstore.config import KVStoreConfig, KVTransferConfig
 from kvstore.node_client import NodeStoreClient
 from kvstore.transfer.layer_stream import LayerStreamAnnounce
 from kvstore.transfer.peers import RayStreamPeers, register_self
+
+#: Faults DecodeWorker.inject_fault can cause (with EngineConfig.fault_injection on).
+DecodeFault = Literal["perturb_v"]
 
 
 def run_engine_thread(build: Callable[[], DecodeEngine], timeout_s: float | None = None
@@ -82,6 +85,7 @@ class DecodeWorker:
             self._peer_entry = register_self(worker_id, ray_namespace)
             peers = RayStreamPeers(ray_namespace, timeout)
         self.worker_id = worker_id
+        self._fault_injection = engine_config.fault_injection
 
         def build() -> DecodeEngine:  # on the engine's own thread (run_engine_thread)
             runner = ModelRunner(engine_config, tp=self.tp.group)
@@ -146,9 +150,22 @@ class DecodeWorker:
         """(step number, request ids in that step's batch) for the most recent steps."""
         return list(self.engine.step_log)
 
-    async def set_kv_perturbation_for_testing(self, v_delta: float) -> None:
-        """TEST-ONLY: add v_delta to every V block received over the wire (see KVFetcher)."""
-        self.engine.fetcher.v_perturbation = float(v_delta)
+    async def inject_fault(self, fault: DecodeFault, value: float) -> None:
+        """Break this worker on purpose, for fault tests of a running cluster.
+
+        ``"perturb_v"``: add ``value`` to every V element of the KV blocks received from now on
+        (0: off), so a test can prove the output depends on the KV that came over the wire.
+
+        Raises:
+            RuntimeError: the engine config has ``fault_injection`` off (the default).
+            ValueError: an unknown fault.
+        """
+        if not self._fault_injection:
+            raise RuntimeError("fault injection is off in this worker's engine config "
+                               "(EngineConfig.fault_injection)")
+        if fault != "perturb_v":
+            raise ValueError(f"unknown fault {fault!r}; known: perturb_v")
+        self.engine.fetcher.v_perturbation = float(value)
 
     async def shutdown(self) -> None:
         self.engine.shutdown()

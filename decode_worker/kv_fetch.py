@@ -37,20 +37,21 @@ import threading
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
-from typing import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
-from decode_worker.kv_receivers import ArenaReceiver, LayerWriter
 from engine.kv_cache import PagedKVCache
 from engine.protocol import PrefillResult
 from kvstore.config import KVTransferConfig
 from kvstore.errors import KVStoreError
 from kvstore.node_client import NodeStoreClient
+from kvstore.transfer.arena_receiver import ArenaReceiver
 from kvstore.transfer.base import FetchRequest, KVReceiver, KVTransferBackend, TransferState
 from kvstore.transfer.dest import CallbackDest
 from kvstore.transfer.grpc_backend import GrpcTransferBackend
-from kvstore.transfer.layer_stream import LayerStreamAnnounce, LayerStreamReceiver
+from kvstore.transfer.layer_stream import (ALL_LAYERS, LayerPiece, LayerStreamAnnounce,
+                                           LayerStreamReceiver)
 from kvstore.transfer.registry import create_backend
 
 log = logging.getLogger(__name__)
@@ -78,9 +79,9 @@ class KVFetcher:
     Attributes:
         bytes_by_backend: KV bytes written into the cache by successful fetches, by path
             ("torch", "grpc", "arena", "fake").
-        v_perturbation: TEST-ONLY hook. When non-zero, this value is added to every received V
-            block before it is written to the cache, so a test can prove the decode output
-            depends on the KV that came over the wire. Always 0 in serving.
+        v_perturbation: a fault to inject (DecodeWorker.inject_fault, only with
+            EngineConfig.fault_injection on): when non-zero, added to every received V block
+            before it is written to the cache. Always 0 in serving.
     """
 
     def __init__(self, kv_cache: PagedKVCache, transfer: KVTransferConfig | float,
@@ -170,14 +171,15 @@ class KVFetcher:
 
     def _stream_receiver(self, announce: LayerStreamAnnounce,
                          table: list[int]) -> LayerStreamReceiver:
-        writer = LayerWriter(self, table)
+        writer = LayerWriter(self.kv_cache, table, self._perturbed)
         return LayerStreamReceiver(self.grpc.client(announce.address), announce, writer.write,
                                    writer.finish, writer.piece_shape, self.kv_cache.dtype,
                                    self.transfer.timeout_s)
 
     def _receiver(self, path: str) -> KVReceiver:
         if path == "arena":
-            return ArenaReceiver(self)
+            return ArenaReceiver(self.node_client, self.grpc.client, self._threads,
+                                 self.transfer.timeout_s)
         if path == "torch":
             return self.pair.create_receiver()
         return self.store.create_receiver()
@@ -336,6 +338,44 @@ class KVFetch:
             self._leave_path()
         if not (state is TransferState.SUCCESS and self.path in _TAKES_STORE_TAIL):
             self._fetcher.release_tail(self.prefill)  # not taken: do not wait for its TTL
+
+
+class LayerWriter:
+    """Puts a layer stream's pieces into the reserved blocks: straight into the paged cache
+    (TP=1), else into a staging copy written whole at the end, each rank keeping its KV heads
+    (the ShardedKVView writes only whole blocks)."""
+
+    def __init__(self, cache: PagedKVCache, table: list[int],
+                 perturbed: Callable[[torch.Tensor, int], torch.Tensor]) -> None:
+        self.table, self.cache, self._perturbed = table, cache, perturbed
+        self.direct = isinstance(self.cache, PagedKVCache)
+        self.staging = None if self.direct else torch.zeros(
+            (len(table), *self.cache.block_shape), dtype=self.cache.dtype)
+
+    def piece_shape(self, piece: LayerPiece) -> tuple[int, ...]:
+        shape = self.cache.block_shape  # (layers, 2, block_size, kv_heads, head_dim)
+        return (piece.num_blocks, *(shape if piece.layer == ALL_LAYERS else shape[1:]))
+
+    def write(self, piece: LayerPiece, data: torch.Tensor) -> None:
+        whole = piece.layer == ALL_LAYERS
+        data = self._perturbed(data, 2 if whole else 1)
+        lo, hi = piece.block_start, piece.block_start + piece.num_blocks
+        if not self.direct:
+            if whole:
+                self.staging[lo:hi] = data
+            else:
+                self.staging[lo:hi, piece.layer] = data
+        elif whole:
+            self.cache.write_blocks(self.table[lo:hi], data)
+        else:
+            index = torch.tensor(self.table[lo:hi], device=self.cache.device)
+            data = data.to(self.cache.device)
+            self.cache.k[piece.layer][index] = data[:, 0]
+            self.cache.v[piece.layer][index] = data[:, 1]
+
+    def finish(self) -> None:
+        if self.staging is not None:
+            self.cache.write_blocks(self.table, self.staging)
 
 
 def _pair_request(prefill: PrefillResult) -> FetchRequest:

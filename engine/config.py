@@ -202,6 +202,8 @@ class EngineConfig(pydantic.BaseModel):
     elsewhere; "triton" forces Triton (on CPU through TRITON_INTERPRET=1); "torch" forces torch.
     `tensor_parallel_size`: ranks of this engine's TP instance (engine.parallel); the runner
     is given the matching TPGroup. `num_kv_blocks` counts blocks, each rank holding its KV heads.
+    `fault_injection`: lets the worker actors' `inject_fault` act, for fault tests of a running
+    cluster; off (the default) it raises. No CLI flag sets it.
     """
 
     model_config = pydantic.ConfigDict(frozen=True, extra="forbid", protected_namespaces=())
@@ -218,6 +220,7 @@ class EngineConfig(pydantic.BaseModel):
     preemption_mode: Literal["recompute", "swap"] = "recompute"
     kernel_backend: Literal["auto", "triton", "torch"] = "auto"
     tensor_parallel_size: int = pydantic.Field(1, gt=0)
+    fault_injection: bool = False
 
     def torch_dtype(self) -> torch.dtype:
         """The torch dtype named by `dtype`."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from typing import Literal
 
 import ray
 
@@ -33,6 +34,9 @@ from prefill_worker.layer_streamer import LayerStreamer
 from prefill_worker.prefix_loader import PrefixLoader
 
 log = logging.getLogger(__name__)
+
+#: Faults PrefillWorker.inject_fault can cause (with EngineConfig.fault_injection on).
+PrefillFault = Literal["layer_delay"]
 
 
 @ray.remote
@@ -86,6 +90,8 @@ class PrefillWorker:
         kv = PrefillKV(client, address, node_id, ArenaPublisher(node_client), loader, index,
                        pusher, streamer)
         self.worker_id = worker_id
+        self._fault_injection = engine_config.fault_injection
+        self._layer_delay_s, self._delay_hooked = 0.0, False
         self.engine = PrefillEngine(runner, kv, worker_id, os.getpid(), self.model_thread.call)
 
     def prefill(self, request: PrefillRequest) -> PrefillResult:
@@ -114,15 +120,28 @@ class PrefillWorker:
     def stats(self) -> dict:
         return self.engine.stats()
 
-    def set_layer_delay_for_testing(self, seconds: float) -> None:
-        """TEST-ONLY: sleep this long after every decoder layer's forward (0: off), so a test
-        can act while a prefill is mid-way (e.g. abort a layer stream)."""
-        self._layer_delay_s = float(seconds)
-        if not getattr(self, "_delay_hooked", False):
+    def inject_fault(self, fault: PrefillFault, value: float) -> None:
+        """Slow this worker down on purpose, for fault tests of a running cluster.
+
+        ``"layer_delay"``: sleep ``value`` seconds after every decoder layer's forward (0: off),
+        so a test can act while a prefill is mid-way (e.g. abort a layer stream).
+
+        Raises:
+            RuntimeError: the engine config has ``fault_injection`` off (the default).
+            ValueError: an unknown fault.
+        """
+        if not self._fault_injection:
+            raise RuntimeError("fault injection is off in this worker's engine config "
+                               "(EngineConfig.fault_injection)")
+        if fault != "layer_delay":
+            raise ValueError(f"unknown fault {fault!r}; known: layer_delay")
+        self._layer_delay_s = float(value)
+        if not self._delay_hooked:
             self._delay_hooked = True
             for layer in self.engine.runner.model.model.layers:
                 layer.register_forward_hook(lambda *_: time.sleep(self._layer_delay_s))
 
-    def reset_prefix_cache_for_testing(self) -> bool:
-        """TEST-ONLY: drop this worker's G1 prefix cache (vLLM's reset_prefix_cache)."""
+    def reset_prefix_cache(self) -> bool:
+        """Drop this worker's G1 prefix cache (vLLM's reset_prefix_cache); False, changing
+        nothing, while a prefill holds blocks."""
         return self.engine.reset_prefix_cache()

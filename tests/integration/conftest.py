@@ -16,6 +16,7 @@ import pytest
 from deploy.config import ServeConfig
 from deploy.launcher import Cluster
 from deploy.serve import BackgroundServer, gateway_app
+from engine.config import EngineConfig
 
 
 def free_port() -> int:
@@ -26,8 +27,9 @@ def free_port() -> int:
 
 @pytest.fixture(scope="session")
 def cluster():
-    """Local Ray with one KV store, one prefill and one decode actor (default ServeConfig)."""
-    with Cluster(ServeConfig(ray_num_cpus=4)) as c:
+    """Local Ray with one KV store, one prefill and one decode actor (default ServeConfig, with
+    the workers' fault injection on for the tests that use it)."""
+    with Cluster(ServeConfig(ray_num_cpus=4, engine=EngineConfig(fault_injection=True))) as c:
         yield c
 
 

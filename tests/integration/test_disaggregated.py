@@ -71,10 +71,10 @@ def test_decode_output_depends_on_kv_received_over_grpc(cluster, hf):
     decode = cluster.decode[0].handle
     bytes_before = decode_stats(cluster)["kv_bytes_fetched_total"]
     try:
-        ray.get(decode.set_kv_perturbation_for_testing.remote(3.0))
+        ray.get(decode.inject_fault.remote("perturb_v", 3.0))
         perturbed = tokens_of(run(cluster, "req-perturbed", prompt, 24, ignore_eos=True))
     finally:
-        ray.get(decode.set_kv_perturbation_for_testing.remote(0.0))
+        ray.get(decode.inject_fault.remote("perturb_v", 0.0))
     assert perturbed[0] == expected[0]  # token 1 comes from prefill, untouched
     assert perturbed[1:] != expected[1:]
 

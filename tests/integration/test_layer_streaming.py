@@ -38,7 +38,8 @@ def layer_cluster(cluster):
     """The session cluster first (it owns the session's Ray), then ours beside it."""
     config = ServeConfig(ray_num_cpus=4, ray_namespace=f"pdc-layer-{os.getpid()}",
                          transfer=KVTransferConfig(streaming="layer", timeout_s=10),
-                         engine=EngineConfig(max_num_batched_tokens=BUDGET))
+                         engine=EngineConfig(max_num_batched_tokens=BUDGET,
+                                                             fault_injection=True))
     with Cluster(config) as c:
         yield c
 
@@ -138,7 +139,7 @@ def test_prefill_abort_mid_stream_frees_both_sides(layer_cluster, hf):
     prompt = hf.encode(STORY * 4)[:500]
     prefill, decode = layer_cluster.prefill[0].handle, layer_cluster.decode[0]
     params = SamplingParams(max_tokens=8, temperature=0)
-    ray.get(prefill.set_layer_delay_for_testing.remote(0.01))  # ~1.5 s of compute
+    ray.get(prefill.inject_fault.remote("layer_delay", 0.01))  # ~1.5 s of compute
     try:
         ref = prefill.prefill.remote(PrefillRequest("ls-abort", tuple(prompt), params,
                                                     decode_peer=decode.worker_id))
@@ -151,7 +152,7 @@ def test_prefill_abort_mid_stream_frees_both_sides(layer_cluster, hf):
         with pytest.raises(RayTaskError, match="RequestAborted"):
             ray.get(ref, timeout=30)
     finally:
-        ray.get(prefill.set_layer_delay_for_testing.remote(0))
+        ray.get(prefill.inject_fault.remote("layer_delay", 0))
     assert 0 < timings["num_taken"] < timings["num_pieces"]  # it was mid-stream
     assert_settled(layer_cluster)
     # the cluster serves on

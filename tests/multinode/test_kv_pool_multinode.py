@@ -153,7 +153,7 @@ def test_tier_round_trip_through_ssd(nodes, hf):
     cold = prefill_then_push_to_ssd(env, hf, "rt", prompt)
     locations = env["index"].lookup(list(cold.block_keys))
     assert all(any(loc.tier == "ssd" for loc in locs) for locs in locations[:8])
-    assert ray.get(env["prefill_a"].reset_prefix_cache_for_testing.remote())
+    assert ray.get(env["prefill_a"].reset_prefix_cache.remote())
     before = hits(env["prefill_a"]).get("ssd", 0)
     warm = prefill(env["prefill_a"], "rt-warm", prompt)
     assert hits(env["prefill_a"])["ssd"] - before > 0  # served from this node's G3
@@ -180,7 +180,7 @@ def test_corrupt_ssd_block_is_recomputed(nodes, hf, tmp_path):
                 data[off] ^= 0x5A
             f.seek(0)
             f.write(data)
-    assert ray.get(env["prefill_a"].reset_prefix_cache_for_testing.remote())
+    assert ray.get(env["prefill_a"].reset_prefix_cache.remote())
     corruptions = ray.get(env["stores"]["node_a"].stats.remote())["tiers"]["ssd"]["corruptions"]
     warm = prefill(env["prefill_a"], "c-warm", prompt)
     after = ray.get(env["stores"]["node_a"].stats.remote())["tiers"]["ssd"]["corruptions"]

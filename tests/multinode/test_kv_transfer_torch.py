@@ -18,6 +18,7 @@ import ray
 
 from deploy.config import ServeConfig
 from deploy.launcher import Cluster
+from engine.config import EngineConfig
 from engine.protocol import FinishReason, SamplingParams
 from kvstore.config import KVTransferConfig
 
@@ -30,7 +31,7 @@ STORY = ("Once upon a time, there was a little boy named Tim. Tim had a big red 
 @pytest.fixture(scope="module")
 def cluster(local_cluster):
     config = ServeConfig(transfer=KVTransferConfig(backend="torch"), ray_num_cpus=4,
-                         ray_namespace="pdc-kv-torch")
+                         ray_namespace="pdc-kv-torch", engine=EngineConfig(fault_injection=True))
     with local_cluster(config) as c:
         yield c
 
@@ -84,10 +85,10 @@ def test_decode_output_depends_on_kv_received_over_the_pair(cluster, hf):
     expected = hf.greedy(prompt, 24)
     decode = cluster.decode[0].handle
     try:
-        ray.get(decode.set_kv_perturbation_for_testing.remote(3.0))
+        ray.get(decode.inject_fault.remote("perturb_v", 3.0))
         perturbed = tokens_of(run(cluster, "torch-perturbed", prompt, 24, ignore_eos=True))
     finally:
-        ray.get(decode.set_kv_perturbation_for_testing.remote(0.0))
+        ray.get(decode.inject_fault.remote("perturb_v", 0.0))
     assert perturbed[0] == expected[0] and perturbed[1:] != expected[1:]
     assert tokens_of(run(cluster, "torch-clean", prompt, 24)) == expected
     assert set(settled_decode(cluster)["kv_bytes_fetched_by_backend"]) == {"torch"}

@@ -71,7 +71,7 @@ def test_prefix_reloaded_from_g2_is_scattered_to_the_ranks(cluster, hf):
     expected = hf.greedy(prompt, 16)
     assert generate(cluster, [prompt], 16) == [expected]
     prefill = cluster.prefill[0].handle
-    assert ray.get(prefill.reset_prefix_cache_for_testing.remote())
+    assert ray.get(prefill.reset_prefix_cache.remote())
     before = ray.get(prefill.stats.remote())["prefix_cache_hit_tokens_total"].get("host", 0)
     assert generate(cluster, [prompt], 16) == [expected]
     after = ray.get(prefill.stats.remote())["prefix_cache_hit_tokens_total"].get("host", 0)
