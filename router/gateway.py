@@ -1,12 +1,16 @@
 """The FastAPI gateway: the OpenAI HTTP API in front of the Conductor and the workers.
 
 Endpoints: POST /v1/completions and /v1/chat/completions (SSE streaming and not),
-GET /v1/models, GET /health, GET /metrics (Prometheus, the whole cluster). Errors use OpenAI's error body: 400 for bad input (never FastAPI's
-422), 404 for an unknown model, 413 for a body over the limit, 429 with Retry-After when
-admission control refuses a request (counted by reason: ttft_slo, tbt_slo, decode_kv_full),
-503 when the cluster cannot serve, and 503 with Retry-After when the in-flight bound is reached
-(reason overloaded) or the gateway is draining (reason draining; /health answers 503
-{"status": "draining"} then, so load balancers stop sending).
+GET /v1/models and /v1/models/{id}, GET /health, GET /metrics (Prometheus, the whole cluster).
+Errors use OpenAI's error body: 400 for bad input (never FastAPI's 422; a field vLLM or OpenAI
+defines that this server lacks is named, router/unsupported_fields.py), including more
+sequences than one request may run (reason too_many_sequences), 404 for an unknown model, 413
+for a body over the limit, 429 with Retry-After when admission control refuses a request
+(counted by reason: ttft_slo, tbt_slo, decode_kv_full), 500 for a bug (the message names the
+request id its log record carries), 503 when the cluster cannot serve, and 503 with
+Retry-After when the fair queue in front of the in-flight gate is full (reason overloaded) or
+the gateway is draining (reason draining; /health answers 503 {"status": "draining"} then, so
+load balancers stop sending). A client that disconnects aborts its request, streamed or not.
 
 Each request's id is set in engine.logs' context variable, so every log record about it (here,
 in the pipeline, in the Conductor) carries `request_id`.
