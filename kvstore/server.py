@@ -5,8 +5,8 @@ Serves a :class:`BlockStore` (the node's TieredNodeStore) over the
 Binds only ``config.host`` (``--kv-bind``, 127.0.0.1 by default), over TLS when ``config.tls``
 is set (``--kv-tls-cert/-key/-ca``; mutual TLS with a CA). With ``config.token`` set, every
 call must carry ``authorization: Bearer <token>`` (or ``x-pdcluster-token: <token>``) in its
-metadata, else it fails with UNAUTHENTICATED (STYLE.md trap 6: KV planes shipped
-unauthenticated and bound to all interfaces). A daemon thread sweeps expired tails every
+metadata, else it fails with UNAUTHENTICATED (peers' KV planes shipped unauthenticated and
+bound to all interfaces, e.g. vLLM's CVE-2025-32444). A daemon thread sweeps expired tails every
 ``min(tail_ttl_s / 4, 5)`` seconds.
 
 Block replies (GetBlocks, and FetchBlocks: the same replies on one long-lived stream per
