@@ -1,4 +1,4 @@
-"""Triton kernel throughput against the device's own ceilings and against SDPA (issue 7).
+"""Triton kernel throughput against the device's own ceilings and against SDPA.
 
     .venv/bin/python benchmarks/kernels.py            # on a CUDA GPU: the real shapes
     .venv/bin/python benchmarks/kernels.py --smoke    # anywhere: tiny shapes (interpreted on CPU)

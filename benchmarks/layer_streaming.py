@@ -1,4 +1,4 @@
-"""How much KV transfer time layer-wise streaming hides (issue 6 item 4).
+"""How much KV transfer time layer-wise streaming hides.
 
     .venv/bin/python benchmarks/layer_streaming.py [--lengths 256,512,1024] [--reps 3]
         [--output results.json] [--small]

@@ -17,7 +17,7 @@ process into a preallocated buffer, request/response, one request at a time:
 
 GB/s = 1e9 bytes per second; each cell is the median of ``--rounds`` rounds that interleave the
 backends (the load of a shared machine swings), ``--min-time`` seconds per cell in all.
-Target (issue 5): grpc >= 0.5x raw at >= 1 MiB. Prints a Markdown table.
+The bar the KV pool aims at: grpc >= 0.5x raw at >= 1 MiB. Prints a Markdown table.
 """
 
 from __future__ import annotations

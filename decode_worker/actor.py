@@ -19,6 +19,7 @@ import ray
 from decode_worker.engine import DecodeEngine
 from decode_worker.kv_fetch import KVFetcher
 from engine.config import EngineConfig
+from engine.faults import check_fault
 from engine.logs import setup_worker_logging
 from engine.protocol import DecodeRequest, TokenDelta
 from engine.runner import ModelRunner
@@ -160,11 +161,7 @@ class DecodeWorker:
             RuntimeError: the engine config has ``fault_injection`` off (the default).
             ValueError: an unknown fault.
         """
-        if not self._fault_injection:
-            raise RuntimeError("fault injection is off in this worker's engine config "
-                               "(EngineConfig.fault_injection)")
-        if fault != "perturb_v":
-            raise ValueError(f"unknown fault {fault!r}; known: perturb_v")
+        check_fault(self._fault_injection, fault, ("perturb_v",))
         self.engine.fetcher.v_perturbation = float(value)
 
     async def shutdown(self) -> None:

@@ -15,7 +15,7 @@ The path a request's blocks take (KVFetcher.start_fetch):
    (KVFetcher.start_stream, before the decode even has the request) and the pieces of each
    layer are taken from the prefill node's store as they are put (LayerStreamReceiver).
 
-Faults (issue 9): every attempt has a deadline (KVTransferConfig.timeout_s; a layer stream's
+Faults: every attempt has a deadline (KVTransferConfig.timeout_s; a layer stream's
 bounds the silence between pieces). A failed or timed-out attempt is retried once from
 another holder: after a pair or layer stream, the prefill node's store (keyed blocks + tail);
 after the store itself, the store again over gRPC (the one other path to the only node known
@@ -224,7 +224,7 @@ class KVFetcher:
 
 class KVFetch:
     """One request's prompt KV on its way into its reserved blocks; the engine polls it once
-    per step (STYLE.md item 7) and never blocks on it.
+    per step and never blocks on it.
 
     Attributes:
         paths: the paths tried so far, in order: "layer", "torch", "grpc", "arena" or "fake";

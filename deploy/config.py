@@ -1,4 +1,4 @@
-"""The one typed config of a pdcluster deployment, built once at the CLI edge (STYLE.md item 11).
+"""The one typed config of a pdcluster deployment, built once at the CLI edge.
 
 Sources, later wins: defaults < YAML file (`--config`) < CLI flags. Environment variables are
 read only by the CLI, never below it.

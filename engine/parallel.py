@@ -1,4 +1,4 @@
-"""Tensor parallelism in one place (STYLE.md item 10): the TP group and the parallel linears.
+"""Tensor parallelism in one place: the TP group and the parallel linears.
 
 A TP instance of size k is k processes in one torch.distributed default group (DESIGN.md
 "Tensor parallelism": the default group is used only here, because a TP instance restarts as a

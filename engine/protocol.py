@@ -1,8 +1,8 @@
 """Messages between the gateway, the prefill worker and the decode worker.
 
 These travel over Ray's control plane (trusted cluster). They carry handles and deltas — token
-ids, block keys, a KV store address, a pair channel's address — never KV tensors (STYLE.md item
-12). KV bytes go over the data plane: the KV store's gRPC service, the node's shared-memory arena,
+ids, block keys, a KV store address, a pair channel's address — never KV tensors.
+KV bytes go over the data plane: the KV store's gRPC service, the node's shared-memory arena,
 or a torch.distributed pair channel (kvstore.transfer).
 """
 
@@ -117,7 +117,7 @@ class PrefillRequest:
     """What the gateway sends a prefill worker.
 
     prompt_token_ids: the tokenized prompt (BOS included when the tokenizer adds one).
-    cache_salt: optional per-tenant salt mixed into block keys (STYLE.md trap 7).
+    cache_salt: optional per-tenant salt mixed into block keys.
     decode_peer: worker id of the decode instance the Conductor picked for the request; with
         ``--kv-transfer torch`` the prefill pushes the prompt's KV to it over their pair channel.
         None: no push (the decode pulls from the KV store).

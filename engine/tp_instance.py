@@ -4,7 +4,7 @@ TPFollower actors it creates, in the other bundles of its STRICT_PACK placement 
 (made by the deployment, e.g. deploy.placement.tp_placement_group; each rank in its bundle,
 engine.tp_placement), so the whole group is on one node.
 
-Bootstrap (no fixed port, STYLE.md item 11): rank 0 binds a TCPStore on a free port of its
+Bootstrap (no fixed port): rank 0 binds a TCPStore on a free port of its
 node's IP, creates the followers with host:port as arguments (Ray RPC: trusted control plane),
 and all k processes form the default torch.distributed group (gloo on CPU, NCCL on CUDA).
 

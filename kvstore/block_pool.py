@@ -1,6 +1,6 @@
 """G1 block pool of one worker's paged KV cache: refcounts, LRU free queue, prefix cache, events.
 
-One class owns the blocks, the free queue and the key -> block map (STYLE.md item 2), in the role
+One class owns the blocks, the free queue and the key -> block map, in the role
 of vLLM v1's ``BlockPool`` (``vllm/v1/core/block_pool.py``). No torch and no scheduler imports.
 
 Block states (``ref`` = reference count)::

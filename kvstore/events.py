@@ -1,4 +1,4 @@
-"""Cache events of a worker's G1 block pool; the cluster index is built from them (STYLE.md item 4).
+"""Cache events of a worker's G1 block pool; the cluster index is built from them.
 
 A pool appends events as its prefix cache changes and its owner drains them with
 ``BlockPool.take_events()`` once per engine step, then publishes them to the global index.

@@ -2,7 +2,7 @@
 
 Same idea as vLLM v1's ``FreeKVCacheBlockQueue`` (``vllm/v1/core/kv_cache_utils.py``): a cached
 block that gets a prefix-cache hit must leave the *middle* of the free list, which ``deque.remove``
-does in O(n) (nano-vllm's trap, STYLE.md item 3). Here the links are two int lists indexed by block
+does in O(n) (nano-vllm's trap). Here the links are two int lists indexed by block
 id, so no Python object is allocated per operation.
 
 Layout (``S`` = sentinel at index ``capacity``; the list is circular through it)::

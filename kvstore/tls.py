@@ -1,5 +1,5 @@
 """gRPC credentials of the KV plane from a :class:`kvstore.config.KVTLSConfig` (optional TLS on
-the KV gRPC service, issue 9 "Security")."""
+the KV gRPC service)."""
 
 from __future__ import annotations
 

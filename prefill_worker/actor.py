@@ -15,6 +15,7 @@ from typing import Literal
 import ray
 
 from engine.config import EngineConfig
+from engine.faults import check_fault
 from engine.logs import setup_worker_logging
 from engine.model_thread import ModelThread
 from engine.protocol import PrefillRequest, PrefillResult
@@ -130,11 +131,7 @@ class PrefillWorker:
             RuntimeError: the engine config has ``fault_injection`` off (the default).
             ValueError: an unknown fault.
         """
-        if not self._fault_injection:
-            raise RuntimeError("fault injection is off in this worker's engine config "
-                               "(EngineConfig.fault_injection)")
-        if fault != "layer_delay":
-            raise ValueError(f"unknown fault {fault!r}; known: layer_delay")
+        check_fault(self._fault_injection, fault, ("layer_delay",))
         self._layer_delay_s = float(value)
         if not self._delay_hooked:
             self._delay_hooked = True

@@ -326,7 +326,7 @@ class PrefillEngine:
 
     def _reannounce_if_lost(self, location: Location) -> None:
         """If the index lost this worker's G1 entries (Redis restarted empty, or events failed
-        to reach it), announce every cached key again (issue 9: index loss). Checked at most
+        to reach it), announce every cached key again (index loss). Checked at most
         every INDEX_CHECK_S, by looking one cached key up."""
         now = time.monotonic()
         if now - self._index_checked_at < INDEX_CHECK_S:

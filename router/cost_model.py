@@ -96,7 +96,7 @@ MOONCAKE_70B = CostModel(
     dram_cache_tokens=3_000_000,
     # (8 × 80 GB × 0.9 − 140 GB of fp16 weights) / 320 KiB ≈ 1.33 M tokens of decode KV
     decode_kv_tokens=1_330_000,
-    source="Mooncake FAST'25 setup: LLaMA-70B, one 8×A800 node per instance (issue 8)",
+    source="Mooncake FAST'25 setup: LLaMA-70B, one 8×A800 node per instance",
 )
 
 STORIES260K_CPU = CostModel(

@@ -5,7 +5,7 @@ Yields TokenDelta items: the first carries the prefill's token (output token 0);
 from the decode actor's streaming generator. If the consumer stops early (client disconnect,
 error), both workers get an idempotent abort so no block stays held.
 
-Migration (issue 9; Llumnix OSDI'24 migrates live requests the same way, by recompute). When a
+Migration (Llumnix OSDI'24 migrates live requests the same way, by recompute). When a
 call fails with RayActorError (the worker's process is gone), the instance is marked dead in
 the registry (router.registry) and the request starts over elsewhere as a new attempt:
 

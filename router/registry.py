@@ -1,6 +1,6 @@
 """The instances the Conductor routes to, and which of them are dead.
 
-Worker death (issue 9): the request path marks an instance dead when a call to it fails with
+Worker death: the request path marks an instance dead when a call to it fails with
 RayActorError (its process is gone); nothing is routed to it then. Ray restarts worker actors
 behind the same handle (deploy.placement.WORKER_MAX_RESTARTS), so a probe thread calls each
 dead instance until it answers, and the instance rejoins.

@@ -3,7 +3,7 @@
 The node's KV store actor owns a :class:`HostArena`: it creates the POSIX shared-memory segment
 and keeps all metadata (key -> slot, LRU order, pins). Workers on the node attach with
 :class:`kvstore.arena.view.ArenaView` and move bytes themselves; only keys and slot numbers cross
-RPC (DESIGN.md "Tiers"; issue 5 item 2). Evicted blocks are handed to ``on_evict`` so the store
+RPC. Evicted blocks are handed to ``on_evict`` so the store
 can demote them to G3 (SSD) before the slot is reused.
 
 Segment layout (``num_slots`` fixed-size slots, one KV block each, all layers, raw bytes)::

@@ -17,7 +17,7 @@ Semantics shared by every backend (``MemoryIndex``, ``RedisIndex``, ``ActorIndex
   A node that stops heartbeating drops out of lookups within its lease (``DEFAULT_NODE_LEASE_S``);
   heartbeat every ``lease_s / 3``. ``heartbeat`` tells whether the lease was still running;
   when it was not, the index may have lost the node's entries too, so the node re-announces
-  its blocks (issue 9: an index restarted empty costs recompute until then, never errors).
+  its blocks (an index restarted empty costs recompute until then, never errors).
 * **Load reports** are small JSON-able dicts per instance with their own TTL; they round-trip
   through JSON in every backend (tuples come back as lists).
 * **Events.** ``apply_events`` replays a pool's ``kvstore.events`` in order:

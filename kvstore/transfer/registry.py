@@ -1,4 +1,4 @@
-"""Transfer backends by name (``--kv-transfer``): a dict, not an if/elif chain (STYLE.md 6)."""
+"""Transfer backends by name (``--kv-transfer``): a dict, not an if/elif chain."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Scheduling policies of the Conductor, by name (STYLE.md item 6: a dict, not if/elif).
+"""Scheduling policies of the Conductor, by name.
 
     random           uniformly random prefill and decode instances
     round_robin      each role in turn

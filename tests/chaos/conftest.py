@@ -1,4 +1,4 @@
-"""The chaos suite's cluster and load (issue 9).
+"""The chaos suite's cluster and load.
 
 A real cluster (deploy.launcher.Cluster: 2 prefill + 2 decode actors, a KV store, the global
 index in a real redis-server) behind the real gateway served by uvicorn; load is 16 streaming

@@ -1,4 +1,4 @@
-"""Chaos suite (issue 9 acceptance): while 16 streaming requests run through the gateway,
+"""Chaos suite: while 16 streaming requests run through the gateway,
 kill -9 a prefill actor, a decode actor, redis-server and a node's KV store actor, in turn.
 
 For each kind the report counts requests completed, ended with a clear error (an HTTP error

@@ -1,4 +1,4 @@
-"""Chaos with `--colocated` (issue 9): a decode instance that prefills its own requests is
+"""Chaos with `--colocated`: a decode instance that prefills its own requests is
 killed -9 under 16 streaming requests; they move to the other instance (ColocatedPipeline
 re-prefills prompt + streamed tokens there) and end with their no-fault output."""
 

@@ -1,4 +1,4 @@
-"""Acceptance (issue 6, item 1): tensor parallelism on CPU (gloo) equals TP=1.
+"""Acceptance: tensor parallelism on CPU (gloo) equals TP=1.
 
 Two models: the bundled stories260K (8 heads, 4 KV heads, tied embeddings) and a random GQA
 checkpoint written here (8 heads, 4 KV heads, biases on q/k/v/o and the MLP, untied, saved in

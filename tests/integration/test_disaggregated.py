@@ -117,7 +117,7 @@ def test_requests_join_and_leave_the_decode_batch(cluster, hf):
 
 
 def test_serve_routes_with_the_live_conductor(cluster, hf):
-    """`pdcluster serve`'s Cluster runs the Conductor of issue 8: kvcache_centric over the
+    """`pdcluster serve`'s Cluster runs the live Conductor: kvcache_centric over the
     global index, a prefill ledger the pipeline feeds back into (prefill_done), decode loads
     polled from the workers."""
     conductor = cluster.conductor

@@ -1,4 +1,4 @@
-"""SIGTERM drains `pdcluster serve` (issue 9 "Drain"), and its JSON logs carry request ids.
+"""SIGTERM drains `pdcluster serve`, and its JSON logs carry request ids.
 
 A real `pdcluster serve` subprocess (`--drain-timeout 1 --log-format json`) gets SIGTERM while
 streams run: a short one that can finish within the drain timeout and two long ones (n=16 ×

@@ -259,8 +259,8 @@ def test_engine_thread_builds_the_model_and_runs_the_loop(eos_model_dir, hf):
 
 
 def test_concurrent_prefills_share_steps_and_outputs_are_unchanged(engines, eos_model_dir, hf):
-    """Chunks of several requests run in one forward step under the token budget (issue 6
-    item 2); each request's first token, logprob and KV equal the request run alone. The
+    """Chunks of several requests run in one forward step under the token budget;
+    each request's first token, logprob and KV equal the request run alone. The
     steps run on the thread that built the model, as in the prefill actor."""
     prefill, _ = engines
     config = EngineConfig(model=str(eos_model_dir), num_kv_blocks=128,

@@ -1,4 +1,4 @@
-"""`--kv-streaming layer` through real Ray actors (issue 6 item 4): a cluster of its own (one
+"""`--kv-streaming layer` through real Ray actors: a cluster of its own (one
 prefill, one decode, its own Ray namespace, chunked prefill at 16 tokens per step) streams
 each layer's KV while the prefill computes; its outputs are compared with the session cluster,
 which transfers whole requests (the default), and with HF.

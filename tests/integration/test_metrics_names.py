@@ -1,4 +1,4 @@
-"""/metrics of a real cluster's gateway (issue 9 "Observability"): every DESIGN.md metric name
+"""/metrics of a real cluster's gateway: every DESIGN.md metric name
 is exported, worker numbers are summed over all workers, and the Grafana dashboard
 (deploy/grafana/pdcluster-dashboard.json) queries only names that are exported, with a panel
 for each topic the issue lists."""
@@ -33,7 +33,7 @@ DESIGN_METRICS = {
     "pdcluster_requests_running": ("role",),
     "pdcluster_requests_waiting": ("role",),
 }
-#: Dashboard topics (issue 9) → a word its panel title must contain.
+#: Dashboard topics → a word its panel title must contain.
 TOPICS = {"TTFT": "TTFT", "TPOT": "TPOT", "throughput": "Throughput",
           "hit ratio per tier": "hit ratio per tier", "KV transfer rate": "KV transfer",
           "queues": "Queues", "rejections": "Rejections", "gateway queue time": "queue time"}

@@ -1,4 +1,4 @@
-"""Overload (issue 9): capacity measured in the test, then 3× that rate against a gateway with a
+"""Overload: capacity measured in the test, then 3× that rate against a gateway with a
 small in-flight bound. Only 200/429/503 answers, rejections counted by reason in /metrics, the
 bound never exceeded, every worker's RSS under its configured pools + 1 GiB.
 

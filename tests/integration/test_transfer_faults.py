@@ -1,4 +1,4 @@
-"""Transfer faults (issue 9 item 3): every fetch has a deadline; a timed-out or failed attempt
+"""Transfer faults: every fetch has a deadline; a timed-out or failed attempt
 is retried once from another holder of the blocks, then the decode recomputes the prompt. The
 output never changes and every block comes back, on both sides.
 

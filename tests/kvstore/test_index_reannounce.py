@@ -1,4 +1,4 @@
-"""Index loss (issue 9): a heartbeat tells whether the index still knew the node's lease, and a
+"""Index loss: a heartbeat tells whether the index still knew the node's lease, and a
 node's KV store re-announces its blocks when it did not (a Redis restarted empty)."""
 
 from __future__ import annotations

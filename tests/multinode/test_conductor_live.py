@@ -1,5 +1,5 @@
 """The Conductor live: `pdcluster serve`'s gateway over 2 prefill instances and 1 decode
-instance, routed by kvcache_centric with the global index and load ledger (issue 8 item 6).
+instance, routed by kvcache_centric with the global index and load ledger.
 
   * requests sharing a long prefix go to the prefill instance that holds it in G1;
   * a burst of unrelated requests spreads over both instances;

@@ -203,7 +203,7 @@ def test_failed_transfers_recompute(nodes, hf):
     tokens, _ = decode(env, on_b, prompt)
     assert tokens == want
     # A's result points at A's store, which cannot serve its blocks any more: the decode
-    # retries once, then recomputes the prompt itself (issue 9 item 3), output unchanged.
+    # retries once, then recomputes the prompt itself, output unchanged.
     # (Faults nothing can recover from end with a clear error: tests/chaos, KV store killed.)
     recomputes = ray.get(env["decode"].stats.remote())["num_fetch_recomputes_total"]
     tokens, last = decode(env, on_a, prompt)

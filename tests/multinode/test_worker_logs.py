@@ -1,4 +1,4 @@
-"""`--log-format json` reaches the worker actors (issue 9 item 5): each worker process logs one
+"""`--log-format json` reaches the worker actors: each worker process logs one
 JSON object per line, and records about a request carry its id.
 
 Reads the prefill worker's own stderr log file in the Ray session directory (found by its pid).

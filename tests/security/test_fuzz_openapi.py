@@ -1,5 +1,5 @@
 """Schemathesis (property-based, from the gateway's own OpenAPI schema) against a real gateway
-over real HTTP with real workers (issue 9 "Fuzzing"): zero 5xx and no crash, whatever the
+over real HTTP with real workers: zero 5xx and no crash, whatever the
 body. Valid and invalid bodies both (schemathesis' positive and negative modes); the context
 is cut to 64 tokens so a valid request with n = 16 stays cheap, keeping the run bounded
 (MAX_EXAMPLES per operation). Afterwards the gateway and its workers still serve.

@@ -1,4 +1,4 @@
-"""Optional TLS on the KV gRPC service (issue 9 "Security"): certificates made here with
+"""Optional TLS on the KV gRPC service: certificates made here with
 `cryptography` (a self-signed CA, node certificates for 127.0.0.1 signed by it), a real
 KVStoreServer and KVStoreClient. TLS clients work; plaintext or wrongly-trusting ones fail."""
 

@@ -1,5 +1,5 @@
-"""No code-executing deserialization in pdcluster's network-facing packages (STYLE.md trap 6:
-vLLM CVE-2025-29783/32444/47277, SGLang CVE-2026-3059 unpickled network bytes).
+"""No code-executing deserialization in pdcluster's network-facing packages (peers' KV
+channels unpickled network bytes: vLLM CVE-2025-29783/32444/47277, SGLang CVE-2026-3059).
 
 Parses every module's AST: an import of pickle/cloudpickle/dill (or marshal/shelve), a call of
 their load functions, or a torch.load without weights_only=True fails the test.
