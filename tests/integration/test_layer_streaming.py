@@ -118,7 +118,15 @@ def test_cached_prefix_streams_as_whole_blocks(layer_cluster, cluster, hf):
 
 def test_layer_zero_lands_before_the_last_layer_is_computed(layer_cluster, hf):
     prompt = hf.encode(STORY * 4)[:480]
-    out = run(layer_cluster, "ls-timing", prompt, max_tokens=4, temperature=0)
+    prefill = layer_cluster.prefill[0].handle
+    # the bundled model computes a chunk's layers in well under a millisecond each: on a busy
+    # machine the whole prefill could end before the first piece's fetch is scheduled, so each
+    # layer is given a few milliseconds, as a larger model's would take
+    ray.get(prefill.inject_fault.remote("layer_delay", 0.005))
+    try:
+        out = run(layer_cluster, "ls-timing", prompt, max_tokens=4, temperature=0)
+    finally:
+        ray.get(prefill.inject_fault.remote("layer_delay", 0))
     assert out == hf.greedy(prompt, 4)
     timings = kv_timings(layer_cluster, "ls-timing")
     compute_end = timings["prefill_extra"]["layer_compute_end_s"]  # the last chunk's layers
