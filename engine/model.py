@@ -185,23 +185,16 @@ class LlamaForCausalLM(nn.Module):
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return nn.functional.linear(hidden, weight).to(torch.float32)
 
-    def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
-        """Copy HF-named tensors (`model.layers.N.self_attn.q_proj.weight`, ...) into the
-        parameters, each rank its shard (see load_checkpoint)."""
-        self._load(state_dict.keys(), state_dict.__getitem__)
-
     def load_checkpoint(self, reader: CheckpointReader) -> None:
-        """Load from lazy safetensors slices: each parameter's weight_loader reads only this
-        rank's rows or columns from disk (engine.parallel)."""
-        self._load(reader.names(), reader.slice)
-
-    def _load(self, names, get) -> None:
-        """Casts to each parameter's dtype and device. `lm_head.weight` is ignored when
-        embeddings are tied; rotary `inv_freq` buffers some checkpoints carry are ignored.
+        """Copy HF-named tensors (`model.layers.N.self_attn.q_proj.weight`, ...) from lazy
+        safetensors slices into the parameters: each parameter's weight_loader reads only this
+        rank's rows or columns from disk (engine.parallel), cast to the parameter's dtype and
+        device. `lm_head.weight` is ignored when embeddings are tied; rotary `inv_freq` buffers
+        some checkpoints carry are ignored.
         Raises WeightLoadError for a missing parameter, a shape mismatch or an unexpected name.
         """
         params = dict(self.named_parameters())
-        names = set(names)
+        names = set(reader.names())
         unexpected = sorted(
             name
             for name in names
@@ -218,7 +211,7 @@ class LlamaForCausalLM(nn.Module):
             loader = getattr(module, "weight_loader", None)
             for param_name, param in module.named_parameters(recurse=False):
                 name = f"{module_name}.{param_name}" if module_name else param_name
-                (loader or replicated_weight_loader)(param, get(name), name)
+                (loader or replicated_weight_loader)(param, reader.slice(name), name)
 
 
 def build_model(config: ModelConfig, dtype: torch.dtype, device: str | torch.device,
@@ -227,7 +220,7 @@ def build_model(config: ModelConfig, dtype: torch.dtype, device: str | torch.dev
     `dtype` on `device`, in eval mode.
 
     Built on the meta device then materialized, so no time goes into random init; call
-    `load_weights` before use."""
+    `load_checkpoint` before use."""
     with torch.device("meta"):
         model = LlamaForCausalLM(config, tp)
     model.to_empty(device=device).to(dtype)

@@ -16,8 +16,9 @@ Megatron-LM's split (Shoeybi et al. 2019, §3), as nano-vllm and vLLM do it:
 so one forward issues exactly 2 all-reduces per decoder layer (`TPGroup.num_all_reduces`).
 Each parallel layer has a `weight_loader(param, loaded)` that copies the rank's shard of its
 weight or bias (a method of the layer, not a parameter attribute: materializing a meta-device
-model replaces the Parameter objects); `loaded` is a full tensor or a safetensors slice (`safe_open(...).get_slice(name)`), so a rank reads only
-its shard from disk and never materializes the full tensor.
+model replaces the Parameter objects); `loaded` is a safetensors slice
+(`safe_open(...).get_slice(name)`), so a rank reads only its shard from disk and never
+materializes the full tensor.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from engine.loader import WeightLoadError
 
 
 class TPError(RuntimeError):
@@ -141,14 +144,8 @@ def init_tp_group(rank: int, world_size: int, host: str, port: int, device: str,
 
 # ---- loading -------------------------------------------------------------------------------
 
-def _shape(loaded: Any) -> tuple[int, ...]:
-    return tuple(loaded.get_shape()) if hasattr(loaded, "get_shape") else tuple(loaded.shape)
-
-
 def _copy(param: torch.Tensor, part: torch.Tensor, name: str) -> None:
     if tuple(part.shape) != tuple(param.shape):
-        from engine.loader import WeightLoadError
-
         raise WeightLoadError(f"{name}: checkpoint shape {tuple(part.shape)} != model "
                               f"{tuple(param.shape)}")
     with torch.no_grad():
@@ -160,17 +157,14 @@ def replicated_weight_loader(param: nn.Parameter, loaded: Any, name: str = "") -
     _copy(param, loaded[:], name)
 
 
-def _sharded_loader(dim: int, rank: int, world_size: int) -> Callable:
-    def weight_loader(param: nn.Parameter, loaded: Any, name: str = "") -> None:
-        full = _shape(loaded)
-        if len(full) <= dim or full[dim] != param.shape[dim] * world_size:
-            from engine.loader import WeightLoadError
-
-            raise WeightLoadError(f"{name}: checkpoint shape {full} does not split into "
-                                  f"{world_size} x {tuple(param.shape)} along dim {dim}")
-        start, end = rank * param.shape[dim], (rank + 1) * param.shape[dim]
-        _copy(param, loaded[start:end] if dim == 0 else loaded[:, start:end], name)
-    return weight_loader
+def _load_shard(param: nn.Parameter, loaded: Any, name: str, dim: int, tp: TPGroup) -> None:
+    """This rank's equal part of `loaded` along `dim` (0: rows, 1: columns) into `param`."""
+    full = tuple(loaded.get_shape())
+    if len(full) <= dim or full[dim] != param.shape[dim] * tp.world_size:
+        raise WeightLoadError(f"{name}: checkpoint shape {full} does not split into "
+                              f"{tp.world_size} x {tuple(param.shape)} along dim {dim}")
+    start, end = tp.rank * param.shape[dim], (tp.rank + 1) * param.shape[dim]
+    _copy(param, loaded[start:end] if dim == 0 else loaded[:, start:end], name)
 
 
 # ---- layers --------------------------------------------------------------------------------
@@ -184,14 +178,14 @@ class ColumnParallelLinear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPGroup) -> None:
         super().__init__()
+        self.tp = tp
         start, end = tp.shard(out_features, "output size")
         self.weight = nn.Parameter(torch.empty(end - start, in_features))
         self.bias = nn.Parameter(torch.empty(end - start)) if bias else None
-        self._load_rows = _sharded_loader(0, tp.rank, tp.world_size)
 
     def weight_loader(self, param: nn.Parameter, loaded: Any, name: str = "") -> None:
         """Rows [r*n/k, (r+1)*n/k) of the full weight or bias."""
-        self._load_rows(param, loaded, name)
+        _load_shard(param, loaded, name, 0, self.tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return nn.functional.linear(x, self.weight, self.bias)
@@ -211,12 +205,11 @@ class RowParallelLinear(nn.Module):
         start, end = tp.shard(in_features, "input size")
         self.weight = nn.Parameter(torch.empty(out_features, end - start))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
-        self._load_cols = _sharded_loader(1, tp.rank, tp.world_size)
 
     def weight_loader(self, param: nn.Parameter, loaded: Any, name: str = "") -> None:
         """Columns [r*n/k, (r+1)*n/k) of the full weight; the whole bias."""
         if param is self.weight:
-            self._load_cols(param, loaded, name)
+            _load_shard(param, loaded, name, 1, self.tp)
         else:
             replicated_weight_loader(param, loaded, name)
 

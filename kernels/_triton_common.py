@@ -2,8 +2,8 @@
 
 Every launcher is split in two: `plan_*` checks its inputs, allocates outputs and returns the
 `Launch`es it needs (kernel, grid, runtime arguments, constexprs, warps, stages); `Launch.run`
-starts one. `kernels.aot` compiles the very same `Launch` records for a GPU target on a machine
-without one, so what CI compiles is what the engine launches.
+starts one. `tests/kernels/aot.py` compiles the very same `Launch` records for a GPU target on a
+machine without one, so what CI compiles is what the engine launches.
 
 Importing this module imports triton. Triton picks its interpreter (`TRITON_INTERPRET=1`) when
 a kernel is decorated, i.e. when the `kernels.triton_*` modules are first imported; a CPU tensor
@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 import triton
-import triton.language as tl
+import triton.language as tl  # noqa: F401 — the launchers import tl and triton from here
 from triton.runtime.interpreter import InterpretedFunction
 
 LOG2E = 1.4426950408889634
@@ -61,8 +61,13 @@ def check_last_contiguous(name: str, tensor: torch.Tensor) -> None:
     )
 
 
-def check_contiguous(name: str, tensor: torch.Tensor) -> None:
-    require(tensor.is_contiguous(), f"{name}: must be contiguous, got strides {tuple(tensor.stride())}")
+def as_rows(name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """[..., width], last dimension contiguous, as a 2-D view [rows, width] (no copy)."""
+    check_last_contiguous(name, tensor)
+    try:
+        return tensor.view(-1, tensor.shape[-1])
+    except RuntimeError as error:
+        raise KernelInputError(f"{name}: strides {tensor.stride()} cannot be viewed as [rows, width]") from error
 
 
 def check_float_inputs(**tensors: torch.Tensor) -> None:
@@ -116,20 +121,17 @@ def check_same_device(**tensors: torch.Tensor) -> torch.device:
     return first
 
 
-def check_out(out: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
-    require(
-        tuple(out.shape) == tuple(shape) and out.dtype == dtype and out.device == device,
-        f"out: expected shape {tuple(shape)} {dtype} on {device}, got {tuple(out.shape)} {out.dtype} on {out.device}",
-    )
-
-
 def output(
     out: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, name: str = "out"
 ) -> torch.Tensor:
-    """`out` checked (`check_out`, last dimension contiguous), or a new empty tensor when None."""
+    """`out` checked (shape, dtype, device, last dimension contiguous), or a new empty tensor when None."""
     if out is None:
         out = torch.empty(shape, dtype=dtype, device=device)
-    check_out(out, shape, dtype, device)
+    require(
+        tuple(out.shape) == tuple(shape) and out.dtype == dtype and out.device == device,
+        f"{name}: expected shape {tuple(shape)} {dtype} on {device}, "
+        f"got {tuple(out.shape)} {out.dtype} on {out.device}",
+    )
     check_last_contiguous(name, out)
     return out
 
@@ -147,7 +149,7 @@ def for_gpu(device: torch.device, target: str | None) -> bool:
     """Tile configs: `target` "gpu" / "interpreter" overrides; else GPU configs for CUDA tensors.
 
     The interpreter runs each program as Python, so it gets small tiles (more tiles per case,
-    cheaper per tile); `kernels.aot` asks for the GPU configs with CPU tensors."""
+    cheaper per tile); the AOT compile test asks for the GPU configs with CPU tensors."""
     if target is not None:
         require(target in ("gpu", "interpreter"), f"target must be 'gpu' or 'interpreter', got {target!r}")
         return target == "gpu"
@@ -195,33 +197,3 @@ class Launch:
 def run_all(launches: list[Launch]) -> None:
     for launch in launches:
         launch.run()
-
-
-__all__ = [
-    "FLOAT_DTYPES",
-    "KV_CACHE_LAYOUT",
-    "LOG2E",
-    "KernelInputError",
-    "Launch",
-    "cache_strides",
-    "check_contiguous",
-    "check_float",
-    "check_float_inputs",
-    "check_index_vector",
-    "check_int",
-    "check_kv_caches",
-    "check_last_contiguous",
-    "check_out",
-    "check_rank",
-    "check_same_device",
-    "check_vector",
-    "dot_precision",
-    "for_gpu",
-    "is_interpreted",
-    "next_pow2",
-    "output",
-    "require",
-    "run_all",
-    "tl",
-    "triton",
-]

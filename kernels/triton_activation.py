@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels._triton_common import KernelInputError, Launch, check_float, check_last_contiguous, check_same_device
-from kernels._triton_common import next_pow2, output, require, run_all, tl, triton
+from kernels._triton_common import Launch, as_rows, check_float, check_same_device, next_pow2, output, require
+from kernels._triton_common import run_all, tl, triton
 
 MAX_BLOCK = 1024
 
@@ -35,11 +35,7 @@ def plan_silu_and_mul(
     device = check_same_device(x=x)
     check_float("x", x)
     require(x.dim() >= 1 and x.shape[-1] % 2 == 0, f"x: expected [..., 2*d], got shape {tuple(x.shape)}")
-    check_last_contiguous("x", x)
-    try:
-        x2 = x.view(-1, x.shape[-1])
-    except RuntimeError as error:
-        raise KernelInputError(f"x: strides {x.stride()} cannot be viewed as [rows, 2*d] ({error})") from error
+    x2 = as_rows("x", x)
     d = x.shape[-1] // 2
     shape = (*x.shape[:-1], d)
     out = output(out, shape, x.dtype, device)

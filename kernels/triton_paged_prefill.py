@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import torch
 
-from kernels._triton_attention import MAX_HEAD_DIM  # noqa: F401  (this launcher's head_dim limit)
 from kernels._triton_attention import attend_tile, check_block_tables, check_paged_attention
 from kernels._triton_attention import paged_attention_args, paged_attention_constexprs
 from kernels._triton_common import Launch, check_int, check_rank, check_same_device, check_vector, for_gpu, next_pow2

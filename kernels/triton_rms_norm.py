@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels._triton_common import KernelInputError, Launch, check_float, check_last_contiguous, check_same_device
-from kernels._triton_common import check_vector, next_pow2, output, require, run_all, tl, triton
+from kernels._triton_common import Launch, as_rows, check_float, check_same_device, check_vector, next_pow2, output
+from kernels._triton_common import require, run_all, tl, triton
 
 MAX_HIDDEN = 65536
 
@@ -49,15 +49,6 @@ def _rms_norm_kernel(
     tl.store(out_ptr + row * stride_out + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _rows(name: str, tensor: torch.Tensor) -> torch.Tensor:
-    """[..., hidden] as a 2-D view [rows, hidden] (no copy)."""
-    check_last_contiguous(name, tensor)
-    try:
-        return tensor.view(-1, tensor.shape[-1])
-    except RuntimeError as error:
-        raise KernelInputError(f"{name}: strides {tensor.stride()} cannot be viewed as [rows, hidden]") from error
-
-
 def plan_rms_norm(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -80,21 +71,21 @@ def plan_rms_norm(
     check_float("x", x)
     require(weight.dtype == x.dtype, f"weight: dtype {weight.dtype} != x dtype {x.dtype}")
     check_vector("weight", weight, hidden)
-    x2 = _rows("x", x)
+    x2 = as_rows("x", x)
     if residual is not None:
         require(
             residual.shape == x.shape and residual.dtype == x.dtype,
             f"residual: expected {tuple(x.shape)} {x.dtype}, got {tuple(residual.shape)} {residual.dtype}",
         )
-        residual2 = _rows("residual", residual)
+        residual2 = as_rows("residual", residual)
         new_residual = output(new_residual, tuple(x.shape), x.dtype, device, name="new_residual")
-        new_residual2 = _rows("new_residual", new_residual)
+        new_residual2 = as_rows("new_residual", new_residual)
     else:
         require(new_residual is None, "new_residual: only with a residual (without one, new_residual is x)")
         residual2 = new_residual2 = x2  # unused by the kernel (HAS_RESIDUAL=False)
         new_residual = x
     out = output(out, tuple(x.shape), x.dtype, device)
-    out2 = _rows("out", out)
+    out2 = as_rows("out", out)
     block = next_pow2(hidden)
     launch = Launch(
         kernel=_rms_norm_kernel,

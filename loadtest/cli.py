@@ -5,7 +5,7 @@
     pdcluster bench compare A.json B.json                                     B/A per metric
     pdcluster bench report  RESULT.json                                       re-draw the report
 
-Before it is wired into `pdcluster`, the same commands run as `python -m loadtest.cli ...`.
+The same commands also run as `python -m loadtest.cli ...`.
 """
 
 from __future__ import annotations

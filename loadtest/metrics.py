@@ -28,7 +28,6 @@ import numpy as np
 from loadtest.client import RequestRecord
 
 SLO_NAMES = ("ttft", "tpot", "e2el")
-METRIC_NAMES = ("ttft", "tpot", "itl", "e2el")
 
 
 def parse_goodput(pairs: Iterable[str]) -> dict[str, float]:

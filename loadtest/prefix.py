@@ -6,7 +6,8 @@ and `pdcluster_prefix_cache_hit_tokens_total`, which follow vLLM's prefix-cache 
 (`queries += prompt tokens`, `hits += tokens served from cache`). Prompts are taken in send
 order; for each prompt of L tokens:
 
-    keys    = chained keys of its ⌊L/B⌋ full blocks (block i's key covers blocks 0..i)
+    keys    = chained keys of its ⌊L/B⌋ full blocks (block i's key covers blocks 0..i;
+              kvstore.hashing's, as the workers key them, all in one namespace)
     hit     = B · (number of leading keys already seen), capped at B·⌊(L−1)/B⌋ when
               `cap_last_token` (vLLM: the last prompt token is always computed, to get logits,
               so a fully cached prompt that is a whole number of blocks recomputes its last block)
@@ -21,11 +22,10 @@ server where this bound counts the second as a hit; at trace arrival rates that 
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-import numpy as np
+from kvstore.hashing import block_keys
 
 DENOMINATORS = ("prompt", "full_blocks")
 
@@ -59,7 +59,7 @@ def offline_prefix_hits(prompts: Iterable[Sequence[int]], block_size: int = 16,
     hit: list[int] = []
     for prompt in prompts:
         n = len(prompt)
-        keys = block_keys(prompt, block_size)
+        keys = block_keys(prompt, block_size, b"")
         cached = 0
         while cached < len(keys) and keys[cached] in seen:
             cached += 1
@@ -70,15 +70,3 @@ def offline_prefix_hits(prompts: Iterable[Sequence[int]], block_size: int = 16,
         queried.append(n if denominator == "prompt" else len(keys) * block_size)
         seen.update(keys)
     return PrefixHits(queried=queried, hit=hit)
-
-
-def block_keys(prompt: Sequence[int], block_size: int) -> list[bytes]:
-    """Chained keys of the full blocks: key_i = blake2b(key_{i−1} ‖ block_i as int32)."""
-    tokens = np.asarray(prompt, dtype="<i4")
-    keys: list[bytes] = []
-    prev = b""
-    for i in range(len(tokens) // block_size):
-        prev = hashlib.blake2b(prev + tokens[i * block_size:(i + 1) * block_size].tobytes(),
-                               digest_size=16).digest()
-        keys.append(prev)
-    return keys

@@ -116,7 +116,7 @@ def _cdf_plot(values_ms: list[float], xlabel: str, path: Path) -> Path:
     ax.set_ylabel("fraction of requests")
     ax.set_ylim(0, 1.02)
     ax.grid(alpha=0.3)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def _throughput_plot(ok: list[RequestRecord], duration: float, path: Path) -> Path:
@@ -133,7 +133,7 @@ def _throughput_plot(ok: list[RequestRecord], duration: float, path: Path) -> Pa
     bottom.set_xlabel(f"time since start (s), {width:.3g} s bins")
     for ax in (top, bottom):
         ax.grid(alpha=0.3)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def _hit_ratio_plot(result: dict, path: Path) -> Path:
@@ -162,7 +162,7 @@ def _hit_ratio_plot(result: dict, path: Path) -> Path:
     ax.set_ylim(-0.02, 1.02)
     ax.grid(alpha=0.3)
     ax.legend(loc="best")
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def write_sweep_report(results: list[dict], axis: str, out_dir: Path, stem: str) -> Path:
@@ -183,7 +183,7 @@ def write_sweep_report(results: list[dict], axis: str, out_dir: Path, stem: str)
         ax.grid(alpha=0.3)
         ax.legend()
     fig.suptitle(f"latency against load (points labelled with {axis})")
-    plot = _save(fig, out_dir / f"{stem}_latency_vs_load.png")
+    plot = save_figure(fig, out_dir / f"{stem}_latency_vs_load.png")
     cols = ["request_throughput", "output_throughput", "request_goodput", "mean_ttft_ms",
             "p99_ttft_ms", "mean_tpot_ms", "p99_tpot_ms", "mean_e2el_ms", "p99_e2el_ms",
             "completed", "failed"]
@@ -197,7 +197,8 @@ def write_sweep_report(results: list[dict], axis: str, out_dir: Path, stem: str)
     return path
 
 
-def _save(fig, path: Path) -> Path:
+def save_figure(fig, path: Path) -> Path:
+    """Write `fig` to `path` as a PNG and close it; returns `path`."""
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

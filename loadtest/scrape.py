@@ -32,10 +32,6 @@ class CacheCounters:
     queried: float
     hit_by_tier: dict[str, float] = field(default_factory=dict)
 
-    @property
-    def hit(self) -> float:
-        return sum(self.hit_by_tier.values())
-
     def to_json(self) -> dict:
         return {"t_s": self.t_s, "queried": self.queried, "hit_by_tier": self.hit_by_tier}
 

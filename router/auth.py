@@ -14,6 +14,8 @@ from typing import Iterable
 from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from router.api_common import APIError
+
 OPEN_PATHS = frozenset({"/health"})
 
 
@@ -41,11 +43,10 @@ class APIKeyAuth:
         if scope["type"] != "http" or scope["path"] in OPEN_PATHS or self._allowed(scope):
             await self.app(scope, receive, send)
             return
-        body = {"error": {"message": "Incorrect or missing API key. Send it as "
-                                     "'Authorization: Bearer <key>'.",
-                          "type": "authentication_error", "param": None,
-                          "code": "invalid_api_key"}}
-        response = JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})
+        error = APIError(401, "Incorrect or missing API key. Send it as 'Authorization: Bearer "
+                         "<key>'.", code="invalid_api_key")
+        response = JSONResponse(error.body(), status_code=401,
+                                headers={"WWW-Authenticate": "Bearer"})
         await response(scope, receive, send)
 
     def _allowed(self, scope: Scope) -> bool:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from engine.protocol import TokenLogprob
 from engine.tokenizer import Tokenizer
 from router.api_common import (APIError, ServingContext, build_specs, collect, envelope, sse,
                                start_stream, usage)
@@ -60,13 +59,9 @@ async def create_chat_completion(body: ChatCompletionRequest, ctx: ServingContex
 def _choice(delta: ChoiceDelta, body: ChatCompletionRequest, tokenizer: Tokenizer, key: str,
             message: dict) -> dict:
     choice = {"index": delta.index, key: message,
-              "logprobs": {"content": [_entry(e, tokenizer) for e in delta.logprobs]}
+              "logprobs": {"content": [chat_logprob_entry(e, tokenizer) for e in delta.logprobs]}
               if body.logprobs else None,
               "finish_reason": delta.finish_reason}
     if body.return_token_ids:
         choice["token_ids"] = delta.token_ids
     return choice
-
-
-def _entry(e: TokenLogprob, tokenizer: Tokenizer) -> dict:
-    return chat_logprob_entry(e, tokenizer)

@@ -40,7 +40,6 @@ class ChatTemplate:
     def __init__(self, source: str, bos_token: str, eos_token: str) -> None:
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         env.globals["raise_exception"] = _raise
-        self.source = source
         self._template = env.from_string(source)
         self._bos, self._eos = bos_token, eos_token
 

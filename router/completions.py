@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from engine.protocol import TokenLogprob
 from engine.tokenizer import Tokenizer
 from router.api_common import (APIError, ServingContext, build_specs, collect, envelope, sse,
                                start_stream, usage)
@@ -73,14 +72,9 @@ def _prompts(body: CompletionRequest, ctx: ServingContext) -> list[list[int]]:
 def _choice(delta: ChoiceDelta, body: CompletionRequest, tokenizer: Tokenizer,
             offsets: TextOffsets) -> dict:
     choice = {"index": delta.index, "text": delta.text,
-              "logprobs": _logprobs(delta.logprobs, tokenizer, offsets)
+              "logprobs": completion_logprobs(delta.logprobs, tokenizer, offsets)
               if body.logprobs is not None else None,
               "finish_reason": delta.finish_reason}
     if body.return_token_ids:
         choice["token_ids"] = delta.token_ids
     return choice
-
-
-def _logprobs(entries: list[TokenLogprob], tokenizer: Tokenizer, offsets: TextOffsets) -> dict:
-    """The completions logprobs object: tokens, token_logprobs, top_logprobs, text_offset."""
-    return completion_logprobs(entries, tokenizer, offsets)

@@ -20,7 +20,7 @@ load (`load_cost_model`).
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 KIB = 1024
@@ -137,8 +137,3 @@ def save_cost_model(model: CostModel, path: str | Path, extra: dict | None = Non
     """Write `{"cost_model": {...}, **extra}` (extra: fit residuals, samples) as JSON."""
     Path(path).write_text(json.dumps({"cost_model": model.to_json(), **(extra or {})}, indent=2)
                           + "\n", encoding="utf-8")
-
-
-def with_overrides(model: CostModel, **changes) -> CostModel:
-    """A copy with some fields changed (None values ignored): capacities from CLI flags."""
-    return replace(model, **{k: v for k, v in changes.items() if v is not None})

@@ -132,6 +132,8 @@ async def _gather_stats(instances) -> list[dict]:
 
 
 class _Families:
+    """One scrape's families as a prometheus_client Collector, which generate_latest reads."""
+
     def __init__(self, families: Iterable[Metric]) -> None:
         self._families = list(families)
 
@@ -141,6 +143,4 @@ class _Families:
 
 def exposition(gateway: GatewayMetrics, cluster_families: list[Metric]) -> bytes:
     """The Prometheus text format of the gateway's metrics plus a cluster scrape."""
-    snapshot = CollectorRegistry()
-    snapshot.register(_Families(cluster_families))
-    return generate_latest(gateway.registry) + generate_latest(snapshot)
+    return generate_latest(gateway.registry) + generate_latest(_Families(cluster_families))

@@ -73,10 +73,6 @@ class InstanceRegistry:
         with self._lock:
             return sum(i.role == role for i in self._instances.values())
 
-    def is_dead(self, worker_id: str) -> bool:
-        with self._lock:
-            return worker_id in self._dead
-
     def mark_dead(self, worker_id: str) -> bool:
         """Stop routing to `worker_id` until a probe finds it back. Returns True when it was
         live until now (False: unknown or already dead)."""

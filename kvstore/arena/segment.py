@@ -65,11 +65,6 @@ class OwnedSegment:
     shm: SharedMemory
     lock_fd: int | None
 
-    @property
-    def name(self) -> str:
-        """POSIX shared-memory name (no leading slash)."""
-        return self.shm.name
-
     def unlink(self) -> None:
         """Remove the name (no new attach succeeds), then drop the owner lock: a reclaimer that
         now takes it finds nothing left to reclaim. Idempotent.

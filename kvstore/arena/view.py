@@ -102,23 +102,6 @@ class ArenaView:
             )
             self._pinned_ptr = ptr
 
-    @property
-    def shm_name(self) -> str:
-        return self._name
-
-    @property
-    def num_slots(self) -> int:
-        return self._num_slots
-
-    @property
-    def block_nbytes(self) -> int:
-        return self._block_nbytes
-
-    @property
-    def is_pinned(self) -> bool:
-        """Whether the mapping is page-locked for CUDA (``cudaHostRegister``)."""
-        return self._pinned_ptr is not None
-
     def read(self, slot: int) -> torch.Tensor:
         """Zero-copy view of a slot: uint8, shape ``(block_nbytes,)``, aliasing shared memory.
 
@@ -232,5 +215,3 @@ class ArenaView:
         if slots and not (0 <= min(slots) and max(slots) < self._num_slots):
             raise ValueError(f"slots out of range 0..{self._num_slots - 1}")
         return slot_runs(slots)
-
-

@@ -1,4 +1,4 @@
-"""Global KV index: block key -> live (node, tier) locations, node liveness, load reports.
+"""Global KV index: block key -> live (node, tier) locations, and node liveness.
 
 ``open_index(url)`` picks the backend by URL scheme:
 
@@ -16,8 +16,8 @@ from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlsplit
 
-from kvstore.index.base import (DEFAULT_LOAD_TTL_S, DEFAULT_NODE_LEASE_S, TIERS, KVIndex,
-                                KVIndexError, KVIndexUnavailableError, Location)
+from kvstore.index.base import (DEFAULT_NODE_LEASE_S, TIERS, KVIndex, KVIndexError,
+                                KVIndexUnavailableError, Location)
 from kvstore.index.memory import MemoryIndex
 
 DEFAULT_INDEX_URL = "ray://pdcluster-kv-index"
@@ -69,7 +69,7 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
-    "DEFAULT_INDEX_URL", "DEFAULT_LOAD_TTL_S", "DEFAULT_NODE_LEASE_S", "TIERS", "ActorIndex",
+    "DEFAULT_INDEX_URL", "DEFAULT_NODE_LEASE_S", "TIERS", "ActorIndex",
     "IndexActor", "KVIndex", "KVIndexError", "KVIndexUnavailableError", "Location",
     "MemoryIndex", "RedisIndex", "get_or_create_index_actor", "open_index",
 ]

@@ -20,56 +20,15 @@ import ray
 from ray.actor import ActorHandle
 
 from kvstore.events import KVCacheEvent
-from kvstore.index.base import (DEFAULT_LOAD_TTL_S, DEFAULT_NODE_LEASE_S, KVIndex,
-                                KVIndexUnavailableError, Location, check_events, check_keys,
-                                check_lease, encode_load)
+from kvstore.index.base import (DEFAULT_NODE_LEASE_S, KVIndex, KVIndexUnavailableError, Location,
+                                check_events, check_keys, check_lease)
 from kvstore.index.memory import MemoryIndex
 
 DEFAULT_INDEX_ACTOR_NAME = "pdcluster-kv-index"
 
 
-@ray.remote(num_cpus=0, max_restarts=-1)
-class IndexActor:
-    """A ``MemoryIndex`` in its own actor; method for method the ``KVIndex`` interface."""
-
-    def __init__(self) -> None:
-        self._index = MemoryIndex()
-
-    def add(self, keys: list[bytes], location: Location) -> None:
-        self._index.add(keys, location)
-
-    def remove(self, keys: list[bytes], location: Location) -> None:
-        self._index.remove(keys, location)
-
-    def remove_location(self, location: Location) -> None:
-        self._index.remove_location(location)
-
-    def lookup(self, keys: list[bytes]) -> list[list[Location]]:
-        return self._index.lookup(keys)
-
-    def longest_prefix(self, keys: list[bytes]) -> list[list[Location]]:
-        return self._index.longest_prefix(keys)
-
-    def heartbeat(self, node_id: str, lease_s: float) -> bool:
-        return self._index.heartbeat(node_id, lease_s)
-
-    def alive_nodes(self) -> set[str]:
-        return self._index.alive_nodes()
-
-    def report_load(self, instance_id: str, load: dict, ttl_s: float) -> None:
-        self._index.report_load(instance_id, load, ttl_s)
-
-    def loads(self) -> dict[str, dict]:
-        return self._index.loads()
-
-    def apply_events(self, location: Location, events: list[KVCacheEvent]) -> None:
-        self._index.apply_events(location, events)
-
-    def clear(self) -> None:
-        self._index.clear()
-
-    def stats(self) -> dict[str, int]:
-        return self._index.stats()
+#: A ``MemoryIndex`` in its own actor: the ``KVIndex`` interface, method for method.
+IndexActor = ray.remote(num_cpus=0, max_restarts=-1)(MemoryIndex)
 
 
 def get_or_create_index_actor(name: str = DEFAULT_INDEX_ACTOR_NAME, namespace: str | None = None,
@@ -129,15 +88,6 @@ class ActorIndex(KVIndex):
 
     def alive_nodes(self) -> set[str]:
         return self._call("alive_nodes")
-
-    def report_load(self, instance_id: str, load: dict,
-                    ttl_s: float = DEFAULT_LOAD_TTL_S) -> None:
-        check_lease(ttl_s)
-        encode_load(load)
-        self._call("report_load", instance_id, load, ttl_s)
-
-    def loads(self) -> dict[str, dict]:
-        return self._call("loads")
 
     def apply_events(self, location: Location, events: Sequence[KVCacheEvent]) -> None:
         check_events(events)

@@ -1,7 +1,7 @@
-"""The global KV index: block key -> live locations, node liveness, instance load reports.
+"""The global KV index: block key -> live locations, and node liveness.
 
 DESIGN.md "Global index"; Mooncake FAST'25 §4 (the Conductor's cache-aware scheduling reads the
-longest cached prefix of a request's block keys and each instance's load).
+longest cached prefix of a request's block keys).
 
 Semantics shared by every backend (``MemoryIndex``, ``RedisIndex``, ``ActorIndex``):
 
@@ -18,8 +18,6 @@ Semantics shared by every backend (``MemoryIndex``, ``RedisIndex``, ``ActorIndex
   heartbeat every ``lease_s / 3``. ``heartbeat`` tells whether the lease was still running;
   when it was not, the index may have lost the node's entries too, so the node re-announces
   its blocks (an index restarted empty costs recompute until then, never errors).
-* **Load reports** are small JSON-able dicts per instance with their own TTL; they round-trip
-  through JSON in every backend (tuples come back as lists).
 * **Events.** ``apply_events`` replays a pool's ``kvstore.events`` in order:
   ``BlockStored`` -> ``add``, ``BlockRemoved`` -> ``remove``, ``AllCleared`` -> ``remove_location``.
   Each location is assumed to have one writer (the pool or store that owns it), which publishes
@@ -31,7 +29,6 @@ Semantics shared by every backend (``MemoryIndex``, ``RedisIndex``, ``ActorIndex
 from __future__ import annotations
 
 import abc
-import json
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -44,8 +41,6 @@ TIERS = ("device", "host", "ssd")
 TIER_RANK = {tier: rank for rank, tier in enumerate(TIERS)}
 DEFAULT_NODE_LEASE_S = 10.0
 """Default ``--node-lease-s``: a node that stops heartbeating drops out of lookups within this."""
-DEFAULT_LOAD_TTL_S = 10.0
-"""Default lifetime of a load report that is not refreshed."""
 _SEP = "|"
 
 
@@ -126,16 +121,8 @@ def check_lease(lease_s: float) -> None:
         raise ValueError(f"lease must be > 0 s, got {lease_s}")
 
 
-def encode_load(load: dict) -> str:
-    """JSON text of a load report; ``ValueError`` if it is not JSON-able."""
-    try:
-        return json.dumps(load, separators=(",", ":"), allow_nan=False)
-    except (TypeError, ValueError) as exc:
-        raise ValueError(f"load report must be a JSON-able dict: {exc}") from exc
-
-
 class KVIndex(abc.ABC):
-    """Block key -> locations, node liveness and instance load reports, behind one interface.
+    """Block key -> locations and node liveness, behind one interface.
 
     Open one with ``kvstore.index.open_index(url)``. Thread-safe in every backend. Usable as a
     context manager (``close`` on exit).
@@ -177,19 +164,6 @@ class KVIndex(abc.ABC):
     def alive_nodes(self) -> set[str]:
         """Ids of the nodes whose lease is running."""
 
-    @abc.abstractmethod
-    def report_load(self, instance_id: str, load: dict,
-                    ttl_s: float = DEFAULT_LOAD_TTL_S) -> None:
-        """Store ``instance_id``'s load report (a small JSON-able dict) for ``ttl_s`` seconds.
-
-        Raises:
-            ValueError: ``load`` is not JSON-able, or ``ttl_s`` <= 0.
-        """
-
-    @abc.abstractmethod
-    def loads(self) -> dict[str, dict]:
-        """instance id -> its latest unexpired load report (decoded from JSON)."""
-
     def apply_events(self, location: Location, events: Sequence[KVCacheEvent]) -> None:
         """Replay a pool's cache events, in order, for ``location`` (see the module docstring).
 
@@ -207,7 +181,7 @@ class KVIndex(abc.ABC):
 
     @abc.abstractmethod
     def clear(self) -> None:
-        """Drop every entry, liveness lease and load report of this index."""
+        """Drop every entry and liveness lease of this index."""
 
     def close(self) -> None:
         """Release client resources; the index's contents are untouched."""

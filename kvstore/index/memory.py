@@ -3,17 +3,16 @@ named Ray actor (``kvstore.index.actor``). Semantics: ``kvstore.index.base``."""
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 from collections.abc import Callable, Sequence
 
-from kvstore.index.base import (DEFAULT_LOAD_TTL_S, DEFAULT_NODE_LEASE_S, KVIndex, Location,
-                                check_keys, check_lease, encode_load, sorted_locations)
+from kvstore.index.base import (DEFAULT_NODE_LEASE_S, KVIndex, Location, check_keys, check_lease,
+                                sorted_locations)
 
 
 class MemoryIndex(KVIndex):
-    """Dict-backed ``KVIndex``; liveness and load TTLs are deadlines on ``clock``.
+    """Dict-backed ``KVIndex``; liveness leases are deadlines on ``clock``.
 
     Args:
         clock: monotonic seconds (injectable for tests); default ``time.monotonic``.
@@ -28,7 +27,6 @@ class MemoryIndex(KVIndex):
         self._blocks: dict[bytes, set[Location]] = {}
         self._by_location: dict[Location, set[bytes]] = {}
         self._node_deadline: dict[str, float] = {}
-        self._loads: dict[str, tuple[float, str]] = {}  # instance -> (deadline, JSON text)
 
     def add(self, keys: Sequence[bytes], location: Location) -> None:
         check_keys(keys)
@@ -101,30 +99,8 @@ class MemoryIndex(KVIndex):
             del self._node_deadline[node]
         return set(self._node_deadline)
 
-    def report_load(self, instance_id: str, load: dict,
-                    ttl_s: float = DEFAULT_LOAD_TTL_S) -> None:
-        check_lease(ttl_s)
-        text = encode_load(load)
-        with self._lock:
-            self._loads[instance_id] = (self._clock() + ttl_s, text)
-
-    def loads(self) -> dict[str, dict]:
-        with self._lock:
-            now = self._clock()
-            for instance in [i for i, (deadline, _) in self._loads.items() if deadline <= now]:
-                del self._loads[instance]
-            texts = {instance: text for instance, (_, text) in self._loads.items()}
-        return {instance: json.loads(text) for instance, text in texts.items()}
-
     def clear(self) -> None:
         with self._lock:
             self._blocks.clear()
             self._by_location.clear()
             self._node_deadline.clear()
-            self._loads.clear()
-
-    def stats(self) -> dict[str, int]:
-        """Sizes, for tests and metrics: keys, locations, (alive) nodes, load reports."""
-        with self._lock:
-            return {"num_keys": len(self._blocks), "num_locations": len(self._by_location),
-                    "num_alive_nodes": len(self._alive_locked()), "num_loads": len(self._loads)}

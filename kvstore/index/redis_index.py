@@ -6,8 +6,6 @@ Key layout under a namespace ``ns`` (default ``"pdc"``; one Redis can hold many 
     ns:loc:{location}       SET of raw 32-byte block keys held there (for remove_location)
     ns:node:{node id}       "1" with a PX TTL: the node's liveness lease (SET ... PX)
     ns:nodes                SET of node ids that ever heartbeated (registry for alive_nodes)
-    ns:load:{instance id}   JSON load report with a PX TTL
-    ns:loads                SET of instance ids that ever reported (registry for loads)
 
 Liveness is a key with a TTL because Redis 7.0 (the OS packages) has no per-field expiry.
 ``longest_prefix``/``lookup`` cost at most two round trips whatever the number of keys: one
@@ -19,7 +17,7 @@ location (base module docstring) they stay consistent.
 
 Redis restart (or data loss): the client reconnects on the next call (redis-py retries with
 backoff, ``retries`` times); the caller then sees an empty index: lookups miss, no node is alive
-until it heartbeats again, no loads. The next heartbeat finds the node's lease gone (returns
+until it heartbeats again. The next heartbeat finds the node's lease gone (returns
 False), and the node's KV store re-announces every block it holds (kvstore.actor); G1 entries
 come back as pools publish new events. While the
 server is unreachable every call raises ``KVIndexUnavailableError`` after the retries.
@@ -29,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import json
 import re
 from collections.abc import Iterator, Sequence
 
@@ -38,9 +35,9 @@ from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
 from kvstore.events import BlockRemoved, BlockStored, KVCacheEvent
-from kvstore.index.base import (DEFAULT_LOAD_TTL_S, DEFAULT_NODE_LEASE_S, KVIndex,
-                                KVIndexError, KVIndexUnavailableError, Location, check_events,
-                                check_keys, check_lease, encode_load, sorted_locations)
+from kvstore.index.base import (DEFAULT_NODE_LEASE_S, KVIndex, KVIndexError,
+                                KVIndexUnavailableError, Location, check_events, check_keys,
+                                check_lease, sorted_locations)
 
 DEFAULT_NAMESPACE = "pdc"
 _NAMESPACE_RE = re.compile(r"^[A-Za-z0-9_.-]+$")  # no ':' or glob characters (clear() SCANs)
@@ -50,11 +47,6 @@ _BATCH = 1000
 @functools.lru_cache(maxsize=65536)
 def _decode_location(member: bytes) -> Location:
     return Location.decode(member.decode())
-
-
-def _ttl_ms(seconds: float) -> int:
-    check_lease(seconds)
-    return max(1, round(seconds * 1000))
 
 
 @contextlib.contextmanager
@@ -112,9 +104,6 @@ class RedisIndex(KVIndex):
 
     def _node(self, node_id: str) -> str:
         return f"{self._ns}:node:{node_id}"
-
-    def _load(self, instance_id: str) -> str:
-        return f"{self._ns}:load:{instance_id}"
 
     def add(self, keys: Sequence[bytes], location: Location) -> None:
         check_keys(keys)
@@ -184,10 +173,11 @@ class RedisIndex(KVIndex):
         return result
 
     def heartbeat(self, node_id: str, lease_s: float = DEFAULT_NODE_LEASE_S) -> bool:
-        ttl_ms = _ttl_ms(lease_s)
+        check_lease(lease_s)
         with _translate_errors():
             pipe = self._client.pipeline(transaction=False)
-            pipe.set(self._node(node_id), b"1", px=ttl_ms, get=True)  # SET ... GET: Redis 6.2+
+            pipe.set(self._node(node_id), b"1", px=max(1, round(lease_s * 1000)),
+                     get=True)  # SET ... GET: Redis 6.2+
             pipe.sadd(f"{self._ns}:nodes", node_id)
             previous, _ = pipe.execute()
         return previous is not None
@@ -199,24 +189,6 @@ class RedisIndex(KVIndex):
                 return set()
             leases = self._client.mget([self._node(n) for n in nodes])
         return {node for node, lease in zip(nodes, leases) if lease is not None}
-
-    def report_load(self, instance_id: str, load: dict,
-                    ttl_s: float = DEFAULT_LOAD_TTL_S) -> None:
-        ttl_ms = _ttl_ms(ttl_s)
-        text = encode_load(load)
-        with _translate_errors():
-            pipe = self._client.pipeline(transaction=False)
-            pipe.set(self._load(instance_id), text, px=ttl_ms)
-            pipe.sadd(f"{self._ns}:loads", instance_id)
-            pipe.execute()
-
-    def loads(self) -> dict[str, dict]:
-        with _translate_errors():
-            instances = sorted(i.decode() for i in self._client.smembers(f"{self._ns}:loads"))
-            if not instances:
-                return {}
-            texts = self._client.mget([self._load(i) for i in instances])
-        return {i: json.loads(t) for i, t in zip(instances, texts) if t is not None}
 
     def apply_events(self, location: Location, events: Sequence[KVCacheEvent]) -> None:
         """Pipelined replay: runs of BlockStored/BlockRemoved go in one pipeline (one round

@@ -7,8 +7,8 @@
 {"policies": {name: {"mean_ttft_ms", "p99_ttft_ms", "slo_attainment", "goodput",
 "hit_ratio", ...}}, "runs": {name: full summary}}; `--admission all` does the same over
 admission modes under "admissions". One run writes its full summary (results.summarize).
-Plots go next to --output unless --no-plots. Before it is wired into `pdcluster`, the same
-command runs as `python -m loadtest.simulator.cli ...`.
+Plots go next to --output unless --no-plots. The same command also runs as
+`python -m loadtest.simulator.cli ...`.
 """
 
 from __future__ import annotations

@@ -24,6 +24,7 @@ from kvstore.index import MemoryIndex
 from loadtest.simulator.cache import NodeCache
 from loadtest.simulator.decode import DecodeInstance
 from loadtest.simulator.workload import SimRequest
+from loadtest.trace import TRACE_BLOCK_SIZE
 from router.admission import SLO, decode_rejection
 from router.conductor import Conductor, InstanceRegistry, PrefixKeyer, RequestRejected, RouteRequest
 from router.cost_model import CostModel
@@ -32,7 +33,6 @@ from router.policies import PrefillPlan
 from router.policies.base import DecodeLoad
 from router.policies.forecast import DecodeForecast
 
-TRACE_BLOCK = 512
 LEASE_S = 1e12
 
 
@@ -50,7 +50,7 @@ class SimConfig:
     dram_cache_tokens: int | None = None
     ssd_cache_tokens: int = 0
     decode_kv_tokens: int | None = None
-    block_size: int = TRACE_BLOCK
+    block_size: int = TRACE_BLOCK_SIZE
     sample_interval_s: float = 10.0
 
 

@@ -10,18 +10,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import matplotlib
+import matplotlib.pyplot as plt
+import numpy as np
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-
-
-def _save(fig, path: Path) -> Path:
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+from loadtest.report import save_figure  # its import selects the Agg backend
 
 
 def _cdf(ax, values_s: list[float], label: str) -> None:
@@ -41,7 +33,7 @@ def write_run_plots(summary: dict, ttfts_s: list[float], out_dir: Path, stem: st
     ax.set_ylabel("fraction of requests")
     ax.axvline(summary["config"]["slo_ttft_s"], color="grey", linestyle="--", label="SLO")
     ax.legend()
-    paths.append(_save(fig, out_dir / f"{stem}_ttft_cdf.png"))
+    paths.append(save_figure(fig, out_dir / f"{stem}_ttft_cdf.png"))
 
     samples = summary.get("samples") or []
     if samples:
@@ -55,14 +47,14 @@ def write_run_plots(summary: dict, ttfts_s: list[float], out_dir: Path, stem: st
         bottom.set_ylabel("decode KV (k tokens)")
         bottom.set_xlabel("simulated time (s)")
         top.legend(fontsize=6, ncol=4)
-        paths.append(_save(fig, out_dir / f"{stem}_load.png"))
+        paths.append(save_figure(fig, out_dir / f"{stem}_load.png"))
 
     tiers = summary.get("hit_ratio_by_tier") or {}
     fig, ax = plt.subplots(figsize=(5, 3.5))
     ax.bar(list(tiers) or ["none"], [100 * v for v in tiers.values()] or [0])
     ax.set_ylabel("prompt tokens reused (%)")
     ax.set_title(f"prefix hit ratio {100 * summary['hit_ratio']:.1f}%")
-    paths.append(_save(fig, out_dir / f"{stem}_hit_ratio.png"))
+    paths.append(save_figure(fig, out_dir / f"{stem}_hit_ratio.png"))
     return paths
 
 
@@ -77,4 +69,4 @@ def write_compare_plot(ttfts_by_run: dict[str, list[float]], slo_ttft_s: float, 
     ax.set_xlabel("TTFT (s)")
     ax.set_ylabel("fraction of completed requests")
     ax.legend()
-    return _save(fig, out_dir / f"{stem}_compare.png")
+    return save_figure(fig, out_dir / f"{stem}_compare.png")

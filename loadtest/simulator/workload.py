@@ -10,6 +10,7 @@ always computed.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,22 +28,14 @@ class SimRequest:
     keys: tuple[bytes, ...]
 
 
-class _KeyCache:
-    def __init__(self) -> None:
-        self._keys: dict[int, bytes] = {}
-
-    def __call__(self, hash_id: int) -> bytes:
-        key = self._keys.get(hash_id)
-        if key is None:
-            key = hashlib.sha256(b"mooncake-trace-block:%d" % hash_id).digest()
-            self._keys[hash_id] = key
-        return key
+def _block_key(hash_id: int) -> bytes:
+    return hashlib.sha256(b"mooncake-trace-block:%d" % hash_id).digest()
 
 
 def requests_from_records(records: list[TraceRecord], time_scale: float = 1.0
                           ) -> list[SimRequest]:
     """One SimRequest per record, arrivals from the timestamps (gaps × time_scale)."""
-    key_of = _KeyCache()
+    key_of = functools.cache(_block_key)  # a trace repeats its hot hash ids many times
     arrivals = trace_arrivals([r.timestamp_ms for r in records], time_scale)
     out = []
     for record, arrival in zip(records, arrivals):

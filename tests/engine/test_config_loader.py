@@ -13,7 +13,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from engine.config import BUNDLED_MODEL, EngineConfig, ModelConfig, ModelConfigError
-from engine.loader import WeightsNotFoundError, load_state_dict
+from engine.loader import CheckpointReader, WeightsNotFoundError
 from engine.rope import compute_inv_freq
 
 BASE = {
@@ -102,13 +102,14 @@ def test_missing_config_and_weights_raise(tmp_path):
     with pytest.raises(ModelConfigError, match="no config.json"):
         ModelConfig.from_pretrained(tmp_path)
     with pytest.raises(WeightsNotFoundError, match="model.safetensors"):
-        load_state_dict(tmp_path)
+        CheckpointReader(tmp_path)
 
 
-def test_load_bundled_state_dict():
-    state = load_state_dict(BUNDLED_MODEL)
-    assert state["model.embed_tokens.weight"].shape == (512, 64)
-    assert "lm_head.weight" not in state and len(state) == 2 + 5 * 9
+def test_read_bundled_checkpoint():
+    with CheckpointReader(BUNDLED_MODEL) as reader:
+        names = reader.names()
+        assert reader.slice("model.embed_tokens.weight")[:].shape == (512, 64)
+    assert "lm_head.weight" not in names and len(names) == 2 + 5 * 9
 
 
 def test_engine_config_validation():

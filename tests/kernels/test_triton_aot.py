@@ -1,6 +1,6 @@
 """Ahead-of-time compile of every kernel specialization the engine launches, for sm_90, on CPU.
 
-`kernels.aot.engine_launches` plans the launches of one forward (the same `plan_*` code the
+`tests.kernels.aot.engine_launches` plans the launches of one forward (the same `plan_*` code the
 kernels run, GPU tile configs) and `triton.compile` takes each down to a cubin for
 GPUTarget("cuda", 90, 32): code that only the interpreter accepts, or a tile config that needs
 more shared memory than an H100/H200 block has, fails here without a GPU.
@@ -19,7 +19,7 @@ from engine.config import BUNDLED_MODEL, ModelConfig  # noqa: E402
 if kernels.triton_interpreted():
     pytest.skip("AOT compilation needs TRITON_INTERPRET unset", allow_module_level=True)
 
-from kernels.aot import SM90_MAX_SHARED_BYTES, ModelShape, compile_launch, engine_launches  # noqa: E402
+from tests.kernels.aot import SM90_MAX_SHARED_BYTES, ModelShape, compile_launch, engine_launches  # noqa: E402
 
 _BUNDLED = ModelConfig.from_pretrained(BUNDLED_MODEL)
 SHAPES = {

@@ -148,18 +148,7 @@ def test_remove_location_leaves_other_locations(index):
     assert index.lookup(keys) == [[DEV_A1, HOST_A], [DEV_A1], [DEV_A1]]
 
 
-def test_load_reports_expire(index):
-    index.report_load("prefill-0", {"waiting": 3, "step_s": [0.01, 0.02]}, ttl_s=0.5)
-    index.report_load("decode-0", {"running": 7, "free_blocks": 100, "shape": (1, 2)})
-    index.report_load("decode-0", {"running": 8, "free_blocks": 99, "shape": (1, 2)})
-    assert index.loads() == {"prefill-0": {"waiting": 3, "step_s": [0.01, 0.02]},
-                             "decode-0": {"running": 8, "free_blocks": 99, "shape": [1, 2]}}
-    time.sleep(0.7)
-    assert index.loads() == {"decode-0": {"running": 8, "free_blocks": 99, "shape": [1, 2]}}
-    with pytest.raises(ValueError):
-        index.report_load("bad", {"x": object()})
-    with pytest.raises(ValueError):
-        index.report_load("bad", {"x": 1}, ttl_s=0)
+def test_lease_must_be_positive(index):
     with pytest.raises(ValueError):
         index.heartbeat(NODE_A, 0)
 
@@ -168,10 +157,9 @@ def test_clear(index):
     heartbeat_all(index)
     keys = make_keys(2)
     index.add(keys, HOST_A)
-    index.report_load("decode-0", {"running": 1})
     index.clear()
     assert index.lookup(keys) == [[], []]
-    assert index.alive_nodes() == set() and index.loads() == {}
+    assert index.alive_nodes() == set()
     heartbeat_all(index)
     assert index.lookup(keys) == [[], []]
 
@@ -244,7 +232,7 @@ def test_actor_index_is_shared_by_name_and_restarts_empty(ray_cluster):
             pass
         assert time.monotonic() < deadline, "the index actor did not restart empty"
         time.sleep(0.2)
-    assert two.alive_nodes() == set() and two.loads() == {}
+    assert two.alive_nodes() == set()
 
     ray_cluster.kill(one.actor)
     with pytest.raises(KVIndexUnavailableError):

@@ -86,8 +86,7 @@ def test_namespaces_are_isolated(redis_server):
             index.clear()
             index.heartbeat("node-a", 30.0)
         one.add(keys, HOST_A)
-        one.report_load("prefill-0", {"waiting": 1})
-        assert two.lookup(keys) == [[]] and two.loads() == {}
+        assert two.lookup(keys) == [[]]
         two.clear()
         assert one.lookup(keys) == [[HOST_A]]
         one.clear()
@@ -99,13 +98,12 @@ def test_namespaces_are_isolated(redis_server):
 
 def test_restart_empties_the_index_and_the_client_reconnects(fresh_redis_server):
     """What a caller sees: while the server is down, KVIndexUnavailableError (after redis-py's
-    retries); once it is back (empty, no persistence), plain misses, no live nodes and no loads,
+    retries); once it is back (empty, no persistence), plain misses and no live nodes,
     with no exception: the pooled connection is re-established on the next call."""
     keys = make_keys(4)
     with RedisIndex(fresh_redis_server.url, socket_timeout_s=0.5, retries=1) as index:
         index.heartbeat("node-a", 30.0)
         index.add(keys, HOST_A)
-        index.report_load("prefill-0", {"waiting": 1})
         assert len(index.longest_prefix(keys)) == 4
 
         fresh_redis_server.stop(kill=True)
@@ -119,7 +117,7 @@ def test_restart_empties_the_index_and_the_client_reconnects(fresh_redis_server)
         fresh_redis_server.start()  # same port, empty
         assert index.lookup(keys) == [[]] * 4
         assert index.longest_prefix(keys) == []
-        assert index.alive_nodes() == set() and index.loads() == {}
+        assert index.alive_nodes() == set()
         index.heartbeat("node-a", 30.0)  # the node re-announces itself and its blocks
         index.add(keys[:2], HOST_A)
         assert index.longest_prefix(keys) == [[HOST_A]] * 2

@@ -2,7 +2,8 @@
 
 import pytest
 
-from loadtest.prefix import block_keys, offline_prefix_hits
+from kvstore.hashing import block_keys
+from loadtest.prefix import offline_prefix_hits
 
 B = 4
 PROMPTS = [
@@ -33,10 +34,11 @@ def test_uncapped_and_full_block_denominator():
 
 
 def test_keys_are_chained():
-    a = block_keys([1, 2, 3, 4, 5, 6, 7, 8], B)
-    b = block_keys([5, 6, 7, 8], B)
+    """The offline bound keys blocks as the workers do (kvstore.hashing)."""
+    a = block_keys([1, 2, 3, 4, 5, 6, 7, 8], B, b"")
+    b = block_keys([5, 6, 7, 8], B, b"")
     assert len(a) == 2 and a[1] != b[0]
-    assert block_keys([1, 2, 3, 4, 5], B) == a[:1]
+    assert block_keys([1, 2, 3, 4, 5], B, b"") == a[:1]
 
 
 def test_empty_and_invalid():

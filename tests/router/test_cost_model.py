@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
 
 from deploy.profile import add_profile_parser, fit_nonnegative, run_profile
 from router.cost_model import (BUILTIN_COST_MODELS, MOONCAKE_70B, CostModel, load_cost_model,
-                               save_cost_model, with_overrides)
+                               save_cost_model)
 
 
 def test_mooncake_70b_constants():
@@ -26,7 +27,7 @@ def test_mooncake_70b_constants():
 
 def test_file_round_trip_and_errors(tmp_path):
     path = tmp_path / "m.json"
-    custom = with_overrides(MOONCAKE_70B, name="custom", dram_cache_tokens=10, source=None)
+    custom = replace(MOONCAKE_70B, name="custom", dram_cache_tokens=10)
     save_cost_model(custom, path, {"note": 1})
     assert load_cost_model(str(path)) == custom
     assert load_cost_model("mooncake-70b") is BUILTIN_COST_MODELS["mooncake-70b"]

@@ -1,4 +1,5 @@
-"""Ahead-of-time compilation of the engine's kernel launches for a GPU target, without a GPU.
+"""Ahead-of-time compilation of the engine's kernel launches for a GPU target, without a GPU
+(the test_triton_aot check; the product never compiles ahead of time).
 
 `engine_launches` builds the `Launch` records the engine issues for one model shape (the same
 `plan_*` functions the kernels call, fed small CPU tensors with the engine's dtypes, head
