@@ -1,4 +1,4 @@
-"""Prefill forward time by the thread it runs on: the model thread vs an RPC-style call thread.
+"""Prefill forward time by the thread it runs on: the engine loop vs an RPC-style call thread.
 
     .venv/bin/python benchmarks/prefill_thread.py [--threads 2] [--tokens 512] [--repeats 10]
 
@@ -8,7 +8,8 @@ process-wide state):
 
 * call thread (how the prefill actor ran before): the ModelRunner is built on the process's
   main thread; forwards run on another thread, as Ray's actor call threads do.
-* model thread (engine/model_thread.py, the prefill actor now): built and run on one thread.
+* model thread (the engine loop's way, engine/core/engine_loop.py): the ModelRunner is built
+  on a new thread and every forward runs there.
 
 Prints the median ``ModelRunner.execute`` time of one ``--tokens``-token chunk and the ratio.
 """
@@ -31,7 +32,6 @@ sys.path.insert(0, str(ROOT))
 def _forward_ms(model_dir: str, threads: int, tokens: int, repeats: int,
                 placement: str) -> float:
     from engine.config import EngineConfig
-    from engine.model_thread import ModelThread
     from engine.runner import ModelRunner, SequenceChunk
 
     config = EngineConfig(model=model_dir, torch_threads=threads, num_kv_blocks=tokens // 16 + 2,
@@ -47,11 +47,13 @@ def _forward_ms(model_dir: str, threads: int, tokens: int, repeats: int,
             times.append(time.perf_counter() - start)
         return statistics.median(times) * 1e3
 
-    if placement == "model thread":
-        worker = ModelThread(lambda: ModelRunner(config), "prefill-model")
-        return worker.call(timed, worker.built)
-    runner = ModelRunner(config)  # built on the main thread, forwards on another
     out: list[float] = []
+    if placement == "model thread":
+        call = threading.Thread(target=lambda: out.append(timed(ModelRunner(config))))
+        call.start()
+        call.join()
+        return out[0]
+    runner = ModelRunner(config)  # built on the main thread, forwards on another
     call = threading.Thread(target=lambda: out.append(timed(runner)))
     call.start()
     call.join()

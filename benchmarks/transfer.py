@@ -250,14 +250,14 @@ def main(argv: list[str] | None = None) -> None:
     keys = _keys(num_blocks)
     dest = torch.empty(num_blocks, block_elems)
     dest.zero_()  # fault the pages in, like the raw client's preallocated buffer
-    config = KVTransferConfig(token=TOKEN, max_chunk_bytes=args.chunk_kib << 10,
-                              num_streams=args.streams,
+    config = KVTransferConfig(max_chunk_bytes=args.chunk_kib << 10, num_streams=args.streams,
                               min_stream_bytes=args.min_stream_kib << 10, timeout_s=60.0)
+    kv_config = KVStoreConfig(token=TOKEN)
 
     raw_proc, port = _spawn(_raw_server, max_bytes)
     grpc_proc, grpc_address = _spawn(_grpc_server, num_blocks, block_elems)
     clients = {"raw": _raw_client(port, max_bytes)}
-    grpc_backend = GrpcTransferBackend(config)
+    grpc_backend = GrpcTransferBackend(config, kv_config)
     clients["grpc"] = _receiver_client(grpc_backend, grpc_address, dest, keys)
     procs = [raw_proc, grpc_proc]
     if args.floor:
@@ -268,7 +268,8 @@ def main(argv: list[str] | None = None) -> None:
         gloo_proc, gloo_address = _spawn(_gloo_server, num_blocks, block_elems,
                                          config.max_chunk_bytes)
         procs.append(gloo_proc)
-        torch_backend = TorchTransferBackend(config.model_copy(update={"backend": "torch"}))
+        torch_backend = TorchTransferBackend(config.model_copy(update={"backend": "torch"}),
+                                             kv_config)
         channel = torch_backend.channel(gloo_address, 60.0)
         request = torch.zeros(2, dtype=torch.int64)
 

@@ -1,5 +1,5 @@
-"""The decode Ray actor: an async actor whose engine loop runs on its own thread (the thread
-that also built the model: run_engine_thread).
+"""The decode Ray actor: an async actor over a DecodeEngine, whose engine loop
+(engine.core.engine_loop) runs on its own thread, the thread that also built the model.
 
 `generate` is a Ray streaming generator: the gateway iterates it and gets TokenDelta items as
 the engine loop produces them. A Ray streaming generator keeps running when nobody consumes it,
@@ -10,15 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import os
-import threading
-from concurrent.futures import Future
-from typing import AsyncIterator, Callable, Literal
+from typing import AsyncIterator, Literal
 
 import ray
 
 from decode_worker.engine import DecodeEngine
 from decode_worker.kv_fetch import KVFetcher
 from engine.config import EngineConfig
+from engine.core.engine_loop import EngineLoop
 from engine.faults import check_fault
 from engine.logs import setup_worker_logging
 from engine.protocol import DecodeRequest, TokenDelta
@@ -34,32 +33,6 @@ from kvstore.transfer.peers import RayStreamPeers, register_self
 DecodeFault = Literal["perturb_v"]
 
 
-def run_engine_thread(build: Callable[[], DecodeEngine], timeout_s: float | None = None
-                      ) -> DecodeEngine:
-    """Builds the engine (model included) on a new thread that then runs its loop; returns it
-    once built, re-raising what `build` raised. `build` must construct the engine with
-    start=False.
-
-    Why: with torch's OpenMP runtime, ops run ~1.8x slower on a thread that is not the first of
-    the process to use OpenMP (measured: a 100M-model decode step at batch 21, 0.165 s vs
-    0.09 s; benchmarks/RESULTS.md, "Throughput"). Building the ModelRunner here makes the engine
-    loop that first thread, provided nothing in the process ran torch ops before.
-    """
-    built: Future = Future()
-
-    def main() -> None:
-        try:
-            engine = build()
-        except BaseException as exc:  # noqa: BLE001 — re-raised in the caller
-            built.set_exception(exc)
-            return
-        built.set_result(engine)
-        engine.run()
-
-    threading.Thread(target=main, name="decode-engine", daemon=True).start()
-    return built.result(timeout=timeout_s)
-
-
 @ray.remote
 class DecodeWorker:
     """One decode instance; with engine_config.tensor_parallel_size k > 1 this actor is its
@@ -68,7 +41,8 @@ class DecodeWorker:
     each request's blocks in the KV pool's layout and scatters the KV-head slices to the ranks.
 
     transfer: the KV transfer settings (``--kv-transfer``), shared by every worker; None: gRPC
-    with the KV store's timeout and token. With ``transfer.streaming == "layer"`` the actor
+    with the KV store's rpc_timeout_s as its deadline. The KV plane's token, TLS and message
+    size are always kv_config's. With ``transfer.streaming == "layer"`` the actor
     registers itself (kvstore.transfer.peers) so prefills can announce their layer streams.
     """
 
@@ -78,8 +52,8 @@ class DecodeWorker:
         setup_worker_logging()  # --log-level / --log-format, as the gateway logs
         self.tp = TPInstance(engine_config)
         node_id = ray.get_runtime_context().get_node_id()
-        timeout = kv_config.transfer_timeout_s
-        transfer = transfer or KVTransferConfig(timeout_s=timeout, token=kv_config.token)
+        timeout = kv_config.rpc_timeout_s
+        transfer = transfer or KVTransferConfig(timeout_s=timeout)
         node_client = NodeStoreClient(kvstore_actor(node_id, ray_namespace), timeout)
         peers, self._peer_entry = None, None
         if transfer.streaming == "layer":
@@ -88,13 +62,15 @@ class DecodeWorker:
         self.worker_id = worker_id
         self._fault_injection = engine_config.fault_injection
 
-        def build() -> DecodeEngine:  # on the engine's own thread (run_engine_thread)
+        def build() -> DecodeEngine:  # on the engine loop's thread
             runner = ModelRunner(engine_config, tp=self.tp.group)
             self.tp.start(runner)
-            fetcher = KVFetcher(runner.wire_kv, transfer, node_id, node_client)
-            return DecodeEngine(runner, worker_id, os.getpid(), fetcher, peers, start=False)
+            fetcher = KVFetcher(runner.wire_kv, transfer, node_id, node_client,
+                                kv_config=kv_config)
+            return DecodeEngine(runner, worker_id, os.getpid(), fetcher, peers)
 
-        self.engine = run_engine_thread(build)
+        self.loop = EngineLoop(build, "decode-engine")
+        self.engine = self.loop.core
 
     async def generate(self, request: DecodeRequest) -> AsyncIterator[TokenDelta]:
         loop = asyncio.get_running_loop()
@@ -165,5 +141,5 @@ class DecodeWorker:
         self.engine.fetcher.v_perturbation = float(value)
 
     async def shutdown(self) -> None:
-        self.engine.shutdown()
+        self.loop.shutdown()
         self.tp.shutdown()

@@ -27,16 +27,15 @@ Lifecycle of a request on a decode worker:
                     block it held goes back to the pool in the same loop iteration (an abort
                     during a pair receive: once that receive settles, see KVFetch.abort).
 
-The statuses are engine.core.request.RequestStatus. The loop runs on its own thread (DESIGN.md
-pitfalls: never on the actor's event loop); requests and aborts reach it through a thread-safe
-inbox, and tokens leave through each request's `emit` callback.
+The statuses are engine.core.request.RequestStatus. The engine runs on an engine loop
+(engine.core.engine_loop: the thread that built the model; DESIGN.md pitfalls: never on the
+actor's event loop); requests and aborts reach it through its inbox, and tokens leave through
+each request's `emit` callback.
 """
 
 from __future__ import annotations
 
 import logging
-import queue
-import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Sequence
@@ -47,6 +46,7 @@ import torch
 
 from decode_worker.kv_fetch import KVFetch, KVFetcher
 from decode_worker.kv_streams import PendingStreams
+from engine.core.engine_loop import EngineInbox
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.preemption import PREEMPTION_MODES
 from engine.core.request import RequestStatus
@@ -75,6 +75,11 @@ class DecodeSequence:
     aborted: bool = False
     arrival: int = 0
     swapped: torch.Tensor | None = None  # host copy of the KV of a request preempted by swap
+    # the scheduler's prefix-cache and chunking fields: a decode worker keys nothing and runs
+    # its prompts whole (the KV arrives, or a local prefill computes it in one go)
+    block_keys: tuple[bytes, ...] = ()
+    num_computed_tokens: int = 0
+    runs_alone: bool = False
 
     @property
     def request_id(self) -> str:
@@ -100,8 +105,8 @@ FETCH_POLL_S = 0.002  # ... while a KV fetch is in flight (fetches are polled, n
 
 
 class DecodeEngine:
-    """Owns one decode worker's model runner, scheduler (over its block pool) and engine-loop
-    thread.
+    """One decode worker's model runner and scheduler (over its block pool), driven by an
+    engine loop (engine.core.engine_loop.EngineLoop); its public methods are thread-safe.
 
     step_log: the request ids of each of the last STEP_LOG_SIZE decode steps, as
     (step number, ids) — which requests shared a batch, and when each joined and left.
@@ -112,8 +117,7 @@ class DecodeEngine:
     """
 
     def __init__(self, runner: ModelRunner, worker_id: str, pid: int,
-                 fetcher: KVFetcher, peers: StreamPeers | None = None,
-                 start: bool = True) -> None:
+                 fetcher: KVFetcher, peers: StreamPeers | None = None) -> None:
         self.runner = runner
         self.worker_id = worker_id
         self.pid = pid
@@ -129,9 +133,7 @@ class DecodeEngine:
         self.num_fetch_recomputes_total = 0
         self._num_fetch_recomputed_tokens = 0
         self.fetcher = fetcher
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._wakeup = threading.Event()
-        self._stop = threading.Event()
+        self.inbox = EngineInbox()
         self.num_forward_tokens_total = 0
         self.num_steps_total = 0
         self.step_log: deque[tuple[int, tuple[str, ...]]] = deque(maxlen=STEP_LOG_SIZE)
@@ -139,37 +141,24 @@ class DecodeEngine:
         self.streams = PendingStreams(self.scheduler, fetcher, self._start_waiting_for_kv,
                                       peers, orphan_s=fetcher.transfer.timeout_s)
         self.num_fetch_retries_total = 0
-        self._thread: threading.Thread | None = None
-        if start:
-            threading.Thread(target=self.run, name="decode-engine", daemon=True).start()
-
-    def run(self) -> None:
-        """The engine loop, on the calling thread, until shutdown() (start=False: the caller's
-        thread, e.g. the one that built the runner: decode_worker.actor.run_engine_thread)."""
-        self._thread = threading.current_thread()
-        self._loop()
 
     # ---- called from other threads -------------------------------------------------------
     def add_request(self, request: DecodeRequest, emit: Callable[[TokenDelta], None]) -> None:
         seed = request.sampling.seed if request.sampling.seed is not None else draw_seed()
         first = [request.prefill.first_token] if request.prefill is not None else []
-        self._post("add", DecodeSequence(request, emit, seed, first))
+        self.inbox.post("add", DecodeSequence(request, emit, seed, first))
 
     def abort(self, request_id: str) -> None:
         """Idempotent: an unknown or finished request id is ignored."""
-        self._post("abort", request_id)
+        self.inbox.post("abort", request_id)
 
     def expect_layer_stream(self, announce: LayerStreamAnnounce) -> None:
         """A prefill is about to stream this request's layers here (kv_streams.py)."""
-        self._post("expect", announce)
+        self.inbox.post("expect", announce)
 
     def cancel_layer_stream(self, request_id: str) -> None:
         """The prefill gave up an announced stream: drop it unless its request came."""
-        self._post("cancel", request_id)
-
-    def _post(self, kind: str, item) -> None:  # to the engine loop, which alone schedules
-        self._inbox.put((kind, item))
-        self._wakeup.set()
+        self.inbox.post("cancel", request_id)
 
     @property
     def num_recomputed_tokens_total(self) -> int:
@@ -196,51 +185,40 @@ class DecodeEngine:
             "num_fetch_recomputes_total": self.num_fetch_recomputes_total,
         }
 
-    def shutdown(self) -> None:
-        self._stop.set()
-        self._wakeup.set()
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout=10)
+    # ---- the engine loop's (engine.core.engine_loop) -----------------------------------------
+    def close(self) -> None:
         self.fetcher.close()
 
-    # ---- engine loop ---------------------------------------------------------------------
-    def _loop(self) -> None:
-        while not self._stop.is_set():
-            try:
-                self._drain_inbox()
-                self.streams.poll()
-                self.streams.attach_waiting()
-                self._admit_waiting()
-                self._poll_fetches()
-                running = self.scheduler.grow()
-                if running:
-                    self._step(running)
-                else:
-                    fetching = len(self.streams) or any(
-                        s.fetch is not None for s in self.scheduler.active.values())
-                    self._wakeup.wait(timeout=FETCH_POLL_S if fetching else IDLE_WAIT_S)
-                    self._wakeup.clear()
-            except Exception:  # noqa: BLE001 — the loop must outlive one bad step
-                log.exception("decode engine step failed; failing the running requests")
-                for seq in list(self.scheduler.active.values()):
-                    if seq.status is RequestStatus.RUNNING:
-                        self._finish(seq, FinishReason.ERROR, "internal error in decode step")
+    def handle(self, kind: str, item) -> None:
+        if kind == "add":
+            self._arrive(item)
+        elif kind == "expect":
+            self.streams.expect(item)
+        elif kind == "cancel":
+            if self.scheduler.find_waiting(item) is None:
+                self.streams.drop(item)
+        else:
+            self._abort_now(item)
 
-    def _drain_inbox(self) -> None:
-        while True:
-            try:
-                kind, item = self._inbox.get_nowait()
-            except queue.Empty:
-                return
-            if kind == "add":
-                self._arrive(item)
-            elif kind == "expect":
-                self.streams.expect(item)
-            elif kind == "cancel":
-                if self.scheduler.find_waiting(item) is None:
-                    self.streams.drop(item)
-            else:
-                self._abort_now(item)
+    def step(self) -> bool:
+        self.streams.poll()
+        self.streams.attach_waiting()
+        self._admit_waiting()
+        self._poll_fetches()
+        running = self.scheduler.grow()
+        if running:
+            self._step(running)
+        return bool(running)
+
+    def idle_wait_s(self) -> float:
+        fetching = len(self.streams) or any(
+            s.fetch is not None for s in self.scheduler.active.values())
+        return FETCH_POLL_S if fetching else IDLE_WAIT_S
+
+    def fail_step(self, exc: Exception) -> None:
+        for seq in list(self.scheduler.active.values()):
+            if seq.status is RequestStatus.RUNNING:
+                self._finish(seq, FinishReason.ERROR, "internal error in decode step")
 
     def _arrive(self, seq: DecodeSequence) -> None:
         """Queue a new request, unless it ends here and now: its first token (from the

@@ -43,7 +43,7 @@ import torch
 
 from engine.kv_cache import PagedKVCache
 from engine.protocol import PrefillResult
-from kvstore.config import KVTransferConfig
+from kvstore.config import KVStoreConfig, KVTransferConfig
 from kvstore.errors import KVStoreError
 from kvstore.node_client import NodeStoreClient
 from kvstore.transfer.arena_receiver import ArenaReceiver
@@ -70,11 +70,15 @@ class KVFetcher:
             `wire_kv` (at TP=1 the paged cache itself; at TP=k rank 0 writes whole blocks and
             each rank keeps its KV heads — fetched once, not once per rank).
         transfer: the transfer settings (``--kv-transfer``), or a number: gRPC with that
-            timeout in seconds and no token (stores without auth, tests).
+            timeout in seconds.
         node_id, node_client: this worker's Ray node and its KV store; with both, full blocks
             published on this node are read through the shared-memory arena.
         backend: use this backend instead of building ``transfer.backend`` (tests: a fake
             with failure injection).
+        kv_config: the KV store's config, whose token, TLS and max message size every
+            channel to a store or a prefill peer uses. None: no token and no TLS (stores
+            without auth, tests), unless ``transfer`` carries them under their deprecated
+            names (kvstore.config.kv_plane_of).
 
     Attributes:
         bytes_by_backend: KV bytes written into the cache by successful fetches, by path
@@ -86,16 +90,18 @@ class KVFetcher:
 
     def __init__(self, kv_cache: PagedKVCache, transfer: KVTransferConfig | float,
                  node_id: str | None = None, node_client: NodeStoreClient | None = None,
-                 backend: KVTransferBackend | None = None) -> None:
+                 backend: KVTransferBackend | None = None,
+                 kv_config: KVStoreConfig | None = None) -> None:
         if not isinstance(transfer, KVTransferConfig):
             transfer = KVTransferConfig(timeout_s=float(transfer))
         self.kv_cache = kv_cache
         self.transfer = transfer
         self.node_id = node_id
         self.node_client = node_client
-        self.backend = backend or create_backend(transfer)
+        self.backend = backend or create_backend(transfer, kv_config)
+        # the store path, tails and releases always go over gRPC
         self.grpc = (self.backend if isinstance(self.backend, GrpcTransferBackend)
-                     else GrpcTransferBackend(transfer))  # store path, tails, releases
+                     else GrpcTransferBackend(transfer, kv_config))
         self.pair = self.backend if self.backend.name == "torch" else None
         self.store = self.grpc if self.pair is not None else self.backend
         self.v_perturbation = 0.0

@@ -14,8 +14,13 @@ one prefill and one decode actor, and needs no other service.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
+import warnings
+
+log = logging.getLogger(__name__)
+
 
 def _gib(value: str) -> int:
     """A size in GiB (float) as bytes."""
@@ -30,10 +35,12 @@ _SERVE_FLAGS = [
     ("--port", "port", int, "gateway port (default 8000)"),
     ("--prefill-instances", "prefill_instances", int, "prefill actors (default 1)"),
     ("--decode-instances", "decode_instances", int, "decode actors (default 1)"),
+    ("--tensor-parallel-size", "engine.tensor_parallel_size", int,
+     "tensor parallel size of every prefill and decode instance (default 1)"),
     ("--prefill-tp", "prefill_tp", int, "tensor parallel size of each prefill instance "
-                                        "(default 1)"),
+                                        "(default: --tensor-parallel-size)"),
     ("--decode-tp", "decode_tp", int, "tensor parallel size of each decode instance "
-                                      "(default 1)"),
+                                      "(default: --tensor-parallel-size)"),
     ("--address", "address", str, "join this Ray cluster instead of starting a local one"),
     ("--block-size", "engine.block_size", int, "tokens per KV block (default 16)"),
     ("--dtype", "engine.dtype", str, "float32 | bfloat16 | float16 (default float32)"),
@@ -64,18 +71,18 @@ _SERVE_FLAGS = [
                                                   "overlapping prefill compute"),
     ("--drain-timeout", "drain_timeout_s", float, "on SIGTERM: stop admitting, let in-flight "
                                                   "requests finish for this long (default 30 s)"),
-    ("--kv-token", "kvstore.token", str, "shared token of the KV gRPC plane (default: random "
-                                         "per local cluster)"),
+    ("--kv-token", "kvstore.token", str, "shared token of the KV plane: its gRPC calls and "
+                                         "torch pairs (default: random per local cluster)"),
     ("--kv-tls-cert", "kvstore.tls.cert_file", str, "PEM certificate chain of the KV gRPC "
                                                      "plane (TLS on when given, with the key)"),
     ("--kv-tls-key", "kvstore.tls.key_file", str, "PEM private key of --kv-tls-cert"),
     ("--kv-tls-ca", "kvstore.tls.ca_file", str, "PEM CA bundle: clients verify stores against "
                                                 "it, stores require client certs (mutual TLS)"),
-    ("--kv-tail-capacity-bytes", "kvstore.capacity_bytes", int,
+    ("--kv-tail-capacity-bytes", "kvstore.tail_capacity_bytes", int,
      "bytes per node for per-request tail blocks in flight"),
-    ("--dram-cache-gb", "kvpool.dram_cache_bytes", _gib, "G2 shared-memory arena per node"),
+    ("--dram-cache-gb", "kvpool.dram_cache_bytes", _gib, "G2 shared-memory arena per node, GiB"),
     ("--ssd-cache-dir", "kvpool.ssd_cache_dir", str, "G3 slab directory (default: no G3)"),
-    ("--ssd-cache-gb", "kvpool.ssd_cache_bytes", _gib, "G3 capacity per node"),
+    ("--ssd-cache-gb", "kvpool.ssd_cache_bytes", _gib, "G3 capacity per node, GiB"),
     ("--index-url", "kvpool.index_url", str, "global KV index: ray://NAME (default, embedded) "
                                              "or redis://host:port/db"),
     ("--node-lease-s", "kvpool.node_lease_s", float, "node liveness lease in the index (<= 10)"),
@@ -146,6 +153,18 @@ def _overrides(args: argparse.Namespace) -> dict:
     return out
 
 
+def _log_deprecations(caught: list[warnings.WarningMessage]) -> None:
+    """Log each distinct DeprecationWarning of ``caught`` once; show the other warnings as
+    Python would have."""
+    seen: set[str] = set()
+    for w in caught:
+        if not issubclass(w.category, DeprecationWarning):
+            warnings.showwarning(w.message, w.category, w.filename, w.lineno)
+        elif str(w.message) not in seen:
+            seen.add(str(w.message))
+            log.warning("deprecated configuration: %s", w.message)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "serve":
@@ -156,14 +175,19 @@ def main(argv: list[str] | None = None) -> int:
         if os.environ.get("PDCLUSTER_API_KEY"):  # env read only here, at the CLI edge
             overrides["api_keys"] = overrides.get("api_keys", []) + \
                 [os.environ["PDCLUSTER_API_KEY"]]
-        try:
-            config = load_config(args.config, overrides)
-        except (ValueError, OSError) as exc:
-            print(f"pdcluster: invalid configuration: {exc}", file=sys.stderr)
-            return 2
+        # deprecated config keys warn with DeprecationWarning, which Python hides by default;
+        # the user who wrote them is here, so log each once logging is set up
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", DeprecationWarning)
+            try:
+                config = load_config(args.config, overrides)
+            except (ValueError, OSError) as exc:
+                print(f"pdcluster: invalid configuration: {exc}", file=sys.stderr)
+                return 2
         from engine.logs import configure_logging
 
         configure_logging(config.log_level, config.log_format)
+        _log_deprecations(caught)
         return serve(config)
     if args.command == "bench":
         from loadtest.cli import run_bench

@@ -6,14 +6,15 @@ read only by the CLI, never below it.
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
 from engine.config import EngineConfig
-from kvstore.config import KVStoreConfig, KVTransferConfig
+from kvstore.config import KV_PLANE_FIELDS, KVStoreConfig, KVTransferConfig
 from kvstore.pool_config import KVPoolConfig
 
 DEFAULT_MAX_SEQS_PER_REQUEST = 64
@@ -51,16 +52,25 @@ class ServeConfig(BaseModel):
         message and, for a record about a request, request_id; engine/logs.py).
     api_keys / api_key_file: when any key is set, every request but /health needs
         `Authorization: Bearer <key>` (keys are never logged).
-    transfer: how KV gets from prefill to decode (``--kv-transfer grpc|torch``); its token is
-        always the KV store's (``--kv-token``).
+    transfer: how KV gets from prefill to decode (``--kv-transfer grpc|torch``). The KV
+        plane's token, TLS and gRPC message size are `kvstore`'s (``--kv-token``,
+        ``--kv-tls-*``), for stores and transfers alike; the deprecated keys
+        transfer.token / transfer.tls (always overridden by kvstore's) are dropped and
+        transfer.max_message_bytes becomes kvstore.max_message_bytes unless that is set,
+        each with a DeprecationWarning.
     policy / admission / slo_ttft_s / slo_tbt_ms / cost_model: the Conductor
         (router/conductor.py): a policy of router.policies.POLICIES (default kvcache_centric,
         Mooncake FAST'25 Alg. 1), SLO admission (arrival-2407.00079 §6; none by default: a
         rejection is a 429 with Retry-After), the SLOs it enforces, and the cost model it
         predicts with (a built-in name of router.cost_model or a `pdcluster profile` file).
-    prefill_tp / decode_tp: tensor parallel size of each prefill / decode instance: k actors
-        (ranks) in one STRICT_PACK placement group (engine.tp_instance); each reserves
-        actor_num_cpus (and one GPU on CUDA).
+    engine.tensor_parallel_size (``--tensor-parallel-size``, vLLM's flag): tensor parallel
+        size of every prefill and decode instance: k actors (ranks) in one STRICT_PACK
+        placement group (engine.tp_instance); each reserves actor_num_cpus (and one GPU on
+        CUDA).
+    prefill_tp / decode_tp (``--prefill-tp`` / ``--decode-tp``): that size for one role only;
+        None (the default): engine.tensor_parallel_size. They override it rather than copy
+        it, so nothing needs keeping in sync: prefill_engine() and decode_engine() are the
+        only places a role's size is resolved, and the launcher builds each worker from them.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -74,8 +84,8 @@ class ServeConfig(BaseModel):
     served_model_name: str | None = None
     prefill_instances: int = Field(1, ge=1)
     decode_instances: int = Field(1, ge=1)
-    prefill_tp: int = Field(1, ge=1)
-    decode_tp: int = Field(1, ge=1)
+    prefill_tp: int | None = Field(None, ge=1)
+    decode_tp: int | None = Field(None, ge=1)
     policy: str = "kvcache_centric"
     admission: Literal["none", "arrival", "prediction"] = "none"
     slo_ttft_s: float = Field(30.0, gt=0)
@@ -115,6 +125,27 @@ class ServeConfig(BaseModel):
             raise ValueError("transfer.backend 'fake' is for tests; serve with grpc or torch")
         return transfer
 
+    @model_validator(mode="before")
+    @classmethod
+    def _kv_plane_keys_of_transfer(cls, data: Any) -> Any:
+        if not isinstance(data, dict) or not isinstance(data.get("transfer"), dict):
+            return data
+        transfer = dict(data["transfer"])
+        moved = {key: transfer.pop(key) for key in KV_PLANE_FIELDS if key in transfer}
+        if not moved:
+            return data
+        data = {**data, "transfer": transfer}
+        for key, value in moved.items():
+            kvstore = data.get("kvstore", {})
+            if key == "max_message_bytes" and isinstance(kvstore, dict) and key not in kvstore:
+                data["kvstore"] = {**kvstore, key: value}
+                use = "sets"
+            else:  # token and TLS: the launcher always overrode transfer's with kvstore's
+                use = "is ignored in favour of"
+            warnings.warn(f"transfer.{key} is deprecated and {use} kvstore.{key}, the KV "
+                          f"plane's one setting", DeprecationWarning, stacklevel=3)
+        return data
+
     @model_validator(mode="after")
     def _cap_within_gate(self) -> "ServeConfig":
         if self.max_seqs_per_request is not None and \
@@ -134,13 +165,29 @@ class ServeConfig(BaseModel):
             return self.max_queued_sequences
         return 4 * self.max_inflight_requests
 
+    def prefill_engine(self) -> EngineConfig:
+        """The engine config of each prefill instance: `engine`, with prefill_tp as its
+        tensor_parallel_size when set."""
+        return self._role_engine(self.prefill_tp)
+
+    def decode_engine(self) -> EngineConfig:
+        """The engine config of each decode instance: `engine`, with decode_tp as its
+        tensor_parallel_size when set."""
+        return self._role_engine(self.decode_tp)
+
+    def _role_engine(self, tp: int | None) -> EngineConfig:
+        if tp is None:
+            return self.engine
+        return self.engine.model_copy(update={"tensor_parallel_size": tp})
+
     def local_ray_num_cpus(self) -> int:
         """Logical CPUs for a local Ray: all worker actors (every TP rank) plus 2 spare."""
         if self.ray_num_cpus is not None:
             return self.ray_num_cpus
-        prefill = 0 if self.colocated else self.prefill_instances * self.prefill_tp
-        needed = (prefill + self.decode_instances * self.decode_tp) * self.actor_num_cpus
-        return int(needed) + 2
+        prefill = 0 if self.colocated else \
+            self.prefill_instances * self.prefill_engine().tensor_parallel_size
+        decode = self.decode_instances * self.decode_engine().tensor_parallel_size
+        return int((prefill + decode) * self.actor_num_cpus) + 2
 
     def worker_num_gpus(self) -> float:
         """GPUs each prefill/decode actor reserves (actor_num_gpus, or 1 on cuda, else 0)."""

@@ -69,8 +69,7 @@ class Cluster:
                 update={"token": SecretStr(secrets.token_hex(16))})
             self.config = self.config.model_copy(update={"kvstore": kvstore})
         cfg = self.config
-        transfer = cfg.transfer.model_copy(update={"token": cfg.kvstore.token,
-                                                   "tls": cfg.kvstore.tls})
+        transfer = cfg.transfer
         if not ray.is_initialized():
             if cfg.address is None:  # ours: loopback only, cleaned up if this process dies
                 self._local_ray = start_local_ray(cfg.local_ray_num_cpus(), cfg.ray_namespace,
@@ -78,8 +77,11 @@ class Cluster:
             else:  # someone else's cluster: neither bound nor cleaned up by us
                 ray.init(address=cfg.address, namespace=cfg.ray_namespace)
             self._started_ray = True
+        prefill_engine, decode_engine = cfg.prefill_engine(), cfg.decode_engine()
+        prefill_tp = prefill_engine.tensor_parallel_size
+        decode_tp = decode_engine.tensor_parallel_size
         model = ModelConfig.from_pretrained(cfg.engine.model)
-        for tp in {cfg.prefill_tp, cfg.decode_tp}:
+        for tp in {prefill_tp, decode_tp}:
             check_tensor_parallel(model, tp)  # a clear error before any actor starts
         # each role's Ray custom resource (deploy/placement.py); KV stores only where workers go
         self._resources = ray.cluster_resources()
@@ -99,18 +101,16 @@ class Cluster:
                                                                cfg.engine.device)}}
         for node_id, handle in self.kvstores.items():  # for /metrics: tiers G2/G3 per node
             self.registry.add(Instance(f"kvstore-{node_id[:12]}", "kvstore", handle))
-        prefill_engine = cfg.engine.model_copy(update={"tensor_parallel_size": cfg.prefill_tp})
-        decode_engine = cfg.engine.model_copy(update={"tensor_parallel_size": cfg.decode_tp})
         for i in range(0 if cfg.colocated else cfg.prefill_instances):
             handle = PrefillWorker.options(
                 max_concurrency=PREFILL_MAX_CONCURRENCY, runtime_env=runtime_env,
-                **self._rank0_options(cfg.prefill_tp, placement.PREFILL),
+                **self._rank0_options(prefill_tp, placement.PREFILL),
             ).remote(f"prefill-{i}", prefill_engine, cfg.kvstore, cfg.kvpool, cfg.ray_namespace,
                      transfer)
             self.prefill.append(Instance(f"prefill-{i}", "prefill", handle))
         for i in range(cfg.decode_instances):
             handle = DecodeWorker.options(runtime_env=runtime_env,
-                                          **self._rank0_options(cfg.decode_tp,
+                                          **self._rank0_options(decode_tp,
                                                                 placement.DECODE)).remote(
                 f"decode-{i}", decode_engine, cfg.kvstore, cfg.ray_namespace, transfer)
             self.decode.append(Instance(f"decode-{i}", "decode", handle))

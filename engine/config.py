@@ -202,6 +202,8 @@ class EngineConfig(pydantic.BaseModel):
     elsewhere; "triton" forces Triton (on CPU through TRITON_INTERPRET=1); "torch" forces torch.
     `tensor_parallel_size`: ranks of this engine's TP instance (engine.parallel); the runner
     is given the matching TPGroup. `num_kv_blocks` counts blocks, each rank holding its KV heads.
+    In a deployment it is vLLM's `--tensor-parallel-size`, for every instance; `--prefill-tp` /
+    `--decode-tp` override it for one role (deploy.config.ServeConfig.prefill_engine).
     `fault_injection`: lets the worker actors' `inject_fault` act, for fault tests of a running
     cluster; off (the default) it raises. No CLI flag sets it.
     """

@@ -12,6 +12,8 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from kvstore.index import Location
+
 if TYPE_CHECKING:
     from kvstore.transfer.layer_stream import LayerStreamAnnounce
 
@@ -113,6 +115,25 @@ class FinishReason(str, enum.Enum):
 
 
 @dataclass(frozen=True)
+class PrefixPlan:
+    """The Conductor's plan for a prompt's cached prefix, so the prefill worker need not ask
+    the global index again.
+
+    block_keys: chained keys of the prompt's full blocks, as the Conductor computed them (the
+        worker checks them against its own and ignores a plan whose keys differ).
+    locations: where the index holds each of the prompt's leading blocks (its longest cached
+        prefix), in prompt order.
+    num_load_blocks: how many leading blocks the worker reuses (its own G1, then loads); the
+        rest it recomputes: Mooncake FAST'25 Algorithm 1's pull-or-recompute, decided by the
+        Conductor's prefill policy (router.policies: PrefillPlan.cached_blocks).
+    """
+
+    block_keys: tuple[bytes, ...]
+    locations: tuple[tuple[Location, ...], ...]
+    num_load_blocks: int
+
+
+@dataclass(frozen=True)
 class PrefillRequest:
     """What the gateway sends a prefill worker.
 
@@ -121,6 +142,7 @@ class PrefillRequest:
     decode_peer: worker id of the decode instance the Conductor picked for the request; with
         ``--kv-transfer torch`` the prefill pushes the prompt's KV to it over their pair channel.
         None: no push (the decode pulls from the KV store).
+    kv_plan: the Conductor's prefix plan; None: the worker looks its prefix up itself.
     """
 
     request_id: str
@@ -128,6 +150,22 @@ class PrefillRequest:
     sampling: SamplingParams
     cache_salt: str | None = None
     decode_peer: str | None = None
+    kv_plan: PrefixPlan | None = None
+
+
+@dataclass(frozen=True)
+class FirstToken:
+    """What a prefill worker streams first, as soon as it is sampled: output token 0 (the
+    gateway sends it to the client while the prompt's KV is still being published).
+
+    logprob: its logprob entry when the request asked for logprobs.
+    """
+
+    request_id: str
+    token: int
+    logprob: TokenLogprob | None
+    prefill_worker_id: str
+    prefill_pid: int
 
 
 @dataclass(frozen=True)

@@ -69,7 +69,7 @@ class KVStoreActor:
                    if pool.ssd_cache_dir else None)
         self.store = TieredNodeStore(self._node_id, layout, pool.dram_cache_bytes, ssd_dir,
                                      pool.ssd_cache_bytes, self._index,
-                                     TailStore(config.capacity_bytes, config.tail_ttl_s))
+                                     TailStore(config.tail_capacity_bytes, config.tail_ttl_s))
         self.restarted = ray.get_runtime_context().was_current_actor_reconstructed
         if self.restarted:  # what the dead instance held is gone
             for tier in (HOST, SSD):
@@ -235,7 +235,7 @@ def start_kvstore_actors(config: KVStoreConfig, pool: KVPoolConfig, layout: Bloc
     reused (its config is not changed).
 
     Returns node id (hex) -> actor handle. Raises KVStoreError if one fails to start within
-    ``config.transfer_timeout_s * 6`` s.
+    ``config.rpc_timeout_s * 6`` s.
     """
     if node_ids is None:
         node_ids = [node["NodeID"] for node in ray.nodes() if node.get("Alive")]
@@ -244,7 +244,7 @@ def start_kvstore_actors(config: KVStoreConfig, pool: KVPoolConfig, layout: Bloc
         for node_id in node_ids}
     refs = [a.address.remote() for a in actors.values()]
     try:
-        ray.get(refs, timeout=config.transfer_timeout_s * 6)
+        ray.get(refs, timeout=config.rpc_timeout_s * 6)
     except (ray.exceptions.GetTimeoutError, ray.exceptions.RayActorError) as exc:
         raise KVStoreError(f"KV store actors failed to start: {exc}") from exc
     return actors

@@ -1,14 +1,45 @@
 """Configuration of one node's KV store and of the KV transfer backends (DESIGN.md "Config":
-typed, explicit, 127.0.0.1 default)."""
+typed, explicit, 127.0.0.1 default).
+
+The KV plane's shared settings (its token, its TLS and the gRPC message size) live on
+:class:`KVStoreConfig` only: every channel of the plane, store server or transfer backend,
+reads them from there, so the two ends of a channel cannot disagree.
+"""
 
 from __future__ import annotations
 
-from typing import Literal
+import warnings
+from typing import Any, Literal
 
 import pydantic
 
 #: Names of the transfer backends (kvstore.transfer.registry.TRANSFER_BACKENDS has the classes).
 TransferBackendName = Literal["grpc", "torch", "fake"]
+
+
+def _renamed_keys(model: str, data: Any, renames: dict[str, str]) -> Any:
+    """``data`` (a model's input) with each deprecated key of ``renames`` (old -> new) under its
+    new name, with a DeprecationWarning per old key given. An old key given with its new one
+    is dropped: the new one wins. (Not an error: a validation error would print the whole
+    input, token included.)"""
+    if not isinstance(data, dict):
+        return data
+    data = dict(data)
+    for old, new in renames.items():
+        if old not in data:
+            continue
+        value = data.pop(old)
+        ignored = new in data
+        if not ignored:
+            data[new] = value
+        # stacklevel 4: past this function, the validator and pydantic's __init__
+        warnings.warn(f"{model}.{old} is deprecated{' and ignored' if ignored else ''}, "
+                      f"use {new}", DeprecationWarning, stacklevel=4)
+    return data
+
+
+def _deprecated_name(model: str, old: str, new: str) -> None:
+    warnings.warn(f"{model}.{old} is deprecated, use {new}", DeprecationWarning, stacklevel=3)
 
 
 class KVTLSConfig(pydantic.BaseModel):
@@ -36,63 +67,97 @@ class KVTLSConfig(pydantic.BaseModel):
 
 class KVStoreConfig(pydantic.BaseModel):
     """Settings of one node's KV store: its gRPC server (kvstore.server.KVStoreServer), its
-    tail blocks (kvstore.tail_store.TailStore) and its Ray actor (kvstore.actor.KVStoreActor).
+    tail blocks (kvstore.tail_store.TailStore) and its Ray actor (kvstore.actor.KVStoreActor);
+    and the settings the whole KV plane shares (``token``, ``tls``, ``max_message_bytes``),
+    which the transfer backends take from here too (kvstore.transfer.registry.create_backend).
 
     Attributes:
         host: bind address of the gRPC server (``--kv-bind``); 127.0.0.1 unless the cluster
             spans machines, then the node's routable address.
         port: TCP port; 0 picks a free port at start.
-        capacity_bytes: host-DRAM budget in bytes of the tail blocks held at once
+        tail_capacity_bytes: host-DRAM budget in bytes of the tail blocks held at once
             (``--kv-tail-capacity-bytes``); keyed blocks live in the G2 arena and G3 tier,
-            sized by kvstore.pool_config.KVPoolConfig.
+            sized by kvstore.pool_config.KVPoolConfig. Deprecated name: ``capacity_bytes``.
         tail_ttl_s: seconds a tail block may wait to be taken before it is dropped (so a
             decode worker that never comes leaks nothing).
-        transfer_timeout_s: deadline in seconds of each client RPC.
-        max_message_bytes: max gRPC message size in bytes, both directions.
-        token: shared secret (``--kv-token``) every call must present as
-            ``authorization: Bearer <token>``; ``None`` turns auth off (tests of this module
-            only: the cluster launcher always sets one). A ``SecretStr``, so it never shows in
-            a repr or a log.
+        rpc_timeout_s: deadline in seconds of each call a worker makes to a KV store (a gRPC
+            RPC, or a Ray call to the store actor); a whole transfer's deadline is
+            KVTransferConfig.timeout_s. Deprecated name: ``transfer_timeout_s``.
+        max_message_bytes: max gRPC message size in bytes, both directions, of the store
+            server and of every gRPC client of the KV plane (transfer backends included).
+        token: shared secret of the KV plane (``--kv-token``): every gRPC call must present it
+            as ``authorization: Bearer <token>``, and a torch transfer pair proves it before
+            its group forms. ``None`` turns auth off (tests of this module only: the cluster
+            launcher always sets one). A ``SecretStr``, so it never shows in a repr or a log.
         tls: TLS of the gRPC server and its clients; ``None``: plaintext (the token still
             guards every call, but crosses the network in the clear).
         fault_injection: lets callers break the store actor on purpose
             (:meth:`kvstore.actor.KVStoreActor.inject_fault`: stop serving gRPC, stop
             heartbeating), as fault-tolerance tests do to a running cluster. Off by default,
             and no CLI flag sets it; with it off, injecting raises.
+
+    The deprecated names are accepted as keywords (and readable as attributes) with a
+    DeprecationWarning; an old name given with its new one is ignored.
     """
 
     model_config = pydantic.ConfigDict(frozen=True, extra="forbid")
 
     host: str = "127.0.0.1"
     port: int = pydantic.Field(default=0, ge=0, le=65535)
-    capacity_bytes: int = pydantic.Field(default=1 << 30, gt=0)
+    tail_capacity_bytes: int = pydantic.Field(default=1 << 30, gt=0)
     tail_ttl_s: float = pydantic.Field(default=120.0, gt=0)
-    transfer_timeout_s: float = pydantic.Field(default=10.0, gt=0)
+    rpc_timeout_s: float = pydantic.Field(default=10.0, gt=0)
     max_message_bytes: int = pydantic.Field(default=64 << 20, gt=0)
     token: pydantic.SecretStr | None = None
     tls: KVTLSConfig | None = None
     fault_injection: bool = False
 
+    @pydantic.model_validator(mode="before")
+    @classmethod
+    def _deprecated_keys(cls, data: Any) -> Any:
+        return _renamed_keys("KVStoreConfig", data, {"capacity_bytes": "tail_capacity_bytes",
+                                                     "transfer_timeout_s": "rpc_timeout_s"})
+
+    @property
+    def capacity_bytes(self) -> int:
+        """Deprecated name of ``tail_capacity_bytes`` (bytes)."""
+        _deprecated_name("KVStoreConfig", "capacity_bytes", "tail_capacity_bytes")
+        return self.tail_capacity_bytes
+
+    @property
+    def transfer_timeout_s(self) -> float:
+        """Deprecated name of ``rpc_timeout_s`` (seconds)."""
+        _deprecated_name("KVStoreConfig", "transfer_timeout_s", "rpc_timeout_s")
+        return self.rpc_timeout_s
+
+
+#: The KVStoreConfig fields every channel of the KV plane shares, store server and transfer
+#: backends alike. KVTransferConfig's fields of these names are deprecated copies.
+KV_PLANE_FIELDS = ("token", "tls", "max_message_bytes")
+
 
 class KVTransferConfig(pydantic.BaseModel):
-    """Settings of the receiving side of KV transfers (kvstore.transfer), one per worker.
+    """Settings of the KV transfers between prefill and decode workers (kvstore.transfer), one
+    per deployment, shared by every worker. The KV plane's token, TLS and gRPC message size are
+    not here: a backend takes them from the KVStoreConfig (create_backend).
 
     Attributes:
         backend: ``grpc`` (pull from a node's KV store), ``torch`` (torch.distributed
             point-to-point over a pair group: gloo on CPU, NCCL on CUDA) or ``fake`` (tests).
-        timeout_s: default deadline of one transfer in seconds (FetchRequest.deadline_s wins).
+        timeout_s: default deadline in seconds of one whole transfer (FetchRequest.deadline_s
+            wins), and the limit of a torch pair's setup; each call to a KV store has its own
+            KVStoreConfig.rpc_timeout_s.
         max_chunk_bytes: payload bytes per wire message (grpc) or per send/recv (torch).
         num_streams: grpc: concurrent FetchBlocks sessions one large transfer is split across.
         min_stream_bytes: grpc: a transfer is split only so that each stream gets at least
             this many bytes (small transfers stay on one stream).
-        max_message_bytes: grpc channel's max message size in bytes.
-        token: the KV plane's shared secret (``--kv-token``); ``None`` only in tests.
-        tls: the KV plane's TLS (``--kv-tls-*``, copied from the KV store's config).
         bind_host: torch: address the sender's pair store binds (a node's routable address
             in a cluster).
         streaming: ``request`` (decode pulls the whole request's KV once prefill is done) or
             ``layer`` (each layer's KV for the new tokens is published as soon as that layer's
             prefill compute ends, overlapping the rest; Mooncake FAST'25 §3.1).
+        token / tls / max_message_bytes: deprecated copies of KVStoreConfig's; accepted with
+            a DeprecationWarning and used only by a backend built without a KVStoreConfig.
     """
 
     model_config = pydantic.ConfigDict(frozen=True, extra="forbid")
@@ -102,8 +167,38 @@ class KVTransferConfig(pydantic.BaseModel):
     max_chunk_bytes: int = pydantic.Field(default=4 << 20, gt=0)
     num_streams: int = pydantic.Field(default=2, ge=1, le=64)
     min_stream_bytes: int = pydantic.Field(default=8 << 20, gt=0)
-    max_message_bytes: int = pydantic.Field(default=64 << 20, gt=0)
-    token: pydantic.SecretStr | None = None
-    tls: KVTLSConfig | None = None
     bind_host: str = "127.0.0.1"
     streaming: Literal["request", "layer"] = "request"
+    token: pydantic.SecretStr | None = pydantic.Field(
+        default=None, exclude=True, repr=False,
+        deprecated="KVTransferConfig.token is deprecated: the KV plane's token is "
+                   "KVStoreConfig.token (--kv-token)")
+    tls: KVTLSConfig | None = pydantic.Field(
+        default=None, exclude=True, repr=False,
+        deprecated="KVTransferConfig.tls is deprecated: the KV plane's TLS is KVStoreConfig.tls "
+                   "(--kv-tls-*)")
+    max_message_bytes: int | None = pydantic.Field(
+        default=None, gt=0, exclude=True, repr=False,
+        deprecated="KVTransferConfig.max_message_bytes is deprecated: the gRPC plane's limit is "
+                   "KVStoreConfig.max_message_bytes")
+
+    @pydantic.model_validator(mode="before")
+    @classmethod
+    def _deprecated_keys(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for name in KV_PLANE_FIELDS:
+                if data.get(name) is not None:
+                    warnings.warn(f"KVTransferConfig.{name} is deprecated: pass a KVStoreConfig "
+                                  f"(its {name}) to the transfer backend", DeprecationWarning,
+                                  stacklevel=3)
+        return data
+
+
+def kv_plane_of(transfer: KVTransferConfig) -> KVStoreConfig:
+    """The KVStoreConfig a transfer backend built without one uses: the defaults (no token,
+    no TLS: stores without auth, as in tests), overridden by whatever of token, TLS and max
+    message size ``transfer`` still carries under its deprecated names."""
+    # __dict__, not the attributes, which warn on every read
+    copies = {name: transfer.__dict__[name] for name in KV_PLANE_FIELDS
+              if transfer.__dict__[name] is not None}
+    return KVStoreConfig(**copies)

@@ -1,8 +1,10 @@
-"""The prefill Ray actor.
+"""The prefill Ray actor: a thin adapter over a PrefillEngine, whose engine loop
+(engine.core.engine_loop) runs on its own thread, the thread that also built the model.
 
-A threaded (not async) actor: each call runs on one of Ray's actor threads, never on an event
-loop, so a forward pass blocks nothing but itself; the engine's lock serializes forwards while
-`abort`, `info` and `stats` stay answerable. Create it with `.options(max_concurrency=k)`, k > 1.
+A threaded (not async) actor: `prefill` waits for its result on one of Ray's actor threads
+while the engine loop batches it with the others, so `abort`, `info` and `stats` stay
+answerable. Create it with `.options(max_concurrency=k)`, k > 1: k bounds the prefills queued
+on the engine at once.
 """
 
 from __future__ import annotations
@@ -10,15 +12,15 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Literal
+from typing import Iterator, Literal
 
 import ray
 
 from engine.config import EngineConfig
+from engine.core.engine_loop import EngineLoop
 from engine.faults import check_fault
 from engine.logs import setup_worker_logging
-from engine.model_thread import ModelThread
-from engine.protocol import PrefillRequest, PrefillResult
+from engine.protocol import FirstToken, PrefillRequest, PrefillResult
 from engine.runner import ModelRunner
 from engine.tp_instance import TPInstance
 from kvstore.actor import kvstore_actor
@@ -59,44 +61,53 @@ class PrefillWorker:
                  transfer: KVTransferConfig | None = None) -> None:
         setup_worker_logging()  # --log-level / --log-format, as the gateway logs
         self.tp = TPInstance(engine_config)
-        # forwards run on the thread that built the model (engine/model_thread.py: OpenMP)
-        self.model_thread = ModelThread(lambda: ModelRunner(engine_config, tp=self.tp.group),
-                                        "prefill-model")
-        runner = self.model_thread.built
-        self.tp.start(runner)
-        timeout = kv_config.transfer_timeout_s
+        timeout = kv_config.rpc_timeout_s
         node_id = ray.get_runtime_context().get_node_id()
         store = kvstore_actor(node_id, ray_namespace)
         address = ray.get(store.address.remote(), timeout=30)
         node_client = NodeStoreClient(store, timeout)
         index = open_index(pool_config.index_url)
-        loader = PrefixLoader(node_id, index, node_client,
-                              RemoteStores(ray_namespace, kv_config.token, timeout, kv_config.tls),
-                              runner.wire_kv)
-        pusher = None
-        if transfer is not None and transfer.backend == "torch":
-            pusher = TorchKVPusher(transfer, kv_config.tail_ttl_s, runner.kv_cache.device.type)
         client = KVStoreClient(address, timeout_s=timeout, token=kv_config.token,
                                tls=kv_config.tls)
-        streamer, self._peer_entry = None, None
-        if transfer is not None and transfer.streaming == "layer":
-            if self.tp.size == 1:
-                self._peer_entry = register_self(worker_id, ray_namespace)  # for cancels
-                streamer = LayerStreamer(runner, client, address,
-                                         RayStreamPeers(ray_namespace, timeout), worker_id,
-                                         transfer.timeout_s)
-            else:
-                log.warning("--kv-streaming layer needs --prefill-tp 1; %s transfers whole "
-                            "requests", worker_id)
-        kv = PrefillKV(client, address, node_id, ArenaPublisher(node_client), loader, index,
-                       pusher, streamer)
         self.worker_id = worker_id
         self._fault_injection = engine_config.fault_injection
         self._layer_delay_s, self._delay_hooked = 0.0, False
-        self.engine = PrefillEngine(runner, kv, worker_id, os.getpid(), self.model_thread.call)
+        self._peer_entry = None
+        if transfer is not None and transfer.streaming == "layer":
+            if self.tp.size == 1:
+                self._peer_entry = register_self(worker_id, ray_namespace)  # for cancels
+            else:
+                log.warning("--kv-streaming layer needs --prefill-tp 1; %s transfers whole "
+                            "requests", worker_id)
 
-    def prefill(self, request: PrefillRequest) -> PrefillResult:
-        return self.engine.prefill(request)
+        def build() -> PrefillEngine:  # on the engine loop's thread
+            runner = ModelRunner(engine_config, tp=self.tp.group)
+            self.tp.start(runner)
+            loader = PrefixLoader(node_id, index, node_client,
+                                  RemoteStores(ray_namespace, kv_config.token, timeout,
+                                               kv_config.tls), runner.wire_kv)
+            pusher = streamer = None
+            if transfer is not None and transfer.backend == "torch":
+                pusher = TorchKVPusher(transfer, kv_config.tail_ttl_s,
+                                       runner.kv_cache.device.type, token=kv_config.token)
+            if self._peer_entry is not None:
+                streamer = LayerStreamer(runner, client, address,
+                                         RayStreamPeers(ray_namespace, timeout), worker_id,
+                                         transfer.timeout_s)
+            kv = PrefillKV(client, address, node_id, ArenaPublisher(node_client), loader, index,
+                           pusher, streamer)
+            return PrefillEngine(runner, kv, worker_id, os.getpid())
+
+        self.loop = EngineLoop(build, "prefill-engine")
+        self.engine = self.loop.core
+
+    def prefill(self, request: PrefillRequest) -> Iterator[FirstToken | PrefillResult]:
+        """A Ray streaming generator (``.options(num_returns="streaming")``): the FirstToken
+        as soon as it is sampled, then the PrefillResult once the prompt's KV is published.
+        Raises (on the item it concerns) PrefillRejected, RequestAborted or KVStoreError."""
+        first, result = self.engine.add_request(request)
+        yield first.result()
+        yield result.result()
 
     def abort(self, request_id: str) -> None:
         self.engine.abort(request_id)

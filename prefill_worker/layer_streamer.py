@@ -1,15 +1,18 @@
 """Prefill side of layer-wise KV streaming (``--kv-streaming layer``; Mooncake FAST'25 §3.1).
 
-Per request (PrefillEngine.prefill, which serializes prefills under its lock):
+Per request (the prefill engine runs a streamed request's chunks back to back, in steps of
+their own, so the hooks see one request):
 
-1. open      — once blocks are allocated and the cached prefix is in them: plan the pieces
+1. open      — right before its first chunk, the cached prefix in its blocks: plan the pieces
                (kvstore.transfer.layer_stream.plan_pieces), announce the stream to the decode
                peer (Ray, kvstore.transfer.peers), queue the cached prefix's blocks;
 2. compute   — a forward hook on every decoder layer copies that layer's K/V of the blocks the
                running chunk touches and queues it, right after the layer ran (the copy is the
                only work on the compute thread; the put runs on the sender's thread);
-3. finish    — after the last chunk: wait until every piece is on the store, then return the
-               announce (it goes into PrefillResult.layer_stream). A stream that could not be
+3. finish    — after the last chunk, end_compute (on the engine loop: the hooks stop seeing
+               it), then finish (off the loop): wait until every piece is on the store, then
+               return the announce (it goes into PrefillResult.layer_stream). A stream that could
+               not be
                completed is cancelled at the decode, which then fetches the request whole.
 4. abandon / cancel — a failed or aborted prefill (PrefillEngine.abort, or the decode giving
                the request up) drops every piece put and tells the decode; a cancel arriving
@@ -119,11 +122,17 @@ class LayerStreamer:
         """Call before each chunk's forward."""
         stream.chunk += 1
 
-    def finish(self, stream: LayerStream) -> LayerStreamAnnounce | None:
-        """After the last chunk: the announce once every piece is on the store; None (and the
-        decode told to drop it) when the stream could not be completed."""
+    def end_compute(self, stream: LayerStream) -> None:
+        """Its last chunk ran: later forwards are other requests'."""
         with self._lock:
-            self._active = None
+            if self._active is stream:
+                self._active = None
+
+    def finish(self, stream: LayerStream) -> LayerStreamAnnounce | None:
+        """After end_compute: the announce once every piece is on the store; None (and the
+        decode told to drop it) when the stream could not be completed. Blocks up to
+        ``finish_timeout_s``."""
+        self.end_compute(stream)
         ok = stream.sender.finish(self.finish_timeout_s)
         self.bytes_sent_total += stream.sender.bytes_sent
         if ok and not stream.cancelled:

@@ -46,16 +46,21 @@ class PrefixLoader:
         self.remote = remote
         self.kv_cache = kv_cache
 
-    def load(self, keys: Sequence[bytes], dest_blocks: Sequence[int]) -> LoadResult:
-        """Fill dest_blocks[i] with keys[i]'s block for the longest loadable run of keys."""
+    def load(self, keys: Sequence[bytes], dest_blocks: Sequence[int],
+             locations: Sequence[Sequence[Location]] | None = None) -> LoadResult:
+        """Fill dest_blocks[i] with keys[i]'s block for the longest loadable run of keys.
+
+        locations: where each key's block is (the Conductor's plan: PrefixPlan.locations);
+        None: looked up in the global index here."""
         result = LoadResult()
         if not keys:
             return result
-        try:
-            locations = self.index.longest_prefix(list(keys))
-        except KVStoreError as exc:
-            result.failures.append(f"index: {exc}")
-            return result
+        if locations is None:
+            try:
+                locations = self.index.longest_prefix(list(keys))
+            except KVStoreError as exc:
+                result.failures.append(f"index: {exc}")
+                return result
         plan = self._plan(locations)
         data = torch.empty((len(plan), *self.kv_cache.block_shape), dtype=self.kv_cache.dtype)
         loaded = 0

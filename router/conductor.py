@@ -20,8 +20,9 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass, replace
-from typing import AbstractSet, Callable, Sequence
+from typing import AbstractSet, Callable, NamedTuple, Sequence
 
+from engine.protocol import PrefixPlan
 from kvstore.hashing import block_keys, make_namespace
 from kvstore.index import KVIndex, open_index
 from kvstore.errors import KVStoreError
@@ -63,6 +64,14 @@ class RouteRequest:
     @property
     def num_prompt_tokens(self) -> int:
         return self.num_tokens if self.num_tokens is not None else len(self.prompt_token_ids)
+
+
+class Route(NamedTuple):
+    """Where a request goes (Conductor.route), and what its prefill reuses."""
+
+    prefill: Instance
+    decode: Instance
+    kv_plan: PrefixPlan | None = None
 
 
 def _without(instances: list[Instance], exclude: AbstractSet[str]) -> list[Instance]:
@@ -129,11 +138,11 @@ class Conductor:
             plan = self._decode_policy.select(ctx)
         return next(d for d in decodes if d.worker_id == plan.instance_id)
 
-    def route(self, request: RouteRequest, exclude: AbstractSet[str] = frozenset()
-              ) -> tuple[Instance, Instance]:
-        """Returns (prefill, decode), avoiding the instance ids in `exclude` (ones that just
-        failed the request) where another of the role is live. Raises NoInstanceError when a
-        role has no live instance and RequestRejected when admission refuses the request."""
+    def route(self, request: RouteRequest, exclude: AbstractSet[str] = frozenset()) -> Route:
+        """Returns the Route (prefill, decode, the prefix plan for the prefill), avoiding the
+        instance ids in `exclude` (ones that just failed the request) where another of the
+        role is live. Raises NoInstanceError when a role has no live instance and
+        RequestRejected when admission refuses the request."""
         prefills = _without(self.registry.by_role("prefill"), exclude)
         decodes = _without(self.registry.by_role("decode"), exclude)
         if not prefills or not decodes:
@@ -141,8 +150,9 @@ class Conductor:
                                   "instances are live")
         decision = self.decide(request, [p.worker_id for p in prefills],
                                [d.worker_id for d in decodes])
-        return (next(p for p in prefills if p.worker_id == decision.prefill.instance_id),
-                next(d for d in decodes if d.worker_id == decision.decode.instance_id))
+        return Route(next(p for p in prefills if p.worker_id == decision.prefill.instance_id),
+                     next(d for d in decodes if d.worker_id == decision.decode.instance_id),
+                     decision.kv_plan)
 
     def decide(self, request: RouteRequest, prefill_ids: Sequence[str],
                decode_ids: Sequence[str]) -> RouteDecision:
@@ -162,7 +172,10 @@ class Conductor:
             rejection = self.admission.check(ctx, at_join, prefill, decode)
             if rejection is not None:
                 raise RequestRejected(rejection)
-            decision = RouteDecision(request.request_id, prefill, decode, ctx.num_tokens, now)
+            kv_plan = PrefixPlan(tuple(keys), tuple(tuple(locs) for locs in locations),
+                                 prefill.cached_blocks) if keys else None
+            decision = RouteDecision(request.request_id, prefill, decode, ctx.num_tokens, now,
+                                     kv_plan)
             self.forecast.add(request.request_id, decode.instance_id, join_at, ctx.num_tokens)
             self.loads.on_routed(decision)
         return decision

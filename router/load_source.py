@@ -12,6 +12,7 @@ from __future__ import annotations
 import abc
 from dataclasses import dataclass
 
+from engine.protocol import PrefixPlan
 from router.policies.base import DecodeLoad, DecodePlan, PrefillPlan
 
 
@@ -25,6 +26,7 @@ class RouteDecision:
     decode: DecodePlan
     num_tokens: int
     routed_at: float
+    kv_plan: PrefixPlan | None = None  # what the prefill worker reuses, and from where
 
 
 class LoadSource(abc.ABC):

@@ -33,8 +33,8 @@ from typing import AsyncIterator
 
 from ray.exceptions import RayActorError, RayTaskError
 
-from engine.protocol import (DecodeRequest, FinishReason, PrefillRequest, SamplingParams,
-                             TokenDelta)
+from engine.protocol import (DecodeRequest, FinishReason, FirstToken, PrefillRequest,
+                             PrefillResult, SamplingParams, TokenDelta)
 from engine.sampler import draw_seed
 from router.conductor import Conductor, Instance, NoInstanceError, RequestRejected, RouteRequest
 
@@ -208,38 +208,50 @@ class Pipeline:
     async def _attempt(self, run: _Run) -> AsyncIterator[TokenDelta]:
         prompt, params = run.resumed()
         try:
-            prefill, decode = self.conductor.route(self._route_request(run, prompt), run.failed)
+            prefill, decode, kv_plan = self.conductor.route(self._route_request(run, prompt),
+                                                            run.failed)
         except NoInstanceError as exc:
             raise self._routing_error(run, exc) from exc
         attempt_id = run.attempt_id
+        stream = prefill.handle.prefill.options(num_returns="streaming").remote(
+            PrefillRequest(attempt_id, prompt, params, run.cache_salt, decode.worker_id, kv_plan))
         prefill_done = False
         try:
-            result = await prefill.handle.prefill.remote(
-                PrefillRequest(attempt_id, prompt, params, run.cache_salt, decode.worker_id))
+            first: FirstToken = await _next_from(stream, prefill)
             prefill_done = True
-        except (RayTaskError, RayActorError) as exc:
-            if isinstance(exc, RayTaskError) and isinstance(exc.cause, ValueError):
-                raise _worker_error(exc, prefill) from exc  # the input itself: no retry
-            raise _moved(exc, prefill) from exc
         finally:
             # the measured prefill calibrates the Conductor's queue predictions
             self.conductor.prefill_done(attempt_id, ok=prefill_done)
             if not prefill_done:  # cancelled while waiting: the prefill may still be queued
                 _abort(prefill, attempt_id)
-        first_logprobs = None if result.first_logprob is None else (result.first_logprob,)
         handed_to_decode = False
         try:
-            yield TokenDelta(attempt_id, (result.first_token,), None, logprobs=first_logprobs,
-                             extra={"prefill_worker_id": result.prefill_worker_id,
-                                    "prefill_pid": result.prefill_pid})
+            yield TokenDelta(attempt_id, (first.token,), None,
+                             logprobs=None if first.logprob is None else (first.logprob,),
+                             extra={"prefill_worker_id": first.prefill_worker_id,
+                                    "prefill_pid": first.prefill_pid})
+            # the first token went out while the prefill published the KV the decode needs
+            result: PrefillResult = await _next_from(stream, prefill)
             handed_to_decode = True  # from here the decode's abort releases what it holds
             async with aclosing(_stream_decode(decode, DecodeRequest(attempt_id, prompt, params,
-                                                                    result))) as stream:
-                async for delta in stream:
+                                                                    result))) as deltas:
+                async for delta in deltas:
                     yield delta
         finally:
-            if not handed_to_decode:  # closed at the first token: the prefill releases its tail
-                _abort(prefill, attempt_id)
+            if not handed_to_decode:  # closed before the decode took over: the prefill
+                _abort(prefill, attempt_id)  # releases its tail
+
+
+async def _next_from(stream, prefill: Instance):
+    """The prefill stream's next item (PrefillWorker.prefill). Raises _Moved when the worker
+    died or failed the request, GenerationError (via _worker_error) when it refused the
+    input."""
+    try:
+        return await (await stream.__anext__())
+    except (RayTaskError, RayActorError) as exc:
+        if isinstance(exc, RayTaskError) and isinstance(exc.cause, ValueError):
+            raise _worker_error(exc, prefill) from exc  # the input itself: no retry
+        raise _moved(exc, prefill) from exc
 
 
 class ColocatedPipeline(Pipeline):

@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from typing import Protocol
 
 
@@ -25,13 +26,20 @@ class SchedulableRequest(Protocol):
 
     num_tokens: prompt plus output tokens so far; num_prompt_tokens: the prompt's length;
     block_table: the cache blocks it holds, in position order (grown and emptied in place);
-    arrival: set by the scheduler, increasing in arrival order.
+    arrival: set by the scheduler, increasing in arrival order;
+    block_keys: prefix-cache keys of the prompt's full blocks (empty: nothing to look up);
+    num_computed_tokens: prompt tokens whose KV is in its blocks (set on admission from the
+    prefix hits; the engine counts the rest as they are computed);
+    runs_alone: its forwards must not share a step with another request's.
     """
 
     request_id: str
     status: RequestStatus
     block_table: list[int]
     arrival: int
+    block_keys: Sequence[bytes]
+    num_computed_tokens: int
+    runs_alone: bool
 
     @property
     def num_tokens(self) -> int: ...

@@ -6,10 +6,12 @@ and preemption (vLLM v1's `Scheduler`, without its per-feature branches).
                          └──────── preempt() ◀── grow(): no block for the next token
 
 Admission is first come, first served and stops at the first request that does not fit, so a
-large request is never overtaken for ever. A preempted request resumes (through the preemption
+large request is never overtaken for ever; an admitted request first takes its prompt's cached
+blocks (prefix hits), then new ones. A preempted request resumes (through the preemption
 policy) before any new one. `grow()` gives every running request the blocks its next step
-needs, oldest first; when none is free the newest running request is preempted. What a newly
-admitted request does next (load its KV, or compute its prompt) is the engine's business.
+needs, oldest first; when none is free the newest running request is preempted.
+`schedule_chunks()` picks a step's prompt chunks under a token budget (chunked prefill). What a
+newly admitted request does next (load its KV, or compute its prompt) is the engine's business.
 Not thread-safe: the engine loop is its only user.
 """
 
@@ -30,7 +32,10 @@ class Scheduler(Generic[R]):
 
     Args:
         kv: the worker's KV cache manager.
-        preemption: how a preempted request gives its blocks up and gets them back.
+        preemption: how a preempted request gives its blocks up and gets them back; None for
+            a worker whose requests never grow past admission (prefill), so never preempt.
+        num_lookahead_tokens: slots admission reserves beyond the prompt: 1 where the request
+            goes on to decode (its first fed token), 0 for a prefill-only worker.
 
     Attributes:
         waiting: requests not admitted yet, in admission order.
@@ -38,8 +43,10 @@ class Scheduler(Generic[R]):
         num_preemptions_total: preemptions so far.
     """
 
-    def __init__(self, kv: KVCacheManager, preemption: PreemptionPolicy) -> None:
+    def __init__(self, kv: KVCacheManager, preemption: PreemptionPolicy | None,
+                 num_lookahead_tokens: int = 1) -> None:
         self.kv = kv
+        self.num_lookahead_tokens = num_lookahead_tokens
         self.preemption = preemption
         self.waiting: list[R] = []
         self.active: dict[str, R] = {}
@@ -71,9 +78,10 @@ class Scheduler(Generic[R]):
         """Admit waiting requests, first come first served, while blocks last.
 
         A preempted request is resumed by the preemption policy and runs again; a new one gets
-        blocks for its prompt plus the first fed token and is yielded (status WAITING_FOR_KV):
-        the caller starts its KV and may finish it. Stops at the first request that does not
-        fit.
+        the cached blocks of its prompt's leading ``block_keys`` (its ``num_computed_tokens``
+        then counts them) and new blocks for the rest of its prompt plus the lookahead tokens,
+        and is yielded (status WAITING_FOR_KV): the caller starts its KV and may finish it.
+        Stops at the first request that does not fit.
         """
         while self.waiting:
             request = self.waiting[0]
@@ -84,7 +92,14 @@ class Scheduler(Generic[R]):
                 request.status = RequestStatus.RUNNING
                 self.active[request.request_id] = request
                 continue
-            if not self.kv.allocate_slots(request.block_table, request.num_prompt_tokens + 1):
+            if not request.block_table:
+                request.block_table += self.kv.get_computed_blocks(request.block_keys,
+                                                                   request.num_prompt_tokens)
+                request.num_computed_tokens = len(request.block_table) * self.kv.block_size
+            if not self.kv.allocate_slots(request.block_table, request.num_prompt_tokens
+                                          + self.num_lookahead_tokens):
+                self.kv.free(request.block_table)  # its hits may be evicted while it waits
+                request.num_computed_tokens = 0
                 return
             self.waiting.pop(0)
             request.status = RequestStatus.WAITING_FOR_KV
@@ -103,6 +118,34 @@ class Scheduler(Generic[R]):
                 self._preempt(running.pop())
         return running
 
+    def schedule_chunks(self, token_budget: int) -> list[tuple[R, int]]:
+        """This step's prompt chunks (vLLM's chunked prefill), as (request, tokens to compute).
+
+        A request's next chunk is the next ``token_budget`` tokens of its prompt (fewer at its
+        end), so where its chunks start never depends on what else runs. The running requests
+        whose prompt is not all computed give their next chunk, oldest first, while the
+        chunks fit in ``token_budget`` together (the first always goes); the first that does
+        not fit ends the step, so nobody overtakes it. A request whose ``runs_alone`` is set
+        (forward hooks that must see it alone) runs in a step of its own, when it is the
+        oldest; younger ones go on without it meanwhile.
+        """
+        pending = sorted((r for r in self.active.values() if r.status is RequestStatus.RUNNING
+                          and r.num_computed_tokens < r.num_prompt_tokens),
+                         key=lambda r: r.arrival)
+        step: list[tuple[R, int]] = []
+        used = 0
+        for request in pending:
+            size = min(request.num_prompt_tokens - request.num_computed_tokens, token_budget)
+            if request.runs_alone:
+                if not step:
+                    return [(request, size)]
+                continue
+            if step and used + size > token_budget:
+                break
+            step.append((request, size))
+            used += size
+        return step
+
     def finish(self, request: R) -> None:
         """The request leaves (done, aborted or failed): its blocks go back to the pool."""
         self.active.pop(request.request_id, None)
@@ -112,6 +155,9 @@ class Scheduler(Generic[R]):
         request.status = RequestStatus.FINISHED
 
     def _preempt(self, request: R) -> None:
+        if self.preemption is None:
+            raise RuntimeError("this scheduler's requests grow past admission but it has no "
+                               "preemption policy")
         self.preemption.preempt(request)
         request.status = RequestStatus.PREEMPTED
         del self.active[request.request_id]

@@ -25,12 +25,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
+from kvstore.config import KVStoreConfig, KVTransferConfig, kv_plane_of
 from kvstore.errors import KVStoreError, KVTransferError
 
 if TYPE_CHECKING:
     import torch
 
-    from kvstore.config import KVTransferConfig
     from kvstore.transfer.dest import BlockDest
 
 _T = TypeVar("_T")
@@ -289,13 +289,21 @@ class KVTransferBackend(ABC):
     """Per-worker factory of receivers; owns what transfers share (channels, threads).
 
     Registered by name in :data:`kvstore.transfer.registry.TRANSFER_BACKENDS` and built as
-    ``cls(config)``.
+    ``cls(config, kv_config)``.
+
+    Args:
+        config: the transfer settings (backend, deadline, chunking).
+        kv_config: the KV plane's token, TLS and gRPC message size (the KV store's config, so
+            both ends of a channel agree). None: :func:`kvstore.config.kv_plane_of` ``config``:
+            no token and no TLS (stores without auth, tests) unless ``config`` carries them
+            under their deprecated names.
     """
 
     name: str = ""
 
-    def __init__(self, config: KVTransferConfig):
+    def __init__(self, config: KVTransferConfig, kv_config: KVStoreConfig | None = None):
         self.config = config
+        self.kv_config = kv_config if kv_config is not None else kv_plane_of(config)
 
     @abstractmethod
     def create_receiver(self) -> KVReceiver:

@@ -19,7 +19,7 @@ from collections.abc import Collection, MutableMapping
 
 import torch
 
-from kvstore.config import KVTransferConfig
+from kvstore.config import KVStoreConfig, KVTransferConfig
 from kvstore.errors import BlockLayoutError, BlockNotFoundError, KVStoreError, KVTransferError
 from kvstore.transfer.base import (FetchRequest, KVReceiver, KVTransferBackend, TransferState,
                                    _Cancelled)
@@ -37,12 +37,13 @@ class FakeTransferBackend(KVTransferBackend):
 
     name = "fake"
 
-    def __init__(self, config: KVTransferConfig | None = None, *,
+    def __init__(self, config: KVTransferConfig | None = None,
+                 kv_config: KVStoreConfig | None = None, *,
                  blocks: MutableMapping[bytes, torch.Tensor] | None = None,
                  tails: MutableMapping[str, tuple[torch.Tensor, int]] | None = None,
                  fail_on_calls: Collection[int] = (), fail_after_bytes: int | None = None,
                  delay_s: float = 0.0):
-        super().__init__(config or KVTransferConfig(backend="fake"))
+        super().__init__(config or KVTransferConfig(backend="fake"), kv_config)
         self.blocks = {} if blocks is None else blocks
         self.tails = {} if tails is None else tails
         self.fail_on_calls = set(fail_on_calls)

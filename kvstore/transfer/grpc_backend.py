@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from kvstore.client import KVStoreClient
-from kvstore.config import KVTransferConfig
+from kvstore.config import KVStoreConfig, KVTransferConfig
 from kvstore.errors import BlockLayoutError, KVStoreError, KVTransferError
 from kvstore.fetch_session import BlockStream
 from kvstore.transfer.base import (FetchRequest, KVReceiver, KVTransferBackend, TransferState,
@@ -29,12 +29,16 @@ from kvstore.transfer.dest import WIRE_DTYPES, BlockDest
 
 
 class GrpcTransferBackend(KVTransferBackend):
-    """Shares one KVStoreClient (gRPC channel) per store address and one thread pool."""
+    """Shares one KVStoreClient (gRPC channel) per store address and one thread pool.
+
+    Each client's channel uses the KV plane's token, TLS and max message size
+    (``kv_config``); its calls' default deadline is the transfer's ``config.timeout_s``.
+    """
 
     name = "grpc"
 
-    def __init__(self, config: KVTransferConfig):
-        super().__init__(config)
+    def __init__(self, config: KVTransferConfig, kv_config: KVStoreConfig | None = None):
+        super().__init__(config, kv_config)
         self._clients: dict[str, KVStoreClient] = {}
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=4 * config.num_streams + 4,
@@ -47,8 +51,8 @@ class GrpcTransferBackend(KVTransferBackend):
             if client is None:
                 client = self._clients[address] = KVStoreClient(
                     address, timeout_s=self.config.timeout_s,
-                    max_message_bytes=self.config.max_message_bytes, token=self.config.token,
-                    tls=self.config.tls)
+                    max_message_bytes=self.kv_config.max_message_bytes,
+                    token=self.kv_config.token, tls=self.kv_config.tls)
             return client
 
     def create_receiver(self) -> GrpcKVReceiver:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvstore.config import KVTransferConfig
+from kvstore.config import KVStoreConfig, KVTransferConfig
 from kvstore.transfer.base import KVTransferBackend
 from kvstore.transfer.fake import FakeTransferBackend
 from kvstore.transfer.grpc_backend import GrpcTransferBackend
@@ -13,6 +13,8 @@ TRANSFER_BACKENDS: dict[str, type[KVTransferBackend]] = {
 }
 
 
-def create_backend(config: KVTransferConfig) -> KVTransferBackend:
-    """The backend ``config.backend`` names, built from ``config``."""
-    return TRANSFER_BACKENDS[config.backend](config)
+def create_backend(config: KVTransferConfig,
+                   kv_config: KVStoreConfig | None = None) -> KVTransferBackend:
+    """The backend ``config.backend`` names, built from ``config`` and the KV plane's token,
+    TLS and gRPC message size in ``kv_config`` (None: see KVTransferBackend)."""
+    return TRANSFER_BACKENDS[config.backend](config, kv_config)

@@ -26,7 +26,7 @@ import threading
 import torch
 import torch.distributed as dist
 
-from kvstore.config import KVTransferConfig
+from kvstore.config import KVStoreConfig, KVTransferConfig
 from kvstore.errors import BlockLayoutError, KVStoreError, KVTransferError
 from kvstore.transfer.base import (FetchRequest, KVReceiver, KVSender, KVTransferBackend,
                                    TransferState, _Cancelled)
@@ -91,13 +91,13 @@ class TorchTransferBackend(KVTransferBackend):
 
     A failed transfer retires its channel: closed, and kept (with the staging chunks its
     posted receives hold, at most two chunks per failure) until :meth:`close`, which the
-    worker calls at shutdown.
+    worker calls at shutdown. Pairs prove the KV plane's token (``kv_config.token``).
     """
 
     name = "torch"
 
-    def __init__(self, config: KVTransferConfig):
-        super().__init__(config)
+    def __init__(self, config: KVTransferConfig, kv_config: KVStoreConfig | None = None):
+        super().__init__(config, kv_config)
         self._lock = threading.Lock()
         self._channels: dict[str, TorchPairChannel] = {}
         self._retired: list[TorchPairChannel] = []
@@ -109,7 +109,7 @@ class TorchTransferBackend(KVTransferBackend):
             if channel is None or channel.closed:
                 host, _, port = address.rpartition(":")
                 channel = self._channels[address] = TorchPairChannel(
-                    1, host.strip("[]"), int(port), token=self.config.token,
+                    1, host.strip("[]"), int(port), token=self.kv_config.token,
                     timeout_s=min(timeout_s, self.config.timeout_s))
         channel.connect()
         return channel

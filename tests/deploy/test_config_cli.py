@@ -1,8 +1,11 @@
+import logging
+import warnings
+
 import pytest
 from pydantic import ValidationError
 
-from deploy.cli import _overrides, _parser
-from deploy.config import load_config
+from deploy.cli import _overrides, _parser, main
+from deploy.config import ServeConfig, load_config
 
 
 def test_flags_override_yaml_which_overrides_defaults(tmp_path):
@@ -59,3 +62,81 @@ def test_conductor_flags():
     for bad in ({"policy": "fastest"}, {"admission": "always"}, {"slo_ttft_s": 0}):
         with pytest.raises(ValidationError):
             load_config(None, bad)
+
+
+# ---- one source per setting; old names as deprecated aliases ------------------------------
+
+def _serve(*flags: str):
+    return load_config(None, _overrides(_parser().parse_args(["serve", *flags])))
+
+
+def test_tensor_parallel_size_sets_every_role_and_the_role_flags_override_it():
+    default = _serve()
+    assert (default.prefill_engine().tensor_parallel_size,
+            default.decode_engine().tensor_parallel_size) == (1, 1)
+    both = _serve("--tensor-parallel-size", "2")
+    assert both.engine.tensor_parallel_size == 2 and both.prefill_tp is None
+    assert (both.prefill_engine().tensor_parallel_size,
+            both.decode_engine().tensor_parallel_size) == (2, 2)
+    one = _serve("--tensor-parallel-size", "2", "--decode-tp", "4")
+    assert (one.prefill_engine().tensor_parallel_size,
+            one.decode_engine().tensor_parallel_size) == (2, 4)
+    assert one.local_ray_num_cpus() == 1 * 2 + 1 * 4 + 2
+    roles = ServeConfig(prefill_tp=2, decode_tp=3)  # the Python API, as the TP tests use it
+    assert (roles.prefill_engine().tensor_parallel_size,
+            roles.decode_engine().tensor_parallel_size) == (2, 3)
+    assert roles.engine.tensor_parallel_size == 1  # the shared engine is not touched
+    with pytest.raises(ValidationError):
+        _serve("--prefill-tp", "0")
+
+
+def test_kv_flags_set_the_fields_they_name():
+    cfg = _serve("--kv-tail-capacity-bytes", "4096", "--kv-token", "t0k3n")
+    assert cfg.kvstore.tail_capacity_bytes == 4096
+    assert cfg.kvstore.token.get_secret_value() == "t0k3n"
+
+
+def test_deprecated_yaml_keys_still_set_the_new_ones(tmp_path):
+    path = tmp_path / "old.yaml"
+    path.write_text("kvstore:\n  capacity_bytes: 4096\n  transfer_timeout_s: 3\n"
+                    "transfer:\n  token: ignored\n  max_message_bytes: 1048576\n"
+                    "  timeout_s: 20\n")
+    with pytest.warns(DeprecationWarning) as caught:
+        cfg = load_config(path, {})
+    messages = " | ".join(str(w.message) for w in caught)
+    for old in ("capacity_bytes", "transfer_timeout_s", "transfer.token",
+                "transfer.max_message_bytes"):
+        assert old in messages
+    assert (cfg.kvstore.tail_capacity_bytes, cfg.kvstore.rpc_timeout_s) == (4096, 3.0)
+    assert cfg.kvstore.max_message_bytes == 1 << 20 and cfg.kvstore.token is None
+    assert cfg.transfer.timeout_s == 20.0 and "token" not in cfg.transfer.model_fields_set
+
+
+def test_new_keys_load_without_warnings(tmp_path):
+    path = tmp_path / "new.yaml"
+    path.write_text("kvstore:\n  tail_capacity_bytes: 4096\n  rpc_timeout_s: 3\n"
+                    "  max_message_bytes: 1048576\n"
+                    "engine:\n  tensor_parallel_size: 2\ndecode_tp: 1\n")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cfg = load_config(path, {})
+    assert (cfg.kvstore.tail_capacity_bytes, cfg.kvstore.rpc_timeout_s,
+            cfg.kvstore.max_message_bytes) == (4096, 3.0, 1 << 20)
+    assert (cfg.prefill_engine().tensor_parallel_size,
+            cfg.decode_engine().tensor_parallel_size) == (2, 1)
+
+
+def test_serve_logs_each_deprecated_key_once(tmp_path, monkeypatch, caplog):
+    import deploy.serve
+    import engine.logs
+
+    served = []
+    monkeypatch.setattr(deploy.serve, "serve", lambda config: served.append(config) or 0)
+    monkeypatch.setattr(engine.logs, "configure_logging", lambda *args: None)
+    path = tmp_path / "old.yaml"
+    path.write_text("kvstore:\n  capacity_bytes: 4096\n")
+    with caplog.at_level(logging.WARNING, logger="deploy.cli"):
+        assert main(["serve", "--config", str(path)]) == 0
+    assert served[0].kvstore.tail_capacity_bytes == 4096
+    logged = [r.getMessage() for r in caplog.records if "deprecated" in r.getMessage()]
+    assert len(logged) == 1 and "capacity_bytes" in logged[0]

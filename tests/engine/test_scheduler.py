@@ -29,6 +29,9 @@ class Req:
     block_table: list[int] = field(default_factory=list)
     arrival: int = 0
     swapped: torch.Tensor | None = None
+    block_keys: list[bytes] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    runs_alone: bool = False
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -203,3 +206,71 @@ def test_modes_are_registered_by_name():
     assert isinstance(PREEMPTION_MODES["recompute"](kv, Recorder(), HostCache(2)),
                       RecomputePreemption)
     assert set(PREEMPTION_MODES) == {"recompute", "swap"}
+
+
+def running(scheduler: Scheduler, *reqs: Req) -> None:
+    """Admit `reqs` (prefill-style: they compute their own prompts) and mark them running."""
+    for r in reqs:
+        scheduler.add(r)
+    for r in scheduler.admit():
+        r.status = RequestStatus.RUNNING
+
+
+def test_chunks_fill_the_token_budget_whole_oldest_first():
+    kv = KVCacheManager(BlockPool(64, enable_caching=True), BLOCK)
+    scheduler = Scheduler(kv, None, num_lookahead_tokens=0)
+    a, b, c, d = Req("a", 50, 0), Req("b", 30, 0), Req("c", 20, 0), Req("d", 5, 0)
+    running(scheduler, a, b, c, d)
+    assert [len(r.block_table) for r in (a, b, c, d)] == [13, 8, 5, 2]  # no lookahead slot
+    # a's first chunk is the whole budget: nothing else fits beside it
+    assert [(r.request_id, n) for r, n in scheduler.schedule_chunks(40)] == [("a", 40)]
+    a.num_computed_tokens = 40
+    # a's last 10, then b's 30 (a chunk is never cut to fill a step); c (20) does not fit
+    # and d, though it would, does not overtake it
+    step = scheduler.schedule_chunks(40)
+    assert [(r.request_id, n) for r, n in step] == [("a", 10), ("b", 30)]
+    a.num_computed_tokens, b.num_computed_tokens = 50, 30
+    assert [(r.request_id, n) for r, n in scheduler.schedule_chunks(40)] == [("c", 20),
+                                                                             ("d", 5)]
+
+
+def test_a_request_that_runs_alone_gets_steps_of_its_own_when_it_is_the_oldest():
+    kv = KVCacheManager(BlockPool(64), BLOCK)
+    scheduler = Scheduler(kv, None, num_lookahead_tokens=0)
+    first, streamed, last = Req("first", 8, 0), Req("s", 30, 0, runs_alone=True), Req("l", 8, 0)
+    running(scheduler, first, streamed, last)
+    # the oldest is not alone-only: it runs with the younger ones; the streamed one waits
+    assert [r.request_id for r, _ in scheduler.schedule_chunks(64)] == ["first", "l"]
+    first.num_computed_tokens = last.num_computed_tokens = 8
+    assert [(r.request_id, n) for r, n in scheduler.schedule_chunks(16)] == [("s", 16)]
+
+
+def test_admission_takes_prefix_hits_first_and_gives_them_back_when_it_waits():
+    pool = BlockPool(6)
+    kv = KVCacheManager(pool, BLOCK)
+    scheduler = Scheduler(kv, None, num_lookahead_tokens=0)
+    prompt = list(range(13))  # 3 full blocks + 1 token
+    keys = block_keys(prompt, BLOCK, make_namespace("m", None))
+    table: list[int] = []
+    kv.allocate_slots(table, 12)
+    cached = list(table)
+    pool.cache_full_blocks(table, keys[:3])
+    kv.free(table)
+    hog = Req("hog", 8, 0)  # 2 blocks: of the 6, 3 are cached (evictable) and 3 free
+    running(scheduler, hog)
+    again = Req("again", 13, 0, block_keys=keys[:3])
+    scheduler.add(again)
+    [admitted] = scheduler.admit()
+    assert admitted.block_table[:3] == cached and len(admitted.block_table) == 4
+    assert admitted.num_computed_tokens == 12  # the hits count as computed
+    assert kv.num_free_blocks == 0
+    # a request that cannot get its new blocks waits holding nothing, its hits unreferenced
+    scheduler.finish(admitted)
+    scheduler.finish(hog)
+    scheduler2 = Scheduler(kv, None, num_lookahead_tokens=0)
+    running(scheduler2, Req("big", 20, 0))  # 5 of the 6 blocks: evicts 2 of the cached 3
+    late = Req("late", 13, 0, block_keys=keys[:3])
+    scheduler2.add(late)
+    assert list(scheduler2.admit()) == []
+    assert late.block_table == [] and late.num_computed_tokens == 0
+    assert kv.num_free_blocks == 1

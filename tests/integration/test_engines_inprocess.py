@@ -10,11 +10,10 @@ import time
 
 import pytest
 
-from decode_worker.actor import run_engine_thread
 from decode_worker.engine import DecodeEngine
 from decode_worker.kv_fetch import KVFetcher
 from engine.config import BUNDLED_MODEL, EngineConfig
-from engine.model_thread import ModelThread
+from engine.core.engine_loop import EngineLoop, run_once
 from engine.protocol import DecodeRequest, FinishReason, PrefillRequest, SamplingParams
 from engine.runner import ModelRunner
 from kvstore.client import KVStoreClient
@@ -22,6 +21,7 @@ from kvstore.config import KVStoreConfig
 from kvstore.publish import GrpcPublisher
 from prefill_worker.engine import PrefillEngine, PrefillKV
 from tests.kvstore.lru_block_store import lru_server
+from tests.engine_loops import started, stop
 
 
 @pytest.fixture(scope="module")
@@ -41,11 +41,14 @@ def engines(eos_model_dir):
     server.start()
     config = EngineConfig(model=str(eos_model_dir), num_kv_blocks=128)
     client = KVStoreClient(server.address)
-    prefill = PrefillEngine(ModelRunner(config), grpc_kv(client, server.address), "prefill-0", 0)
+    prefill = started(lambda: PrefillEngine(ModelRunner(config), grpc_kv(client, server.address),
+                                            "prefill-0", 0))
     decode_runner = ModelRunner(config)
-    decode = DecodeEngine(decode_runner, "decode-0", 0, KVFetcher(decode_runner.kv_cache, 5))
+    decode = started(lambda: DecodeEngine(decode_runner, "decode-0", 0,
+                                          KVFetcher(decode_runner.kv_cache, 5)))
     yield prefill, decode
-    decode.shutdown()
+    stop(decode)
+    stop(prefill)
     client.close()
     server.stop()
 
@@ -133,8 +136,8 @@ def test_prefix_caching_switch_off_recomputes(engines, eos_model_dir, hf):
     prefill, _ = engines
     config = EngineConfig(model=str(eos_model_dir), num_kv_blocks=64,
                           enable_prefix_caching=False)
-    off = PrefillEngine(ModelRunner(config), grpc_kv(prefill.kv_client, prefill.kv_address),
-                        "off", 0)
+    off = started(lambda: PrefillEngine(ModelRunner(config),
+                                        grpc_kv(prefill.kv_client, prefill.kv_address), "off", 0))
     prompt = hf.encode("Once upon a time, there was a girl who liked to read books about cats.")
     params = SamplingParams(max_tokens=2, temperature=0)
     results = [off.prefill(PrefillRequest(f"off-{i}", tuple(prompt), params)) for i in range(2)]
@@ -154,11 +157,13 @@ def test_chunked_prefill_equals_unchunked(engines, eos_model_dir, hf):
     params = SamplingParams(max_tokens=1, temperature=0, logprobs=3)
     chunked_config = EngineConfig(model=str(eos_model_dir), num_kv_blocks=64,
                                   max_num_batched_tokens=64, enable_prefix_caching=False)
-    chunked = PrefillEngine(ModelRunner(chunked_config),
-                            grpc_kv(prefill.kv_client, prefill.kv_address), "chunked", 0)
+    chunked = started(lambda: PrefillEngine(ModelRunner(chunked_config),
+                                            grpc_kv(prefill.kv_client, prefill.kv_address),
+                                            "chunked", 0))
     whole_config = chunked_config.model_copy(update={"max_num_batched_tokens": 512})
-    whole = PrefillEngine(ModelRunner(whole_config),
-                          grpc_kv(prefill.kv_client, prefill.kv_address), "whole", 0)
+    whole = started(lambda: PrefillEngine(ModelRunner(whole_config),
+                                          grpc_kv(prefill.kv_client, prefill.kv_address),
+                                          "whole", 0))
     a = chunked.prefill(PrefillRequest("chunked", tuple(prompt), params))
     b = whole.prefill(PrefillRequest("whole", tuple(prompt), params))
     assert a.first_token == b.first_token == hf.greedy(prompt, 1)[0]
@@ -166,12 +171,13 @@ def test_chunked_prefill_equals_unchunked(engines, eos_model_dir, hf):
     assert [t for t, _ in a.first_logprob.top] == [t for t, _ in b.first_logprob.top]
     # and the KV the chunks wrote is the KV decode continues from
     decode_runner = ModelRunner(whole_config)
-    decode = DecodeEngine(decode_runner, "d-chunk", 0, KVFetcher(decode_runner.kv_cache, 5))
+    decode = started(lambda: DecodeEngine(decode_runner, "d-chunk", 0,
+                                          KVFetcher(decode_runner.kv_cache, 5)))
     try:
         _, got, _ = generate((chunked, decode), "chunked-2", prompt,
                              SamplingParams(max_tokens=12, temperature=0))
     finally:
-        decode.shutdown()
+        stop(decode)
     assert got == hf.greedy(prompt, 12, eos_token_id=[1, 2])
     for r in (a, b):
         prefill.kv_client.release_tail(r.tail_handle)
@@ -185,7 +191,7 @@ def test_preemption_keeps_outputs_identical(engines, eos_model_dir, hf, mode):
     config = EngineConfig(model=str(eos_model_dir), num_kv_blocks=12, preemption_mode=mode,
                           max_num_batched_tokens=32)
     runner = ModelRunner(config)
-    small = DecodeEngine(runner, f"small-{mode}", 0, KVFetcher(runner.kv_cache, 5))
+    small = started(lambda: DecodeEngine(runner, f"small-{mode}", 0, KVFetcher(runner.kv_cache, 5)))
     texts = ["Once upon a time", "The big dog", "Lily had a cat", "Tom went to the park"]
     prompts = [hf.encode(t + ", and they played all day long in the sun.") for t in texts]
     params = [SamplingParams(max_tokens=70, temperature=0 if i % 2 else 0.9, seed=7 + i,
@@ -213,7 +219,7 @@ def test_preemption_keeps_outputs_identical(engines, eos_model_dir, hf, mode):
         assert done.wait(120)
         stats = small.stats()
     finally:
-        small.shutdown()
+        stop(small)
     assert stats["num_preemptions_total"] > 0
     for i in range(4):
         assert outputs[f"done-{i}"] is FinishReason.LENGTH
@@ -234,74 +240,67 @@ def test_colocated_request_prefills_on_the_decode_worker(engines, hf):
     assert decode.stats()["num_free_blocks"] == decode.stats()["num_blocks"]
 
 
-def test_engine_thread_builds_the_model_and_runs_the_loop(eos_model_dir, hf):
-    """The decode actor's engine: built (model included) and run on one thread, as
-    run_engine_thread does (see its docstring: the first OpenMP thread runs fastest)."""
-    built_on = {}
+def test_engine_loop_builds_the_model_and_runs_every_step_on_its_thread(eos_model_dir, hf):
+    """The worker actors' engine loop: the engine (model included) is built on the loop's
+    thread and every forward runs there (engine/core/engine_loop.py: the first OpenMP thread
+    runs fastest); a failed build is raised to the caller."""
+    built_on, forward_threads = {}, set()
 
     def build():
         built_on["thread"] = threading.get_ident()
         runner = ModelRunner(EngineConfig(model=str(eos_model_dir), num_kv_blocks=32))
-        return DecodeEngine(runner, "own-thread", 0, KVFetcher(runner.kv_cache, 5), start=False)
+        runner.model.register_forward_hook(lambda *_: forward_threads.add(threading.get_ident()))
+        return DecodeEngine(runner, "own-thread", 0, KVFetcher(runner.kv_cache, 5))
 
-    engine = run_engine_thread(build, timeout_s=60)
+    loop = EngineLoop(build, "decode-engine", timeout_s=60)
     try:
         prompt = hf.encode("Once upon a time")
-        deltas = decode_all(engine, DecodeRequest("own", tuple(prompt),
-                                                  SamplingParams(max_tokens=5, temperature=0)))
+        deltas = decode_all(loop.core, DecodeRequest("own", tuple(prompt),
+                                                     SamplingParams(max_tokens=5, temperature=0)))
         assert [t for d in deltas for t in d.token_ids] == hf.greedy(prompt, 5,
                                                                       eos_token_id=[1, 2])
-        assert engine._thread.ident == built_on["thread"] != threading.get_ident()
+        assert loop.thread.ident == built_on["thread"] != threading.get_ident()
+        assert forward_threads == {built_on["thread"]}
     finally:
-        engine.shutdown()
+        loop.shutdown()
+    assert not loop.thread.is_alive()
     with pytest.raises(ValueError, match="no such model"):
-        run_engine_thread(lambda: (_ for _ in ()).throw(ValueError("no such model")))
+        EngineLoop(lambda: (_ for _ in ()).throw(ValueError("no such model")), "bad")
 
 
 def test_concurrent_prefills_share_steps_and_outputs_are_unchanged(engines, eos_model_dir, hf):
     """Chunks of several requests run in one forward step under the token budget;
-    each request's first token, logprob and KV equal the request run alone. The
-    steps run on the thread that built the model, as in the prefill actor."""
+    each request's first token, logprob and KV equal the request run alone. The test drives
+    the engine's loop body itself, so every request is queued before the first step."""
     prefill, _ = engines
     config = EngineConfig(model=str(eos_model_dir), num_kv_blocks=128,
                           max_num_batched_tokens=512, enable_prefix_caching=False)
-    model_thread = ModelThread(lambda: ModelRunner(config), "prefill-model")
-    forward_threads = set()
-    model_thread.built.model.register_forward_hook(
-        lambda *_: forward_threads.add(threading.current_thread().name))
-    shared = PrefillEngine(model_thread.built, grpc_kv(prefill.kv_client, prefill.kv_address),
-                           "batched", 0, model_thread.call)
-    alone = PrefillEngine(ModelRunner(config), grpc_kv(prefill.kv_client, prefill.kv_address),
-                          "alone", 0)
+    shared = PrefillEngine(ModelRunner(config), grpc_kv(prefill.kv_client, prefill.kv_address),
+                           "batched", 0)
+    alone = started(lambda: PrefillEngine(ModelRunner(config),
+                                          grpc_kv(prefill.kv_client, prefill.kv_address),
+                                          "alone", 0))
     stories = ["a big dog named Max", "a little cat named Sue", "a red ball in the park",
                "a girl who liked to sing", "a tall tree by the river", "a boy and his kite"]
     prompts = [(hf.encode(f"Once upon a time, there was {s}.") +
                 hf.encode(f" Every day {s} was happy." * 12, add_special_tokens=False))
                [:100 + 37 * i] for i, s in enumerate(stories)]
     params = SamplingParams(max_tokens=1, temperature=0, logprobs=2)
-    results = {}
-
-    def run(i):
-        results[i] = shared.prefill(PrefillRequest(f"b{i}", tuple(prompts[i]), params))
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
-    with shared.batcher.model_lock:  # the first step waits here until every chunk is handed over
-        for t in threads:
-            t.start()
-        deadline = time.monotonic() + 30
-        while shared.batcher.num_pending < len(prompts):
-            assert time.monotonic() < deadline, "prefills never reached the step batcher"
-            time.sleep(0.01)
-    for t in threads:
-        t.join(60)
+    futures = [shared.add_request(PrefillRequest(f"b{i}", tuple(p), params))[1]
+               for i, p in enumerate(prompts)]
+    deadline = time.monotonic() + 60
+    while not all(f.done() for f in futures):
+        assert time.monotonic() < deadline, "prefills never finished"
+        if not run_once(shared):
+            time.sleep(0.01)  # publishing, off the loop
+    results = {i: f.result() for i, f in enumerate(futures)}
     stats = shared.stats()
     assert stats["num_prefill_chunks_total"] == len(prompts)  # one chunk each (<= 512 tokens)
     # 6 chunks of 100..285 tokens under a 512-token budget: at least one step has several
     assert stats["max_prefill_chunks_per_step"] >= 2
     assert stats["num_prefill_steps_total"] < stats["num_prefill_chunks_total"]
     assert stats["num_used_blocks"] == 0
-    assert forward_threads == {"prefill-model"}
-    model_thread.close()
+    shared.close()
     for i, prompt in enumerate(prompts):
         want = alone.prefill(PrefillRequest(f"a{i}", tuple(prompt), params))
         got = results[i]
@@ -312,3 +311,4 @@ def test_concurrent_prefills_share_steps_and_outputs_are_unchanged(engines, eos_
                                               for r in (got, want))
         assert n_got == n_want == len(prompt) % 16
         assert (kv_got - kv_want).abs().max() < 1e-4
+    stop(alone)

@@ -28,6 +28,7 @@ from kvstore.transfer.base import TransferState
 from kvstore.transfer.fake import FakeTransferBackend
 from prefill_worker.engine import PrefillEngine, PrefillKV, TorchKVPusher
 from tests.kvstore.lru_block_store import lru_server
+from tests.engine_loops import started, stop
 
 TORCH = KVTransferConfig(backend="torch", timeout_s=10)
 STORY = ("Once upon a time, there was a little boy named Tim. Tim had a big red ball. He liked "
@@ -49,7 +50,8 @@ def prefill(store):
     server, client = store
     pusher = TorchKVPusher(TORCH, send_deadline_s=20, device="cpu")
     kv = PrefillKV(client, server.address, "local-node", GrpcPublisher(client), pusher=pusher)
-    engine = PrefillEngine(ModelRunner(EngineConfig(num_kv_blocks=128)), kv, "prefill-0", 0)
+    engine = started(lambda: PrefillEngine(ModelRunner(EngineConfig(num_kv_blocks=128)), kv,
+                                           "prefill-0", 0))
     yield engine
     pusher.close()
 
@@ -57,15 +59,15 @@ def prefill(store):
 def decode_engine(worker_id: str, transfer: KVTransferConfig | float, num_kv_blocks: int = 128,
                   backend=None) -> DecodeEngine:
     runner = ModelRunner(EngineConfig(num_kv_blocks=num_kv_blocks))
-    return DecodeEngine(runner, worker_id, 0,
-                        KVFetcher(runner.kv_cache, transfer, backend=backend))
+    return started(lambda: DecodeEngine(runner, worker_id, 0,
+                                        KVFetcher(runner.kv_cache, transfer, backend=backend)))
 
 
 @pytest.fixture(scope="module")
 def decode_torch():
     engine = decode_engine("decode-t", TORCH)
     yield engine
-    engine.shutdown()
+    stop(engine)
 
 
 def run_decode(decode: DecodeEngine, result: PrefillResult, prompt: list[int],
@@ -141,7 +143,7 @@ def test_broken_pair_falls_back_to_the_store(prefill, store, hf):
         stats = settled(decode, client)
         assert set(stats["kv_bytes_fetched_by_backend"]) == {"grpc"}
     finally:
-        decode.shutdown()
+        stop(decode)
 
 
 def test_abort_and_unfetched_pushes_keep_the_pair_healthy(prefill, decode_torch, store, hf):
@@ -165,7 +167,7 @@ def test_abort_and_unfetched_pushes_keep_the_pair_healthy(prefill, decode_torch,
         assert tokens == hf.greedy(short, 8)
         assert set(settled(small, client)["kv_bytes_fetched_by_backend"]) == {"torch"}
     finally:
-        small.shutdown()
+        stop(small)
     _, tokens, _ = generate(prefill, decode_torch, "after-aborts", prompt, 16)
     assert tokens == hf.greedy(prompt, 16)
     assert prefill.stats()["kv_pairs_opened_total"] == pairs + 1  # only decode-small's
@@ -202,7 +204,7 @@ def test_injected_fetch_failure_retries_then_recomputes(prefill, store, hf):
             "fake": num_blocks * decode.runner.kv_cache.block_nbytes}
         assert fake.calls == 3 and stats["num_fetch_recomputes_total"] == 1
     finally:
-        decode.shutdown()
+        stop(decode)
 
 
 def test_abort_stops_writes_before_the_blocks_are_freed():

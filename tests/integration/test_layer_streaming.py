@@ -149,16 +149,17 @@ def test_prefill_abort_mid_stream_frees_both_sides(layer_cluster, hf):
     params = SamplingParams(max_tokens=8, temperature=0)
     ray.get(prefill.inject_fault.remote("layer_delay", 0.01))  # ~1.5 s of compute
     try:
-        ref = prefill.prefill.remote(PrefillRequest("ls-abort", tuple(prompt), params,
-                                                    decode_peer=decode.worker_id))
+        first, result = prefill.prefill.options(num_returns=2).remote(
+            PrefillRequest("ls-abort", tuple(prompt), params, decode_peer=decode.worker_id))
         deadline = time.monotonic() + 10
         while not (timings := kv_timings(layer_cluster, "ls-abort")) \
                 or not timings["num_taken"]:  # announced, reserved, a first piece landed
             assert time.monotonic() < deadline
             time.sleep(0.01)
         prefill.abort.remote("ls-abort")
-        with pytest.raises(RayTaskError, match="RequestAborted"):
-            ray.get(ref, timeout=30)
+        for ref in (first, result):
+            with pytest.raises(RayTaskError, match="RequestAborted"):
+                ray.get(ref, timeout=30)
     finally:
         ray.get(prefill.inject_fault.remote("layer_delay", 0))
     assert 0 < timings["num_taken"] < timings["num_pieces"]  # it was mid-stream

@@ -82,7 +82,7 @@ def _worker_limits(cluster) -> dict[int, tuple[str, int]]:
     for instance in cluster.prefill + cluster.decode:
         pid = ray.get(instance.handle.info.remote())["pid"]
         limits[pid] = (instance.worker_id, cache_bytes + GIB)
-    store_bytes = cfg.kvpool.dram_cache_bytes + cfg.kvstore.capacity_bytes
+    store_bytes = cfg.kvpool.dram_cache_bytes + cfg.kvstore.tail_capacity_bytes
     for node_id, handle in cluster.kvstores.items():
         pid = ray.get(handle.__ray_call__.remote(lambda _self: __import__("os").getpid()))
         limits[pid] = (f"kvstore-{node_id[:8]}", store_bytes + GIB)

@@ -32,6 +32,7 @@ from kvstore.transfer.peers import LocalStreamPeers
 from prefill_worker.engine import PrefillEngine, PrefillKV
 from prefill_worker.layer_streamer import LayerStreamer
 from tests.kvstore.lru_block_store import lru_server
+from tests.engine_loops import started, stop
 
 TIMEOUT_S = 1.0
 STORY = ("Once upon a time, there was a little boy named Tim. Tim had a big red ball. He liked "
@@ -93,9 +94,10 @@ def prefill(store):
     server, client = store
     streamer = LayerStreamer(runner, client, server.address,
                              LocalStreamPeers({"lost": _LostAnnounces()}), "prefill-f", 10)
-    return PrefillEngine(runner, PrefillKV(client, server.address, "node-f",
-                                           GrpcPublisher(client), streamer=streamer),
-                         "prefill-f", 0)
+    kv = PrefillKV(client, server.address, "node-f", GrpcPublisher(client), streamer=streamer)
+    engine = started(lambda: PrefillEngine(runner, kv, "prefill-f", 0))
+    yield engine
+    stop(engine)
 
 
 @pytest.fixture
@@ -127,8 +129,8 @@ def stalled_address():
 def decode_engine(backend: KVTransferBackend | None = None) -> DecodeEngine:
     runner = ModelRunner(EngineConfig(num_kv_blocks=64))
     transfer = KVTransferConfig(timeout_s=TIMEOUT_S)
-    return DecodeEngine(runner, "decode-f", 0, KVFetcher(runner.kv_cache, transfer,
-                                                        backend=backend))
+    return started(lambda: DecodeEngine(runner, "decode-f", 0,
+                                        KVFetcher(runner.kv_cache, transfer, backend=backend)))
 
 
 def prefill_for(prefill: PrefillEngine, request_id: str, prompt: list[int],
@@ -184,8 +186,8 @@ def test_hung_transfer_times_out_and_the_retry_succeeds(prefill, store, hf, para
         assert faulty.calls == 2 and engine.kv_timings["hung"]["paths"] == ["grpc", "grpc"]
         assert_settled(clean_engine, prefill, client)
     finally:
-        engine.shutdown()
-        clean_engine.shutdown()
+        stop(engine)
+        stop(clean_engine)
 
 
 def test_stalled_store_is_retried_then_the_prompt_recomputed(prefill, store, hf,
@@ -209,7 +211,7 @@ def test_stalled_store_is_retried_then_the_prompt_recomputed(prefill, store, hf,
         assert stats["num_fetch_recomputes_total"] == 2 and stats["num_fetch_retries_total"] == 2
         assert stats["num_recomputed_tokens_total"] == 2 * len(prompt)
     finally:
-        engine.shutdown()
+        stop(engine)
 
 
 def test_stalled_layer_stream_falls_back_to_the_store(prefill, store, hf):
@@ -232,4 +234,4 @@ def test_stalled_layer_stream_falls_back_to_the_store(prefill, store, hf):
         stats = assert_settled(engine, prefill, client)  # the pieces after it were dropped
         assert (stats["num_fetch_retries_total"], stats["num_fetch_recomputes_total"]) == (1, 0)
     finally:
-        engine.shutdown()
+        stop(engine)

@@ -40,8 +40,8 @@ class LRUBlockStore:
 
     @classmethod
     def for_config(cls, config: KVStoreConfig) -> LRUBlockStore:
-        """A store of ``config.capacity_bytes`` with ``config.tail_ttl_s``."""
-        return cls(config.capacity_bytes, config.tail_ttl_s)
+        """A store of ``config.tail_capacity_bytes`` with ``config.tail_ttl_s``."""
+        return cls(config.tail_capacity_bytes, config.tail_ttl_s)
 
     def put(self, key: bytes, payload: bytes, layout: BlockLayout) -> None:
         """Store one keyed block; a key already present is kept and touched (not replaced).

@@ -11,6 +11,7 @@ import torch
 
 from kvstore.hashing import block_keys, make_namespace
 from kvstore.index import KVIndex, Location, MemoryIndex, open_index
+from tests.engine_loops import started, stop
 
 
 def make_keys(num_blocks: int) -> list[bytes]:
@@ -111,8 +112,8 @@ def test_prefill_worker_reannounces_its_g1_blocks_after_redis_restarts_empty(
     index = open_index(fresh_redis_server.url, namespace=f"t-{uuid.uuid4().hex[:8]}")
     kv = prefill_engine.PrefillKV(client, server.address, "node-x", GrpcPublisher(client),
                                   index=index)
-    engine = prefill_engine.PrefillEngine(
-        ModelRunner(EngineConfig(model=str(BUNDLED_MODEL), num_kv_blocks=64)), kv, "p-0", 0)
+    engine = started(lambda: prefill_engine.PrefillEngine(
+        ModelRunner(EngineConfig(model=str(BUNDLED_MODEL), num_kv_blocks=64)), kv, "p-0", 0))
     mine = Location("node-x", "device", "p-0")
     params = SamplingParams(max_tokens=1, temperature=0)
     try:
@@ -128,6 +129,7 @@ def test_prefill_worker_reannounces_its_g1_blocks_after_redis_restarts_empty(
         engine.prefill(PrefillRequest("r3", tuple(range(200, 220)), params))
         assert engine.stats()["g1_reannouncements_total"] == 1  # nothing lost since
     finally:
+        stop(engine)
         for r in ("r1", "r2", "r3"):
             client.release_tail(f"tail:{r}")
         index.close()

@@ -156,7 +156,7 @@ def test_tail_expires_by_sweep(make_server):
 
 
 def test_typed_errors_for_bad_input(make_server):
-    server = make_server(KVStoreConfig(capacity_bytes=1000))
+    server = make_server(KVStoreConfig(tail_capacity_bytes=1000))
     with KVStoreClient(server.address) as client:
         with pytest.raises(StoreCapacityError):
             client.put_blocks(keys_for(1), random_blocks(1, torch.float32))

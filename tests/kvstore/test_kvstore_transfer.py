@@ -94,8 +94,8 @@ def make_server(make_server):
 def make_backend():
     backends = []
 
-    def make(**overrides):
-        backend = GrpcTransferBackend(KVTransferConfig(**{"token": TOKEN, **overrides}))
+    def make(token: str = TOKEN, **overrides):
+        backend = GrpcTransferBackend(KVTransferConfig(**overrides), KVStoreConfig(token=token))
         backends.append(backend)
         return backend
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from kvstore.config import KVTransferConfig
+from kvstore.config import KVStoreConfig, KVTransferConfig
 from kvstore.errors import KVAuthError, KVTransferError
 from kvstore.transfer.base import FetchRequest, TransferState
 from kvstore.transfer.dest import TensorDest
@@ -67,7 +67,8 @@ def test_pair_channel_between_two_processes_both_ways_and_kv_transfer():
         assert results.get(timeout=TIMEOUT_S) == ("recv_exact", True)  # us -> peer
         channel.close()
 
-        backend = TorchTransferBackend(KVTransferConfig(backend="torch", token=TOKEN))
+        backend = TorchTransferBackend(KVTransferConfig(backend="torch"),
+                                       KVStoreConfig(token=TOKEN))
         pool = torch.zeros((16, *BLOCK_SHAPE))
         block_ids = [5, 6, 7, 8, 0, 1, 12, 13, 14, 15]
         receiver = backend.create_receiver()

@@ -49,7 +49,7 @@ def nodes(tmp_path_factory):
                for r in ("node_a", "node_b")}
     engine = EngineConfig(num_kv_blocks=256)
     # fault_injection: the fault tests below stop a store's gRPC plane and its heartbeat
-    kv = KVStoreConfig(token="multinode-test-token", transfer_timeout_s=3, fault_injection=True)
+    kv = KVStoreConfig(token="multinode-test-token", rpc_timeout_s=3, fault_injection=True)
     pool = KVPoolConfig(dram_cache_bytes=16 * 20480, node_lease_s=LEASE_S,
                         ssd_cache_dir=str(tmp_path_factory.mktemp("ssd")),
                         ssd_cache_bytes=256 * 20480)
@@ -78,7 +78,9 @@ def nodes(tmp_path_factory):
 
 def prefill(worker, request_id: str, prompt: list[int], max_tokens: int = 12):
     params = SamplingParams(max_tokens=max_tokens, temperature=0, logprobs=1)
-    return ray.get(worker.prefill.remote(PrefillRequest(request_id, tuple(prompt), params)))
+    first, result = worker.prefill.options(num_returns=2).remote(
+        PrefillRequest(request_id, tuple(prompt), params))
+    return ray.get(result)
 
 
 def decode(env, result, prompt: list[int], max_tokens: int = 12):

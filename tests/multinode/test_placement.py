@@ -121,7 +121,7 @@ def run_scenario(prompts: list[list[int]]) -> dict:
                            scheduling_strategy=NodeAffinitySchedulingStrategy(head_id, False)
                            ).remote()
         engine = EngineConfig(num_kv_blocks=128)
-        kv = KVStoreConfig(token="placement-test-token", transfer_timeout_s=5)
+        kv = KVStoreConfig(token="placement-test-token", rpc_timeout_s=5)
         pool = KVPoolConfig(dram_cache_bytes=64 * 20480, node_lease_s=3.0)
         demands = [placement.role_resources(r, "resources", resources) for r in placement.ROLES]
         store_nodes = placement.worker_node_ids(ray.nodes(), demands)

@@ -25,8 +25,8 @@ def registry(prefills: int = 2, decodes: int = 3) -> InstanceRegistry:
 def test_round_robin_cycles_each_role_independently():
     conductor = Conductor(registry(), "round_robin")
     picks = [conductor.route(RouteRequest(str(n), (1,))) for n in range(6)]
-    assert [p.worker_id for p, _ in picks] == ["p0", "p1"] * 3
-    assert [d.worker_id for _, d in picks] == ["d0", "d1", "d2"] * 2
+    assert [p.worker_id for p, _, _ in picks] == ["p0", "p1"] * 3
+    assert [d.worker_id for _, d, _ in picks] == ["d0", "d1", "d2"] * 2
 
 
 def test_no_instance_and_unknown_policy():
@@ -68,7 +68,7 @@ def test_a_cached_prefix_draws_its_requests_and_load_spreads_the_rest():
     keys = block_keys(prefix, 16, make_namespace("stories260K"))
     index.add(keys, Location("node-a", "device", "p1"))
     for n in range(3):  # each finishes before the next: no queue
-        p, _ = conductor.route(RouteRequest(f"s{n}", tuple(prefix + [7, n])))
+        p, _, _ = conductor.route(RouteRequest(f"s{n}", tuple(prefix + [7, n])))
         assert p.worker_id == "p1"
         conductor.prefill_done(f"s{n}")
     # a salted tenant's keys differ: no prefix is known for it
