@@ -25,9 +25,9 @@ Lifecycle of a request on a prefill worker (statuses: engine.core.request.Reques
                     store under a per-request handle (never keyed or indexed); with
                     --kv-transfer torch, all of them are also pushed to the request's decode
                     worker over their pair channel (TorchKVPusher), in the background. Then
-                    the caller gets its PrefillResult, which the decode needs. An abort or a failure at any point
-                    releases every block the request held (a prefix load in flight first
-                    settles: it may still write into them).
+                    the caller gets its PrefillResult, which the decode needs. An abort or a
+                    failure at any point releases every block the request held (a prefix load
+                    in flight first settles: it may still write into them).
 
 The engine runs on an engine loop (engine.core.engine_loop); its public methods are
 thread-safe and talk to the loop through its inbox.
