@@ -3,7 +3,8 @@
 
 `generate` is a Ray streaming generator: the gateway iterates it and gets TokenDelta items as
 the engine loop produces them. A Ray streaming generator keeps running when nobody consumes it,
-so the gateway calls the idempotent `abort(request_id)` on client disconnect (DESIGN.md pitfalls).
+so the gateway calls the idempotent `abort(request_id)` on client disconnect, or the request
+would hold its blocks until it finished for nobody.
 """
 
 from __future__ import annotations

@@ -28,8 +28,8 @@ Lifecycle of a request on a decode worker:
                     during a pair receive: once that receive settles, see KVFetch.abort).
 
 The statuses are engine.core.request.RequestStatus. The engine runs on an engine loop
-(engine.core.engine_loop: the thread that built the model; DESIGN.md pitfalls: never on the
-actor's event loop); requests and aborts reach it through its inbox, and tokens leave through
+(engine.core.engine_loop: the thread that built the model; never the actor's event loop, which
+a forward would block for every other call); requests and aborts reach it through its inbox, and tokens leave through
 each request's `emit` callback.
 """
 

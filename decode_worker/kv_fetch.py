@@ -1,5 +1,5 @@
 """Moves a request's prompt KV from the prefill side into its reserved decode cache blocks,
-through the transfer backends of kvstore.transfer (DESIGN.md "Data plane").
+through the transfer backends of kvstore.transfer.
 
 The path a request's blocks take (KVFetcher.start_fetch):
 

@@ -18,6 +18,17 @@ from kvstore.errors import StoreCapacityError
 from kvstore.layout import BlockLayout, check_payload
 
 
+
+def check_tail(handle: str, payload: bytes, layout: BlockLayout, num_tokens: int) -> None:
+    """Raises ValueError (empty handle, ``num_tokens`` < 0) or BlockLayoutError
+    (``len(payload) != layout.nbytes``) for a tail no store should keep."""
+    if not handle:
+        raise ValueError("tail handle must be non-empty")
+    if num_tokens < 0:
+        raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
+    check_payload(payload, layout)
+
+
 class StoredTail(NamedTuple):
     """A taken tail block: raw little-endian ``payload``, its ``layout``, valid ``num_tokens``."""
 
@@ -63,11 +74,7 @@ class TailStore:
             BlockLayoutError: ``len(payload) != layout.nbytes``.
             StoreCapacityError: the tails held would exceed ``capacity_bytes``.
         """
-        if not handle:
-            raise ValueError("tail handle must be non-empty")
-        if num_tokens < 0:
-            raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
-        check_payload(payload, layout)
+        check_tail(handle, payload, layout, num_tokens)
         with self._lock:
             now = self._clock()
             self._expire_tails_locked(now)

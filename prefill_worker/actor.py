@@ -32,7 +32,8 @@ from kvstore.pool_config import KVPoolConfig
 from kvstore.publish import ArenaPublisher
 from kvstore.remote import RemoteStores
 from kvstore.transfer.peers import RayStreamPeers, register_self
-from prefill_worker.engine import PrefillEngine, PrefillKV, TorchKVPusher
+from prefill_worker.engine import PrefillEngine, PrefillKV
+from prefill_worker.kv_pusher import TorchKVPusher
 from prefill_worker.layer_streamer import LayerStreamer
 from prefill_worker.prefix_loader import PrefixLoader
 

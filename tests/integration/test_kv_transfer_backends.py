@@ -26,7 +26,8 @@ from kvstore.config import KVStoreConfig, KVTransferConfig
 from kvstore.publish import GrpcPublisher
 from kvstore.transfer.base import TransferState
 from kvstore.transfer.fake import FakeTransferBackend
-from prefill_worker.engine import PrefillEngine, PrefillKV, TorchKVPusher
+from prefill_worker.engine import PrefillEngine, PrefillKV
+from prefill_worker.kv_pusher import TorchKVPusher
 from tests.kvstore.lru_block_store import lru_server
 from tests.engine_loops import started, stop
 

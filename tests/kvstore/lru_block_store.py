@@ -17,7 +17,7 @@ from kvstore.config import KVStoreConfig
 from kvstore.errors import StoreCapacityError
 from kvstore.layout import BlockLayout, check_payload
 from kvstore.server import KVStoreServer
-from kvstore.tail_store import StoredTail, TailStore
+from kvstore.tail_store import StoredTail, TailStore, check_tail
 
 
 class LRUBlockStore:
@@ -80,11 +80,7 @@ class LRUBlockStore:
 
     def put_tail(self, handle: str, payload: bytes, layout: BlockLayout, num_tokens: int) -> None:
         """TailStore.put_tail, evicting keyed blocks to make room."""
-        if not handle:
-            raise ValueError("tail handle must be non-empty")
-        if num_tokens < 0:
-            raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
-        check_payload(payload, layout)
+        check_tail(handle, payload, layout, num_tokens)
         with self._lock:
             self.tails.release_tail(handle)  # a replaced tail's bytes make room for the new one
             self._make_room(len(payload), f"tail {handle!r}")

@@ -1,0 +1,89 @@
+"""Pushes a prefill's KV blocks to its decode peer over a torch.distributed pair channel
+(``--kv-transfer torch``), beside the copy the prefill publishes to the KV store."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+
+import torch
+from pydantic import SecretStr
+
+from kvstore.config import KVTransferConfig
+from kvstore.errors import KVTransferError
+from kvstore.transfer.torch_dist import TorchKVSender
+from kvstore.transfer.torch_pair import TorchPairChannel
+
+log = logging.getLogger(__name__)
+
+
+class TorchKVPusher:
+    """--kv-transfer torch, prefill side: one pair channel (rank 0) per decode peer, and one
+    TorchKVSender per request (kvstore.transfer.torch_dist).
+
+    Pair bootstrap: a peer's channel is opened — its own TCPStore bound on a free port of
+    ``transfer.bind_host``, which is quick and never waits for the peer — on the peer's first
+    request; its address reaches the decode in PrefillResult.pair_address over Ray, and the
+    decode joins as rank 1 when it starts receiving that request; the group forms then (both
+    within ``transfer.timeout_s``). A channel a failed send closed is kept (a posted send may
+    still read its tensor; torch cannot cancel it) and replaced on the peer's next request by
+    a new pair at a new address. Tags: a counter per channel.
+
+    Args:
+        transfer: bind_host, timeout_s (pair setup), max_chunk_bytes (per send).
+        send_deadline_s: how long a request's blocks wait to be received: the decode posts its
+            receive only once it has reserved cache blocks for the request.
+        device: "cpu" (gloo) or "cuda" (NCCL): where the pushed blocks are.
+        token: the KV plane's token (KVStoreConfig.token, ``--kv-token``) the decode peer
+            must prove before a pair forms; None: no auth (tests).
+    """
+
+    def __init__(self, transfer: KVTransferConfig, send_deadline_s: float, device: str,
+                 token: SecretStr | None = None) -> None:
+        self.transfer = transfer
+        self.token = token
+        self.send_deadline_s = send_deadline_s
+        self.device = device
+        self._lock = threading.Lock()
+        self._channels: dict[str, tuple[TorchPairChannel, itertools.count]] = {}
+        self._retired: list[TorchPairChannel] = []
+        self.pairs_opened_total = 0
+        self.pushes_total = 0
+
+    def push(self, peer: str, blocks: torch.Tensor) -> tuple[str | None, int]:
+        """Start sending ``blocks`` [n, *block_shape] (contiguous, kept until sent) to ``peer``.
+        Returns (pair address, tag); (None, 0) if no pair store could be bound (logged: the
+        decode then pulls from the KV store)."""
+        with self._lock:
+            entry = self._channels.get(peer)
+            if entry is None or entry[0].closed:
+                if entry is not None:
+                    self._retired.append(entry[0])
+                try:
+                    channel = TorchPairChannel(
+                        0, self.transfer.bind_host, 0, timeout_s=self.transfer.timeout_s,
+                        device=self.device, token=self.token,
+                        chunk_bytes=self.transfer.max_chunk_bytes)
+                except KVTransferError as exc:
+                    log.warning("no KV pair channel for %s, it pulls from the store: %s",
+                                peer, exc)
+                    return None, 0
+                entry = self._channels[peer] = (channel, itertools.count())
+                self.pairs_opened_total += 1
+            channel, tags = entry
+            tag = next(tags) % 2**31
+            self.pushes_total += 1
+        TorchKVSender(channel).start(blocks, tag, self.send_deadline_s)
+        return channel.address, tag
+
+    def stats(self) -> dict:
+        return {"kv_pairs_opened_total": self.pairs_opened_total,
+                "kv_pushes_total": self.pushes_total}
+
+    def close(self) -> None:
+        with self._lock:
+            channels = [c for c, _ in self._channels.values()] + self._retired
+            self._channels, self._retired = {}, []
+        for channel in channels:
+            channel.close()
