@@ -156,6 +156,16 @@ class KVStoreActor:
     def release(self, slots: list[int | None]) -> None:
         self.store.release(slots)
 
+    # ---- key-level methods of the node store facade (kvstore.node_store_api) ---------------
+    def exists(self, keys: list[bytes]) -> list[bool]:
+        return self.store.exists(keys)
+
+    def remove(self, keys: list[bytes]) -> int:
+        return self.store.remove(keys)
+
+    def pin(self, keys: list[bytes], pinned: bool = True) -> list[bool]:
+        return self.store.pin(keys, pinned)
+
     def inject_fault(self, fault: StoreFault) -> None:
         """Break this store on purpose, for fault-tolerance tests of a running cluster.
 

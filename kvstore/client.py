@@ -8,6 +8,9 @@ once, from the received message into its destination.
 
 With a ``token``, every call carries ``authorization: Bearer <token>``; a store that refuses it
 raises :class:`KVAuthError`.
+
+It is also the node store facade (kvstore.node_store_api) for a store reached over gRPC:
+put/get over PutBlocks/GetBlocks, exists/remove/pin over their own RPCs.
 """
 
 from __future__ import annotations
@@ -22,20 +25,16 @@ import torch
 
 from kvstore import tls as kv_tls
 from kvstore.config import KVTLSConfig
-from kvstore.errors import BlockLayoutError, KVTransferError
+from kvstore.errors import BlockLayoutError, BlockNotFoundError, KVTransferError
 from kvstore.fetch_session import BlockStream, FetchSession, SessionPool
-from kvstore.hashing import KEY_BYTES
+from kvstore.index.base import check_keys
 from kvstore.layout import BlockLayout
+from kvstore.node_store_api import REMOTE, TORCH_DTYPES, NodeStore, blocks_layout, layout_of
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto import kvstore_pb2_grpc as pb_grpc
 from kvstore.rpc_errors import rpc_error
 from kvstore.server import AUTH_METADATA_KEY, MESSAGE_OVERHEAD_BYTES, SERVICE_NAME, channel_options
 from kvstore.transfer.runs import budget_runs
-
-TORCH_DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
-}
-_DTYPE_NAMES = {v: k for k, v in TORCH_DTYPES.items()}
 
 
 def tensor_to_payload(t: torch.Tensor) -> bytes:
@@ -66,22 +65,7 @@ def copy_payload(dest: np.ndarray, offset: int, payload: memoryview | bytes) -> 
     dest[offset:offset + len(payload)] = np.frombuffer(payload, dtype=np.uint8)
 
 
-def _layout_of(block_shape: Sequence[int], dtype: torch.dtype) -> BlockLayout:
-    if dtype not in _DTYPE_NAMES:
-        raise BlockLayoutError(f"unsupported dtype {dtype}; expected one of {sorted(TORCH_DTYPES)}")
-    layout = BlockLayout(_DTYPE_NAMES[dtype], tuple(int(d) for d in block_shape))
-    if layout.nbytes == 0:
-        raise BlockLayoutError(f"empty block shape {layout.shape}")
-    return layout
-
-
-def _check_keys(keys: Sequence[bytes]) -> None:
-    for k in keys:
-        if not isinstance(k, bytes) or len(k) != KEY_BYTES:
-            raise ValueError(f"block keys must be {KEY_BYTES}-byte bytes, got {k!r:.80}")
-
-
-class KVStoreClient:
+class KVStoreClient(NodeStore):
     """Client of one KV store server. Thread-safe (one gRPC channel); a context manager.
 
     Args:
@@ -139,12 +123,9 @@ class KVStoreClient:
             StoreCapacityError: a block does not fit in the store at all.
             KVTransferError: deadline or RPC failure.
         """
-        _check_keys(keys)
-        if blocks.dim() < 1 or blocks.shape[0] != len(keys):
-            raise BlockLayoutError(f"blocks of shape {tuple(blocks.shape)} for {len(keys)} key(s)")
+        layout = blocks_layout(keys, blocks)
         if not keys:
             return
-        layout = _layout_of(blocks.shape[1:], blocks.dtype)
         self._check_fits(layout)
         flat = blocks.reshape(len(keys), -1)
 
@@ -173,7 +154,7 @@ class KVStoreClient:
             BlockLayoutError: the blocks do not share one layout, or the reply is malformed.
             KVTransferError: deadline or RPC failure.
         """
-        _check_keys(keys)
+        check_keys(keys)
         if not keys:
             raise ValueError("get_blocks needs at least one key (the block shape is unknown)")
         out: torch.Tensor | None = None
@@ -225,7 +206,7 @@ class KVStoreClient:
             raise ValueError("tail handle must be non-empty")
         if num_tokens < 0:
             raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
-        layout = _layout_of(block.shape, block.dtype)
+        layout = layout_of(block.shape, block.dtype)
         self._check_fits(layout)
         msg = pb.BlockData(handle=handle, layout=_layout_msg(layout),
                            payload=tensor_to_payload(block), num_tokens=num_tokens)
@@ -261,6 +242,63 @@ class KVStoreClient:
         reply = self._call("Stats", lambda: self._stub.Stats(
             pb.StatsRequest(), timeout=self.timeout_s, metadata=self._metadata))
         return {f.name: getattr(reply, f.name) for f in pb.StatsReply.DESCRIPTOR.fields}
+
+    # ---- the node store facade (kvstore.node_store_api.NodeStore) ----------------------------
+    def put(self, keys: Sequence[bytes], blocks: torch.Tensor) -> None:
+        """:meth:`put_blocks` (a store whose host DRAM is held full by pins raises
+        StoreCapacityError)."""
+        self.put_blocks(keys, blocks)
+
+    def get(self, keys: Sequence[bytes], out: torch.Tensor) -> list[str | None]:
+        """Fetch the leading run of present keys into ``out`` (see NodeStore.get); every
+        block fetched reports tier ``"remote"``: the reply does not say which of the store's
+        tiers served it.
+
+        One GetBlocks when every key is present. On a miss, the store names the missing keys
+        in key order, so the run ends at the first of them and is fetched again; a block that
+        leaves the store meanwhile shortens the run once more.
+
+        Raises:
+            BlockLayoutError: ``out`` is not [len(keys), *block_shape] of the stored dtype.
+            KVTransferError: deadline or RPC failure.
+        """
+        blocks_layout(keys, out)
+        run = len(keys)
+        while run:
+            try:
+                got = self.get_blocks(keys[:run])
+                break
+            except BlockNotFoundError as exc:
+                missing = set(exc.missing)
+                first = next((i for i, k in enumerate(keys[:run]) if k in missing), None)
+                if first is None:  # the store named none of our keys: not a miss we can use
+                    raise
+                run = first
+        if run:
+            if got.shape[1:] != out.shape[1:] or got.dtype != out.dtype:
+                raise BlockLayoutError(f"stored blocks are {got.dtype} {tuple(got.shape[1:])}, "
+                                       f"out is {out.dtype} {tuple(out.shape[1:])}")
+            out[:run] = got
+        return [REMOTE] * run + [None] * (len(keys) - run)
+
+    def exists(self, keys: Sequence[bytes]) -> list[bool]:
+        check_keys(keys)
+        reply = self._call("Exists", lambda: self._stub.Exists(
+            pb.KeysRequest(keys=list(keys)), timeout=self.timeout_s, metadata=self._metadata))
+        return list(reply.exists)
+
+    def remove(self, keys: Sequence[bytes]) -> int:
+        check_keys(keys)
+        reply = self._call("Remove", lambda: self._stub.Remove(
+            pb.KeysRequest(keys=list(keys)), timeout=self.timeout_s, metadata=self._metadata))
+        return reply.num_removed
+
+    def pin(self, keys: Sequence[bytes], pinned: bool = True) -> list[bool]:
+        check_keys(keys)
+        reply = self._call("Pin", lambda: self._stub.Pin(
+            pb.PinRequest(keys=list(keys), pinned=pinned), timeout=self.timeout_s,
+            metadata=self._metadata))
+        return list(reply.applied)
 
     def close(self) -> None:
         """Close the sessions and the channel. Idempotent."""

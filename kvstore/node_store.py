@@ -8,8 +8,9 @@ the pool spans DRAM and SSD of every node; the index holds metadata only).
 
 Same-node workers move bytes through the arena directly and call only the metadata methods
 (reserve/commit/abort/acquire/release) over Ray RPC; other nodes use the gRPC service, which
-calls put/get_many here. Partial tail blocks stay in a TailStore under per-request handles
-and are never indexed.
+calls put/get_many here. Both reach exists/remove/pin, the key-level half of the node store
+facade (kvstore.node_store_api). Partial tail blocks stay in a TailStore under per-request
+handles and are never indexed.
 """
 
 from __future__ import annotations
@@ -23,12 +24,13 @@ from kvstore.arena.view import ArenaView
 from kvstore.errors import BlockLayoutError
 from kvstore.index import KVIndex, Location
 from kvstore.layout import BlockLayout
+from kvstore.node_store_api import HOST, SSD
 from kvstore.ssd_tier import SSDTier
 from kvstore.tail_store import StoredTail, TailStore
 
 log = logging.getLogger(__name__)
 
-HOST, SSD = "host", "ssd"
+__all__ = ["HOST", "SSD", "TieredNodeStore"]
 
 
 class TieredNodeStore:
@@ -62,10 +64,11 @@ class TieredNodeStore:
     # ---- same-node workers: metadata only -------------------------------------------------
     def arena_info(self) -> dict:
         return {"shm_name": self.arena.shm_name, "num_slots": self.arena.num_slots,
-                "block_nbytes": self.arena.block_nbytes}
+                "block_nbytes": self.arena.block_nbytes, "layout": self.layout}
 
     def reserve(self, keys: Sequence[bytes]) -> list[int | None]:
-        """Slots to write new keys into (None: already stored). Pinned until commit/abort."""
+        """Slots to write new keys into (None: already stored), leased until commit/abort.
+        Raises ArenaFullError when leases and pins hold every other slot."""
         try:
             return self.arena.reserve(keys)
         finally:
@@ -80,7 +83,7 @@ class TieredNodeStore:
         self.arena.abort(slots)
 
     def acquire(self, keys: Sequence[bytes]) -> list[tuple[int | None, str | None]]:
-        """Pin each key's G2 slot for reading, promoting G3 hits into G2 first.
+        """Lease each key's G2 slot for reading, promoting G3 hits into G2 first.
 
         Returns (slot, tier it was found in) per key; (None, None) is a miss. Release the slots.
         """
@@ -113,8 +116,8 @@ class TieredNodeStore:
         self.commit([key], [slot])
 
     def get_many(self, keys: Sequence[bytes]) -> list[tuple[bytes, BlockLayout] | None]:
-        """Block by block, so a request larger than G2 never pins it full; an SSD block that
-        cannot be promoted (G2 pinned full) is served from SSD directly."""
+        """Block by block, so a request larger than G2 never leases it full; an SSD block that
+        cannot be promoted (G2 held full by leases and pins) is served from SSD directly."""
         out: list[tuple[bytes, BlockLayout] | None] = []
         for key in keys:
             [(slot, _)] = self.acquire([key])
@@ -130,6 +133,52 @@ class TieredNodeStore:
 
     def contains(self, key: bytes) -> bool:
         return self.arena.contains(key) or (self.ssd is not None and self.ssd.contains(key))
+
+    # ---- key-level facade methods (kvstore.node_store_api), for both kinds of client --------
+    def exists(self, keys: Sequence[bytes]) -> list[bool]:
+        """Per key, whether G2 or G3 holds it (no LRU order is touched)."""
+        return [self.contains(k) for k in keys]
+
+    def remove(self, keys: Sequence[bytes]) -> int:
+        """Drop keys from G2 and G3 and their locations from the index; returns how many were
+        present. A pinned key is skipped whole (its G3 copy too) and not counted."""
+        removed = 0
+        for key in keys:
+            in_g2 = self.arena.remove(key)
+            if not in_g2 and self.arena.is_pinned(key):
+                continue
+            in_g3 = self.ssd is not None and self.ssd.remove(key)
+            if in_g2:
+                self._queue("remove", [key], HOST)
+            if in_g3:
+                self._queue("remove", [key], SSD)
+            removed += int(in_g2 or in_g3)
+        self._flush_index()
+        return removed
+
+    def pin(self, keys: Sequence[bytes], pinned: bool = True) -> list[bool]:
+        """Pin keys in G2 (never evicted or demoted, skipped by remove) or unpin them.
+
+        A key held only in G3 is promoted into G2 to be pinned (``False`` when G2 has no free
+        or evictable slot for it); unpinning it just reports it present. Returns per key
+        whether it is present and now in the requested state.
+        """
+        done = self.arena.pin(keys, pinned)
+        missing = [i for i, ok in enumerate(done) if not ok]
+        if missing and self.ssd is not None:
+            missing_keys = [keys[i] for i in missing]
+            if pinned:
+                leased = self._promote(missing_keys)  # leased: not evicted before the pin
+                try:
+                    again = self.arena.pin(missing_keys, True)
+                finally:
+                    self.arena.release(leased)
+                self._flush_index()
+            else:
+                again = [self.ssd.contains(k) for k in missing_keys]
+            for i, ok in zip(missing, again):
+                done[i] = ok
+        return done
 
     def put_tail(self, handle: str, payload: bytes, layout: BlockLayout, num_tokens: int) -> None:
         self.tails.put_tail(handle, payload, layout, num_tokens)
@@ -173,7 +222,7 @@ class TieredNodeStore:
 
     # ---- internals --------------------------------------------------------------------------
     def _promote(self, keys: list[bytes]) -> list[int | None]:
-        """G3 → G2 for keys found on SSD; returns pinned G2 slots (None where not found, or
+        """G3 → G2 for keys found on SSD; returns leased G2 slots (None where not found, or
         all None when G2 has no free or evictable slot for them)."""
         payloads = [self.ssd.get(k) for k in keys]
         # a miss may be a corrupt or vanished block the index still lists: drop the listing
@@ -182,7 +231,7 @@ class TieredNodeStore:
         if found:
             try:
                 slots = self.arena.reserve([k for k, _ in found])
-            except ArenaFullError:  # G2 is pinned full by reads/writes in flight: no promotion
+            except ArenaFullError:  # G2 is held full by leases and pins: no promotion
                 return [None] * len(keys)
             for (key, payload), slot in zip(found, slots):
                 if slot is not None:

@@ -102,6 +102,16 @@ class BlockStore(Protocol):
         """The StatsReply fields: num_blocks, bytes_used, capacity_bytes, num_tails,
         evictions, expired_tails."""
 
+    def exists(self, keys: Sequence[bytes]) -> list[bool]:
+        """Per key, whether a keyed block is held (touching nothing)."""
+
+    def remove(self, keys: Sequence[bytes]) -> int:
+        """Drop keyed blocks, skipping pinned ones; returns how many were present."""
+
+    def pin(self, keys: Sequence[bytes], pinned: bool) -> list[bool]:
+        """Pin (never evicted until unpinned) or unpin keyed blocks; per key, whether it is
+        present and now in the requested state."""
+
 
 class _KVStoreServicer(pb_grpc.KVStoreServicer):
     def __init__(self, store: BlockStore, max_message_bytes: int):
@@ -214,6 +224,18 @@ class _KVStoreServicer(pb_grpc.KVStoreServicer):
     def Stats(self, request: pb.StatsRequest, context) -> pb.StatsReply:
         return pb.StatsReply(**self._store.stats())
 
+    def Exists(self, request: pb.KeysRequest, context) -> pb.ExistsReply:
+        return pb.ExistsReply(
+            exists=self._store_call(context, self._store.exists, list(request.keys)))
+
+    def Remove(self, request: pb.KeysRequest, context) -> pb.RemoveReply:
+        return pb.RemoveReply(
+            num_removed=self._store_call(context, self._store.remove, list(request.keys)))
+
+    def Pin(self, request: pb.PinRequest, context) -> pb.PinReply:
+        return pb.PinReply(applied=self._store_call(context, self._store.pin,
+                                                    list(request.keys), request.pinned))
+
 
 def _method_handlers(servicer: _KVStoreServicer) -> dict[str, grpc.RpcMethodHandler]:
     """The generated ``add_KVStoreServicer_to_server`` table, except that GetBlocks and
@@ -240,6 +262,15 @@ def _method_handlers(servicer: _KVStoreServicer) -> dict[str, grpc.RpcMethodHand
         "Stats": grpc.unary_unary_rpc_method_handler(
             servicer.Stats, request_deserializer=pb.StatsRequest.FromString,
             response_serializer=pb.StatsReply.SerializeToString),
+        "Exists": grpc.unary_unary_rpc_method_handler(
+            servicer.Exists, request_deserializer=pb.KeysRequest.FromString,
+            response_serializer=pb.ExistsReply.SerializeToString),
+        "Remove": grpc.unary_unary_rpc_method_handler(
+            servicer.Remove, request_deserializer=pb.KeysRequest.FromString,
+            response_serializer=pb.RemoveReply.SerializeToString),
+        "Pin": grpc.unary_unary_rpc_method_handler(
+            servicer.Pin, request_deserializer=pb.PinRequest.FromString,
+            response_serializer=pb.PinReply.SerializeToString),
     }
 
 

@@ -2,9 +2,9 @@
 (engine.core.engine_loop) runs on its own thread, the thread that also built the model.
 
 A threaded (not async) actor: `prefill` waits for its result on one of Ray's actor threads
-while the engine loop batches it with the others, so `abort`, `info` and `stats` stay
-answerable. Create it with `.options(max_concurrency=k)`, k > 1: k bounds the prefills queued
-on the engine at once.
+while the engine loop batches it with the others. Create it with `.options(max_concurrency=k)`:
+k bounds the prefills queued on the engine at once. Every other method runs in a concurrency
+group of its own ("control"), so aborts and stats are answered while k prefills wait.
 """
 
 from __future__ import annotations
@@ -26,16 +26,14 @@ from engine.tp_instance import TPInstance
 from kvstore.actor import kvstore_actor
 from kvstore.client import KVStoreClient
 from kvstore.config import KVStoreConfig, KVTransferConfig
+from kvstore.connector import create_connector, prefill_connector_names
+from kvstore.connector.base import KVConnectorContext
 from kvstore.index import open_index
 from kvstore.node_client import NodeStoreClient
 from kvstore.pool_config import KVPoolConfig
-from kvstore.publish import ArenaPublisher
 from kvstore.remote import RemoteStores
 from kvstore.transfer.peers import RayStreamPeers, register_self
-from prefill_worker.engine import PrefillEngine, PrefillKV
-from prefill_worker.kv_pusher import TorchKVPusher
-from prefill_worker.layer_streamer import LayerStreamer
-from prefill_worker.prefix_loader import PrefixLoader
+from prefill_worker.engine import PrefillEngine
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +41,7 @@ log = logging.getLogger(__name__)
 PrefillFault = Literal["layer_delay"]
 
 
-@ray.remote
+@ray.remote(concurrency_groups={"control": 2})
 class PrefillWorker:
     """One prefill instance, using its node's KV store actor. With
     engine_config.tensor_parallel_size k > 1 this actor is rank 0 of the TP instance (see
@@ -66,38 +64,31 @@ class PrefillWorker:
         node_id = ray.get_runtime_context().get_node_id()
         store = kvstore_actor(node_id, ray_namespace)
         address = ray.get(store.address.remote(), timeout=30)
-        node_client = NodeStoreClient(store, timeout)
         index = open_index(pool_config.index_url)
-        client = KVStoreClient(address, timeout_s=timeout, token=kv_config.token,
-                               tls=kv_config.tls)
+        transfer = transfer or KVTransferConfig()
         self.worker_id = worker_id
         self._fault_injection = engine_config.fault_injection
         self._layer_delay_s, self._delay_hooked = 0.0, False
-        self._peer_entry = None
-        if transfer is not None and transfer.streaming == "layer":
-            if self.tp.size == 1:
-                self._peer_entry = register_self(worker_id, ray_namespace)  # for cancels
-            else:
-                log.warning("--kv-streaming layer needs --prefill-tp 1; %s transfers whole "
-                            "requests", worker_id)
+        names = prefill_connector_names(transfer.backend, transfer.streaming, self.tp.size)
+        if transfer.streaming == "layer" and "layer" not in names:
+            log.warning("--kv-streaming layer needs --prefill-tp 1; %s transfers whole "
+                        "requests", worker_id)
+        # the decode finds this worker by id to cancel a stream it gave up
+        self._peer_entry = register_self(worker_id, ray_namespace) if "layer" in names else None
+        self.kv_address = address
+        ctx = KVConnectorContext(
+            worker_id, node_id, kv_config, transfer, engine_config.max_num_batched_tokens,
+            KVStoreClient(address, timeout_s=timeout, token=kv_config.token, tls=kv_config.tls),
+            address, NodeStoreClient(store, timeout), index,
+            RemoteStores(ray_namespace, kv_config.token, timeout, kv_config.tls),
+            RayStreamPeers(ray_namespace, timeout), ray_namespace)
 
         def build() -> PrefillEngine:  # on the engine loop's thread
             runner = ModelRunner(engine_config, tp=self.tp.group)
             self.tp.start(runner)
-            loader = PrefixLoader(node_id, index, node_client,
-                                  RemoteStores(ray_namespace, kv_config.token, timeout,
-                                               kv_config.tls), runner.wire_kv)
-            pusher = streamer = None
-            if transfer is not None and transfer.backend == "torch":
-                pusher = TorchKVPusher(transfer, kv_config.tail_ttl_s,
-                                       runner.kv_cache.device.type, token=kv_config.token)
-            if self._peer_entry is not None:
-                streamer = LayerStreamer(runner, client, address,
-                                         RayStreamPeers(ray_namespace, timeout), worker_id,
-                                         transfer.timeout_s)
-            kv = PrefillKV(client, address, node_id, ArenaPublisher(node_client), loader, index,
-                           pusher, streamer)
-            return PrefillEngine(runner, kv, worker_id, os.getpid())
+            ctx.device = runner.kv_cache.device.type
+            return PrefillEngine(runner, create_connector(names, ctx), worker_id, os.getpid(),
+                                 index, node_id)
 
         self.loop = EngineLoop(build, "prefill-engine")
         self.engine = self.loop.core
@@ -110,29 +101,36 @@ class PrefillWorker:
         yield first.result()
         yield result.result()
 
+    @ray.method(concurrency_group="control")
     def abort(self, request_id: str) -> None:
         self.engine.abort(request_id)
 
+    @ray.method(concurrency_group="control")
     def cancel_layer_stream(self, request_id: str) -> None:
         """The decode peer gave the request up (layer streaming)."""
         self.engine.cancel_layer_stream(request_id)
 
+    @ray.method(concurrency_group="control")
     def info(self) -> dict:
         return {"worker_id": self.worker_id, "pid": os.getpid(), "role": "prefill",
-                "node_id": self.engine.kv.node_id, "kv_address": self.engine.kv_address,
+                "node_id": self.engine.node_id,
+                "kv_address": self.kv_address,
                 "tp_size": self.tp.size}
 
+    @ray.method(concurrency_group="control")
     def tp_info(self) -> dict:
         """This rank's and the followers' (pid, rank, node, KV heads), and the all-reduces
         this rank has issued."""
         runner = self.engine.runner
-        return {"ranks": [{"pid": os.getpid(), "rank": 0, "node_id": self.engine.kv.node_id,
+        return {"ranks": [{"pid": os.getpid(), "rank": 0, "node_id": self.engine.node_id,
                            "kv_heads": int(runner.kv_cache.k[0].shape[2])}] + self.tp.info(),
                 "num_all_reduces": runner.tp.num_all_reduces}
 
+    @ray.method(concurrency_group="control")
     def stats(self) -> dict:
         return self.engine.stats()
 
+    @ray.method(concurrency_group="control")
     def inject_fault(self, fault: PrefillFault, value: float) -> None:
         """Slow this worker down on purpose, for fault tests of a running cluster.
 
@@ -150,6 +148,7 @@ class PrefillWorker:
             for layer in self.engine.runner.model.model.layers:
                 layer.register_forward_hook(lambda *_: time.sleep(self._layer_delay_s))
 
+    @ray.method(concurrency_group="control")
     def reset_prefix_cache(self) -> bool:
         """Drop this worker's G1 prefix cache (vLLM's reset_prefix_cache); False, changing
         nothing, while a prefill holds blocks."""

@@ -1,8 +1,8 @@
 """G2 (host DRAM) tier: one preallocated shared-memory arena per node (DESIGN.md "Tiers").
 
 ``owner.HostArena`` lives in the node's KV store actor and holds the metadata (key -> slot, LRU,
-pins); ``view.ArenaView`` is a worker's direct mapping of the same bytes. Only keys and slot
-numbers cross RPC.
+leases, pins); ``view.ArenaView`` is a worker's direct mapping of the same bytes. Only keys and
+slot numbers cross RPC.
 
 Light re-exports only: importing ``kvstore.arena`` does not import torch (the owner needs none);
 import ``ArenaView`` from ``kvstore.arena.view``.

@@ -2,23 +2,25 @@
 
 from __future__ import annotations
 
-from kvstore.errors import KVStoreError
+from kvstore.errors import KVStoreError, StoreCapacityError
 
 
-class ArenaFullError(KVStoreError):
-    """``reserve`` needs more slots than are free or evictable: every other slot is pinned.
+class ArenaFullError(StoreCapacityError):
+    """``reserve`` needs more slots than are free or evictable: every other slot is leased (a
+    read or write in flight) or pinned. A StoreCapacityError, as the gRPC service reports it.
 
     Nothing was evicted or reserved by the failing call.
 
     Attributes:
         needed: slots the call needed (keys not yet present, duplicates counted once).
-        available: free slots plus stored unpinned (evictable) slots at the time of the call.
+        available: free slots plus evictable (stored, unleased, unpinned) slots at the time
+            of the call.
     """
 
     def __init__(self, needed: int, available: int):
         super().__init__(
             f"host arena full: {needed} slots needed, {available} free or evictable "
-            "(the rest are pinned by reads or writes in flight)"
+            "(the rest are leased by reads or writes in flight, or pinned)"
         )
         self.needed = needed
         self.available = available

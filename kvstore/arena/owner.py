@@ -1,7 +1,7 @@
 """G2 (host DRAM) tier, owner side: one preallocated shared-memory arena per node.
 
 The node's KV store actor owns a :class:`HostArena`: it creates the POSIX shared-memory segment
-and keeps all metadata (key -> slot, LRU order, pins). Workers on the node attach with
+and keeps all metadata (key -> slot, LRU order, leases, pins). Workers on the node attach with
 :class:`kvstore.arena.view.ArenaView` and move bytes themselves; only keys and slot numbers cross
 RPC. Evicted blocks are handed to ``on_evict`` so the store
 can demote them to G3 (SSD) before the slot is reused.
@@ -11,15 +11,21 @@ Segment layout (``num_slots`` fixed-size slots, one KV block each, all layers, r
     offset 0        block_nbytes     2*block_nbytes          num_slots*block_nbytes
     | slot 0        | slot 1         | ...                   |
 
-Slot lifecycle (lease semantics: a pinned slot is never evicted or reused)::
+Slot lifecycle (lease semantics: a leased slot is never evicted or reused)::
 
-    free --reserve--> writing --commit--> stored, in LRU <--release (last pin)--+
-     ^  ^  (pinned,      |                 |      |                              |
-     |  |  invisible)    |                 |      +--acquire--> stored, pinned --+
-     |  +-----abort------+                 |                    (not in LRU)
-     +------evict (LRU head) or remove-----+
+    free --reserve--> writing --commit--> stored, in LRU <--release (last lease)--+
+     ^  ^  (leased,      |                 |      |                                |
+     |  |  invisible)    |                 |      +--acquire--> stored, leased ----+
+     |  +-----abort------+                 |      |             (not in LRU)
+     +------evict (LRU head) or remove-----+      +--pin------> stored, pinned --+
+                                                  ^             (not in LRU)     |
+                                                  +------------unpin-------------+
 
-``remove`` of a pinned key unindexes it at once; its slot becomes free at its last release.
+Leases are short (one read or write in flight, counted per slot); a pin is the store's
+``pin``: it holds a stored block in the arena, never evicted (so never demoted), until unpinned.
+A slot is in the LRU only while stored, unleased and unpinned. ``remove`` of a leased key
+unindexes it at once, its slot becomes free at its last release; ``remove`` of a pinned key
+does nothing (as Mooncake Store refuses to remove a leased object).
 Eviction takes the least recently committed or released block first (Mooncake FAST'25 §4 uses
 LRU for the DRAM pool); the LRU is ``kvstore.free_queue.FreeBlockQueue`` over slot numbers.
 
@@ -47,7 +53,8 @@ EvictCallback = Callable[[bytes, memoryview], None]
 @dataclass(frozen=True)
 class ArenaStats:
     """Counters of one arena. Slots are ``block_nbytes`` each; ``num_used`` counts writing,
-    stored and removed-but-still-pinned slots; ``hits``/``misses`` count ``acquire`` keys."""
+    stored and removed-but-still-leased slots; ``num_pinned`` counts slots that are neither free
+    nor evictable (leased or pinned); ``hits``/``misses`` count ``acquire`` keys."""
 
     num_slots: int
     num_used: int
@@ -109,9 +116,10 @@ class HostArena:
         self._stored: dict[bytes, int] = {}  # visible keys
         self._writing: dict[bytes, int] = {}  # reserved, not yet committed
         self._slot_key: list[bytes | None] = [None] * num_slots  # None = free
-        self._pins = [0] * num_slots
+        self._leases = [0] * num_slots
+        self._pinned = [False] * num_slots  # only stored slots are pinned
         self._free = list(range(num_slots - 1, -1, -1))  # stack: slot 0 is taken first
-        self._lru = FreeBlockQueue(num_slots, fill=False)  # stored and unpinned slots
+        self._lru = FreeBlockQueue(num_slots, fill=False)  # stored, unleased, unpinned slots
         self._num_pinned = 0
         self._evictions = self._hits = self._misses = 0
 
@@ -138,11 +146,11 @@ class HostArena:
     # -- leases ------------------------------------------------------------------------------
 
     def reserve(self, keys: Sequence[bytes]) -> list[int | None]:
-        """Slots to write ``keys`` into, pinned until :meth:`commit` or :meth:`abort`.
+        """Slots to write ``keys`` into, leased until :meth:`commit` or :meth:`abort`.
 
         Returns, per key, a slot, or ``None`` when the key is already stored, already being
         written under another lease, or repeated earlier in ``keys``. Takes free slots first,
-        then evicts least recently used unpinned blocks (each passed to ``on_evict`` first).
+        then evicts least recently used evictable blocks (each passed to ``on_evict`` first).
 
         Raises:
             ArenaFullError: fewer free + evictable slots than new keys; nothing is changed.
@@ -165,7 +173,7 @@ class HostArena:
                     slot = self._take_slot()
                     self._slot_key[slot] = key
                     self._writing[key] = slot
-                    self._pin(slot)
+                    self._lease(slot)
                     reserved.append(slot)
                     out[i] = slot
             except BaseException:
@@ -174,7 +182,8 @@ class HostArena:
             return out
 
     def commit(self, keys: Sequence[bytes], slots: Sequence[int | None]) -> None:
-        """Make written slots visible under their keys and unpin them (they join the LRU tail).
+        """Make written slots visible under their keys and end their leases (they join the LRU
+        tail).
 
         ``slots`` is :meth:`reserve`'s answer for ``keys``; ``None`` entries are skipped.
 
@@ -192,7 +201,7 @@ class HostArena:
             for key, slot in pairs:
                 del self._writing[key]
                 self._stored[key] = slot
-                self._unpin(slot)
+                self._end_lease(slot)
 
     def abort(self, slots: Sequence[int | None]) -> None:
         """Free reserved slots without storing them (a failed write). ``None`` entries are
@@ -210,9 +219,9 @@ class HostArena:
             self._abort_locked(todo)
 
     def acquire(self, keys: Sequence[bytes]) -> list[int | None]:
-        """Pin the slots of stored ``keys`` for reading; ``None`` for a miss.
+        """Lease the slots of stored ``keys`` for reading; ``None`` for a miss.
 
-        Each returned slot must be given back with :meth:`release`; while pinned it is neither
+        Each returned slot must be given back with :meth:`release`; while leased it is neither
         evicted nor reused. A key being written (reserved, not committed) is a miss.
         """
         with self._lock:
@@ -224,15 +233,14 @@ class HostArena:
                     self._misses += 1
                 else:
                     self._hits += 1
-                    if self._pins[slot] == 0:
-                        self._lru.remove(slot)
-                    self._pin(slot)
+                    self._lease(slot)
                 out.append(slot)
             return out
 
     def release(self, slots: Sequence[int | None]) -> None:
-        """Unpin slots from :meth:`acquire` (a slot acquired twice is released twice). An
-        unpinned stored slot moves to the LRU tail (most recently used). ``None`` is skipped.
+        """End read leases from :meth:`acquire` (a slot acquired twice is released twice). A
+        stored slot left unleased and unpinned moves to the LRU tail (most recently used).
+        ``None`` is skipped.
 
         Raises:
             ValueError: a slot is released more often than acquired, or is a write lease
@@ -242,13 +250,13 @@ class HostArena:
             self._check_open()
             counts = Counter(s for s in slots if s is not None)
             for slot, n in counts.items():
-                if not 0 <= slot < self._num_slots or self._pins[slot] < n:
+                if not 0 <= slot < self._num_slots or self._leases[slot] < n:
                     raise ValueError(f"slot {slot} released more often than acquired")
                 if self._is_writing(slot):
                     raise ValueError(f"slot {slot} is a write lease; commit or abort it")
             for slot, n in counts.items():
                 for _ in range(n):
-                    self._unpin(slot)
+                    self._end_lease(slot)
 
     # -- index -------------------------------------------------------------------------------
 
@@ -257,18 +265,49 @@ class HostArena:
         with self._lock:
             return key in self._stored
 
+    def is_pinned(self, key: bytes) -> bool:
+        """Whether ``key`` is stored and pinned (:meth:`pin`)."""
+        with self._lock:
+            slot = self._stored.get(key)
+            return slot is not None and self._pinned[slot]
+
     def remove(self, key: bytes) -> bool:
-        """Drop a stored key; ``False`` if it was not stored. A pinned slot is unindexed now
-        and freed at its last release."""
+        """Drop a stored key; ``False`` if it was not stored, or is pinned (then it stays). A
+        leased slot is unindexed now and freed at its last release."""
         with self._lock:
             self._check_open()
-            slot = self._stored.pop(key, None)
-            if slot is None:
+            slot = self._stored.get(key)
+            if slot is None or self._pinned[slot]:
                 return False
-            if self._pins[slot] == 0:
+            del self._stored[key]
+            if self._leases[slot] == 0:
                 self._lru.remove(slot)
                 self._free_slot(slot)
             return True
+
+    def pin(self, keys: Sequence[bytes], pinned: bool = True) -> list[bool]:
+        """Pin (``pinned=True``) or unpin stored ``keys``; returns per key whether it is stored
+        (and so now in the requested state). Idempotent: a pin is a flag, not a count.
+
+        A pinned block leaves the LRU: it is never evicted, hence never demoted, and
+        :meth:`remove` keeps it. Unpinned, it joins the LRU tail (most recently used). While
+        pins and leases hold every slot, :meth:`reserve` raises ArenaFullError. O(1) per key.
+        """
+        with self._lock:
+            self._check_open()
+            out: list[bool] = []
+            for key in keys:
+                slot = self._stored.get(key)
+                out.append(slot is not None)
+                if slot is None or self._pinned[slot] == pinned:
+                    continue
+                if pinned:
+                    self._hold(slot)
+                    self._pinned[slot] = True
+                else:
+                    self._pinned[slot] = False
+                    self._settle(slot)
+            return out
 
     def keys(self) -> list[bytes]:
         """Stored keys, in no particular order."""
@@ -354,23 +393,39 @@ class HostArena:
             key = self._slot_key[slot]
             assert key is not None
             del self._writing[key]
-            self._unpin(slot)
+            self._end_lease(slot)
 
-    def _pin(self, slot: int) -> None:
-        if self._pins[slot] == 0:
-            self._num_pinned += 1
-        self._pins[slot] += 1
+    def _held(self, slot: int) -> bool:
+        return self._leases[slot] > 0 or self._pinned[slot]
 
-    def _unpin(self, slot: int) -> None:
-        self._pins[slot] -= 1
-        if self._pins[slot]:
+    def _hold(self, slot: int) -> None:
+        """Before a slot gets its first lease or pin: it leaves the LRU (a stored slot is in
+        the LRU exactly when it is not held; a fresh or writing slot never is)."""
+        if self._held(slot):
+            return
+        self._num_pinned += 1
+        if slot in self._lru:
+            self._lru.remove(slot)
+
+    def _settle(self, slot: int) -> None:
+        """After a lease or pin ends: a slot no longer held joins the LRU tail if stored, else
+        (aborted, or removed while leased) it is freed."""
+        if self._held(slot):
             return
         self._num_pinned -= 1
         key = self._slot_key[slot]
         if key is not None and self._stored.get(key) == slot:
             self._lru.append(slot)
-        else:  # aborted, or removed while pinned
+        else:
             self._free_slot(slot)
+
+    def _lease(self, slot: int) -> None:
+        self._hold(slot)
+        self._leases[slot] += 1
+
+    def _end_lease(self, slot: int) -> None:
+        self._leases[slot] -= 1
+        self._settle(slot)
 
     def _free_slot(self, slot: int) -> None:
         self._slot_key[slot] = None

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bkvstore/proto/kvstore.proto\x12\x14pdcluster.kvstore.v1\"+\n\x0b\x42lockLayout\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\"\xc0\x01\n\tBlockData\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\x12\x0e\n\x06handle\x18\x02 \x01(\t\x12\x31\n\x06layout\x18\x03 \x01(\x0b\x32!.pdcluster.kvstore.v1.BlockLayout\x12\x0f\n\x07payload\x18\x04 \x01(\x0c\x12\x12\n\nnum_tokens\x18\x05 \x01(\x05\x12\x0c\n\x04last\x18\x06 \x01(\x08\x12/\n\x05\x65rror\x18\x07 \x01(\x0b\x32 .pdcluster.kvstore.v1.FetchError\"<\n\nFetchError\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0f\n\x07\x64\x65tails\x18\x02 \x01(\t\x12\x0f\n\x07missing\x18\x03 \x03(\x0c\"\x1e\n\x08PutReply\x12\x12\n\nnum_blocks\x18\x01 \x01(\x03\"9\n\x10GetBlocksRequest\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\x12\x17\n\x0fmax_chunk_bytes\x18\x02 \x01(\x03\"\x1d\n\x0bTailRequest\x12\x0e\n\x06handle\x18\x01 \x01(\t\"$\n\x10ReleaseTailReply\x12\x10\n\x08released\x18\x01 \x01(\x08\"\x0e\n\x0cStatsRequest\"\x89\x01\n\nStatsReply\x12\x12\n\nnum_blocks\x18\x01 \x01(\x03\x12\x12\n\nbytes_used\x18\x02 \x01(\x03\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x03 \x01(\x03\x12\x11\n\tnum_tails\x18\x04 \x01(\x03\x12\x11\n\tevictions\x18\x05 \x01(\x03\x12\x15\n\rexpired_tails\x18\x06 \x01(\x03\x32\xd2\x04\n\x07KVStore\x12N\n\tPutBlocks\x12\x1f.pdcluster.kvstore.v1.BlockData\x1a\x1e.pdcluster.kvstore.v1.PutReply(\x01\x12V\n\tGetBlocks\x12&.pdcluster.kvstore.v1.GetBlocksRequest\x1a\x1f.pdcluster.kvstore.v1.BlockData0\x01\x12Z\n\x0b\x46\x65tchBlocks\x12&.pdcluster.kvstore.v1.GetBlocksRequest\x1a\x1f.pdcluster.kvstore.v1.BlockData(\x01\x30\x01\x12J\n\x07PutTail\x12\x1f.pdcluster.kvstore.v1.BlockData\x1a\x1e.pdcluster.kvstore.v1.PutReply\x12N\n\x08TakeTail\x12!.pdcluster.kvstore.v1.TailRequest\x1a\x1f.pdcluster.kvstore.v1.BlockData\x12X\n\x0bReleaseTail\x12!.pdcluster.kvstore.v1.TailRequest\x1a&.pdcluster.kvstore.v1.ReleaseTailReply\x12M\n\x05Stats\x12\".pdcluster.kvstore.v1.StatsRequest\x1a .pdcluster.kvstore.v1.StatsReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bkvstore/proto/kvstore.proto\x12\x14pdcluster.kvstore.v1\"+\n\x0b\x42lockLayout\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\"\xc0\x01\n\tBlockData\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\x12\x0e\n\x06handle\x18\x02 \x01(\t\x12\x31\n\x06layout\x18\x03 \x01(\x0b\x32!.pdcluster.kvstore.v1.BlockLayout\x12\x0f\n\x07payload\x18\x04 \x01(\x0c\x12\x12\n\nnum_tokens\x18\x05 \x01(\x05\x12\x0c\n\x04last\x18\x06 \x01(\x08\x12/\n\x05\x65rror\x18\x07 \x01(\x0b\x32 .pdcluster.kvstore.v1.FetchError\"<\n\nFetchError\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0f\n\x07\x64\x65tails\x18\x02 \x01(\t\x12\x0f\n\x07missing\x18\x03 \x03(\x0c\"\x1e\n\x08PutReply\x12\x12\n\nnum_blocks\x18\x01 \x01(\x03\"9\n\x10GetBlocksRequest\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\x12\x17\n\x0fmax_chunk_bytes\x18\x02 \x01(\x03\"\x1d\n\x0bTailRequest\x12\x0e\n\x06handle\x18\x01 \x01(\t\"$\n\x10ReleaseTailReply\x12\x10\n\x08released\x18\x01 \x01(\x08\"\x1b\n\x0bKeysRequest\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\"\x1d\n\x0b\x45xistsReply\x12\x0e\n\x06\x65xists\x18\x01 \x03(\x08\"\"\n\x0bRemoveReply\x12\x13\n\x0bnum_removed\x18\x01 \x01(\x03\"*\n\nPinRequest\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\x12\x0e\n\x06pinned\x18\x02 \x01(\x08\"\x1b\n\x08PinReply\x12\x0f\n\x07\x61pplied\x18\x01 \x03(\x08\"\x0e\n\x0cStatsRequest\"\x89\x01\n\nStatsReply\x12\x12\n\nnum_blocks\x18\x01 \x01(\x03\x12\x12\n\nbytes_used\x18\x02 \x01(\x03\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x03 \x01(\x03\x12\x11\n\tnum_tails\x18\x04 \x01(\x03\x12\x11\n\tevictions\x18\x05 \x01(\x03\x12\x15\n\rexpired_tails\x18\x06 \x01(\x03\x32\xbb\x06\n\x07KVStore\x12N\n\tPutBlocks\x12\x1f.pdcluster.kvstore.v1.BlockData\x1a\x1e.pdcluster.kvstore.v1.PutReply(\x01\x12V\n\tGetBlocks\x12&.pdcluster.kvstore.v1.GetBlocksRequest\x1a\x1f.pdcluster.kvstore.v1.BlockData0\x01\x12Z\n\x0b\x46\x65tchBlocks\x12&.pdcluster.kvstore.v1.GetBlocksRequest\x1a\x1f.pdcluster.kvstore.v1.BlockData(\x01\x30\x01\x12J\n\x07PutTail\x12\x1f.pdcluster.kvstore.v1.BlockData\x1a\x1e.pdcluster.kvstore.v1.PutReply\x12N\n\x08TakeTail\x12!.pdcluster.kvstore.v1.TailRequest\x1a\x1f.pdcluster.kvstore.v1.BlockData\x12X\n\x0bReleaseTail\x12!.pdcluster.kvstore.v1.TailRequest\x1a&.pdcluster.kvstore.v1.ReleaseTailReply\x12M\n\x05Stats\x12\".pdcluster.kvstore.v1.StatsRequest\x1a .pdcluster.kvstore.v1.StatsReply\x12N\n\x06\x45xists\x12!.pdcluster.kvstore.v1.KeysRequest\x1a!.pdcluster.kvstore.v1.ExistsReply\x12N\n\x06Remove\x12!.pdcluster.kvstore.v1.KeysRequest\x1a!.pdcluster.kvstore.v1.RemoveReply\x12G\n\x03Pin\x12 .pdcluster.kvstore.v1.PinRequest\x1a\x1e.pdcluster.kvstore.v1.PinReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -45,10 +45,20 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TAILREQUEST']._serialized_end=475
   _globals['_RELEASETAILREPLY']._serialized_start=477
   _globals['_RELEASETAILREPLY']._serialized_end=513
-  _globals['_STATSREQUEST']._serialized_start=515
-  _globals['_STATSREQUEST']._serialized_end=529
-  _globals['_STATSREPLY']._serialized_start=532
-  _globals['_STATSREPLY']._serialized_end=669
-  _globals['_KVSTORE']._serialized_start=672
-  _globals['_KVSTORE']._serialized_end=1266
+  _globals['_KEYSREQUEST']._serialized_start=515
+  _globals['_KEYSREQUEST']._serialized_end=542
+  _globals['_EXISTSREPLY']._serialized_start=544
+  _globals['_EXISTSREPLY']._serialized_end=573
+  _globals['_REMOVEREPLY']._serialized_start=575
+  _globals['_REMOVEREPLY']._serialized_end=609
+  _globals['_PINREQUEST']._serialized_start=611
+  _globals['_PINREQUEST']._serialized_end=653
+  _globals['_PINREPLY']._serialized_start=655
+  _globals['_PINREPLY']._serialized_end=682
+  _globals['_STATSREQUEST']._serialized_start=684
+  _globals['_STATSREQUEST']._serialized_end=698
+  _globals['_STATSREPLY']._serialized_start=701
+  _globals['_STATSREPLY']._serialized_end=838
+  _globals['_KVSTORE']._serialized_start=841
+  _globals['_KVSTORE']._serialized_end=1668
 # @@protoc_insertion_point(module_scope)

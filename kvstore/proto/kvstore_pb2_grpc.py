@@ -69,6 +69,21 @@ class KVStoreStub:
                 request_serializer=kvstore_dot_proto_dot_kvstore__pb2.StatsRequest.SerializeToString,
                 response_deserializer=kvstore_dot_proto_dot_kvstore__pb2.StatsReply.FromString,
                 _registered_method=True)
+        self.Exists = channel.unary_unary(
+                '/pdcluster.kvstore.v1.KVStore/Exists',
+                request_serializer=kvstore_dot_proto_dot_kvstore__pb2.KeysRequest.SerializeToString,
+                response_deserializer=kvstore_dot_proto_dot_kvstore__pb2.ExistsReply.FromString,
+                _registered_method=True)
+        self.Remove = channel.unary_unary(
+                '/pdcluster.kvstore.v1.KVStore/Remove',
+                request_serializer=kvstore_dot_proto_dot_kvstore__pb2.KeysRequest.SerializeToString,
+                response_deserializer=kvstore_dot_proto_dot_kvstore__pb2.RemoveReply.FromString,
+                _registered_method=True)
+        self.Pin = channel.unary_unary(
+                '/pdcluster.kvstore.v1.KVStore/Pin',
+                request_serializer=kvstore_dot_proto_dot_kvstore__pb2.PinRequest.SerializeToString,
+                response_deserializer=kvstore_dot_proto_dot_kvstore__pb2.PinReply.FromString,
+                _registered_method=True)
 
 
 class KVStoreServicer:
@@ -124,6 +139,27 @@ class KVStoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Exists(self, request, context):
+        """The node store facade's key-level calls (kvstore/node_store_api.py): whether keys are
+        held; drop keys from every tier and the global index (a pinned key is skipped); pin keys
+        in host DRAM, never evicted or demoted until unpinned (an SSD block is promoted first).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Remove(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Pin(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVStoreServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -161,6 +197,21 @@ def add_KVStoreServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=kvstore_dot_proto_dot_kvstore__pb2.StatsRequest.FromString,
                     response_serializer=kvstore_dot_proto_dot_kvstore__pb2.StatsReply.SerializeToString,
+            ),
+            'Exists': grpc.unary_unary_rpc_method_handler(
+                    servicer.Exists,
+                    request_deserializer=kvstore_dot_proto_dot_kvstore__pb2.KeysRequest.FromString,
+                    response_serializer=kvstore_dot_proto_dot_kvstore__pb2.ExistsReply.SerializeToString,
+            ),
+            'Remove': grpc.unary_unary_rpc_method_handler(
+                    servicer.Remove,
+                    request_deserializer=kvstore_dot_proto_dot_kvstore__pb2.KeysRequest.FromString,
+                    response_serializer=kvstore_dot_proto_dot_kvstore__pb2.RemoveReply.SerializeToString,
+            ),
+            'Pin': grpc.unary_unary_rpc_method_handler(
+                    servicer.Pin,
+                    request_deserializer=kvstore_dot_proto_dot_kvstore__pb2.PinRequest.FromString,
+                    response_serializer=kvstore_dot_proto_dot_kvstore__pb2.PinReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -352,6 +403,87 @@ class KVStore:
             '/pdcluster.kvstore.v1.KVStore/Stats',
             kvstore_dot_proto_dot_kvstore__pb2.StatsRequest.SerializeToString,
             kvstore_dot_proto_dot_kvstore__pb2.StatsReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Exists(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdcluster.kvstore.v1.KVStore/Exists',
+            kvstore_dot_proto_dot_kvstore__pb2.KeysRequest.SerializeToString,
+            kvstore_dot_proto_dot_kvstore__pb2.ExistsReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Remove(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdcluster.kvstore.v1.KVStore/Remove',
+            kvstore_dot_proto_dot_kvstore__pb2.KeysRequest.SerializeToString,
+            kvstore_dot_proto_dot_kvstore__pb2.RemoveReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Pin(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdcluster.kvstore.v1.KVStore/Pin',
+            kvstore_dot_proto_dot_kvstore__pb2.PinRequest.SerializeToString,
+            kvstore_dot_proto_dot_kvstore__pb2.PinReply.FromString,
             options,
             channel_credentials,
             insecure,

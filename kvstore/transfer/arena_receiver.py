@@ -46,7 +46,7 @@ class ArenaReceiver(KVReceiver):
             keys = list(request.keys)
             if keys:
                 out = torch.empty((len(keys), *dest.block_shape), dtype=dest.dtype)
-                tiers = self._node_client.read(keys, out)
+                tiers = self._node_client.get(keys, out)
                 missing = [k for k, t in zip(keys, tiers) if t is None]
                 if missing:
                     raise BlockNotFoundError(f"{len(missing)} of {len(keys)} blocks left this "

@@ -18,8 +18,8 @@ from engine.protocol import DecodeRequest, FinishReason, PrefillRequest, Samplin
 from engine.runner import ModelRunner
 from kvstore.client import KVStoreClient
 from kvstore.config import KVStoreConfig
-from kvstore.publish import GrpcPublisher
-from prefill_worker.engine import PrefillEngine, PrefillKV
+from kvstore.connector.pool import PoolConnector
+from prefill_worker.engine import PrefillEngine
 from tests.kvstore.lru_block_store import lru_server
 from tests.engine_loops import started, stop
 
@@ -53,9 +53,9 @@ def engines(eos_model_dir):
     server.stop()
 
 
-def grpc_kv(client: KVStoreClient, address: str) -> PrefillKV:
+def grpc_kv(client: KVStoreClient, address: str) -> PoolConnector:
     """A store in this process, reached over gRPC (no Ray, no arena, no cluster index)."""
-    return PrefillKV(client, address, "local-node", GrpcPublisher(client))
+    return PoolConnector("local-node", client, address, client)
 
 
 def decode_all(decode: DecodeEngine, request: DecodeRequest) -> list:
@@ -129,7 +129,7 @@ def test_cache_salt_isolates_tenants(engines, hf):
     assert a.num_cached_tokens == 0 and b.num_cached_tokens == 0 and a2.num_cached_tokens > 0
     assert set(a.block_keys).isdisjoint(b.block_keys)
     for r in (a, b, a2):
-        prefill.kv_client.release_tail(r.tail_handle)
+        prefill.connector.store_client.release_tail(r.tail_handle)
 
 
 def test_prefix_caching_switch_off_recomputes(engines, eos_model_dir, hf):
@@ -137,7 +137,7 @@ def test_prefix_caching_switch_off_recomputes(engines, eos_model_dir, hf):
     config = EngineConfig(model=str(eos_model_dir), num_kv_blocks=64,
                           enable_prefix_caching=False)
     off = started(lambda: PrefillEngine(ModelRunner(config),
-                                        grpc_kv(prefill.kv_client, prefill.kv_address), "off", 0))
+                                        grpc_kv(prefill.connector.store_client, prefill.connector.store_address), "off", 0))
     prompt = hf.encode("Once upon a time, there was a girl who liked to read books about cats.")
     params = SamplingParams(max_tokens=2, temperature=0)
     results = [off.prefill(PrefillRequest(f"off-{i}", tuple(prompt), params)) for i in range(2)]
@@ -145,7 +145,7 @@ def test_prefix_caching_switch_off_recomputes(engines, eos_model_dir, hf):
     assert off.stats()["num_prefill_tokens_total"] == 2 * len(prompt)
     assert results[0].first_token == results[1].first_token == hf.greedy(prompt, 1)[0]
     for r in results:
-        off.kv_client.release_tail(r.tail_handle)
+        off.connector.store_client.release_tail(r.tail_handle)
 
 
 def test_chunked_prefill_equals_unchunked(engines, eos_model_dir, hf):
@@ -158,11 +158,11 @@ def test_chunked_prefill_equals_unchunked(engines, eos_model_dir, hf):
     chunked_config = EngineConfig(model=str(eos_model_dir), num_kv_blocks=64,
                                   max_num_batched_tokens=64, enable_prefix_caching=False)
     chunked = started(lambda: PrefillEngine(ModelRunner(chunked_config),
-                                            grpc_kv(prefill.kv_client, prefill.kv_address),
+                                            grpc_kv(prefill.connector.store_client, prefill.connector.store_address),
                                             "chunked", 0))
     whole_config = chunked_config.model_copy(update={"max_num_batched_tokens": 512})
     whole = started(lambda: PrefillEngine(ModelRunner(whole_config),
-                                          grpc_kv(prefill.kv_client, prefill.kv_address),
+                                          grpc_kv(prefill.connector.store_client, prefill.connector.store_address),
                                           "whole", 0))
     a = chunked.prefill(PrefillRequest("chunked", tuple(prompt), params))
     b = whole.prefill(PrefillRequest("whole", tuple(prompt), params))
@@ -180,7 +180,7 @@ def test_chunked_prefill_equals_unchunked(engines, eos_model_dir, hf):
         stop(decode)
     assert got == hf.greedy(prompt, 12, eos_token_id=[1, 2])
     for r in (a, b):
-        prefill.kv_client.release_tail(r.tail_handle)
+        prefill.connector.store_client.release_tail(r.tail_handle)
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
@@ -275,10 +275,10 @@ def test_concurrent_prefills_share_steps_and_outputs_are_unchanged(engines, eos_
     prefill, _ = engines
     config = EngineConfig(model=str(eos_model_dir), num_kv_blocks=128,
                           max_num_batched_tokens=512, enable_prefix_caching=False)
-    shared = PrefillEngine(ModelRunner(config), grpc_kv(prefill.kv_client, prefill.kv_address),
+    shared = PrefillEngine(ModelRunner(config), grpc_kv(prefill.connector.store_client, prefill.connector.store_address),
                            "batched", 0)
     alone = started(lambda: PrefillEngine(ModelRunner(config),
-                                          grpc_kv(prefill.kv_client, prefill.kv_address),
+                                          grpc_kv(prefill.connector.store_client, prefill.connector.store_address),
                                           "alone", 0))
     stories = ["a big dog named Max", "a little cat named Sue", "a red ball in the park",
                "a girl who liked to sing", "a tall tree by the river", "a boy and his kite"]
@@ -307,7 +307,7 @@ def test_concurrent_prefills_share_steps_and_outputs_are_unchanged(engines, eos_
         assert got.first_token == want.first_token == hf.greedy(prompt, 1)[0]
         assert got.first_logprob.logprob == pytest.approx(want.first_logprob.logprob, abs=1e-5)
         # the last (partial) block's KV depends on every earlier token through every layer
-        (kv_got, n_got), (kv_want, n_want) = (prefill.kv_client.take_tail(r.tail_handle)
+        (kv_got, n_got), (kv_want, n_want) = (prefill.connector.store_client.take_tail(r.tail_handle)
                                               for r in (got, want))
         assert n_got == n_want == len(prompt) % 16
         assert (kv_got - kv_want).abs().max() < 1e-4

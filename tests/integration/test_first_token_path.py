@@ -23,9 +23,8 @@ from kvstore.client import KVStoreClient
 from kvstore.config import KVStoreConfig
 from kvstore.events import BlockStored
 from kvstore.index import Location, MemoryIndex
-from kvstore.publish import GrpcPublisher
-from prefill_worker.engine import PrefillEngine, PrefillKV
-from prefill_worker.prefix_loader import PrefixLoader
+from kvstore.connector.pool import PoolConnector
+from prefill_worker.engine import PrefillEngine
 from router.conductor import Conductor, PrefixKeyer, RouteRequest
 from router.cost_model import DEFAULT_COST_MODEL, load_cost_model
 from router.policies import DEFAULT_POLICY
@@ -71,18 +70,6 @@ class Counted:
         return call
 
 
-class StoreReader:
-    """This node's G2 as the prefix loader reads it (NodeStoreClient.read's shape), over the
-    store's gRPC API: one remote call per read, as the arena's actor call is."""
-
-    def __init__(self, client: KVStoreClient) -> None:
-        self.client = client
-
-    def read(self, keys, out):
-        out.copy_(self.client.get_blocks(list(keys)))
-        return ["host"] * len(keys)
-
-
 @pytest.fixture(scope="module")
 def world():
     server = lru_server(KVStoreConfig())
@@ -94,13 +81,9 @@ def world():
 
     def build():
         runner = ModelRunner(EngineConfig(num_kv_blocks=128))
-        loader = PrefixLoader(NODE, Counted(index, "index", calls),
-                              Counted(StoreReader(client), "node_store", calls), None,
-                              runner.wire_kv)
-        kv = PrefillKV(Counted(client, "kv_store", calls), server.address, NODE,
-                       Counted(GrpcPublisher(client), "publisher", calls), loader,
-                       Counted(index, "index", calls))
-        return PrefillEngine(runner, kv, "p0", 0)
+        pool = PoolConnector(NODE, Counted(client, "kv_store", calls), server.address,
+                             Counted(client, "node_store", calls), Counted(index, "index", calls))
+        return PrefillEngine(runner, pool, "p0", 0, Counted(index, "index", calls), NODE)
 
     engine = started(build)
     loads = LedgerLoads(load_cost_model(DEFAULT_COST_MODEL))
@@ -137,7 +120,7 @@ def test_a_cold_request_waits_on_the_index_lookup_and_the_prefill_call_only(worl
     assert before == ["index.longest_prefix"]  # the Conductor's; the worker asks nothing
     assert len(before) + ACTOR_CALLS <= 3
     # publishing did happen, after the first token: blocks, tail, G1 events
-    assert {"publisher.publish", "kv_store.put_tail", "index.apply_events"} <= set(after)
+    assert {"node_store.put", "kv_store.put_tail", "index.apply_events"} <= set(after)
     assert first.token == result.first_token == hf.greedy(prompt, 1)[0]
     world[3].release_tail(result.tail_handle)
 
@@ -155,7 +138,7 @@ def test_a_planned_prefix_load_is_the_third_call(world, hf):
     index.apply_events(Location(NODE, "host"), [BlockStored(warm.block_keys)])
     prompt = base + hf.encode(" Max was happy.", add_special_tokens=False)
     before, _, result, first = first_token_calls(world, "warm-1", prompt)
-    assert before == ["index.longest_prefix", "node_store.read"]
+    assert before == ["index.longest_prefix", "node_store.get"]
     assert len(before) + ACTOR_CALLS <= 3
     assert result.num_cached_tokens == len(warm.block_keys) * 16 > 0
     assert first.token == hf.greedy(prompt, 1)[0]

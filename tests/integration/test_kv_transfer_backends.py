@@ -23,11 +23,12 @@ from engine.protocol import (DecodeRequest, FinishReason, PrefillRequest, Prefil
 from engine.runner import ModelRunner
 from kvstore.client import KVStoreClient
 from kvstore.config import KVStoreConfig, KVTransferConfig
-from kvstore.publish import GrpcPublisher
+from kvstore.connector.multi import MultiConnector
+from kvstore.connector.pool import PoolConnector
+from kvstore.connector.torch_push import TorchPushConnector
 from kvstore.transfer.base import TransferState
 from kvstore.transfer.fake import FakeTransferBackend
-from prefill_worker.engine import PrefillEngine, PrefillKV
-from prefill_worker.kv_pusher import TorchKVPusher
+from prefill_worker.engine import PrefillEngine
 from tests.kvstore.lru_block_store import lru_server
 from tests.engine_loops import started, stop
 
@@ -49,12 +50,12 @@ def store():
 @pytest.fixture(scope="module")
 def prefill(store):
     server, client = store
-    pusher = TorchKVPusher(TORCH, send_deadline_s=20, device="cpu")
-    kv = PrefillKV(client, server.address, "local-node", GrpcPublisher(client), pusher=pusher)
-    engine = started(lambda: PrefillEngine(ModelRunner(EngineConfig(num_kv_blocks=128)), kv,
-                                           "prefill-0", 0))
+    connector = MultiConnector([PoolConnector("local-node", client, server.address, client),
+                                TorchPushConnector(TORCH, send_deadline_s=20, device="cpu")])
+    engine = started(lambda: PrefillEngine(ModelRunner(EngineConfig(num_kv_blocks=128)),
+                                           connector, "prefill-0", 0))
     yield engine
-    pusher.close()
+    stop(engine)
 
 
 def decode_engine(worker_id: str, transfer: KVTransferConfig | float, num_kv_blocks: int = 128,

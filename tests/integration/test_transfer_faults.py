@@ -25,12 +25,13 @@ from engine.protocol import DecodeRequest, PrefillRequest, PrefillResult, Sampli
 from engine.runner import ModelRunner
 from kvstore.client import KVStoreClient
 from kvstore.config import KVStoreConfig, KVTransferConfig
-from kvstore.publish import GrpcPublisher
+from kvstore.connector.layer_stream import LayerStreamConnector
+from kvstore.connector.multi import MultiConnector
+from kvstore.connector.pool import PoolConnector
 from kvstore.transfer.base import KVReceiver, KVTransferBackend, TransferState
 from kvstore.transfer.grpc_backend import GrpcTransferBackend
 from kvstore.transfer.peers import LocalStreamPeers
-from prefill_worker.engine import PrefillEngine, PrefillKV
-from prefill_worker.layer_streamer import LayerStreamer
+from prefill_worker.engine import PrefillEngine
 from tests.kvstore.lru_block_store import lru_server
 from tests.engine_loops import started, stop
 
@@ -92,10 +93,11 @@ def prefill(store):
     """A prefill engine that streams layers (chunks of 32 tokens) to the peer 'lost'."""
     runner = ModelRunner(EngineConfig(num_kv_blocks=128, max_num_batched_tokens=32))
     server, client = store
-    streamer = LayerStreamer(runner, client, server.address,
-                             LocalStreamPeers({"lost": _LostAnnounces()}), "prefill-f", 10)
-    kv = PrefillKV(client, server.address, "node-f", GrpcPublisher(client), streamer=streamer)
-    engine = started(lambda: PrefillEngine(runner, kv, "prefill-f", 0))
+    connector = MultiConnector([
+        PoolConnector("node-f", client, server.address, client),
+        LayerStreamConnector(client, server.address, LocalStreamPeers({"lost": _LostAnnounces()}),
+                             "prefill-f", 10, 32)])
+    engine = started(lambda: PrefillEngine(runner, connector, "prefill-f", 0))
     yield engine
     stop(engine)
 

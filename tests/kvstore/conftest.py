@@ -1,5 +1,6 @@
-"""Shared kvstore fixtures: real KV store gRPC servers (``make_server``), and a real
-``redis-server`` per test session (and fresh ones on demand) for the index tests.
+"""Shared kvstore fixtures: real KV store gRPC servers (``make_server``), a local Ray cluster
+per module (``ray_cluster``), and a real ``redis-server`` per test session (and fresh ones on
+demand) for the index tests.
 
 Started on a free port with persistence off (``--save "" --appendonly no``), bound to 127.0.0.1,
 killed at teardown. Tests needing it are skipped when the ``redis-server`` binary or redis-py
@@ -122,3 +123,17 @@ def make_server():
     yield make
     for s in servers:
         s.stop(grace=0)
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """A local Ray for the module's actors (or the one a session fixture already runs)."""
+    ray = pytest.importorskip("ray")
+    if ray.is_initialized():
+        yield
+        return
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        yield
+    finally:
+        ray.shutdown()

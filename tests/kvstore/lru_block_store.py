@@ -3,7 +3,8 @@ gRPC server without the node's shared-memory arena, SSD tier or index.
 
 Keyed blocks are Python ``bytes`` in an LRU (a second put of a key keeps the stored copy and
 only touches it); tails are the product's TailStore. Both count against one
-``capacity_bytes``; only keyed blocks are evicted, least recently put or got first.
+``capacity_bytes``; only keyed blocks are evicted, least recently put or got first, and never
+a pinned one (pins follow kvstore.node_store_api: remove skips them).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ class LRUBlockStore:
         self._blocks: OrderedDict[bytes, tuple[bytes, BlockLayout]] = OrderedDict()
         self._block_bytes = 0
         self._evictions = 0
+        self._pinned: set[bytes] = set()
 
     @classmethod
     def for_config(cls, config: KVStoreConfig) -> LRUBlockStore:
@@ -78,6 +80,28 @@ class LRUBlockStore:
         with self._lock:
             return key in self._blocks
 
+    def exists(self, keys: Sequence[bytes]) -> list[bool]:
+        with self._lock:
+            return [k in self._blocks for k in keys]
+
+    def remove(self, keys: Sequence[bytes]) -> int:
+        """Drop unpinned keys; returns how many were dropped."""
+        with self._lock:
+            removed = 0
+            for key in keys:
+                if key in self._blocks and key not in self._pinned:
+                    payload, _ = self._blocks.pop(key)
+                    self._block_bytes -= len(payload)
+                    removed += 1
+            return removed
+
+    def pin(self, keys: Sequence[bytes], pinned: bool = True) -> list[bool]:
+        with self._lock:
+            for key in keys:
+                if key in self._blocks:
+                    (self._pinned.add if pinned else self._pinned.discard)(key)
+            return [k in self._blocks for k in keys]
+
     def put_tail(self, handle: str, payload: bytes, layout: BlockLayout, num_tokens: int) -> None:
         """TailStore.put_tail, evicting keyed blocks to make room."""
         check_tail(handle, payload, layout, num_tokens)
@@ -110,14 +134,15 @@ class LRUBlockStore:
             raise StoreCapacityError(
                 f"{what} of {nbytes} bytes exceeds store capacity {self.capacity_bytes} bytes")
         tail_bytes = self.tails.stats()["bytes_used"]
-        while self._block_bytes + tail_bytes + nbytes > self.capacity_bytes and self._blocks:
-            _, (payload, _) = self._blocks.popitem(last=False)
+        while self._block_bytes + tail_bytes + nbytes > self.capacity_bytes:
+            victim = next((k for k in self._blocks if k not in self._pinned), None)  # LRU first
+            if victim is None:
+                raise StoreCapacityError(
+                    f"{what} of {nbytes} bytes does not fit: of {self.capacity_bytes} bytes, "
+                    f"{tail_bytes} are held by tails and the rest by pinned blocks")
+            payload, _ = self._blocks.pop(victim)
             self._block_bytes -= len(payload)
             self._evictions += 1
-        if self._block_bytes + tail_bytes + nbytes > self.capacity_bytes:
-            raise StoreCapacityError(
-                f"{what} of {nbytes} bytes does not fit: {tail_bytes} of "
-                f"{self.capacity_bytes} bytes are held by tails")
 
 
 def lru_server(config: KVStoreConfig | None = None, **kwargs) -> KVStoreServer:

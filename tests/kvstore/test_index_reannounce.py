@@ -102,7 +102,7 @@ def test_prefill_worker_reannounces_its_g1_blocks_after_redis_restarts_empty(
     from engine.runner import ModelRunner
     from kvstore.client import KVStoreClient
     from kvstore.config import KVStoreConfig
-    from kvstore.publish import GrpcPublisher
+    from kvstore.connector.pool import PoolConnector
     from tests.kvstore.lru_block_store import lru_server
 
     monkeypatch.setattr(prefill_engine, "INDEX_CHECK_S", 0.0)
@@ -110,10 +110,10 @@ def test_prefill_worker_reannounces_its_g1_blocks_after_redis_restarts_empty(
     server.start()
     client = KVStoreClient(server.address)
     index = open_index(fresh_redis_server.url, namespace=f"t-{uuid.uuid4().hex[:8]}")
-    kv = prefill_engine.PrefillKV(client, server.address, "node-x", GrpcPublisher(client),
-                                  index=index)
+    pool = PoolConnector("node-x", client, server.address, client)
     engine = started(lambda: prefill_engine.PrefillEngine(
-        ModelRunner(EngineConfig(model=str(BUNDLED_MODEL), num_kv_blocks=64)), kv, "p-0", 0))
+        ModelRunner(EngineConfig(model=str(BUNDLED_MODEL), num_kv_blocks=64)), pool, "p-0", 0,
+        index, "node-x"))
     mine = Location("node-x", "device", "p-0")
     params = SamplingParams(max_tokens=1, temperature=0)
     try:

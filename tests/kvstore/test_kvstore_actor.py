@@ -28,18 +28,6 @@ LAYOUT = BlockLayout("bfloat16", (2, 16, 2, 8))
 POOL = KVPoolConfig(dram_cache_bytes=1 << 20, index_url=f"ray://{NS}-index")
 
 
-@pytest.fixture(scope="module")
-def ray_cluster():
-    if ray.is_initialized():  # the session's cluster fixture already runs a local Ray
-        yield
-        return
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    try:
-        yield
-    finally:
-        ray.shutdown()
-
-
 @ray.remote(num_cpus=0)
 class FakeWorker:
     """Stands in for a prefill/decode worker: finds its node's store, moves KV over gRPC."""
@@ -141,12 +129,13 @@ class ArenaWorker:
 
         self.client = NodeStoreClient(kvstore_actor(None, NS), timeout_s=60.0)
 
-    def publish(self, keys: list[bytes], blocks: torch.Tensor) -> int:
-        return self.client.publish(keys, blocks)
+    def put(self, keys: list[bytes], blocks: torch.Tensor) -> list[bool]:
+        self.client.put(keys, blocks)
+        return self.client.exists(keys)
 
-    def read(self, keys: list[bytes]) -> tuple[torch.Tensor, list, int]:
+    def get(self, keys: list[bytes]) -> tuple[torch.Tensor, list, int]:
         out = torch.zeros((len(keys), *LAYOUT.shape), dtype=torch.bfloat16)
-        tiers = self.client.read(keys, out)
+        tiers = self.client.get(keys, out)
         return out, tiers, self.client.reattachments
 
 
@@ -164,7 +153,7 @@ def test_killed_store_restarts_empty_at_its_address_and_workers_reattach(ray_clu
         worker = ArenaWorker.remote()
         keys = block_keys(list(range(64)), 16, make_namespace("restart-test"))
         blocks = torch.randn(4, *LAYOUT.shape).to(torch.bfloat16)
-        assert ray.get(worker.publish.remote(keys, blocks)) == 4
+        assert ray.get(worker.put.remote(keys, blocks)) == [True] * 4
         assert all(Location(node_id, HOST) in locs for locs in index.lookup(keys))
 
         os.kill(pid, signal.SIGKILL)
@@ -180,10 +169,10 @@ def test_killed_store_restarts_empty_at_its_address_and_workers_reattach(ray_clu
         assert ray.get(actor.address.remote()) == address
         assert not any(Location(node_id, HOST) in locs for locs in index.lookup(keys))
 
-        _, tiers, reattachments = ray.get(worker.read.remote(keys))
+        _, tiers, reattachments = ray.get(worker.get.remote(keys))
         assert tiers == [None] * 4 and reattachments == 1
-        assert ray.get(worker.publish.remote(keys, blocks)) == 4
-        got, tiers, reattachments = ray.get(worker.read.remote(keys))
+        assert ray.get(worker.put.remote(keys, blocks)) == [True] * 4
+        got, tiers, reattachments = ray.get(worker.get.remote(keys))
         assert tiers == [HOST] * 4 and reattachments == 1
         assert torch.equal(got.view(torch.int16), blocks.view(torch.int16))
         with KVStoreClient(address, timeout_s=10.0) as client:  # same address, new server

@@ -33,7 +33,10 @@ def test_refused_without_the_right_token(server, token):
                      lambda: client.get_blocks(KEYS[:1]),
                      lambda: client.put_blocks(KEYS[:1], torch.zeros(1, 4)),
                      lambda: client.take_tail("h"),
-                     lambda: client.release_tail("h")):
+                     lambda: client.release_tail("h"),
+                     lambda: client.exists(KEYS[:1]),
+                     lambda: client.remove(KEYS[:1]),
+                     lambda: client.pin(KEYS[:1])):
             with pytest.raises(KVAuthError) as info:
                 call()
             assert info.value.address == server.address
@@ -48,6 +51,8 @@ def test_accepted_with_the_right_token(server):
         client.put_tail("h", blocks[0], 3)
         assert client.take_tail("h")[1] == 3
         assert client.stats()["num_blocks"] == 2
+        assert client.pin(KEYS[:1]) == [True] and client.exists(KEYS) == [True, True]
+        assert client.remove(KEYS) == 1  # the pinned block stays
 
 
 def test_token_header_alternative(server):

@@ -205,6 +205,43 @@ def test_pinned_slots_are_never_evicted(arena, view):
     assert arena.reserve([key(6)]) == [writes[0]]
 
 
+def test_a_pinned_block_is_never_evicted_nor_removed_until_unpinned(arena, view):
+    store(arena, view, [0, 1, 2, 3])
+    assert arena.pin([key(0), key(9)]) == [True, False]
+    assert arena.pin([key(0)]) == [True]  # a flag, not a count: one unpin undoes both
+    assert arena.is_pinned(key(0)) and not arena.is_pinned(key(1))
+    assert arena.stats().num_pinned == 1
+    store(arena, view, [4, 5, 6])  # fills past capacity: evicts 1, 2, 3, never 0
+    assert [arena.contains(key(i)) for i in range(4)] == [True, False, False, False]
+    with pytest.raises(ArenaFullError) as err:
+        arena.reserve([key(i) for i in range(7, 11)])
+    assert err.value.available == 3  # 4, 5, 6; the pinned slot is not evictable
+    assert not arena.remove(key(0)) and arena.contains(key(0))
+    [r] = arena.acquire([key(0)])  # a read lease on a pinned block...
+    arena.release([r])  # ...ends without putting it in the LRU
+    assert arena.stats().num_pinned == 1
+    assert arena.pin([key(0)], pinned=False) == [True]
+    assert arena.stats().num_pinned == 0
+    store(arena, view, [7, 8, 9])  # unpinned 0 joined the LRU tail: 4, 5, 6 go first
+    assert arena.contains(key(0))
+    arena.reserve([key(10)])
+    assert not arena.contains(key(0))
+
+
+def test_pin_and_unpin_under_a_read_lease(arena, view):
+    [s0, s1] = store(arena, view, [0, 1])
+    [r] = arena.acquire([key(0)])
+    assert arena.pin([key(0)]) == [True]
+    assert arena.pin([key(0)], pinned=False) == [True]
+    assert arena.stats().num_pinned == 1  # still leased: not yet evictable
+    arena.reserve([key(2), key(3)])  # the two free slots
+    with pytest.raises(ArenaFullError):
+        arena.reserve([key(4), key(5)])  # only 1 is evictable
+    arena.release([r])
+    assert arena.stats().num_pinned == 2  # the write leases of 2 and 3
+    assert arena.reserve([key(4), key(5)]) == [s1, s0]  # LRU order: 1, then 0 (released last)
+
+
 def test_on_evict_error_propagates_and_frees_this_calls_reservations():
     def fail(k: bytes, v: memoryview) -> None:
         raise OSError("G3 write failed")

@@ -7,6 +7,7 @@ import uuid
 
 import pytest
 
+from kvstore.arena import ArenaFullError
 from kvstore.index import Location, MemoryIndex, RedisIndex
 from kvstore.layout import BlockLayout
 from kvstore.node_store import TieredNodeStore
@@ -98,3 +99,53 @@ def test_same_location_reported_for_node(store):
     s, index = store
     s.put(key(5), payload(5), LAYOUT)
     assert index.lookup([key(5)])[0] == [Location(NODE, "host")]
+
+
+def test_remove_drops_both_tiers_and_sends_the_index_its_removes(store):
+    s, index = store
+    for i in range(4):  # the 2-slot G2 keeps 2 and 3; 0 and 1 are demoted to G3
+        s.put(key(i), payload(i), LAYOUT)
+    s.ssd.flush()
+    [(slot, _)] = s.acquire([key(1)])  # promoted: now in G2 and still in G3
+    s.release([slot])
+    assert tiers_of(index, key(1)) == {"host", "ssd"}
+    assert s.exists([key(i) for i in range(5)]) == [True] * 4 + [False]
+    assert s.remove([key(0), key(1), key(9), key(1)]) == 2  # a repeated key counts once
+    assert index.lookup([key(0), key(1)]) == [[], []]
+    assert s.exists([key(0), key(1)]) == [False, False]
+    assert s.get_many([key(0), key(1)]) == [None, None]
+    assert tiers_of(index, key(3)) == {"host"}  # the rest untouched
+
+
+def test_pinned_block_is_never_evicted_nor_demoted_until_unpinned(store):
+    s, index = store
+    s.put(key(0), payload(0), LAYOUT)
+    assert s.pin([key(0), key(9)]) == [True, False]
+    for i in range(1, 6):  # far past the 2-slot G2: only the unpinned slot churns
+        s.put(key(i), payload(i), LAYOUT)
+    s.ssd.flush()
+    assert s.arena.stats().evictions == 4
+    assert tiers_of(index, key(0)) == {"host"} and s.arena.contains(key(0))
+    assert s.remove([key(0)]) == 0 and s.exists([key(0)]) == [True]  # remove skips it
+    assert s.get_many([key(0)])[0][0] == payload(0)
+    assert s.pin([key(0)], pinned=False) == [True]
+    for i in (6, 7):  # unpinned, 0 is in the LRU again (behind 5): demoted by the second
+        s.put(key(i), payload(i), LAYOUT)
+    s.ssd.flush()
+    assert tiers_of(index, key(0)) == {"ssd"}
+
+
+def test_pinning_an_ssd_block_promotes_it_and_g2_pinned_full_refuses_more(store):
+    s, index = store
+    for i in range(4):  # G2: 2, 3; G3: 0, 1
+        s.put(key(i), payload(i), LAYOUT)
+    assert s.pin([key(0), key(1)]) == [True, True]  # promoted into G2, evicting 2 and 3
+    assert s.arena.is_pinned(key(0)) and s.arena.is_pinned(key(1))
+    assert "host" in tiers_of(index, key(0))
+    assert s.pin([key(2)]) == [False]  # on SSD, but G2 holds no slot it may take
+    assert s.pin([key(2)], pinned=False) == [True]  # present, and not pinned
+    with pytest.raises(ArenaFullError):
+        s.put(key(4), payload(4), LAYOUT)
+    assert s.get_many([key(2)])[0][0] == payload(2)  # served from SSD, not promoted
+    assert s.pin([key(0), key(1)], pinned=False) == [True, True]
+    s.put(key(4), payload(4), LAYOUT)

@@ -1,16 +1,18 @@
-"""Pushes a prefill's KV blocks to its decode peer over a torch.distributed pair channel
-(``--kv-transfer torch``), beside the copy the prefill publishes to the KV store."""
+"""The torch pair connector (``--kv-transfer torch``): pushes a prefill's KV blocks to its
+decode peer over a torch.distributed pair channel (NCCL on GPU, gloo on CPU), beside the copy
+the pool connector saves to the KV store (the decode's fallback, and the prefix cache)."""
 
 from __future__ import annotations
 
 import itertools
 import logging
 import threading
+from collections.abc import Sequence
 
-import torch
 from pydantic import SecretStr
 
 from kvstore.config import KVTransferConfig
+from kvstore.connector.base import KVConnector, KVConnectorContext, KVConnectorRequest
 from kvstore.errors import KVTransferError
 from kvstore.transfer.torch_dist import TorchKVSender
 from kvstore.transfer.torch_pair import TorchPairChannel
@@ -18,9 +20,11 @@ from kvstore.transfer.torch_pair import TorchPairChannel
 log = logging.getLogger(__name__)
 
 
-class TorchKVPusher:
-    """--kv-transfer torch, prefill side: one pair channel (rank 0) per decode peer, and one
-    TorchKVSender per request (kvstore.transfer.torch_dist).
+class TorchPushConnector(KVConnector):
+    """Prefill side: one pair channel (rank 0) per decode peer, and one TorchKVSender per
+    request (kvstore.transfer.torch_dist). A request without a decode peer, with max_tokens 1
+    (the decode finishes it at admission, fetching nothing) or streamed layer by layer (its
+    KV went already) is not pushed.
 
     Pair bootstrap: a peer's channel is opened — its own TCPStore bound on a free port of
     ``transfer.bind_host``, which is quick and never waits for the peer — on the peer's first
@@ -51,10 +55,24 @@ class TorchKVPusher:
         self.pairs_opened_total = 0
         self.pushes_total = 0
 
-    def push(self, peer: str, blocks: torch.Tensor) -> tuple[str | None, int]:
-        """Start sending ``blocks`` [n, *block_shape] (contiguous, kept until sent) to ``peer``.
-        Returns (pair address, tag); (None, 0) if no pair store could be bound (logged: the
-        decode then pulls from the KV store)."""
+    @classmethod
+    def from_context(cls, ctx: KVConnectorContext) -> TorchPushConnector:
+        return cls(ctx.transfer, ctx.kv_config.tail_ttl_s, ctx.device, ctx.kv_config.token)
+
+    def request_finished(self, request: KVConnectorRequest, block_ids: Sequence[int]
+                         ) -> tuple[bool, dict]:
+        """Starts the push of every block of the prompt (full ones, then the tail); params
+        ``pair_address`` and ``pair_tag`` (None, 0: nothing pushed, the decode pulls)."""
+        peer = request.request.decode_peer
+        if peer is None or request.request.sampling.max_tokens == 1 or request.runs_alone:
+            return False, {}
+        address, tag = self._push(peer, block_ids)
+        return False, {"pair_address": address, "pair_tag": tag} if address else {}
+
+    def _push(self, peer: str, block_ids: Sequence[int]) -> tuple[str | None, int]:
+        """Start sending the blocks (copied out: kept until sent) to ``peer``. Returns (pair
+        address, tag); (None, 0) if no pair store could be bound (logged: the decode then
+        pulls from the KV store)."""
         with self._lock:
             entry = self._channels.get(peer)
             if entry is None or entry[0].closed:
@@ -74,7 +92,8 @@ class TorchKVPusher:
             channel, tags = entry
             tag = next(tags) % 2**31
             self.pushes_total += 1
-        TorchKVSender(channel).start(blocks, tag, self.send_deadline_s)
+        TorchKVSender(channel).start(self.cache.read_blocks(block_ids), tag,
+                                     self.send_deadline_s)
         return channel.address, tag
 
     def stats(self) -> dict:

@@ -1,0 +1,41 @@
+"""KV connectors by name: the registry through which a worker builds the connectors it runs.
+
+A new way to move KV is one module with a ``KVConnector`` subclass (``kvstore.connector.base``)
+and one entry here. Entries name their module, which is imported only when the connector is
+built, so a heavy or optional dependency (a transfer engine's wheel) costs nothing to workers
+that do not use it.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Sequence
+
+from kvstore.connector.base import KVConnector, KVConnectorContext
+from kvstore.connector.multi import MultiConnector
+
+#: name -> "module:class"
+KV_CONNECTORS: dict[str, str] = {
+    "pool": "kvstore.connector.pool:PoolConnector",
+    "layer": "kvstore.connector.layer_stream:LayerStreamConnector",
+    "torch": "kvstore.connector.torch_push:TorchPushConnector",
+}
+
+
+def connector_class(name: str) -> type[KVConnector]:
+    """The class registered as ``name``. Raises KeyError for an unknown name."""
+    module, _, cls = KV_CONNECTORS[name].partition(":")
+    return getattr(importlib.import_module(module), cls)
+
+
+def create_connector(names: Sequence[str], ctx: KVConnectorContext) -> KVConnector:
+    """The named connectors built from ``ctx``; several run as one MultiConnector, in order."""
+    connectors = [connector_class(name).from_context(ctx) for name in names]
+    return connectors[0] if len(connectors) == 1 else MultiConnector(connectors)
+
+
+def prefill_connector_names(backend: str, streaming: str, tp_size: int) -> list[str]:
+    """What a prefill worker runs: the pool always (the prefix cache, and every decode's
+    fallback), layer streaming at TP=1 when asked, the torch pair push when asked."""
+    return (["pool"] + (["layer"] if streaming == "layer" and tp_size == 1 else [])
+            + (["torch"] if backend == "torch" else []))

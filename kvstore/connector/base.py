@@ -1,0 +1,203 @@
+"""The KV connector: the one interface through which a worker's engine moves KV in or out of
+its paged cache. The method names are vLLM v1's (``KVConnectorBase_V1``), so an engineer from
+vLLM knows where each step happens.
+
+vLLM splits a connector into a scheduler-side and a worker-side object living in different
+processes. A pdcluster worker's engine loop plays both roles on one thread, so one object has
+both halves:
+
+* scheduler side
+  - ``get_num_new_matched_tokens``: how much of a request's prompt the connector can supply
+    beyond the worker's own prefix hits, and whether it arrives asynchronously;
+  - ``update_state_after_alloc``: the request now holds its blocks, so plan the load into them;
+  - ``request_finished``: the request's compute is done; say what the next hop needs.
+* worker side
+  - ``bind_connector_metadata``: the step about to run (which request's tokens);
+  - ``start_load_kv``: start the planned loads, never blocking;
+  - ``wait_for_layer_load`` / ``save_kv_layer``: per decoder layer, around its forward;
+  - ``wait_for_save``: after each forward;
+  - ``get_finished``: the requests whose sends or loads settled since the last call.
+
+Every call comes from the engine loop's thread; a connector's own threads do the moving and
+call ``wakeup`` when something settled, so an idle loop polls ``get_finished`` at once.
+Implementations import this module (``kvstore.connector.base``), never the package, so the
+registry in ``kvstore.connector`` makes no cycle.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from kvstore.client import KVStoreClient
+from kvstore.config import KVStoreConfig, KVTransferConfig
+from kvstore.index import KVIndex
+from kvstore.node_store_api import NodeStore
+
+
+class KVConnectorRequest(Protocol):
+    """What a connector reads of a request (the engine's own request objects have it all).
+
+    request_id: unique per attempt; block_keys: chained keys of the prompt's full blocks;
+    num_prompt_tokens: the prompt's length in tokens; block_table: the cache blocks it holds,
+    in position order; num_computed_tokens: prompt tokens whose KV is in those blocks (when
+    the scheduler side is asked: the worker's own prefix hits); runs_alone: its forwards have
+    steps of their own; request: the
+    PrefillRequest, whose ``kv_plan``, ``decode_peer`` and ``sampling`` connectors read.
+    """
+
+    request_id: str
+    block_keys: Sequence[bytes]
+    block_table: list[int]
+    num_computed_tokens: int
+    runs_alone: bool
+    request: Any
+
+    @property
+    def num_prompt_tokens(self) -> int: ...
+
+
+class BlockCache(Protocol):
+    """The paged cache as a connector sees it: blocks of every KV head in the KV pool's layout
+    (``ModelRunner.wire_kv``). At TP=1 it is the cache itself and has ``k`` / ``v``: per layer,
+    [num_blocks, block_size, kv_heads, head_dim]."""
+
+    block_size: int
+    num_layers: int
+    block_shape: tuple[int, ...]  # (layers, 2, block_size, kv_heads, head_dim)
+    dtype: torch.dtype
+
+    def read_blocks(self, block_ids: Sequence[int]) -> torch.Tensor: ...
+
+    def write_blocks(self, block_ids: Sequence[int], data: torch.Tensor) -> None: ...
+
+
+class StepCancelled(RuntimeError):
+    """Raised by ``save_kv_layer`` to stop a forward: the request it streams was aborted. The
+    engine ends that request (``args[0]`` is its id); no other request shares the step."""
+
+
+@dataclass
+class LoadOutcome:
+    """How a finished load went.
+
+    num_tokens: tokens that landed, a prefix of what was planned: loading stops at the first
+    block it cannot get, and the rest is recomputed. tokens_by_tier: of those, by source tier
+    ("host", "ssd" on this node, "remote" from another). failures: what went wrong on the way.
+    """
+
+    num_tokens: int = 0
+    tokens_by_tier: dict[str, int] = field(default_factory=dict)
+    failures: list[str] = field(default_factory=list)
+
+
+@dataclass
+class KVConnectorContext:
+    """Everything a connector may be built from (``KVConnector.from_context``), so that the
+    registry builds any of them the same way.
+
+    worker_id / node_id: this worker and its Ray node; ray_namespace: where named actors are.
+    kv_config: the KV plane (token, TLS, timeouts, tail TTL); transfer: ``--kv-transfer``.
+    token_budget: tokens per step (max_num_batched_tokens): a layer stream plans its chunks.
+    index: the global index (None: no cluster-wide reuse).
+    local_store: this node's store as a NodeStore (same node: through its arena); None: the
+        gRPC client serves (a store without Ray, as in single-process setups).
+    store_client / store_address: this node's store over gRPC, which other nodes reach.
+    remote: other nodes' stores by node id (kvstore.remote.RemoteStores), or None.
+    peers: how to reach decode workers (kvstore.transfer.peers.StreamPeers), or None.
+    device: where the paged cache is ("cpu" or "cuda").
+    """
+
+    worker_id: str
+    node_id: str
+    kv_config: KVStoreConfig
+    transfer: KVTransferConfig
+    token_budget: int
+    store_client: KVStoreClient
+    store_address: str
+    local_store: NodeStore | None = None
+    index: KVIndex | None = None
+    remote: Any = None
+    peers: Any = None
+    ray_namespace: str | None = None
+    device: str = "cpu"
+
+
+class KVConnector(abc.ABC):
+    """Moves one worker's KV for its requests (see the module docstring)."""
+
+    cache: BlockCache
+    wakeup: Callable[[], None] = staticmethod(lambda: None)
+
+    @classmethod
+    @abc.abstractmethod
+    def from_context(cls, ctx: KVConnectorContext) -> KVConnector:
+        """Build from what a worker has (the registry calls this)."""
+
+    def register_kv_caches(self, cache: BlockCache) -> None:
+        """The cache this connector moves KV into and out of; called once, before any request."""
+        self.cache = cache
+
+    # ---- scheduler side ---------------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request: KVConnectorRequest,
+                                   num_computed_tokens: int) -> tuple[int, bool]:
+        """(tokens after ``num_computed_tokens`` this connector can write into the request's
+        blocks, whether they arrive asynchronously: the request then waits for KV). By
+        default nothing."""
+        return 0, False
+
+    def update_state_after_alloc(self, request: KVConnectorRequest, block_ids: Sequence[int],
+                                 num_external_tokens: int) -> None:
+        """The request holds ``block_ids`` (all of its prompt's); the ``num_external_tokens``
+        after its computed ones are this connector's to fill."""
+
+    @abc.abstractmethod
+    def request_finished(self, request: KVConnectorRequest, block_ids: Sequence[int]
+                         ) -> tuple[bool, dict[str, Any] | None]:
+        """The request's compute is done and its KV is in ``block_ids``. Returns
+        (delay_free: its blocks must stay held until get_finished reports it; the KV transfer
+        params the next hop needs, or None when they come later from get_finished)."""
+
+    def runs_alone(self, request: KVConnectorRequest) -> bool:
+        """Whether the request's forwards must not share a step with another request's (a
+        per-layer sender sees one request at a time). By default no."""
+        return False
+
+    # ---- worker side ------------------------------------------------------------------------
+    def bind_connector_metadata(self, chunks: Sequence[tuple[KVConnectorRequest, int, int]]
+                                ) -> None:
+        """The step about to run: (request, first position, number of tokens) per chunk."""
+
+    def start_load_kv(self) -> None:
+        """Start every load planned since the last call; never blocks."""
+
+    def wait_for_layer_load(self, layer: int) -> None:
+        """Before ``layer``'s forward: its KV must be in place (whole-request loads finish
+        before a request runs, so by default there is nothing to wait for)."""
+
+    def save_kv_layer(self, layer: int) -> None:
+        """After ``layer``'s forward: its new KV is in the cache. May raise StepCancelled."""
+
+    def wait_for_save(self) -> None:
+        """After a forward: what save_kv_layer began must not block the next one."""
+
+    def get_finished(self) -> tuple[dict[str, Any], dict[str, LoadOutcome]]:
+        """(requests whose sends settled since the last call: request id → their KV transfer
+        params, or the exception that failed them; requests whose loads settled: request id →
+        how the load went)."""
+        return {}, {}
+
+    def abort(self, request_id: str) -> None:
+        """The request ended without a result, or its caller left: stop what moves for it and
+        drop what was put for it (a load in flight still settles, and is reported, before its
+        blocks may be reused)."""
+
+    def stats(self) -> dict:
+        return {}
+
+    def close(self) -> None:
+        """Let go of threads and channels."""

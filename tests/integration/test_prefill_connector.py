@@ -1,0 +1,98 @@
+"""The prefill engine over its KV connector (kvstore.connector): prefix loads the Conductor
+planned, saves to a real gRPC KV store, and the faults a connector can report. Outputs are
+checked against transformers; blocks against their count before each request."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.config import BUNDLED_MODEL, EngineConfig
+from engine.protocol import PrefillRequest, PrefixPlan, SamplingParams
+from engine.runner import ModelRunner
+from kvstore.client import KVStoreClient
+from kvstore.config import KVStoreConfig
+from kvstore.connector import KV_CONNECTORS, connector_class, prefill_connector_names
+from kvstore.connector.base import KVConnector
+from kvstore.connector.pool import PoolConnector
+from kvstore.errors import KVTransferError
+from kvstore.index import Location
+from prefill_worker.engine import PrefillEngine
+from tests.engine_loops import started, stop
+from tests.kvstore.faulty_connector import FaultyConnector
+from tests.kvstore.lru_block_store import lru_server
+
+NODE = "node-c"
+PARAMS = SamplingParams(max_tokens=2, temperature=0)
+
+
+@pytest.fixture(scope="module")
+def store():
+    server = lru_server(KVStoreConfig())
+    server.start()
+    client = KVStoreClient(server.address)
+    yield server, client
+    client.close()
+    server.stop()
+
+
+@pytest.fixture
+def engine(store):
+    """A prefill engine whose pool connector is wrapped in a FaultyConnector (no fault yet)."""
+    server, client = store
+    faulty = FaultyConnector(PoolConnector(NODE, client, server.address, client))
+    engine = started(lambda: PrefillEngine(
+        ModelRunner(EngineConfig(model=str(BUNDLED_MODEL), num_kv_blocks=64)), faulty, "p", 0))
+    yield engine, faulty
+    stop(engine)
+
+
+def planned(request_id: str, prompt: list[int], keys: tuple[bytes, ...]) -> PrefillRequest:
+    """The request with the plan a Conductor makes when this node's G2 holds ``keys``."""
+    plan = PrefixPlan(keys, tuple((Location(NODE, "host"),) for _ in keys), len(keys))
+    return PrefillRequest(request_id, tuple(prompt), PARAMS, kv_plan=plan)
+
+
+def test_registry_builds_every_connector_by_name():
+    assert {"pool", "layer", "torch"} <= set(KV_CONNECTORS)
+    for name in KV_CONNECTORS:
+        assert issubclass(connector_class(name), KVConnector)
+    assert prefill_connector_names("grpc", "request", 1) == ["pool"]
+    assert prefill_connector_names("torch", "layer", 1) == ["pool", "layer", "torch"]
+    assert prefill_connector_names("grpc", "layer", 2) == ["pool"]  # per-layer needs TP=1
+
+
+def test_a_planned_load_is_reused_and_a_failed_one_is_recomputed(engine, store, hf):
+    engine, faulty = engine
+    client = store[1]
+    prompt = hf.encode("Once upon a time, there was a little girl named Lily. " * 3)
+    warm = engine.prefill(PrefillRequest("warm", tuple(prompt), PARAMS))
+    assert engine.reset_prefix_cache()  # G1 forgets: the prefix is in the store only
+    free = engine.kv_manager.num_free_blocks
+
+    loaded = engine.prefill(planned("loaded", prompt, warm.block_keys))
+    assert loaded.num_cached_tokens == len(warm.block_keys) * 16 > 0
+    assert loaded.first_token == warm.first_token == hf.greedy(prompt, 1)[0]
+    assert engine.reset_prefix_cache()
+
+    faulty.fail_loads = True
+    recomputed = engine.prefill(planned("recomputed", prompt, warm.block_keys))
+    assert recomputed.num_cached_tokens == 0
+    assert recomputed.first_token == warm.first_token
+    assert engine.stats()["num_prefill_tokens_total"] == 2 * len(prompt) + (
+        len(prompt) - loaded.num_cached_tokens)
+    assert engine.kv_manager.num_free_blocks == free
+    for result in (warm, loaded, recomputed):
+        client.release_tail(result.tail_handle)
+
+
+def test_a_failed_save_fails_the_result_after_the_first_token(engine, store, hf):
+    engine, faulty = engine
+    faulty.fail_saves = {"lost"}
+    free = engine.kv_manager.num_free_blocks
+    prompt = hf.encode("One day, a big dog named Max found a red ball in the park.")
+    first, result = engine.add_request(PrefillRequest("lost", tuple(prompt), PARAMS))
+    assert first.result(timeout=60).token == hf.greedy(prompt, 1)[0]
+    with pytest.raises(KVTransferError, match="injected save failure"):
+        result.result(timeout=60)
+    assert engine.kv_manager.num_free_blocks == free
+    store[1].release_tail("tail:lost")
