@@ -16,7 +16,6 @@ from typing import AsyncIterator, Literal
 import ray
 
 from decode_worker.engine import DecodeEngine
-from decode_worker.kv_fetch import KVFetcher
 from engine.config import EngineConfig
 from engine.core.engine_loop import EngineLoop
 from engine.faults import check_fault
@@ -26,6 +25,8 @@ from engine.runner import ModelRunner
 from engine.tp_instance import TPInstance
 from kvstore.actor import kvstore_actor
 from kvstore.config import KVStoreConfig, KVTransferConfig
+from kvstore.connector import create_connector
+from kvstore.connector.base import KVConnectorContext
 from kvstore.node_client import NodeStoreClient
 from kvstore.transfer.layer_stream import LayerStreamAnnounce
 from kvstore.transfer.peers import RayStreamPeers, register_self
@@ -66,9 +67,10 @@ class DecodeWorker:
         def build() -> DecodeEngine:  # on the engine loop's thread
             runner = ModelRunner(engine_config, tp=self.tp.group)
             self.tp.start(runner)
-            fetcher = KVFetcher(runner.wire_kv, transfer, node_id, node_client,
-                                kv_config=kv_config)
-            return DecodeEngine(runner, worker_id, os.getpid(), fetcher, peers)
+            connector = create_connector(["fetch"], KVConnectorContext(
+                worker_id, node_id, kv_config, transfer, local_store=node_client,
+                device=runner.kv_cache.device.type))
+            return DecodeEngine(runner, worker_id, os.getpid(), connector, peers)
 
         self.loop = EngineLoop(build, "decode-engine")
         self.engine = self.loop.core
@@ -139,7 +141,7 @@ class DecodeWorker:
             ValueError: an unknown fault.
         """
         check_fault(self._fault_injection, fault, ("perturb_v",))
-        self.engine.fetcher.v_perturbation = float(value)
+        self.engine.connector.fetcher.v_perturbation = float(value)
 
     async def shutdown(self) -> None:
         self.loop.shutdown()

@@ -8,15 +8,15 @@ Lifecycle of a request on a decode worker:
 2. admission      — first come, first served (engine.core.scheduler): blocks for the prompt
                     and the first fed token are taken from this worker's paged cache through
                     its KV cache manager; more are added one at a time as the request grows.
-3. WAITING_FOR_KV — the prompt's KV comes into the reserved blocks through a transfer backend
-                    (kv_fetch.py): pushed by the prefill over a torch.distributed pair
+3. WAITING_FOR_KV — the prompt's KV comes into the reserved blocks through the KV connector
+                    (kvstore.connector.fetch): pushed by the prefill over a torch.distributed pair
                     (--kv-transfer torch), else pulled from the prefill node's KV store (arena
                     on the same node, gRPC otherwise); with --kv-streaming layer the blocks
                     were reserved when the prefill announced the request and its layers land
                     while the prefill computes (kv_streams.py), so this state may be short.
-                    The engine loop polls the fetch once per iteration, never blocks on it.
-                    A fetch that fails after its one retry (kv_fetch.py) is replaced by
-                    recomputing the prompt here, into the same blocks.
+                    The engine loop polls the connector once per iteration, never blocks on
+                    it. A fetch that fails after its one retry is replaced by recomputing the
+                    prompt here, into the same blocks.
 4. RUNNING        — joins the batch at the next step; each step feeds the last token of every
                     running request (one forward token each), samples the next, streams it.
    PREEMPTED      — when a growing request finds no free block, the newest running request
@@ -25,7 +25,7 @@ Lifecycle of a request on a decode worker:
                     head of the queue to resume, output intact.
 5. FINISHED       — EOS / stop id / max_tokens / max_model_len, abort, or a failed fetch; every
                     block it held goes back to the pool in the same loop iteration (an abort
-                    during a pair receive: once that receive settles, see KVFetch.abort).
+                    during a fetch: once the connector reports it settled, see KVFetch.abort).
 
 The statuses are engine.core.request.RequestStatus. The engine runs on an engine loop
 (engine.core.engine_loop: the thread that built the model; never the actor's event loop, which
@@ -44,7 +44,6 @@ from typing import Callable
 
 import torch
 
-from decode_worker.kv_fetch import KVFetch, KVFetcher
 from decode_worker.kv_streams import PendingStreams
 from engine.core.engine_loop import EngineInbox
 from engine.core.kv_cache_manager import KVCacheManager
@@ -55,7 +54,7 @@ from engine.protocol import DecodeRequest, FinishReason, TokenDelta, TokenLogpro
 from engine.runner import ModelRunner, SequenceChunk
 from engine.sampler import SampleInput, draw_seed, sample
 from kvstore.block_pool import BlockPool
-from kvstore.transfer.base import TransferState
+from kvstore.connector.fetch import FetchConnector, KVFetch
 from kvstore.transfer.layer_stream import LayerStreamAnnounce
 from kvstore.transfer.peers import StreamPeers
 
@@ -70,7 +69,6 @@ class DecodeSequence:
     output_ids: list[int]
     status: RequestStatus = RequestStatus.WAITING
     block_table: list[int] = field(default_factory=list)
-    fetch: KVFetch | None = None
     num_forward_tokens: int = 0
     aborted: bool = False
     arrival: int = 0
@@ -117,7 +115,7 @@ class DecodeEngine:
     """
 
     def __init__(self, runner: ModelRunner, worker_id: str, pid: int,
-                 fetcher: KVFetcher, peers: StreamPeers | None = None) -> None:
+                 connector: FetchConnector, peers: StreamPeers | None = None) -> None:
         self.runner = runner
         self.worker_id = worker_id
         self.pid = pid
@@ -132,14 +130,15 @@ class DecodeEngine:
                                                            runner.wire_kv))
         self.num_fetch_recomputes_total = 0
         self._num_fetch_recomputed_tokens = 0
-        self.fetcher = fetcher
+        self.connector = connector
+        connector.register_kv_caches(runner.wire_kv)
         self.inbox = EngineInbox()
         self.num_forward_tokens_total = 0
         self.num_steps_total = 0
         self.step_log: deque[tuple[int, tuple[str, ...]]] = deque(maxlen=STEP_LOG_SIZE)
         self.kv_timings: OrderedDict[str, dict] = OrderedDict()
-        self.streams = PendingStreams(self.scheduler, fetcher, self._start_waiting_for_kv,
-                                      peers, orphan_s=fetcher.transfer.timeout_s)
+        self.streams = PendingStreams(self.scheduler, connector, self._start_waiting_for_kv,
+                                      peers, orphan_s=connector.fetcher.transfer.timeout_s)
         self.num_fetch_retries_total = 0
 
     # ---- called from other threads -------------------------------------------------------
@@ -178,8 +177,7 @@ class DecodeEngine:
             "num_steps_total": self.num_steps_total,
             "num_preemptions_total": self.scheduler.num_preemptions_total,
             "num_recomputed_tokens_total": self.num_recomputed_tokens_total,
-            "kv_bytes_fetched_total": self.fetcher.bytes_fetched_total,
-            "kv_bytes_fetched_by_backend": dict(self.fetcher.bytes_by_backend),
+            **self.connector.stats(),
             "num_pending_layer_streams": len(self.streams),
             "num_fetch_retries_total": self.num_fetch_retries_total,
             "num_fetch_recomputes_total": self.num_fetch_recomputes_total,
@@ -187,7 +185,7 @@ class DecodeEngine:
 
     # ---- the engine loop's (engine.core.engine_loop) -----------------------------------------
     def close(self) -> None:
-        self.fetcher.close()
+        self.connector.close()
 
     def handle(self, kind: str, item) -> None:
         if kind == "add":
@@ -211,8 +209,7 @@ class DecodeEngine:
         return bool(running)
 
     def idle_wait_s(self) -> float:
-        fetching = len(self.streams) or any(
-            s.fetch is not None for s in self.scheduler.active.values())
+        fetching = len(self.streams) or self.connector.in_flight()
         return FETCH_POLL_S if fetching else IDLE_WAIT_S
 
     def fail_step(self, exc: Exception) -> None:
@@ -248,16 +245,19 @@ class DecodeEngine:
         seq = self.scheduler.active.get(request_id)
         if seq is None:
             return
-        if seq.status is RequestStatus.WAITING_FOR_KV and not seq.fetch.abort():
-            seq.aborted = True  # a pair receive: blocks are freed once it settles
+        if seq.status is RequestStatus.WAITING_FOR_KV:
+            seq.aborted = True  # ended once the connector reports its fetch settled
+            self.connector.abort(request_id)
         else:
-            seq.fetch = None
             self._finish(seq, FinishReason.ABORT)
 
-    def _start_waiting_for_kv(self, seq: DecodeSequence, fetch: KVFetch) -> None:
+    def _start_waiting_for_kv(self, seq: DecodeSequence, fetch: KVFetch | None = None) -> None:
+        """The request's KV is on its way (a stream announced before it came: ``fetch``)."""
         self.streams.seen(seq.request_id)
-        seq.fetch = fetch
-        self.kv_timings[seq.request_id] = {"fetch_start_s": fetch.started_s,
+        if fetch is not None:
+            self.connector.adopt(seq, fetch)
+        started = fetch.started_s if fetch is not None else time.time()
+        self.kv_timings[seq.request_id] = {"fetch_start_s": started,
                                            "prefill_extra": dict(seq.request.prefill.extra)}
         while len(self.kv_timings) > STEP_LOG_SIZE:
             self.kv_timings.popitem(last=False)
@@ -266,34 +266,29 @@ class DecodeEngine:
         """New requests the scheduler admits start their KV: computed here when colocated,
         else fetched from the prefill side (or taken from its layer stream)."""
         for seq in self.scheduler.admit():
-            prefill = seq.request.prefill
-            if prefill is None:
+            n, _ = self.connector.get_num_new_matched_tokens(seq, 0)
+            if not n:  # colocated
                 self._prefill_colocated(seq)
                 continue
-            if prefill.layer_stream is not None:  # not announced here in time: take it now
-                fetch = self.fetcher.start_stream(prefill.layer_stream, seq.block_table)
-                fetch.attach(prefill)
-            else:
-                fetch = self.fetcher.start_fetch(prefill, seq.block_table)
-            self._start_waiting_for_kv(seq, fetch)
+            self.connector.update_state_after_alloc(seq, seq.block_table, n)
+            self._start_waiting_for_kv(seq)
+        self.connector.start_load_kv()
 
     def _poll_fetches(self) -> None:
-        for seq in list(self.scheduler.active.values()):
-            if seq.status is not RequestStatus.WAITING_FOR_KV or seq.fetch is None:
+        _, loaded = self.connector.get_finished()
+        for request_id, outcome in loaded.items():
+            seq = self.scheduler.active.get(request_id)
+            if seq is None:
                 continue
-            state = seq.fetch.poll()
-            if not state.done:
-                continue
-            fetch, seq.fetch = seq.fetch, None
-            self.num_fetch_retries_total += fetch.retries
+            self.num_fetch_retries_total += outcome.detail.get("retries", 0)
             timings = self.kv_timings.get(seq.request_id, {})
-            timings.update(fetch.timings())
+            timings.update({k: v for k, v in outcome.detail.items() if k != "retries"})
             if seq.aborted:
                 self._finish(seq, FinishReason.ABORT)
                 continue
-            if state is TransferState.FAILED:
-                log.warning("KV fetch of %s failed (%s), recomputing the prompt here: %s",
-                            seq.request_id, "→".join(fetch.paths), fetch.error,
+            if outcome.failures:
+                log.warning("KV fetch of %s failed, recomputing the prompt here: %s",
+                            seq.request_id, outcome.failures[0],
                             extra={"request_id": seq.request_id})
                 if not self._recompute_prompt(seq):
                     continue
@@ -380,7 +375,8 @@ class DecodeEngine:
 
     def _release_remote_tail(self, seq: DecodeSequence) -> None:
         """A request that ends without fetching: its tail and any pushed KV are let go."""
-        self.fetcher.release(seq.request.prefill)
+        if seq.request.prefill is not None:
+            self.connector.request_finished(seq, ())
 
     def _delta(self, seq: DecodeSequence, tokens: tuple[int, ...], reason: FinishReason | None,
                error: str | None = None, logprob: TokenLogprob | None = None) -> TokenDelta:

@@ -23,10 +23,10 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from decode_worker.kv_fetch import KVFetch, KVFetcher
 from engine.core.request import RequestStatus
 from engine.core.scheduler import Scheduler
 from engine.protocol import DecodeRequest
+from kvstore.connector.fetch import FetchConnector, KVFetch
 from kvstore.transfer.layer_stream import LayerStreamAnnounce
 from kvstore.transfer.peers import StreamPeers
 
@@ -49,17 +49,17 @@ class PendingStreams:
     Args:
         scheduler: the engine's scheduler (its KV cache manager and waiting queue); waiting
             requests are expected to carry `request` (a DecodeRequest) and `block_table`.
-        fetcher: starts the streams' receivers.
+        connector: the engine's fetch connector, which starts the streams' receivers.
         start_waiting_for_kv: the engine's hook for a request that took its stream, called
             once the request is active and holds the stream's blocks.
         peers: to tell a prefill its stream is no longer wanted (None: nobody to tell).
         orphan_s: how long a finished stream waits for its request before it is dropped.
     """
 
-    def __init__(self, scheduler: Scheduler, fetcher: KVFetcher,
+    def __init__(self, scheduler: Scheduler, connector: FetchConnector,
                  start_waiting_for_kv: Callable[[object, KVFetch], None],
                  peers: StreamPeers | None, orphan_s: float) -> None:
-        self.scheduler, self.fetcher = scheduler, fetcher
+        self.scheduler, self.connector = scheduler, connector
         self.start_waiting_for_kv = start_waiting_for_kv
         self.peers, self.orphan_s = peers, orphan_s
         self._streams: dict[str, PendingStream] = {}
@@ -96,7 +96,7 @@ class PendingStreams:
                 not kv.allocate_slots(table, announce.num_prompt_tokens + 1):
             return  # taken at admission instead
         self._streams[rid] = PendingStream(announce, table,
-                                           self.fetcher.start_stream(announce, table))
+                                           self.connector.start_stream(announce, table))
 
     def take(self, request_id: str, request: DecodeRequest) -> PendingStream | None:
         """The stream announced for the request, if it may be attached; a stream the request's
@@ -131,7 +131,6 @@ class PendingStreams:
             if pending is not None:
                 seq.block_table = pending.block_table
                 self.scheduler.activate(seq, RequestStatus.WAITING_FOR_KV)
-                pending.fetch.attach(seq.request.prefill)
                 self.start_waiting_for_kv(seq, pending.fetch)
 
     def poll(self) -> None:

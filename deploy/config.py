@@ -118,13 +118,6 @@ class ServeConfig(BaseModel):
             raise ValueError(f"unknown policy {policy!r}; one of {sorted(POLICIES)}")
         return policy
 
-    @field_validator("transfer")
-    @classmethod
-    def _no_fake_transfer(cls, transfer: KVTransferConfig) -> KVTransferConfig:
-        if transfer.backend == "fake":
-            raise ValueError("transfer.backend 'fake' is for tests; serve with grpc or torch")
-        return transfer
-
     @model_validator(mode="before")
     @classmethod
     def _kv_plane_keys_of_transfer(cls, data: Any) -> Any:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 from typing import Iterable, Literal, Mapping
 
-import ray
 from ray.util.placement_group import PlacementGroup, placement_group
 
 from engine.tp_placement import bundle_options
@@ -130,9 +129,3 @@ def tp_rank_options(pg: PlacementGroup, rank: int,
     alone would wait for peers that are gone.
     """
     return {**bundle_options(pg, rank), "max_restarts": max_restarts}
-
-
-def node_ids_by_resource(resource: str) -> list[str]:
-    """Ids of the alive nodes advertising `resource` (needs a connected Ray)."""
-    return [n["NodeID"] for n in ray.nodes()
-            if n.get("Alive") and n["Resources"].get(resource, 0) > 0]

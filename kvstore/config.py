@@ -14,7 +14,7 @@ from typing import Any, Literal
 import pydantic
 
 #: Names of the transfer backends (kvstore.transfer.registry.TRANSFER_BACKENDS has the classes).
-TransferBackendName = Literal["grpc", "torch", "fake"]
+TransferBackendName = Literal["grpc", "torch"]
 
 
 def _renamed_keys(model: str, data: Any, renames: dict[str, str]) -> Any:
@@ -143,7 +143,7 @@ class KVTransferConfig(pydantic.BaseModel):
 
     Attributes:
         backend: ``grpc`` (pull from a node's KV store), ``torch`` (torch.distributed
-            point-to-point over a pair group: gloo on CPU, NCCL on CUDA) or ``fake`` (tests).
+            point-to-point over a pair group: gloo on CPU, NCCL on CUDA).
         timeout_s: default deadline in seconds of one whole transfer (FetchRequest.deadline_s
             wins), and the limit of a torch pair's setup; each call to a KV store has its own
             KVStoreConfig.rpc_timeout_s.

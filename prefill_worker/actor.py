@@ -77,11 +77,13 @@ class PrefillWorker:
         self._peer_entry = register_self(worker_id, ray_namespace) if "layer" in names else None
         self.kv_address = address
         ctx = KVConnectorContext(
-            worker_id, node_id, kv_config, transfer, engine_config.max_num_batched_tokens,
-            KVStoreClient(address, timeout_s=timeout, token=kv_config.token, tls=kv_config.tls),
-            address, NodeStoreClient(store, timeout), index,
-            RemoteStores(ray_namespace, kv_config.token, timeout, kv_config.tls),
-            RayStreamPeers(ray_namespace, timeout), ray_namespace)
+            worker_id, node_id, kv_config, transfer,
+            token_budget=engine_config.max_num_batched_tokens,
+            store_client=KVStoreClient(address, timeout_s=timeout, token=kv_config.token,
+                                       tls=kv_config.tls),
+            store_address=address, local_store=NodeStoreClient(store, timeout), index=index,
+            remote=RemoteStores(ray_namespace, kv_config.token, timeout, kv_config.tls),
+            peers=RayStreamPeers(ray_namespace, timeout), ray_namespace=ray_namespace)
 
         def build() -> PrefillEngine:  # on the engine loop's thread
             runner = ModelRunner(engine_config, tp=self.tp.group)

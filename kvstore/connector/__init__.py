@@ -19,6 +19,7 @@ KV_CONNECTORS: dict[str, str] = {
     "pool": "kvstore.connector.pool:PoolConnector",
     "layer": "kvstore.connector.layer_stream:LayerStreamConnector",
     "torch": "kvstore.connector.torch_push:TorchPushConnector",
+    "fetch": "kvstore.connector.fetch:FetchConnector",
 }
 
 

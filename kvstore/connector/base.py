@@ -18,7 +18,8 @@ both halves:
   - ``wait_for_save``: after each forward;
   - ``get_finished``: the requests whose sends or loads settled since the last call.
 
-Every call comes from the engine loop's thread; a connector's own threads do the moving and
+Every call comes from the engine loop's thread, except ``abort``, which may come from any
+thread (an abort must reach a forward in progress). A connector's own threads do the moving and
 call ``wakeup`` when something settled, so an idle loop polls ``get_finished`` at once.
 Implementations import this module (``kvstore.connector.base``), never the package, so the
 registry in ``kvstore.connector`` makes no cycle.
@@ -87,12 +88,14 @@ class LoadOutcome:
 
     num_tokens: tokens that landed, a prefix of what was planned: loading stops at the first
     block it cannot get, and the rest is recomputed. tokens_by_tier: of those, by source tier
-    ("host", "ssd" on this node, "remote" from another). failures: what went wrong on the way.
+    ("host", "ssd" on this node, "remote" from another; or the path a fetch took). failures:
+    what went wrong on the way.
     """
 
     num_tokens: int = 0
     tokens_by_tier: dict[str, int] = field(default_factory=dict)
     failures: list[str] = field(default_factory=list)
+    detail: dict[str, Any] = field(default_factory=dict)  # diagnostics (paths tried, timings)
 
 
 @dataclass
@@ -106,7 +109,8 @@ class KVConnectorContext:
     index: the global index (None: no cluster-wide reuse).
     local_store: this node's store as a NodeStore (same node: through its arena); None: the
         gRPC client serves (a store without Ray, as in single-process setups).
-    store_client / store_address: this node's store over gRPC, which other nodes reach.
+    store_client / store_address: this node's store over gRPC, which other nodes reach
+        (a prefill worker's; a decode worker reaches stores through its transfer backends).
     remote: other nodes' stores by node id (kvstore.remote.RemoteStores), or None.
     peers: how to reach decode workers (kvstore.transfer.peers.StreamPeers), or None.
     device: where the paged cache is ("cpu" or "cuda").
@@ -116,9 +120,9 @@ class KVConnectorContext:
     node_id: str
     kv_config: KVStoreConfig
     transfer: KVTransferConfig
-    token_budget: int
-    store_client: KVStoreClient
-    store_address: str
+    token_budget: int = 0
+    store_client: KVStoreClient | None = None
+    store_address: str = ""
     local_store: NodeStore | None = None
     index: KVIndex | None = None
     remote: Any = None
@@ -194,7 +198,7 @@ class KVConnector(abc.ABC):
     def abort(self, request_id: str) -> None:
         """The request ended without a result, or its caller left: stop what moves for it and
         drop what was put for it (a load in flight still settles, and is reported, before its
-        blocks may be reused)."""
+        blocks may be reused). Any thread; idempotent."""
 
     def stats(self) -> dict:
         return {}

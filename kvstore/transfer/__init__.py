@@ -2,7 +2,7 @@
 
 DESIGN.md "Data plane": a transfer has a deadline and ends in success or a typed error; on
 failure the receiver frees what it pre-allocated. One small abstract base
-(:mod:`kvstore.transfer.base`), one module per backend, a fake, and a registry dict
+(:mod:`kvstore.transfer.base`), one module per backend and a registry dict
 (:mod:`kvstore.transfer.registry`); modelled on SGLang's ``disaggregation/base/conn.py``.
 
 Lifecycle of one transfer on the receiving (decode) side, polled once per scheduler step::

@@ -4,7 +4,7 @@ plane only: announces and cancels over Ray, never KV bytes).
 Workers are found by worker id: each prefill and decode actor registers a small named entry
 actor (``pdcluster-peer:<worker id>``, owned by the worker, so it dies with it) that holds the
 worker's own handle; the other side looks it up once and caches the handle (a restarted actor
-keeps its handle). In one process (tests, benchmarks) LocalStreamPeers calls the engines.
+keeps its handle).
 """
 
 from __future__ import annotations
@@ -113,26 +113,3 @@ class RayStreamPeers(StreamPeers):
 
     def cancel_at_prefill(self, prefill_id: str, request_id: str) -> None:
         self._call(prefill_id, "cancel_layer_stream", request_id)
-
-
-class LocalStreamPeers(StreamPeers):
-    """Engines in this process, by worker id (``workers[id]`` has ``expect_layer_stream`` /
-    ``cancel_layer_stream``, as the actors do)."""
-
-    def __init__(self, workers: dict[str, Any] | None = None) -> None:
-        self.workers = {} if workers is None else workers
-
-    def announce(self, decode_id: str, announce: Any) -> bool:
-        worker = self.workers.get(decode_id)
-        if worker is None:
-            return False
-        worker.expect_layer_stream(announce)
-        return True
-
-    def cancel_at_decode(self, decode_id: str, request_id: str) -> None:
-        if decode_id in self.workers:
-            self.workers[decode_id].cancel_layer_stream(request_id)
-
-    def cancel_at_prefill(self, prefill_id: str, request_id: str) -> None:
-        if prefill_id in self.workers:
-            self.workers[prefill_id].cancel_layer_stream(request_id)

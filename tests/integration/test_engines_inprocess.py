@@ -11,13 +11,13 @@ import time
 import pytest
 
 from decode_worker.engine import DecodeEngine
-from decode_worker.kv_fetch import KVFetcher
 from engine.config import BUNDLED_MODEL, EngineConfig
 from engine.core.engine_loop import EngineLoop, run_once
 from engine.protocol import DecodeRequest, FinishReason, PrefillRequest, SamplingParams
 from engine.runner import ModelRunner
 from kvstore.client import KVStoreClient
 from kvstore.config import KVStoreConfig
+from kvstore.connector.fetch import FetchConnector, KVFetcher
 from kvstore.connector.pool import PoolConnector
 from prefill_worker.engine import PrefillEngine
 from tests.kvstore.lru_block_store import lru_server
@@ -45,7 +45,7 @@ def engines(eos_model_dir):
                                             "prefill-0", 0))
     decode_runner = ModelRunner(config)
     decode = started(lambda: DecodeEngine(decode_runner, "decode-0", 0,
-                                          KVFetcher(decode_runner.kv_cache, 5)))
+                                          FetchConnector(KVFetcher(decode_runner.kv_cache, 5))))
     yield prefill, decode
     stop(decode)
     stop(prefill)
@@ -172,7 +172,7 @@ def test_chunked_prefill_equals_unchunked(engines, eos_model_dir, hf):
     # and the KV the chunks wrote is the KV decode continues from
     decode_runner = ModelRunner(whole_config)
     decode = started(lambda: DecodeEngine(decode_runner, "d-chunk", 0,
-                                          KVFetcher(decode_runner.kv_cache, 5)))
+                                          FetchConnector(KVFetcher(decode_runner.kv_cache, 5))))
     try:
         _, got, _ = generate((chunked, decode), "chunked-2", prompt,
                              SamplingParams(max_tokens=12, temperature=0))
@@ -191,7 +191,8 @@ def test_preemption_keeps_outputs_identical(engines, eos_model_dir, hf, mode):
     config = EngineConfig(model=str(eos_model_dir), num_kv_blocks=12, preemption_mode=mode,
                           max_num_batched_tokens=32)
     runner = ModelRunner(config)
-    small = started(lambda: DecodeEngine(runner, f"small-{mode}", 0, KVFetcher(runner.kv_cache, 5)))
+    small = started(lambda: DecodeEngine(runner, f"small-{mode}", 0,
+                                         FetchConnector(KVFetcher(runner.kv_cache, 5))))
     texts = ["Once upon a time", "The big dog", "Lily had a cat", "Tom went to the park"]
     prompts = [hf.encode(t + ", and they played all day long in the sun.") for t in texts]
     params = [SamplingParams(max_tokens=70, temperature=0 if i % 2 else 0.9, seed=7 + i,
@@ -250,7 +251,8 @@ def test_engine_loop_builds_the_model_and_runs_every_step_on_its_thread(eos_mode
         built_on["thread"] = threading.get_ident()
         runner = ModelRunner(EngineConfig(model=str(eos_model_dir), num_kv_blocks=32))
         runner.model.register_forward_hook(lambda *_: forward_threads.add(threading.get_ident()))
-        return DecodeEngine(runner, "own-thread", 0, KVFetcher(runner.kv_cache, 5))
+        return DecodeEngine(runner, "own-thread", 0,
+                            FetchConnector(KVFetcher(runner.kv_cache, 5)))
 
     loop = EngineLoop(build, "decode-engine", timeout_s=60)
     try:

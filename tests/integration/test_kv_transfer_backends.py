@@ -16,18 +16,18 @@ import pytest
 import torch
 
 from decode_worker.engine import DecodeEngine
-from decode_worker.kv_fetch import KVFetcher
 from engine.config import EngineConfig
 from engine.protocol import (DecodeRequest, FinishReason, PrefillRequest, PrefillResult,
                              SamplingParams)
 from engine.runner import ModelRunner
 from kvstore.client import KVStoreClient
+from kvstore.connector.fetch import FetchConnector, KVFetcher
 from kvstore.config import KVStoreConfig, KVTransferConfig
 from kvstore.connector.multi import MultiConnector
 from kvstore.connector.pool import PoolConnector
 from kvstore.connector.torch_push import TorchPushConnector
 from kvstore.transfer.base import TransferState
-from kvstore.transfer.fake import FakeTransferBackend
+from tests.kvstore.fake_transfer import FakeTransferBackend
 from prefill_worker.engine import PrefillEngine
 from tests.kvstore.lru_block_store import lru_server
 from tests.engine_loops import started, stop
@@ -62,7 +62,8 @@ def decode_engine(worker_id: str, transfer: KVTransferConfig | float, num_kv_blo
                   backend=None) -> DecodeEngine:
     runner = ModelRunner(EngineConfig(num_kv_blocks=num_kv_blocks))
     return started(lambda: DecodeEngine(runner, worker_id, 0,
-                                        KVFetcher(runner.kv_cache, transfer, backend=backend)))
+                                        FetchConnector(KVFetcher(runner.kv_cache, transfer,
+                                                                 backend=backend))))
 
 
 @pytest.fixture(scope="module")
@@ -183,7 +184,7 @@ def test_injected_fetch_failure_retries_then_recomputes(prefill, store, hf):
     succeeds. (Timeouts and retries over real stores: tests/integration/test_transfer_faults.py.)"""
     _, client = store
     fake = FakeTransferBackend(fail_on_calls={1})
-    decode = decode_engine("decode-fake", KVTransferConfig(backend="fake"), backend=fake)
+    decode = decode_engine("decode-fake", KVTransferConfig(), backend=fake)
     prompt = hf.encode("One day, a big dog " + STORY)
     params = SamplingParams(max_tokens=12, temperature=0)
     try:
@@ -214,7 +215,7 @@ def test_abort_stops_writes_before_the_blocks_are_freed():
     cache = runner.kv_cache
     key = b"k" * 32
     fake = FakeTransferBackend(blocks={key: torch.ones(cache.block_shape)}, delay_s=0.3)
-    fetcher = KVFetcher(cache, KVTransferConfig(backend="fake"), backend=fake)
+    fetcher = KVFetcher(cache, KVTransferConfig(), backend=fake)
     result = PrefillResult("r", 0, "127.0.0.1:1", (key,), None, 0, 0, "p", 0)
     fetch = fetcher.start_fetch(result, [3])
     assert fetch.poll() is TransferState.TRANSFERRING

@@ -19,18 +19,18 @@ import time
 import pytest
 
 from decode_worker.engine import DecodeEngine
-from decode_worker.kv_fetch import KVFetcher
 from engine.config import EngineConfig
 from engine.protocol import DecodeRequest, PrefillRequest, PrefillResult, SamplingParams
 from engine.runner import ModelRunner
 from kvstore.client import KVStoreClient
+from kvstore.connector.fetch import FetchConnector, KVFetcher
 from kvstore.config import KVStoreConfig, KVTransferConfig
 from kvstore.connector.layer_stream import LayerStreamConnector
 from kvstore.connector.multi import MultiConnector
 from kvstore.connector.pool import PoolConnector
 from kvstore.transfer.base import KVReceiver, KVTransferBackend, TransferState
 from kvstore.transfer.grpc_backend import GrpcTransferBackend
-from kvstore.transfer.peers import LocalStreamPeers
+from tests.kvstore.local_peers import LocalStreamPeers
 from prefill_worker.engine import PrefillEngine
 from tests.kvstore.lru_block_store import lru_server
 from tests.engine_loops import started, stop
@@ -132,7 +132,8 @@ def decode_engine(backend: KVTransferBackend | None = None) -> DecodeEngine:
     runner = ModelRunner(EngineConfig(num_kv_blocks=64))
     transfer = KVTransferConfig(timeout_s=TIMEOUT_S)
     return started(lambda: DecodeEngine(runner, "decode-f", 0,
-                                        KVFetcher(runner.kv_cache, transfer, backend=backend)))
+                                        FetchConnector(KVFetcher(runner.kv_cache, transfer,
+                                                                 backend=backend))))
 
 
 def prefill_for(prefill: PrefillEngine, request_id: str, prompt: list[int],

@@ -8,7 +8,6 @@ import warnings
 import pytest
 
 from kvstore.config import KVStoreConfig, KVTLSConfig, KVTransferConfig, kv_plane_of
-from kvstore.transfer.fake import FakeTransferBackend
 from kvstore.transfer.grpc_backend import GrpcTransferBackend
 from kvstore.transfer.registry import create_backend
 from kvstore.transfer.torch_dist import TorchTransferBackend
@@ -83,8 +82,7 @@ def test_grpc_backend_dials_with_the_store_configs_token_tls_and_message_size():
 
 def test_create_backend_hands_every_backend_the_store_config():
     kv = KVStoreConfig(token="kv-token")
-    for name, cls in (("grpc", GrpcTransferBackend), ("torch", TorchTransferBackend),
-                      ("fake", FakeTransferBackend)):
+    for name, cls in (("grpc", GrpcTransferBackend), ("torch", TorchTransferBackend)):
         backend = create_backend(KVTransferConfig(backend=name), kv)
         assert isinstance(backend, cls) and backend.kv_config is kv
         backend.close()

@@ -13,11 +13,12 @@ from kvstore.hashing import block_keys, make_namespace
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.transfer.base import FetchRequest, TransferState
 from kvstore.transfer.dest import CallbackDest, TensorDest
-from kvstore.transfer.fake import FakeTransferBackend
 from kvstore.transfer.grpc_backend import GrpcTransferBackend
 from kvstore.transfer.registry import TRANSFER_BACKENDS, create_backend
 from kvstore.transfer.runs import BlockRun, coalesce_runs
+from kvstore.transfer.torch_dist import TorchTransferBackend
 from kvstore.transfer.wire import decode_block_data, encode_block_data
+from tests.kvstore.fake_transfer import FakeTransferBackend
 from tests.kvstore.lru_block_store import LRUBlockStore
 
 BLOCK_SHAPE = (2, 2, 16, 2, 8)  # [layers, k/v, block_size, kv_heads, head_dim]: 4 KiB float32
@@ -74,9 +75,9 @@ def test_wire_codec_is_protobuf_both_ways():
 
 
 def test_registry_maps_names_to_backends():
-    assert set(TRANSFER_BACKENDS) == {"grpc", "torch", "fake"}
-    backend = create_backend(KVTransferConfig(backend="fake"))
-    assert isinstance(backend, FakeTransferBackend)
+    assert set(TRANSFER_BACKENDS) == {"grpc", "torch"}
+    backend = create_backend(KVTransferConfig(backend="torch"))
+    assert isinstance(backend, TorchTransferBackend)
     backend.close()
 
 

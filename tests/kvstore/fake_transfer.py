@@ -1,4 +1,4 @@
-"""Fake transfer backend: in-memory blocks, no threads, failure injection (tests).
+"""A fake transfer backend for tests: in-memory blocks, no threads, failure injection.
 
 Like SGLang's ``fake`` connector it needs no peer; unlike it, it can fail on purpose:
 
@@ -43,7 +43,7 @@ class FakeTransferBackend(KVTransferBackend):
                  tails: MutableMapping[str, tuple[torch.Tensor, int]] | None = None,
                  fail_on_calls: Collection[int] = (), fail_after_bytes: int | None = None,
                  delay_s: float = 0.0):
-        super().__init__(config or KVTransferConfig(backend="fake"), kv_config)
+        super().__init__(config or KVTransferConfig(), kv_config)
         self.blocks = {} if blocks is None else blocks
         self.tails = {} if tails is None else tails
         self.fail_on_calls = set(fail_on_calls)

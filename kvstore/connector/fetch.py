@@ -1,5 +1,12 @@
-"""Moves a request's prompt KV from the prefill side into its reserved decode cache blocks,
-through the transfer backends of kvstore.transfer.
+"""The fetch connector: a decode worker's KV connector. It moves a request's prompt KV from the
+prefill side into the request's reserved cache blocks, through the transfer backends of
+kvstore.transfer.
+
+As a connector (FetchConnector): a request that comes with a PrefillResult matches its whole
+prompt, asynchronously (get_num_new_matched_tokens); once it holds its blocks the fetch is
+planned (update_state_after_alloc) and started (start_load_kv), and get_finished reports it
+settled — landed, or failed after its retry, and then the engine recomputes the prompt.
+request_finished lets go of what the prefill side holds for a request that never fetched.
 
 The path a request's blocks take (KVFetcher.start_fetch):
 
@@ -10,7 +17,7 @@ The path a request's blocks take (KVFetcher.start_fetch):
    is the prefix cache), so a broken pair costs time, not the request.
 2. store — full blocks through this node's shared-memory arena when the prefill ran on this
    node, else by key over gRPC streams; the tail by its one-shot handle over gRPC
-   (``--kv-transfer fake``, tests only: the fake backend instead).
+   (tests may give the fetcher a fake backend for this path).
 3. layer — with ``--kv-streaming layer`` the prefill announces the request before computing
    (KVFetcher.start_stream, before the decode even has the request) and the pieces of each
    layer are taken from the prefill node's store as they are put (LayerStreamReceiver).
@@ -20,7 +27,7 @@ bounds the silence between pieces). A failed or timed-out attempt is retried onc
 another holder: after a pair or layer stream, the prefill node's store (keyed blocks + tail);
 after the store itself, the store again over gRPC (the one other path to the only node known
 to hold the tail). If the retry fails too, the fetch FAILS and the engine recomputes the
-prompt locally (decode_worker/engine.py), so a transfer fault costs time, not the request.
+prompt locally (the decode engine), so a transfer fault costs time, not the request.
 
 Blocks land straight in the reserved cache blocks, written from the backends' threads (a
 CallbackDest): no running request uses those blocks, and once poll() has returned FAILED, or
@@ -38,12 +45,13 @@ import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
-from engine.kv_cache import PagedKVCache
-from engine.protocol import PrefillResult
 from kvstore.config import KVStoreConfig, KVTransferConfig
+from kvstore.connector.base import (BlockCache, KVConnector, KVConnectorContext,
+                                    KVConnectorRequest, LoadOutcome)
 from kvstore.errors import KVStoreError
 from kvstore.node_client import NodeStoreClient
 from kvstore.transfer.arena_receiver import ArenaReceiver
@@ -55,6 +63,11 @@ from kvstore.transfer.layer_stream import (ALL_LAYERS, LayerPiece, LayerStreamAn
 from kvstore.transfer.registry import create_backend
 
 log = logging.getLogger(__name__)
+
+#: engine.protocol.PrefillResult, read for its KV transfer params (kv_address, block_keys,
+#: tail_handle, num_tail_tokens, kv_node_id, pair_address, pair_tag, layer_stream, request_id);
+#: kvstore sits below engine, so the type is not imported.
+PrefillResult = Any
 
 #: Paths whose success took the tail block from the prefill node's store.
 _TAKES_STORE_TAIL = frozenset({"grpc", "arena"})
@@ -82,13 +95,13 @@ class KVFetcher:
 
     Attributes:
         bytes_by_backend: KV bytes written into the cache by successful fetches, by path
-            ("torch", "grpc", "arena", "fake").
+            ("torch", "grpc", "arena", or a given backend's name).
         v_perturbation: a fault to inject (DecodeWorker.inject_fault, only with
             EngineConfig.fault_injection on): when non-zero, added to every received V block
             before it is written to the cache. Always 0 in serving.
     """
 
-    def __init__(self, kv_cache: PagedKVCache, transfer: KVTransferConfig | float,
+    def __init__(self, kv_cache: BlockCache, transfer: KVTransferConfig | float,
                  node_id: str | None = None, node_client: NodeStoreClient | None = None,
                  backend: KVTransferBackend | None = None,
                  kv_config: KVStoreConfig | None = None) -> None:
@@ -233,7 +246,7 @@ class KVFetch:
     per step and never blocks on it.
 
     Attributes:
-        paths: the paths tried so far, in order: "layer", "torch", "grpc", "arena" or "fake";
+        paths: the paths tried so far, in order: "layer", "torch", "grpc", "arena" or a given backend's name;
             at most MAX_ATTEMPTS (the first, then one retry from another holder).
         receiver: the current path's receiver.
         stream: the layer stream it started with, or None.
@@ -346,15 +359,119 @@ class KVFetch:
             self._fetcher.release_tail(self.prefill)  # not taken: do not wait for its TTL
 
 
+class FetchConnector(KVConnector):
+    """A decode worker's KV connector over a KVFetcher (see the module docstring).
+
+    Built from a context (the registry: the fetcher is made once the cache is registered), or
+    around a fetcher a test made.
+    """
+
+    def __init__(self, fetcher: KVFetcher | None = None,
+                 ctx: KVConnectorContext | None = None) -> None:
+        self.fetcher, self._ctx = fetcher, ctx
+        self._planned: list[tuple[KVConnectorRequest, list[int]]] = []
+        self._fetches: dict[str, KVFetch] = {}
+
+    @classmethod
+    def from_context(cls, ctx: KVConnectorContext) -> FetchConnector:
+        return cls(None, ctx)
+
+    def register_kv_caches(self, cache: BlockCache) -> None:
+        self.cache = cache
+        if self.fetcher is None:
+            ctx = self._ctx
+            self.fetcher = KVFetcher(cache, ctx.transfer, ctx.node_id, ctx.local_store,
+                                     kv_config=ctx.kv_config)
+
+    def get_num_new_matched_tokens(self, request: KVConnectorRequest,
+                                   num_computed_tokens: int) -> tuple[int, bool]:
+        """The whole prompt, asynchronously, when the request comes with a PrefillResult."""
+        if request.request.prefill is None:
+            return 0, False
+        return request.num_prompt_tokens - num_computed_tokens, True
+
+    def update_state_after_alloc(self, request: KVConnectorRequest, block_ids: Sequence[int],
+                                 num_external_tokens: int) -> None:
+        if num_external_tokens:
+            self._planned.append((request, list(block_ids)))
+
+    def start_load_kv(self) -> None:
+        planned, self._planned = self._planned, []
+        for request, table in planned:
+            prefill = request.request.prefill
+            if prefill.layer_stream is not None:  # not announced here in time: take it now
+                fetch = self.fetcher.start_stream(prefill.layer_stream, table)
+                fetch.attach(prefill)
+            else:
+                fetch = self.fetcher.start_fetch(prefill, table)
+            self._fetches[request.request_id] = fetch
+
+    def start_stream(self, announce: LayerStreamAnnounce, block_table: Sequence[int]) -> KVFetch:
+        """A layer stream announced before its request came, into blocks reserved for it;
+        once the request comes, adopt() it (kvstore's pre-arrival reservation, SGLang's
+        decode "prealloc" queue)."""
+        return self.fetcher.start_stream(announce, block_table)
+
+    def adopt(self, request: KVConnectorRequest, fetch: KVFetch) -> None:
+        """The request of a stream started by start_stream came: report it as its load."""
+        fetch.attach(request.request.prefill)
+        self._fetches[request.request_id] = fetch
+
+    def get_finished(self) -> tuple[dict, dict[str, LoadOutcome]]:
+        """Fetches that settled: the prompt landed (num_tokens: the whole prompt), or failed
+        after its retry (failures; nothing landed that counts: recompute)."""
+        loaded: dict[str, LoadOutcome] = {}
+        for request_id, fetch in list(self._fetches.items()):
+            state = fetch.poll()
+            if not state.done:
+                continue
+            del self._fetches[request_id]
+            detail = {"retries": fetch.retries, **fetch.timings()}
+            if state is TransferState.SUCCESS:
+                num_tokens = fetch.prefill.num_tail_tokens + \
+                    len(fetch.prefill.block_keys) * self.cache.block_size
+                loaded[request_id] = LoadOutcome(num_tokens, {fetch.path: num_tokens},
+                                                 detail=detail)
+            else:
+                loaded[request_id] = LoadOutcome(failures=[f"{'→'.join(fetch.paths)}: "
+                                                           f"{fetch.error}"], detail=detail)
+        return {}, loaded
+
+    def request_finished(self, request: KVConnectorRequest, block_ids: Sequence[int]
+                         ) -> tuple[bool, None]:
+        """The request ended without fetching (aborted while waiting, or finished at
+        admission): a pushed transfer is drained and the store tail dropped."""
+        self.fetcher.release(request.request.prefill)
+        return False, None
+
+    def abort(self, request_id: str) -> None:
+        """Its fetch stops; get_finished reports it once nothing more is written into its
+        blocks (at once, or when a pair receive under way settles: see KVFetch.abort)."""
+        fetch = self._fetches.get(request_id)
+        if fetch is not None:
+            fetch.abort()
+
+    def in_flight(self) -> int:
+        """Fetches not settled yet."""
+        return len(self._fetches)
+
+    def stats(self) -> dict:
+        return {"kv_bytes_fetched_total": self.fetcher.bytes_fetched_total,
+                "kv_bytes_fetched_by_backend": dict(self.fetcher.bytes_by_backend)}
+
+    def close(self) -> None:
+        self.fetcher.close()
+
+
 class LayerWriter:
     """Puts a layer stream's pieces into the reserved blocks: straight into the paged cache
     (TP=1), else into a staging copy written whole at the end, each rank keeping its KV heads
     (the ShardedKVView writes only whole blocks)."""
 
-    def __init__(self, cache: PagedKVCache, table: list[int],
+    def __init__(self, cache: BlockCache, table: list[int],
                  perturbed: Callable[[torch.Tensor, int], torch.Tensor]) -> None:
         self.table, self.cache, self._perturbed = table, cache, perturbed
-        self.direct = isinstance(self.cache, PagedKVCache)
+        self.direct = hasattr(cache, "k")  # the paged cache itself (TP=1), not a sharded view
         self.staging = None if self.direct else torch.zeros(
             (len(table), *self.cache.block_shape), dtype=self.cache.dtype)
 
