@@ -19,6 +19,10 @@ Lifecycle of a request on a decode worker:
                     prompt here, into the same blocks.
 4. RUNNING        — joins the batch at the next step; each step feeds the last token of every
                     running request (one forward token each), samples the next, streams it.
+                    Colocated, a request skips WAITING_FOR_KV: its prompt runs first, in
+                    chunks of at most max_num_batched_tokens that share the steps' forwards
+                    with the decoding requests (the scheduler's chunked prefill); the last
+                    chunk samples its output token 0.
    PREEMPTED      — when a growing request finds no free block, the newest running request
                     is preempted (its blocks freed, recomputed or swapped to host memory: the
                     scheduler's preemption policy, engine.core.preemption) and waits at the
@@ -73,8 +77,8 @@ class DecodeSequence:
     aborted: bool = False
     arrival: int = 0
     swapped: torch.Tensor | None = None  # host copy of the KV of a request preempted by swap
-    # the scheduler's prefix-cache and chunking fields: a decode worker keys nothing and runs
-    # its prompts whole (the KV arrives, or a local prefill computes it in one go)
+    # the scheduler's prefix-cache and chunking fields: a decode worker keys nothing; a
+    # prompt's KV arrives whole, or (colocated) is computed here in chunks
     block_keys: tuple[bytes, ...] = ()
     num_computed_tokens: int = 0
     runs_alone: bool = False
@@ -93,7 +97,9 @@ class DecodeSequence:
 
     def kv_token_ids(self) -> list[int]:
         """The tokens whose KV the request holds: all but the last output token (the next
-        step feeds that one)."""
+        step feeds that one); before its first output token, the prompt's computed chunks."""
+        if not self.output_ids:
+            return list(self.request.prompt_token_ids[:self.num_computed_tokens])
         return list(self.request.prompt_token_ids) + self.output_ids[:-1]
 
 
@@ -122,6 +128,7 @@ class DecodeEngine:
         cfg = runner.engine_config
         self.block_size = cfg.block_size
         self.max_model_len = cfg.resolved_max_model_len(runner.model_config)
+        self.max_num_batched_tokens = cfg.max_num_batched_tokens
         self.eos_token_ids = frozenset(runner.model_config.eos_token_ids)
         self.pool = BlockPool(cfg.num_kv_blocks, enable_caching=False)  # decode keys nothing
         self.kv = KVCacheManager(self.pool, self.block_size)
@@ -204,9 +211,11 @@ class DecodeEngine:
         self._admit_waiting()
         self._poll_fetches()
         running = self.scheduler.grow()
-        if running:
-            self._step(running)
-        return bool(running)
+        if not running:
+            return False
+        decoding = [s for s in running if s.num_computed_tokens >= s.num_prompt_tokens]
+        self._step(decoding, self.scheduler.schedule_chunks(self.max_num_batched_tokens))
+        return True
 
     def idle_wait_s(self) -> float:
         fetching = len(self.streams) or self.connector.in_flight()
@@ -267,8 +276,8 @@ class DecodeEngine:
         else fetched from the prefill side (or taken from its layer stream)."""
         for seq in self.scheduler.admit():
             n, _ = self.connector.get_num_new_matched_tokens(seq, 0)
-            if not n:  # colocated
-                self._prefill_colocated(seq)
+            if not n:  # colocated: its prompt runs in the next steps' chunks
+                seq.status = RequestStatus.RUNNING
                 continue
             self.connector.update_state_after_alloc(seq, seq.block_table, n)
             self._start_waiting_for_kv(seq)
@@ -293,6 +302,7 @@ class DecodeEngine:
                 if not self._recompute_prompt(seq):
                     continue
                 timings["recomputed"] = True
+            seq.num_computed_tokens = seq.num_prompt_tokens
             seq.status = RequestStatus.RUNNING
             timings["admitted_s"] = time.time()
 
@@ -300,27 +310,11 @@ class DecodeEngine:
                          ) -> torch.Tensor:
         """Run tokens through the model from position 0 into block_table, in chunks of at
         most max_num_batched_tokens. Returns the last token's logits [1, vocab]."""
-        budget = self.runner.engine_config.max_num_batched_tokens
         logits = None
-        for start in range(0, len(tokens), budget):
-            chunk = tuple(tokens[start:start + budget])
+        for start in range(0, len(tokens), self.max_num_batched_tokens):
+            chunk = tuple(tokens[start:start + self.max_num_batched_tokens])
             logits = self.runner.execute([SequenceChunk(chunk, start, block_table)])
         return logits
-
-    def _prefill_colocated(self, seq: DecodeSequence) -> None:
-        """Colocated mode: prefill the prompt into seq's blocks here and sample output token 0
-        (no transfer); the request then runs, or finishes if token 0 already stops it."""
-        prompt = list(seq.request.prompt_token_ids)
-        logits = self._prefill_locally(prompt, seq.block_table)
-        [(token, logprob)] = sample(
-            logits, [SampleInput(seq.request.sampling, seq.seed, prompt, ())], self.eos_token_ids)
-        seq.output_ids.append(token)
-        finish = self._check_stop(seq)
-        if finish is not None:
-            self._finish(seq, finish, new_tokens=(token,), logprob=logprob)
-            return
-        seq.status = RequestStatus.RUNNING
-        seq.emit(self._delta(seq, (token,), None, logprob=logprob))
 
     def _recompute_prompt(self, seq: DecodeSequence) -> bool:
         """A KV fetch failed for good (after its retry): compute the prompt's KV into seq's
@@ -338,19 +332,35 @@ class DecodeEngine:
         self._num_fetch_recomputed_tokens += len(prompt)
         return True
 
-    def _step(self, running: list[DecodeSequence]) -> None:
-        chunks = [SequenceChunk(token_ids=(s.output_ids[-1],), num_computed_tokens=s.num_tokens - 1,
-                                block_table=s.block_table) for s in running]
+    def _step(self, decoding: list[DecodeSequence],
+              prefills: list[tuple[DecodeSequence, int]]) -> None:
+        """One forward: the last token of every decoding request, and this step's prompt
+        chunks (colocated). A prompt's last chunk samples its output token 0."""
+        chunks = [SequenceChunk((s.output_ids[-1],), s.num_tokens - 1, s.block_table)
+                  for s in decoding]
+        for seq, n in prefills:
+            start = seq.num_computed_tokens
+            chunks.append(SequenceChunk(tuple(seq.request.prompt_token_ids[start:start + n]),
+                                        start, seq.block_table))
         logits = self.runner.execute(chunks)
-        rows = [SampleInput(s.request.sampling, s.seed, s.request.prompt_token_ids, s.output_ids)
-                for s in running]
-        sampled = sample(logits, rows, self.eos_token_ids)
-        self.num_steps_total += 1
-        self.num_forward_tokens_total += len(running)
-        self.step_log.append((self.num_steps_total, tuple(s.request_id for s in running)))
-        log.debug("decode step %d: batch of %d", self.num_steps_total, len(running))
-        for seq, (token, logprob) in zip(running, sampled):
+        for seq, n in prefills:
+            seq.num_computed_tokens += n
+        # every decoding request, then the prompts this step completed, in chunk order
+        rows = list(range(len(decoding))) + [
+            len(decoding) + i for i, (seq, _) in enumerate(prefills)
+            if seq.num_computed_tokens == seq.num_prompt_tokens]
+        sampling = decoding + [prefills[i - len(decoding)][0] for i in rows[len(decoding):]]
+        inputs = [SampleInput(s.request.sampling, s.seed, s.request.prompt_token_ids,
+                              s.output_ids) for s in sampling]
+        sampled = sample(logits[rows], inputs, self.eos_token_ids) if sampling else []
+        if decoding:
+            self.num_steps_total += 1
+            self.num_forward_tokens_total += len(decoding)
+            self.step_log.append((self.num_steps_total, tuple(s.request_id for s in decoding)))
+            log.debug("decode step %d: batch of %d", self.num_steps_total, len(decoding))
+        for seq in decoding:
             seq.num_forward_tokens += 1
+        for seq, (token, logprob) in zip(sampling, sampled):
             seq.output_ids.append(token)
             finish = self._check_stop(seq)
             if finish is None:

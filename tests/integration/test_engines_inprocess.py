@@ -241,6 +241,52 @@ def test_colocated_request_prefills_on_the_decode_worker(engines, hf):
     assert decode.stats()["num_free_blocks"] == decode.stats()["num_blocks"]
 
 
+def test_colocated_prompts_run_in_chunks_beside_decoding_requests(eos_model_dir, hf):
+    """Colocated, a prompt runs in chunks of max_num_batched_tokens that share the forwards of
+    the requests already decoding: the decoding request gains one token in every step of the
+    other's prompt, and both outputs equal transformers' greedy ones. The test drives the
+    engine's loop body itself, so the steps are counted exactly."""
+    config = EngineConfig(model=str(eos_model_dir), num_kv_blocks=64, max_num_batched_tokens=32)
+    runner = ModelRunner(config)
+    engine = DecodeEngine(runner, "colocated-chunks", 0,
+                          FetchConnector(KVFetcher(runner.kv_cache, 5)))
+    short = hf.encode("Once upon a time, there was a little boy named Tim.")
+    long = (hf.encode("One day, a big dog named Max found a red ball.") +
+            hf.encode(" Lily liked to play with her doll in the garden." * 20,
+                      add_special_tokens=False))[:150]
+    params = SamplingParams(max_tokens=30, temperature=0)
+    tokens: dict[str, list[int]] = {"short": [], "long": []}
+    finished: set[str] = set()
+
+    def emit_to(name):
+        def emit(delta):
+            tokens[name].extend(delta.token_ids)
+            if delta.finish_reason is not None:
+                finished.add(name)
+        return emit
+
+    def run_until(done) -> None:
+        deadline = time.monotonic() + 60
+        while not done():
+            assert time.monotonic() < deadline
+            run_once(engine)
+
+    engine.add_request(DecodeRequest("short", tuple(short), params), emit_to("short"))
+    run_until(lambda: len(tokens["short"]) >= 3)
+    engine.add_request(DecodeRequest("long", tuple(long), params), emit_to("long"))
+    before = len(tokens["short"])
+    run_until(lambda: tokens["long"])
+    assert len(tokens["short"]) - before == -(-150 // 32)  # one decode token per prompt chunk
+    run_until(lambda: len(finished) == 2)
+    stats = engine.stats()
+    engine.close()
+    for name, prompt in (("short", short), ("long", long)):
+        want = hf.greedy(prompt, 30, eos_token_id=[1, 2])
+        assert len(want) == 30, "reference stopped early"
+        assert tokens[name] == want
+    assert stats["num_free_blocks"] == stats["num_blocks"]
+
+
 def test_engine_loop_builds_the_model_and_runs_every_step_on_its_thread(eos_model_dir, hf):
     """The worker actors' engine loop: the engine (model included) is built on the loop's
     thread and every forward runs there (engine/core/engine_loop.py: the first OpenMP thread
