@@ -12,8 +12,9 @@ import pytest
 import ray
 from prometheus_client.parser import text_string_to_metric_families
 
-from deploy.serve import BackgroundServer, gateway_app
+from deploy.serve import gateway_app
 from kvstore.client import KVStoreClient
+from tests.background_server import BackgroundServer
 
 pytestmark = pytest.mark.slow
 
@@ -130,16 +131,21 @@ def test_dropped_non_streaming_requests_free_every_block_within_2s(api_base, clu
                 with pytest.raises(httpx.TimeoutException):
                     await client.post(f"{api_base}/completions", json=body)
 
-        async def busy() -> dict:
-            await asyncio.sleep(0.25)
-            return await asyncio.to_thread(lambda: held(scrape(base)))
+        async def clients() -> None:
+            await asyncio.gather(*(dropped() for _ in range(100)))
 
-        *_, during = await asyncio.gather(*(dropped() for _ in range(100)), busy())
+        # Scrape until the requests show, not once at a fixed instant: on a loaded machine a
+        # single late-or-early scrape can miss them.
+        clients_left = asyncio.create_task(clients())
+        while (during := await asyncio.to_thread(lambda: held(scrape(base)))) == idle \
+                and not clients_left.done():
+            await asyncio.sleep(0.02)
+        await clients_left
         return during
 
     during = asyncio.run(main())
     dropped_at = time.monotonic()
-    assert during != idle  # the requests were running when their clients left
+    assert during != idle  # the requests were running while their clients waited
     while (now := held(scrape(base))) != idle or (tails := store_tails(cluster)):
         assert time.monotonic() - dropped_at < 2.0, (now, idle, tails)
         time.sleep(0.05)
