@@ -1,4 +1,5 @@
-"""CPU paged attention: `kernels.torch_attention` (the engine's CPU path) vs `kernels.reference`.
+"""CPU paged attention: `kernels.torch_attention` (the engine's CPU path) vs the plain oracle
+(tests/kernels/attention_oracle.py).
 
     .venv/bin/python benchmarks/cpu_attention.py [--threads 2] [--layers 12]
 
@@ -11,7 +12,7 @@ block 16, fp32. Per-layer timings (median of 5 after a warm-up):
 
 Both implementations are checked equal first (max |diff| printed). The "step" rows multiply
 by --layers: attention time of one forward of the whole model. Prints a Markdown table with
-the speed-up (reference time / torch_attention time).
+the speed-up (oracle time / torch_attention time).
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from kernels import reference, torch_attention  # noqa: E402
+from kernels import torch_attention  # noqa: E402
+from tests.kernels import attention_oracle  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 12, 4, 64, 16
 
@@ -53,7 +55,7 @@ def block_tables(seq_lens: list[int], num_blocks: int, scattered: bool) -> torch
 
 
 def cases(num_blocks: int):
-    """(name, args of reference.*, which function) for every measured shape."""
+    """(name, function name, its inputs but the caches and scale) for every measured shape."""
     gen = torch.Generator().manual_seed(0)
     seq_lens = torch.randint(128, 1025, (32,), generator=gen).tolist()
     lens = torch.tensor(seq_lens, dtype=torch.int32)
@@ -82,13 +84,13 @@ def main() -> None:
     k_cache, v_cache = torch.randn(shape), torch.randn(shape)
     scale = HEAD_DIM ** -0.5
     print(f"torch {torch.__version__}, {args.threads} threads, fp32\n")
-    print("| case | reference ms/layer | torch_attention ms/layer | speed-up | "
+    print("| case | oracle ms/layer | torch_attention ms/layer | speed-up | "
           f"attention per step ({args.layers} layers), ms | max abs diff |")
     print("|---|---:|---:|---:|---:|---:|")
     for name, fn, inputs in cases(num_blocks):
         q, *rest = inputs
         call = [(impl, lambda impl=impl: getattr(impl, fn)(q, k_cache, v_cache, *rest, scale))
-                for impl in (reference, torch_attention)]
+                for impl in (attention_oracle, torch_attention)]
         diff = (call[0][1]() - call[1][1]()).abs().max().item()
         ref_s, fast_s = (median_s(c) for _, c in call)
         print(f"| {name} | {ref_s * 1e3:.2f} | {fast_s * 1e3:.2f} | {ref_s / fast_s:.1f}× | "

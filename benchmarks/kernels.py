@@ -44,6 +44,7 @@ import triton  # noqa: E402
 
 import kernels  # noqa: E402
 from kernels import reference  # noqa: E402
+from tests.kernels import attention_oracle  # noqa: E402
 
 GB, TFLOP = 1e9, 1e12
 
@@ -129,7 +130,7 @@ def bench_attention(s: Shapes, device: torch.device, time_ms, smoke: bool) -> li
     meta_bytes = block_tables.numel() * 4 + seq_lens.numel() * 4
     decode = lambda: kernels.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale)  # noqa: E731
     if smoke:
-        expected = reference.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale)
+        expected = attention_oracle.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale)
         _check(decode(), expected, "decode")
     accounting = "K+V read + q read + out written + block tables"
     rows.append(Row("paged_decode_attention", time_ms(decode), kv_bytes + q_out_bytes + meta_bytes, "GB/s", accounting))
@@ -155,7 +156,7 @@ def bench_attention(s: Shapes, device: torch.device, time_ms, smoke: bool) -> li
     flops = 4 * seqs * s.num_heads * n * n * s.head_dim / 2
     prefill = lambda: kernels.paged_prefill_attention(q, k_cache, v_cache, block_tables, cu, lens, scale)  # noqa: E731
     if smoke:
-        _check(prefill(), reference.paged_prefill_attention(q, k_cache, v_cache, block_tables, cu, lens, scale),
+        _check(prefill(), attention_oracle.paged_prefill_attention(q, k_cache, v_cache, block_tables, cu, lens, scale),
                "prefill")
     accounting = "4*seqs*heads*len^2*head_dim, halved (causal)"
     rows.append(Row("paged_prefill_attention", time_ms(prefill), flops, "TFLOP/s", accounting))

@@ -41,9 +41,11 @@ from kvstore.layout import BlockLayout  # noqa: E402
 from kvstore.server import channel_options  # noqa: E402
 from kvstore.tail_store import TailStore  # noqa: E402
 from kvstore.transfer.base import FetchRequest  # noqa: E402
+from tests.kvstore.tensor_dest import TensorDest, wait  # noqa: E402
 
 TOKEN = "benchmark-token"
 _REQUEST_TAG, _DATA_TAG = 1, 2
+_POLL_S = 1e-4  # how often a finished transfer is looked for (transfers are polled)
 
 
 def _keys(num_blocks: int) -> list[bytes]:
@@ -129,7 +131,7 @@ def _gloo_server(ready: mp.Queue, num_blocks: int, block_elems: int, chunk_bytes
         channel.wait(channel.recv(request, _REQUEST_TAG), 3600.0)
         sender = TorchKVSender(channel)
         sender.start(blocks[:int(request[0])], _DATA_TAG, 60.0)
-        sender.wait()
+        wait(sender, interval_s=_POLL_S)
         sender.result()
 
 
@@ -186,8 +188,8 @@ def _receiver_client(backend, address: str, dest: torch.Tensor, keys: list[bytes
             before(n)
         receiver = backend.create_receiver()
         receiver.start(FetchRequest(address, tuple(keys[:n]), tag=_DATA_TAG, deadline_s=60.0),
-                       dest[:n])
-        receiver.wait()
+                       TensorDest(dest[:n]))
+        wait(receiver, interval_s=_POLL_S)
         assert receiver.result() == size
     return fetch
 

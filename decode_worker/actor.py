@@ -114,14 +114,8 @@ class DecodeWorker:
                 "node_id": ray.get_runtime_context().get_node_id(), "tp_size": self.tp.size}
 
     async def tp_info(self) -> dict:
-        """This rank's and the followers' (pid, rank, node, KV heads), and the all-reduces
-        this rank has issued."""
-        runner = self.engine.runner
-        return {"ranks": [{"pid": os.getpid(), "rank": 0,
-                           "node_id": ray.get_runtime_context().get_node_id(),
-                           "kv_heads": int(runner.kv_cache.k[0].shape[2])}]
-                + await asyncio.get_running_loop().run_in_executor(None, self.tp.info),
-                "num_all_reduces": runner.tp.num_all_reduces}
+        """TPInstance.info: every rank's pid, rank, node and KV heads; rank 0's all-reduces."""
+        return await asyncio.get_running_loop().run_in_executor(None, self.tp.info)
 
     async def stats(self) -> dict:
         return self.engine.stats()
@@ -141,7 +135,7 @@ class DecodeWorker:
             ValueError: an unknown fault.
         """
         check_fault(self._fault_injection, fault, ("perturb_v",))
-        self.engine.connector.fetcher.v_perturbation = float(value)
+        self.engine.connector.v_perturbation = float(value)
 
     async def shutdown(self) -> None:
         self.loop.shutdown()

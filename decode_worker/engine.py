@@ -145,7 +145,7 @@ class DecodeEngine:
         self.step_log: deque[tuple[int, tuple[str, ...]]] = deque(maxlen=STEP_LOG_SIZE)
         self.kv_timings: OrderedDict[str, dict] = OrderedDict()
         self.streams = PendingStreams(self.scheduler, connector, self._start_waiting_for_kv,
-                                      peers, orphan_s=connector.fetcher.transfer.timeout_s)
+                                      peers, orphan_s=connector.transfer.timeout_s)
         self.num_fetch_retries_total = 0
 
     # ---- called from other threads -------------------------------------------------------
@@ -239,7 +239,7 @@ class DecodeEngine:
             self.scheduler.add(seq)
             return
         self.streams.drop(seq.request_id)  # a stream announced for it is not needed
-        self._release_remote_tail(seq)
+        self.connector.request_finished(seq, ())  # it never fetched: its tail, pushed KV go
         seq.status = RequestStatus.FINISHED
         seq.emit(self._delta(seq, (), finish, error))
 
@@ -247,8 +247,8 @@ class DecodeEngine:
         self.streams.drop(request_id, tell_prefill=True)
         seq = self.scheduler.find_waiting(request_id)
         if seq is not None:
-            if seq.status is not RequestStatus.PREEMPTED:
-                self._release_remote_tail(seq)  # it never fetched
+            if seq.status is not RequestStatus.PREEMPTED:  # it never fetched
+                self.connector.request_finished(seq, ())
             self._finish(seq, FinishReason.ABORT)
             return
         seq = self.scheduler.active.get(request_id)
@@ -382,11 +382,6 @@ class DecodeEngine:
         self.scheduler.finish(seq)
         seq.swapped = None
         seq.emit(self._delta(seq, new_tokens, reason, error, logprob))
-
-    def _release_remote_tail(self, seq: DecodeSequence) -> None:
-        """A request that ends without fetching: its tail and any pushed KV are let go."""
-        if seq.request.prefill is not None:
-            self.connector.request_finished(seq, ())
 
     def _delta(self, seq: DecodeSequence, tokens: tuple[int, ...], reason: FinishReason | None,
                error: str | None = None, logprob: TokenLogprob | None = None) -> TokenDelta:

@@ -21,7 +21,7 @@ from engine.config import ModelConfig
 from engine.kv_cache import PagedKVCache
 from engine.loader import CheckpointReader, WeightLoadError
 from engine.parallel import ColumnParallelLinear, RowParallelLinear, TPGroup, replicated_weight_loader
-from engine.rope import RotaryEmbedding, apply_rotary_emb
+from engine.rope import RotaryEmbedding
 
 
 def check_tensor_parallel(config: ModelConfig, tp_size: int) -> None:
@@ -79,7 +79,8 @@ class LlamaAttention(nn.Module):
         q = self.q_proj(hidden).view(num_tokens, self.num_heads, self.head_dim)
         k = self.k_proj(hidden).view(num_tokens, self.num_kv_heads, self.head_dim)
         v = self.v_proj(hidden).view(num_tokens, self.num_kv_heads, self.head_dim)
-        q, k = apply_rotary_emb(q, k, *rope)
+        positions, cos_sin_cache = rope
+        kernels.rotary_embedding(positions, q, k, cos_sin_cache)  # in place
         out = paged_attention(q, k, v, k_cache, v_cache, attn, self.scale)
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
 

@@ -1,4 +1,5 @@
-"""Rotary position embedding (RoPE): inverse frequencies, cos/sin tables, application.
+"""Rotary position embedding (RoPE): inverse frequencies and cos/sin tables (applied by
+`kernels.rotary_embedding`).
 
 Follows the Hugging Face convention ("rotate half", `cos`/`sin` of width head_dim made of the
 half-width frequencies repeated twice), i.e. transformers' `LlamaRotaryEmbedding` and
@@ -13,7 +14,6 @@ import math
 
 import torch
 
-import kernels
 from engine.config import SUPPORTED_ROPE_TYPES, ModelConfigError
 
 
@@ -66,18 +66,6 @@ def rope_cos_sin_cache(inv_freq: torch.Tensor, max_position: int) -> torch.Tenso
     positions = torch.arange(max_position, dtype=torch.int64, device=inv_freq.device).to(torch.float32)
     freqs = positions[:, None] * inv_freq.to(torch.float32)[None, :]
     return torch.cat((freqs.cos(), freqs.sin()), dim=-1)
-
-
-def apply_rotary_emb(
-    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate q [num_tokens, num_heads, head_dim] and k [num_tokens, num_kv_heads, head_dim] in place.
-
-    positions: int64 [num_tokens]; cos_sin_cache from `rope_cos_sin_cache`. x * cos +
-    rotate_half(x) * sin (transformers' apply_rotary_pos_emb). Returns (q, k), the same tensors.
-    Dispatches to `kernels.rotary_embedding`.
-    """
-    return kernels.rotary_embedding(positions, q, k, cos_sin_cache)
 
 
 class RotaryEmbedding:

@@ -37,6 +37,13 @@ log = logging.getLogger(__name__)
 JOIN_TIMEOUT_S = 300.0
 
 
+def _rank_info(runner: ModelRunner) -> dict:
+    """This process's pid, rank, node and KV heads."""
+    return {"pid": os.getpid(), "rank": runner.tp.rank,
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "kv_heads": int(runner.kv_cache.k[0].shape[2])}
+
+
 @ray.remote(max_concurrency=2)  # `info` answers while `follow` runs
 class TPFollower:
     """Rank `rank` (>= 1) of a TP instance: loads its shard of the weights, holds its KV heads,
@@ -57,9 +64,7 @@ class TPFollower:
             os._exit(1)
 
     def info(self) -> dict:
-        return {"pid": os.getpid(), "rank": self.runner.tp.rank,
-                "node_id": ray.get_runtime_context().get_node_id(),
-                "kv_heads": int(self.runner.kv_cache.k[0].shape[2])}
+        return _rank_info(self.runner)
 
 
 class TPInstance:
@@ -108,9 +113,13 @@ class TPInstance:
         threading.Thread(target=self._monitor, args=(refs,), name="tp-monitor",
                          daemon=True).start()
 
-    def info(self) -> list[dict]:
-        """The followers' info (pid, rank, node, KV heads)."""
-        return ray.get([f.info.remote() for f in self.followers]) if self.followers else []
+    def info(self) -> dict:
+        """{"ranks": (pid, rank, node, KV heads) of rank 0 then of each follower,
+        "num_all_reduces": the all-reduces rank 0 has issued}. Call after `start`; blocks on
+        the followers' answers."""
+        followers = ray.get([f.info.remote() for f in self.followers])
+        return {"ranks": [_rank_info(self._runner)] + followers,
+                "num_all_reduces": self._runner.tp.num_all_reduces}
 
     def shutdown(self) -> None:
         """Stop the followers' loops (they die with this actor)."""

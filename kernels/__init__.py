@@ -1,9 +1,9 @@
 """Kernel dispatch: the engine calls these functions, never an implementation directly.
 
 Each function runs its Triton kernel (`kernels.triton_*`) or its torch implementation, chosen
-per call by the backend. The torch implementation is `kernels.reference` (the test oracle),
-except paged attention, which runs `kernels.torch_attention` (same contract, no gathering
-copies; checked against the reference in tests/kernels):
+per call by the backend. The torch implementation is `kernels.reference` (also the test
+oracle), except paged attention, which runs `kernels.torch_attention` (checked against the
+oracle in tests/kernels/attention_oracle.py):
 
 - "auto" (default): Triton for CUDA tensors, torch otherwise;
 - "triton": always Triton. CPU tensors then run in Triton's interpreter, which triton selects
@@ -13,7 +13,7 @@ copies; checked against the reference in tests/kernels):
 - "torch": always torch.
 
 triton is imported only when a Triton kernel is first needed. Shapes, dtypes and semantics are
-documented on the reference functions; the launchers (`kernels.triton_*.plan_*`) check shapes,
+documented on the torch implementations; the launchers (`kernels.triton_*.plan_*`) check shapes,
 strides and dtypes and raise `KernelInputError` (a ValueError) for anything unsupported.
 """
 
@@ -137,7 +137,7 @@ def paged_prefill_attention(
 ) -> torch.Tensor:
     """Varlen causal attention of packed new tokens over paged K/V -> [total_q, num_heads, head_dim].
 
-    See `reference.paged_prefill_attention`."""
+    See `torch_attention.paged_prefill_attention`."""
     impl = _triton("triton_paged_prefill") if _use_triton(q) else torch_attention
     return impl.paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale)
 
@@ -152,7 +152,7 @@ def paged_decode_attention(
 ) -> torch.Tensor:
     """One-token-per-sequence attention over paged K/V -> [num_seqs, num_heads, head_dim].
 
-    Split-K (flash-decoding) on the Triton path. See `reference.paged_decode_attention`."""
+    Split-K (flash-decoding) on the Triton path. See `torch_attention.paged_decode_attention`."""
     impl = _triton("triton_paged_decode") if _use_triton(q) else torch_attention
     return impl.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale)
 

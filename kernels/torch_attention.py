@@ -1,9 +1,11 @@
 """Paged attention in plain torch without gathering copies: the CPU path of the engine.
 
-Same contracts (shapes, dtypes, masks, GQA mapping) as `kernels.reference`, which stays the
-simple test oracle. What differs is memory traffic, which decides CPU decode speed (measured:
-the reference's padded gather + einsum copies took ~70 % of a 100M-model decode step at batch
-32; see benchmarks/RESULTS.md, "CPU attention path"):
+Caches use `kernels.reference`'s paged layout. GQA: query head h reads KV head
+h // (num_heads // num_kv_heads) (transformers' repeat_kv). The contracts here are those of
+the Triton kernels too; the plain oracle both are checked against is
+tests/kernels/attention_oracle.py. What this path saves is memory traffic, which decides CPU
+decode speed (measured: the oracle's padded gather + einsum copies took ~70 % of a 100M-model
+decode step at batch 32; see benchmarks/RESULTS.md, "CPU attention path"):
 
 - a sequence whose block table is a run of consecutive block ids reads its K/V as a *view* of
   the cache (no copy); otherwise `index_select` copies only its own blocks, never a padded
@@ -16,7 +18,7 @@ the reference's padded gather + einsum copies took ~70 % of a 100M-model decode 
   with a bottom-right causal mask when a cached prefix precedes the new tokens (FlashAttention's
   `causal=True` convention for seqlen_k > seqlen_q).
 
-Math in float32, output cast back to q's dtype, as the reference.
+Math in float32, output cast back to q's dtype.
 """
 
 from __future__ import annotations
@@ -48,8 +50,13 @@ def paged_decode_attention(
     seq_lens: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """One new token per sequence over its paged K/V -> [num_seqs, num_heads, head_dim] in q's
-    dtype. See `reference.paged_decode_attention` for the contract."""
+    """Attention of one new token per sequence over its paged K/V (vLLM's paged_attention_v1).
+
+    q: [num_seqs, num_heads, head_dim]; block_tables: int32 [num_seqs, max_blocks];
+    seq_lens: int32 [num_seqs] including the new token (already stored). The new token is the last
+    position, so it attends to all seq_len cached tokens. Returns [num_seqs, num_heads, head_dim]
+    in q's dtype.
+    """
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -73,9 +80,17 @@ def paged_prefill_attention(
     seq_lens: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """Causal attention of packed new tokens over each sequence's paged K/V ->
-    [total_q, num_heads, head_dim] in q's dtype (padding rows zero). See
-    `reference.paged_prefill_attention` for the contract."""
+    """Causal attention of packed new tokens over each sequence's whole paged K/V.
+
+    q: [total_q, num_heads, head_dim], the new tokens of all sequences packed back to back;
+    block_tables: int32 [num_seqs, max_blocks]; cu_seqlens_q: int32 [num_seqs + 1];
+    seq_lens: int32 [num_seqs], cached prefix + new tokens (their K/V already stored).
+    New token i of a sequence with L new tokens and length S sits at position S - L + i and
+    attends to positions 0..S-L+i: FlashAttention's `flash_attn_varlen_func(causal=True)` with
+    seqlen_k >= seqlen_q (bottom-right aligned mask) and a paged K/V (vLLM's
+    `flash_attn_varlen_func(block_table=...)`). Returns [total_q, num_heads, head_dim] in q's dtype;
+    rows past cu_seqlens_q[-1] (padding) are zero.
+    """
     out = torch.zeros_like(q)
     starts = cu_seqlens_q.tolist()
     for seq, seq_len in enumerate(seq_lens.tolist()):

@@ -10,7 +10,7 @@ their (max, sum) in float32, and `_decode_reduce_kernel` merges them per (seq, h
 
 K/V tiles are BLOCK_N tokens gathered through the block table token by token, so any cache
 block_size works; the tile step is `_triton_attention.attend_tile`, shared with prefill.
-Reference: `kernels.reference.paged_decode_attention`.
+Contract: `kernels.torch_attention.paged_decode_attention`; oracle: tests/kernels/attention_oracle.py.
 """
 
 from __future__ import annotations

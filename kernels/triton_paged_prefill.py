@@ -13,7 +13,7 @@ layout): sequence i owns programs [cu[i] // BLOCK_M + i, cu[i+1] // BLOCK_M + i 
 least ceil(L_i / BLOCK_M) of them, and a program finds its sequence by binary search over
 cu_seqlens_q. Programs past the last sequence zero the rows after cu_seqlens_q[-1] (padding),
 so every output element is written. head_dim is padded to a power of two >= 16.
-Reference: `kernels.reference.paged_prefill_attention`.
+Contract: `kernels.torch_attention.paged_prefill_attention`; oracle: tests/kernels/attention_oracle.py.
 """
 
 from __future__ import annotations

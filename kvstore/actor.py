@@ -39,7 +39,6 @@ from kvstore.layout import BlockLayout
 from kvstore.node_store import HOST, SSD, TieredNodeStore
 from kvstore.pool_config import KVPoolConfig
 from kvstore.server import KVStoreServer
-from kvstore.tail_store import TailStore
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +68,7 @@ class KVStoreActor:
                    if pool.ssd_cache_dir else None)
         self.store = TieredNodeStore(self._node_id, layout, pool.dram_cache_bytes, ssd_dir,
                                      pool.ssd_cache_bytes, self._index,
-                                     TailStore(config.tail_capacity_bytes, config.tail_ttl_s))
+                                     config.tail_capacity_bytes, config.tail_ttl_s)
         self.restarted = ray.get_runtime_context().was_current_actor_reconstructed
         if self.restarted:  # what the dead instance held is gone
             for tier in (HOST, SSD):
@@ -111,10 +110,6 @@ class KVStoreActor:
         if self._config.host in _WILDCARD_HOSTS:
             return f"{ray.util.get_node_ip_address()}:{self._server.port}"
         return self._server.address
-
-    def node_id(self) -> str:
-        """Hex Ray node id this actor runs on."""
-        return self._node_id
 
     def pid(self) -> int:
         """This actor's process id (fault-injection tests kill it)."""
@@ -285,13 +280,3 @@ def kvstore_actor(node_id: str | None = None, namespace: str | None = None,
                 raise KVStoreError(f"no KV store actor {name!r} on node {node_id} "
                                    f"after {timeout_s} s") from None
             time.sleep(0.1)
-
-
-def local_kvstore_address(namespace: str | None = None, timeout_s: float = 30.0) -> str:
-    """Address of the KV store actor on the caller's own Ray node. Raises KVStoreError."""
-    deadline = time.monotonic() + timeout_s
-    actor = kvstore_actor(None, namespace, timeout_s)
-    try:
-        return ray.get(actor.address.remote(), timeout=max(0.1, deadline - time.monotonic()))
-    except (ray.exceptions.GetTimeoutError, ray.exceptions.RayActorError) as exc:
-        raise KVStoreError(f"KV store actor of this node did not answer: {exc}") from exc

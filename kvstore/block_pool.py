@@ -101,37 +101,6 @@ class _PrefixCache:
         self._events.append(AllCleared())
 
 
-class _NoPrefixCache:
-    """Null object for ``enable_caching=False``: every lookup misses, nothing is stored or emitted."""
-
-    evictions = 0
-
-    def __len__(self) -> int:
-        return 0
-
-    def get(self, key: bytes) -> int | None:
-        return None
-
-    def key_of(self, block_id: int) -> bytes | None:
-        return None
-
-    def keys(self) -> list[bytes]:
-        return []
-
-    def longest_prefix(self, keys: Sequence[bytes]) -> list[int]:
-        return []
-
-    def store(self, block_ids: Sequence[int], keys: Sequence[bytes],
-              parent_key: bytes | None) -> None:
-        pass
-
-    def evict(self, block_ids: Sequence[int]) -> None:
-        pass
-
-    def clear(self) -> None:
-        pass
-
-
 class BlockPool:
     """Hands out block ids ``0..num_blocks-1`` of one worker's paged KV cache.
 
@@ -152,8 +121,8 @@ class BlockPool:
         self._ref_count = [0] * num_blocks
         self._free = FreeBlockQueue(num_blocks)
         self._events: list[KVCacheEvent] = []
-        self._cache = (_PrefixCache(num_blocks, self._events) if enable_caching
-                       else _NoPrefixCache())
+        # With caching off the cache is never stored into, so every lookup misses.
+        self._cache = _PrefixCache(num_blocks, self._events)
 
     @property
     def num_free_blocks(self) -> int:
@@ -239,7 +208,8 @@ class BlockPool:
             self._check_id(b)
             if self._ref_count[b] == 0:
                 raise ValueError(f"block {b} is not in use; only allocated blocks can be cached")
-        self._cache.store(block_ids, keys, parent_key)
+        if self.enable_caching:
+            self._cache.store(block_ids, keys, parent_key)
 
     def free(self, block_ids: Sequence[int]) -> None:
         """Drop one reference from each block, tail-first (reverse of block-table order).
@@ -267,7 +237,8 @@ class BlockPool:
         """
         if self.num_used_blocks:
             return False
-        self._cache.clear()
+        if self.enable_caching:
+            self._cache.clear()
         return True
 
     def take_events(self) -> list[KVCacheEvent]:

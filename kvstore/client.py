@@ -15,7 +15,6 @@ put/get over PutBlocks/GetBlocks, exists/remove/pin over their own RPCs.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator, Sequence
 
 import grpc
@@ -34,35 +33,15 @@ from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto import kvstore_pb2_grpc as pb_grpc
 from kvstore.rpc_errors import rpc_error
 from kvstore.server import AUTH_METADATA_KEY, MESSAGE_OVERHEAD_BYTES, SERVICE_NAME, channel_options
+from kvstore.tail_store import check_tail
 from kvstore.transfer.runs import budget_runs
 
 
 def tensor_to_payload(t: torch.Tensor) -> bytes:
     """Raw little-endian bytes of ``t`` (any shape; float32/bfloat16/float16, any device)."""
     t = t.detach().to("cpu").contiguous()
-    if t.dtype == torch.bfloat16:
-        t = t.view(torch.int16)
-    arr = t.numpy()
-    if sys.byteorder != "little":
-        arr = arr.astype(arr.dtype.newbyteorder("<"))
-    return arr.tobytes()
-
-
-def _fill_from_payloads(out: torch.Tensor, payloads: Sequence[bytes]) -> None:
-    """Copy concatenated little-endian ``payloads`` into contiguous CPU tensor ``out``."""
-    flat = out.view(-1).view(torch.uint8).numpy()
-    offset = 0
-    for p in payloads:
-        flat[offset:offset + len(p)] = np.frombuffer(p, dtype=np.uint8)
-        offset += len(p)
-    if sys.byteorder != "little" and out.element_size() > 1:
-        ints = out.view({2: torch.int16, 4: torch.int32}[out.element_size()]).numpy()
-        ints.byteswap(inplace=True)
-
-
-def copy_payload(dest: np.ndarray, offset: int, payload: memoryview | bytes) -> None:
-    """Copy ``payload`` into the uint8 array ``dest`` at byte ``offset`` (one memcpy)."""
-    dest[offset:offset + len(payload)] = np.frombuffer(payload, dtype=np.uint8)
+    # Native bytes, never swapped: kvstore.transfer.dest refuses non-little-endian hosts.
+    return (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy().tobytes()
 
 
 class KVStoreClient(NodeStore):
@@ -135,8 +114,7 @@ class KVStoreClient(NodeStore):
                                    layout=_layout_msg(layout),
                                    payload=tensor_to_payload(flat[run.start:run.stop]))
 
-        self._call("PutBlocks", lambda: self._stub.PutBlocks(
-            messages(), timeout=self.timeout_s, metadata=self._metadata))
+        self._call("PutBlocks", messages())
 
     def get_blocks(self, keys: Sequence[bytes]) -> torch.Tensor:
         """Fetch full blocks, all or nothing.
@@ -164,11 +142,9 @@ class KVStoreClient(NodeStore):
                 out = torch.empty((len(keys), *chunk.layout.shape),
                                   dtype=TORCH_DTYPES[chunk.layout.dtype])
                 flat = out.view(-1).view(torch.uint8).numpy()
-            copy_payload(flat, chunk.start * chunk.layout.nbytes, chunk.payload)
+            offset = chunk.start * chunk.layout.nbytes  # one memcpy per chunk
+            flat[offset:offset + len(chunk.payload)] = np.frombuffer(chunk.payload, np.uint8)
         assert out is not None  # stream_blocks checked that every block came
-        if sys.byteorder != "little" and out.element_size() > 1:
-            out.view({2: torch.int16, 4: torch.int32}[out.element_size()]).numpy().byteswap(
-                inplace=True)
         return out
 
     def stream_blocks(self, keys: Sequence[bytes], max_chunk_bytes: int | None = None,
@@ -202,16 +178,12 @@ class KVStoreClient(NodeStore):
             ValueError: empty handle or negative ``num_tokens``.
             BlockLayoutError, StoreCapacityError, KVTransferError: as for :meth:`put_blocks`.
         """
-        if not handle:
-            raise ValueError("tail handle must be non-empty")
-        if num_tokens < 0:
-            raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
         layout = layout_of(block.shape, block.dtype)
         self._check_fits(layout)
-        msg = pb.BlockData(handle=handle, layout=_layout_msg(layout),
-                           payload=tensor_to_payload(block), num_tokens=num_tokens)
-        self._call("PutTail", lambda: self._stub.PutTail(msg, timeout=self.timeout_s,
-                                                         metadata=self._metadata))
+        payload = tensor_to_payload(block)
+        check_tail(handle, payload, layout, num_tokens)
+        self._call("PutTail", pb.BlockData(handle=handle, layout=_layout_msg(layout),
+                                           payload=payload, num_tokens=num_tokens))
 
     def take_tail(self, handle: str, timeout_s: float | None = None) -> tuple[torch.Tensor, int]:
         """Return and remove the tail under ``handle``: (CPU tensor [*block_shape], num_tokens).
@@ -220,27 +192,22 @@ class KVStoreClient(NodeStore):
             BlockNotFoundError: absent, already taken, or expired (``.handle`` is set).
             BlockLayoutError, KVTransferError.
         """
-        msg = self._call("TakeTail", lambda: self._stub.TakeTail(
-            pb.TailRequest(handle=handle), metadata=self._metadata,
-            timeout=self.timeout_s if timeout_s is None else timeout_s), handle=handle)
+        msg = self._call("TakeTail", pb.TailRequest(handle=handle), timeout_s, handle=handle)
         layout = BlockLayout(msg.layout.dtype, tuple(msg.layout.shape))
         if len(msg.payload) != layout.nbytes:
             raise BlockLayoutError(f"malformed TakeTail reply from {self.address}")
         out = torch.empty(layout.shape, dtype=TORCH_DTYPES[layout.dtype])
-        _fill_from_payloads(out, [msg.payload])
+        out.view(-1).view(torch.uint8).numpy()[:] = np.frombuffer(msg.payload, np.uint8)
         return out, msg.num_tokens
 
     def release_tail(self, handle: str) -> bool:
         """Drop the tail under ``handle``; idempotent. ``True`` if it was there."""
-        reply = self._call("ReleaseTail", lambda: self._stub.ReleaseTail(
-            pb.TailRequest(handle=handle), timeout=self.timeout_s, metadata=self._metadata))
-        return reply.released
+        return self._call("ReleaseTail", pb.TailRequest(handle=handle)).released
 
     def stats(self) -> dict[str, int]:
         """Server counters: num_blocks, bytes_used, capacity_bytes, num_tails, evictions,
         expired_tails."""
-        reply = self._call("Stats", lambda: self._stub.Stats(
-            pb.StatsRequest(), timeout=self.timeout_s, metadata=self._metadata))
+        reply = self._call("Stats", pb.StatsRequest())
         return {f.name: getattr(reply, f.name) for f in pb.StatsReply.DESCRIPTOR.fields}
 
     # ---- the node store facade (kvstore.node_store_api.NodeStore) ----------------------------
@@ -283,22 +250,15 @@ class KVStoreClient(NodeStore):
 
     def exists(self, keys: Sequence[bytes]) -> list[bool]:
         check_keys(keys)
-        reply = self._call("Exists", lambda: self._stub.Exists(
-            pb.KeysRequest(keys=list(keys)), timeout=self.timeout_s, metadata=self._metadata))
-        return list(reply.exists)
+        return list(self._call("Exists", pb.KeysRequest(keys=list(keys))).exists)
 
     def remove(self, keys: Sequence[bytes]) -> int:
         check_keys(keys)
-        reply = self._call("Remove", lambda: self._stub.Remove(
-            pb.KeysRequest(keys=list(keys)), timeout=self.timeout_s, metadata=self._metadata))
-        return reply.num_removed
+        return self._call("Remove", pb.KeysRequest(keys=list(keys))).num_removed
 
     def pin(self, keys: Sequence[bytes], pinned: bool = True) -> list[bool]:
         check_keys(keys)
-        reply = self._call("Pin", lambda: self._stub.Pin(
-            pb.PinRequest(keys=list(keys), pinned=pinned), timeout=self.timeout_s,
-            metadata=self._metadata))
-        return list(reply.applied)
+        return list(self._call("Pin", pb.PinRequest(keys=list(keys), pinned=pinned)).applied)
 
     def close(self) -> None:
         """Close the sessions and the channel. Idempotent."""
@@ -319,9 +279,14 @@ class KVStoreClient(NodeStore):
                                    f"budget of {self._chunk_budget} bytes (max_message_bytes="
                                    f"{self.max_message_bytes})")
 
-    def _call(self, method: str, fn, handle: str | None = None):
+    def _call(self, method: str, request, timeout_s: float | None = None,
+              handle: str | None = None):
+        """Call RPC ``method`` with ``request`` (a message, or an iterator of them for
+        PutBlocks) under the call deadline and the token, mapping failures to typed errors."""
         try:
-            return fn()
+            return getattr(self._stub, method)(
+                request, timeout=self.timeout_s if timeout_s is None else timeout_s,
+                metadata=self._metadata)
         except grpc.RpcError as exc:
             raise rpc_error(self.address, method, exc, handle) from None
         except ValueError as exc:  # grpc raises ValueError on a closed channel

@@ -161,11 +161,6 @@ class SessionPool:
                 return
         session.cancel()
 
-    @property
-    def num_idle(self) -> int:
-        """Idle sessions held now."""
-        return len(self._idle)
-
     def sweep(self) -> None:
         """Close sessions idle longer than ``idle_s``."""
         cutoff = time.monotonic() - self._idle_s

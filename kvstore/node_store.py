@@ -9,8 +9,8 @@ the pool spans DRAM and SSD of every node; the index holds metadata only).
 Same-node workers move bytes through the arena directly and call only the metadata methods
 (reserve/commit/abort/acquire/release) over Ray RPC; other nodes use the gRPC service, which
 calls put/get_many here. Both reach exists/remove/pin, the key-level half of the node store
-facade (kvstore.node_store_api). Partial tail blocks stay in a TailStore under per-request
-handles and are never indexed.
+facade (kvstore.node_store_api). Partial tail blocks stay in the TailStore this store
+extends, under per-request handles, and are never indexed.
 """
 
 from __future__ import annotations
@@ -26,15 +26,16 @@ from kvstore.index import KVIndex, Location
 from kvstore.layout import BlockLayout
 from kvstore.node_store_api import HOST, SSD
 from kvstore.ssd_tier import SSDTier
-from kvstore.tail_store import StoredTail, TailStore
+from kvstore.tail_store import TailStore
 
 log = logging.getLogger(__name__)
 
 __all__ = ["HOST", "SSD", "TieredNodeStore"]
 
 
-class TieredNodeStore:
-    """G2 + G3 for keyed blocks of one fixed layout, and the node's tail blocks.
+class TieredNodeStore(TailStore):
+    """G2 + G3 for keyed blocks of one fixed layout, and the node's tail blocks (TailStore's
+    methods, holding at most ``tail_capacity_bytes`` for ``tail_ttl_s`` each).
 
     layout: the one block layout this cluster's model produces (dtype, shape); puts of any
         other layout raise BlockLayoutError.
@@ -46,11 +47,11 @@ class TieredNodeStore:
 
     def __init__(self, node_id: str, layout: BlockLayout, dram_bytes: int,
                  ssd_dir: str | None, ssd_bytes: int, index: KVIndex | None,
-                 tails: TailStore) -> None:
+                 tail_capacity_bytes: int, tail_ttl_s: float) -> None:
+        super().__init__(tail_capacity_bytes, tail_ttl_s)
         self.node_id = node_id
         self.layout = layout
         self.index = index
-        self.tails = tails
         self._pending: list[tuple[str, bytes, str]] = []  # (add|remove, key, tier)
         self._pending_lock = threading.Lock()
         self._flush_lock = threading.Lock()  # flushes are sent in order, one at a time
@@ -101,7 +102,7 @@ class TieredNodeStore:
     def release(self, slots: Sequence[int | None]) -> None:
         self.arena.release(slots)
 
-    # ---- the gRPC service's store interface (other nodes, and tails) ------------------------
+    # ---- the gRPC service's store interface (other nodes; the tail methods are TailStore's) -
     def put(self, key: bytes, payload: bytes, layout: BlockLayout) -> None:
         if layout != self.layout:
             raise BlockLayoutError(f"block layout {layout} is not this cluster's {self.layout}")
@@ -180,21 +181,9 @@ class TieredNodeStore:
                 done[i] = ok
         return done
 
-    def put_tail(self, handle: str, payload: bytes, layout: BlockLayout, num_tokens: int) -> None:
-        self.tails.put_tail(handle, payload, layout, num_tokens)
-
-    def take_tail(self, handle: str) -> StoredTail | None:
-        return self.tails.take_tail(handle)
-
-    def release_tail(self, handle: str) -> bool:
-        return self.tails.release_tail(handle)
-
-    def expire_tails(self) -> int:
-        return self.tails.expire_tails()
-
     def stats(self) -> dict[str, int]:
         """The gRPC Stats fields: blocks and bytes over G2 + G3, plus tail counters."""
-        arena, tails = self.arena.stats(), self.tails.stats()
+        arena, tails = self.arena.stats(), super().stats()
         ssd = self.ssd.stats() if self.ssd is not None else {}
         return {"num_blocks": arena.num_used + ssd.get("num_blocks", 0),
                 "bytes_used": arena.bytes_used + ssd.get("bytes_used", 0),

@@ -237,40 +237,27 @@ class _KVStoreServicer(pb_grpc.KVStoreServicer):
                                                     list(request.keys), request.pinned))
 
 
+#: gRPC handler factory per (request streaming, response streaming).
+_HANDLER_FACTORIES = {
+    (False, False): grpc.unary_unary_rpc_method_handler,
+    (False, True): grpc.unary_stream_rpc_method_handler,
+    (True, False): grpc.stream_unary_rpc_method_handler,
+    (True, True): grpc.stream_stream_rpc_method_handler,
+}
+#: Methods whose handlers yield pre-encoded ``bytes`` (their serializer is the identity).
+_PRE_ENCODED = frozenset({"GetBlocks", "FetchBlocks"})
+
+
 def _method_handlers(servicer: _KVStoreServicer) -> dict[str, grpc.RpcMethodHandler]:
-    """The generated ``add_KVStoreServicer_to_server`` table, except that GetBlocks and
-    FetchBlocks yield pre-encoded ``bytes`` (their serializer is the identity)."""
+    """The generated ``add_KVStoreServicer_to_server`` table, built from the service
+    descriptor, except that GetBlocks and FetchBlocks yield pre-encoded ``bytes``."""
     return {
-        "PutBlocks": grpc.stream_unary_rpc_method_handler(
-            servicer.PutBlocks, request_deserializer=pb.BlockData.FromString,
-            response_serializer=pb.PutReply.SerializeToString),
-        "GetBlocks": grpc.unary_stream_rpc_method_handler(
-            servicer.GetBlocks, request_deserializer=pb.GetBlocksRequest.FromString,
-            response_serializer=None),
-        "FetchBlocks": grpc.stream_stream_rpc_method_handler(
-            servicer.FetchBlocks, request_deserializer=pb.GetBlocksRequest.FromString,
-            response_serializer=None),
-        "PutTail": grpc.unary_unary_rpc_method_handler(
-            servicer.PutTail, request_deserializer=pb.BlockData.FromString,
-            response_serializer=pb.PutReply.SerializeToString),
-        "TakeTail": grpc.unary_unary_rpc_method_handler(
-            servicer.TakeTail, request_deserializer=pb.TailRequest.FromString,
-            response_serializer=pb.BlockData.SerializeToString),
-        "ReleaseTail": grpc.unary_unary_rpc_method_handler(
-            servicer.ReleaseTail, request_deserializer=pb.TailRequest.FromString,
-            response_serializer=pb.ReleaseTailReply.SerializeToString),
-        "Stats": grpc.unary_unary_rpc_method_handler(
-            servicer.Stats, request_deserializer=pb.StatsRequest.FromString,
-            response_serializer=pb.StatsReply.SerializeToString),
-        "Exists": grpc.unary_unary_rpc_method_handler(
-            servicer.Exists, request_deserializer=pb.KeysRequest.FromString,
-            response_serializer=pb.ExistsReply.SerializeToString),
-        "Remove": grpc.unary_unary_rpc_method_handler(
-            servicer.Remove, request_deserializer=pb.KeysRequest.FromString,
-            response_serializer=pb.RemoveReply.SerializeToString),
-        "Pin": grpc.unary_unary_rpc_method_handler(
-            servicer.Pin, request_deserializer=pb.PinRequest.FromString,
-            response_serializer=pb.PinReply.SerializeToString),
+        m.name: _HANDLER_FACTORIES[(m.client_streaming, m.server_streaming)](
+            getattr(servicer, m.name),
+            request_deserializer=getattr(pb, m.input_type.name).FromString,
+            response_serializer=(None if m.name in _PRE_ENCODED
+                                 else getattr(pb, m.output_type.name).SerializeToString))
+        for m in pb.DESCRIPTOR.services_by_name["KVStore"].methods
     }
 
 
@@ -304,13 +291,7 @@ def _refusing_handler(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
         context.set_trailing_metadata(((ERROR_METADATA_KEY, "auth"),))
         context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid KV store token")
 
-    make = {
-        (False, False): grpc.unary_unary_rpc_method_handler,
-        (False, True): grpc.unary_stream_rpc_method_handler,
-        (True, False): grpc.stream_unary_rpc_method_handler,
-        (True, True): grpc.stream_stream_rpc_method_handler,
-    }[(handler.request_streaming, handler.response_streaming)]
-    return make(refuse)
+    return _HANDLER_FACTORIES[(handler.request_streaming, handler.response_streaming)](refuse)
 
 
 class KVStoreServer:

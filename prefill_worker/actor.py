@@ -121,12 +121,8 @@ class PrefillWorker:
 
     @ray.method(concurrency_group="control")
     def tp_info(self) -> dict:
-        """This rank's and the followers' (pid, rank, node, KV heads), and the all-reduces
-        this rank has issued."""
-        runner = self.engine.runner
-        return {"ranks": [{"pid": os.getpid(), "rank": 0, "node_id": self.engine.node_id,
-                           "kv_heads": int(runner.kv_cache.k[0].shape[2])}] + self.tp.info(),
-                "num_all_reduces": runner.tp.num_all_reduces}
+        """TPInstance.info: every rank's pid, rank, node and KV heads; rank 0's all-reduces."""
+        return self.tp.info()
 
     @ray.method(concurrency_group="control")
     def stats(self) -> dict:

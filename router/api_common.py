@@ -1,5 +1,5 @@
-"""What the OpenAI endpoints share: errors, context-length checks, choice specs, SSE framing,
-usage accounting and logprob token strings."""
+"""What the OpenAI endpoints share: errors, context-length checks, choice specs, the response
+(streamed as SSE or whole), usage accounting and logprob token strings."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import AsyncIterator, Awaitable, Callable, Sequence
 
 from fastapi import Request
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from engine.sampler import draw_seed
 from engine.tokenizer import Tokenizer, TokenizerError
@@ -114,6 +114,28 @@ def build_specs(body: SamplingFields, prompts: list[list[int]], max_tokens: list
     return specs
 
 
+async def respond(ctx: ServingContext, body: SamplingFields, request_id: str,
+                  prompts: list[list[int]], specs: list[ChoiceSpec], obj: str, chunk_obj: str,
+                  choice: Callable[[ChoiceDelta], dict]) -> Response:
+    """Runs `specs` and answers: with body.stream, SSE chunks of object `chunk_obj`, each with
+    the one choice `choice(delta)` (see sse); else one `obj` with `choice(folded delta)` per
+    choice in index order, the usage and, with return_token_ids, the prompt's ids (a list of
+    them for several prompts). Raises APIError as start_stream does and, unstreamed, as
+    collect does."""
+    first, rest = await start_stream(ctx, request_id, specs, body.cache_salt)
+    head = envelope(request_id, chunk_obj if body.stream else obj, body.model)
+    num_prompt_tokens = sum(len(p) for p in prompts)
+    if body.stream:
+        return StreamingResponse(sse(first, rest, choice, head, num_prompt_tokens,
+                                     body.stream_options), media_type="text/event-stream")
+    choices = await collect(first, rest, len(specs))
+    response = {**head, "choices": [choice(c) for c in choices],
+                "usage": usage(num_prompt_tokens, sum(len(c.token_ids) for c in choices))}
+    if body.return_token_ids:
+        response["prompt_token_ids"] = prompts if len(prompts) > 1 else prompts[0]
+    return JSONResponse(response)
+
+
 async def start_stream(ctx: ServingContext, request_id: str, specs: list[ChoiceSpec],
                        cache_salt: str | None) -> tuple[ChoiceDelta, AsyncIterator[ChoiceDelta]]:
     """Starts generation and waits for the first delta, so a request that cannot start gets
@@ -173,19 +195,19 @@ async def collect(first: ChoiceDelta, rest: AsyncIterator[ChoiceDelta],
 
 
 async def sse(first: ChoiceDelta, rest: AsyncIterator[ChoiceDelta],
-              chunk: Callable[[ChoiceDelta], dict], head: dict, prompt_tokens: int,
+              choice: Callable[[ChoiceDelta], dict], head: dict, prompt_tokens: int,
               stream_options: StreamOptions | None) -> AsyncIterator[str]:
-    """SSE frames of `chunk(delta)` per delta, then `[DONE]`. With stream_options
-    include_usage, a last chunk (`head` with no choices) carries the request's usage; with
-    continuous_usage_stats (vLLM's extension), every chunk also carries the usage so far.
-    A mid-stream failure becomes an error event."""
+    """SSE frames, one per delta: `head` with the one choice `choice(delta)`; then `[DONE]`.
+    With stream_options include_usage, a last chunk (`head` with no choices) carries the
+    request's usage; with continuous_usage_stats (vLLM's extension), every chunk also carries
+    the usage so far. A mid-stream failure becomes an error event."""
     completion_tokens = 0
     include_usage = bool(stream_options and stream_options.include_usage)
     continuous = include_usage and stream_options.continuous_usage_stats
     try:
         async for delta in _chain(first, rest):
             completion_tokens += len(delta.token_ids)
-            frame = chunk(delta)
+            frame = {**head, "choices": [choice(delta)]}
             if continuous:
                 frame["usage"] = usage(prompt_tokens, completion_tokens)
             yield f"data: {json.dumps(frame)}\n\n"

@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-from fastapi.responses import JSONResponse, StreamingResponse
-
 from engine.tokenizer import Tokenizer
-from router.api_common import (APIError, ServingContext, build_specs, collect, envelope, sse,
-                               start_stream, usage)
+from router.api_common import APIError, ServingContext, build_specs, respond
 from router.chat_template import ChatTemplate, ChatTemplateError
 from engine.logs import bind_request_id
 from router.logprobs import chat_logprob_entry
@@ -32,33 +29,22 @@ async def create_chat_completion(body: ChatCompletionRequest, ctx: ServingContex
     max_tokens = ctx.max_tokens_for(prompt, requested, param)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     specs = build_specs(body, [prompt], [max_tokens], logprobs)
-    first, rest = await start_stream(ctx, request_id, specs, body.cache_salt)
-    if body.stream:
-        head = envelope(request_id, "chat.completion.chunk", body.model)
-        started: set[int] = set()
-
-        def chunk(delta: ChoiceDelta) -> dict:
-            message = {"content": delta.text}
-            if delta.index not in started:  # the first chunk of a choice carries the role
-                started.add(delta.index)
-                message = {"role": "assistant", **message}
-            return {**head, "choices": [_choice(delta, body, ctx.tokenizer, "delta", message)]}
-
-        return StreamingResponse(sse(first, rest, chunk, head, len(prompt),
-                                     body.stream_options), media_type="text/event-stream")
-    choices = await collect(first, rest, len(specs))
-    response = {**envelope(request_id, "chat.completion", body.model),
-                "choices": [_choice(c, body, ctx.tokenizer, "message",
-                                    {"role": "assistant", "content": c.text}) for c in choices],
-                "usage": usage(len(prompt), sum(len(c.token_ids) for c in choices))}
-    if body.return_token_ids:
-        response["prompt_token_ids"] = prompt
-    return JSONResponse(response)
+    started: set[int] = set()
+    return await respond(ctx, body, request_id, [prompt], specs, "chat.completion",
+                         "chat.completion.chunk",
+                         lambda delta: _choice(delta, body, ctx.tokenizer, started))
 
 
-def _choice(delta: ChoiceDelta, body: ChatCompletionRequest, tokenizer: Tokenizer, key: str,
-            message: dict) -> dict:
-    choice = {"index": delta.index, key: message,
+def _choice(delta: ChoiceDelta, body: ChatCompletionRequest, tokenizer: Tokenizer,
+            started: set[int]) -> dict:
+    """A stream chunk's choice ("delta") or a whole one ("message"). The first of an index
+    (not yet in `started`, the indexes seen) carries the role: the first chunk of a streamed
+    choice, and every whole one."""
+    message = {"content": delta.text}
+    if delta.index not in started:
+        started.add(delta.index)
+        message = {"role": "assistant", **message}
+    choice = {"index": delta.index, "delta" if body.stream else "message": message,
               "logprobs": {"content": [chat_logprob_entry(e, tokenizer) for e in delta.logprobs]}
               if body.logprobs else None,
               "finish_reason": delta.finish_reason}

@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-from fastapi.responses import JSONResponse, StreamingResponse
-
 from engine.tokenizer import Tokenizer
-from router.api_common import (APIError, ServingContext, build_specs, collect, envelope, sse,
-                               start_stream, usage)
+from router.api_common import APIError, ServingContext, build_specs, respond
 from engine.logs import bind_request_id
 from router.logprobs import TextOffsets, completion_logprobs
 from router.schemas import CompletionRequest, new_request_id
@@ -21,26 +18,10 @@ async def create_completion(body: CompletionRequest, ctx: ServingContext):
     prompts = _prompts(body, ctx)
     max_tokens = [ctx.max_tokens_for(p, body.max_tokens, "max_tokens") for p in prompts]
     specs = build_specs(body, prompts, max_tokens, body.logprobs)
-    first, rest = await start_stream(ctx, request_id, specs, body.cache_salt)
-    head = envelope(request_id, "text_completion", body.model)
-    num_prompt_tokens = sum(len(p) for p in prompts)
-    if body.stream:
-        offsets = [TextOffsets() for _ in specs]
-
-        def chunk(delta: ChoiceDelta) -> dict:
-            return {**head, "choices": [_choice(delta, body, ctx.tokenizer,
-                                                offsets[delta.index])]}
-
-        return StreamingResponse(sse(first, rest, chunk, head, num_prompt_tokens,
-                                     body.stream_options), media_type="text/event-stream")
-    choices = await collect(first, rest, len(specs))
-    completion_tokens = sum(len(c.token_ids) for c in choices)
-    response = {**head,
-                "choices": [_choice(c, body, ctx.tokenizer, TextOffsets()) for c in choices],
-                "usage": usage(num_prompt_tokens, completion_tokens)}
-    if body.return_token_ids:
-        response["prompt_token_ids"] = prompts if len(prompts) > 1 else prompts[0]
-    return JSONResponse(response)
+    offsets = [TextOffsets() for _ in specs]  # per choice, carried across its stream chunks
+    return await respond(ctx, body, request_id, prompts, specs, "text_completion",
+                         "text_completion",
+                         lambda delta: _choice(delta, body, ctx.tokenizer, offsets[delta.index]))
 
 
 def _prompts(body: CompletionRequest, ctx: ServingContext) -> list[list[int]]:

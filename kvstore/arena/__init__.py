@@ -14,14 +14,12 @@ from kvstore.arena.errors import (
     ArenaClosedError,
     ArenaFullError,
 )
-from kvstore.arena.owner import ArenaStats, EvictCallback, HostArena
+from kvstore.arena.owner import HostArena
 
 __all__ = [
     "ArenaAllocationError",
     "ArenaAttachError",
     "ArenaClosedError",
     "ArenaFullError",
-    "ArenaStats",
-    "EvictCallback",
     "HostArena",
 ]

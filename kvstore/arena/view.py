@@ -60,27 +60,20 @@ class ArenaView:
     Args:
         shm_name: ``HostArena.shm_name``.
         num_slots, block_nbytes: ``HostArena.num_slots`` / ``.block_nbytes``.
-        pin_memory: page-lock the mapping for CUDA; ``None`` = when ``torch.cuda.is_available()``.
+
+    The mapping is page-locked for CUDA (``cudaHostRegister``) when ``torch.cuda.is_available()``.
 
     Raises:
         ArenaAttachError: the segment does not exist (owner closed it, other node), is smaller
             than ``num_slots * block_nbytes``, or POSIX shared memory is unavailable.
         ValueError: ``num_slots`` or ``block_nbytes`` <= 0.
-        RuntimeError: ``pin_memory=True`` without CUDA; ``torch.cuda.CudaError`` if
-            registering fails.
+        torch.cuda.CudaError: page-locking fails.
 
     Never unlinks the segment. Touch only slots you hold a lease on: others are being written or
     may be reused at any moment.
     """
 
-    def __init__(
-        self,
-        shm_name: str,
-        num_slots: int,
-        block_nbytes: int,
-        *,
-        pin_memory: bool | None = None,
-    ) -> None:
+    def __init__(self, shm_name: str, num_slots: int, block_nbytes: int) -> None:
         if num_slots <= 0 or block_nbytes <= 0:
             raise ValueError(f"num_slots={num_slots}, block_nbytes={block_nbytes}: must be > 0")
         self._name = shm_name
@@ -90,12 +83,8 @@ class ArenaView:
         self._mmap: mmap.mmap | None = attach_segment(shm_name, size)
         arena = torch.frombuffer(self._mmap, dtype=torch.uint8, count=size)
         self._slots: torch.Tensor | None = arena.view(num_slots, block_nbytes)
-        if pin_memory is None:
-            pin_memory = torch.cuda.is_available()
-        elif pin_memory and not torch.cuda.is_available():
-            raise RuntimeError("pin_memory=True needs CUDA")
         self._pinned_ptr: int | None = None
-        if pin_memory:
+        if torch.cuda.is_available():
             ptr = arena.data_ptr()
             torch.cuda.check_error(
                 int(torch.cuda.cudart().cudaHostRegister(ptr, size, _CUDA_HOST_REGISTER_PORTABLE))

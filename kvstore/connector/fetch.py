@@ -8,7 +8,7 @@ planned (update_state_after_alloc) and started (start_load_kv), and get_finished
 settled — landed, or failed after its retry, and then the engine recomputes the prompt.
 request_finished lets go of what the prefill side holds for a request that never fetched.
 
-The path a request's blocks take (KVFetcher.start_fetch):
+The path a request's blocks take (KVFetch):
 
 1. pair — with ``--kv-transfer torch`` the prefill pushes every block of the prompt (the full
    ones, then the tail) over its torch.distributed pair channel with this worker
@@ -17,10 +17,10 @@ The path a request's blocks take (KVFetcher.start_fetch):
    is the prefix cache), so a broken pair costs time, not the request.
 2. store — full blocks through this node's shared-memory arena when the prefill ran on this
    node, else by key over gRPC streams; the tail by its one-shot handle over gRPC
-   (tests may give the fetcher a fake backend for this path).
+   (tests may give the connector a fake backend for this path).
 3. layer — with ``--kv-streaming layer`` the prefill announces the request before computing
-   (KVFetcher.start_stream, before the decode even has the request) and the pieces of each
-   layer are taken from the prefill node's store as they are put (LayerStreamReceiver).
+   (FetchConnector.start_stream, before the decode even has the request) and the pieces of
+   each layer are taken from the prefill node's store as they are put (LayerStreamReceiver).
 
 Faults: every attempt has a deadline (KVTransferConfig.timeout_s; a layer stream's
 bounds the silence between pieces). A failed or timed-out attempt is retried once from
@@ -32,8 +32,8 @@ prompt locally (the decode engine), so a transfer fault costs time, not the requ
 Blocks land straight in the reserved cache blocks, written from the backends' threads (a
 CallbackDest): no running request uses those blocks, and once poll() has returned FAILED, or
 abort() has returned True, nothing more is written, so the engine frees them at once.
-A request that ends without fetching is release()d: its store tail is dropped and a pushed
-transfer is drained into a discarding destination, so the pair stays healthy instead of
+A request that ends without fetching (request_finished) has its store tail dropped and a
+pushed transfer drained into a discarding destination, so the pair stays healthy instead of
 failing at the sender's deadline. Protobuf, shared memory or raw tensors only: no pickle.
 """
 
@@ -43,7 +43,6 @@ import logging
 import threading
 import time
 from collections import Counter
-from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -75,15 +74,16 @@ _TAKES_STORE_TAIL = frozenset({"grpc", "arena"})
 MAX_ATTEMPTS = 2
 
 
-class KVFetcher:
-    """Starts, drains and accounts the fetches of one decode worker; thread-safe.
+class FetchConnector(KVConnector):
+    """A decode worker's KV connector: starts, polls and accounts the fetches of its requests
+    (see the module docstring); its accounting is thread-safe.
+
+    Blocks land in the cache given to register_kv_caches, in the KV pool's layout (every KV
+    head): the runner's `wire_kv` (at TP=1 the paged cache itself; at TP=k rank 0 writes whole
+    blocks and each rank keeps its KV heads — fetched once, not once per rank).
 
     Args:
-        kv_cache: where blocks land, in the KV pool's layout (every KV head): the runner's
-            `wire_kv` (at TP=1 the paged cache itself; at TP=k rank 0 writes whole blocks and
-            each rank keeps its KV heads — fetched once, not once per rank).
-        transfer: the transfer settings (``--kv-transfer``), or a number: gRPC with that
-            timeout in seconds.
+        transfer: the transfer settings (``--kv-transfer``).
         node_id, node_client: this worker's Ray node and its KV store; with both, full blocks
             published on this node are read through the shared-memory arena.
         backend: use this backend instead of building ``transfer.backend`` (tests: a fake
@@ -101,18 +101,13 @@ class KVFetcher:
             before it is written to the cache. Always 0 in serving.
     """
 
-    def __init__(self, kv_cache: BlockCache, transfer: KVTransferConfig | float,
-                 node_id: str | None = None, node_client: NodeStoreClient | None = None,
+    def __init__(self, transfer: KVTransferConfig, node_id: str | None = None,
+                 node_client: NodeStoreClient | None = None,
                  backend: KVTransferBackend | None = None,
                  kv_config: KVStoreConfig | None = None) -> None:
-        if not isinstance(transfer, KVTransferConfig):
-            transfer = KVTransferConfig(timeout_s=float(transfer))
-        self.kv_cache = kv_cache
-        self.transfer = transfer
-        self.node_id = node_id
-        self.node_client = node_client
+        self.transfer, self.node_id, self.node_client = transfer, node_id, node_client
         self.backend = backend or create_backend(transfer, kv_config)
-        # the store path, tails and releases always go over gRPC
+        # the store path, tails and releases always go over gRPC (releases on its threads)
         self.grpc = (self.backend if isinstance(self.backend, GrpcTransferBackend)
                      else GrpcTransferBackend(transfer, kv_config))
         self.pair = self.backend if self.backend.name == "torch" else None
@@ -120,88 +115,126 @@ class KVFetcher:
         self.v_perturbation = 0.0
         self.bytes_by_backend: Counter[str] = Counter()
         self._lock = threading.Lock()
-        self._threads = ThreadPoolExecutor(4, thread_name_prefix="kv-fetch")
+        self._planned: list[tuple[KVConnectorRequest, list[int]]] = []
+        self._fetches: dict[str, KVFetch] = {}
 
-    @property
-    def bytes_fetched_total(self) -> int:
-        with self._lock:
-            return sum(self.bytes_by_backend.values())
+    @classmethod
+    def from_context(cls, ctx: KVConnectorContext) -> FetchConnector:
+        return cls(ctx.transfer, ctx.node_id, ctx.local_store, kv_config=ctx.kv_config)
 
-    def start_fetch(self, prefill: PrefillResult, block_table: Sequence[int]) -> KVFetch:
-        """Begin writing the prompt's KV into ``block_table[0 : n_full (+1 if tail)]``; never
-        blocks. Poll the returned fetch once per engine step."""
-        num_blocks = len(prefill.block_keys) + (prefill.tail_handle is not None)
-        return KVFetch(self, list(block_table[:num_blocks]), prefill)
+    def get_num_new_matched_tokens(self, request: KVConnectorRequest,
+                                   num_computed_tokens: int) -> tuple[int, bool]:
+        """The whole prompt, asynchronously, when the request comes with a PrefillResult."""
+        if request.request.prefill is None:
+            return 0, False
+        return request.num_prompt_tokens - num_computed_tokens, True
+
+    def update_state_after_alloc(self, request: KVConnectorRequest, block_ids: Sequence[int],
+                                 num_external_tokens: int) -> None:
+        if num_external_tokens:
+            self._planned.append((request, list(block_ids)))
+
+    def start_load_kv(self) -> None:
+        """Start the planned fetches (a layer stream not announced here in time is taken now,
+        from the store where its pieces wait); never blocks."""
+        planned, self._planned = self._planned, []
+        for request, table in planned:
+            prefill = request.request.prefill
+            self._fetches[request.request_id] = KVFetch(self, table, prefill,
+                                                        prefill.layer_stream)
 
     def start_stream(self, announce: LayerStreamAnnounce, block_table: Sequence[int]) -> KVFetch:
-        """Begin taking a layer stream into ``block_table[0 : announce.num_blocks]`` while the
-        prefill computes; never blocks. The fetch needs the PrefillResult (KVFetch.attach)
-        only to retry from the store."""
-        return KVFetch(self, list(block_table[:announce.num_blocks]), None, announce)
+        """A layer stream announced before its request came, taken into blocks reserved for it
+        while the prefill computes; never blocks. Once the request comes, adopt() it
+        (kvstore's pre-arrival reservation, SGLang's decode "prealloc" queue)."""
+        return KVFetch(self, block_table, None, announce)
 
-    def fetch(self, prefill: PrefillResult, block_table: Sequence[int]) -> int:
-        """Synchronous start_fetch: waits for the fetch; returns the bytes written.
+    def adopt(self, request: KVConnectorRequest, fetch: KVFetch) -> None:
+        """The request of a stream started by start_stream came: report it as its load."""
+        fetch.prefill = request.request.prefill
+        self._fetches[request.request_id] = fetch
 
-        Raises kvstore.errors.KVStoreError subclasses (missing block, timeout, RPC failure);
-        the caller frees the blocks it reserved."""
-        fetch = self.start_fetch(prefill, block_table)
-        while not (state := fetch.poll()).done:
-            fetch.receiver.wait(timeout_s=0.05)
-        if state is TransferState.FAILED:
-            raise fetch.error
-        return fetch.nbytes
+    def get_finished(self) -> tuple[dict, dict[str, LoadOutcome]]:
+        """Fetches that settled: the prompt landed (num_tokens: the whole prompt), or failed
+        after its retry (failures; nothing landed that counts: recompute). The detail has the
+        retries, the paths tried and a layer stream's arrivals: [(piece, layer, time.time())]."""
+        loaded: dict[str, LoadOutcome] = {}
+        for request_id, fetch in list(self._fetches.items()):
+            state = fetch.poll()
+            if not state.done:
+                continue
+            del self._fetches[request_id]
+            stream = fetch.layer_receiver
+            detail = {"retries": len(fetch.paths) - 1, "paths": list(fetch.paths),
+                      "arrivals": list(stream.arrivals) if stream is not None else []}
+            if state is TransferState.SUCCESS:
+                num_tokens = fetch.prefill.num_tail_tokens + \
+                    len(fetch.prefill.block_keys) * self.cache.block_size
+                loaded[request_id] = LoadOutcome(num_tokens, {fetch.path: num_tokens},
+                                                 detail=detail)
+            else:
+                loaded[request_id] = LoadOutcome(failures=[f"{'→'.join(fetch.paths)}: "
+                                                           f"{fetch.error}"], detail=detail)
+        return {}, loaded
 
-    def release(self, prefill: PrefillResult | None) -> None:
-        """For a request that ends without fetching (aborted while waiting, finished at
-        admission): drain a pushed transfer and drop the store tail. Never blocks; nothing to
-        do for a colocated request (prefill None)."""
+    def request_finished(self, request: KVConnectorRequest, block_ids: Sequence[int]
+                         ) -> tuple[bool, None]:
+        """The request ended without fetching (aborted while waiting, or finished at
+        admission): a pushed transfer is drained and the store tail dropped. Never blocks;
+        nothing to do for a colocated request (no PrefillResult)."""
+        prefill = request.request.prefill
         if prefill is None:
-            return
+            return False, None
         if prefill.layer_stream is not None:
-            self.release_pieces(prefill.layer_stream)
+            self._release_pieces(prefill.layer_stream)
         if self.pair is not None and prefill.pair_address is not None:
-            request = _pair_request(prefill)
-            sink = CallbackDest(lambda start, blocks: None, request.num_blocks,
-                                self.kv_cache.block_shape, self.kv_cache.dtype)
-            self.pair.create_receiver().start(request, sink)  # its own thread, own deadline
-        self.release_tail(prefill)
+            pushed = _pair_request(prefill)
+            sink = CallbackDest(lambda start, blocks: None, pushed.num_blocks,
+                                self.cache.block_shape, self.cache.dtype)
+            self.pair.create_receiver().start(pushed, sink)  # its own thread, own deadline
+        self._release_tail(prefill)
+        return False, None
 
-    def release_tail(self, prefill: PrefillResult | None) -> None:
-        """Drop the tail block on the prefill side (in the background; never blocks)."""
-        if prefill is not None and prefill.tail_handle is not None:
-            self._threads.submit(self._release_tail_now, prefill)
+    def abort(self, request_id: str) -> None:
+        """Its fetch stops; get_finished reports it once nothing more is written into its
+        blocks (at once, or when a pair receive under way settles: see KVFetch.abort)."""
+        fetch = self._fetches.get(request_id)
+        if fetch is not None:
+            fetch.abort()
 
-    def release_pieces(self, announce: LayerStreamAnnounce, start: int = 0) -> None:
-        """Drop a layer stream's pieces ``start..`` from the prefill's store (background)."""
-        if start < len(announce.pieces):
-            self._threads.submit(self._release_handles, announce.address,
-                                 announce.handles[start:])
+    def in_flight(self) -> int:
+        """Fetches not settled yet."""
+        return len(self._fetches)
+
+    def stats(self) -> dict:
+        with self._lock:
+            by_backend = dict(self.bytes_by_backend)
+        return {"kv_bytes_fetched_total": sum(by_backend.values()),
+                "kv_bytes_fetched_by_backend": by_backend}
 
     def close(self) -> None:
-        self._threads.shutdown(wait=False, cancel_futures=True)
         for backend in {id(b): b for b in (self.backend, self.grpc)}.values():
             backend.close()
 
-    # ---- internals ----------------------------------------------------------------------
+    # ---- for KVFetch ----------------------------------------------------------------------
 
-    def _dest(self, table: list[int]) -> CallbackDest:
-        return CallbackDest(lambda start, blocks: self._write(table, start, blocks), len(table),
-                            self.kv_cache.block_shape, self.kv_cache.dtype)
+    def _release_tail(self, prefill: PrefillResult | None) -> None:
+        """Drop the tail block on the prefill side (in the background; never blocks)."""
+        if prefill is not None and prefill.tail_handle is not None:
+            self.grpc.submit(self._release_handles, prefill.kv_address, [prefill.tail_handle])
 
-    def _stream_receiver(self, announce: LayerStreamAnnounce,
-                         table: list[int]) -> LayerStreamReceiver:
-        writer = LayerWriter(self.kv_cache, table, self._perturbed)
-        return LayerStreamReceiver(self.grpc.client(announce.address), announce, writer.write,
-                                   writer.finish, writer.piece_shape, self.kv_cache.dtype,
-                                   self.transfer.timeout_s)
+    def _release_pieces(self, announce: LayerStreamAnnounce, start: int = 0) -> None:
+        """Drop a layer stream's pieces ``start..`` from the prefill's store (background)."""
+        if start < len(announce.pieces):
+            self.grpc.submit(self._release_handles, announce.address, announce.handles[start:])
 
-    def _receiver(self, path: str) -> KVReceiver:
-        if path == "arena":
-            return ArenaReceiver(self.node_client, self.grpc.client, self._threads,
-                                 self.transfer.timeout_s)
-        if path == "torch":
-            return self.pair.create_receiver()
-        return self.store.create_receiver()
+    def _release_handles(self, address: str, handles: list[str]) -> None:
+        client = self.grpc.client(address)
+        for handle in handles:
+            try:
+                client.release_tail(handle)
+            except KVStoreError:
+                pass  # the store's tail TTL reclaims it
 
     def _store_path(self, prefill: PrefillResult) -> str:
         if (self.store is self.grpc and self.node_client is not None
@@ -209,9 +242,12 @@ class KVFetcher:
             return "arena"
         return self.store.name
 
+    def _dest(self, table: list[int]) -> CallbackDest:
+        return CallbackDest(lambda start, blocks: self._write(table, start, blocks), len(table),
+                            self.cache.block_shape, self.cache.dtype)
+
     def _write(self, table: list[int], start: int, blocks: torch.Tensor) -> None:
-        self.kv_cache.write_blocks(table[start:start + blocks.shape[0]],
-                                   self._perturbed(blocks, 2))
+        self.cache.write_blocks(table[start:start + blocks.shape[0]], self._perturbed(blocks, 2))
 
     def _perturbed(self, blocks: torch.Tensor, kv_dim: int) -> torch.Tensor:
         """v_perturbation added to V (index 1 of dim ``kv_dim``: 2 for blocks [n, layers,
@@ -222,73 +258,57 @@ class KVFetcher:
         blocks.select(kv_dim, 1).add_(self.v_perturbation)
         return blocks
 
-    def _release_handles(self, address: str, handles: list[str]) -> None:
-        client = self.grpc.client(address)
-        for handle in handles:
-            try:
-                client.release_tail(handle)
-            except KVStoreError:
-                pass  # the store's tail TTL reclaims it
-
     def _count(self, by_backend: dict[str, int]) -> None:
         with self._lock:
             self.bytes_by_backend.update(by_backend)
-
-    def _release_tail_now(self, prefill: PrefillResult) -> None:
-        try:
-            self.grpc.client(prefill.kv_address).release_tail(prefill.tail_handle)
-        except KVStoreError:
-            pass  # the store's tail TTL reclaims it
 
 
 class KVFetch:
     """One request's prompt KV on its way into its reserved blocks; the engine polls it once
     per step and never blocks on it.
 
+    Starting never blocks: the prompt's KV goes into ``block_table[0 : n_full (+1 if tail)]``
+    (a layer stream's into ``block_table[0 : stream.num_blocks]``). A fetch started from a
+    layer-stream announce (``prefill`` None) needs the PrefillResult (set ``prefill``) only to
+    retry from the store.
+
     Attributes:
-        paths: the paths tried so far, in order: "layer", "torch", "grpc", "arena" or a given backend's name;
-            at most MAX_ATTEMPTS (the first, then one retry from another holder).
+        paths: the paths tried so far, in order: "layer", "torch", "grpc", "arena" or a given
+            backend's name; at most MAX_ATTEMPTS (the first, then one retry from another
+            holder).
         receiver: the current path's receiver.
         stream: the layer stream it started with, or None.
         error: the error the fetch FAILED with, once it has (then the engine recomputes).
-        nbytes: bytes written, once SUCCESS.
     """
 
-    def __init__(self, fetcher: KVFetcher, table: list[int], prefill: PrefillResult | None,
-                 stream: LayerStreamAnnounce | None = None) -> None:
-        self._fetcher, self._table, self.prefill, self.stream = fetcher, table, prefill, stream
+    def __init__(self, connector: FetchConnector, block_table: Sequence[int],
+                 prefill: PrefillResult | None, stream: LayerStreamAnnounce | None = None) -> None:
+        num_blocks = (stream.num_blocks if stream is not None
+                      else len(prefill.block_keys) + (prefill.tail_handle is not None))
+        self._connector, self._table = connector, list(block_table[:num_blocks])
+        self.prefill, self.stream = prefill, stream
         self.started_s = time.time()
         self.paths: list[str] = []
         self.error: KVStoreError | None = None
-        self.nbytes = 0
         self._aborted = False
-        self._settled = False
-        self._state = TransferState.TRANSFERRING
+        self._state = TransferState.TRANSFERRING  # until settled
         self.layer_receiver: LayerStreamReceiver | None = None
         if stream is not None:
             first = "layer"
-        elif fetcher.pair is not None and prefill.pair_address is not None:
+        elif connector.pair is not None and prefill.pair_address is not None:
             first = "torch"
         else:
-            first = fetcher._store_path(prefill)
+            first = connector._store_path(prefill)
         self.receiver = self._start(first)
 
     @property
     def path(self) -> str:
         return self.paths[-1]
 
-    @property
-    def retries(self) -> int:
-        return len(self.paths) - 1
-
-    def attach(self, prefill: PrefillResult) -> None:
-        """The request's PrefillResult, for a fetch started from a layer-stream announce."""
-        self.prefill = prefill
-
     def poll(self) -> TransferState:
         """The fetch's state; SUCCESS and FAILED are final. A layer stream that failed before
-        its PrefillResult is attached stays TRANSFERRING (its retry needs the result)."""
-        if self._settled:
+        its PrefillResult is set stays TRANSFERRING (its retry needs the result)."""
+        if self._state.done:
             return self._state
         state = self.receiver.poll()
         if state is TransferState.FAILED and not self._aborted \
@@ -317,150 +337,46 @@ class KVFetch:
         self.poll()
         return True
 
-    def timings(self) -> dict:
-        """The paths tried and a layer stream's arrivals: [(piece, layer, time.time())]."""
-        arrivals = self.layer_receiver.arrivals if self.layer_receiver is not None else []
-        return {"paths": list(self.paths), "arrivals": list(arrivals)}
-
     def _start(self, path: str) -> KVReceiver:
         self.paths.append(path)
+        connector, prefill = self._connector, self.prefill
         if path == "layer":
-            receiver = self.layer_receiver = self._fetcher._stream_receiver(self.stream,
-                                                                            self._table)
+            writer = LayerWriter(connector.cache, self._table, connector._perturbed)
+            receiver = self.layer_receiver = LayerStreamReceiver(
+                connector.grpc.client(self.stream.address), self.stream, writer.write,
+                writer.finish, writer.piece_shape, connector.cache.dtype,
+                connector.transfer.timeout_s)
             receiver.start()
             return receiver
-        prefill = self.prefill
-        request = _pair_request(prefill) if path == "torch" else FetchRequest(
-            prefill.kv_address, prefill.block_keys, prefill.tail_handle, prefill.num_tail_tokens)
-        receiver = self._fetcher._receiver(path)
-        receiver.start(request, self._fetcher._dest(self._table))
+        if path == "torch":
+            receiver, request = connector.pair.create_receiver(), _pair_request(prefill)
+        else:
+            receiver = (ArenaReceiver(connector.grpc, connector.node_client) if path == "arena"
+                        else connector.store.create_receiver())
+            request = FetchRequest(prefill.kv_address, prefill.block_keys, prefill.tail_handle,
+                                   prefill.num_tail_tokens)
+        receiver.start(request, connector._dest(self._table))
         return receiver
 
     def _retry_path(self) -> str:
         if self.path in ("layer", "torch"):
-            return self._fetcher._store_path(self.prefill)
+            return self._connector._store_path(self.prefill)
         return "grpc" if self.path == "arena" else self.path
 
     def _leave_path(self) -> None:
         """The layer stream's pieces nobody will take are dropped from the store."""
         if self.path == "layer":
-            self._fetcher.release_pieces(self.stream, self.receiver.num_taken)
+            self._connector._release_pieces(self.stream, self.receiver.num_taken)
 
     def _settle(self, state: TransferState) -> None:
-        self._settled, self._state = True, state
+        self._state = state
         if state is TransferState.SUCCESS:
-            by_backend = _bytes_by_backend(self.receiver, self.path)
-            self.nbytes = sum(by_backend.values())
-            self._fetcher._count(by_backend)
+            self._connector._count(_bytes_by_backend(self.receiver, self.path))
         else:
             self.error = _error_of(self.receiver)
             self._leave_path()
         if not (state is TransferState.SUCCESS and self.path in _TAKES_STORE_TAIL):
-            self._fetcher.release_tail(self.prefill)  # not taken: do not wait for its TTL
-
-
-class FetchConnector(KVConnector):
-    """A decode worker's KV connector over a KVFetcher (see the module docstring).
-
-    Built from a context (the registry: the fetcher is made once the cache is registered), or
-    around a fetcher a test made.
-    """
-
-    def __init__(self, fetcher: KVFetcher | None = None,
-                 ctx: KVConnectorContext | None = None) -> None:
-        self.fetcher, self._ctx = fetcher, ctx
-        self._planned: list[tuple[KVConnectorRequest, list[int]]] = []
-        self._fetches: dict[str, KVFetch] = {}
-
-    @classmethod
-    def from_context(cls, ctx: KVConnectorContext) -> FetchConnector:
-        return cls(None, ctx)
-
-    def register_kv_caches(self, cache: BlockCache) -> None:
-        self.cache = cache
-        if self.fetcher is None:
-            ctx = self._ctx
-            self.fetcher = KVFetcher(cache, ctx.transfer, ctx.node_id, ctx.local_store,
-                                     kv_config=ctx.kv_config)
-
-    def get_num_new_matched_tokens(self, request: KVConnectorRequest,
-                                   num_computed_tokens: int) -> tuple[int, bool]:
-        """The whole prompt, asynchronously, when the request comes with a PrefillResult."""
-        if request.request.prefill is None:
-            return 0, False
-        return request.num_prompt_tokens - num_computed_tokens, True
-
-    def update_state_after_alloc(self, request: KVConnectorRequest, block_ids: Sequence[int],
-                                 num_external_tokens: int) -> None:
-        if num_external_tokens:
-            self._planned.append((request, list(block_ids)))
-
-    def start_load_kv(self) -> None:
-        planned, self._planned = self._planned, []
-        for request, table in planned:
-            prefill = request.request.prefill
-            if prefill.layer_stream is not None:  # not announced here in time: take it now
-                fetch = self.fetcher.start_stream(prefill.layer_stream, table)
-                fetch.attach(prefill)
-            else:
-                fetch = self.fetcher.start_fetch(prefill, table)
-            self._fetches[request.request_id] = fetch
-
-    def start_stream(self, announce: LayerStreamAnnounce, block_table: Sequence[int]) -> KVFetch:
-        """A layer stream announced before its request came, into blocks reserved for it;
-        once the request comes, adopt() it (kvstore's pre-arrival reservation, SGLang's
-        decode "prealloc" queue)."""
-        return self.fetcher.start_stream(announce, block_table)
-
-    def adopt(self, request: KVConnectorRequest, fetch: KVFetch) -> None:
-        """The request of a stream started by start_stream came: report it as its load."""
-        fetch.attach(request.request.prefill)
-        self._fetches[request.request_id] = fetch
-
-    def get_finished(self) -> tuple[dict, dict[str, LoadOutcome]]:
-        """Fetches that settled: the prompt landed (num_tokens: the whole prompt), or failed
-        after its retry (failures; nothing landed that counts: recompute)."""
-        loaded: dict[str, LoadOutcome] = {}
-        for request_id, fetch in list(self._fetches.items()):
-            state = fetch.poll()
-            if not state.done:
-                continue
-            del self._fetches[request_id]
-            detail = {"retries": fetch.retries, **fetch.timings()}
-            if state is TransferState.SUCCESS:
-                num_tokens = fetch.prefill.num_tail_tokens + \
-                    len(fetch.prefill.block_keys) * self.cache.block_size
-                loaded[request_id] = LoadOutcome(num_tokens, {fetch.path: num_tokens},
-                                                 detail=detail)
-            else:
-                loaded[request_id] = LoadOutcome(failures=[f"{'→'.join(fetch.paths)}: "
-                                                           f"{fetch.error}"], detail=detail)
-        return {}, loaded
-
-    def request_finished(self, request: KVConnectorRequest, block_ids: Sequence[int]
-                         ) -> tuple[bool, None]:
-        """The request ended without fetching (aborted while waiting, or finished at
-        admission): a pushed transfer is drained and the store tail dropped."""
-        self.fetcher.release(request.request.prefill)
-        return False, None
-
-    def abort(self, request_id: str) -> None:
-        """Its fetch stops; get_finished reports it once nothing more is written into its
-        blocks (at once, or when a pair receive under way settles: see KVFetch.abort)."""
-        fetch = self._fetches.get(request_id)
-        if fetch is not None:
-            fetch.abort()
-
-    def in_flight(self) -> int:
-        """Fetches not settled yet."""
-        return len(self._fetches)
-
-    def stats(self) -> dict:
-        return {"kv_bytes_fetched_total": self.fetcher.bytes_fetched_total,
-                "kv_bytes_fetched_by_backend": dict(self.fetcher.bytes_by_backend)}
-
-    def close(self) -> None:
-        self.fetcher.close()
+            self._connector._release_tail(self.prefill)  # not taken: do not wait for its TTL
 
 
 class LayerWriter:

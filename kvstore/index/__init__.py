@@ -12,7 +12,6 @@ neither Ray nor redis-py; ``RedisIndex`` and ``ActorIndex`` load on first use.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -23,27 +22,6 @@ from kvstore.index.memory import MemoryIndex
 DEFAULT_INDEX_URL = "ray://pdcluster-kv-index"
 
 
-def _open_memory(url: str, **kw: Any) -> KVIndex:
-    return MemoryIndex(**kw)
-
-
-def _open_redis(url: str, **kw: Any) -> KVIndex:
-    from kvstore.index.redis_index import RedisIndex
-    return RedisIndex(url, **kw)
-
-
-def _open_actor(url: str, **kw: Any) -> KVIndex:
-    from kvstore.index.actor import DEFAULT_INDEX_ACTOR_NAME, ActorIndex
-    return ActorIndex(urlsplit(url).netloc or DEFAULT_INDEX_ACTOR_NAME, **kw)
-
-
-_BACKENDS: dict[str, Callable[..., KVIndex]] = {
-    "memory": _open_memory,
-    "redis": _open_redis, "rediss": _open_redis, "unix": _open_redis,
-    "ray": _open_actor,
-}
-
-
 def open_index(url: str = DEFAULT_INDEX_URL, **kw: Any) -> KVIndex:
     """Open the index at ``url``; ``kw`` go to the backend's constructor (e.g. ``namespace``:
     the Redis key prefix, or the Ray namespace of the actor).
@@ -52,10 +30,15 @@ def open_index(url: str = DEFAULT_INDEX_URL, **kw: Any) -> KVIndex:
         ValueError: unknown scheme.
     """
     scheme = urlsplit(url).scheme
-    opener = _BACKENDS.get(scheme)
-    if opener is None:
-        raise ValueError(f"unknown index URL {url!r}; schemes: {sorted(_BACKENDS)}")
-    return opener(url, **kw)
+    if scheme == "memory":
+        return MemoryIndex(**kw)
+    if scheme in ("redis", "rediss", "unix"):
+        from kvstore.index.redis_index import RedisIndex
+        return RedisIndex(url, **kw)
+    if scheme == "ray":
+        from kvstore.index.actor import DEFAULT_INDEX_ACTOR_NAME, ActorIndex
+        return ActorIndex(urlsplit(url).netloc or DEFAULT_INDEX_ACTOR_NAME, **kw)
+    raise ValueError(f"unknown index URL {url!r}; schemes: memory, ray, redis, rediss, unix")
 
 
 def __getattr__(name: str) -> Any:

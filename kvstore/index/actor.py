@@ -56,10 +56,6 @@ class ActorIndex(KVIndex):
         self._actor = get_or_create_index_actor(name, namespace)
         self._timeout_s = timeout_s
 
-    @property
-    def actor(self) -> ActorHandle:
-        return self._actor
-
     def _call(self, method: str, *args: Any) -> Any:
         try:
             return ray.get(getattr(self._actor, method).remote(*args), timeout=self._timeout_s)
@@ -86,15 +82,9 @@ class ActorIndex(KVIndex):
         check_lease(lease_s)
         return self._call("heartbeat", node_id, lease_s)
 
-    def alive_nodes(self) -> set[str]:
-        return self._call("alive_nodes")
-
     def apply_events(self, location: Location, events: Sequence[KVCacheEvent]) -> None:
         check_events(events)
         self._call("apply_events", location, list(events))
 
     def clear(self) -> None:
         self._call("clear")
-
-    def stats(self) -> dict[str, int]:
-        return self._call("stats")

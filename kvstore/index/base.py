@@ -160,10 +160,6 @@ class KVIndex(abc.ABC):
         must then publish its blocks again (``kvstore.actor`` re-announces them).
         """
 
-    @abc.abstractmethod
-    def alive_nodes(self) -> set[str]:
-        """Ids of the nodes whose lease is running."""
-
     def apply_events(self, location: Location, events: Sequence[KVCacheEvent]) -> None:
         """Replay a pool's cache events, in order, for ``location`` (see the module docstring).
 

@@ -88,10 +88,6 @@ class MemoryIndex(KVIndex):
             self._node_deadline[node_id] = now + lease_s
         return renewed
 
-    def alive_nodes(self) -> set[str]:
-        with self._lock:
-            return self._alive_locked()
-
     def _alive_locked(self) -> set[str]:
         now = self._clock()
         expired = [node for node, deadline in self._node_deadline.items() if deadline <= now]

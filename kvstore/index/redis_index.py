@@ -5,7 +5,6 @@ Key layout under a namespace ``ns`` (default ``"pdc"``; one Redis can hold many 
     ns:blk:{key hex}        SET of encoded locations "node|tier|instance" that hold the block
     ns:loc:{location}       SET of raw 32-byte block keys held there (for remove_location)
     ns:node:{node id}       "1" with a PX TTL: the node's liveness lease (SET ... PX)
-    ns:nodes                SET of node ids that ever heartbeated (registry for alive_nodes)
 
 Liveness is a key with a TTL because Redis 7.0 (the OS packages) has no per-field expiry.
 ``longest_prefix``/``lookup`` cost at most two round trips whatever the number of keys: one
@@ -28,7 +27,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import redis
 from redis.backoff import ExponentialBackoff
@@ -105,32 +104,31 @@ class RedisIndex(KVIndex):
     def _node(self, node_id: str) -> str:
         return f"{self._ns}:node:{node_id}"
 
+    def _queue(self, command: Callable[..., object], keys: Sequence[bytes],
+               location: Location) -> None:
+        """Queue ``command``, a pipeline's ``sadd`` (add) or ``srem`` (remove), of ``location``
+        in each key's set and of ``keys`` in the location's set."""
+        if keys:
+            member = location.encode()
+            for key in keys:
+                command(self._blk(key), member)
+            command(self._loc(location), *keys)
+
     def add(self, keys: Sequence[bytes], location: Location) -> None:
         check_keys(keys)
-        if not keys:
-            return
-        member = location.encode()
         with _translate_errors():
             pipe = self._client.pipeline(transaction=False)
-            for key in keys:
-                pipe.sadd(self._blk(key), member)
-            pipe.sadd(self._loc(location), *keys)
-            pipe.execute()
+            self._queue(pipe.sadd, keys, location)
+            pipe.execute()  # an empty pipeline makes no round trip
 
     def remove(self, keys: Sequence[bytes], location: Location) -> None:
-        if not keys:
-            return
         with _translate_errors():
             self._remove(keys, location)
 
     def _remove(self, keys: Sequence[bytes], location: Location) -> None:
-        member = location.encode()
         for start in range(0, len(keys), _BATCH):
-            batch = keys[start:start + _BATCH]
             pipe = self._client.pipeline(transaction=False)
-            for key in batch:
-                pipe.srem(self._blk(key), member)
-            pipe.srem(self._loc(location), *batch)
+            self._queue(pipe.srem, keys[start:start + _BATCH], location)
             pipe.execute()
 
     def remove_location(self, location: Location) -> None:
@@ -175,40 +173,22 @@ class RedisIndex(KVIndex):
     def heartbeat(self, node_id: str, lease_s: float = DEFAULT_NODE_LEASE_S) -> bool:
         check_lease(lease_s)
         with _translate_errors():
-            pipe = self._client.pipeline(transaction=False)
-            pipe.set(self._node(node_id), b"1", px=max(1, round(lease_s * 1000)),
-                     get=True)  # SET ... GET: Redis 6.2+
-            pipe.sadd(f"{self._ns}:nodes", node_id)
-            previous, _ = pipe.execute()
+            previous = self._client.set(self._node(node_id), b"1", px=max(1, round(lease_s * 1000)),
+                                        get=True)  # SET ... GET: Redis 6.2+
         return previous is not None
-
-    def alive_nodes(self) -> set[str]:
-        with _translate_errors():
-            nodes = sorted(n.decode() for n in self._client.smembers(f"{self._ns}:nodes"))
-            if not nodes:
-                return set()
-            leases = self._client.mget([self._node(n) for n in nodes])
-        return {node for node, lease in zip(nodes, leases) if lease is not None}
 
     def apply_events(self, location: Location, events: Sequence[KVCacheEvent]) -> None:
         """Pipelined replay: runs of BlockStored/BlockRemoved go in one pipeline (one round
         trip); an AllCleared flushes it, then clears the location (base class semantics).
         Events are validated before anything is written."""
         check_events(events)
-        member, loc_key = location.encode(), self._loc(location)
         with _translate_errors():
             pipe = self._client.pipeline(transaction=False)
             for event in events:
                 if isinstance(event, BlockStored):
-                    for key in event.keys:
-                        pipe.sadd(self._blk(key), member)
-                    if event.keys:
-                        pipe.sadd(loc_key, *event.keys)
+                    self._queue(pipe.sadd, event.keys, location)
                 elif isinstance(event, BlockRemoved):
-                    for key in event.keys:
-                        pipe.srem(self._blk(key), member)
-                    if event.keys:
-                        pipe.srem(loc_key, *event.keys)
+                    self._queue(pipe.srem, event.keys, location)
                 else:  # AllCleared
                     pipe.execute()
                     self.remove_location(location)

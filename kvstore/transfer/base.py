@@ -1,4 +1,4 @@
-"""The transfer abstraction: a poll state, a fetch request, receiver/sender/backend bases.
+"""The transfer abstraction: a poll state, a fetch request, transfer/receiver/backend bases.
 
 Modelled on SGLang's ``disaggregation/base/conn.py`` (KVPoll, BaseKVReceiver, BaseKVSender),
 with a deadline on every transfer and typed errors (DESIGN.md "Data plane").
@@ -26,12 +26,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
 from kvstore.config import KVStoreConfig, KVTransferConfig, kv_plane_of
-from kvstore.errors import KVStoreError, KVTransferError
+from kvstore.errors import BlockLayoutError, KVStoreError, KVTransferError
 
 if TYPE_CHECKING:
-    import torch
-
-    from kvstore.transfer.dest import BlockDest
+    from kvstore.transfer.dest import CallbackDest
 
 _T = TypeVar("_T")
 
@@ -103,7 +101,6 @@ class _TransferBase:
         self._cancelled = False
         self._nbytes = 0
         self._deadline: float | None = None  # time.monotonic() value
-        self._done = threading.Event()  # set on entering SUCCESS or FAILED
 
     def poll(self) -> TransferState:
         """Current state; aborts and fails the transfer once its deadline has passed."""
@@ -128,23 +125,6 @@ class _TransferBase:
         if state is not TransferState.SUCCESS:
             raise RuntimeError(f"{self._describe()} not finished ({state.name})")
         return self._nbytes
-
-    def wait(self, timeout_s: float | None = None, interval_s: float = 0.05) -> TransferState:
-        """Block until done or ``timeout_s`` passes (tests, benchmarks, synchronous callers).
-
-        Wakes as soon as a backend thread finishes the transfer, and at least every
-        ``interval_s`` to poll (the deadline, and backends that work inside ``poll``).
-        """
-        end = None if timeout_s is None else time.monotonic() + timeout_s
-        while not (state := self.poll()).done:
-            now = time.monotonic()
-            if end is not None and now >= end:
-                break
-            sleep = interval_s if end is None else min(interval_s, end - now)
-            if self._deadline is not None:
-                sleep = min(sleep, max(0.0, self._deadline - now) + 1e-3)
-            self._done.wait(sleep)
-        return state
 
     def abort(self) -> None:
         """Stop the transfer; FAILED with KVTransferError unless already done. Idempotent.
@@ -178,8 +158,6 @@ class _TransferBase:
         with self._lock:
             if not self._state.done:
                 self._state = state
-        if state.done:
-            self._done.set()
 
     def _add_bytes(self, n: int) -> None:
         with self._lock:
@@ -191,6 +169,21 @@ class _TransferBase:
     def _fail(self, error: KVStoreError) -> None:
         """Record a failure found by a backend thread, and release the backend's resources."""
         self._abort_with(error)
+
+    def _guarded(self, fn: Callable[..., object], *args) -> bool:
+        """Run one step of the transfer on a backend thread; True if it completed. An error
+        FAILS the transfer: a KVStoreError as it is, anything else (a bug, an unexpected
+        library error) as a KVTransferError; after an abort (_Cancelled) it just stops."""
+        try:
+            fn(*args)
+            return True
+        except _Cancelled:
+            return False
+        except KVStoreError as exc:
+            self._fail(exc)
+        except Exception as exc:  # noqa: BLE001 — still a typed FAILED
+            self._fail(KVTransferError(f"{self._describe()}: {exc!r}", address=self._address()))
+        return False
 
     def _write(self, fn: Callable[..., _T], *args) -> _T:
         """Run a destination write unless the transfer was aborted (then raise _Cancelled).
@@ -218,7 +211,6 @@ class _TransferBase:
             if self._state.done:
                 return
             self._state, self._error = TransferState.FAILED, error
-        self._done.set()
         self._release()
 
     def _release(self) -> None:
@@ -239,28 +231,19 @@ class KVReceiver(_TransferBase, ABC):
         self.request: FetchRequest | None = None
 
     @abstractmethod
-    def start(self, request: FetchRequest, dest: BlockDest | torch.Tensor) -> None:
+    def start(self, request: FetchRequest, dest: CallbackDest) -> None:
         """Begin fetching ``request.num_blocks`` blocks into ``dest``; returns at once.
 
-        Args:
-            request: what to fetch and from where.
-            dest: a :class:`~kvstore.transfer.dest.BlockDest`, or a contiguous tensor
-                ``[request.num_blocks, *block_shape]`` (wrapped in a TensorDest).
-
         Raises:
-            BlockLayoutError: ``dest`` has the wrong number of blocks or an unusable layout.
+            BlockLayoutError: ``dest`` has the wrong number of blocks.
             RuntimeError: already started.
         """
 
-    def _accept(self, request: FetchRequest, dest: BlockDest | torch.Tensor,
-                deadline_s: float, state: TransferState) -> BlockDest:
+    def _accept(self, request: FetchRequest, dest: CallbackDest, deadline_s: float,
+                state: TransferState = TransferState.TRANSFERRING) -> CallbackDest:
         """The common start: check ``dest`` against ``request`` (BlockLayoutError), record
         the request, start the deadline (``request.deadline_s`` wins over ``deadline_s``) in
-        ``state``. Returns ``dest`` as a BlockDest."""
-        from kvstore.errors import BlockLayoutError
-        from kvstore.transfer.dest import as_dest
-
-        dest = as_dest(dest)
+        ``state``. Returns ``dest``."""
         if dest.num_blocks != request.num_blocks:
             raise BlockLayoutError(f"destination holds {dest.num_blocks} block(s), the request "
                                    f"{request.num_blocks}")
@@ -275,14 +258,6 @@ class KVReceiver(_TransferBase, ABC):
 
     def _address(self) -> str | None:
         return self.request.address if self.request is not None else None
-
-
-class KVSender(_TransferBase, ABC):
-    """The prefill side of one transfer, for backends that push (torch)."""
-
-    @abstractmethod
-    def start(self, blocks: torch.Tensor, tag: int, deadline_s: float) -> None:
-        """Begin sending ``blocks`` [n, *block_shape] (contiguous) under ``tag``; never blocks."""
 
 
 class KVTransferBackend(ABC):

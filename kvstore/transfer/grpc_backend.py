@@ -17,15 +17,12 @@ from __future__ import annotations
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
-import torch
-
 from kvstore.client import KVStoreClient
 from kvstore.config import KVStoreConfig, KVTransferConfig
-from kvstore.errors import BlockLayoutError, KVStoreError, KVTransferError
+from kvstore.errors import BlockLayoutError
 from kvstore.fetch_session import BlockStream
-from kvstore.transfer.base import (FetchRequest, KVReceiver, KVTransferBackend, TransferState,
-                                   _Cancelled)
-from kvstore.transfer.dest import WIRE_DTYPES, BlockDest
+from kvstore.transfer.base import FetchRequest, KVReceiver, KVTransferBackend, _Cancelled
+from kvstore.transfer.dest import WIRE_DTYPES, CallbackDest
 
 
 class GrpcTransferBackend(KVTransferBackend):
@@ -77,46 +74,35 @@ class GrpcKVReceiver(KVReceiver):
         self._backend = backend
         self._streams: list[BlockStream] = []
         self._pending = 0
-        self._dest: BlockDest | None = None
+        self._dest: CallbackDest | None = None
 
-    def start(self, request: FetchRequest, dest: BlockDest | torch.Tensor) -> None:
-        config = self._backend.config
-        dest = self._dest = self._accept(request, dest, config.timeout_s,
-                                         TransferState.TRANSFERRING)
-        keys = request.keys
-        total = len(keys) * dest.block_nbytes
-        num = max(1, min(config.num_streams, total // config.min_stream_bytes, len(keys)))
-        bounds = [len(keys) * i // num for i in range(num + 1)]
-        self._pending = num
+    def start(self, request: FetchRequest, dest: CallbackDest) -> None:
+        self._dest = self._accept(request, dest, self._backend.config.timeout_s)
+        bounds = self._bounds(len(request.keys), dest.block_nbytes)
+        self._pending = len(bounds) - 1
         for lo, hi in zip(bounds, bounds[1:]):
             self._backend.submit(self._run_slice, lo, hi)
+
+    def _bounds(self, num_keys: int, block_nbytes: int) -> list[int]:
+        """Where the key list is cut into slices, one stream each."""
+        config = self._backend.config
+        num = max(1, min(config.num_streams, num_keys * block_nbytes // config.min_stream_bytes,
+                         num_keys))
+        return [num_keys * i // num for i in range(num + 1)]
 
     # ---- worker threads ---------------------------------------------------------------
 
     def _run_slice(self, lo: int, hi: int) -> None:
-        if hi > lo and not self._run(self._fetch_slice, lo, hi):
+        if hi > lo and not self._guarded(self._fetch_slice, lo, hi):
             return
         with self._lock:
             self._pending -= 1
             last = self._pending == 0
         if not last:
             return
-        if self.request.tail_handle is not None and not self._run(self._fetch_tail):
+        if self.request.tail_handle is not None and not self._guarded(self._fetch_tail):
             return
         self._succeed()
-
-    def _run(self, fn, *args) -> bool:
-        """Run one step; on an error, FAIL the transfer. True if it completed."""
-        try:
-            fn(*args)
-            return True
-        except _Cancelled:
-            return False
-        except KVStoreError as exc:
-            self._fail(exc)
-        except Exception as exc:  # a bug or an unexpected library error: still a typed FAILED
-            self._fail(KVTransferError(f"{self._describe()}: {exc!r}", address=self._address()))
-        return False
 
     def _fetch_slice(self, lo: int, hi: int) -> None:
         request, dest = self.request, self._dest
@@ -153,7 +139,7 @@ class GrpcKVReceiver(KVReceiver):
             stream.cancel()
 
 
-def _check_layout(dest: BlockDest, dtype: str, shape, address: str) -> None:
+def _check_layout(dest: CallbackDest, dtype: str, shape, address: str) -> None:
     if dtype != dest.wire_dtype or tuple(shape) != dest.block_shape:
         raise BlockLayoutError(f"blocks from {address} are {dtype} {tuple(shape)}, the "
                                f"destination {dest.wire_dtype} {dest.block_shape}")

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from kvstore.client import KVStoreClient
-from kvstore.errors import BlockLayoutError, BlockNotFoundError, KVStoreError, KVTransferError
+from kvstore.errors import BlockLayoutError, BlockNotFoundError, KVStoreError
 from kvstore.transfer.base import KVReceiver, TransferState, _Cancelled
 from kvstore.transfer.dest import WIRE_DTYPES
 from kvstore.blocks import num_blocks_for
@@ -199,33 +199,25 @@ class LayerStreamReceiver(KVReceiver):
         """Begin taking pieces on a thread of its own; returns at once (the FetchRequest and
         destination of other receivers are the announce and ``write`` here)."""
         self._begin(self._timeout_s, TransferState.TRANSFERRING)
-        threading.Thread(target=self._run, daemon=True,
+        threading.Thread(target=self._guarded, args=(self._receive,), daemon=True,
                          name=f"layer-recv-{self.announce.request_id}").start()
 
-    def _run(self) -> None:
-        try:
-            for index, piece in enumerate(self.announce.pieces):
-                tensor = self._take(index)
-                expected = self._piece_shape(piece)
-                if tuple(tensor.shape) != expected or tensor.dtype != self._dtype:
-                    raise BlockLayoutError(
-                        f"layer piece {index} from {self.announce.address} is "
-                        f"{WIRE_DTYPES.get(tensor.dtype, tensor.dtype)} {tuple(tensor.shape)}, "
-                        f"expected {WIRE_DTYPES.get(self._dtype)} {expected}")
-                self._write(self._write_piece, piece, tensor)
-                self.num_taken = index + 1
-                self.arrivals.append((index, piece.layer, time.time()))
-                self._add_bytes(tensor.numel() * tensor.element_size())
-                self._extend_deadline(self._timeout_s)
-            self._write(self._finish)
-            self._succeed()
-        except _Cancelled:
-            pass
-        except KVStoreError as exc:
-            self._fail(exc)
-        except Exception as exc:  # noqa: BLE001 — a bug or a library error: still typed
-            self._fail(KVTransferError(f"{self._describe()}: {exc!r}",
-                                       address=self.announce.address))
+    def _receive(self) -> None:
+        for index, piece in enumerate(self.announce.pieces):
+            tensor = self._take(index)
+            expected = self._piece_shape(piece)
+            if tuple(tensor.shape) != expected or tensor.dtype != self._dtype:
+                raise BlockLayoutError(
+                    f"layer piece {index} from {self.announce.address} is "
+                    f"{WIRE_DTYPES.get(tensor.dtype, tensor.dtype)} {tuple(tensor.shape)}, "
+                    f"expected {WIRE_DTYPES.get(self._dtype)} {expected}")
+            self._write(self._write_piece, piece, tensor)
+            self.num_taken = index + 1
+            self.arrivals.append((index, piece.layer, time.time()))
+            self._add_bytes(tensor.numel() * tensor.element_size())
+            self._extend_deadline(self._timeout_s)
+        self._write(self._finish)
+        self._succeed()
 
     def _take(self, index: int) -> torch.Tensor:
         handle, wait = self.announce.handle(index), POLL_MIN_S

@@ -27,16 +27,16 @@ import torch
 import torch.distributed as dist
 
 from kvstore.config import KVStoreConfig, KVTransferConfig
-from kvstore.errors import BlockLayoutError, KVStoreError, KVTransferError
-from kvstore.transfer.base import (FetchRequest, KVReceiver, KVSender, KVTransferBackend,
-                                   TransferState, _Cancelled)
-from kvstore.transfer.dest import BlockDest
+from kvstore.errors import BlockLayoutError
+from kvstore.transfer.base import (FetchRequest, KVReceiver, KVTransferBackend, TransferState,
+                                   _TransferBase)
+from kvstore.transfer.dest import CallbackDest
 from kvstore.transfer.runs import budget_runs
 from kvstore.transfer.torch_pair import TorchPairChannel
 
 
-class TorchKVSender(KVSender):
-    """Sends one transfer's blocks over a pair channel (connecting it first if needed).
+class TorchKVSender(_TransferBase):
+    """Prefill side of one transfer: sends its blocks over a pair channel, connecting it first.
 
     On failure the channel is closed; its owner keeps the closed channel object until it
     shuts down (torch_pair's NOTE: a posted send may still read ``blocks``) and opens a new
@@ -51,30 +51,26 @@ class TorchKVSender(KVSender):
         self.channel = channel
 
     def start(self, blocks: torch.Tensor, tag: int, deadline_s: float) -> None:
+        """Begin sending ``blocks`` [n, *block_shape] (contiguous) under ``tag``; never blocks."""
         if not blocks.is_contiguous() or blocks.dim() < 2:
             raise BlockLayoutError(f"blocks must be a contiguous [n, *block_shape] tensor, got "
                                    f"{tuple(blocks.shape)}")
         self._begin(deadline_s, TransferState.BOOTSTRAPPING if not self.channel.connected
                     else TransferState.TRANSFERRING)
-        threading.Thread(target=self._run, args=(blocks, tag), daemon=True,
+        threading.Thread(target=self._guarded, args=(self._send, blocks, tag), daemon=True,
                          name="kv-torch-send").start()
 
-    def _run(self, blocks: torch.Tensor, tag: int) -> None:
-        try:
-            self.channel.connect()
-            self._set_state(TransferState.TRANSFERRING)
-            block_nbytes = blocks[0].numel() * blocks.element_size() if len(blocks) else 1
-            for run in budget_runs(block_nbytes, len(blocks), self.channel.chunk_bytes):
-                if self._cancelled:
-                    return
-                chunk = blocks[run.start:run.stop]
-                self.channel.wait(self.channel.send(chunk, tag), self._remaining_s())
-                self._add_bytes(chunk.numel() * chunk.element_size())
-            self._succeed()
-        except KVStoreError as exc:
-            self._fail(exc)
-        except Exception as exc:  # a bug or an unexpected library error: still a typed FAILED
-            self._fail(KVTransferError(f"{self._describe()}: {exc!r}", address=self._address()))
+    def _send(self, blocks: torch.Tensor, tag: int) -> None:
+        self.channel.connect()
+        self._set_state(TransferState.TRANSFERRING)
+        block_nbytes = blocks[0].numel() * blocks.element_size() if len(blocks) else 1
+        for run in budget_runs(block_nbytes, len(blocks), self.channel.chunk_bytes):
+            if self._cancelled:
+                return
+            chunk = blocks[run.start:run.stop]
+            self.channel.wait(self.channel.send(chunk, tag), self._remaining_s())
+            self._add_bytes(chunk.numel() * chunk.element_size())
+        self._succeed()
 
     def _release(self) -> None:
         self.channel.close()
@@ -141,41 +137,34 @@ class TorchKVReceiver(KVReceiver):
         super().__init__()
         self._backend = backend
 
-    def start(self, request: FetchRequest, dest: BlockDest | torch.Tensor) -> None:
+    def start(self, request: FetchRequest, dest: CallbackDest) -> None:
         dest = self._accept(request, dest, self._backend.config.timeout_s,
                             TransferState.BOOTSTRAPPING)
-        threading.Thread(target=self._run, args=(dest,), daemon=True,
+        threading.Thread(target=self._guarded, args=(self._receive, dest), daemon=True,
                          name="kv-torch-recv").start()
 
-    def _run(self, dest: BlockDest) -> None:
+    def _receive(self, dest: CallbackDest) -> None:
         request = self.request
-        try:
-            channel = self._backend.channel(request.address, self._remaining_s())
-            self._set_state(TransferState.TRANSFERRING)
-            runs = budget_runs(dest.block_nbytes, dest.num_blocks, channel.chunk_bytes)
-            if not runs:
-                self._succeed()
-                return
-            staging = [torch.empty((len(runs[0]), *dest.block_shape), dtype=dest.dtype,
-                                   device=channel.device) for _ in range(min(2, len(runs)))]
-
-            def post(i: int) -> dist.Work:
-                return channel.recv(staging[i % 2][:len(runs[i])], request.tag)
-
-            work = post(0)
-            for i, run in enumerate(runs):
-                channel.wait(work, self._remaining_s())
-                if i + 1 < len(runs):
-                    work = post(i + 1)  # the next chunk lands while this one is copied out
-                self._write(dest.write_tensor, run.start, staging[i % 2][:len(run)])
-                self._add_bytes(len(run) * dest.block_nbytes)
+        channel = self._backend.channel(request.address, self._remaining_s())
+        self._set_state(TransferState.TRANSFERRING)
+        runs = budget_runs(dest.block_nbytes, dest.num_blocks, channel.chunk_bytes)
+        if not runs:
             self._succeed()
-        except _Cancelled:
             return
-        except KVStoreError as exc:
-            self._fail(exc)
-        except Exception as exc:  # a bug or an unexpected library error: still a typed FAILED
-            self._fail(KVTransferError(f"{self._describe()}: {exc!r}", address=self._address()))
+        staging = [torch.empty((len(runs[0]), *dest.block_shape), dtype=dest.dtype,
+                               device=channel.device) for _ in range(min(2, len(runs)))]
+
+        def post(i: int) -> dist.Work:
+            return channel.recv(staging[i % 2][:len(runs[i])], request.tag)
+
+        work = post(0)
+        for i, run in enumerate(runs):
+            channel.wait(work, self._remaining_s())
+            if i + 1 < len(runs):
+                work = post(i + 1)  # the next chunk lands while this one is copied out
+            self._write(dest.write_tensor, run.start, staging[i % 2][:len(run)])
+            self._add_bytes(len(run) * dest.block_nbytes)
+        self._succeed()
 
     def _release(self) -> None:
         self._backend.retire(self.request.address)

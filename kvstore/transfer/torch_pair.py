@@ -66,15 +66,13 @@ class TorchPairChannel:
     Args:
         rank: 0 for the sender (hosts the store at ``master_addr:master_port``; port 0 picks a
             free one, see :attr:`address`), 1 for the receiver.
-        master_addr: the sender's routable address (never a wildcard: gloo advertises it).
+        master_addr: the sender's routable address (never a wildcard: gloo advertises it; rank
+            1 advertises its local address that routes to it).
         master_port: the store's port (rank 1: the port rank 0 published).
         timeout_s: limit of the setup and default limit of each send/recv, in seconds.
         device: ``cpu`` (gloo) or ``cuda`` (NCCL); rank 1 learns it from rank 0.
         token: shared secret; rank 1 must prove it knows rank 0's (HMAC over a fresh nonce).
         chunk_bytes: rank 0: bytes per send/recv, published to rank 1.
-        local_addr: address of this end for gloo; default ``master_addr`` (rank 0) or the
-            local address that routes to it (rank 1).
-        world_size: must be 2.
 
     Raises:
         KVTransferError: rank 0 cannot bind the store.
@@ -82,16 +80,14 @@ class TorchPairChannel:
 
     def __init__(self, rank: int, master_addr: str, master_port: int = 0,
                  timeout_s: float = 10.0, device: str = "cpu",
-                 token: str | pydantic.SecretStr | None = None, chunk_bytes: int = 4 << 20,
-                 local_addr: str | None = None, world_size: int = 2):
-        if world_size != 2 or rank not in (0, 1):
-            raise ValueError(f"a pair channel has ranks 0 and 1 of 2, got {rank} of {world_size}")
+                 token: str | pydantic.SecretStr | None = None, chunk_bytes: int = 4 << 20):
+        if rank not in (0, 1):
+            raise ValueError(f"a pair channel has ranks 0 and 1, got {rank}")
         if device not in PAIR_GROUP_BUILDERS:
             raise ValueError(f"device must be one of {sorted(PAIR_GROUP_BUILDERS)}, got {device}")
         self.rank, self.master_addr, self.timeout_s = rank, master_addr, timeout_s
         self.device, self.chunk_bytes = device, chunk_bytes
         self._token = token.get_secret_value() if isinstance(token, pydantic.SecretStr) else token
-        self._local_addr = local_addr
         self._lock = threading.Lock()
         self._group: dist.ProcessGroup | None = None
         self._closed = False
@@ -219,8 +215,7 @@ class TorchPairChannel:
             if not hmac.compare_digest(store.get(_AUTH_KEY), _proof(self._token, nonce)):
                 raise KVAuthError(f"pair channel {self.address}: the peer's token is wrong",
                                   address=self.address)
-        local = self._local_addr or (self.master_addr if self.rank == 0
-                                     else _route_to(self.master_addr))
+        local = self.master_addr if self.rank == 0 else _route_to(self.master_addr)
         return PAIR_GROUP_BUILDERS[self.device](dist.PrefixStore("pg/", store), self.rank,
                                                 local, timeout)
 

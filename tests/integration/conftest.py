@@ -15,8 +15,9 @@ import pytest
 
 from deploy.config import ServeConfig
 from deploy.launcher import Cluster
-from deploy.serve import BackgroundServer, gateway_app
+from deploy.serve import gateway_app
 from engine.config import EngineConfig
+from tests.background_server import BackgroundServer
 
 
 def free_port() -> int:

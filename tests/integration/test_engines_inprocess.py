@@ -16,12 +16,14 @@ from engine.core.engine_loop import EngineLoop, run_once
 from engine.protocol import DecodeRequest, FinishReason, PrefillRequest, SamplingParams
 from engine.runner import ModelRunner
 from kvstore.client import KVStoreClient
-from kvstore.config import KVStoreConfig
-from kvstore.connector.fetch import FetchConnector, KVFetcher
+from kvstore.config import KVStoreConfig, KVTransferConfig
+from kvstore.connector.fetch import FetchConnector
 from kvstore.connector.pool import PoolConnector
 from prefill_worker.engine import PrefillEngine
 from tests.kvstore.lru_block_store import lru_server
 from tests.engine_loops import started, stop
+
+GRPC_5S = KVTransferConfig(timeout_s=5)
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +47,7 @@ def engines(eos_model_dir):
                                             "prefill-0", 0))
     decode_runner = ModelRunner(config)
     decode = started(lambda: DecodeEngine(decode_runner, "decode-0", 0,
-                                          FetchConnector(KVFetcher(decode_runner.kv_cache, 5))))
+                                          FetchConnector(GRPC_5S)))
     yield prefill, decode
     stop(decode)
     stop(prefill)
@@ -172,7 +174,7 @@ def test_chunked_prefill_equals_unchunked(engines, eos_model_dir, hf):
     # and the KV the chunks wrote is the KV decode continues from
     decode_runner = ModelRunner(whole_config)
     decode = started(lambda: DecodeEngine(decode_runner, "d-chunk", 0,
-                                          FetchConnector(KVFetcher(decode_runner.kv_cache, 5))))
+                                          FetchConnector(GRPC_5S)))
     try:
         _, got, _ = generate((chunked, decode), "chunked-2", prompt,
                              SamplingParams(max_tokens=12, temperature=0))
@@ -192,7 +194,7 @@ def test_preemption_keeps_outputs_identical(engines, eos_model_dir, hf, mode):
                           max_num_batched_tokens=32)
     runner = ModelRunner(config)
     small = started(lambda: DecodeEngine(runner, f"small-{mode}", 0,
-                                         FetchConnector(KVFetcher(runner.kv_cache, 5))))
+                                         FetchConnector(GRPC_5S)))
     texts = ["Once upon a time", "The big dog", "Lily had a cat", "Tom went to the park"]
     prompts = [hf.encode(t + ", and they played all day long in the sun.") for t in texts]
     params = [SamplingParams(max_tokens=70, temperature=0 if i % 2 else 0.9, seed=7 + i,
@@ -249,7 +251,7 @@ def test_colocated_prompts_run_in_chunks_beside_decoding_requests(eos_model_dir,
     config = EngineConfig(model=str(eos_model_dir), num_kv_blocks=64, max_num_batched_tokens=32)
     runner = ModelRunner(config)
     engine = DecodeEngine(runner, "colocated-chunks", 0,
-                          FetchConnector(KVFetcher(runner.kv_cache, 5)))
+                          FetchConnector(GRPC_5S))
     short = hf.encode("Once upon a time, there was a little boy named Tim.")
     long = (hf.encode("One day, a big dog named Max found a red ball.") +
             hf.encode(" Lily liked to play with her doll in the garden." * 20,
@@ -298,7 +300,7 @@ def test_engine_loop_builds_the_model_and_runs_every_step_on_its_thread(eos_mode
         runner = ModelRunner(EngineConfig(model=str(eos_model_dir), num_kv_blocks=32))
         runner.model.register_forward_hook(lambda *_: forward_threads.add(threading.get_ident()))
         return DecodeEngine(runner, "own-thread", 0,
-                            FetchConnector(KVFetcher(runner.kv_cache, 5)))
+                            FetchConnector(GRPC_5S))
 
     loop = EngineLoop(build, "decode-engine", timeout_s=60)
     try:

@@ -8,10 +8,10 @@ import logging
 import httpx
 import pytest
 
-from deploy.serve import BackgroundServer
 from engine.tokenizer import Tokenizer
 from router.chat_template import ChatTemplate
 from router.gateway import build_app
+from tests.background_server import BackgroundServer
 
 pytestmark = pytest.mark.slow
 

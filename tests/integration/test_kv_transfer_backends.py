@@ -21,7 +21,7 @@ from engine.protocol import (DecodeRequest, FinishReason, PrefillRequest, Prefil
                              SamplingParams)
 from engine.runner import ModelRunner
 from kvstore.client import KVStoreClient
-from kvstore.connector.fetch import FetchConnector, KVFetcher
+from kvstore.connector.fetch import FetchConnector, KVFetch
 from kvstore.config import KVStoreConfig, KVTransferConfig
 from kvstore.connector.multi import MultiConnector
 from kvstore.connector.pool import PoolConnector
@@ -58,12 +58,11 @@ def prefill(store):
     stop(engine)
 
 
-def decode_engine(worker_id: str, transfer: KVTransferConfig | float, num_kv_blocks: int = 128,
+def decode_engine(worker_id: str, transfer: KVTransferConfig, num_kv_blocks: int = 128,
                   backend=None) -> DecodeEngine:
     runner = ModelRunner(EngineConfig(num_kv_blocks=num_kv_blocks))
     return started(lambda: DecodeEngine(runner, worker_id, 0,
-                                        FetchConnector(KVFetcher(runner.kv_cache, transfer,
-                                                                 backend=backend))))
+                                        FetchConnector(transfer, backend=backend)))
 
 
 @pytest.fixture(scope="module")
@@ -215,21 +214,23 @@ def test_abort_stops_writes_before_the_blocks_are_freed():
     cache = runner.kv_cache
     key = b"k" * 32
     fake = FakeTransferBackend(blocks={key: torch.ones(cache.block_shape)}, delay_s=0.3)
-    fetcher = KVFetcher(cache, KVTransferConfig(), backend=fake)
+    connector = FetchConnector(KVTransferConfig(), backend=fake)
+    connector.register_kv_caches(cache)
     result = PrefillResult("r", 0, "127.0.0.1:1", (key,), None, 0, 0, "p", 0)
-    fetch = fetcher.start_fetch(result, [3])
+    fetch = KVFetch(connector, [3], result)
     assert fetch.poll() is TransferState.TRANSFERRING
     assert fetch.abort() is True  # nothing more will be written
     time.sleep(0.4)
     assert fetch.poll() is TransferState.FAILED and "aborted" in str(fetch.error)
-    assert not cache.read_blocks([3]).any() and fetcher.bytes_fetched_total == 0
+    assert not cache.read_blocks([3]).any()
+    assert connector.stats()["kv_bytes_fetched_total"] == 0
 
-    done = fetcher.start_fetch(result, [5])
+    done = KVFetch(connector, [5], result)
     time.sleep(0.35)
     assert done.poll() is TransferState.SUCCESS
     assert torch.equal(cache.read_blocks([5])[0], torch.ones(cache.block_shape))
-    assert fetcher.bytes_by_backend == {"fake": cache.block_nbytes}
-    fetcher.close()
+    assert connector.bytes_by_backend == {"fake": cache.block_nbytes}
+    connector.close()
 
 
 def test_kv_transfer_flag():

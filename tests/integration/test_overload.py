@@ -20,11 +20,12 @@ import ray
 from prometheus_client.parser import text_string_to_metric_families
 
 from deploy.launcher import block_layout
-from deploy.serve import BackgroundServer, gateway_app
+from deploy.serve import gateway_app
 from loadtest.arrivals import rate_arrivals
 from loadtest.client import ClientConfig
 from loadtest.runner import RunConfig, run_benchmark
 from loadtest.workload import BenchRequest, Workload
+from tests.background_server import BackgroundServer
 
 pytestmark = pytest.mark.slow
 

@@ -23,12 +23,12 @@ from engine.config import EngineConfig
 from engine.protocol import DecodeRequest, PrefillRequest, PrefillResult, SamplingParams
 from engine.runner import ModelRunner
 from kvstore.client import KVStoreClient
-from kvstore.connector.fetch import FetchConnector, KVFetcher
+from kvstore.connector.fetch import FetchConnector
 from kvstore.config import KVStoreConfig, KVTransferConfig
 from kvstore.connector.layer_stream import LayerStreamConnector
 from kvstore.connector.multi import MultiConnector
 from kvstore.connector.pool import PoolConnector
-from kvstore.transfer.base import KVReceiver, KVTransferBackend, TransferState
+from kvstore.transfer.base import KVReceiver, KVTransferBackend
 from kvstore.transfer.grpc_backend import GrpcTransferBackend
 from tests.kvstore.local_peers import LocalStreamPeers
 from prefill_worker.engine import PrefillEngine
@@ -56,7 +56,7 @@ class _HangingReceiver(KVReceiver):
     """Fault injection: starts, then never moves; only its deadline ends it."""
 
     def start(self, request, dest) -> None:
-        self._accept(request, dest, TIMEOUT_S, TransferState.TRANSFERRING)
+        self._accept(request, dest, TIMEOUT_S)
 
 
 class _HangFirst(KVTransferBackend):
@@ -132,8 +132,7 @@ def decode_engine(backend: KVTransferBackend | None = None) -> DecodeEngine:
     runner = ModelRunner(EngineConfig(num_kv_blocks=64))
     transfer = KVTransferConfig(timeout_s=TIMEOUT_S)
     return started(lambda: DecodeEngine(runner, "decode-f", 0,
-                                        FetchConnector(KVFetcher(runner.kv_cache, transfer,
-                                                                 backend=backend))))
+                                        FetchConnector(transfer, backend=backend)))
 
 
 def prefill_for(prefill: PrefillEngine, request_id: str, prompt: list[int],

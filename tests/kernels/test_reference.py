@@ -1,4 +1,4 @@
-"""Torch reference kernels vs independent dense computations."""
+"""Torch reference kernels and the attention oracle vs independent dense computations."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from kernels import reference
+from tests.kernels import attention_oracle
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 32
@@ -67,7 +68,7 @@ def test_prefill_attention_matches_dense_causal_attention():
     seq_lens = torch.tensor([p + n for p, n in shapes], dtype=torch.int32)
     scale = HEAD_DIM**-0.5
     q = torch.cat(queries)
-    out = reference.paged_prefill_attention(q, k_cache, v_cache, block_tables, cu, seq_lens, scale)
+    out = attention_oracle.paged_prefill_attention(q, k_cache, v_cache, block_tables, cu, seq_lens, scale)
     expected = torch.cat([_dense_causal(q, k, v, scale) for q, (k, v) in zip(queries, dense_kv)])
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
@@ -87,8 +88,8 @@ def test_decode_attention_equals_prefill_with_one_query(dtype):
     q = torch.randn(len(seq_lens_list), NUM_HEADS, HEAD_DIM, dtype=dtype)
     seq_lens = torch.tensor(seq_lens_list, dtype=torch.int32)
     cu = torch.arange(len(seq_lens_list) + 1, dtype=torch.int32)
-    decode = reference.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, 0.3)
-    prefill = reference.paged_prefill_attention(q, k_cache, v_cache, block_tables, cu, seq_lens, 0.3)
+    decode = attention_oracle.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, 0.3)
+    prefill = attention_oracle.paged_prefill_attention(q, k_cache, v_cache, block_tables, cu, seq_lens, 0.3)
     assert decode.dtype == dtype
     torch.testing.assert_close(decode, prefill, atol=1e-5, rtol=1e-5)
 

@@ -1,4 +1,4 @@
-"""kernels.torch_attention (the CPU attention path) against the reference oracle.
+"""kernels.torch_attention (the CPU attention path) against the attention oracle.
 
 Random caches, GQA, block tables both consecutive (the view path) and scattered (the
 index_select path), ragged lengths with padded tables, cached prefixes before the new tokens,
@@ -11,7 +11,8 @@ import pytest
 import torch
 
 import kernels
-from kernels import reference, torch_attention
+from kernels import torch_attention
+from tests.kernels import attention_oracle
 
 BLOCK_SIZE, NUM_BLOCKS = 8, 200
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 12, 4, 16
@@ -40,13 +41,13 @@ def tables(seq_lens: list[int], scattered: list[bool]) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_decode_matches_reference(dtype):
+def test_decode_matches_oracle(dtype):
     k_cache, v_cache = caches(dtype)
     seq_lens = [1, 8, 9, 40, 77, 130]
     table = tables(seq_lens, [False, True, False, True, False, True])
     q = torch.randn(len(seq_lens), NUM_HEADS, HEAD_DIM).to(dtype)
     lens = torch.tensor(seq_lens, dtype=torch.int32)
-    want = reference.paged_decode_attention(q, k_cache, v_cache, table, lens, SCALE)
+    want = attention_oracle.paged_decode_attention(q, k_cache, v_cache, table, lens, SCALE)
     got = torch_attention.paged_decode_attention(q, k_cache, v_cache, table, lens, SCALE)
     assert got.dtype == dtype and got.shape == want.shape
     tol = 1e-5 if dtype == torch.float32 else 1e-2
@@ -54,7 +55,7 @@ def test_decode_matches_reference(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_prefill_with_cached_prefixes_matches_reference(dtype):
+def test_prefill_with_cached_prefixes_matches_oracle(dtype):
     k_cache, v_cache = caches(dtype)
     seq_lens = [30, 64, 17, 100]
     num_new = [30, 5, 0, 61]  # whole prompt, a prefix hit, an idle sequence, a long chunk
@@ -62,7 +63,7 @@ def test_prefill_with_cached_prefixes_matches_reference(dtype):
     cu = torch.tensor([0] + torch.cumsum(torch.tensor(num_new), 0).tolist(), dtype=torch.int32)
     q = torch.randn(int(cu[-1]) + 3, NUM_HEADS, HEAD_DIM).to(dtype)  # 3 padding rows
     lens = torch.tensor(seq_lens, dtype=torch.int32)
-    want = reference.paged_prefill_attention(q, k_cache, v_cache, table, cu, lens, SCALE)
+    want = attention_oracle.paged_prefill_attention(q, k_cache, v_cache, table, cu, lens, SCALE)
     got = torch_attention.paged_prefill_attention(q, k_cache, v_cache, table, cu, lens, SCALE)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got, want, atol=tol, rtol=tol)
@@ -75,7 +76,7 @@ def test_consecutive_blocks_are_read_in_place_and_scattered_ones_copied():
     copy = torch_attention.sequence_kv(k_cache, torch.tensor([5, 3, 4], dtype=torch.int32), 20)
     assert view.data_ptr() == k_cache[3].data_ptr()
     assert copy.data_ptr() != k_cache[5].data_ptr()
-    torch.testing.assert_close(copy, reference.gather_kv(k_cache, torch.tensor([5, 3, 4]), 20))
+    torch.testing.assert_close(copy, attention_oracle.gather_kv(k_cache, torch.tensor([5, 3, 4]), 20))
 
 
 def test_cpu_backends_dispatch_attention_to_the_torch_path(monkeypatch):

@@ -35,6 +35,7 @@ from kernels.triton_paged_decode import choose_num_splits, plan_paged_decode_att
 from kernels.triton_paged_prefill import plan_paged_prefill_attention  # noqa: E402
 from kernels.triton_rms_norm import plan_rms_norm  # noqa: E402
 from kernels.triton_rotary import plan_rotary_embedding  # noqa: E402
+from tests.kernels import attention_oracle  # noqa: E402
 
 ON_CUDA = torch.cuda.is_available()
 INTERPRETED = kernels.triton_interpreted()
@@ -121,7 +122,7 @@ def test_paged_decode_attention(group, head_dim, block_size, dtype):
     q = _randn(gen, len(seq_lens), num_heads, head_dim, dtype=dtype)
     lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
     scale = head_dim**-0.5
-    expected = reference.paged_decode_attention(q, k_cache, v_cache, block_tables, lens, scale)
+    expected = attention_oracle.paged_decode_attention(q, k_cache, v_cache, block_tables, lens, scale)
     for num_splits in (1, 3):
         launches, out = plan_paged_decode_attention(
             q, k_cache, v_cache, block_tables, lens, scale, out=_poison(q), num_splits=num_splits
@@ -155,7 +156,7 @@ def test_paged_prefill_attention(group, head_dim, block_size, dtype):
     # end: the last unmasked tile boundary), and a sequence with no new tokens.
     shapes = [(0, 1), (0, block_size), (block_size, block_size + 3), (3, 1), (2 * block_size - 2, 19), (5, 0)]
     args = _prefill_case(gen, group, head_dim, block_size, dtype, shapes, padding_rows=3)
-    expected = reference.paged_prefill_attention(*args)
+    expected = attention_oracle.paged_prefill_attention(*args)
     launches, out = plan_paged_prefill_attention(*args, out=_poison(args[0]))
     _run(launches)
     _close(out, expected, "prefill")
@@ -169,7 +170,7 @@ def test_paged_prefill_attention_gpu_tiles(dtype):
     gen = _gen("prefill-gpu-tiles", dtype)
     shapes = [(62, 150), (0, 3), (17, 64)]  # 62: one short of a 32- and a 64-key tile boundary
     args = _prefill_case(gen, 4, 128, 16, dtype, shapes, padding_rows=5)
-    expected = reference.paged_prefill_attention(*args)
+    expected = attention_oracle.paged_prefill_attention(*args)
     launches, out = plan_paged_prefill_attention(*args, out=_poison(args[0]), target="gpu")
     _run(launches)
     _close(out, expected, "prefill, GPU tiles")
@@ -269,10 +270,10 @@ def test_public_functions_dispatch_to_triton():
         tables = torch.tensor([[0, 1], [1, 0]], dtype=torch.int32, device=DEVICE)
         lens = torch.tensor([18, 1], dtype=torch.int32, device=DEVICE)
         _close(kernels.paged_decode_attention(q[:2], caches[0], caches[1], tables, lens, 0.25),
-               reference.paged_decode_attention(q[:2], caches[0], caches[1], tables, lens, 0.25), "decode")
+               attention_oracle.paged_decode_attention(q[:2], caches[0], caches[1], tables, lens, 0.25), "decode")
         cu = torch.tensor([0, 2, 3], dtype=torch.int32, device=DEVICE)
         _close(kernels.paged_prefill_attention(q, caches[0], caches[1], tables, cu, lens, 0.25),
-               reference.paged_prefill_attention(q, caches[0], caches[1], tables, cu, lens, 0.25), "prefill")
+               attention_oracle.paged_prefill_attention(q, caches[0], caches[1], tables, cu, lens, 0.25), "prefill")
     finally:
         kernels.set_backend(previous)
 

@@ -20,10 +20,9 @@ from collections.abc import Collection, MutableMapping
 import torch
 
 from kvstore.config import KVStoreConfig, KVTransferConfig
-from kvstore.errors import BlockLayoutError, BlockNotFoundError, KVStoreError, KVTransferError
-from kvstore.transfer.base import (FetchRequest, KVReceiver, KVTransferBackend, TransferState,
-                                   _Cancelled)
-from kvstore.transfer.dest import BlockDest
+from kvstore.errors import BlockLayoutError, BlockNotFoundError, KVTransferError
+from kvstore.transfer.base import FetchRequest, KVReceiver, KVTransferBackend, TransferState
+from kvstore.transfer.dest import CallbackDest
 
 
 class FakeTransferBackend(KVTransferBackend):
@@ -78,23 +77,17 @@ class FakeReceiver(KVReceiver):
         self._fail_now, self._fail_after_bytes = fail, fail_after_bytes
         self._delay_s, self._default_deadline_s = delay_s, default_deadline_s
         self._ready_at = 0.0
-        self._dest: BlockDest | None = None
+        self._dest: CallbackDest | None = None
 
-    def start(self, request: FetchRequest, dest: BlockDest | torch.Tensor) -> None:
-        self._dest = self._accept(request, dest, self._default_deadline_s,
-                                  TransferState.TRANSFERRING)
+    def start(self, request: FetchRequest, dest: CallbackDest) -> None:
+        self._dest = self._accept(request, dest, self._default_deadline_s)
         self._ready_at = time.monotonic() + self._delay_s
 
     def poll(self) -> TransferState:
         state = super().poll()
         if state is TransferState.TRANSFERRING and time.monotonic() >= self._ready_at:
-            try:
-                self._transfer()
+            if self._guarded(self._transfer):
                 self._succeed()
-            except _Cancelled:
-                pass
-            except KVStoreError as exc:
-                self._fail(exc)
             state = self._state
         return state
 

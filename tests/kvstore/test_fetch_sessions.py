@@ -40,7 +40,7 @@ def test_one_session_serves_many_fetches_and_survives_not_found(make_server):
             client.get_blocks([*keys[:2], keys_for(1, seed=9)[0]])
         assert info.value.missing == [keys_for(1, seed=9)[0]]
         assert torch.equal(client.get_blocks(keys), data)  # the same session, still in step
-        assert client.sessions.opened == 1 and client.sessions.num_idle == 1
+        assert client.sessions.opened == 1 and len(client.sessions._idle) == 1
 
 
 def test_concurrent_fetches_use_separate_sessions(make_server):
@@ -63,7 +63,7 @@ def test_concurrent_fetches_use_separate_sessions(make_server):
             t.join()
         assert not errors, errors
         assert 1 <= client.sessions.opened <= 4 * 25
-        assert client.sessions.num_idle <= 2
+        assert len(client.sessions._idle) <= 2
 
 
 def test_abandoned_or_cancelled_fetch_closes_its_session(make_server):
@@ -79,7 +79,7 @@ def test_abandoned_or_cancelled_fetch_closes_its_session(make_server):
         stream.cancel()
         with pytest.raises(KVTransferError, match="cancelled"):
             list(chunks)
-        assert client.sessions.num_idle == 0  # never handed out with a reply half read
+        assert len(client.sessions._idle) == 0  # never handed out with a reply half read
         stream = client.stream_blocks(keys, max_chunk_bytes=2 * block_nbytes)
         next(iter(stream))  # abandoned mid-reply: the dropped generator's finally closes it
         assert torch.equal(client.get_blocks(keys), data)
@@ -129,7 +129,7 @@ def test_idle_sessions_expire_and_free_the_servers_threads(make_server):
             assert torch.equal(client.get_blocks(keys), data)
         assert time.monotonic() - start < 8.0
         time.sleep(1.5)
-        assert all(c.sessions.num_idle == 0 for c in clients)  # swept
+        assert all(len(c.sessions._idle) == 0 for c in clients)  # swept
     finally:
         for client in clients:
             client.close()

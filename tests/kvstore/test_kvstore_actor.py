@@ -9,7 +9,7 @@ import pytest
 ray = pytest.importorskip("ray")
 import torch  # noqa: E402
 
-from kvstore.actor import (KVSTORE_ACTOR_PREFIX, local_kvstore_address,  # noqa: E402
+from kvstore.actor import (KVSTORE_ACTOR_PREFIX, kvstore_actor,  # noqa: E402
                            start_kvstore_actors)
 from kvstore.client import KVStoreClient  # noqa: E402
 from kvstore.config import KVStoreConfig  # noqa: E402
@@ -26,6 +26,11 @@ pytestmark = pytest.mark.slow
 NS = "pdcluster-kvstore-test"
 LAYOUT = BlockLayout("bfloat16", (2, 16, 2, 8))
 POOL = KVPoolConfig(dram_cache_bytes=1 << 20, index_url=f"ray://{NS}-index")
+
+
+def local_kvstore_address(namespace: str | None = None, timeout_s: float = 30.0) -> str:
+    """Address of the KV store actor on the caller's own Ray node. Raises KVStoreError."""
+    return ray.get(kvstore_actor(None, namespace, timeout_s).address.remote(), timeout=timeout_s)
 
 
 @ray.remote(num_cpus=0)
@@ -53,7 +58,7 @@ def test_one_pinned_actor_per_node_reachable_from_workers(ray_cluster):
     alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
     assert set(actors) == alive
     for node_id, actor in actors.items():
-        assert ray.get(actor.node_id.remote()) == node_id
+        assert ray.get(actor.stats.remote())["node_id"] == node_id
         assert ray.get_actor(KVSTORE_ACTOR_PREFIX + node_id, namespace=NS) is not None
     again = start_kvstore_actors(KVStoreConfig(), POOL, LAYOUT, NS)
     assert again.keys() == actors.keys()  # idempotent

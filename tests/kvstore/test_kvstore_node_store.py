@@ -11,7 +11,6 @@ from kvstore.arena import ArenaFullError
 from kvstore.index import Location, MemoryIndex, RedisIndex
 from kvstore.layout import BlockLayout
 from kvstore.node_store import TieredNodeStore
-from kvstore.tail_store import TailStore
 
 LAYOUT = BlockLayout("float32", (2, 2, 4, 2, 8))  # 1 KiB blocks
 NODE = "node-a"
@@ -35,7 +34,7 @@ def store(request, tmp_path):
     index.heartbeat(NODE, 30)
     s = TieredNodeStore(NODE, LAYOUT, dram_bytes=2 * LAYOUT.nbytes, ssd_dir=str(tmp_path / "ssd"),
                         ssd_bytes=4 * LAYOUT.nbytes, index=index,
-                        tails=TailStore(1 << 20, 60))
+                        tail_capacity_bytes=1 << 20, tail_ttl_s=60)
     yield s, index
     s.close()
 

@@ -12,14 +12,14 @@ from kvstore.errors import (BlockLayoutError, BlockNotFoundError, KVAuthError, K
 from kvstore.hashing import block_keys, make_namespace
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.transfer.base import FetchRequest, TransferState
-from kvstore.transfer.dest import CallbackDest, TensorDest
+from kvstore.transfer.dest import CallbackDest
 from kvstore.transfer.grpc_backend import GrpcTransferBackend
 from kvstore.transfer.registry import TRANSFER_BACKENDS, create_backend
-from kvstore.transfer.runs import BlockRun, coalesce_runs
 from kvstore.transfer.torch_dist import TorchTransferBackend
 from kvstore.transfer.wire import decode_block_data, encode_block_data
 from tests.kvstore.fake_transfer import FakeTransferBackend
 from tests.kvstore.lru_block_store import LRUBlockStore
+from tests.kvstore.tensor_dest import BlockRun, TensorDest, coalesce_runs, wait
 
 BLOCK_SHAPE = (2, 2, 16, 2, 8)  # [layers, k/v, block_size, kv_heads, head_dim]: 4 KiB float32
 BLOCK_NBYTES = 4096
@@ -126,7 +126,7 @@ def test_grpc_streams_coalesced_runs_into_scattered_blocks(make_server, make_bac
     receiver = backend.create_receiver()
     receiver.start(FetchRequest(server.address, keys, "tail-0", 7, deadline_s=10.0),
                    TensorDest(pool, block_ids))
-    assert receiver.wait(10.0) is TransferState.SUCCESS
+    assert wait(receiver, 10.0) is TransferState.SUCCESS
     assert receiver.result() == (n + 1) * blocks[0].numel() * blocks.element_size()
     expected = torch.zeros_like(pool)
     expected[block_ids] = blocks
@@ -134,7 +134,7 @@ def test_grpc_streams_coalesced_runs_into_scattered_blocks(make_server, make_bac
     assert server.store.stats()["num_tails"] == 0  # taken
 
 
-def test_grpc_callback_destination_and_plain_tensor(make_server, make_backend):
+def test_grpc_callback_destination_and_tensor_view(make_server, make_backend):
     server = make_server()
     keys, blocks = publish(server, 6)
     backend = make_backend(max_chunk_bytes=2 * BLOCK_NBYTES)
@@ -148,13 +148,13 @@ def test_grpc_callback_destination_and_plain_tensor(make_server, make_backend):
     receiver = backend.create_receiver()
     receiver.start(FetchRequest(server.address, keys),
                    CallbackDest(write, 6, BLOCK_SHAPE, torch.float32))
-    assert receiver.wait(10.0) is TransferState.SUCCESS
+    assert wait(receiver, 10.0) is TransferState.SUCCESS
     assert torch.equal(torch.stack([got[i] for i in range(6)]), blocks[:6])
 
     staging = torch.empty((6, *BLOCK_SHAPE))
     receiver = backend.create_receiver()
-    receiver.start(FetchRequest(server.address, keys[2:]), staging[:4])
-    assert receiver.wait(10.0) is TransferState.SUCCESS
+    receiver.start(FetchRequest(server.address, keys[2:]), TensorDest(staging[:4]))
+    assert wait(receiver, 10.0) is TransferState.SUCCESS
     assert torch.equal(staging[:4], blocks[2:6])
 
 
@@ -173,9 +173,10 @@ def test_grpc_deadline_fails_with_transfer_error(make_server, make_backend):
     keys, _ = publish(server, 2)
     receiver = make_backend().create_receiver()
     start = time.monotonic()
-    receiver.start(FetchRequest(server.address, keys, deadline_s=0.3), torch.zeros(2, 4))
+    receiver.start(FetchRequest(server.address, keys, deadline_s=0.3),
+                   TensorDest(torch.zeros(2, 4)))
     assert time.monotonic() - start < 0.1  # start never blocks
-    assert receiver.wait(5.0) is TransferState.FAILED
+    assert wait(receiver, 5.0) is TransferState.FAILED
     assert time.monotonic() - start < 1.2
     with pytest.raises(KVTransferError, match="deadline") as info:
         receiver.result()
@@ -193,20 +194,22 @@ def test_grpc_failures_are_typed(make_server, make_backend):
     ]
     for request, n, error in cases:
         receiver = backend.create_receiver()
-        receiver.start(request, torch.zeros((n, *BLOCK_SHAPE)))
-        assert receiver.wait(10.0) is TransferState.FAILED
+        receiver.start(request, TensorDest(torch.zeros((n, *BLOCK_SHAPE))))
+        assert wait(receiver, 10.0) is TransferState.FAILED
         with pytest.raises(error):
             receiver.result()
     receiver = backend.create_receiver()
-    receiver.start(FetchRequest(server.address, keys), torch.zeros((3, 2, 2)))  # wrong layout
-    assert receiver.wait(10.0) is TransferState.FAILED
+    wrong_layout = TensorDest(torch.zeros((3, 2, 2)))
+    receiver.start(FetchRequest(server.address, keys), wrong_layout)
+    assert wait(receiver, 10.0) is TransferState.FAILED
     with pytest.raises(BlockLayoutError):
         receiver.result()
     with pytest.raises(BlockLayoutError):  # block count mismatch is refused at start
-        backend.create_receiver().start(FetchRequest(server.address, keys), torch.zeros(2, 4))
+        backend.create_receiver().start(FetchRequest(server.address, keys),
+                                        TensorDest(torch.zeros(2, 4)))
     bad_auth = make_backend(token="wrong").create_receiver()
-    bad_auth.start(FetchRequest(server.address, keys), torch.zeros((3, *BLOCK_SHAPE)))
-    assert bad_auth.wait(10.0) is TransferState.FAILED
+    bad_auth.start(FetchRequest(server.address, keys), TensorDest(torch.zeros((3, *BLOCK_SHAPE))))
+    assert wait(bad_auth, 10.0) is TransferState.FAILED
     with pytest.raises(KVAuthError):
         bad_auth.result()
 
@@ -216,7 +219,7 @@ def test_grpc_abort_stops_writes(make_server, make_backend):
     keys, _ = publish(server, 2)
     dest = torch.zeros((2, *BLOCK_SHAPE))
     receiver = make_backend().create_receiver()
-    receiver.start(FetchRequest(server.address, keys, deadline_s=10.0), dest)
+    receiver.start(FetchRequest(server.address, keys, deadline_s=10.0), TensorDest(dest))
     time.sleep(0.1)
     assert receiver.poll() is TransferState.TRANSFERRING
     receiver.abort()
@@ -242,13 +245,13 @@ def test_fake_fails_once_then_succeeds_on_retry():
     request = FetchRequest("fake:0", keys, "t", 3)
     dest = torch.zeros((5, *BLOCK_SHAPE))
     first = backend.create_receiver()
-    first.start(request, dest)
+    first.start(request, TensorDest(dest))
     assert first.poll() is TransferState.FAILED
     with pytest.raises(KVTransferError, match="injected"):
         first.result()
     assert not dest.any()
     retry = backend.create_receiver()
-    retry.start(request, dest)
+    retry.start(request, TensorDest(dest))
     assert retry.poll() is TransferState.SUCCESS
     assert retry.result() == 5 * BLOCK_NBYTES and torch.equal(dest, blocks)
     assert "t" not in tails  # taken only on success
@@ -259,7 +262,7 @@ def test_fake_fails_after_bytes_and_with_delay_past_deadline():
     partial = FakeTransferBackend(blocks=source, tails=tails, fail_after_bytes=2 * BLOCK_NBYTES)
     dest = torch.zeros((4, *BLOCK_SHAPE))
     receiver = partial.create_receiver()
-    receiver.start(FetchRequest("fake:0", keys), dest)
+    receiver.start(FetchRequest("fake:0", keys), TensorDest(dest))
     assert receiver.poll() is TransferState.FAILED
     with pytest.raises(KVTransferError, match="after 8192 bytes"):
         receiver.result()
@@ -267,13 +270,13 @@ def test_fake_fails_after_bytes_and_with_delay_past_deadline():
 
     slow = FakeTransferBackend(blocks=source, delay_s=0.2)
     receiver = slow.create_receiver()
-    receiver.start(FetchRequest("fake:0", keys[:1]), torch.zeros((1, *BLOCK_SHAPE)))
+    receiver.start(FetchRequest("fake:0", keys[:1]), TensorDest(torch.zeros((1, *BLOCK_SHAPE))))
     assert receiver.poll() is TransferState.TRANSFERRING
-    assert receiver.wait(2.0, interval_s=0.01) is TransferState.SUCCESS
+    assert wait(receiver, 2.0, interval_s=0.01) is TransferState.SUCCESS
     receiver = slow.create_receiver()
     receiver.start(FetchRequest("fake:0", keys[:1], deadline_s=0.05),
-                   torch.zeros((1, *BLOCK_SHAPE)))
-    assert receiver.wait(2.0, interval_s=0.01) is TransferState.FAILED
+                   TensorDest(torch.zeros((1, *BLOCK_SHAPE))))
+    assert wait(receiver, 2.0, interval_s=0.01) is TransferState.FAILED
     with pytest.raises(KVTransferError, match="deadline"):
         receiver.result()
 
@@ -282,7 +285,7 @@ def test_result_before_done_and_double_start_are_caller_errors():
     keys, _, source, _ = fake_source(1)
     receiver = FakeTransferBackend(blocks=source, delay_s=5.0).create_receiver()
     assert receiver.poll() is TransferState.WAITING_FOR_INPUT
-    dest = torch.zeros((1, *BLOCK_SHAPE))
+    dest = TensorDest(torch.zeros((1, *BLOCK_SHAPE)))
     receiver.start(FetchRequest("fake:0", keys), dest)
     with pytest.raises(RuntimeError, match="not finished"):
         receiver.result()

@@ -13,9 +13,9 @@ import torch.distributed as dist
 from kvstore.config import KVStoreConfig, KVTransferConfig
 from kvstore.errors import KVAuthError, KVTransferError
 from kvstore.transfer.base import FetchRequest, TransferState
-from kvstore.transfer.dest import TensorDest
 from kvstore.transfer.torch_dist import TorchKVSender, TorchTransferBackend
 from kvstore.transfer.torch_pair import TorchPairChannel
+from tests.kvstore.tensor_dest import TensorDest, wait
 
 TOKEN = "pair-test-token"
 MIB4 = 1 << 20  # float32 elements in 4 MiB
@@ -45,7 +45,7 @@ def _peer(address: str, blocks_address_queue, results) -> None:
         blocks = torch.randn((10, *BLOCK_SHAPE), generator=torch.Generator().manual_seed(3))
         sender = TorchKVSender(sender_channel)
         sender.start(blocks, 11, TIMEOUT_S)
-        results.put(("sender", sender.wait(TIMEOUT_S).name, sender.result()))
+        results.put(("sender", wait(sender, TIMEOUT_S).name, sender.result()))
         sender_channel.close()
     except Exception as exc:  # reported to the test, which fails with it
         results.put(("error", repr(exc)))
@@ -74,7 +74,7 @@ def test_pair_channel_between_two_processes_both_ways_and_kv_transfer():
         receiver = backend.create_receiver()
         receiver.start(FetchRequest(queue.get(timeout=TIMEOUT_S), keys=(b"k" * 32,) * 10, tag=11,
                                     deadline_s=TIMEOUT_S), TensorDest(pool, block_ids))
-        assert receiver.wait(TIMEOUT_S) is TransferState.SUCCESS, receiver.poll()
+        assert wait(receiver, TIMEOUT_S) is TransferState.SUCCESS, receiver.poll()
         expected = torch.randn((10, *BLOCK_SHAPE), generator=torch.Generator().manual_seed(3))
         assert torch.equal(pool[block_ids], expected)
         assert receiver.result() == expected.numel() * 4
@@ -104,9 +104,9 @@ def test_peer_never_shows_is_a_clean_transfer_error():
     backend = TorchTransferBackend(KVTransferConfig(backend="torch", timeout_s=0.5))
     receiver = backend.create_receiver()
     start = time.monotonic()
-    receiver.start(FetchRequest(f"127.0.0.1:{port}", (b"k" * 32,)), torch.zeros(1, 4))
+    receiver.start(FetchRequest(f"127.0.0.1:{port}", (b"k" * 32,)), TensorDest(torch.zeros(1, 4)))
     assert receiver.poll() is TransferState.BOOTSTRAPPING
-    assert receiver.wait(10.0) is TransferState.FAILED
+    assert wait(receiver, 10.0) is TransferState.FAILED
     assert time.monotonic() - start < 5.0
     with pytest.raises(KVTransferError):
         receiver.result()

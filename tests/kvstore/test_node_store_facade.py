@@ -16,7 +16,6 @@ from kvstore.index import Location, MemoryIndex, open_index
 from kvstore.layout import BlockLayout
 from kvstore.node_store import TieredNodeStore
 from kvstore.node_store_api import HOST, REMOTE, NodeStore
-from kvstore.tail_store import TailStore
 
 LAYOUT = BlockLayout("bfloat16", (2, 16, 2, 8))  # 1 KiB blocks
 SLOTS = 8  # G2 holds 8 blocks; no G3, so an evicted block is dropped
@@ -43,7 +42,7 @@ def facade(request, make_server):
         index = MemoryIndex()
         index.heartbeat("node-a", 30)
         store = TieredNodeStore("node-a", LAYOUT, SLOTS * LAYOUT.nbytes, None, 1, index,
-                                TailStore(1 << 20, 60))
+                                tail_capacity_bytes=1 << 20, tail_ttl_s=60)
         server = make_server(KVStoreConfig(), store)
         with KVStoreClient(server.address, timeout_s=10.0) as client:
             yield client, index, REMOTE, "node-a"

@@ -21,7 +21,7 @@ from engine.config import EngineConfig
 from engine.protocol import DecodeRequest, FinishReason, PrefillRequest, SamplingParams
 from kvstore.actor import start_kvstore_actor
 from kvstore.config import KVStoreConfig
-from kvstore.index import open_index
+from kvstore.index import Location, open_index
 from kvstore.pool_config import KVPoolConfig
 from prefill_worker.actor import PrefillWorker
 
@@ -217,11 +217,14 @@ def test_failed_transfers_recompute(nodes, hf):
 def test_dead_node_leaves_the_index_within_the_lease(nodes, hf):
     env = nodes
     node_a = env["node_of"]["node_a"]
+    probe, probe_at = [bytes(32)], Location(node_a, "device", "liveness-probe")
+    env["index"].add(probe, probe_at)  # looked up while node A's lease runs
     ray.get(env["stores"]["node_a"].inject_fault.remote("stop_heartbeat"))
     deadline = time.monotonic() + LEASE_S + 3
-    while node_a in env["index"].alive_nodes():
+    while env["index"].lookup(probe) != [[]]:
         assert time.monotonic() < deadline, "node A still alive in the index past its lease"
         time.sleep(0.2)
+    env["index"].remove(probe, probe_at)
     prompt = story_prompt(hf, "Cross node.")  # cached on A by the first test, and on B
     assert all(loc.node_id != node_a for locs in env["index"].lookup(
         list(prefill(env["prefill_b"], "d-b", prompt).block_keys)) for loc in locs)

@@ -18,8 +18,9 @@ from schemathesis import APIOperation, GenerationMode
 
 from deploy.config import ServeConfig
 from deploy.launcher import Cluster
-from deploy.serve import BackgroundServer, gateway_app
+from deploy.serve import gateway_app
 from engine.config import EngineConfig
+from tests.background_server import BackgroundServer
 
 pytestmark = pytest.mark.slow
 

@@ -1,6 +1,6 @@
 """The gateway closes connections that send no complete request head in time (slowloris).
 
-A real uvicorn server (deploy/serve.py's BackgroundServer, so the protocol of
+A real uvicorn server (tests/background_server.py's BackgroundServer, so the protocol of
 deploy/http_protocol.py) serves a trivial FastAPI app with a 1 s header timeout; raw TCP sockets
 send partial heads and must be closed by the server within a bound, while complete requests,
 slow handlers and heads that finish in time are served as before.
@@ -16,7 +16,7 @@ import httpx
 import pytest
 from fastapi import FastAPI
 
-from deploy.serve import BackgroundServer
+from tests.background_server import BackgroundServer
 
 pytestmark = pytest.mark.timeout(60)
 

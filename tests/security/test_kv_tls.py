@@ -136,7 +136,8 @@ def test_a_cluster_serves_over_mutual_tls_kv_plane(pki):
 
     from deploy.config import ServeConfig
     from deploy.launcher import Cluster
-    from deploy.serve import BackgroundServer, gateway_app
+    from deploy.serve import gateway_app
+    from tests.background_server import BackgroundServer
 
     good = pki["good"]
     config = ServeConfig(ray_num_cpus=4, actor_num_cpus=0.1, ray_namespace="pdcluster-tls",
