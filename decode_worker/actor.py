@@ -137,6 +137,3 @@ class DecodeWorker:
         check_fault(self._fault_injection, fault, ("perturb_v",))
         self.engine.connector.v_perturbation = float(value)
 
-    async def shutdown(self) -> None:
-        self.loop.shutdown()
-        self.tp.shutdown()

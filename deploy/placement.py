@@ -23,7 +23,7 @@ from typing import Iterable, Literal, Mapping
 
 from ray.util.placement_group import PlacementGroup, placement_group
 
-from engine.tp_placement import bundle_options
+from engine.tp_instance import bundle_options
 
 PREFILL = "prefill"
 DECODE = "decode"
@@ -122,7 +122,7 @@ def tp_placement_group(tp: int, resource: str | None, num_cpus_per_rank: float,
 def tp_rank_options(pg: PlacementGroup, rank: int,
                     max_restarts: int = WORKER_MAX_RESTARTS) -> dict:
     """``ActorClass.options(**...)`` for rank `rank` of the group: exactly its bundle's
-    resources, scheduled into that bundle (engine.tp_placement.bundle_options).
+    resources, scheduled into that bundle (engine.tp_instance.bundle_options).
 
     max_restarts: a TP instance restarts as a whole (DESIGN.md; engine/tp_instance.py): rank 0
     restarts (the default) and re-creates its followers, which pass 0, since a rank restarted

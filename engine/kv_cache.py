@@ -46,7 +46,7 @@ class PagedKVCache:
         """A new contiguous [len(block_ids), *block_shape] copy of the blocks, on the cache device.
 
         Raises ValueError for a block id outside [0, num_blocks)."""
-        index = self._index(block_ids)
+        index = self.index_of(block_ids)
         out = torch.empty((len(index), *self.block_shape), dtype=self.dtype, device=self.device)
         for layer in range(self.num_layers):
             out[:, layer, 0] = self.k[layer][index]
@@ -57,20 +57,30 @@ class PagedKVCache:
         """Overwrite the blocks with `data` [len(block_ids), *block_shape] (any device, cache dtype).
 
         Raises ValueError for a shape or dtype mismatch, an out-of-range or repeated block id."""
-        index = self._index(block_ids)
-        expected = (len(index), *self.block_shape)
+        index = self.write_index(block_ids, data, self.block_shape)
+        data = data.to(self.device)
+        for layer in range(self.num_layers):
+            self.k[layer][index] = data[:, layer, 0]
+            self.v[layer][index] = data[:, layer, 1]
+
+    def write_index(self, block_ids: Sequence[int], data: torch.Tensor,
+                    block_shape: tuple[int, ...]) -> torch.Tensor:
+        """The int64 index of `block_ids` on the cache's device, once `data` is checked to be
+        [len(block_ids), *block_shape] of the cache dtype. Raises ValueError for a shape or
+        dtype mismatch, an out-of-range or repeated block id."""
+        index = self.index_of(block_ids)
+        expected = (len(index), *block_shape)
         if tuple(data.shape) != expected:
             raise ValueError(f"write_blocks: data shape {tuple(data.shape)} != expected {expected}")
         if data.dtype != self.dtype:
             raise ValueError(f"write_blocks: data dtype {data.dtype} != cache dtype {self.dtype}")
         if len(set(index.tolist())) != len(index):
             raise ValueError(f"write_blocks: repeated block ids in {list(block_ids)}")
-        data = data.to(self.device)
-        for layer in range(self.num_layers):
-            self.k[layer][index] = data[:, layer, 0]
-            self.v[layer][index] = data[:, layer, 1]
+        return index
 
-    def _index(self, block_ids: Sequence[int]) -> torch.Tensor:
+    def index_of(self, block_ids: Sequence[int]) -> torch.Tensor:
+        """`block_ids` as an int64 tensor on the cache's device. Raises ValueError for an id
+        outside [0, num_blocks)."""
         ids = [int(b) for b in block_ids]
         bad = [b for b in ids if not 0 <= b < self.num_blocks]
         if bad:

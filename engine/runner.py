@@ -140,7 +140,7 @@ class ModelRunner:
     def read_wire_blocks(self, block_ids: Sequence[int]) -> torch.Tensor:
         """[n, layers, 2, block_size, num_kv_heads (all), head_dim] copy of the blocks, gathered
         from every rank (rank 0 only). Raises ValueError for a bad block id, TPError."""
-        index = self.kv_cache._index(block_ids)
+        index = self.kv_cache.index_of(block_ids)
         with self._command():
             if self.tp.world_size > 1:
                 self._send_header(_READ, len(index))
@@ -151,15 +151,7 @@ class ModelRunner:
     def write_wire_blocks(self, block_ids: Sequence[int], data: torch.Tensor) -> None:
         """Write full-head blocks `data` [n, *wire_kv.block_shape]; each rank keeps its KV-head
         slice (rank 0 only). Raises ValueError for a bad shape, dtype or block id, TPError."""
-        index = self.kv_cache._index(block_ids)
-        expected = (len(index), *self.wire_kv.block_shape)
-        if tuple(data.shape) != expected:
-            raise ValueError(f"write_blocks: data shape {tuple(data.shape)} != expected {expected}")
-        if data.dtype != self.kv_cache.dtype:
-            raise ValueError(f"write_blocks: data dtype {data.dtype} != cache dtype "
-                             f"{self.kv_cache.dtype}")
-        if len(set(index.tolist())) != len(index):
-            raise ValueError(f"write_blocks: repeated block ids in {list(block_ids)}")
+        index = self.kv_cache.write_index(block_ids, data, self.wire_kv.block_shape)
         with self._command():
             if self.tp.world_size > 1:
                 self._send_header(_WRITE, len(index))

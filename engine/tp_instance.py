@@ -1,8 +1,8 @@
 """A tensor-parallel instance as Ray actors: rank 0 is the worker actor (DecodeWorker or
 PrefillWorker, which schedules, samples and talks to the rest of the cluster); ranks 1..k-1 are
 TPFollower actors it creates, in the other bundles of its STRICT_PACK placement group
-(made by the deployment, e.g. deploy.placement.tp_placement_group; each rank in its bundle,
-engine.tp_placement), so the whole group is on one node.
+(made by the deployment, e.g. deploy.placement.tp_placement_group, with the restart policy of
+its actors; each rank in its bundle: bundle_options), so the whole group is on one node.
 
 Bootstrap (no fixed port): rank 0 binds a TCPStore on a free port of its
 node's IP, creates the followers with host:port as arguments (Ray RPC: trusted control plane),
@@ -25,16 +25,36 @@ import os
 import threading
 
 import ray
+from ray.util.placement_group import PlacementGroup
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from engine.config import EngineConfig
 from engine.parallel import TPError, TPGroup, create_master_store, init_tp_group
 from engine.runner import ModelRunner
-from engine.tp_placement import bundle_options
 
 log = logging.getLogger(__name__)
 
 #: How long the k ranks have to find each other (and load nothing yet) when forming the group.
 JOIN_TIMEOUT_S = 300.0
+
+
+def bundle_options(pg: PlacementGroup, rank: int) -> dict:
+    """``ActorClass.options(**...)`` for rank `rank` of the group: exactly the resources of
+    bundle `rank` (CPUs, GPUs, custom resources), scheduled into that bundle, with the tasks and
+    actors it creates captured by the group. Carries no ``max_restarts``: the caller adds it.
+    """
+    spec = dict(pg.bundle_specs[rank])
+    options: dict = {
+        "num_cpus": spec.pop("CPU", 0.0),
+        "scheduling_strategy": PlacementGroupSchedulingStrategy(
+            pg, placement_group_bundle_index=rank, placement_group_capture_child_tasks=True),
+    }
+    if "GPU" in spec:
+        options["num_gpus"] = spec.pop("GPU")
+    spec.pop("memory", None)
+    if spec:
+        options["resources"] = spec
+    return options
 
 
 def _rank_info(runner: ModelRunner) -> dict:
@@ -82,7 +102,6 @@ class TPInstance:
         self.size = engine_config.tensor_parallel_size
         self.followers: list = []
         self._runner: ModelRunner | None = None
-        self._stopping = threading.Event()
         if self.size == 1:
             self.group = TPGroup()
             return
@@ -121,25 +140,13 @@ class TPInstance:
         return {"ranks": [_rank_info(self._runner)] + followers,
                 "num_all_reduces": self._runner.tp.num_all_reduces}
 
-    def shutdown(self) -> None:
-        """Stop the followers' loops (they die with this actor)."""
-        self._stopping.set()
-        if self._runner is not None:
-            try:
-                self._runner.stop_followers()
-            except TPError:
-                pass
-
     def _collective_failed(self, exc: TPError) -> None:
-        if not self._stopping.is_set():
-            log.error("TP instance of %d ranks: %s; rank 0 exits so the instance restarts as "
-                      "a whole", self.size, exc)
-            os._exit(1)
+        log.error("TP instance of %d ranks: %s; rank 0 exits so the instance restarts as a "
+                  "whole", self.size, exc)
+        os._exit(1)
 
     def _monitor(self, refs: list) -> None:
         ready, _ = ray.wait(refs, num_returns=1, timeout=None)
-        if self._stopping.is_set():
-            return
         try:
             ray.get(ready[0])
             reason = "a follower stopped"

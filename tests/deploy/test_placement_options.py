@@ -51,7 +51,7 @@ def test_kv_stores_go_where_workers_may_go():
 def test_tp_rank_options_take_exactly_the_ranks_bundle_and_the_restart_policy():
     from types import SimpleNamespace
 
-    from engine.tp_placement import bundle_options
+    from engine.tp_instance import bundle_options
 
     # stands in for a ray PlacementGroup: the options read only its bundle specs
     pg = SimpleNamespace(bundle_specs=[{"CPU": 1.0, "decode": 0.001},
