@@ -50,10 +50,45 @@ def paged_attention(
 
     Uses the decode kernel when every sequence has exactly one new token (T == num_seqs), the
     varlen prefill kernel otherwise (any mix of prefill chunks and decodes). Returns [T, H, D].
+    One opaque op (`torch.ops.pdcluster.paged_attention`), so a compiled model splits its graph
+    here, as vLLM's does at its attention op: the kernels' per-sequence work stays eager.
     """
-    kernels.store_kv_cache(k, v, k_cache, v_cache, attn.slot_mapping)
-    if q.shape[0] == attn.num_seqs:
-        return kernels.paged_decode_attention(q, k_cache, v_cache, attn.block_tables, attn.seq_lens, scale)
-    return kernels.paged_prefill_attention(
-        q, k_cache, v_cache, attn.block_tables, attn.query_start_loc, attn.seq_lens, scale
-    )
+    return torch.ops.pdcluster.paged_attention(q, k, v, k_cache, v_cache, attn.slot_mapping,
+                                               attn.block_tables, attn.seq_lens,
+                                               attn.query_start_loc, scale)
+
+
+@torch.library.custom_op("pdcluster::paged_attention", mutates_args=("k_cache", "v_cache"))
+def _paged_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                        v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                        block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                        query_start_loc: torch.Tensor, scale: float) -> torch.Tensor:
+    kernels.store_kv_cache(k, v, k_cache, v_cache, slot_mapping)
+    if q.shape[0] == seq_lens.shape[0]:
+        return kernels.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale)
+    num_new = query_start_loc[1:] - query_start_loc[:-1]
+    decoding = num_new == 1
+    if q.is_cuda or not bool(decoding.any()):
+        return kernels.paged_prefill_attention(q, k_cache, v_cache, block_tables,
+                                               query_start_loc, seq_lens, scale)
+    # A mixed CPU batch (decode rows beside prefill chunks): the decode rows take the decode
+    # kernel together, the chunks the prefill kernel, instead of one attention call per row.
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    rows = query_start_loc[:-1].to(torch.int64)
+    decode_rows = rows[decoding]
+    out[decode_rows] = kernels.paged_decode_attention(
+        q[decode_rows], k_cache, v_cache, block_tables[decoding], seq_lens[decoding], scale)
+    chunked = ~decoding
+    counts = num_new[chunked]
+    chunk_rows = torch.cat([torch.arange(int(start), int(start) + int(n))
+                            for start, n in zip(rows[chunked], counts)]).to(q.device)
+    cu = torch.zeros(counts.shape[0] + 1, dtype=torch.int32, device=q.device)
+    torch.cumsum(counts, 0, out=cu[1:])
+    out[chunk_rows] = kernels.paged_prefill_attention(
+        q[chunk_rows], k_cache, v_cache, block_tables[chunked], cu, seq_lens[chunked], scale)
+    return out
+
+
+@_paged_attention_op.register_fake
+def _(q, k, v, k_cache, v_cache, slot_mapping, block_tables, seq_lens, query_start_loc, scale):
+    return q.new_empty(q.shape)

@@ -2,7 +2,8 @@
 
 Tokens arrive flattened ([num_tokens], several sequences packed; see engine.attention), so every
 module works on [num_tokens, ...] tensors. Module and parameter names mirror transformers'
-LlamaForCausalLM, so HF checkpoint names map one to one.
+LlamaForCausalLM, except that q/k/v_proj load into one qkv_proj and gate/up_proj into one
+gate_up_proj (vLLM's stacked parameters), so each reads its input once in one GEMM.
 
 Tensor parallel (engine.parallel; TP=1 is the same code with no communication): q/k/v and
 gate/up are column-parallel, o/down row-parallel (an all-reduce each), so a rank holds
@@ -20,8 +21,14 @@ from engine.attention import AttentionMetadata, paged_attention
 from engine.config import ModelConfig
 from engine.kv_cache import PagedKVCache
 from engine.loader import CheckpointReader, WeightLoadError
-from engine.parallel import ColumnParallelLinear, RowParallelLinear, TPGroup, replicated_weight_loader
+from engine.parallel import (MergedColumnParallelLinear, RowParallelLinear, TPGroup,
+                             replicated_weight_loader)
 from engine.rope import RotaryEmbedding
+
+
+#: Merged module -> the HF modules whose weights it stacks, in order (vLLM's
+#: stacked_params_mapping).
+_STACKED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
 
 def check_tensor_parallel(config: ModelConfig, tp_size: int) -> None:
@@ -62,9 +69,7 @@ class LlamaAttention(nn.Module):
         q_size = config.num_attention_heads * self.head_dim
         kv_size = config.num_key_value_heads * self.head_dim
         hidden, bias = config.hidden_size, config.qkv_bias
-        self.q_proj = ColumnParallelLinear(hidden, q_size, bias, tp)
-        self.k_proj = ColumnParallelLinear(hidden, kv_size, bias, tp)
-        self.v_proj = ColumnParallelLinear(hidden, kv_size, bias, tp)
+        self.qkv_proj = MergedColumnParallelLinear(hidden, (q_size, kv_size, kv_size), bias, tp)
         self.o_proj = RowParallelLinear(q_size, hidden, config.o_bias, tp)
 
     def forward(
@@ -76,9 +81,10 @@ class LlamaAttention(nn.Module):
         attn: AttentionMetadata,
     ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
-        q = self.q_proj(hidden).view(num_tokens, self.num_heads, self.head_dim)
-        k = self.k_proj(hidden).view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(hidden).view(num_tokens, self.num_kv_heads, self.head_dim)
+        q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
+        q = q.view(num_tokens, self.num_heads, self.head_dim)  # strided views of one output
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         positions, cos_sin_cache = rope
         kernels.rotary_embedding(positions, q, k, cos_sin_cache)  # in place
         out = paged_attention(q, k, v, k_cache, v_cache, attn, self.scale)
@@ -91,13 +97,11 @@ class LlamaMLP(nn.Module):
     def __init__(self, config: ModelConfig, tp: TPGroup) -> None:
         super().__init__()
         hidden, inter, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
-        self.gate_proj = ColumnParallelLinear(hidden, inter, bias, tp)
-        self.up_proj = ColumnParallelLinear(hidden, inter, bias, tp)
+        self.gate_up_proj = MergedColumnParallelLinear(hidden, (inter, inter), bias, tp)
         self.down_proj = RowParallelLinear(inter, hidden, bias, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = torch.cat((self.gate_proj(x), self.up_proj(x)), dim=-1)
-        return self.down_proj(kernels.silu_and_mul(gate_up))
+        return self.down_proj(kernels.silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -184,35 +188,52 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [n, hidden] -> float32 logits [n, vocab] (lm_head, or the embedding if tied)."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return nn.functional.linear(hidden, weight).to(torch.float32)
+        return kernels.linear(hidden, weight).to(torch.float32)
 
     def load_checkpoint(self, reader: CheckpointReader) -> None:
         """Copy HF-named tensors (`model.layers.N.self_attn.q_proj.weight`, ...) from lazy
         safetensors slices into the parameters: each parameter's weight_loader reads only this
         rank's rows or columns from disk (engine.parallel), cast to the parameter's dtype and
-        device. `lm_head.weight` is ignored when embeddings are tied; rotary `inv_freq` buffers
-        some checkpoints carry are ignored.
+        device; q/k/v and gate/up land in their part of the merged qkv_proj and gate_up_proj.
+        `lm_head.weight` is ignored when embeddings are tied; rotary `inv_freq` buffers some
+        checkpoints carry are ignored.
         Raises WeightLoadError for a missing parameter, a shape mismatch or an unexpected name.
         """
-        params = dict(self.named_parameters())
+        sources = self._checkpoint_sources()
         names = set(reader.names())
         unexpected = sorted(
             name
             for name in names
-            if name not in params
+            if name not in sources
             and not name.endswith("rotary_emb.inv_freq")
             and not (name == "lm_head.weight" and self.lm_head is None)
         )
         if unexpected:
             raise WeightLoadError(f"checkpoint has tensors the model does not: {unexpected[:5]}")
-        missing = sorted(name for name in params if name not in names)
+        missing = sorted(name for name in sources if name not in names)
         if missing:
             raise WeightLoadError(f"checkpoint lacks tensors: {missing[:5]} ({len(missing)} in all)")
+        for name, (module, param, part) in sources.items():
+            if part is not None:
+                module.weight_loader(param, reader.slice(name), name, part)
+            else:
+                loader = getattr(module, "weight_loader", replicated_weight_loader)
+                loader(param, reader.slice(name), name)
+
+    def _checkpoint_sources(self) -> dict[str, tuple[nn.Module, nn.Parameter, int | None]]:
+        """Checkpoint tensor name -> (module, parameter, part of a merged parameter or None)."""
+        sources: dict[str, tuple[nn.Module, nn.Parameter, int | None]] = {}
         for module_name, module in self.named_modules():
-            loader = getattr(module, "weight_loader", None)
+            merged = _STACKED.get(module_name.rsplit(".", 1)[-1])
             for param_name, param in module.named_parameters(recurse=False):
-                name = f"{module_name}.{param_name}" if module_name else param_name
-                (loader or replicated_weight_loader)(param, reader.slice(name), name)
+                if merged is None:
+                    sources[f"{module_name}.{param_name}" if module_name else param_name] = (
+                        module, param, None)
+                    continue
+                prefix = module_name.rsplit(".", 1)[0]
+                for part, source in enumerate(merged):
+                    sources[f"{prefix}.{source}.{param_name}"] = (module, param, part)
+        return sources
 
 
 def build_model(config: ModelConfig, dtype: torch.dtype, device: str | torch.device,

@@ -7,7 +7,8 @@ collective is a no-op, so no process group is ever created.
 
 Megatron-LM's split (Shoeybi et al. 2019, §3), as nano-vllm and vLLM do it:
 
-    q/k/v_proj, gate/up_proj   ColumnParallelLinear  weight rows  [r*n/k : (r+1)*n/k]  (heads)
+    qkv_proj, gate_up_proj     MergedColumnParallel  weight rows  [r*n/k : (r+1)*n/k]  (heads)
+                               Linear                of each part (q, k, v; gate, up)
     o_proj, down_proj          RowParallelLinear     weight cols  [r*n/k : (r+1)*n/k], then
                                                      all-reduce (sum), then the bias once
     embed_tokens, lm_head, norms                     replicated (small next to the layers here;
@@ -24,12 +25,13 @@ materializes the full tensor.
 from __future__ import annotations
 
 import datetime
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+import kernels
 from engine.loader import WeightLoadError
 
 
@@ -188,7 +190,35 @@ class ColumnParallelLinear(nn.Module):
         _load_shard(param, loaded, name, 0, self.tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return nn.functional.linear(x, self.weight, self.bias)
+        return kernels.linear(x, self.weight, self.bias)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel projections of the same input in one weight (vLLM's
+    MergedColumnParallelLinear / QKVParallelLinear): q|k|v, or gate|up, so one GEMM reads x
+    once. Rank r holds its rows of each part, back to back: [sum(part sizes) / k, in_features].
+
+    x [n, in_features] replicated -> [n, sum(part_sizes) / k]; `split` cuts the output into
+    the parts. Raises ValueError if k does not divide every part size.
+    """
+
+    def __init__(self, in_features: int, part_sizes: Sequence[int], bias: bool,
+                 tp: TPGroup) -> None:
+        for size in part_sizes:
+            tp.shard(size, "output size")
+        super().__init__(in_features, sum(part_sizes), bias, tp)
+        self.local_sizes = [size // tp.world_size for size in part_sizes]
+
+    def weight_loader(self, param: nn.Parameter, loaded: Any, name: str = "",
+                      part: int = 0) -> None:
+        """Rows [r*n/k, (r+1)*n/k) of part `part`'s full weight or bias (n: that part's size)
+        into that part's rows of `param`."""
+        offset = sum(self.local_sizes[:part])
+        _load_shard(param.narrow(0, offset, self.local_sizes[part]), loaded, name, 0, self.tp)
+
+    def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The parts of an output [n, sum / k] as views [n, part / k] each."""
+        return y.split(self.local_sizes, dim=-1)
 
 
 class RowParallelLinear(nn.Module):
@@ -214,5 +244,5 @@ class RowParallelLinear(nn.Module):
             replicated_weight_loader(param, loaded, name)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.tp.all_reduce(nn.functional.linear(x, self.weight))
+        y = self.tp.all_reduce(kernels.linear(x, self.weight))
         return y if self.bias is None else y + self.bias

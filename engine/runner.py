@@ -95,6 +95,7 @@ class ModelRunner:
         kernels.set_backend(engine_config.kernel_backend)
         self.device = torch.device(engine_config.device)
         dtype = engine_config.torch_dtype()
+        kernels.prepare(self.device, dtype)
         self.model = build_model(self.model_config, dtype, self.device, self.tp)
         with CheckpointReader(engine_config.model) as reader:
             self.model.load_checkpoint(reader)

@@ -5,7 +5,8 @@ per call by the backend. The torch implementation is `kernels.reference` (also t
 oracle), except paged attention, which runs `kernels.torch_attention` (checked against the
 oracle in tests/kernels/attention_oracle.py):
 
-- "auto" (default): Triton for CUDA tensors, torch otherwise;
+- "auto" (default): Triton for CUDA tensors, torch otherwise, except decode attention on
+  float32 CPU tensors, which runs the C++ kernel `kernels.cpu_paged_decode` where it builds;
 - "triton": always Triton. CPU tensors then run in Triton's interpreter, which triton selects
   from `TRITON_INTERPRET=1` in the environment when the kernels are first imported; without it
   `set_backend("triton")` on a machine without CUDA raises. Ray workers get the variable
@@ -24,13 +25,15 @@ from types import ModuleType
 
 import torch
 
-from kernels import reference, torch_attention
+from kernels import cpu_gemm, cpu_paged_decode, reference, torch_attention
 
 __all__ = [
     "BACKENDS",
     "get_backend",
+    "linear",
     "paged_decode_attention",
     "paged_prefill_attention",
+    "prepare",
     "rms_norm",
     "rotary_embedding",
     "runtime_env_vars",
@@ -66,6 +69,13 @@ def set_backend(backend: str) -> str:
 
 def get_backend() -> str:
     return _backend
+
+
+def prepare(device: str | torch.device, dtype: torch.dtype) -> None:
+    """Build now what later calls on `device` in `dtype` will need, so the first forward does
+    not wait for it: the C++ decode attention for float32 on CPU (compiled once per machine)."""
+    if _backend == "auto" and torch.device(device).type == "cpu" and dtype == torch.float32:
+        cpu_paged_decode.supports(torch.empty(0), torch.empty(0))
 
 
 def runtime_env_vars(backend: str, device: str | torch.device) -> dict[str, str]:
@@ -108,6 +118,14 @@ def _use_triton(tensor: torch.Tensor) -> bool:
     if _backend == "auto":
         return tensor.device.type == "cuda"
     return True
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [n, in] @ weight [out, in]^T (+ bias) -> [n, out]: `F.linear`, except for decode-sized
+    batches on CPU (`cpu_gemm.linear`). Every backend: the GEMM is BLAS's either way."""
+    if x.device.type == "cpu":
+        return cpu_gemm.linear(x, weight, bias)
+    return torch.nn.functional.linear(x, weight, bias)
 
 
 def store_kv_cache(
@@ -153,7 +171,12 @@ def paged_decode_attention(
     """One-token-per-sequence attention over paged K/V -> [num_seqs, num_heads, head_dim].
 
     Split-K (flash-decoding) on the Triton path. See `torch_attention.paged_decode_attention`."""
-    impl = _triton("triton_paged_decode") if _use_triton(q) else torch_attention
+    if _use_triton(q):
+        impl = _triton("triton_paged_decode")
+    elif _backend == "auto" and cpu_paged_decode.supports(q, k_cache):
+        impl = cpu_paged_decode
+    else:
+        impl = torch_attention
     return impl.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale)
 
 

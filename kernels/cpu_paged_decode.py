@@ -1,0 +1,59 @@
+"""The C++ paged decode attention for CPU (`cpu_paged_decode.cpp`), built on first use.
+
+`torch.utils.cpp_extension.load` compiles it with the machine's C++ compiler into torch's
+extension cache (~/.cache/torch_extensions, or TORCH_EXTENSIONS_DIR), so later processes load
+it without compiling. Where it cannot be built (no compiler, as in a slim image) `available()`
+is False, with one warning, and callers keep the torch path.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import threading
+from types import ModuleType
+
+import torch
+
+log = logging.getLogger(__name__)
+
+_lock = threading.Lock()
+_module: ModuleType | None = None
+_failed = False
+
+
+def _load() -> ModuleType | None:
+    global _module, _failed
+    with _lock:
+        if _module is None and not _failed:
+            if shutil.which(os.environ.get("CXX", "c++")) is None:
+                _failed = True
+                log.warning("no C++ compiler: CPU decode attention runs the slower torch path")
+                return None
+            from torch.utils import cpp_extension
+
+            source = os.path.join(os.path.dirname(__file__), "cpu_paged_decode.cpp")
+            try:
+                _module = cpp_extension.load(
+                    "pdcluster_cpu_paged_decode", [source],
+                    extra_cflags=["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math",
+                                  "-fassociative-math", "-fno-signed-zeros"], verbose=False)
+            except (RuntimeError, OSError, ImportError) as exc:
+                _failed = True
+                log.warning("building the C++ decode attention failed (%s): CPU decode "
+                            "attention runs the slower torch path", exc)
+        return _module
+
+
+def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Whether the C++ kernel takes these inputs (float32 CPU tensors) and could be built."""
+    return (q.device.type == "cpu" and q.dtype == torch.float32 and k_cache.dtype == torch.float32
+            and k_cache.is_contiguous() and _load() is not None)
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                           scale: float) -> torch.Tensor:
+    """See `torch_attention.paged_decode_attention`; float32 only (`supports`)."""
+    return _load().paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale)

@@ -1,0 +1,59 @@
+"""The C++ CPU decode attention (kernels.cpu_paged_decode) against the attention oracle, and
+a mixed batch of decode rows and prefill chunks through the engine's attention op (decode rows
+by the decode kernel, chunks by the prefill kernel) against the oracle's per-sequence answer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.attention import AttentionMetadata, paged_attention
+from kernels import cpu_paged_decode
+from tests.kernels import attention_oracle
+from tests.kernels.test_torch_attention import (BLOCK_SIZE, HEAD_DIM, NUM_HEADS, NUM_KV_HEADS,
+                                                SCALE, caches, tables)
+
+pytestmark = pytest.mark.skipif(not cpu_paged_decode.supports(torch.zeros(1), torch.zeros(1)),
+                                reason="the C++ kernel cannot be built here (no compiler)")
+
+
+def test_decode_matches_oracle_over_scattered_and_consecutive_blocks():
+    k_cache, v_cache = caches()
+    seq_lens = [1, 7, 8, 9, 40, 77, 130]
+    table = tables(seq_lens, [False, True, False, True, True, False, True])
+    q = torch.randn(len(seq_lens), NUM_HEADS, HEAD_DIM)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    want = attention_oracle.paged_decode_attention(q, k_cache, v_cache, table, lens, SCALE)
+    got = cpu_paged_decode.paged_decode_attention(q, k_cache, v_cache, table, lens, SCALE)
+    assert got.shape == want.shape and got.dtype == torch.float32
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_a_seq_len_beyond_its_block_table_is_refused():
+    k_cache, v_cache = caches()
+    table = torch.zeros(1, 2, dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="block table"):
+        cpu_paged_decode.paged_decode_attention(
+            torch.randn(1, NUM_HEADS, HEAD_DIM), k_cache, v_cache, table,
+            torch.tensor([2 * BLOCK_SIZE + 1], dtype=torch.int32), SCALE)
+
+
+def test_a_mixed_batch_equals_each_sequence_alone():
+    """Rows: decode, 5-token chunk after a cached prefix, decode, whole 12-token prompt."""
+    k_cache, v_cache = caches()
+    seq_lens, num_new = [33, 20, 9, 12], [1, 5, 1, 12]
+    table = tables(seq_lens, [True, False, True, True])
+    cu = torch.tensor([0, 1, 6, 7, 19], dtype=torch.int32)
+    total = sum(num_new)
+    q = torch.randn(total, NUM_HEADS, HEAD_DIM)
+    k = torch.randn(total, NUM_KV_HEADS, HEAD_DIM)
+    v = torch.randn(total, NUM_KV_HEADS, HEAD_DIM)
+    slots = torch.cat([table[i, (p // BLOCK_SIZE)].long() * BLOCK_SIZE + p % BLOCK_SIZE
+                       for i, (n, s) in enumerate(zip(num_new, seq_lens))
+                       for p in [torch.arange(s - n, s)]])
+    attn = AttentionMetadata(slots, table, torch.tensor(seq_lens, dtype=torch.int32), cu,
+                             max(seq_lens))
+    got = paged_attention(q, k, v, k_cache, v_cache, attn, SCALE)
+    want = attention_oracle.paged_prefill_attention(q, k_cache, v_cache, table, cu,
+                                                    attn.seq_lens, SCALE)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
