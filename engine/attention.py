@@ -49,7 +49,8 @@ def paged_attention(
     """Store k/v, then attend. q [T, H, D], k/v [T, Hkv, D]; caches [blocks, block_size, Hkv, D].
 
     Uses the decode kernel when every sequence has exactly one new token (T == num_seqs), the
-    varlen prefill kernel otherwise (any mix of prefill chunks and decodes). Returns [T, H, D].
+    varlen prefill kernel otherwise; on CPU a batch mixing decode rows and prefill chunks sends
+    each kind to its own kernel. Returns [T, H, D]; rows past query_start_loc[-1] are zero.
     One opaque op (`torch.ops.pdcluster.paged_attention`), so a compiled model splits its graph
     here, as vLLM's does at its attention op: the kernels' per-sequence work stays eager.
     """
@@ -73,7 +74,7 @@ def _paged_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cac
                                                query_start_loc, seq_lens, scale)
     # A mixed CPU batch (decode rows beside prefill chunks): the decode rows take the decode
     # kernel together, the chunks the prefill kernel, instead of one attention call per row.
-    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    out = torch.zeros_like(q, memory_format=torch.contiguous_format)  # padding rows stay 0
     rows = query_start_loc[:-1].to(torch.int64)
     decode_rows = rows[decoding]
     out[decode_rows] = kernels.paged_decode_attention(
