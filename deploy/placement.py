@@ -34,8 +34,8 @@ ROLE_RESOURCE_PER_ACTOR = 0.001
 
 #: Worker actors are restarted by Ray without limit: after their node dies, Ray re-creates
 #: them (same handle, same constructor arguments) on another node offering their role.
-#: Method calls are never retried (Ray's default max_task_retries=0): streams are not
-#: idempotent (DESIGN.md "Ray and torch.distributed pitfalls").
+#: Method calls are never retried (Ray's default max_task_retries=0): a retried call would
+#: replay a token stream the client has partly seen, so calls are not idempotent.
 WORKER_MAX_RESTARTS = -1
 
 PlacementMode = Literal["auto", "resources", "none"]
@@ -101,7 +101,8 @@ def worker_node_ids(nodes: Iterable[Mapping], demands: Iterable[Mapping[str, flo
 def tp_placement_group(tp: int, resource: str | None, num_cpus_per_rank: float,
                        num_gpus_per_rank: float = 0.0, name: str = "") -> PlacementGroup:
     """A STRICT_PACK placement group of `tp` bundles: every rank of one tensor-parallel group
-    on one node (DESIGN.md "Tensor parallelism"), on a node advertising `resource` if given.
+    on one node, since its all-reduces run every layer and must not cross the network; on a
+    node advertising `resource` if given.
 
     Bundle i: ``{"CPU": num_cpus_per_rank, "GPU": num_gpus_per_rank (if > 0),
     resource: ROLE_RESOURCE_PER_ACTOR (if resource)}``. Not waited for: ``ray.get(pg.ready(),
@@ -124,8 +125,8 @@ def tp_rank_options(pg: PlacementGroup, rank: int,
     """``ActorClass.options(**...)`` for rank `rank` of the group: exactly its bundle's
     resources, scheduled into that bundle (engine.tp_instance.bundle_options).
 
-    max_restarts: a TP instance restarts as a whole (DESIGN.md; engine/tp_instance.py): rank 0
-    restarts (the default) and re-creates its followers, which pass 0, since a rank restarted
-    alone would wait for peers that are gone.
+    max_restarts: a TP instance restarts as a whole, because a gloo group cannot be rejoined:
+    rank 0 restarts (the default) and re-creates its followers, which pass 0, since a rank
+    restarted alone would wait for peers that are gone.
     """
     return {**bundle_options(pg, rank), "max_restarts": max_restarts}
