@@ -11,7 +11,6 @@ prefill, median of repeated runs.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import tempfile
 import time
@@ -24,6 +23,7 @@ sys.path.append(str(Path(__file__).resolve().parent))  # after the repo: benchma
 
 from engine.config import EngineConfig  # noqa: E402
 from engine.runner import ModelRunner, SequenceChunk  # noqa: E402
+from cpu_attention import median_s  # noqa: E402
 from throughput import FULL, write_model  # noqa: E402
 
 CONTEXT = 600
@@ -41,13 +41,7 @@ def read_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> float:
 
 
 def median_ms(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1000
+    return median_s(fn, repeats) * 1000
 
 
 def main() -> None:

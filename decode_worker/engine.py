@@ -289,9 +289,9 @@ class DecodeEngine:
             seq = self.scheduler.active.get(request_id)
             if seq is None:
                 continue
-            self.num_fetch_retries_total += outcome.detail.get("retries", 0)
+            self.num_fetch_retries_total += len(outcome.detail["paths"]) - 1
             timings = self.kv_timings.get(seq.request_id, {})
-            timings.update({k: v for k, v in outcome.detail.items() if k != "retries"})
+            timings.update(outcome.detail)
             if seq.aborted:
                 self._finish(seq, FinishReason.ABORT)
                 continue
@@ -306,15 +306,12 @@ class DecodeEngine:
             seq.status = RequestStatus.RUNNING
             timings["admitted_s"] = time.time()
 
-    def _prefill_locally(self, tokens: Sequence[int], block_table: Sequence[int]
-                         ) -> torch.Tensor:
-        """Run tokens through the model from position 0 into block_table, in chunks of at
-        most max_num_batched_tokens. Returns the last token's logits [1, vocab]."""
-        logits = None
+    def _prefill_locally(self, tokens: Sequence[int], block_table: Sequence[int]) -> None:
+        """Run tokens through the model from position 0 into block_table (their KV only), in
+        chunks of at most max_num_batched_tokens."""
         for start in range(0, len(tokens), self.max_num_batched_tokens):
             chunk = tuple(tokens[start:start + self.max_num_batched_tokens])
-            logits = self.runner.execute([SequenceChunk(chunk, start, block_table)])
-        return logits
+            self.runner.execute([SequenceChunk(chunk, start, block_table)])
 
     def _recompute_prompt(self, seq: DecodeSequence) -> bool:
         """A KV fetch failed for good (after its retry): compute the prompt's KV into seq's
@@ -346,10 +343,10 @@ class DecodeEngine:
         for seq, n in prefills:
             seq.num_computed_tokens += n
         # every decoding request, then the prompts this step completed, in chunk order
-        rows = list(range(len(decoding))) + [
-            len(decoding) + i for i, (seq, _) in enumerate(prefills)
-            if seq.num_computed_tokens == seq.num_prompt_tokens]
-        sampling = decoding + [prefills[i - len(decoding)][0] for i in rows[len(decoding):]]
+        done = [(row, seq) for row, (seq, _) in enumerate(prefills, len(decoding))
+                if seq.num_computed_tokens == seq.num_prompt_tokens]
+        rows = [*range(len(decoding)), *(row for row, _ in done)]
+        sampling = decoding + [seq for _, seq in done]
         inputs = [SampleInput(s.request.sampling, s.seed, s.request.prompt_token_ids,
                               s.output_ids) for s in sampling]
         sampled = sample(logits[rows], inputs, self.eos_token_ids) if sampling else []

@@ -10,6 +10,7 @@ seq_lens[i] tokens in the cache once they are stored (cached prefix + new tokens
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -36,6 +37,37 @@ class AttentionMetadata:
     def num_seqs(self) -> int:
         return int(self.seq_lens.shape[0])
 
+    @functools.cached_property
+    def mixed_rows(self) -> MixedRows | None:
+        """For a batch of decode rows (one new token) beside prefill chunks, where each kind's
+        rows are; None when every sequence is a decode or none is. Computed once per step,
+        on the first layer that asks."""
+        num_new = self.query_start_loc[1:] - self.query_start_loc[:-1]
+        decoding = num_new == 1
+        if bool(decoding.all()) or not bool(decoding.any()):
+            return None
+        chunked = ~decoding
+        counts = num_new[chunked]
+        cu = torch.zeros(counts.shape[0] + 1, dtype=torch.int32, device=counts.device)
+        torch.cumsum(counts, 0, out=cu[1:])
+        # query rows are packed in sequence order from 0, so row t belongs to sequence
+        # repeat_interleave(num_new)[t]
+        owner_chunked = chunked.repeat_interleave(num_new)
+        return MixedRows(decoding, self.query_start_loc[:-1].to(torch.int64)[decoding],
+                         chunked, owner_chunked.nonzero().squeeze(1), cu)
+
+
+@dataclass(frozen=True)
+class MixedRows:
+    """A mixed batch's decode sequences (mask [num_seqs]) and their query rows, its chunked
+    sequences (mask) and their query rows, and the chunks' cumulative new-token counts."""
+
+    decoding: torch.Tensor
+    decode_rows: torch.Tensor
+    chunked: torch.Tensor
+    chunk_rows: torch.Tensor
+    chunk_cu: torch.Tensor
+
 
 def paged_attention(
     q: torch.Tensor,
@@ -49,47 +81,23 @@ def paged_attention(
     """Store k/v, then attend. q [T, H, D], k/v [T, Hkv, D]; caches [blocks, block_size, Hkv, D].
 
     Uses the decode kernel when every sequence has exactly one new token (T == num_seqs), the
-    varlen prefill kernel otherwise; on CPU a batch mixing decode rows and prefill chunks sends
-    each kind to its own kernel. Returns [T, H, D]; rows past query_start_loc[-1] are zero.
-    One opaque op (`torch.ops.pdcluster.paged_attention`), so a compiled model splits its graph
-    here, as vLLM's does at its attention op: the kernels' per-sequence work stays eager.
+    varlen prefill kernel otherwise; where the decode kernel batches the rows
+    (`kernels.decode_batches_rows`), a batch mixing decode rows and prefill chunks sends each
+    kind to its own kernel. Returns [T, H, D]; rows past query_start_loc[-1] are zero.
     """
-    return torch.ops.pdcluster.paged_attention(q, k, v, k_cache, v_cache, attn.slot_mapping,
-                                               attn.block_tables, attn.seq_lens,
-                                               attn.query_start_loc, scale)
-
-
-@torch.library.custom_op("pdcluster::paged_attention", mutates_args=("k_cache", "v_cache"))
-def _paged_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                        v_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                        block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                        query_start_loc: torch.Tensor, scale: float) -> torch.Tensor:
-    kernels.store_kv_cache(k, v, k_cache, v_cache, slot_mapping)
-    if q.shape[0] == seq_lens.shape[0]:
-        return kernels.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale)
-    num_new = query_start_loc[1:] - query_start_loc[:-1]
-    decoding = num_new == 1
-    if q.is_cuda or not bool(decoding.any()):
-        return kernels.paged_prefill_attention(q, k_cache, v_cache, block_tables,
-                                               query_start_loc, seq_lens, scale)
-    # A mixed CPU batch (decode rows beside prefill chunks): the decode rows take the decode
-    # kernel together, the chunks the prefill kernel, instead of one attention call per row.
+    kernels.store_kv_cache(k, v, k_cache, v_cache, attn.slot_mapping)
+    if q.shape[0] == attn.num_seqs:
+        return kernels.paged_decode_attention(q, k_cache, v_cache, attn.block_tables,
+                                              attn.seq_lens, scale)
+    mixed = attn.mixed_rows if kernels.decode_batches_rows(q, k_cache) else None
+    if mixed is None:
+        return kernels.paged_prefill_attention(q, k_cache, v_cache, attn.block_tables,
+                                               attn.query_start_loc, attn.seq_lens, scale)
     out = torch.zeros_like(q, memory_format=torch.contiguous_format)  # padding rows stay 0
-    rows = query_start_loc[:-1].to(torch.int64)
-    decode_rows = rows[decoding]
-    out[decode_rows] = kernels.paged_decode_attention(
-        q[decode_rows], k_cache, v_cache, block_tables[decoding], seq_lens[decoding], scale)
-    chunked = ~decoding
-    counts = num_new[chunked]
-    chunk_rows = torch.cat([torch.arange(int(start), int(start) + int(n))
-                            for start, n in zip(rows[chunked], counts)]).to(q.device)
-    cu = torch.zeros(counts.shape[0] + 1, dtype=torch.int32, device=q.device)
-    torch.cumsum(counts, 0, out=cu[1:])
-    out[chunk_rows] = kernels.paged_prefill_attention(
-        q[chunk_rows], k_cache, v_cache, block_tables[chunked], cu, seq_lens[chunked], scale)
+    out[mixed.decode_rows] = kernels.paged_decode_attention(
+        q[mixed.decode_rows], k_cache, v_cache, attn.block_tables[mixed.decoding],
+        attn.seq_lens[mixed.decoding], scale)
+    out[mixed.chunk_rows] = kernels.paged_prefill_attention(
+        q[mixed.chunk_rows], k_cache, v_cache, attn.block_tables[mixed.chunked],
+        mixed.chunk_cu, attn.seq_lens[mixed.chunked], scale)
     return out
-
-
-@_paged_attention_op.register_fake
-def _(q, k, v, k_cache, v_cache, slot_mapping, block_tables, seq_lens, query_start_loc, scale):
-    return q.new_empty(q.shape)

@@ -204,10 +204,10 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
     def __init__(self, in_features: int, part_sizes: Sequence[int], bias: bool,
                  tp: TPGroup) -> None:
-        for size in part_sizes:
-            tp.shard(size, "output size")
+        local_sizes = [end - start for start, end in (tp.shard(size, "output size")
+                                                      for size in part_sizes)]
         super().__init__(in_features, sum(part_sizes), bias, tp)
-        self.local_sizes = [size // tp.world_size for size in part_sizes]
+        self.local_sizes = local_sizes
 
     def weight_loader(self, param: nn.Parameter, loaded: Any, name: str = "",
                       part: int = 0) -> None:

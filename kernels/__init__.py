@@ -29,6 +29,7 @@ from kernels import cpu_gemm, cpu_paged_decode, reference, torch_attention
 
 __all__ = [
     "BACKENDS",
+    "decode_batches_rows",
     "get_backend",
     "linear",
     "paged_decode_attention",
@@ -75,7 +76,7 @@ def prepare(device: str | torch.device, dtype: torch.dtype) -> None:
     """Build now what later calls on `device` in `dtype` will need, so the first forward does
     not wait for it: the C++ decode attention for float32 on CPU (compiled once per machine)."""
     if _backend == "auto" and torch.device(device).type == "cpu" and dtype == torch.float32:
-        cpu_paged_decode.supports(torch.empty(0), torch.empty(0))
+        cpu_paged_decode.available()
 
 
 def runtime_env_vars(backend: str, device: str | torch.device) -> dict[str, str]:
@@ -160,6 +161,13 @@ def paged_prefill_attention(
     return impl.paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale)
 
 
+def decode_batches_rows(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Whether decode attention of these tensors runs the C++ CPU kernel, which takes all rows
+    in one call (the torch path loops over sequences, as prefill does), so a caller gains by
+    gathering a mixed batch's decode rows into one decode call."""
+    return _backend == "auto" and cpu_paged_decode.supports(q, k_cache)
+
+
 def paged_decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -173,7 +181,7 @@ def paged_decode_attention(
     Split-K (flash-decoding) on the Triton path. See `torch_attention.paged_decode_attention`."""
     if _use_triton(q):
         impl = _triton("triton_paged_decode")
-    elif _backend == "auto" and cpu_paged_decode.supports(q, k_cache):
+    elif decode_batches_rows(q, k_cache):
         impl = cpu_paged_decode
     else:
         impl = torch_attention

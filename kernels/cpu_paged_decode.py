@@ -25,6 +25,8 @@ _failed = False
 
 def _load() -> ModuleType | None:
     global _module, _failed
+    if _module is not None or _failed:  # every decode attention call asks: no lock once known
+        return _module
     with _lock:
         if _module is None and not _failed:
             if shutil.which(os.environ.get("CXX", "c++")) is None:
@@ -46,10 +48,15 @@ def _load() -> ModuleType | None:
         return _module
 
 
+def available() -> bool:
+    """Whether the kernel is built (building it now on the first call)."""
+    return _load() is not None
+
+
 def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """Whether the C++ kernel takes these inputs (float32 CPU tensors) and could be built."""
     return (q.device.type == "cpu" and q.dtype == torch.float32 and k_cache.dtype == torch.float32
-            and k_cache.is_contiguous() and _load() is not None)
+            and k_cache.is_contiguous() and available())
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -156,7 +156,8 @@ class BlockPool:
         if n > len(self._free):
             raise NoFreeBlocksError(f"asked for {n} blocks, {len(self._free)} free")
         blocks = [self._free.popleft() for _ in range(n)]
-        self._cache.evict(blocks)
+        if self.enable_caching:
+            self._cache.evict(blocks)
         for b in blocks:
             self._ref_count[b] = 1
         return blocks

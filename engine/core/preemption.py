@@ -34,10 +34,10 @@ class PreemptedRequest(SchedulableRequest, Protocol):
 
 
 class LocalPrefill(Protocol):
-    """Runs `tokens` through the model from position 0 into `block_table`, in chunks; returns
-    the last token's logits [1, vocab]."""
+    """Runs `tokens` through the model from position 0 into `block_table`, in chunks (their
+    KV only)."""
 
-    def __call__(self, tokens: Sequence[int], block_table: Sequence[int]) -> torch.Tensor: ...
+    def __call__(self, tokens: Sequence[int], block_table: Sequence[int]) -> None: ...
 
 
 class BlockCopier(Protocol):

@@ -30,8 +30,9 @@ to hold the tail). If the retry fails too, the fetch FAILS and the engine recomp
 prompt locally (the decode engine), so a transfer fault costs time, not the request.
 
 Blocks land straight in the reserved cache blocks, written from the backends' threads (a
-CallbackDest): no running request uses those blocks, and once poll() has returned FAILED, or
-abort() has returned True, nothing more is written, so the engine frees them at once.
+CallbackDest): no running request uses those blocks, and once get_finished has reported the
+fetch (landed, failed, or aborted and settled) nothing more is written, so the engine may free
+them then.
 A request that ends without fetching (request_finished) has its store tail dropped and a
 pushed transfer drained into a discarding destination, so the pair stays healthy instead of
 failing at the sender's deadline. Protobuf, shared memory or raw tensors only: no pickle.
@@ -165,7 +166,7 @@ class FetchConnector(KVConnector):
                 continue
             del self._fetches[request_id]
             stream = fetch.layer_receiver
-            detail = {"retries": len(fetch.paths) - 1, "paths": list(fetch.paths),
+            detail = {"paths": list(fetch.paths),
                       "arrivals": list(stream.arrivals) if stream is not None else []}
             if state is TransferState.SUCCESS:
                 num_tokens = fetch.prefill.num_tail_tokens + \
@@ -326,10 +327,11 @@ class KVFetch:
         return state
 
     def abort(self) -> bool:
-        """Stop fetching. True: nothing more will be written, free the blocks now. False (a
-        pair receive under way): poll until done, then free — the receive is left to finish,
-        or to fail at its deadline, because aborting it would tear the pair channel down, and
-        every other transfer on it, as torch cannot cancel a posted recv."""
+        """Stop fetching. True: nothing more will be written. False (a pair receive under way):
+        bytes may still land until it is done — the receive is left to finish, or to fail at
+        its deadline, because aborting it would tear the pair channel down, and every other
+        transfer on it, as torch cannot cancel a posted recv. Either way the connector reports
+        the fetch from get_finished once it has settled."""
         self._aborted = True
         if self.path == "torch" and not self.poll().done:
             return False

@@ -112,7 +112,7 @@ class RedisIndex(KVIndex):
             member = location.encode()
             for key in keys:
                 command(self._blk(key), member)
-            command(self._loc(location), *keys)
+            command(f"{self._ns}:loc:{member}", *keys)
 
     def add(self, keys: Sequence[bytes], location: Location) -> None:
         check_keys(keys)
