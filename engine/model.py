@@ -21,8 +21,8 @@ from engine.attention import AttentionMetadata, paged_attention
 from engine.config import ModelConfig
 from engine.kv_cache import PagedKVCache
 from engine.loader import CheckpointReader, WeightLoadError
-from engine.parallel import (MergedColumnParallelLinear, RowParallelLinear, TPGroup,
-                             replicated_weight_loader)
+from engine.parallel import (LinearBase, MergedColumnParallelLinear, RowParallelLinear,
+                             TPGroup, replicated_weight_loader)
 from engine.rope import RotaryEmbedding
 
 
@@ -167,6 +167,8 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(
             config.head_dim, config.rope_theta, config.rope_scaling, config.max_position_embeddings
         )
+        #: lm_head's weight as compute_logits reads it (process_weights_after_loading)
+        self.logits_weight: torch.Tensor | None = None
 
     def forward(
         self,
@@ -187,8 +189,25 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [n, hidden] -> float32 logits [n, vocab] (lm_head, or the embedding if tied)."""
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        weight = self.logits_weight
+        if weight is None:
+            weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return kernels.linear(hidden, weight).to(torch.float32)
+
+    def process_weights_after_loading(self) -> None:
+        """Repack every GEMM weight for the device's fastest linear (`kernels.pack_linear_weight`,
+        vLLM's hook of the same name); call once, after `load_checkpoint`. A tied lm_head gets
+        a packed copy of the embedding table (the lookup needs it dense); an untied one is
+        packed in place."""
+        for module in self.modules():
+            if isinstance(module, LinearBase):
+                module.process_weights_after_loading()
+        if self.lm_head is None:
+            self.logits_weight = kernels.pack_linear_weight(self.model.embed_tokens.weight)
+        else:
+            self.lm_head.weight = nn.Parameter(kernels.pack_linear_weight(self.lm_head.weight),
+                                               requires_grad=False)
+            self.logits_weight = self.lm_head.weight
 
     def load_checkpoint(self, reader: CheckpointReader) -> None:
         """Copy HF-named tensors (`model.layers.N.self_attn.q_proj.weight`, ...) from lazy

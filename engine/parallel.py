@@ -171,7 +171,20 @@ def _load_shard(param: nn.Parameter, loaded: Any, name: str, dim: int, tp: TPGro
 
 # ---- layers --------------------------------------------------------------------------------
 
-class ColumnParallelLinear(nn.Module):
+class LinearBase(nn.Module):
+    """What every linear layer shares (vLLM's LinearBase): `weight` [out, in] (this rank's
+    shard), repacked after loading for the device's fastest GEMM."""
+
+    weight: nn.Parameter
+
+    def process_weights_after_loading(self) -> None:
+        """Replace `weight` with `kernels.pack_linear_weight`'s layout (on CPU an opaque oneDNN
+        tensor that only `kernels.linear` reads); call once, after every weight is loaded."""
+        self.weight = nn.Parameter(kernels.pack_linear_weight(self.weight.detach()),
+                                   requires_grad=False)
+
+
+class ColumnParallelLinear(LinearBase):
     """y_r = x W_r^T + b_r: this rank's out_features/k outputs (weight rows, bias split).
 
     x [n, in_features] replicated -> [n, out_features / k]. No communication.
@@ -221,7 +234,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         return y.split(self.local_sizes, dim=-1)
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(LinearBase):
     """y = all_reduce(x_r W_r^T) + b: this rank's in_features/k inputs (weight columns); the
     bias (replicated) is added once, after the sum.
 

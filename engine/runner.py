@@ -99,6 +99,7 @@ class ModelRunner:
         self.model = build_model(self.model_config, dtype, self.device, self.tp)
         with CheckpointReader(engine_config.model) as reader:
             self.model.load_checkpoint(reader)
+        self.model.process_weights_after_loading()
         self.kv_cache = PagedKVCache(
             num_layers=self.model_config.num_hidden_layers,
             num_blocks=engine_config.num_kv_blocks,

@@ -32,6 +32,7 @@ __all__ = [
     "decode_batches_rows",
     "get_backend",
     "linear",
+    "pack_linear_weight",
     "paged_decode_attention",
     "paged_prefill_attention",
     "prepare",
@@ -122,11 +123,19 @@ def _use_triton(tensor: torch.Tensor) -> bool:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [n, in] @ weight [out, in]^T (+ bias) -> [n, out]: `F.linear`, except for decode-sized
-    batches on CPU (`cpu_gemm.linear`). Every backend: the GEMM is BLAS's either way."""
-    if x.device.type == "cpu":
+    """x [n, in] @ weight [out, in]^T (+ bias) -> [n, out]. `weight` is a dense tensor
+    (`F.linear`) or one from `pack_linear_weight` (oneDNN's matmul, `cpu_gemm.linear`); every
+    backend takes the same path, since neither is a kernel of ours."""
+    if weight.is_mkldnn:
         return cpu_gemm.linear(x, weight, bias)
     return torch.nn.functional.linear(x, weight, bias)
+
+
+def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
+    """The weight [out, in] in the layout `linear` runs fastest on its device: a oneDNN-packed
+    copy on CPU in float32 or bfloat16 (`cpu_gemm.pack`; an opaque tensor only `linear` reads),
+    else `weight` itself."""
+    return cpu_gemm.pack(weight) if cpu_gemm.can_pack(weight) else weight
 
 
 def store_kv_cache(

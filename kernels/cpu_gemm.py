@@ -1,32 +1,47 @@
-"""The linear layer's GEMM on CPU for decode-sized batches.
+"""The linear layer's GEMM on CPU: oneDNN with weights packed once, at load.
 
-A decode step multiplies a few rows of activations (one per running sequence) by every weight
-of the model, so it is bound by reading the weights, not by arithmetic. `F.linear` hands BLAS
-the activations as the left operand, x @ W^T, and for a handful of rows the CPU BLAS then
-streams W far below the memory bandwidth. Asking for the transposed product, W @ x^T, makes
-W the left operand, which BLAS streams at close to the bandwidth (benchmarks/RESULTS.md, "CPU
-GEMM at decode batch sizes"). One row takes BLAS's matrix-vector path, which is as slow as
-F.linear, so it is padded to two. From about a dozen rows the GEMM turns compute-bound and the
-two forms are alike, so larger batches (prefill) keep F.linear.
+`F.linear` on CPU calls BLAS with the weight in its plain [out, in] layout, and BLAS then
+re-blocks the weight on every call; at decode batch sizes that traffic, not arithmetic, sets
+the step time, and on some CPUs the BLAS kernel chosen is far from the machine's peak even for
+prefill-sized batches. oneDNN can reorder a weight into its own blocked layout once, and its
+matmul then streams that layout at close to the memory bandwidth for a few rows and near the
+FMA peak for many (benchmarks/RESULTS.md, "oneDNN-packed linear weights"). vLLM's CPU
+backend packs its linear weights the same way; Inductor's freezing pass does it for bf16.
+
+A packed weight is an opaque mkldnn tensor (`is_mkldnn`), [out, in] in shape only: it is read
+by `linear` here and nothing else, so the embedding table a tied lm_head shares is packed as a
+copy.
 """
 
 from __future__ import annotations
 
 import torch
-from torch.nn import functional as F
 
-#: The most rows that take the transposed product.
-MAX_SKINNY_ROWS = 8
+_PACKED_DTYPES = (torch.float32, torch.bfloat16)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [n, in] @ weight [out, in]^T (+ bias [out]) -> contiguous [n, out], x's dtype; the
-    same values as `F.linear` up to the order of float additions."""
-    rows = x.shape[0]
-    if x.dim() != 2 or rows > MAX_SKINNY_ROWS or rows == 0:
-        return F.linear(x, weight, bias)
-    if rows == 1:
-        out = (weight @ torch.cat((x, x)).t())[:, :1].t().contiguous()
-    else:
-        out = (weight @ x.t()).t().contiguous()
-    return out if bias is None else out + bias
+def can_pack(weight: torch.Tensor) -> bool:
+    """Whether `pack` applies: a 2-D CPU weight in float32, or in bfloat16 where oneDNN has
+    bf16 kernels for this CPU (AVX-512 or AMX), with torch built with oneDNN."""
+    if weight.device.type != "cpu" or weight.dim() != 2 or weight.dtype not in _PACKED_DTYPES:
+        return False
+    if not torch.backends.mkldnn.is_available():
+        return False
+    return weight.dtype != torch.bfloat16 or torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """weight [out, in] -> the same values in oneDNN's blocked layout (a new mkldnn tensor;
+    `weight` is left as it was). The layout is chosen for no particular batch size, which
+    measured as fast as a size-specific one at every batch from 1 row to 512. Raises
+    ValueError where `can_pack` is false."""
+    if not can_pack(weight):
+        raise ValueError(f"cannot pack a {weight.dtype} {tuple(weight.shape)} weight on "
+                         f"{weight.device} for oneDNN")
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), None)
+
+
+def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., in] @ weight [out, in]^T (+ bias [out]) -> [..., out] in x's dtype, with the
+    weight from `pack`; the same values as `F.linear` up to the order of float additions."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")

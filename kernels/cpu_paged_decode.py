@@ -40,7 +40,11 @@ def _load() -> ModuleType | None:
                 _module = cpp_extension.load(
                     "pdcluster_cpu_paged_decode", [source],
                     extra_cflags=["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math",
-                                  "-fassociative-math", "-fno-signed-zeros"], verbose=False)
+                                  "-fassociative-math", "-fno-signed-zeros", "-fopenmp"],
+                    # ATen's parallel_for is inlined here: without OpenMP it runs on one
+                    # thread. The library resolves to the libgomp torch has loaded (same
+                    # soname), so torch's thread count applies.
+                    extra_ldflags=["-fopenmp"], verbose=False)
             except (RuntimeError, OSError, ImportError) as exc:
                 _failed = True
                 log.warning("building the C++ decode attention failed (%s): CPU decode "
@@ -54,9 +58,11 @@ def available() -> bool:
 
 
 def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """Whether the C++ kernel takes these inputs (float32 CPU tensors) and could be built."""
+    """Whether the C++ kernel takes these inputs (float32 CPU tensors, a head_dim it is
+    specialized for: multiples of 16 up to 256 but 176, 208, 224 and 240) and could be built."""
     return (q.device.type == "cpu" and q.dtype == torch.float32 and k_cache.dtype == torch.float32
-            and k_cache.is_contiguous() and available())
+            and k_cache.is_contiguous() and available()
+            and _module.supports_head_dim(q.shape[-1]))
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -29,6 +29,41 @@ def test_decode_matches_oracle_over_scattered_and_consecutive_blocks():
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [
+    (12, 4, 64),   # group 3: one pass over K and V serves all three query heads
+    (16, 2, 64),   # group 8: two passes of four rows
+    (6, 2, 128),   # group 3 at head_dim 128: two rows, then one
+    (8, 8, 128),   # no GQA
+    (4, 1, 80),    # head_dim not a power of two
+])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_every_head_layout_matches_the_oracle_at_any_thread_count(num_heads, num_kv_heads,
+                                                                  head_dim, threads):
+    """Scores spread over ~60 (q scaled up), so the softmax's exp runs over a wide range."""
+    gen = torch.Generator().manual_seed(head_dim + num_heads)
+    shape = (80, BLOCK_SIZE, num_kv_heads, head_dim)
+    k_cache, v_cache = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
+    seq_lens = [1, 9, 57, 130]
+    table = torch.randperm(80, generator=gen)[:4 * 17].view(4, 17).to(torch.int32)
+    q = 4 * torch.randn(len(seq_lens), num_heads, head_dim, generator=gen)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    scale = head_dim ** -0.5
+    want = attention_oracle.paged_decode_attention(q, k_cache, v_cache, table, lens, scale)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        assert cpu_paged_decode.supports(q, k_cache)
+        got = cpu_paged_decode.paged_decode_attention(q, k_cache, v_cache, table, lens, scale)
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_a_head_dim_without_a_specialization_keeps_the_torch_path():
+    k_cache = torch.zeros(4, BLOCK_SIZE, 2, 40)
+    assert not cpu_paged_decode.supports(torch.zeros(1, 4, 40), k_cache)
+
+
 def test_a_seq_len_beyond_its_block_table_is_refused():
     k_cache, v_cache = caches()
     table = torch.zeros(1, 2, dtype=torch.int32)
