@@ -59,7 +59,7 @@ def available() -> bool:
 
 def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """Whether the C++ kernel takes these inputs (float32 CPU tensors, a head_dim it is
-    specialized for: multiples of 16 up to 256 but 176, 208, 224 and 240) and could be built."""
+    specialized for: 16, 32, 48, 64, 80, 96, 112, 128, 160, 192 or 256) and could be built."""
     return (q.device.type == "cpu" and q.dtype == torch.float32 and k_cache.dtype == torch.float32
             and k_cache.is_contiguous() and available()
             and _module.supports_head_dim(q.shape[-1]))
