@@ -91,7 +91,7 @@ def run_pdcluster(model_dir: Path, requests: list[BenchRequest], concurrency: in
     server = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                               start_new_session=True)
     try:
-        _wait_healthy(port, server)
+        wait_healthy(port, server)
         client = ClientConfig(api_url=f"http://127.0.0.1:{port}/v1/completions",
                               model=model_dir.name)
         run = RunConfig(max_concurrency=concurrency, progress=False)
@@ -103,19 +103,19 @@ def run_pdcluster(model_dir: Path, requests: list[BenchRequest], concurrency: in
         server.wait(timeout=60)
 
 
-def _wait_healthy(port: int, server: subprocess.Popen) -> None:
+def wait_healthy(port: int, server: subprocess.Popen) -> None:
     import urllib.request
 
     deadline = time.time() + 300
     while time.time() < deadline:
         if server.poll() is not None:
-            raise RuntimeError(f"pdcluster serve exited with {server.returncode}")
+            raise RuntimeError(f"the server exited with {server.returncode}")
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
                 return
         except OSError:
             time.sleep(1)
-    raise RuntimeError("pdcluster serve did not become healthy")
+    raise RuntimeError("the server did not become healthy")
 
 
 @torch.inference_mode()

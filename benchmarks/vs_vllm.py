@@ -34,7 +34,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -42,7 +41,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.append(str(ROOT / "benchmarks"))
 
 from step_time import measure  # noqa: E402
-from throughput import FULL, free_port, write_model  # noqa: E402
+from throughput import FULL, free_port, wait_healthy, write_model  # noqa: E402
 
 VLLM_VENV = ROOT / "benchmarks" / ".venv-vllm"
 VLLM_VERSION = "0.32.0"
@@ -98,19 +97,6 @@ def pdcluster_command(model: Path, port: int, dtype: str, threads: int,
     args += (["--colocated", "--torch-threads", str(threads)] if colocated
              else ["--torch-threads", str(max(1, threads // 2))])
     return args, dict(os.environ)
-
-
-def wait_healthy(port: int, server: subprocess.Popen, timeout_s: float = 600) -> None:
-    deadline = time.time() + timeout_s
-    while time.time() < deadline:
-        if server.poll() is not None:
-            raise RuntimeError(f"server exited with {server.returncode}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
-                return
-        except OSError:
-            time.sleep(0.5)
-    raise RuntimeError("server did not become healthy")
 
 
 def bench(port: int, model: Path, concurrency: int, num_prompts: int, seed: int,

@@ -1,8 +1,8 @@
 """Tensor parallelism in one place: the TP group and the parallel linears.
 
-A TP instance of size k is k processes in one torch.distributed default group (DESIGN.md
-"Tensor parallelism": the default group is used only here, because a TP instance restarts as a
-whole; see engine.tp_instance). TP=1 is the same code: `TPGroup()` has world_size 1 and every
+A TP instance of size k is k processes in one torch.distributed default group. Only this
+module touches the default group: a failed collective leaves a gloo group unusable, so the
+instance restarts as a whole (engine.tp_instance) rather than repairing its group. TP=1 is the same code: `TPGroup()` has world_size 1 and every
 collective is a no-op, so no process group is ever created.
 
 Megatron-LM's split (Shoeybi et al. 2019, §3), as nano-vllm and vLLM do it:

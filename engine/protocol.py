@@ -28,7 +28,7 @@ class SamplingParams:
     top_p: nucleus mass in (0, 1]; top_k: keep the k most likely (0 or -1 = all);
     min_p: drop tokens whose probability is below min_p × the top probability.
     seed: the random stream for output token t is derived from (seed, t) only, so a request's
-        text does not depend on batch composition (DESIGN.md "Sampling"). None draws a seed.
+        text does not depend on which requests share its batches. None draws a seed.
     stop_token_ids: ids that end the request in addition to the model's EOS ids.
     ignore_eos: keep generating past EOS until max_tokens.
     min_tokens: EOS and stop ids are masked until this many tokens were generated.

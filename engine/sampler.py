@@ -2,7 +2,7 @@
 
 The random draw for output token t of a request comes from a generator seeded with
 step_seed(seed, t), never from a shared generator, so the same seed gives the same tokens
-whatever the batch composition, after a recompute, or on another worker (DESIGN.md "Sampling").
+whatever the batch composition, after a recompute, or on another worker.
 The logits processing follows vLLM's sampler: penalties, min_tokens masking, temperature,
 min_p, top_k, top_p, then the draw; logprobs come from the raw logits.
 """
