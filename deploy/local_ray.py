@@ -12,6 +12,13 @@ into ``ray._private.ray_constants.ENABLE_RAY_CLUSTER``; it is set False around `
 only, so joining a cluster (``--address``) keeps its routable IP. Every process of the local
 cluster learns the node IP from the command line Ray gives it. No other machine can join such
 a cluster: for several nodes start Ray with ``ray start`` and pass ``--address``.
+
+Priority. Ray starts its worker processes at niceness 15 (``worker_niceness``), so that a
+node's own daemons win over user tasks. Here the workers are the engines: at nice 15 every
+wake-up of the gateway or of a load client preempts one of an engine's compute threads, and
+its OpenMP team then waits at the next barrier; the local cluster runs them at niceness 0, as
+the gateway runs. A cluster started with ``ray start`` takes the same setting from
+``RAY_worker_niceness=0`` in its environment.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import ipaddress
 import logging
+import os
 from collections.abc import Iterator
 
 import ray
@@ -65,7 +73,8 @@ def start_local_ray(num_cpus: int, namespace: str, resources: dict[str, float]) 
     try:
         with marked, _loopback_node_ip():
             context = ray.init(address="local", num_cpus=num_cpus, namespace=namespace,
-                               resources=resources, include_dashboard=False, log_to_driver=True)
+                               resources=resources, include_dashboard=False, log_to_driver=True,
+                               _system_config=_system_config())
     except BaseException:
         if guardian is not None:
             guardian.close()
@@ -77,6 +86,12 @@ def start_local_ray(num_cpus: int, namespace: str, resources: dict[str, float]) 
         log.warning("local Ray runs on node IP %s, not loopback: its ports listen on every "
                     "interface; keep them behind a firewall", node_ip)
     return LocalRay(node_ip, guardian)
+
+
+def _system_config() -> dict:
+    """Ray settings of the local cluster: workers at niceness 0 (module docstring), unless
+    the environment sets Ray's own variable for it."""
+    return {} if "RAY_worker_niceness" in os.environ else {"worker_niceness": 0}
 
 
 @contextlib.contextmanager
