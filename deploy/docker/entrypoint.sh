@@ -26,6 +26,9 @@ case "$role" in
     exec ray start --head --port="${RAY_PORT:-6379}" --num-cpus=0 --dashboard-host=127.0.0.1 \
       --disable-usage-stats --block "$@" ;;
   prefill | decode)
+    # the engines are this node's workload: at Ray's default worker niceness (15) every
+    # other process's wake-up preempts their compute threads (deploy/local_ray.py)
+    export RAY_worker_niceness="${RAY_worker_niceness:-0}"
     exec ray start --address="${RAY_ADDRESS:?set RAY_ADDRESS to the head, host:port}" \
       --resources="{\"$role\": 1}" --disable-usage-stats --block "$@" ;;
   gateway)
