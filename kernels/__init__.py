@@ -5,8 +5,9 @@ per call by the backend. The torch implementation is `kernels.reference` (also t
 oracle), except paged attention, which runs `kernels.torch_attention` (checked against the
 oracle in tests/kernels/attention_oracle.py):
 
-- "auto" (default): Triton for CUDA tensors, torch otherwise, except decode attention on
-  float32 CPU tensors, which runs the C++ kernel `kernels.cpu_paged_decode` where it builds;
+- "auto" (default): Triton for CUDA tensors, torch otherwise, except paged attention on
+  float32 CPU tensors, which runs the C++ kernels `kernels.cpu_paged_attention` where they
+  build;
 - "triton": always Triton. CPU tensors then run in Triton's interpreter, which triton selects
   from `TRITON_INTERPRET=1` in the environment when the kernels are first imported; without it
   `set_backend("triton")` on a machine without CUDA raises. Ray workers get the variable
@@ -25,7 +26,7 @@ from types import ModuleType
 
 import torch
 
-from kernels import cpu_gemm, cpu_paged_decode, reference, torch_attention
+from kernels import cpu_gemm, cpu_paged_attention, reference, torch_attention
 
 __all__ = [
     "BACKENDS",
@@ -75,9 +76,9 @@ def get_backend() -> str:
 
 def prepare(device: str | torch.device, dtype: torch.dtype) -> None:
     """Build now what later calls on `device` in `dtype` will need, so the first forward does
-    not wait for it: the C++ decode attention for float32 on CPU (compiled once per machine)."""
+    not wait for it: the C++ attention for float32 on CPU (compiled once per machine)."""
     if _backend == "auto" and torch.device(device).type == "cpu" and dtype == torch.float32:
-        cpu_paged_decode.available()
+        cpu_paged_attention.available()
 
 
 def runtime_env_vars(backend: str, device: str | torch.device) -> dict[str, str]:
@@ -166,15 +167,25 @@ def paged_prefill_attention(
     """Varlen causal attention of packed new tokens over paged K/V -> [total_q, num_heads, head_dim].
 
     See `torch_attention.paged_prefill_attention`."""
-    impl = _triton("triton_paged_prefill") if _use_triton(q) else torch_attention
+    if _use_triton(q):
+        impl = _triton("triton_paged_prefill")
+    elif _cpu_kernel(q, k_cache):
+        impl = cpu_paged_attention
+    else:
+        impl = torch_attention
     return impl.paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale)
+
+
+def _cpu_kernel(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    return _backend == "auto" and cpu_paged_attention.supports(q, k_cache)
 
 
 def decode_batches_rows(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """Whether decode attention of these tensors runs the C++ CPU kernel, which takes all rows
-    in one call (the torch path loops over sequences, as prefill does), so a caller gains by
-    gathering a mixed batch's decode rows into one decode call."""
-    return _backend == "auto" and cpu_paged_decode.supports(q, k_cache)
+    in one call and reads each sequence's K once for all its query heads (the prefill kernel
+    would first copy K transposed), so a caller gains by sending a mixed batch's decode rows
+    to one decode call and its chunks to one prefill call."""
+    return _cpu_kernel(q, k_cache)
 
 
 def paged_decode_attention(
@@ -190,8 +201,8 @@ def paged_decode_attention(
     Split-K (flash-decoding) on the Triton path. See `torch_attention.paged_decode_attention`."""
     if _use_triton(q):
         impl = _triton("triton_paged_decode")
-    elif decode_batches_rows(q, k_cache):
-        impl = cpu_paged_decode
+    elif _cpu_kernel(q, k_cache):
+        impl = cpu_paged_attention
     else:
         impl = torch_attention
     return impl.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale)

@@ -1,65 +1,27 @@
 // Paged decode attention on CPU: one query token per sequence over its paged K/V, reading
 // each cached K and V element once, straight from the cache blocks (no gathered copy).
 // Contract: kernels.torch_attention.paged_decode_attention (float32 caches; a head_dim that
-// head_fn lists: kernels.cpu_paged_decode.supports).
+// head_fn lists: kernels.cpu_paged_attention.supports).
 //
 // Per work item (a sequence and a run of its KV heads), for each KV head, its query heads are
 // taken a few rows at a time: pass 1 computes their scores over the sequence, pass 2 the
 // softmax, pass 3 the weighted sum of V, all in float32. The rows' query and accumulator
 // vectors stay in registers while one pass streams K (or V) token by token, which is what
 // makes the kernel bound by reading the cache rather than by loads and stores of partial sums.
-// SIMD is written with GCC/Clang vector extensions (16 floats), which compile to AVX-512 with
-// -march=native on CPUs that have it and to narrower units elsewhere. Items run on ATen's
-// intra-op thread pool, so the engine's torch thread count applies.
+// SIMD: cpu_vec.h. Items run on ATen's intra-op thread pool, so the engine's torch thread
+// count applies.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cstdint>
-#include <cstring>
 #include <vector>
+
+#include "cpu_vec.h"
 
 namespace {
 
-typedef float vf __attribute__((vector_size(64)));
-
-inline vf load(const float* p) {
-  vf v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-
-inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
-
-inline float hsum(vf v) {
-  float s = 0.f;
-  for (int i = 0; i < 16; ++i) s += v[i];
-  return s;
-}
-
-// exp(x) for x <= 0 (softmax after subtracting the max): 2^(x log2 e) split into 2^n * 2^f,
-// f in [-0.5, 0.5], 2^f by a degree-6 polynomial, 2^n by adding n to the exponent bits.
-// Relative error (against float64 exp, checked over [-87, 0]) below 2e-7 on [-1, 0], growing
-// to 4e-6 at -87 from rounding x log2(e) to float32: at that size a softmax weight is
-// negligible beside the max's 1. Call-free, so the loop around it vectorizes, which a libm call does not.
-inline float exp_nonpositive(float x) {
-  x = std::max(x, -87.0f);
-  const float y = x * 1.44269504088896341f;
-  const float n = std::floor(y + 0.5f);
-  const float f = y - n;
-  float p = 1.535336188319500e-4f;
-  p = p * f + 1.339887440266574e-3f;
-  p = p * f + 9.618437357674640e-3f;
-  p = p * f + 5.550332471162809e-2f;
-  p = p * f + 2.402264791363012e-1f;
-  p = p * f + 6.931472028550421e-1f;
-  p = p * f + 1.0f;
-  int32_t bits;
-  std::memcpy(&bits, &p, sizeof bits);
-  bits += static_cast<int32_t>(n) << 23;
-  std::memcpy(&p, &bits, sizeof p);
-  return p;
-}
+using namespace pdc;
 
 struct Seq {
   const float* k;        // the cache's K, offset to this KV head
@@ -206,9 +168,4 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache,
     }
   });
   return out;
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention);
-  m.def("supports_head_dim", &supports_head_dim);
 }

@@ -1,6 +1,7 @@
-"""The C++ CPU decode attention (kernels.cpu_paged_decode) against the attention oracle, and
-a mixed batch of decode rows and prefill chunks through the engine's attention op (decode rows
-by the decode kernel, chunks by the prefill kernel) against the oracle's per-sequence answer."""
+"""The C++ CPU attention kernels (kernels.cpu_paged_attention: decode and prefill) against the
+attention oracle, and a mixed batch of decode rows and prefill chunks through the engine's
+attention op (decode rows by the decode kernel, chunks by the prefill kernel) against the
+oracle's per-sequence answer."""
 
 from __future__ import annotations
 
@@ -8,13 +9,13 @@ import pytest
 import torch
 
 from engine.attention import AttentionMetadata, paged_attention
-from kernels import cpu_paged_decode
+from kernels import cpu_paged_attention
 from tests.kernels import attention_oracle
 from tests.kernels.test_torch_attention import (BLOCK_SIZE, HEAD_DIM, NUM_HEADS, NUM_KV_HEADS,
                                                 SCALE, caches, tables)
 
-pytestmark = pytest.mark.skipif(not cpu_paged_decode.available(),
-                                reason="the C++ kernel cannot be built here (no compiler)")
+pytestmark = pytest.mark.skipif(not cpu_paged_attention.available(),
+                                reason="the C++ kernels cannot be built here (no compiler)")
 
 
 def test_decode_matches_oracle_over_scattered_and_consecutive_blocks():
@@ -24,7 +25,7 @@ def test_decode_matches_oracle_over_scattered_and_consecutive_blocks():
     q = torch.randn(len(seq_lens), NUM_HEADS, HEAD_DIM)
     lens = torch.tensor(seq_lens, dtype=torch.int32)
     want = attention_oracle.paged_decode_attention(q, k_cache, v_cache, table, lens, SCALE)
-    got = cpu_paged_decode.paged_decode_attention(q, k_cache, v_cache, table, lens, SCALE)
+    got = cpu_paged_attention.paged_decode_attention(q, k_cache, v_cache, table, lens, SCALE)
     assert got.shape == want.shape and got.dtype == torch.float32
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
@@ -52,23 +53,79 @@ def test_every_head_layout_matches_the_oracle_at_any_thread_count(num_heads, num
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        assert cpu_paged_decode.supports(q, k_cache)
-        got = cpu_paged_decode.paged_decode_attention(q, k_cache, v_cache, table, lens, scale)
+        assert cpu_paged_attention.supports(q, k_cache)
+        got = cpu_paged_attention.paged_decode_attention(q, k_cache, v_cache, table, lens, scale)
     finally:
         torch.set_num_threads(before)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
+def test_prefill_matches_oracle_for_prompts_chunks_and_padding():
+    """Whole prompts (one shorter than a key tile, one over several 16-token query tiles),
+    chunks after a cached prefix (one of a single token), a sequence with no new tokens, and
+    padding rows after the last chunk, over scattered and consecutive blocks."""
+    k_cache, v_cache = caches()
+    seq_lens, num_new = [5, 37, 130, 64, 71, 20], [5, 37, 33, 0, 1, 20]
+    table = tables(seq_lens, [False, True, False, True, False, True])
+    cu = torch.tensor([0, *torch.tensor(num_new).cumsum(0).tolist()], dtype=torch.int32)
+    q = 4 * torch.randn(int(cu[-1]) + 3, NUM_HEADS, HEAD_DIM)  # 3 padding rows
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    want = attention_oracle.paged_prefill_attention(q, k_cache, v_cache, table, cu, lens, SCALE)
+    got = cpu_paged_attention.paged_prefill_attention(q, k_cache, v_cache, table, cu, lens, SCALE)
+    assert got.shape == want.shape and got.dtype == torch.float32
+    assert not got[int(cu[-1]):].any()
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [
+    (12, 4, 64),   # group 3: 16 tokens x 3 heads = 48 rows per tile
+    (16, 2, 64),   # group 8
+    (6, 2, 128),   # head_dim 128: fewer rows per pass over V
+    (8, 8, 128),   # no GQA
+    (4, 1, 80),    # head_dim not a power of two
+])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_prefill_every_head_layout_matches_the_oracle_at_any_thread_count(
+        num_heads, num_kv_heads, head_dim, threads):
+    gen = torch.Generator().manual_seed(head_dim * num_heads)
+    shape = (80, BLOCK_SIZE, num_kv_heads, head_dim)
+    k_cache, v_cache = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
+    seq_lens, num_new = [9, 57, 130], [9, 40, 50]
+    table = torch.randperm(80, generator=gen)[:3 * 17].view(3, 17).to(torch.int32)
+    cu = torch.tensor([0, 9, 49, 99], dtype=torch.int32)
+    q = 4 * torch.randn(99, num_heads, head_dim, generator=gen)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    scale = head_dim ** -0.5
+    want = attention_oracle.paged_prefill_attention(q, k_cache, v_cache, table, cu, lens, scale)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = cpu_paged_attention.paged_prefill_attention(q, k_cache, v_cache, table, cu, lens,
+                                                          scale)
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_prefill_refuses_a_seq_len_shorter_than_its_new_tokens():
+    k_cache, v_cache = caches()
+    with pytest.raises(RuntimeError, match="shorter than its new tokens"):
+        cpu_paged_attention.paged_prefill_attention(
+            torch.randn(8, NUM_HEADS, HEAD_DIM), k_cache, v_cache,
+            torch.zeros(1, 2, dtype=torch.int32), torch.tensor([0, 8], dtype=torch.int32),
+            torch.tensor([5], dtype=torch.int32), SCALE)
+
+
 def test_a_head_dim_without_a_specialization_keeps_the_torch_path():
     k_cache = torch.zeros(4, BLOCK_SIZE, 2, 40)
-    assert not cpu_paged_decode.supports(torch.zeros(1, 4, 40), k_cache)
+    assert not cpu_paged_attention.supports(torch.zeros(1, 4, 40), k_cache)
 
 
 def test_a_seq_len_beyond_its_block_table_is_refused():
     k_cache, v_cache = caches()
     table = torch.zeros(1, 2, dtype=torch.int32)
     with pytest.raises(RuntimeError, match="block table"):
-        cpu_paged_decode.paged_decode_attention(
+        cpu_paged_attention.paged_decode_attention(
             torch.randn(1, NUM_HEADS, HEAD_DIM), k_cache, v_cache, table,
             torch.tensor([2 * BLOCK_SIZE + 1], dtype=torch.int32), SCALE)
 

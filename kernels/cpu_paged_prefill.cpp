@@ -1,0 +1,252 @@
+// Paged prefill attention on CPU: the new tokens of each sequence (a whole prompt, or a chunk
+// after a cached prefix) attend causally over the sequence's paged K/V.
+// Contract: kernels.torch_attention.paged_prefill_attention (float32 caches; a head_dim that
+// tile_fn lists: kernels.cpu_paged_attention.supports).
+//
+// Many query rows share each key here, unlike decode, so the scores are a small GEMM per work
+// item: the rows of up to QT new tokens times the query heads of one KV head, against key
+// tiles of 16 tokens. Each (sequence, KV head) first copies its K transposed ([head_dim][len])
+// so one vector load gives one dimension of 16 keys, which every row's accumulator takes by
+// a broadcast FMA; the transpose costs one read of K and serves all of the sequence's rows.
+// Then, per row, a softmax over its visible keys (bottom-right causal: new token i of L, in a
+// sequence of S, sees keys 0..S-L+i), and the weighted sum of V streamed token by token from
+// the cache blocks, a few rows' accumulators in registers at a time. Two passes over the
+// scores instead of an online softmax: a row's scores fit in cache at any context the engine
+// runs. All math in float32. Items are claimed dynamically by the threads (OpenMP, at torch's
+// thread count), largest first, since later tiles of a sequence see more keys.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "cpu_vec.h"
+
+namespace {
+
+using namespace pdc;
+
+constexpr int QT = 16;  // new tokens per work item
+constexpr int RC = 12;  // rows per pass of the score GEMM (accumulators in registers)
+
+struct Tile {
+  const float* kt;       // K of this sequence and KV head, transposed: [head_dim][spad]
+  int64_t spad;          // keys per row of kt: seq_len rounded up to a vector
+  const float* v;        // the cache's V, offset to this KV head
+  const int32_t* table;  // this sequence's block table
+  int64_t block_size, row;  // tokens per block, floats between tokens of a block
+  int64_t first_pos;     // position of the tile's first new token
+  int64_t num_pos;       // new tokens in the tile
+};
+
+struct Scratch {
+  std::vector<float> scores;
+  std::vector<const float*> q;
+  std::vector<float*> out;
+};
+
+// scores[r][16j..16j+16) = scale * q_r . K[16j..16j+16) for key tiles j < ntiles.
+template <int NV>
+void score_tiles(const Tile& t, const float* const* q, int rows, int64_t ntiles, float scale,
+                 float* scores) {
+  for (int64_t j = 0; j < ntiles; ++j) {
+    const float* kt = t.kt + j * W;
+    for (int r0 = 0; r0 < rows; r0 += RC) {
+      const int rn = std::min(RC, rows - r0);
+      vf acc[RC];
+      for (int r = 0; r < RC; ++r) acc[r] = vf{};
+      if (rn == RC) {  // the common case, unrolled at compile time
+        for (int d = 0; d < NV * W; ++d) {
+          const vf k = load(kt + d * t.spad);
+          for (int r = 0; r < RC; ++r) acc[r] += q[r0 + r][d] * k;
+        }
+      } else {
+        for (int d = 0; d < NV * W; ++d) {
+          const vf k = load(kt + d * t.spad);
+          for (int r = 0; r < rn; ++r) acc[r] += q[r0 + r][d] * k;
+        }
+      }
+      for (int r = 0; r < rn; ++r) store(scores + (r0 + r) * t.spad + j * W, acc[r] * scale);
+    }
+  }
+}
+
+// One row's scores over keys [0, visible) -> softmax weights, zero from `visible` up to
+// `width` (the keys later rows of the tile see), in place.
+void softmax_row(float* s, int64_t visible, int64_t width) {
+  const int64_t tiles = (visible + W - 1) / W;
+  for (int64_t k = visible; k < tiles * W; ++k) s[k] = -INFINITY;
+  vf m = splat(-INFINITY);
+  for (int64_t j = 0; j < tiles; ++j) {
+    const vf x = load(s + j * W);
+    m = x > m ? x : m;
+  }
+  const float mx = hmax(m);
+  vf sum = vf{};
+  for (int64_t j = 0; j < tiles; ++j) {
+    const vf e = exp_nonpositive(load(s + j * W) - mx);
+    store(s + j * W, e);
+    sum += e;
+  }
+  const float inv = 1.f / hsum(sum);
+  for (int64_t j = 0; j < tiles; ++j) store(s + j * W, load(s + j * W) * inv);
+  std::fill(s + tiles * W, s + width, 0.f);
+}
+
+// out_r = sum over keys [0, nkeys) of weight_r[k] * V[k], RV rows at a time.
+template <int NV>
+void weighted_values(const Tile& t, const float* weights, int rows, int64_t nkeys,
+                     float* const* out) {
+  constexpr int RV = NV <= 2 ? 8 : (NV <= 4 ? 6 : (NV <= 8 ? 3 : 1));
+  for (int r0 = 0; r0 < rows; r0 += RV) {
+    const int rn = std::min(RV, rows - r0);
+    vf acc[RV][NV];
+    for (int r = 0; r < RV; ++r)
+      for (int c = 0; c < NV; ++c) acc[r][c] = vf{};
+    for (int64_t k = 0; k < nkeys; ++k) {
+      const float* v = t.v + (int64_t(t.table[k / t.block_size]) * t.block_size
+                              + k % t.block_size) * t.row;
+      vf vv[NV];
+      for (int c = 0; c < NV; ++c) vv[c] = load(v + c * W);
+      for (int r = 0; r < rn; ++r) {
+        const float p = weights[(r0 + r) * t.spad + k];
+        for (int c = 0; c < NV; ++c) acc[r][c] += p * vv[c];
+      }
+    }
+    for (int r = 0; r < rn; ++r)
+      for (int c = 0; c < NV; ++c) store(out[r0 + r] + c * W, acc[r][c]);
+  }
+}
+
+// The tile's rows: row i * group + g is new token i's query head g of this KV head (q and
+// out rows in `scratch`).
+template <int NV>
+void attend_tile(const Tile& t, int64_t group, float scale, Scratch& scratch) {
+  const int rows = static_cast<int>(t.num_pos * group);
+  const int64_t nkeys = t.first_pos + t.num_pos;  // keys the tile's last token sees
+  const int64_t ntiles = (nkeys + W - 1) / W;
+  scratch.scores.resize(static_cast<size_t>(rows) * t.spad);
+  float* scores = scratch.scores.data();
+  score_tiles<NV>(t, scratch.q.data(), rows, ntiles, scale, scores);
+  for (int64_t i = 0; i < t.num_pos; ++i)
+    for (int64_t g = 0; g < group; ++g)
+      softmax_row(scores + (i * group + g) * t.spad, t.first_pos + i + 1, ntiles * W);
+  weighted_values<NV>(t, scores, rows, nkeys, scratch.out.data());
+}
+
+using TileFn = void (*)(const Tile&, int64_t, float, Scratch&);
+
+TileFn tile_fn(int64_t head_dim) {
+  switch (head_dim) {
+    case 16: return attend_tile<1>;
+    case 32: return attend_tile<2>;
+    case 48: return attend_tile<3>;
+    case 64: return attend_tile<4>;
+    case 80: return attend_tile<5>;
+    case 96: return attend_tile<6>;
+    case 112: return attend_tile<7>;
+    case 128: return attend_tile<8>;
+    case 160: return attend_tile<10>;
+    case 192: return attend_tile<12>;
+    case 256: return attend_tile<16>;
+    default: return nullptr;
+  }
+}
+
+struct Item {
+  int64_t seq, head, tile;
+};
+
+}  // namespace
+
+torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache,
+                                      torch::Tensor v_cache, torch::Tensor block_tables,
+                                      torch::Tensor cu_seqlens_q, torch::Tensor seq_lens,
+                                      double scale) {
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kFloat32, "q: float32 [T, H, D]");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
+  TORCH_CHECK(k_cache.scalar_type() == torch::kFloat32 && v_cache.scalar_type() == torch::kFloat32,
+              "caches: float32");
+  TORCH_CHECK(block_tables.scalar_type() == torch::kInt32, "block_tables: int32");
+  q = q.contiguous();
+  block_tables = block_tables.contiguous();
+  const auto cu = cu_seqlens_q.to(torch::kInt64).contiguous();
+  const auto lens = seq_lens.to(torch::kInt64).contiguous();
+  const int64_t num_heads = q.size(1), head_dim = q.size(2);
+  const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
+  const int64_t group = num_heads / num_kv_heads, max_blocks = block_tables.size(1);
+  const int64_t num_seqs = lens.size(0);
+  TORCH_CHECK(num_heads % num_kv_heads == 0 && k_cache.size(3) == head_dim, "head shapes");
+  TORCH_CHECK(cu.size(0) == num_seqs + 1 && block_tables.size(0) == num_seqs,
+              "cu_seqlens_q / block_tables do not match seq_lens");
+  const TileFn attend = tile_fn(head_dim);
+  TORCH_CHECK(attend != nullptr, "head_dim ", head_dim, " unsupported");
+  const int64_t* cup = cu.data_ptr<int64_t>();
+  const int64_t* lp = lens.data_ptr<int64_t>();
+  TORCH_CHECK(cup[0] == 0 && cup[num_seqs] <= q.size(0), "cu_seqlens_q outside q");
+
+  // where each (sequence, KV head)'s transposed K lives, and the work items
+  std::vector<int64_t> spad(num_seqs), kt_offset(num_seqs + 1, 0);
+  std::vector<Item> items;
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t num_new = cup[s + 1] - cup[s];
+    TORCH_CHECK(num_new >= 0 && lp[s] >= num_new, "seq_len shorter than its new tokens");
+    TORCH_CHECK(lp[s] <= max_blocks * block_size, "seq_len outside its block table");
+    spad[s] = (lp[s] + W - 1) / W * W;
+    kt_offset[s + 1] = kt_offset[s] + (num_new > 0 ? num_kv_heads * head_dim * spad[s] : 0);
+    for (int64_t h = 0; h < num_kv_heads; ++h)
+      for (int64_t tile = 0; tile < (num_new + QT - 1) / QT; ++tile) items.push_back({s, h, tile});
+  }
+  std::vector<float> kt(kt_offset[num_seqs]);
+  auto out = torch::zeros_like(q);  // padding rows past cu_seqlens_q[-1] stay zero
+  const float* qp = q.data_ptr<float>();
+  const float* kp = k_cache.data_ptr<float>();
+  const float* vp = v_cache.data_ptr<float>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  float* op = out.data_ptr<float>();
+  const int64_t row = num_kv_heads * head_dim;
+  const float fscale = static_cast<float>(scale);
+  const int64_t pairs = num_seqs * num_kv_heads;
+  const int64_t num_items = static_cast<int64_t>(items.size());
+
+#pragma omp parallel num_threads(at::get_num_threads())
+  {
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t pair = 0; pair < pairs; ++pair) {
+      const int64_t s = pair / num_kv_heads, h = pair % num_kv_heads;
+      if (cup[s + 1] == cup[s]) continue;
+      float* dst = kt.data() + kt_offset[s] + h * head_dim * spad[s];
+      const int32_t* table = tables + s * max_blocks;
+      for (int64_t k = 0; k < lp[s]; ++k) {
+        const float* src = kp + (int64_t(table[k / block_size]) * block_size + k % block_size) * row
+                           + h * head_dim;
+        for (int64_t d = 0; d < head_dim; ++d) dst[d * spad[s] + k] = src[d];
+      }
+      for (int64_t d = 0; d < head_dim; ++d)
+        std::fill(dst + d * spad[s] + lp[s], dst + (d + 1) * spad[s], 0.f);
+    }
+    Scratch scratch;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t n = num_items - 1; n >= 0; --n) {
+      const Item& it = items[n];
+      const int64_t num_new = cup[it.seq + 1] - cup[it.seq];
+      const int64_t first = it.tile * QT, num_pos = std::min<int64_t>(QT, num_new - first);
+      const Tile tile{kt.data() + kt_offset[it.seq] + it.head * head_dim * spad[it.seq],
+                      spad[it.seq], vp + it.head * head_dim, tables + it.seq * max_blocks,
+                      block_size, row, lp[it.seq] - num_new + first, num_pos};
+      scratch.q.resize(num_pos * group);
+      scratch.out.resize(num_pos * group);
+      for (int64_t i = 0; i < num_pos; ++i)
+        for (int64_t g = 0; g < group; ++g) {
+          const int64_t offset = ((cup[it.seq] + first + i) * num_heads + it.head * group + g)
+                                 * head_dim;
+          scratch.q[i * group + g] = qp + offset;
+          scratch.out[i * group + g] = op + offset;
+        }
+      attend(tile, group, fscale, scratch);
+    }
+  }
+  return out;
+}
