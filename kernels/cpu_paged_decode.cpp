@@ -42,6 +42,7 @@ void attend_rows(const Seq& s, const float* q, float* out, float scale, float* s
     for (int c = 0; c < NV; ++c) qv[r][c] = load(q + r * NV * 16 + c * 16);
   for (int64_t t = 0; t < s.len; ++t) {
     const float* k = s.token(s.k, t);
+    if (t + PREFETCH_TOKENS < s.len) prefetch_row(s.token(s.k, t + PREFETCH_TOKENS), NV);
     vf kv[NV];
     for (int c = 0; c < NV; ++c) kv[c] = load(k + c * 16);
     for (int r = 0; r < R; ++r) {
@@ -63,6 +64,7 @@ void attend_rows(const Seq& s, const float* q, float* out, float scale, float* s
     for (int c = 0; c < NV; ++c) acc[r][c] = vf{};
   for (int64_t t = 0; t < s.len; ++t) {
     const float* v = s.token(s.v, t);
+    if (t + PREFETCH_TOKENS < s.len) prefetch_row(s.token(s.v, t + PREFETCH_TOKENS), NV);
     vf vv[NV];
     for (int c = 0; c < NV; ++c) vv[c] = load(v + c * 16);
     for (int r = 0; r < R; ++r) {

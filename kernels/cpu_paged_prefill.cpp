@@ -39,6 +39,9 @@ struct Tile {
   int64_t block_size, row;  // tokens per block, floats between tokens of a block
   int64_t first_pos;     // position of the tile's first new token
   int64_t num_pos;       // new tokens in the tile
+  int64_t offset(int64_t key) const {  // of a key's row in the cache, in floats
+    return (int64_t(table[key / block_size]) * block_size + key % block_size) * row;
+  }
 };
 
 struct Scratch {
@@ -106,8 +109,8 @@ void weighted_values(const Tile& t, const float* weights, int rows, int64_t nkey
     for (int r = 0; r < RV; ++r)
       for (int c = 0; c < NV; ++c) acc[r][c] = vf{};
     for (int64_t k = 0; k < nkeys; ++k) {
-      const float* v = t.v + (int64_t(t.table[k / t.block_size]) * t.block_size
-                              + k % t.block_size) * t.row;
+      const float* v = t.v + t.offset(k);
+      if (k + PREFETCH_TOKENS < nkeys) prefetch_row(t.v + t.offset(k + PREFETCH_TOKENS), NV);
       vf vv[NV];
       for (int c = 0; c < NV; ++c) vv[c] = load(v + c * W);
       for (int r = 0; r < rn; ++r) {
@@ -219,9 +222,13 @@ torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache,
       if (cup[s + 1] == cup[s]) continue;
       float* dst = kt.data() + kt_offset[s] + h * head_dim * spad[s];
       const int32_t* table = tables + s * max_blocks;
+      const auto src_row = [&](int64_t k) {
+        return kp + (int64_t(table[k / block_size]) * block_size + k % block_size) * row
+               + h * head_dim;
+      };
       for (int64_t k = 0; k < lp[s]; ++k) {
-        const float* src = kp + (int64_t(table[k / block_size]) * block_size + k % block_size) * row
-                           + h * head_dim;
+        const float* src = src_row(k);
+        if (k + PREFETCH_TOKENS < lp[s]) prefetch_row(src_row(k + PREFETCH_TOKENS), head_dim / W);
         for (int64_t d = 0; d < head_dim; ++d) dst[d * spad[s] + k] = src[d];
       }
       for (int64_t d = 0; d < head_dim; ++d)
