@@ -5,9 +5,9 @@ per call by the backend. The torch implementation is `kernels.reference` (also t
 oracle), except paged attention, which runs `kernels.torch_attention` (checked against the
 oracle in tests/kernels/attention_oracle.py):
 
-- "auto" (default): Triton for CUDA tensors, torch otherwise, except paged attention on
-  float32 CPU tensors, which runs the C++ kernels `kernels.cpu_paged_attention` where they
-  build;
+- "auto" (default): Triton for CUDA tensors, torch otherwise, except float32 CPU tensors,
+  which run the C++ kernels where they build (`kernels.cpu_extension`): paged attention
+  (`kernels.cpu_paged_attention`) and the layer's elementwise ops (`kernels.cpu_fused_ops`);
 - "triton": always Triton. CPU tensors then run in Triton's interpreter, which triton selects
   from `TRITON_INTERPRET=1` in the environment when the kernels are first imported; without it
   `set_backend("triton")` on a machine without CUDA raises. Ray workers get the variable
@@ -26,7 +26,8 @@ from types import ModuleType
 
 import torch
 
-from kernels import cpu_gemm, cpu_paged_attention, reference, torch_attention
+from kernels import (cpu_extension, cpu_fused_ops, cpu_gemm, cpu_paged_attention, reference,
+                     torch_attention)
 
 __all__ = [
     "BACKENDS",
@@ -76,9 +77,9 @@ def get_backend() -> str:
 
 def prepare(device: str | torch.device, dtype: torch.dtype) -> None:
     """Build now what later calls on `device` in `dtype` will need, so the first forward does
-    not wait for it: the C++ attention for float32 on CPU (compiled once per machine)."""
+    not wait for it: the C++ kernels for float32 on CPU (compiled once per machine)."""
     if _backend == "auto" and torch.device(device).type == "cpu" and dtype == torch.float32:
-        cpu_paged_attention.available()
+        cpu_extension.available()
 
 
 def runtime_env_vars(backend: str, device: str | torch.device) -> dict[str, str]:
@@ -115,6 +116,16 @@ def _triton(name: str) -> ModuleType:
     return module
 
 
+def _elementwise(triton_module: str, *tensors: torch.Tensor) -> ModuleType:
+    """Where an elementwise op on these tensors runs: the Triton module, the C++ CPU ops, or
+    the torch reference."""
+    if _use_triton(tensors[0]):
+        return _triton(triton_module)
+    if _backend == "auto" and cpu_fused_ops.supports(*tensors):
+        return cpu_fused_ops
+    return reference
+
+
 def _use_triton(tensor: torch.Tensor) -> bool:
     if _backend == "torch":
         return False
@@ -149,10 +160,8 @@ def store_kv_cache(
     """Scatter k/v [T, num_kv_heads, head_dim] into paged caches at slots; -1 skipped. In place.
 
     See `reference.store_kv_cache`."""
-    if _use_triton(k):
-        _triton("triton_kv_cache").store_kv_cache(k, v, k_cache, v_cache, slot_mapping)
-    else:
-        reference.store_kv_cache(k, v, k_cache, v_cache, slot_mapping)
+    impl = _elementwise("triton_kv_cache", k, v, k_cache, v_cache)
+    impl.store_kv_cache(k, v, k_cache, v_cache, slot_mapping)
 
 
 def paged_prefill_attention(
@@ -214,13 +223,13 @@ def rms_norm(
     """RMSNorm, fused with the residual add when given -> (out, new_residual).
 
     See `reference.rms_norm`."""
-    impl = _triton("triton_rms_norm") if _use_triton(x) else reference
+    impl = _elementwise("triton_rms_norm", x, weight, *([] if residual is None else [residual]))
     return impl.rms_norm(x, weight, eps, residual)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up for x [..., 2d] = gate | up -> [..., d]. See `reference.silu_and_mul`."""
-    impl = _triton("triton_activation") if _use_triton(x) else reference
+    impl = _elementwise("triton_activation", x)
     return impl.silu_and_mul(x)
 
 
@@ -230,5 +239,5 @@ def rotary_embedding(
     """Rotate-half RoPE of q [T, H, D] and k [T, Hkv, D] in place at `positions`; returns (q, k).
 
     cos_sin_cache [max_position, D] = cos | sin halves. See `reference.rotary_embedding`."""
-    impl = _triton("triton_rotary") if _use_triton(q) else reference
+    impl = _elementwise("triton_rotary", q, k, cos_sin_cache)
     return impl.rotary_embedding(positions, q, k, cos_sin_cache)

@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from engine.attention import AttentionMetadata, paged_attention
-from kernels import cpu_paged_attention
+from kernels import cpu_extension, cpu_paged_attention
 from tests.kernels import attention_oracle
 from tests.kernels.test_torch_attention import (BLOCK_SIZE, HEAD_DIM, NUM_HEADS, NUM_KV_HEADS,
                                                 SCALE, caches, tables)
 
-pytestmark = pytest.mark.skipif(not cpu_paged_attention.available(),
+pytestmark = pytest.mark.skipif(not cpu_extension.available(),
                                 reason="the C++ kernels cannot be built here (no compiler)")
 
 

@@ -1,0 +1,33 @@
+// Python bindings of the C++ CPU kernels (cpu_paged_decode.cpp, cpu_paged_prefill.cpp,
+// cpu_fused_ops.cpp), built together as one extension by kernels/cpu_extension.py.
+#include <torch/extension.h>
+
+#include <tuple>
+
+bool supports_head_dim(int64_t head_dim);
+torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache,
+                                     torch::Tensor v_cache, torch::Tensor block_tables,
+                                     torch::Tensor seq_lens, double scale);
+torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache,
+                                      torch::Tensor v_cache, torch::Tensor block_tables,
+                                      torch::Tensor cu_seqlens_q, torch::Tensor seq_lens,
+                                      double scale);
+
+std::tuple<torch::Tensor, torch::Tensor> fused_add_rms_norm(torch::Tensor x, torch::Tensor weight,
+                                                            double eps,
+                                                            c10::optional<torch::Tensor> residual);
+torch::Tensor silu_and_mul(torch::Tensor x);
+void rotary_embedding(torch::Tensor positions, torch::Tensor q, torch::Tensor k,
+                      torch::Tensor cos_sin_cache);
+void store_kv_cache(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
+                    torch::Tensor slot_mapping);
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("supports_head_dim", &supports_head_dim);
+  m.def("paged_decode_attention", &paged_decode_attention);
+  m.def("paged_prefill_attention", &paged_prefill_attention);
+  m.def("fused_add_rms_norm", &fused_add_rms_norm);
+  m.def("silu_and_mul", &silu_and_mul);
+  m.def("rotary_embedding", &rotary_embedding);
+  m.def("store_kv_cache", &store_kv_cache);
+}

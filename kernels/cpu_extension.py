@@ -1,0 +1,65 @@
+"""The C++ kernels for CPU, built as one extension on first use: paged attention for decode
+(`cpu_paged_decode.cpp`) and prefill (`cpu_paged_prefill.cpp`), and the fused elementwise
+ops of a decoder layer (`cpu_fused_ops.cpp`); `cpu_extension.cpp` binds them.
+
+`torch.utils.cpp_extension.load` compiles them with the machine's C++ compiler into torch's
+extension cache (~/.cache/torch_extensions, or TORCH_EXTENSIONS_DIR), so later processes load
+it without compiling. Where it cannot be built (no compiler, as in a slim image) `module()` is
+None, with one warning, and callers keep the torch paths (`kernels.torch_attention`,
+`kernels.reference`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import threading
+from types import ModuleType
+
+log = logging.getLogger(__name__)
+
+_lock = threading.Lock()
+_module: ModuleType | None = None
+_failed = False
+#: compiled together (cpu_vec.h, which the kernels include, is tracked by ninja's deps)
+_SOURCES = ("cpu_extension.cpp", "cpu_paged_decode.cpp", "cpu_paged_prefill.cpp",
+            "cpu_fused_ops.cpp")
+
+
+def module() -> ModuleType | None:
+    """The built extension (building it now on the first call), or None where it cannot be
+    built."""
+    global _module, _failed
+    if _module is not None or _failed:  # every kernel call asks: no lock once known
+        return _module
+    with _lock:
+        if _module is None and not _failed:
+            if shutil.which(os.environ.get("CXX", "c++")) is None:
+                _failed = True
+                log.warning("no C++ compiler: CPU attention and layer ops run the slower torch "
+                            "paths")
+                return None
+            from torch.utils import cpp_extension
+
+            here = os.path.dirname(__file__)
+            sources = [os.path.join(here, name) for name in _SOURCES]
+            try:
+                _module = cpp_extension.load(
+                    "pdcluster_cpu_kernels", sources,
+                    extra_cflags=["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math",
+                                  "-fassociative-math", "-fno-signed-zeros", "-fopenmp"],
+                    # ATen's parallel_for is inlined here: without OpenMP it runs on one
+                    # thread. The library resolves to the libgomp torch has loaded (same
+                    # soname), so torch's thread count applies.
+                    extra_ldflags=["-fopenmp"], verbose=False)
+            except (RuntimeError, OSError, ImportError) as exc:
+                _failed = True
+                log.warning("building the C++ CPU kernels failed (%s): CPU attention and layer "
+                            "ops run the slower torch paths", exc)
+        return _module
+
+
+def available() -> bool:
+    """Whether the extension is built (building it now on the first call)."""
+    return module() is not None
