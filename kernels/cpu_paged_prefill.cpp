@@ -30,6 +30,7 @@ using namespace pdc;
 
 constexpr int QT = 16;  // new tokens per work item
 constexpr int RC = 12;  // rows per pass of the score GEMM (accumulators in registers)
+constexpr int64_t KT_BUDGET = int64_t(1) << 24;  // floats of transposed K held at once (64 MiB)
 
 struct Tile {
   const float* kt;       // K of this sequence and KV head, transposed: [head_dim][spad]
@@ -190,19 +191,13 @@ torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache,
   const int64_t* lp = lens.data_ptr<int64_t>();
   TORCH_CHECK(cup[0] == 0 && cup[num_seqs] <= q.size(0), "cu_seqlens_q outside q");
 
-  // where each (sequence, KV head)'s transposed K lives, and the work items
-  std::vector<int64_t> spad(num_seqs), kt_offset(num_seqs + 1, 0);
-  std::vector<Item> items;
+  std::vector<int64_t> spad(num_seqs);  // keys per row of a transposed K
   for (int64_t s = 0; s < num_seqs; ++s) {
     const int64_t num_new = cup[s + 1] - cup[s];
     TORCH_CHECK(num_new >= 0 && lp[s] >= num_new, "seq_len shorter than its new tokens");
     TORCH_CHECK(lp[s] <= max_blocks * block_size, "seq_len outside its block table");
-    spad[s] = (lp[s] + W - 1) / W * W;
-    kt_offset[s + 1] = kt_offset[s] + (num_new > 0 ? num_kv_heads * head_dim * spad[s] : 0);
-    for (int64_t h = 0; h < num_kv_heads; ++h)
-      for (int64_t tile = 0; tile < (num_new + QT - 1) / QT; ++tile) items.push_back({s, h, tile});
+    spad[s] = num_new > 0 ? (lp[s] + W - 1) / W * W : 0;  // no K copy without new tokens
   }
-  std::vector<float> kt(kt_offset[num_seqs]);
   auto out = torch::zeros_like(q);  // padding rows past cu_seqlens_q[-1] stay zero
   const float* qp = q.data_ptr<float>();
   const float* kp = k_cache.data_ptr<float>();
@@ -211,49 +206,73 @@ torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache,
   float* op = out.data_ptr<float>();
   const int64_t row = num_kv_heads * head_dim;
   const float fscale = static_cast<float>(scale);
-  const int64_t pairs = num_seqs * num_kv_heads;
-  const int64_t num_items = static_cast<int64_t>(items.size());
+  const int64_t kt_per_key = num_kv_heads * head_dim;
+
+  // Sequences go in groups whose transposed K fits KT_BUDGET floats (a longer one alone), so
+  // a batch of long cached prefixes never holds a second copy of all their K at once.
+  std::vector<float> kt;
+  std::vector<int64_t> kt_offset;
+  std::vector<Item> items;
+  for (int64_t first_seq = 0; first_seq < num_seqs;) {
+    int64_t end_seq = first_seq, floats = 0;
+    kt_offset.assign(1, 0);
+    items.clear();
+    while (end_seq < num_seqs
+           && (end_seq == first_seq || floats + kt_per_key * spad[end_seq] <= KT_BUDGET)) {
+      floats += kt_per_key * spad[end_seq];
+      kt_offset.push_back(floats);
+      const int64_t num_new = cup[end_seq + 1] - cup[end_seq];
+      for (int64_t h = 0; h < num_kv_heads; ++h)
+        for (int64_t tile = 0; tile < (num_new + QT - 1) / QT; ++tile)
+          items.push_back({end_seq, h, tile});
+      ++end_seq;
+    }
+    kt.resize(floats);
+    const int64_t pairs = (end_seq - first_seq) * num_kv_heads;
+    const int64_t num_items = static_cast<int64_t>(items.size());
 
 #pragma omp parallel num_threads(at::get_num_threads())
-  {
+    {
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t pair = 0; pair < pairs; ++pair) {
-      const int64_t s = pair / num_kv_heads, h = pair % num_kv_heads;
-      if (cup[s + 1] == cup[s]) continue;
-      float* dst = kt.data() + kt_offset[s] + h * head_dim * spad[s];
-      const int32_t* table = tables + s * max_blocks;
-      const auto src_row = [&](int64_t k) {
-        return kp + (int64_t(table[k / block_size]) * block_size + k % block_size) * row
-               + h * head_dim;
-      };
-      for (int64_t k = 0; k < lp[s]; ++k) {
-        const float* src = src_row(k);
-        if (k + PREFETCH_TOKENS < lp[s]) prefetch_row(src_row(k + PREFETCH_TOKENS), head_dim / W);
-        for (int64_t d = 0; d < head_dim; ++d) dst[d * spad[s] + k] = src[d];
-      }
-      for (int64_t d = 0; d < head_dim; ++d)
-        std::fill(dst + d * spad[s] + lp[s], dst + (d + 1) * spad[s], 0.f);
-    }
-    Scratch scratch;
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t n = num_items - 1; n >= 0; --n) {
-      const Item& it = items[n];
-      const int64_t num_new = cup[it.seq + 1] - cup[it.seq];
-      const int64_t first = it.tile * QT, num_pos = std::min<int64_t>(QT, num_new - first);
-      const Tile tile{kt.data() + kt_offset[it.seq] + it.head * head_dim * spad[it.seq],
-                      spad[it.seq], vp + it.head * head_dim, tables + it.seq * max_blocks,
-                      block_size, row, lp[it.seq] - num_new + first, num_pos};
-      scratch.q.resize(num_pos * group);
-      scratch.out.resize(num_pos * group);
-      for (int64_t i = 0; i < num_pos; ++i)
-        for (int64_t g = 0; g < group; ++g) {
-          const int64_t offset = ((cup[it.seq] + first + i) * num_heads + it.head * group + g)
-                                 * head_dim;
-          scratch.q[i * group + g] = qp + offset;
-          scratch.out[i * group + g] = op + offset;
+      for (int64_t pair = 0; pair < pairs; ++pair) {
+        const int64_t s = first_seq + pair / num_kv_heads, h = pair % num_kv_heads;
+        if (spad[s] == 0) continue;
+        float* dst = kt.data() + kt_offset[s - first_seq] + h * head_dim * spad[s];
+        const int32_t* table = tables + s * max_blocks;
+        const auto src_row = [&](int64_t k) {
+          return kp + (int64_t(table[k / block_size]) * block_size + k % block_size) * row
+                 + h * head_dim;
+        };
+        for (int64_t k = 0; k < lp[s]; ++k) {
+          const float* src = src_row(k);
+          if (k + PREFETCH_TOKENS < lp[s]) prefetch_row(src_row(k + PREFETCH_TOKENS), head_dim / W);
+          for (int64_t d = 0; d < head_dim; ++d) dst[d * spad[s] + k] = src[d];
         }
-      attend(tile, group, fscale, scratch);
+        for (int64_t d = 0; d < head_dim; ++d)
+          std::fill(dst + d * spad[s] + lp[s], dst + (d + 1) * spad[s], 0.f);
+      }
+      Scratch scratch;
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t n = num_items - 1; n >= 0; --n) {
+        const Item& it = items[n];
+        const int64_t num_new = cup[it.seq + 1] - cup[it.seq];
+        const int64_t first = it.tile * QT, num_pos = std::min<int64_t>(QT, num_new - first);
+        const Tile tile{kt.data() + kt_offset[it.seq - first_seq] + it.head * head_dim * spad[it.seq],
+                        spad[it.seq], vp + it.head * head_dim, tables + it.seq * max_blocks,
+                        block_size, row, lp[it.seq] - num_new + first, num_pos};
+        scratch.q.resize(num_pos * group);
+        scratch.out.resize(num_pos * group);
+        for (int64_t i = 0; i < num_pos; ++i)
+          for (int64_t g = 0; g < group; ++g) {
+            const int64_t offset = ((cup[it.seq] + first + i) * num_heads + it.head * group + g)
+                                   * head_dim;
+            scratch.q[i * group + g] = qp + offset;
+            scratch.out[i * group + g] = op + offset;
+          }
+        attend(tile, group, fscale, scratch);
+      }
     }
+    first_seq = end_seq;
   }
   return out;
 }

@@ -107,6 +107,27 @@ def test_prefill_every_head_layout_matches_the_oracle_at_any_thread_count(
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
+def test_prefill_over_long_cached_prefixes_matches_the_oracle():
+    """Three 30k-token sequences with a few new tokens each: more transposed K than the
+    kernel holds at once, so it works through them in groups."""
+    gen = torch.Generator().manual_seed(3)
+    block_size, num_kv_heads, head_dim = 16, 4, 64
+    seq_lens, num_new = [30000, 30000, 30001], [2, 3, 1]
+    blocks = [-(-n // block_size) for n in seq_lens]
+    shape = (sum(blocks), block_size, num_kv_heads, head_dim)
+    k_cache, v_cache = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
+    perm = torch.randperm(sum(blocks), generator=gen).to(torch.int32)
+    table = torch.zeros(3, max(blocks), dtype=torch.int32)
+    for row, ids in enumerate(perm.split(blocks)):
+        table[row, :len(ids)] = ids
+    cu = torch.tensor([0, 2, 5, 6], dtype=torch.int32)
+    q = 4 * torch.randn(6, 12, head_dim, generator=gen)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    want = attention_oracle.paged_prefill_attention(q, k_cache, v_cache, table, cu, lens, 0.125)
+    got = cpu_paged_attention.paged_prefill_attention(q, k_cache, v_cache, table, cu, lens, 0.125)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
 def test_prefill_refuses_a_seq_len_shorter_than_its_new_tokens():
     k_cache, v_cache = caches()
     with pytest.raises(RuntimeError, match="shorter than its new tokens"):
