@@ -7,12 +7,13 @@
 // item: the rows of up to QT new tokens times the query heads of one KV head, against key
 // tiles of 16 tokens. Each (sequence, KV head) first copies its K transposed ([head_dim][len])
 // so one vector load gives one dimension of 16 keys, which every row's accumulator takes by
-// a broadcast FMA; the transpose costs one read of K and serves all of the sequence's rows.
+// a broadcast FMA; the transpose costs one read of K and serves all of the sequence's rows
+// (sequences are taken in groups whose copies fit KT_BUDGET).
 // Then, per row, a softmax over its visible keys (bottom-right causal: new token i of L, in a
 // sequence of S, sees keys 0..S-L+i), and the weighted sum of V streamed token by token from
 // the cache blocks, a few rows' accumulators in registers at a time. Two passes over the
-// scores instead of an online softmax: a row's scores fit in cache at any context the engine
-// runs. All math in float32. Items are claimed dynamically by the threads (OpenMP, at torch's
+// scores instead of an online softmax: a tile's scores (48 rows of a 32k-token context are
+// 6 MiB) stay in the last-level cache between the passes. All math in float32. Items are claimed dynamically by the threads (OpenMP, at torch's
 // thread count), largest first, since later tiles of a sequence see more keys.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
