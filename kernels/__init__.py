@@ -5,9 +5,10 @@ per call by the backend. The torch implementation is `kernels.reference` (also t
 oracle), except paged attention, which runs `kernels.torch_attention` (checked against the
 oracle in tests/kernels/attention_oracle.py):
 
-- "auto" (default): Triton for CUDA tensors, torch otherwise, except float32 CPU tensors,
-  which run the C++ kernels where they build (`kernels.cpu_extension`): paged attention
-  (`kernels.cpu_paged_attention`) and the layer's elementwise ops (`kernels.cpu_fused_ops`);
+- "auto" (default): Triton for CUDA tensors, torch otherwise, except CPU tensors that the C++
+  kernels take where they build (`kernels.cpu_extension`): paged attention in float32 or
+  bfloat16 (`kernels.cpu_paged_attention`) and the layer's elementwise ops in float32
+  (`kernels.cpu_fused_ops`);
 - "triton": always Triton. CPU tensors then run in Triton's interpreter, which triton selects
   from `TRITON_INTERPRET=1` in the environment when the kernels are first imported; without it
   `set_backend("triton")` on a machine without CUDA raises. Ray workers get the variable
@@ -77,8 +78,8 @@ def get_backend() -> str:
 
 def prepare(device: str | torch.device, dtype: torch.dtype) -> None:
     """Build now what later calls on `device` in `dtype` will need, so the first forward does
-    not wait for it: the C++ kernels for float32 on CPU (compiled once per machine)."""
-    if _backend == "auto" and torch.device(device).type == "cpu" and dtype == torch.float32:
+    not wait for it: the C++ kernels for CPU (compiled once per machine)."""
+    if _backend == "auto" and torch.device(device).type == "cpu":
         cpu_extension.available()
 
 

@@ -23,26 +23,27 @@ namespace {
 
 using namespace pdc;
 
+template <typename T>
 struct Seq {
-  const float* k;        // the cache's K, offset to this KV head
-  const float* v;        // the cache's V, offset to this KV head
+  const T* k;            // the cache's K, offset to this KV head
+  const T* v;            // the cache's V, offset to this KV head
   const int32_t* table;  // this sequence's block table
-  int64_t len, block_size, row;  // tokens, tokens per block, floats between tokens
-  const float* token(const float* base, int64_t t) const {
+  int64_t len, block_size, row;  // tokens, tokens per block, elements between tokens
+  const T* token(const T* base, int64_t t) const {
     return base + (int64_t(table[t / block_size]) * block_size + t % block_size) * row;
   }
 };
 
 // R query rows of one KV head with head_dim = NV * 16: q rows at q (head_dim apart), out rows
 // likewise; scores: scratch of R * len floats.
-template <int NV, int R>
-void attend_rows(const Seq& s, const float* q, float* out, float scale, float* scores) {
+template <int NV, int R, typename T>
+void attend_rows(const Seq<T>& s, const T* q, T* out, float scale, float* scores) {
   vf qv[R][NV];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < NV; ++c) qv[r][c] = load(q + r * NV * 16 + c * 16);
   for (int64_t t = 0; t < s.len; ++t) {
-    const float* k = s.token(s.k, t);
-    if (t + PREFETCH_TOKENS < s.len) prefetch_row(s.token(s.k, t + PREFETCH_TOKENS), NV);
+    const T* k = s.token(s.k, t);
+    if (t + PREFETCH_TOKENS < s.len) prefetch_row(s.token(s.k, t + PREFETCH_TOKENS), NV * W);
     vf kv[NV];
     for (int c = 0; c < NV; ++c) kv[c] = load(k + c * 16);
     for (int r = 0; r < R; ++r) {
@@ -63,8 +64,8 @@ void attend_rows(const Seq& s, const float* q, float* out, float scale, float* s
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < NV; ++c) acc[r][c] = vf{};
   for (int64_t t = 0; t < s.len; ++t) {
-    const float* v = s.token(s.v, t);
-    if (t + PREFETCH_TOKENS < s.len) prefetch_row(s.token(s.v, t + PREFETCH_TOKENS), NV);
+    const T* v = s.token(s.v, t);
+    if (t + PREFETCH_TOKENS < s.len) prefetch_row(s.token(s.v, t + PREFETCH_TOKENS), NV * W);
     vf vv[NV];
     for (int c = 0; c < NV; ++c) vv[c] = load(v + c * 16);
     for (int r = 0; r < R; ++r) {
@@ -78,54 +79,54 @@ void attend_rows(const Seq& s, const float* q, float* out, float scale, float* s
 
 // All `group` query rows of one KV head, up to RMAX at a time (so rows x head_dim of
 // accumulators fit in the vector registers): each pass over K and V serves that many rows.
-template <int NV>
-void attend_head(const Seq& s, const float* q, float* out, int64_t group, float scale,
+template <int NV, typename T>
+void attend_head(const Seq<T>& s, const T* q, T* out, int64_t group, float scale,
                  float* scores) {
   constexpr int RMAX = NV <= 4 ? 4 : (NV <= 8 ? 2 : 1);
   for (int64_t r = 0; r < group;) {
     const int64_t rows = std::min<int64_t>(RMAX, group - r);
-    const float* qr = q + r * NV * 16;
-    float* o = out + r * NV * 16;
+    const T* qr = q + r * NV * 16;
+    T* o = out + r * NV * 16;
     switch (rows) {
-      case 4: attend_rows<NV, (RMAX >= 4 ? 4 : 1)>(s, qr, o, scale, scores); break;
-      case 3: attend_rows<NV, (RMAX >= 3 ? 3 : 1)>(s, qr, o, scale, scores); break;
-      case 2: attend_rows<NV, (RMAX >= 2 ? 2 : 1)>(s, qr, o, scale, scores); break;
-      default: attend_rows<NV, 1>(s, qr, o, scale, scores); break;
+      case 4: attend_rows<NV, (RMAX >= 4 ? 4 : 1), T>(s, qr, o, scale, scores); break;
+      case 3: attend_rows<NV, (RMAX >= 3 ? 3 : 1), T>(s, qr, o, scale, scores); break;
+      case 2: attend_rows<NV, (RMAX >= 2 ? 2 : 1), T>(s, qr, o, scale, scores); break;
+      default: attend_rows<NV, 1, T>(s, qr, o, scale, scores); break;
     }
     r += rows;
   }
 }
 
-using HeadFn = void (*)(const Seq&, const float*, float*, int64_t, float, float*);
+template <typename T>
+using HeadFn = void (*)(const Seq<T>&, const T*, T*, int64_t, float, float*);
 
-HeadFn head_fn(int64_t head_dim) {
+template <typename T>
+HeadFn<T> head_fn(int64_t head_dim) {
   switch (head_dim) {
-    case 16: return attend_head<1>;
-    case 32: return attend_head<2>;
-    case 48: return attend_head<3>;
-    case 64: return attend_head<4>;
-    case 80: return attend_head<5>;
-    case 96: return attend_head<6>;
-    case 112: return attend_head<7>;
-    case 128: return attend_head<8>;
-    case 160: return attend_head<10>;
-    case 192: return attend_head<12>;
-    case 256: return attend_head<16>;
+    case 16: return attend_head<1, T>;
+    case 32: return attend_head<2, T>;
+    case 48: return attend_head<3, T>;
+    case 64: return attend_head<4, T>;
+    case 80: return attend_head<5, T>;
+    case 96: return attend_head<6, T>;
+    case 112: return attend_head<7, T>;
+    case 128: return attend_head<8, T>;
+    case 160: return attend_head<10, T>;
+    case 192: return attend_head<12, T>;
+    case 256: return attend_head<16, T>;
     default: return nullptr;
   }
 }
 
 }  // namespace
 
-bool supports_head_dim(int64_t head_dim) { return head_fn(head_dim) != nullptr; }
+bool supports_head_dim(int64_t head_dim) { return head_fn<float>(head_dim) != nullptr; }
 
-torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache,
-                                     torch::Tensor v_cache, torch::Tensor block_tables,
-                                     torch::Tensor seq_lens, double scale) {
-  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kFloat32, "q: float32 [S, H, D]");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
-  TORCH_CHECK(k_cache.scalar_type() == torch::kFloat32 && v_cache.scalar_type() == torch::kFloat32,
-              "caches: float32");
+namespace {
+
+template <typename T>
+torch::Tensor decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                     torch::Tensor block_tables, torch::Tensor seq_lens, double scale) {
   TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && seq_lens.scalar_type() == torch::kInt32,
               "block_tables, seq_lens: int32");
   q = q.contiguous();
@@ -135,16 +136,16 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache,
   const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
   const int64_t group = num_heads / num_kv_heads, max_blocks = block_tables.size(1);
   TORCH_CHECK(num_heads % num_kv_heads == 0 && k_cache.size(3) == head_dim, "head shapes");
-  const HeadFn attend = head_fn(head_dim);
+  const HeadFn<T> attend = head_fn<T>(head_dim);
   TORCH_CHECK(attend != nullptr, "head_dim ", head_dim, " unsupported");
   auto out = torch::empty_like(q);
-  const float* qp = q.data_ptr<float>();
-  const float* kp = k_cache.data_ptr<float>();
-  const float* vp = v_cache.data_ptr<float>();
+  const T* qp = q.data_ptr<T>();
+  const T* kp = k_cache.data_ptr<T>();
+  const T* vp = v_cache.data_ptr<T>();
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
-  float* op = out.data_ptr<float>();
-  const int64_t row = num_kv_heads * head_dim;  // floats between consecutive tokens of a block
+  T* op = out.data_ptr<T>();
+  const int64_t row = num_kv_heads * head_dim;  // elements between consecutive tokens of a block
   const float fscale = static_cast<float>(scale);
 
   // Work item = (sequence, run of KV heads): few items (one per sequence) when the batch alone
@@ -162,7 +163,7 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache,
       TORCH_CHECK(len >= 1 && len <= max_blocks * block_size, "seq_len outside its block table");
       scores.resize(4 * len);
       for (int64_t h = h0; h < h1; ++h) {
-        const Seq s{kp + h * head_dim, vp + h * head_dim, tables + seq * max_blocks, len,
+        const Seq<T> s{kp + h * head_dim, vp + h * head_dim, tables + seq * max_blocks, len,
                     block_size, row};
         const int64_t offset = (seq * num_heads + h * group) * head_dim;
         attend(s, qp + offset, op + offset, group, fscale, scores.data());
@@ -170,4 +171,20 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache,
     }
   });
   return out;
+}
+
+}  // namespace
+
+torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache,
+                                     torch::Tensor v_cache, torch::Tensor block_tables,
+                                     torch::Tensor seq_lens, double scale) {
+  const auto dtype = q.scalar_type();
+  TORCH_CHECK(q.dim() == 3 && (dtype == torch::kFloat32 || dtype == torch::kBFloat16),
+              "q: float32 or bfloat16 [S, H, D]");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
+  TORCH_CHECK(k_cache.scalar_type() == dtype && v_cache.scalar_type() == dtype,
+              "caches: q's dtype");
+  if (dtype == torch::kBFloat16)
+    return decode<c10::BFloat16>(q, k_cache, v_cache, block_tables, seq_lens, scale);
+  return decode<float>(q, k_cache, v_cache, block_tables, seq_lens, scale);
 }

@@ -33,28 +33,30 @@ constexpr int QT = 16;  // new tokens per work item
 constexpr int RC = 12;  // rows per pass of the score GEMM (accumulators in registers)
 constexpr int64_t KT_BUDGET = int64_t(1) << 24;  // floats of transposed K held at once (64 MiB)
 
+template <typename T>
 struct Tile {
   const float* kt;       // K of this sequence and KV head, transposed: [head_dim][spad]
   int64_t spad;          // keys per row of kt: seq_len rounded up to a vector
-  const float* v;        // the cache's V, offset to this KV head
+  const T* v;            // the cache's V, offset to this KV head
   const int32_t* table;  // this sequence's block table
-  int64_t block_size, row;  // tokens per block, floats between tokens of a block
+  int64_t block_size, row;  // tokens per block, elements between tokens of a block
   int64_t first_pos;     // position of the tile's first new token
   int64_t num_pos;       // new tokens in the tile
-  int64_t offset(int64_t key) const {  // of a key's row in the cache, in floats
+  int64_t offset(int64_t key) const {  // of a key's row in the cache, in elements
     return (int64_t(table[key / block_size]) * block_size + key % block_size) * row;
   }
 };
 
+template <typename T>
 struct Scratch {
   std::vector<float> scores;
-  std::vector<const float*> q;
-  std::vector<float*> out;
+  std::vector<const T*> q;
+  std::vector<T*> out;
 };
 
 // scores[r][16j..16j+16) = scale * q_r . K[16j..16j+16) for key tiles j < ntiles.
-template <int NV>
-void score_tiles(const Tile& t, const float* const* q, int rows, int64_t ntiles, float scale,
+template <int NV, typename T>
+void score_tiles(const Tile<T>& t, const T* const* q, int rows, int64_t ntiles, float scale,
                  float* scores) {
   for (int64_t j = 0; j < ntiles; ++j) {
     const float* kt = t.kt + j * W;
@@ -65,12 +67,12 @@ void score_tiles(const Tile& t, const float* const* q, int rows, int64_t ntiles,
       if (rn == RC) {  // the common case, unrolled at compile time
         for (int d = 0; d < NV * W; ++d) {
           const vf k = load(kt + d * t.spad);
-          for (int r = 0; r < RC; ++r) acc[r] += q[r0 + r][d] * k;
+          for (int r = 0; r < RC; ++r) acc[r] += static_cast<float>(q[r0 + r][d]) * k;
         }
       } else {
         for (int d = 0; d < NV * W; ++d) {
           const vf k = load(kt + d * t.spad);
-          for (int r = 0; r < rn; ++r) acc[r] += q[r0 + r][d] * k;
+          for (int r = 0; r < rn; ++r) acc[r] += static_cast<float>(q[r0 + r][d]) * k;
         }
       }
       for (int r = 0; r < rn; ++r) store(scores + (r0 + r) * t.spad + j * W, acc[r] * scale);
@@ -101,9 +103,9 @@ void softmax_row(float* s, int64_t visible, int64_t width) {
 }
 
 // out_r = sum over keys [0, nkeys) of weight_r[k] * V[k], RV rows at a time.
-template <int NV>
-void weighted_values(const Tile& t, const float* weights, int rows, int64_t nkeys,
-                     float* const* out) {
+template <int NV, typename T>
+void weighted_values(const Tile<T>& t, const float* weights, int rows, int64_t nkeys,
+                     T* const* out) {
   constexpr int RV = NV <= 2 ? 8 : (NV <= 4 ? 6 : (NV <= 8 ? 3 : 1));
   for (int r0 = 0; r0 < rows; r0 += RV) {
     const int rn = std::min(RV, rows - r0);
@@ -111,8 +113,8 @@ void weighted_values(const Tile& t, const float* weights, int rows, int64_t nkey
     for (int r = 0; r < RV; ++r)
       for (int c = 0; c < NV; ++c) acc[r][c] = vf{};
     for (int64_t k = 0; k < nkeys; ++k) {
-      const float* v = t.v + t.offset(k);
-      if (k + PREFETCH_TOKENS < nkeys) prefetch_row(t.v + t.offset(k + PREFETCH_TOKENS), NV);
+      const T* v = t.v + t.offset(k);
+      if (k + PREFETCH_TOKENS < nkeys) prefetch_row(t.v + t.offset(k + PREFETCH_TOKENS), NV * W);
       vf vv[NV];
       for (int c = 0; c < NV; ++c) vv[c] = load(v + c * W);
       for (int r = 0; r < rn; ++r) {
@@ -127,35 +129,37 @@ void weighted_values(const Tile& t, const float* weights, int rows, int64_t nkey
 
 // The tile's rows: row i * group + g is new token i's query head g of this KV head (q and
 // out rows in `scratch`).
-template <int NV>
-void attend_tile(const Tile& t, int64_t group, float scale, Scratch& scratch) {
+template <int NV, typename T>
+void attend_tile(const Tile<T>& t, int64_t group, float scale, Scratch<T>& scratch) {
   const int rows = static_cast<int>(t.num_pos * group);
   const int64_t nkeys = t.first_pos + t.num_pos;  // keys the tile's last token sees
   const int64_t ntiles = (nkeys + W - 1) / W;
   scratch.scores.resize(static_cast<size_t>(rows) * t.spad);
   float* scores = scratch.scores.data();
-  score_tiles<NV>(t, scratch.q.data(), rows, ntiles, scale, scores);
+  score_tiles<NV, T>(t, scratch.q.data(), rows, ntiles, scale, scores);
   for (int64_t i = 0; i < t.num_pos; ++i)
     for (int64_t g = 0; g < group; ++g)
       softmax_row(scores + (i * group + g) * t.spad, t.first_pos + i + 1, ntiles * W);
-  weighted_values<NV>(t, scores, rows, nkeys, scratch.out.data());
+  weighted_values<NV, T>(t, scores, rows, nkeys, scratch.out.data());
 }
 
-using TileFn = void (*)(const Tile&, int64_t, float, Scratch&);
+template <typename T>
+using TileFn = void (*)(const Tile<T>&, int64_t, float, Scratch<T>&);
 
-TileFn tile_fn(int64_t head_dim) {
+template <typename T>
+TileFn<T> tile_fn(int64_t head_dim) {
   switch (head_dim) {
-    case 16: return attend_tile<1>;
-    case 32: return attend_tile<2>;
-    case 48: return attend_tile<3>;
-    case 64: return attend_tile<4>;
-    case 80: return attend_tile<5>;
-    case 96: return attend_tile<6>;
-    case 112: return attend_tile<7>;
-    case 128: return attend_tile<8>;
-    case 160: return attend_tile<10>;
-    case 192: return attend_tile<12>;
-    case 256: return attend_tile<16>;
+    case 16: return attend_tile<1, T>;
+    case 32: return attend_tile<2, T>;
+    case 48: return attend_tile<3, T>;
+    case 64: return attend_tile<4, T>;
+    case 80: return attend_tile<5, T>;
+    case 96: return attend_tile<6, T>;
+    case 112: return attend_tile<7, T>;
+    case 128: return attend_tile<8, T>;
+    case 160: return attend_tile<10, T>;
+    case 192: return attend_tile<12, T>;
+    case 256: return attend_tile<16, T>;
     default: return nullptr;
   }
 }
@@ -164,16 +168,10 @@ struct Item {
   int64_t seq, head, tile;
 };
 
-}  // namespace
-
-torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache,
-                                      torch::Tensor v_cache, torch::Tensor block_tables,
-                                      torch::Tensor cu_seqlens_q, torch::Tensor seq_lens,
-                                      double scale) {
-  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kFloat32, "q: float32 [T, H, D]");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
-  TORCH_CHECK(k_cache.scalar_type() == torch::kFloat32 && v_cache.scalar_type() == torch::kFloat32,
-              "caches: float32");
+template <typename T>
+torch::Tensor prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                      torch::Tensor block_tables, torch::Tensor cu_seqlens_q,
+                      torch::Tensor seq_lens, double scale) {
   TORCH_CHECK(block_tables.scalar_type() == torch::kInt32, "block_tables: int32");
   q = q.contiguous();
   block_tables = block_tables.contiguous();
@@ -186,7 +184,7 @@ torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache,
   TORCH_CHECK(num_heads % num_kv_heads == 0 && k_cache.size(3) == head_dim, "head shapes");
   TORCH_CHECK(cu.size(0) == num_seqs + 1 && block_tables.size(0) == num_seqs,
               "cu_seqlens_q / block_tables do not match seq_lens");
-  const TileFn attend = tile_fn(head_dim);
+  const TileFn<T> attend = tile_fn<T>(head_dim);
   TORCH_CHECK(attend != nullptr, "head_dim ", head_dim, " unsupported");
   const int64_t* cup = cu.data_ptr<int64_t>();
   const int64_t* lp = lens.data_ptr<int64_t>();
@@ -200,11 +198,11 @@ torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache,
     spad[s] = num_new > 0 ? (lp[s] + W - 1) / W * W : 0;  // no K copy without new tokens
   }
   auto out = torch::zeros_like(q);  // padding rows past cu_seqlens_q[-1] stay zero
-  const float* qp = q.data_ptr<float>();
-  const float* kp = k_cache.data_ptr<float>();
-  const float* vp = v_cache.data_ptr<float>();
+  const T* qp = q.data_ptr<T>();
+  const T* kp = k_cache.data_ptr<T>();
+  const T* vp = v_cache.data_ptr<T>();
   const int32_t* tables = block_tables.data_ptr<int32_t>();
-  float* op = out.data_ptr<float>();
+  T* op = out.data_ptr<T>();
   const int64_t row = num_kv_heads * head_dim;
   const float fscale = static_cast<float>(scale);
   const int64_t kt_per_key = num_kv_heads * head_dim;
@@ -245,20 +243,20 @@ torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache,
                  + h * head_dim;
         };
         for (int64_t k = 0; k < lp[s]; ++k) {
-          const float* src = src_row(k);
-          if (k + PREFETCH_TOKENS < lp[s]) prefetch_row(src_row(k + PREFETCH_TOKENS), head_dim / W);
-          for (int64_t d = 0; d < head_dim; ++d) dst[d * spad[s] + k] = src[d];
+          const T* src = src_row(k);
+          if (k + PREFETCH_TOKENS < lp[s]) prefetch_row(src_row(k + PREFETCH_TOKENS), head_dim);
+          for (int64_t d = 0; d < head_dim; ++d) dst[d * spad[s] + k] = static_cast<float>(src[d]);
         }
         for (int64_t d = 0; d < head_dim; ++d)
           std::fill(dst + d * spad[s] + lp[s], dst + (d + 1) * spad[s], 0.f);
       }
-      Scratch scratch;
+      Scratch<T> scratch;
 #pragma omp for schedule(dynamic, 1)
       for (int64_t n = num_items - 1; n >= 0; --n) {
         const Item& it = items[n];
         const int64_t num_new = cup[it.seq + 1] - cup[it.seq];
         const int64_t first = it.tile * QT, num_pos = std::min<int64_t>(QT, num_new - first);
-        const Tile tile{kt.data() + kt_offset[it.seq - first_seq] + it.head * head_dim * spad[it.seq],
+        const Tile<T> tile{kt.data() + kt_offset[it.seq - first_seq] + it.head * head_dim * spad[it.seq],
                         spad[it.seq], vp + it.head * head_dim, tables + it.seq * max_blocks,
                         block_size, row, lp[it.seq] - num_new + first, num_pos};
         scratch.q.resize(num_pos * group);
@@ -276,4 +274,22 @@ torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache,
     first_seq = end_seq;
   }
   return out;
+}
+
+}  // namespace
+
+torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache,
+                                      torch::Tensor v_cache, torch::Tensor block_tables,
+                                      torch::Tensor cu_seqlens_q, torch::Tensor seq_lens,
+                                      double scale) {
+  const auto dtype = q.scalar_type();
+  TORCH_CHECK(q.dim() == 3 && (dtype == torch::kFloat32 || dtype == torch::kBFloat16),
+              "q: float32 or bfloat16 [T, H, D]");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
+  TORCH_CHECK(k_cache.scalar_type() == dtype && v_cache.scalar_type() == dtype,
+              "caches: q's dtype");
+  if (dtype == torch::kBFloat16)
+    return prefill<c10::BFloat16>(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens,
+                                  scale);
+  return prefill<float>(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale);
 }

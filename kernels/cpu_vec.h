@@ -3,6 +3,8 @@
 // narrower units elsewhere, and a call-free exp, so the loops around it vectorize.
 #pragma once
 
+#include <c10/util/BFloat16.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -12,6 +14,8 @@ namespace pdc {
 
 typedef float vf __attribute__((vector_size(64)));
 typedef int32_t vi __attribute__((vector_size(64)));
+typedef uint32_t vu __attribute__((vector_size(64)));
+typedef uint16_t vh __attribute__((vector_size(32)));  // 16 bfloat16 bit patterns
 constexpr int W = 16;  // floats per vector
 
 inline vf load(const float* p) {
@@ -22,6 +26,25 @@ inline vf load(const float* p) {
 
 inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
 
+// bfloat16 is the top half of a float32: widening is a shift; narrowing rounds to nearest,
+// ties to even (as torch's casts do; the kernels' outputs are finite).
+inline vf load(const c10::BFloat16* p) {
+  vh h;
+  std::memcpy(&h, p, sizeof h);
+  const vu bits = __builtin_convertvector(h, vu) << 16;
+  vf v;
+  std::memcpy(&v, &bits, sizeof v);
+  return v;
+}
+
+inline void store(c10::BFloat16* p, vf v) {
+  vu bits;
+  std::memcpy(&bits, &v, sizeof bits);
+  bits = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
+  const vh h = __builtin_convertvector(bits, vh);
+  std::memcpy(p, &h, sizeof h);
+}
+
 inline vf splat(float x) { return vf{} + x; }
 
 // How far ahead a kernel streaming K/V token by token asks for the rows it will read. The
@@ -31,9 +54,11 @@ inline vf splat(float x) { return vf{} + x; }
 // 96 all gained, 48 most, on a 2-core AVX-512 VM).
 constexpr int64_t PREFETCH_TOKENS = 48;
 
-// Ask for the `vectors` cache lines of 16 floats from p on (a 64-byte line each).
-inline void prefetch_row(const float* p, int vectors) {
-  for (int c = 0; c < vectors; ++c) __builtin_prefetch(p + c * W);
+// Ask for the cache lines of the `n` elements from p on.
+template <typename T>
+inline void prefetch_row(const T* p, int64_t n) {
+  const char* bytes = reinterpret_cast<const char*>(p);
+  for (int64_t b = 0; b < n * int64_t(sizeof(T)); b += 64) __builtin_prefetch(bytes + b);
 }
 
 inline float hsum(vf v) {

@@ -128,6 +128,33 @@ def test_prefill_over_long_cached_prefixes_matches_the_oracle():
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
+def test_bfloat16_decode_and_prefill_match_the_oracle():
+    """bfloat16 q and caches, float32 math: the oracle computes in float32 from the same
+    bfloat16 inputs, so the outputs differ by the final rounding to bfloat16 at most."""
+    k_cache, v_cache = (c.to(torch.bfloat16) for c in caches())
+    seq_lens, num_new = [5, 37, 130, 71], [5, 37, 33, 1]
+    table = tables(seq_lens, [False, True, False, True])
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    q = (4 * torch.randn(sum(num_new), NUM_HEADS, HEAD_DIM)).to(torch.bfloat16)
+    cu = torch.tensor([0, *torch.tensor(num_new).cumsum(0).tolist()], dtype=torch.int32)
+    assert cpu_paged_attention.supports(q, k_cache)
+    want = attention_oracle.paged_prefill_attention(q, k_cache, v_cache, table, cu, lens, SCALE)
+    got = cpu_paged_attention.paged_prefill_attention(q, k_cache, v_cache, table, cu, lens, SCALE)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got, want, atol=1e-2, rtol=1e-2)
+    q1 = q[:len(seq_lens)].contiguous()
+    want = attention_oracle.paged_decode_attention(q1, k_cache, v_cache, table, lens, SCALE)
+    got = cpu_paged_attention.paged_decode_attention(q1, k_cache, v_cache, table, lens, SCALE)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got, want, atol=1e-2, rtol=1e-2)
+
+
+def test_a_cache_in_another_dtype_than_q_keeps_the_torch_path():
+    k_cache, _ = caches()
+    assert not cpu_paged_attention.supports(torch.zeros(1, NUM_HEADS, HEAD_DIM,
+                                                        dtype=torch.bfloat16), k_cache)
+
+
 def test_prefill_refuses_a_seq_len_shorter_than_its_new_tokens():
     k_cache, v_cache = caches()
     with pytest.raises(RuntimeError, match="shorter than its new tokens"):
