@@ -6,9 +6,9 @@ oracle), except paged attention, which runs `kernels.torch_attention` (checked a
 oracle in tests/kernels/attention_oracle.py):
 
 - "auto" (default): Triton for CUDA tensors, torch otherwise, except CPU tensors that the C++
-  kernels take where they build (`kernels.cpu_extension`): paged attention in float32 or
-  bfloat16 (`kernels.cpu_paged_attention`) and the layer's elementwise ops in float32
-  (`kernels.cpu_fused_ops`);
+  kernels take where they build (`kernels.cpu_extension`): paged attention
+  (`kernels.cpu_paged_attention`) and the layer's elementwise ops (`kernels.cpu_fused_ops`),
+  in float32 or bfloat16;
 - "triton": always Triton. CPU tensors then run in Triton's interpreter, which triton selects
   from `TRITON_INTERPRET=1` in the environment when the kernels are first imported; without it
   `set_backend("triton")` on a machine without CUDA raises. Ray workers get the variable
@@ -240,5 +240,5 @@ def rotary_embedding(
     """Rotate-half RoPE of q [T, H, D] and k [T, Hkv, D] in place at `positions`; returns (q, k).
 
     cos_sin_cache [max_position, D] = cos | sin halves. See `reference.rotary_embedding`."""
-    impl = _elementwise("triton_rotary", q, k, cos_sin_cache)
+    impl = _elementwise("triton_rotary", q, k)
     return impl.rotary_embedding(positions, q, k, cos_sin_cache)

@@ -1,7 +1,8 @@
 // The elementwise ops of a decoder layer on CPU, each one pass over its data: RMSNorm fused
 // with the residual add, SiLU-and-mul, rotate-half RoPE in place, and the store of new K/V
-// rows into the paged cache. Contracts: kernels.reference (float32 only:
-// kernels.cpu_fused_ops.supports). Eager torch runs each of these as several ops with a
+// rows into the paged cache. Contracts: kernels.reference, in float32 or bfloat16
+// (kernels.cpu_fused_ops.supports); math in float32, with bfloat16 intermediates rounded where
+// the reference's ops round them. Eager torch runs each of these as several ops with a
 // temporary between each; here each element is read and written once. Rows are split over
 // OpenMP threads (torch's thread count) once a batch has enough of them to pay for waking the
 // threads.
@@ -30,9 +31,103 @@ inline vf silu(vf x) {
   return x * sig;
 }
 
+inline float silu(float x) { return x / (1.f + std::exp(-x)); }
+
+bool supported(const torch::Tensor& t) {
+  return t.scalar_type() == torch::kFloat32 || t.scalar_type() == torch::kBFloat16;
+}
+
 void check_rows(const torch::Tensor& t, const char* name) {
-  TORCH_CHECK(t.scalar_type() == torch::kFloat32 && t.dim() == 2 && t.stride(1) == 1,
-              name, ": float32 [rows, n] with contiguous rows");
+  TORCH_CHECK(supported(t) && t.dim() == 2 && t.stride(1) == 1,
+              name, ": float32 or bfloat16 [rows, n] with contiguous rows");
+}
+
+void check_heads(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(supported(t) && t.dim() == 3 && t.stride(2) == 1,
+              name, ": float32 or bfloat16 [tokens, heads, head_dim] with contiguous head rows");
+}
+
+// Each intermediate is rounded to T where kernels.reference's torch ops round it (the sum with
+// the residual, the normalized value), so bfloat16 results match the reference's to its last
+// rounding.
+template <typename T>
+void rms_norm_rows(const torch::Tensor& x, const T* w, float eps, const torch::Tensor* residual,
+                   torch::Tensor& sum, torch::Tensor& out) {
+  const int64_t rows = x.size(0), hidden = x.size(1), full = hidden / W * W;
+#pragma omp parallel for num_threads(threads_for(rows))
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* xr = x.data_ptr<T>() + r * x.stride(0);
+    const T* rr = residual ? residual->data_ptr<T>() + r * residual->stride(0) : nullptr;
+    T* hr = sum.data_ptr<T>() + r * sum.stride(0);
+    T* orow = out.data_ptr<T>() + r * hidden;
+    const T* h = rr ? hr : xr;
+    vf ss = vf{};
+    float tail = 0.f;
+    for (int64_t i = 0; i < full; i += W) {
+      if (rr) store(hr + i, load(xr + i) + load(rr + i));
+      const vf v = load(h + i);
+      ss += v * v;
+    }
+    for (int64_t i = full; i < hidden; ++i) {
+      if (rr) hr[i] = static_cast<T>(static_cast<float>(xr[i]) + static_cast<float>(rr[i]));
+      const float v = static_cast<float>(h[i]);
+      tail += v * v;
+    }
+    const float inv = 1.f / std::sqrt((hsum(ss) + tail) / hidden + eps);
+    for (int64_t i = 0; i < full; i += W)
+      store(orow + i, load(w + i) * round_to<T>(load(h + i) * inv));
+    for (int64_t i = full; i < hidden; ++i)
+      orow[i] = static_cast<T>(static_cast<float>(w[i]) * round_to<T>(static_cast<float>(h[i]) * inv));
+  }
+}
+
+template <typename T>
+void silu_and_mul_rows(const torch::Tensor& x, torch::Tensor& out) {
+  const int64_t rows = x.size(0), d = x.size(1) / 2, full = d / W * W;
+#pragma omp parallel for num_threads(threads_for(rows))
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* g = x.data_ptr<T>() + r * x.stride(0);
+    const T* u = g + d;
+    T* o = out.data_ptr<T>() + r * d;
+    for (int64_t i = 0; i < full; i += W) store(o + i, round_to<T>(silu(load(g + i))) * load(u + i));
+    for (int64_t i = full; i < d; ++i)
+      o[i] = static_cast<T>(round_to<T>(silu(static_cast<float>(g[i]))) * static_cast<float>(u[i]));
+  }
+}
+
+// Rotate-half RoPE of one token's heads in place: x = x1 | x2 -> x1 cos - x2 sin | x2 cos + x1 sin,
+// cos/sin rounded to T first and every product and sum rounded to T, as the reference does.
+template <typename T>
+void rotate_heads(T* x, int64_t heads, int64_t head_stride, int64_t half, const float* cos,
+                  const float* sin) {
+  for (int64_t h = 0; h < heads; ++h) {
+    T* x1 = x + h * head_stride;
+    T* x2 = x1 + half;
+    int64_t i = 0;
+    for (; i + W <= half; i += W) {
+      const vf a = load(x1 + i), b = load(x2 + i);
+      const vf c = round_to<T>(load(cos + i)), s = round_to<T>(load(sin + i));
+      store(x1 + i, round_to<T>(a * c) - round_to<T>(b * s));
+      store(x2 + i, round_to<T>(b * c) + round_to<T>(a * s));
+    }
+    for (; i < half; ++i) {
+      const float a = static_cast<float>(x1[i]), b = static_cast<float>(x2[i]);
+      const float c = round_to<T>(cos[i]), s = round_to<T>(sin[i]);
+      x1[i] = static_cast<T>(round_to<T>(a * c) - round_to<T>(b * s));
+      x2[i] = static_cast<T>(round_to<T>(b * c) + round_to<T>(a * s));
+    }
+  }
+}
+
+template <typename T>
+void rotate_tokens(const int64_t* pos, torch::Tensor& q, torch::Tensor& k, const float* cache) {
+  const int64_t tokens = q.size(0), head_dim = q.size(2), half = head_dim / 2;
+#pragma omp parallel for num_threads(threads_for(tokens))
+  for (int64_t t = 0; t < tokens; ++t) {
+    const float* cos = cache + pos[t] * head_dim;
+    rotate_heads(q.data_ptr<T>() + t * q.stride(0), q.size(1), q.stride(1), half, cos, cos + half);
+    rotate_heads(k.data_ptr<T>() + t * k.stride(0), k.size(1), k.stride(1), half, cos, cos + half);
+  }
 }
 
 }  // namespace
@@ -41,120 +136,61 @@ std::tuple<torch::Tensor, torch::Tensor> fused_add_rms_norm(torch::Tensor x, tor
                                                             double eps,
                                                             c10::optional<torch::Tensor> residual) {
   check_rows(x, "x");
-  TORCH_CHECK(weight.scalar_type() == torch::kFloat32 && weight.is_contiguous()
-              && weight.numel() == x.size(1), "weight: float32 [hidden]");
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type() && weight.is_contiguous()
+              && weight.numel() == x.size(1), "weight: [hidden] in x's dtype");
   if (residual) check_rows(*residual, "residual");
-  TORCH_CHECK(!residual || residual->sizes() == x.sizes(), "residual: x's shape");
-  const int64_t rows = x.size(0), hidden = x.size(1);
-  auto out = torch::empty({rows, hidden}, x.options());
-  auto sum = residual ? torch::empty({rows, hidden}, x.options()) : x;
-  const float* w = weight.data_ptr<float>();
-  const float feps = static_cast<float>(eps);
-  const int64_t full = hidden / W * W;
-#pragma omp parallel for num_threads(threads_for(rows))
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* xr = x.data_ptr<float>() + r * x.stride(0);
-    const float* rr = residual ? residual->data_ptr<float>() + r * residual->stride(0) : nullptr;
-    float* hr = sum.data_ptr<float>() + r * sum.stride(0);
-    float* orow = out.data_ptr<float>() + r * hidden;
-    vf ss = vf{};
-    float tail = 0.f;
-    for (int64_t i = 0; i < full; i += W) {
-      vf h = load(xr + i);
-      if (rr) {
-        h += load(rr + i);
-        store(hr + i, h);
-      }
-      ss += h * h;
-    }
-    for (int64_t i = full; i < hidden; ++i) {
-      const float h = rr ? xr[i] + rr[i] : xr[i];
-      if (rr) hr[i] = h;
-      tail += h * h;
-    }
-    const float inv = 1.f / std::sqrt((hsum(ss) + tail) / hidden + feps);
-    const float* hsrc = rr ? hr : xr;
-    for (int64_t i = 0; i < full; i += W) store(orow + i, load(w + i) * (load(hsrc + i) * inv));
-    for (int64_t i = full; i < hidden; ++i) orow[i] = w[i] * (hsrc[i] * inv);
-  }
+  TORCH_CHECK(!residual || (residual->sizes() == x.sizes()
+                            && residual->scalar_type() == x.scalar_type()),
+              "residual: x's shape and dtype");
+  auto out = torch::empty({x.size(0), x.size(1)}, x.options());
+  auto sum = residual ? torch::empty({x.size(0), x.size(1)}, x.options()) : x;
+  const torch::Tensor* res = residual ? &*residual : nullptr;
+  if (x.scalar_type() == torch::kBFloat16)
+    rms_norm_rows<c10::BFloat16>(x, weight.data_ptr<c10::BFloat16>(), float(eps), res, sum, out);
+  else
+    rms_norm_rows<float>(x, weight.data_ptr<float>(), float(eps), res, sum, out);
   return {out, sum};
 }
 
 torch::Tensor silu_and_mul(torch::Tensor x) {
   check_rows(x, "x");
-  const int64_t rows = x.size(0), d = x.size(1) / 2;
   TORCH_CHECK(x.size(1) % 2 == 0, "x: gate | up, an even width");
-  auto out = torch::empty({rows, d}, x.options());
-  const int64_t full = d / W * W;
-#pragma omp parallel for num_threads(threads_for(rows))
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* g = x.data_ptr<float>() + r * x.stride(0);
-    const float* u = g + d;
-    float* o = out.data_ptr<float>() + r * d;
-    for (int64_t i = 0; i < full; i += W) store(o + i, silu(load(g + i)) * load(u + i));
-    for (int64_t i = full; i < d; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
-  }
+  auto out = torch::empty({x.size(0), x.size(1) / 2}, x.options());
+  if (x.scalar_type() == torch::kBFloat16)
+    silu_and_mul_rows<c10::BFloat16>(x, out);
+  else
+    silu_and_mul_rows<float>(x, out);
   return out;
 }
-
-namespace {
-
-// Rotate-half RoPE of one token's heads in place: x = x1 | x2 -> x1 cos - x2 sin | x2 cos + x1 sin.
-void rotate_heads(float* x, int64_t heads, int64_t head_stride, int64_t half, const float* cos,
-                  const float* sin) {
-  for (int64_t h = 0; h < heads; ++h) {
-    float* x1 = x + h * head_stride;
-    float* x2 = x1 + half;
-    int64_t i = 0;
-    for (; i + W <= half; i += W) {
-      const vf a = load(x1 + i), b = load(x2 + i), c = load(cos + i), s = load(sin + i);
-      store(x1 + i, a * c - b * s);
-      store(x2 + i, b * c + a * s);
-    }
-    for (; i < half; ++i) {
-      const float a = x1[i], b = x2[i];
-      x1[i] = a * cos[i] - b * sin[i];
-      x2[i] = b * cos[i] + a * sin[i];
-    }
-  }
-}
-
-void check_heads(const torch::Tensor& t, const char* name) {
-  TORCH_CHECK(t.scalar_type() == torch::kFloat32 && t.dim() == 3 && t.stride(2) == 1,
-              name, ": float32 [tokens, heads, head_dim] with contiguous head rows");
-}
-
-}  // namespace
 
 void rotary_embedding(torch::Tensor positions, torch::Tensor q, torch::Tensor k,
                       torch::Tensor cos_sin_cache) {
   check_heads(q, "q");
   check_heads(k, "k");
+  TORCH_CHECK(k.scalar_type() == q.scalar_type(), "q and k: one dtype");
   TORCH_CHECK(cos_sin_cache.scalar_type() == torch::kFloat32 && cos_sin_cache.is_contiguous()
               && cos_sin_cache.size(1) == q.size(2) && k.size(2) == q.size(2),
               "cos_sin_cache: float32 [max_position, head_dim]");
   const auto pos = positions.to(torch::kInt64).contiguous();
-  const int64_t tokens = q.size(0), head_dim = q.size(2), half = head_dim / 2;
+  const int64_t tokens = q.size(0);
   TORCH_CHECK(k.size(0) == tokens && pos.numel() == tokens, "q, k and positions: one row per token");
   const int64_t max_position = cos_sin_cache.size(0);
   const int64_t* pp = pos.data_ptr<int64_t>();
   for (int64_t t = 0; t < tokens; ++t)
     TORCH_CHECK(pp[t] >= 0 && pp[t] < max_position, "position ", pp[t], " outside the cache");
-  const float* cache = cos_sin_cache.data_ptr<float>();
-#pragma omp parallel for num_threads(threads_for(tokens))
-  for (int64_t t = 0; t < tokens; ++t) {
-    const float* cos = cache + pp[t] * head_dim;
-    rotate_heads(q.data_ptr<float>() + t * q.stride(0), q.size(1), q.stride(1), half, cos, cos + half);
-    rotate_heads(k.data_ptr<float>() + t * k.stride(0), k.size(1), k.stride(1), half, cos, cos + half);
-  }
+  if (q.scalar_type() == torch::kBFloat16)
+    rotate_tokens<c10::BFloat16>(pp, q, k, cos_sin_cache.data_ptr<float>());
+  else
+    rotate_tokens<float>(pp, q, k, cos_sin_cache.data_ptr<float>());
 }
 
 void store_kv_cache(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
                     torch::Tensor slot_mapping) {
   check_heads(k, "k");
   check_heads(v, "v");
-  TORCH_CHECK(k_cache.scalar_type() == torch::kFloat32 && v_cache.scalar_type() == torch::kFloat32
-              && k_cache.is_contiguous() && v_cache.is_contiguous(), "caches: contiguous float32");
+  TORCH_CHECK(k_cache.scalar_type() == k.scalar_type() && v_cache.scalar_type() == k.scalar_type()
+              && v.scalar_type() == k.scalar_type() && k_cache.is_contiguous()
+              && v_cache.is_contiguous(), "caches: contiguous, in k's dtype");
   const int64_t tokens = k.size(0), heads = k.size(1), head_dim = k.size(2);
   TORCH_CHECK(k_cache.size(2) == heads && k_cache.size(3) == head_dim && v.sizes() == k.sizes(),
               "k/v rows do not match the cache's heads");
@@ -164,16 +200,19 @@ void store_kv_cache(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, tor
   const int64_t num_slots = k_cache.size(0) * k_cache.size(1), row = heads * head_dim;
   for (int64_t t = 0; t < tokens; ++t)
     TORCH_CHECK(sp[t] >= -1 && sp[t] < num_slots, "slot ", sp[t], " outside the cache");
-  float* kc = k_cache.data_ptr<float>();
-  float* vc = v_cache.data_ptr<float>();
+  const int64_t size = k.element_size();
+  char* kc = static_cast<char*>(k_cache.data_ptr());
+  char* vc = static_cast<char*>(v_cache.data_ptr());
+  const char* kp = static_cast<const char*>(k.data_ptr());
+  const char* vp = static_cast<const char*>(v.data_ptr());
 #pragma omp parallel for num_threads(threads_for(tokens))
   for (int64_t t = 0; t < tokens; ++t) {
     if (sp[t] < 0) continue;  // padding
     for (int64_t h = 0; h < heads; ++h) {
-      std::memcpy(kc + sp[t] * row + h * head_dim,
-                  k.data_ptr<float>() + t * k.stride(0) + h * k.stride(1), head_dim * sizeof(float));
-      std::memcpy(vc + sp[t] * row + h * head_dim,
-                  v.data_ptr<float>() + t * v.stride(0) + h * v.stride(1), head_dim * sizeof(float));
+      std::memcpy(kc + (sp[t] * row + h * head_dim) * size,
+                  kp + (t * k.stride(0) + h * k.stride(1)) * size, head_dim * size);
+      std::memcpy(vc + (sp[t] * row + h * head_dim) * size,
+                  vp + (t * v.stride(0) + h * v.stride(1)) * size, head_dim * size);
     }
   }
 }

@@ -1,8 +1,10 @@
 """The C++ elementwise ops of a decoder layer for CPU (`cpu_fused_ops.cpp`, built by
 `kernels.cpu_extension`): each reads and writes its data once where eager torch runs several
-ops with temporaries between them. Same contracts as `kernels.reference`, float32 only
-(`supports`); results equal the reference's up to the order of float additions in the
-RMSNorm sum and the exp of SiLU (relative error below 1e-6)."""
+ops with temporaries between them. Same contracts as `kernels.reference`, in float32 or
+bfloat16 (`supports`); math in float32, bfloat16 intermediates rounded where the reference's
+ops round them. Results equal the reference's up to the order of float additions in the
+RMSNorm sum and the exp of SiLU (relative error below 1e-6 in float32; in bfloat16 the same
+before the last rounding, so at most one bfloat16 step apart)."""
 
 from __future__ import annotations
 
@@ -11,9 +13,15 @@ import torch
 import kernels.cpu_extension as cpu_extension
 
 
+_DTYPES = (torch.float32, torch.bfloat16)
+
+
 def supports(*tensors: torch.Tensor) -> bool:
-    """Whether the C++ ops take these tensors: all float32 on CPU, and the extension built."""
-    return (all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
+    """Whether the C++ ops take these tensors: all on CPU in one dtype, float32 or bfloat16,
+    and the extension built. (RoPE's cos/sin cache is float32 whatever the dtype: not one of
+    these.)"""
+    dtype = tensors[0].dtype
+    return (dtype in _DTYPES and all(t.device.type == "cpu" and t.dtype == dtype for t in tensors)
             and cpu_extension.available())
 
 
@@ -45,6 +53,6 @@ def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
 
 def store_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                    v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """See `reference.store_kv_cache` (float32 caches). Raises RuntimeError for a slot outside
-    the cache."""
+    """See `reference.store_kv_cache` (caches in k's dtype). Raises RuntimeError for a slot
+    outside the cache."""
     cpu_extension.module().store_kv_cache(k, v, k_cache, v_cache, slot_mapping)

@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 namespace pdc {
 
@@ -53,6 +54,24 @@ inline vf splat(float x) { return vf{} + x; }
 // ahead, through the block table, keep the memory system busy (8 tokens gained nothing, 24 to
 // 96 all gained, 48 most, on a 2-core AVX-512 VM).
 constexpr int64_t PREFETCH_TOKENS = 48;
+
+// v as the kernels' element type T holds it: itself for float, rounded for bfloat16 (what
+// torch's bfloat16 ops do to each intermediate result).
+template <typename T>
+inline vf round_to(vf v) {
+  if constexpr (std::is_same_v<T, float>) {
+    return v;
+  } else {
+    T tmp[W];
+    store(tmp, v);
+    return load(tmp);
+  }
+}
+
+template <typename T>
+inline float round_to(float x) {
+  return static_cast<float>(static_cast<T>(x));
+}
 
 // Ask for the cache lines of the `n` elements from p on.
 template <typename T>

@@ -1,6 +1,6 @@
 """The C++ elementwise ops of a decoder layer (kernels.cpu_fused_ops) against the torch
 reference (kernels.reference), on the strided views the model hands them, at widths with and
-without a vector tail, on one thread and on several."""
+without a vector tail, on one thread and on several, in float32 and bfloat16."""
 
 from __future__ import annotations
 
@@ -72,6 +72,41 @@ def test_rotary_matches_the_reference_in_place_on_strided_views(threads, head_di
     assert got_q is q and got_k is k
     torch.testing.assert_close(q, want_q, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(k, want_k, rtol=1e-6, atol=1e-6)
+
+
+def test_bfloat16_ops_match_the_reference_to_one_rounding(threads):
+    """bfloat16 in and out, float32 inside, intermediates rounded where the reference's torch
+    ops round them: at most one bfloat16 step from the reference."""
+    gen = torch.Generator().manual_seed(7)
+    bf16 = torch.bfloat16
+    x, residual = (torch.randn(40, 776, generator=gen).to(bf16) for _ in range(2))
+    weight = torch.randn(776, generator=gen).to(bf16)
+    for got, want in zip(cpu_fused_ops.rms_norm(x, weight, 1e-5, residual),
+                         reference.rms_norm(x, weight, 1e-5, residual)):
+        assert got.dtype == bf16
+        torch.testing.assert_close(got, want, rtol=1.6e-2, atol=1e-2)
+    gate_up = (8 * torch.randn(40, 2 * 776, generator=gen)).to(bf16)
+    torch.testing.assert_close(cpu_fused_ops.silu_and_mul(gate_up),
+                               reference.silu_and_mul(gate_up), rtol=1.6e-2, atol=1e-2)
+    q, k, v = (t.to(bf16) for t in merged_projection(37, 6, 2, 80, gen))
+    positions = torch.randint(0, 64, (37,), generator=gen)
+    cos_sin = torch.rand(64, 80, generator=gen)
+    want_q, want_k = q.clone(), k.clone()
+    reference.rotary_embedding(positions, want_q, want_k, cos_sin)
+    cpu_fused_ops.rotary_embedding(positions, q, k, cos_sin)
+    torch.testing.assert_close(q, want_q, rtol=1.6e-2, atol=1e-2)
+    torch.testing.assert_close(k, want_k, rtol=1.6e-2, atol=1e-2)
+    k_cache, v_cache = torch.zeros(10, 8, 2, 80, dtype=bf16), torch.zeros(10, 8, 2, 80, dtype=bf16)
+    slots = torch.randperm(80, generator=gen)[:37]
+    want_k_cache, want_v_cache = k_cache.clone(), v_cache.clone()
+    reference.store_kv_cache(k, v, want_k_cache, want_v_cache, slots)
+    cpu_fused_ops.store_kv_cache(k, v, k_cache, v_cache, slots)
+    assert torch.equal(k_cache, want_k_cache) and torch.equal(v_cache, want_v_cache)
+
+
+def test_mixed_dtypes_keep_the_torch_path():
+    assert not cpu_fused_ops.supports(torch.zeros(2, 4), torch.zeros(4, dtype=torch.bfloat16))
+    assert not cpu_fused_ops.supports(torch.zeros(2, 4, dtype=torch.float16))
 
 
 def test_rotary_refuses_a_position_beyond_the_cache():
