@@ -50,9 +50,9 @@ inline vf splat(float x) { return vf{} + x; }
 
 // How far ahead a kernel streaming K/V token by token asks for the rows it will read. The
 // hardware prefetchers lose the stream at every block boundary (the next block is anywhere in
-// the cache) and keep too few lines in flight per thread; rows requested this many tokens
-// ahead, through the block table, keep the memory system busy (8 tokens gained nothing, 24 to
-// 96 all gained, 48 most, on a 2-core AVX-512 VM).
+// the cache) and keep too few lines in flight per thread; rows requested a few blocks ahead,
+// through the block table, keep the memory system busy (benchmarks/RESULTS.md has the
+// distances tried).
 constexpr int64_t PREFETCH_TOKENS = 48;
 
 // v as the kernels' element type T holds it: itself for float, rounded for bfloat16 (what
