@@ -3,7 +3,7 @@
 ops with temporaries between them. Same contracts as `kernels.reference`, in float32 or
 bfloat16 (`supports`); math in float32, bfloat16 intermediates rounded where the reference's
 ops round them. Results equal the reference's up to the order of float additions in the
-RMSNorm sum and the exp of SiLU (relative error below 1e-6 in float32; in bfloat16 the same
+RMSNorm sum and the exp of SiLU (relative error below 1e-5 in float32; in bfloat16 the same
 before the last rounding, so at most one bfloat16 step apart)."""
 
 from __future__ import annotations
