@@ -1,7 +1,7 @@
 """One KV store per Ray node, as a pinned Ray actor serving gRPC in-process.
 
-DESIGN.md "Control plane": one KV store actor per Ray node, pinned to it, serving gRPC on a
-port chosen at start. It owns the node's G2 arena and G3 SSD tier (TieredNodeStore), publishes
+One KV store actor per Ray node, pinned to it (its arena is that node's memory), serving gRPC
+on a port chosen at start. It owns the node's G2 arena and G3 SSD tier (TieredNodeStore), publishes
 placements to the global index and heartbeats the node's lease there. When a heartbeat finds
 the lease unknown to the index (Redis restarted empty, or the node was cut off past its lease),
 it re-announces every block the node holds; until then a lookup misses and costs recompute.

@@ -13,7 +13,8 @@ Block states (``ref`` = reference count)::
 NOTE invariants: a block is in the free queue iff its refcount is 0; ``key -> block`` and
 ``block -> key`` are inverse maps; a key is dropped only when its block is re-allocated
 (LRU eviction, as in Mooncake FAST'25 and vLLM v1 prefix caching) or on ``reset_prefix_cache``.
-Blocks released by a request stay cached until evicted (DESIGN.md "One request").
+Blocks released by a request stay cached until evicted, so a later request with the same
+prefix reuses them.
 
 Not thread-safe: the owning engine loop is its only user.
 """

@@ -1,5 +1,6 @@
-"""gRPC client of a node's KV store: tensors in, tensors out, typed errors (DESIGN.md
-"Data plane": protobuf over gRPC, a deadline on every call, never pickle).
+"""gRPC client of a node's KV store: tensors in, tensors out, typed errors: protobuf
+over gRPC, never pickle (bytes from a socket are never unpickled), and a deadline on every call so
+a dead store cannot hang a worker.
 
 Wire payload = raw little-endian bytes of a C-contiguous tensor; bfloat16 travels as its int16
 bit pattern. Blocks are streamed in coalesced runs that fit ``max_message_bytes``; the block

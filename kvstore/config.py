@@ -1,5 +1,5 @@
-"""Configuration of one node's KV store and of the KV transfer backends (DESIGN.md "Config":
-typed, explicit, 127.0.0.1 default).
+"""Configuration of one node's KV store and of the KV transfer backends: typed and
+explicit, bound to 127.0.0.1 unless configured, so nothing listens beyond the host by default.
 
 The KV plane's shared settings (its token, its TLS and the gRPC message size) live on
 :class:`KVStoreConfig` only: every channel of the plane, store server or transfer backend,

@@ -1,5 +1,6 @@
-"""Typed errors of the KV store data plane (DESIGN.md "Data plane": a transfer ends in success
-or a typed error). Never raised as bare ``Exception``; gRPC errors never leak to callers."""
+"""Typed errors of the KV store data plane: a transfer ends in success or one of these, so a
+caller can tell a timeout from a missing block from a dead peer. Never raised as bare
+``Exception``; gRPC errors never leak to callers."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Chained prefix keys for full KV blocks.
 
-Rule (DESIGN.md "Blocks and keys"; prefix-hash chaining as in Mooncake FAST'25 §4 and vLLM's
+Rule (prefix-hash chaining as in Mooncake FAST'25 §4 and vLLM's
 prefix caching):
 
     key[-1] = 32 zero bytes                      (the parent of block 0)

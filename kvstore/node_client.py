@@ -1,6 +1,6 @@
 """A worker's handle on its own node's KV store: metadata over Ray RPC, bytes through the
-node's shared-memory arena (DESIGN.md "Tiers": workers on the node read and write G2 directly;
-only metadata goes over RPC). The node store facade (kvstore.node_store_api) for same-node
+node's shared-memory arena (workers on the node read and write G2 directly, so block bytes
+never cross RPC; only metadata does). The node store facade (kvstore.node_store_api) for same-node
 workers.
 
 The store may restart with a new arena (kvstore/actor.py). Every lease names the arena this

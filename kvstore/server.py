@@ -1,4 +1,4 @@
-"""gRPC server of one node's KV store (DESIGN.md "Data plane"; Mooncake FAST'25 §3 Messenger).
+"""gRPC server of one node's KV store (Mooncake FAST'25 §3 Messenger).
 
 Serves a :class:`BlockStore` (the node's TieredNodeStore) over the
 ``pdcluster.kvstore.v1.KVStore`` service: protobuf messages with raw tensor bytes, never pickle.

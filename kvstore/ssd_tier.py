@@ -1,6 +1,6 @@
 """G3 tier of the cluster KV pool: keyed KV blocks in fixed-size slots of slab files on SSD.
 
-Tiers (DESIGN.md "Tiers"; Mooncake FAST'25 §3-4 pools the cluster's DRAM and SSD): blocks demote
+Tiers (Mooncake FAST'25 §3-4 pools the cluster's DRAM and SSD): blocks demote
 G1 device → G2 host DRAM → G3 SSD (this class) → dropped, in LRU order, and are promoted back on a
 hit. The caller moves blocks between tiers; this class only stores, finds and evicts them.
 

@@ -1,6 +1,6 @@
 """Tail blocks of one node's KV store: a request's partial last block, under a handle.
 
-Tails (DESIGN.md "Blocks and keys") are never keyed or indexed: prefill leaves one under a
+Tails (the partial last block of a prompt) are never keyed or indexed: prefill leaves one under a
 per-request handle and the decode worker takes it. A tail not taken within ``tail_ttl_s`` is
 dropped, so a decode that never comes leaks nothing. Keyed full blocks live in the node's
 arena and SSD tier (kvstore.node_store), never here.

@@ -1,1 +1,1 @@
-"""Load-test tools: trace replay and synthetic load over the OpenAI API (see DESIGN.md)."""
+"""Load-test tools: trace replay and synthetic load over the OpenAI API."""

@@ -16,7 +16,7 @@ order; for each prompt of L tokens:
     then every key of the prompt is marked seen (an infinite cache evicts nothing).
 
 ratio = Σ hit / Σ queried. Only full blocks are ever hits, as only full blocks are keyed
-(DESIGN.md "Blocks and keys"). Requests racing on the same new prefix may both miss on a real
+(a key names a full block's tokens). Requests racing on the same new prefix may both miss on a real
 server where this bound counts the second as a hit; at trace arrival rates that is rare.
 """
 

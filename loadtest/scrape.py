@@ -1,6 +1,6 @@
 """Prefix-cache counters from the server's Prometheus `/metrics`.
 
-pdcluster exports (DESIGN.md "Metrics")
+pdcluster exports
     pdcluster_prefix_cache_queried_tokens_total            prompt tokens looked up
     pdcluster_prefix_cache_hit_tokens_total{tier="..."}    of those, served from tier
                                                            (device, host, ssd, remote)

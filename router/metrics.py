@@ -1,4 +1,5 @@
-"""Prometheus metrics of the gateway (DESIGN.md names, `pdcluster_` prefix).
+"""Prometheus metrics of the gateway (the field's names, vLLM's where it has
+one, with a `pdcluster_` prefix).
 
 Latency histograms and token counters are recorded here, per request. Worker-side numbers
 (prefix-cache queries and hits per tier, KV blocks, KV transfer bytes, queue lengths) are pulled

@@ -3,7 +3,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh --dev
-# the package table of DESIGN.md: import-linter contracts in pyproject.toml
+# package layers (which may import which): import-linter contracts in pyproject.toml
 .venv/bin/lint-imports
 if [ $# -gt 0 ]; then exec .venv/bin/python -m pytest -q -ra "$@"; fi
 # tests/multinode runs its own multi-node Ray cluster: a separate pytest process

@@ -1,4 +1,5 @@
-"""G2 (host DRAM) tier: one preallocated shared-memory arena per node (DESIGN.md "Tiers").
+"""G2 (host DRAM) tier: one preallocated shared-memory arena per node, so
+every worker on the node reads and writes the same bytes without copying them over RPC.
 
 ``owner.HostArena`` lives in the node's KV store actor and holds the metadata (key -> slot, LRU,
 leases, pins); ``view.ArenaView`` is a worker's direct mapping of the same bytes. Only keys and

@@ -3,7 +3,7 @@
 A worker attaches to the segment its node's :class:`kvstore.arena.owner.HostArena` created,
 given ``(shm_name, num_slots, block_nbytes)`` over RPC, and copies block bytes itself; it asks
 the owner for leases (``reserve``/``commit``, ``acquire``/``release``) and touches only the slots
-it holds (DESIGN.md "Tiers").
+it holds, so a block is never read while another process writes it.
 
 Attaching never registers the segment with ``multiprocessing.resource_tracker``. Python < 3.13's
 ``SharedMemory(name=...)`` registers every attach, so a worker's exit unlinks the owner's segment

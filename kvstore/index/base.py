@@ -1,6 +1,6 @@
 """The global KV index: block key -> live locations, and node liveness.
 
-DESIGN.md "Global index"; Mooncake FAST'25 §4 (the Conductor's cache-aware scheduling reads the
+Mooncake FAST'25 §4 (the Conductor's cache-aware scheduling reads the
 longest cached prefix of a request's block keys).
 
 Semantics shared by every backend (``MemoryIndex``, ``RedisIndex``, ``ActorIndex``):

@@ -1,4 +1,5 @@
-"""Redis index backend (DESIGN.md "Global index": a cluster runs one ``redis-server``).
+"""Redis index backend: a cluster runs one ``redis-server`` that every node publishes to and
+the Conductor reads.
 
 Key layout under a namespace ``ns`` (default ``"pdc"``; one Redis can hold many namespaces):
 

@@ -1,6 +1,6 @@
 """KV transfer backends: how a decode worker's blocks get from a prefill node into its cache.
 
-DESIGN.md "Data plane": a transfer has a deadline and ends in success or a typed error; on
+A transfer has a deadline and ends in success or a typed error; on
 failure the receiver frees what it pre-allocated. One small abstract base
 (:mod:`kvstore.transfer.base`), one module per backend and a registry dict
 (:mod:`kvstore.transfer.registry`); modelled on SGLang's ``disaggregation/base/conn.py``.

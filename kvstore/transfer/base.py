@@ -1,7 +1,7 @@
 """The transfer abstraction: a poll state, a fetch request, transfer/receiver/backend bases.
 
 Modelled on SGLang's ``disaggregation/base/conn.py`` (KVPoll, BaseKVReceiver, BaseKVSender),
-with a deadline on every transfer and typed errors (DESIGN.md "Data plane").
+with a deadline on every transfer and typed errors, so no transfer can hang its caller.
 
 Invariants every backend keeps:
 

@@ -1,6 +1,6 @@
 """A two-rank torch.distributed process group of its own, between one sender and one receiver.
 
-DESIGN.md "Ray and torch.distributed pitfalls": the default group has one instance per
+torch.distributed's default group has one instance per
 process, ``new_group`` is collective over it, and a dead peer hangs gloo for 30 min by
 default. So a (prefill, decode) pair builds its process group object directly on its own
 ``TCPStore`` (``ProcessGroupGloo(store, rank, 2, options)`` on CPU, ``ProcessGroupNCCL`` on

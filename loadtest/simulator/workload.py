@@ -4,7 +4,7 @@ The simulator works at the trace's own granularity: one KV block per trace block
 Trace hash id h at position i names block i together with every block before it
 (`../shared/traces/mooncake/README.md`), so a block's key is sha256 over the hash id alone —
 equal ids give equal keys, exactly the sharing the trace records. Only full blocks are keyed
-(DESIGN.md "Blocks and keys"): a prompt of n tokens has n // 512 keys; its partial tail is
+(a key names a full block's tokens): a prompt of n tokens has n // 512 keys; its partial tail is
 always computed.
 """
 
