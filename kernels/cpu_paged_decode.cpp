@@ -1,7 +1,7 @@
 // Paged decode attention on CPU: one query token per sequence over its paged K/V, reading
 // each cached K and V element once, straight from the cache blocks (no gathered copy).
-// Contract: kernels.torch_attention.paged_decode_attention (float32 caches; a head_dim that
-// head_fn lists: kernels.cpu_paged_attention.supports).
+// Contract: kernels.torch_attention.paged_decode_attention (float32 or bfloat16
+// caches; a head_dim that cpu_vec.h's by_head_dim lists: kernels.cpu_paged_attention.supports).
 //
 // Per work item (a sequence and a run of its KV heads), for each KV head, its query heads are
 // taken a few rows at a time: pass 1 computes their scores over the sequence, pass 2 the
@@ -102,20 +102,9 @@ using HeadFn = void (*)(const Seq<T>&, const T*, T*, int64_t, float, float*);
 
 template <typename T>
 HeadFn<T> head_fn(int64_t head_dim) {
-  switch (head_dim) {
-    case 16: return attend_head<1, T>;
-    case 32: return attend_head<2, T>;
-    case 48: return attend_head<3, T>;
-    case 64: return attend_head<4, T>;
-    case 80: return attend_head<5, T>;
-    case 96: return attend_head<6, T>;
-    case 112: return attend_head<7, T>;
-    case 128: return attend_head<8, T>;
-    case 160: return attend_head<10, T>;
-    case 192: return attend_head<12, T>;
-    case 256: return attend_head<16, T>;
-    default: return nullptr;
-  }
+  return by_head_dim<HeadFn<T>>(head_dim, [](auto nv) -> HeadFn<T> {
+    return attend_head<decltype(nv)::value, T>;
+  });
 }
 
 }  // namespace

@@ -1,7 +1,7 @@
 // Paged prefill attention on CPU: the new tokens of each sequence (a whole prompt, or a chunk
 // after a cached prefix) attend causally over the sequence's paged K/V.
-// Contract: kernels.torch_attention.paged_prefill_attention (float32 caches; a head_dim that
-// tile_fn lists: kernels.cpu_paged_attention.supports).
+// Contract: kernels.torch_attention.paged_prefill_attention (float32 or bfloat16
+// caches; a head_dim that cpu_vec.h's by_head_dim lists: kernels.cpu_paged_attention.supports).
 //
 // Many query rows share each key here, unlike decode, so the scores are a small GEMM per work
 // item: the rows of up to QT new tokens times the query heads of one KV head, against key
@@ -148,20 +148,9 @@ using TileFn = void (*)(const Tile<T>&, int64_t, float, Scratch<T>&);
 
 template <typename T>
 TileFn<T> tile_fn(int64_t head_dim) {
-  switch (head_dim) {
-    case 16: return attend_tile<1, T>;
-    case 32: return attend_tile<2, T>;
-    case 48: return attend_tile<3, T>;
-    case 64: return attend_tile<4, T>;
-    case 80: return attend_tile<5, T>;
-    case 96: return attend_tile<6, T>;
-    case 112: return attend_tile<7, T>;
-    case 128: return attend_tile<8, T>;
-    case 160: return attend_tile<10, T>;
-    case 192: return attend_tile<12, T>;
-    case 256: return attend_tile<16, T>;
-    default: return nullptr;
-  }
+  return by_head_dim<TileFn<T>>(head_dim, [](auto nv) -> TileFn<T> {
+    return attend_tile<decltype(nv)::value, T>;
+  });
 }
 
 struct Item {

@@ -92,6 +92,27 @@ inline float hmax(vf v) {
   return m;
 }
 
+// fn(std::integral_constant<int, NV>{}) for a head_dim = NV * 16 the kernels are specialized
+// for (16, 32, 48, 64, 80, 96, 112, 128, 160, 192, 256), R{} for any other: the one list of
+// head dims both attention kernels instantiate.
+template <typename R, typename Fn>
+R by_head_dim(int64_t head_dim, Fn fn) {
+  switch (head_dim) {
+    case 16: return fn(std::integral_constant<int, 1>{});
+    case 32: return fn(std::integral_constant<int, 2>{});
+    case 48: return fn(std::integral_constant<int, 3>{});
+    case 64: return fn(std::integral_constant<int, 4>{});
+    case 80: return fn(std::integral_constant<int, 5>{});
+    case 96: return fn(std::integral_constant<int, 6>{});
+    case 112: return fn(std::integral_constant<int, 7>{});
+    case 128: return fn(std::integral_constant<int, 8>{});
+    case 160: return fn(std::integral_constant<int, 10>{});
+    case 192: return fn(std::integral_constant<int, 12>{});
+    case 256: return fn(std::integral_constant<int, 16>{});
+    default: return R{};
+  }
+}
+
 // Coefficients of 2^f on f in [-0.5, 0.5] (degree 6), highest first.
 constexpr float EXP2_POLY[] = {1.535336188319500e-4f, 1.339887440266574e-3f,
                                9.618437357674640e-3f, 5.550332471162809e-2f,
