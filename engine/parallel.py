@@ -2,8 +2,9 @@
 
 A TP instance of size k is k processes in one torch.distributed default group. Only this
 module touches the default group: a failed collective leaves a gloo group unusable, so the
-instance restarts as a whole (engine.tp_instance) rather than repairing its group. TP=1 is the same code: `TPGroup()` has world_size 1 and every
-collective is a no-op, so no process group is ever created.
+instance restarts as a whole (engine.tp_instance) rather than repairing its group. TP=1 is
+the same code: `TPGroup()` has world_size 1 and every collective is a no-op, so no process
+group is ever created.
 
 Megatron-LM's split (Shoeybi et al. 2019, §3), as nano-vllm and vLLM do it:
 
