@@ -76,13 +76,49 @@ def sample(logits: torch.Tensor, rows: Sequence[SampleInput],
         min_tokens tokens were generated, unless ignore_eos.
     Returns (token_id, logprob entry or None) per row. Greedy rows take the argmax; ties go to
     the lowest id, as torch.argmax and HF greedy do.
+
+    Temperature, min_p, top_k, top_p and the draw run as tensor ops over the whole batch;
+    only penalties, min_tokens masking and logprobs touch single rows, and only the rows
+    that ask for them. The draw reproduces torch.multinomial(probs, 1, generator) on each
+    row: that op samples one token as argmax(probs / q) with q ~ Exp(1) drawn from the
+    generator over the whole row, so filling row i of q from row i's own (seed, step)
+    generator keeps every row's stream independent of the batch.
     """
     if logits.dim() != 2 or logits.shape[0] != len(rows):
         raise ValueError(f"logits {tuple(logits.shape)} do not match {len(rows)} rows")
-    logits = logits.float()
+    raw = logits.float()
     if all(_is_plain_greedy(r) for r in rows):
-        return [(t, None) for t in torch.argmax(logits, dim=-1).tolist()]
-    return [_sample_row(logits[i], row, eos_token_ids) for i, row in enumerate(rows)]
+        return [(t, None) for t in torch.argmax(raw, dim=-1).tolist()]
+    logits = _processed_logits(raw, rows, eos_token_ids)
+    hot = [i for i, r in enumerate(rows) if r.params.temperature > 0]
+    chosen: list[int | None] = [None] * len(rows)
+    if hot:
+        params = [rows[i].params for i in hot]
+        temperature = torch.tensor([p.temperature for p in params])
+        probs = filter_probs(torch.softmax(logits[hot] / temperature[:, None], dim=-1), params)
+        q = torch.empty_like(probs)
+        for j, i in enumerate(hot):
+            gen = torch.Generator(device=q.device)
+            gen.manual_seed(step_seed(rows[i].seed, _step(rows[i])))
+            q[j].exponential_(1, generator=gen)
+        # a row sum is finite and positive only when every entry is (entries are <= 1); a
+        # row without one (a temperature or penalty that overflows the float32 logits to
+        # inf) leaves no distribution and degenerates to its mode, the argmax below
+        mass = probs.sum(dim=-1)
+        valid = (torch.isfinite(mass) & (mass > 0)).tolist()
+        for i, token, ok in zip(hot, torch.argmax(probs / q, dim=-1).tolist(), valid):
+            if ok:
+                chosen[i] = token
+    cold = [i for i, token in enumerate(chosen) if token is None]
+    if cold:
+        modes = torch.argmax(torch.nan_to_num(logits[cold], nan=float("-inf")), dim=-1)
+        for i, token in zip(cold, modes.tolist()):
+            chosen[i] = token
+    out: list[tuple[int, TokenLogprob | None]] = [(t, None) for t in chosen]
+    for i, r in enumerate(rows):
+        if r.params.logprobs is not None:
+            out[i] = (chosen[i], token_logprob(raw[i], chosen[i], r.params.logprobs))
+    return out
 
 
 def _is_plain_greedy(row: SampleInput) -> bool:
@@ -91,29 +127,32 @@ def _is_plain_greedy(row: SampleInput) -> bool:
             and len(row.output_ids) >= p.min_tokens)
 
 
-def _sample_row(raw: torch.Tensor, row: SampleInput,
-                eos_token_ids: AbstractSet[int]) -> tuple[int, TokenLogprob | None]:
-    p = row.params
+def _step(row: SampleInput) -> int:
+    """The index of the output token being sampled, counting tokens made before a move.
+    Raises ValueError when output_offset exceeds the prompt."""
     prompt_ids, output_ids = row.history()
-    logits = apply_penalties(raw.clone(), p, prompt_ids, output_ids)
-    if len(row.output_ids) < p.min_tokens:  # min_tokens counts this run's tokens (see protocol)
-        banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
-        if banned:
-            logits[list(banned)] = float("-inf")
-    probs = None
-    if p.temperature > 0:
-        probs = filter_probs(torch.softmax(logits / p.temperature, dim=-1), p)
-        if not bool(torch.isfinite(probs).all()) or float(probs.sum()) <= 0:
-            # extreme settings (a temperature or penalty that overflows the float32 logits to
-            # inf): the distribution degenerates to its mode, so take the argmax
-            probs = None
-    if probs is None:
-        token = int(torch.argmax(torch.nan_to_num(logits, nan=float("-inf"))).item())
-    else:
-        gen = torch.Generator(device=logits.device)
-        gen.manual_seed(step_seed(row.seed, len(output_ids)))
-        token = int(torch.multinomial(probs, 1, generator=gen).item())
-    return token, (None if p.logprobs is None else token_logprob(raw, token, p.logprobs))
+    return len(output_ids)
+
+
+def _processed_logits(raw: torch.Tensor, rows: Sequence[SampleInput],
+                      eos_token_ids: AbstractSet[int]) -> torch.Tensor:
+    """raw with each row's penalties and min_tokens mask applied; raw itself when no row
+    asks for either (raw is kept intact for logprobs)."""
+    edits = [i for i, r in enumerate(rows)
+             if r.params.needs_history or len(r.output_ids) < r.params.min_tokens]
+    if not edits:
+        return raw
+    logits = raw.clone()
+    for i in edits:
+        row, p = rows[i], rows[i].params
+        if p.needs_history:
+            prompt_ids, output_ids = row.history()
+            apply_penalties(logits[i], p, prompt_ids, output_ids)
+        if len(row.output_ids) < p.min_tokens:  # this run's tokens (see protocol)
+            banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
+            if banned:
+                logits[i, sorted(banned)] = float("-inf")
+    return logits
 
 
 def apply_penalties(logits: torch.Tensor, p: SamplingParams, prompt_ids: Sequence[int],
@@ -133,21 +172,34 @@ def apply_penalties(logits: torch.Tensor, p: SamplingParams, prompt_ids: Sequenc
     return logits
 
 
-def filter_probs(probs: torch.Tensor, p: SamplingParams) -> torch.Tensor:
-    """min_p, then top_k, then top_p on a [vocab] probability row; renormalized."""
-    if p.min_p > 0:
-        probs = torch.where(probs < p.min_p * probs.max(), torch.zeros_like(probs), probs)
-    if p.top_k > 0 and p.top_k < probs.numel():
-        kth = torch.topk(probs, p.top_k).values[-1]
+def filter_probs(probs: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """min_p, then top_k, then top_p, each row with its own params; renormalized.
+
+    probs: [rows, vocab] float probabilities, one row per entry of params. Returns a new
+    [rows, vocab] tensor whose rows sum to 1 (NaN where a row kept no mass). A row with the
+    filter off is left as it is, so one batch mixes requests with and without them.
+    """
+    vocab = probs.shape[-1]
+    min_p = torch.tensor([p.min_p for p in params], dtype=probs.dtype)
+    if bool((min_p > 0).any()):
+        floor = min_p * probs.max(dim=-1).values
+        probs = torch.where(probs < floor[:, None], torch.zeros_like(probs), probs)
+    top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else 0 for p in params])
+    if bool((top_k > 0).any()):
+        k_max = int(top_k.max())
+        largest = torch.topk(probs, k_max, dim=-1).values
+        kth = largest.gather(1, (top_k.clamp(min=1) - 1)[:, None])
+        kth = torch.where(top_k[:, None] > 0, kth, torch.zeros_like(kth))
         probs = torch.where(probs < kth, torch.zeros_like(probs), probs)
-    if p.top_p < 1.0:
-        sorted_probs, order = torch.sort(probs, descending=True)
+    top_p = torch.tensor([p.top_p for p in params], dtype=probs.dtype)
+    if bool((top_p < 1.0).any()):
+        sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
         mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
-        drop = mass_before >= p.top_p * sorted_probs.sum()
-        drop[0] = False  # the most likely token always stays (a top_p that underflows to 0)
-        sorted_probs[drop] = 0
-        probs = torch.zeros_like(probs).scatter(0, order, sorted_probs)
-    return probs / probs.sum()
+        drop = mass_before >= (top_p * sorted_probs.sum(dim=-1))[:, None]
+        drop[:, 0] = False  # the most likely token always stays (a top_p that underflows to 0)
+        drop &= (top_p < 1.0)[:, None]
+        probs = torch.zeros_like(probs).scatter_(1, order, sorted_probs.masked_fill_(drop, 0))
+    return probs / probs.sum(dim=-1, keepdim=True)
 
 
 def token_logprob(raw_logits: torch.Tensor, token: int, top: int) -> TokenLogprob:

@@ -58,12 +58,12 @@ def test_sampled_frequencies_follow_softmax_of_scaled_logits():
 
 def test_top_k_top_p_min_p_keep_the_expected_sets():
     probs = torch.tensor([0.4, 0.3, 0.15, 0.1, 0.05])
-    kept = lambda **kw: (filter_probs(probs.clone(), SamplingParams(**kw)) > 0).nonzero().flatten().tolist()  # noqa: E731
+    kept = lambda **kw: (filter_probs(probs[None], [SamplingParams(**kw)])[0] > 0).nonzero().flatten().tolist()  # noqa: E731
     assert kept(top_k=2) == [0, 1]
     assert kept(top_p=0.7) == [0, 1]        # 0.4 + 0.3 reaches 0.7
     assert kept(top_p=0.71) == [0, 1, 2]
     assert kept(min_p=0.5) == [0, 1]        # >= 0.5 * 0.4
-    out = filter_probs(probs.clone(), SamplingParams(top_k=3))
+    out = filter_probs(probs[None], [SamplingParams(top_k=3)])[0]
     assert torch.allclose(out, torch.tensor([0.4, 0.3, 0.15, 0, 0]) / 0.85)
 
 
@@ -115,3 +115,58 @@ def test_degenerate_settings_still_pick_the_mode(params):
     want = tokens(sample(apply_penalties(logits[0].clone(), params, [1], [])[None],
                          rows(SamplingParams(temperature=0.0), [7])))
     assert tokens(sample(logits, rows(params, [7], prompt=(1,)))) == want
+
+
+def _one_row_at_a_time(raw, row, eos_token_ids):
+    """The sampler as written per row with torch.multinomial: every processor on one [vocab]
+    row, then one draw from the row's (seed, step) generator."""
+    p = row.params
+    prompt_ids, output_ids = row.history()
+    logits = apply_penalties(raw.clone(), p, prompt_ids, output_ids)
+    if len(row.output_ids) < p.min_tokens:
+        banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
+        logits[list(banned)] = float("-inf")
+    if p.temperature == 0:
+        return int(torch.argmax(logits))
+    probs = torch.softmax(logits / p.temperature, dim=-1)
+    if p.min_p > 0:
+        probs = torch.where(probs < p.min_p * probs.max(), torch.zeros_like(probs), probs)
+    if 0 < p.top_k < probs.numel():
+        probs = torch.where(probs < torch.topk(probs, p.top_k).values[-1],
+                            torch.zeros_like(probs), probs)
+    if p.top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, descending=True)
+        drop = torch.cumsum(sorted_probs, dim=-1) - sorted_probs >= p.top_p * sorted_probs.sum()
+        drop[0] = False
+        sorted_probs[drop] = 0
+        probs = torch.zeros_like(probs).scatter(0, order, sorted_probs)
+    gen = torch.Generator().manual_seed(step_seed(row.seed, len(output_ids)))
+    return int(torch.multinomial(probs / probs.sum(), 1, generator=gen))
+
+
+def test_batched_sampler_draws_what_one_row_at_a_time_draws():
+    """A batch mixing greedy, temperature, min_p, top_k, top_p, penalties, min_tokens and a
+    migrated request samples, row for row, the token torch.multinomial draws from that row
+    alone with the same (seed, step) generator: seeded outputs do not depend on batching."""
+    import random
+    rng = random.Random(0)
+    gen = torch.Generator().manual_seed(0)
+    vocab, eos = 2048, {7}
+    choices = [dict(temperature=0.0), dict(temperature=0.7), dict(temperature=1.3, top_k=40),
+               dict(temperature=1.0, top_p=0.8), dict(temperature=0.9, min_p=0.05),
+               dict(temperature=1.1, top_k=200, top_p=0.95, min_p=0.01),
+               dict(temperature=1.0, repetition_penalty=1.3, presence_penalty=0.5),
+               dict(temperature=0.8, top_p=0.9, frequency_penalty=1.0, min_tokens=3),
+               dict(temperature=1.0, top_k=vocab + 5), dict(temperature=0.6, output_offset=2)]
+    for _ in range(8):
+        batch = []
+        for _ in range(48):
+            kw = rng.choice(choices)
+            prompt = [rng.randrange(vocab) for _ in range(rng.randrange(3, 12))]
+            output = tuple(rng.randrange(vocab) for _ in range(rng.randrange(0, 6)))
+            batch.append(SampleInput(SamplingParams(max_tokens=64, **kw), rng.getrandbits(63),
+                                     prompt, output))
+        logits = torch.randn(len(batch), vocab, generator=gen) * 4
+        got = tokens(sample(logits, batch, eos))
+        want = [_one_row_at_a_time(logits[i], r, eos) for i, r in enumerate(batch)]
+        assert got == want
