@@ -58,6 +58,11 @@ _SERVE_FLAGS = [
     ("--actor-num-cpus", "actor_num_cpus", float, "logical CPUs per worker actor (default 1)"),
     ("--actor-num-gpus", "actor_num_gpus", float,
      "GPUs per worker actor (default: 1 when engine.device is cuda, else 0)"),
+    ("--cpu-bind", "cpu_bind", str, "auto | none | a cpu list like 0-7: cores the CPU "
+                                     "workers pin their torch threads to (default auto)"),
+    ("--worker-preload", "worker_preload", str, "auto | none: start the workers with "
+                                                 "tcmalloc preloaded where installed "
+                                                 "(default auto)"),
     ("--placement", "placement", str, "auto | resources | none: place workers by the Ray "
                                       "custom resources prefill/decode (default auto)"),
     ("--kv-bind", "kvstore.host", str, "KV store gRPC bind address (default 127.0.0.1; a "

@@ -13,6 +13,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
+from engine import cpu_binding
 from engine.config import EngineConfig
 from kvstore.config import KV_PLANE_FIELDS, KVStoreConfig, KVTransferConfig
 from kvstore.pool_config import KVPoolConfig
@@ -33,6 +34,15 @@ class ServeConfig(BaseModel):
         resource of the actor's role (`prefill`, `decode`) when some node advertises it, and a
         local Ray advertises both; "resources" always (fails fast if no node does); "none"
         never. Only nodes that may run workers get a KV store.
+    cpu_bind (``--cpu-bind``): pinning of the CPU workers' torch threads, one per core
+        (engine.cpu_binding). "auto": each worker claims free cores of its node; a local Ray
+        on a machine with more cores than the workers' threads sets those cores aside for the
+        workers and starts Ray's own processes (GCS, raylet, KV stores) on the rest, and when
+        the threads outnumber the cores nothing is pinned. "none": no pinning. A cpu list
+        ("0-7"): the cores every node's workers claim from. It becomes each worker's
+        engine.cpu_bind.
+    worker_preload (``--worker-preload``): "auto" starts the worker actors with tcmalloc
+        preloaded where installed (deploy/preload.py); "none" preloads nothing.
     colocated: each decode instance also prefills its requests (no prefill actors, no KV
         transfer) — for comparison and one-GPU deployments.
     drain_timeout_s: on SIGTERM the gateway stops admitting (503 + Retry-After, /health 503
@@ -98,6 +108,8 @@ class ServeConfig(BaseModel):
     actor_num_cpus: float = Field(1.0, gt=0)
     actor_num_gpus: float | None = Field(None, ge=0)
     placement: Literal["auto", "resources", "none"] = "auto"
+    cpu_bind: str = "auto"
+    worker_preload: Literal["auto", "none"] = "auto"
     log_level: str = "info"
     drain_timeout_s: float = Field(30.0, ge=0)
     max_inflight_requests: int = Field(256, ge=1)
@@ -108,6 +120,11 @@ class ServeConfig(BaseModel):
     max_request_body_bytes: int = Field(4 << 20, ge=1024)
     api_keys: list[SecretStr] = Field(default_factory=list)
     api_key_file: str | None = None
+
+    @field_validator("cpu_bind")
+    @classmethod
+    def _cpu_list(cls, value: str) -> str:
+        return cpu_binding.validate_cpu_bind(value)
 
     @field_validator("policy")
     @classmethod
@@ -172,6 +189,13 @@ class ServeConfig(BaseModel):
         if tp is None:
             return self.engine
         return self.engine.model_copy(update={"tensor_parallel_size": tp})
+
+    def local_worker_threads(self) -> int:
+        """Torch threads of every worker actor (every TP rank) of a one-node deployment."""
+        prefill = 0 if self.colocated else \
+            self.prefill_instances * self.prefill_engine().tensor_parallel_size
+        decode = self.decode_instances * self.decode_engine().tensor_parallel_size
+        return (prefill + decode) * self.engine.torch_threads
 
     def local_ray_num_cpus(self) -> int:
         """Logical CPUs for a local Ray: all worker actors (every TP rank) plus 2 spare."""

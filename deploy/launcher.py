@@ -6,6 +6,7 @@ Used by `pdcluster serve` and by the integration tests, so both run the same sta
 from __future__ import annotations
 
 import logging
+import os
 import secrets
 
 import ray
@@ -17,6 +18,8 @@ from decode_worker.actor import DecodeWorker
 from deploy.config import ServeConfig
 from deploy import placement
 from deploy.local_ray import LocalRay, start_local_ray
+from deploy.preload import worker_preload
+from engine import cpu_binding
 from engine.config import EngineConfig, ModelConfig
 from engine.model import check_tensor_parallel
 from kvstore.actor import start_kvstore_actors
@@ -70,14 +73,17 @@ class Cluster:
             self.config = self.config.model_copy(update={"kvstore": kvstore})
         cfg = self.config
         transfer = cfg.transfer
+        worker_cpu_bind, ray_cpus = self._cpu_plan()
         if not ray.is_initialized():
             if cfg.address is None:  # ours: loopback only, cleaned up if this process dies
                 self._local_ray = start_local_ray(cfg.local_ray_num_cpus(), cfg.ray_namespace,
-                                                  placement.local_node_resources())
+                                                  placement.local_node_resources(), ray_cpus)
             else:  # someone else's cluster: neither bound nor cleaned up by us
                 ray.init(address=cfg.address, namespace=cfg.ray_namespace)
             self._started_ray = True
-        prefill_engine, decode_engine = cfg.prefill_engine(), cfg.decode_engine()
+        prefill_engine, decode_engine = (
+            e.model_copy(update={"cpu_bind": worker_cpu_bind})
+            for e in (cfg.prefill_engine(), cfg.decode_engine()))
         prefill_tp = prefill_engine.tensor_parallel_size
         decode_tp = decode_engine.tensor_parallel_size
         model = ModelConfig.from_pretrained(cfg.engine.model)
@@ -98,7 +104,8 @@ class Cluster:
         # and they log like the gateway (level, text|json, request ids): engine.logs
         runtime_env = {"env_vars": {**worker_env_vars(cfg.log_level, cfg.log_format),
                                     **kernels.runtime_env_vars(cfg.engine.kernel_backend,
-                                                               cfg.engine.device)}}
+                                                               cfg.engine.device),
+                                    **worker_preload(cfg.worker_preload)}}
         for node_id, handle in self.kvstores.items():  # for /metrics: tiers G2/G3 per node
             self.registry.add(Instance(f"kvstore-{node_id[:12]}", "kvstore", handle))
         for i in range(0 if cfg.colocated else cfg.prefill_instances):
@@ -126,6 +133,28 @@ class Cluster:
             index_url=cfg.kvpool.index_url)
         self.pipeline.conductor = self.conductor
         return self
+
+    def _cpu_plan(self) -> tuple[str, list[int] | None]:
+        """(each worker's engine.cpu_bind, the cores a local Ray's own processes start on, or
+        None for all): ServeConfig.cpu_bind resolved for this node when the deployment is
+        one node, this one."""
+        cfg = self.config
+        if cfg.cpu_bind != cpu_binding.AUTO or cfg.address is not None \
+                or not hasattr(os, "sched_getaffinity"):
+            return cfg.cpu_bind, None
+        cores = sorted(os.sched_getaffinity(0))
+        threads = cfg.local_worker_threads()
+        if threads > len(cores):
+            log.info("cpu binding off: the workers' %d torch threads outnumber the %d cores",
+                     threads, len(cores))
+            return cpu_binding.NONE, None
+        split = cpu_binding.split_node_cores(threads, cores)
+        if split is None:
+            return cpu_binding.format_cpu_list(cores), None
+        workers, rest = split
+        log.info("cores %s for the workers, %s for Ray's own processes",
+                 cpu_binding.format_cpu_list(workers), cpu_binding.format_cpu_list(rest))
+        return cpu_binding.format_cpu_list(workers), rest
 
     def _rank0_options(self, tp: int, role: str) -> dict:
         """Options of a worker actor of `role`: at TP=1 its CPUs, GPUs, role resource and

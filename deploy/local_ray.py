@@ -55,7 +55,8 @@ class LocalRay:
                 self.guardian = None
 
 
-def start_local_ray(num_cpus: int, namespace: str, resources: dict[str, float]) -> LocalRay:
+def start_local_ray(num_cpus: int, namespace: str, resources: dict[str, float],
+                    cpus: list[int] | None = None) -> LocalRay:
     """Start a new single-node Ray (never a stray one already running on this machine) bound
     to loopback, dashboard off, with a guardian that cleans it up if this process dies.
 
@@ -63,6 +64,9 @@ def start_local_ray(num_cpus: int, namespace: str, resources: dict[str, float]) 
         num_cpus: logical CPUs the node advertises.
         namespace: Ray namespace of this driver.
         resources: custom resources the node advertises (role labels).
+        cpus: cores Ray's processes start on (they inherit this thread's affinity, set only
+            while Ray starts): GCS, raylet, agents and every worker process, which a worker
+            engine then re-pins to its own cores (engine.cpu_binding). None: all of them.
 
     Raises:
         fate_share.GuardianError: the guardian process could not be started.
@@ -71,7 +75,7 @@ def start_local_ray(num_cpus: int, namespace: str, resources: dict[str, float]) 
     guardian = Guardian.start() if fate_share.supported() else None
     marked = guardian.marked_environment() if guardian else contextlib.nullcontext()
     try:
-        with marked, _loopback_node_ip():
+        with marked, _loopback_node_ip(), _affinity(cpus):
             context = ray.init(address="local", num_cpus=num_cpus, namespace=namespace,
                                resources=resources, include_dashboard=False, log_to_driver=True,
                                _system_config=_system_config())
@@ -92,6 +96,20 @@ def _system_config() -> dict:
     """Ray settings of the local cluster: workers at niceness 0 (module docstring), unless
     the environment sets Ray's own variable for it."""
     return {} if "RAY_worker_niceness" in os.environ else {"worker_niceness": 0}
+
+
+@contextlib.contextmanager
+def _affinity(cpus: list[int] | None) -> Iterator[None]:
+    """While inside, this thread (and every process it starts) runs on `cpus` only."""
+    if cpus is None:
+        yield
+        return
+    saved = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cpus)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, saved)
 
 
 @contextlib.contextmanager

@@ -16,6 +16,8 @@ from typing import Any, Literal
 import pydantic
 import torch
 
+from engine import cpu_binding
+
 BUNDLED_MODEL: pathlib.Path = (pathlib.Path(__file__).parent / "models" / "stories260K").resolve()
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -204,6 +206,11 @@ class EngineConfig(pydantic.BaseModel):
     is given the matching TPGroup. `num_kv_blocks` counts blocks, each rank holding its KV heads.
     In a deployment it is vLLM's `--tensor-parallel-size`, for every instance; `--prefill-tp` /
     `--decode-tp` override it for one role (deploy.config.ServeConfig.prefill_engine).
+    `cpu_bind`: the cores a CPU worker pins its torch threads to, one per core
+    (engine.cpu_binding): "none" leaves them to the OS scheduler; "auto" claims free cores
+    among those the process may run on; a cpu list ("0-3,8") claims among those. Workers of
+    one node never share a claimed core. A launcher sets it to the cores it set aside for the
+    node's workers; library use (tests, benchmarks) defaults to "none".
     `fault_injection`: lets the worker actors' `inject_fault` act, for fault tests of a running
     cluster; off (the default) it raises. No CLI flag sets it.
     """
@@ -222,7 +229,13 @@ class EngineConfig(pydantic.BaseModel):
     preemption_mode: Literal["recompute", "swap"] = "recompute"
     kernel_backend: Literal["auto", "triton", "torch"] = "auto"
     tensor_parallel_size: int = pydantic.Field(1, gt=0)
+    cpu_bind: str = "none"
     fault_injection: bool = False
+
+    @pydantic.field_validator("cpu_bind")
+    @classmethod
+    def _check_cpu_bind(cls, value: str) -> str:
+        return cpu_binding.validate_cpu_bind(value)
 
     def torch_dtype(self) -> torch.dtype:
         """The torch dtype named by `dtype`."""

@@ -36,6 +36,7 @@ import torch
 
 import kernels
 
+from engine import cpu_binding
 from engine.attention import AttentionMetadata
 from engine.config import EngineConfig, ModelConfig
 from engine.kv_cache import PagedKVCache
@@ -81,7 +82,9 @@ class ModelRunner:
         Raises ModelConfigError / WeightsNotFoundError / WeightLoadError for a bad checkpoint and
         ValueError for a max_model_len beyond the model's limit, or a TP size that does not
         divide the heads, KV heads or intermediate size. Sets torch's intra-op threads
-        (process-wide) to `engine_config.torch_threads`.
+        (process-wide) to `engine_config.torch_threads` and, on CPU, pins them to cores by
+        `engine_config.cpu_bind` (engine.cpu_binding): build it on the thread that will run
+        the engine's ops.
         """
         self.engine_config = engine_config
         self.model_config = model_config or ModelConfig.from_pretrained(engine_config.model)
@@ -94,6 +97,10 @@ class ModelRunner:
         torch.set_num_threads(engine_config.torch_threads)
         kernels.set_backend(engine_config.kernel_backend)
         self.device = torch.device(engine_config.device)
+        #: the cores this engine's torch threads are pinned to (None: unpinned)
+        self.cpu_cores = (cpu_binding.bind_threads(engine_config.cpu_bind,
+                                                   engine_config.torch_threads)
+                          if self.device.type == "cpu" else None)
         dtype = engine_config.torch_dtype()
         kernels.prepare(self.device, dtype)
         self.model = build_model(self.model_config, dtype, self.device, self.tp)

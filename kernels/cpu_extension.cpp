@@ -1,8 +1,10 @@
 // Python bindings of the C++ CPU kernels (cpu_paged_decode.cpp, cpu_paged_prefill.cpp,
-// cpu_fused_ops.cpp), built together as one extension by kernels/cpu_extension.py.
+// cpu_fused_ops.cpp) and of the thread pinning (cpu_threads.cpp), built together as one
+// extension by kernels/cpu_extension.py.
 #include <torch/extension.h>
 
 #include <tuple>
+#include <vector>
 
 bool supports_head_dim(int64_t head_dim);
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache,
@@ -22,6 +24,8 @@ void rotary_embedding(torch::Tensor positions, torch::Tensor q, torch::Tensor k,
 void store_kv_cache(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
                     torch::Tensor slot_mapping);
 
+std::vector<int64_t> bind_omp_threads(const std::vector<int64_t>& cpus);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("supports_head_dim", &supports_head_dim);
   m.def("paged_decode_attention", &paged_decode_attention);
@@ -30,4 +34,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", &silu_and_mul);
   m.def("rotary_embedding", &rotary_embedding);
   m.def("store_kv_cache", &store_kv_cache);
+  m.def("bind_omp_threads", &bind_omp_threads);
 }

@@ -19,3 +19,16 @@ if [ "${1:-}" = "--dev" ]; then
 else
   .venv/bin/python -m pip install -q -e .
 fi
+# The workers' allocator (deploy/preload.py): tcmalloc from the OS packages, where it can be
+# installed. Optional: without it the workers run on glibc malloc.
+if [ "$(uname -s)" = Linux ]; then
+  if ! ldconfig -p 2>/dev/null | grep -q libtcmalloc_minimal.so.4; then
+    SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo -n"
+    if command -v apt-get >/dev/null 2>&1 && $SUDO true 2>/dev/null; then
+      { $SUDO apt-get update -qq && $SUDO apt-get install -y -qq libtcmalloc-minimal4 >/dev/null; } \
+        || echo "note: libtcmalloc-minimal4 not installed; workers use glibc malloc"
+    else
+      echo "note: install libtcmalloc-minimal4 for the workers' allocator (needs root)"
+    fi
+  fi
+fi
