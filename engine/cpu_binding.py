@@ -17,6 +17,7 @@ their SMT siblings, so a two-thread team does not land on the two halves of one 
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import logging
 import os
@@ -119,7 +120,8 @@ class CoreClaims:
             self._release()
             if not self.directory.is_dir():  # shared by every user's workers, as /tmp is
                 self.directory.mkdir(parents=True, exist_ok=True)
-                os.chmod(self.directory, 0o1777)
+                with contextlib.suppress(OSError):  # another user made it first
+                    os.chmod(self.directory, 0o1777)
             for cpu in physical_first(pool):
                 if len(self._held) == count:
                     break
@@ -175,10 +177,17 @@ def bind_threads(cpu_bind: str, threads: int, claims: CoreClaims | None = None) 
         return None
     ordered = physical_first(cpus)
     extension = cpu_extension.module()
-    if extension is not None:
-        extension.bind_omp_threads(ordered)
-    else:  # no compiler: the team stays on these cores, if not one thread per core
-        os.sched_setaffinity(0, ordered)
+    try:
+        if extension is not None:
+            if min(extension.bind_omp_threads(ordered)) < 0:
+                raise OSError("sched_setaffinity refused a core")
+        else:  # no compiler: the team stays on these cores, if not one thread per core
+            os.sched_setaffinity(0, ordered)
+    except OSError as exc:  # a listed core outside this process's cgroup, for one
+        claims.release()
+        log.warning("cpu binding: cannot pin to cores %s (%s); this worker's threads run "
+                    "unpinned", format_cpu_list(cpus), exc)
+        return None
     log.info("torch threads pinned to cores %s", format_cpu_list(cpus))
     return cpus
 

@@ -117,3 +117,13 @@ def test_the_openmp_team_runs_one_thread_per_claimed_core(tmp_path):
     single = [m for m in result["masks"] if m in {str(c) for c in cores}]
     assert sorted(single) == sorted(str(c) for c in cores)  # one thread on each, no more
     assert result["main"] in {str(c) for c in cores}  # the calling thread is in the team
+
+
+def test_a_core_this_process_may_not_use_is_refused_not_claimed(tmp_path, caplog):
+    """A cpu list naming a core outside the machine (or the process's cgroup) pins nothing,
+    warns, and gives the claim back."""
+    missing = min(max(os.sched_getaffinity(0)) + 64, 1023)  # within cpu_set_t, not present
+    claims = CoreClaims(tmp_path)
+    with caplog.at_level(logging.WARNING, logger="engine.cpu_binding"):
+        assert cpu_binding.bind_threads(str(missing), 1, claims) is None
+    assert "unpinned" in caplog.text and claims.cpus == []
