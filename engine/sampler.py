@@ -19,6 +19,8 @@ import torch
 from engine.protocol import SamplingParams, TokenLogprob
 
 _MASK64 = (1 << 64) - 1
+#: rows of a batch the sampling chain processes at once (sample)
+_CHUNK_ROWS = 4
 
 
 def draw_seed() -> int:
@@ -77,7 +79,7 @@ def sample(logits: torch.Tensor, rows: Sequence[SampleInput],
     Returns (token_id, logprob entry or None) per row. Greedy rows take the argmax; ties go to
     the lowest id, as torch.argmax and HF greedy do.
 
-    Temperature, min_p, top_k, top_p and the draw run as tensor ops over the whole batch;
+    Temperature, min_p, top_k, top_p and the draw run as tensor ops over the batch;
     only penalties, min_tokens masking and logprobs touch single rows, and only the rows
     that ask for them. The draw reproduces torch.multinomial(probs, 1, generator) on each
     row: that op samples one token as argmax(probs / q) with q ~ Exp(1) drawn from the
@@ -92,12 +94,16 @@ def sample(logits: torch.Tensor, rows: Sequence[SampleInput],
     logits = _processed_logits(raw, rows, eos_token_ids)
     hot = [i for i, r in enumerate(rows) if r.params.temperature > 0]
     chosen: list[int | None] = [None] * len(rows)
-    if hot:
-        params = [rows[i].params for i in hot]
+    # a few rows at a time: the chain's [rows, vocab] intermediates then stay in the core's
+    # L2 cache between ops, which a whole batch of them does not
+    for start in range(0, len(hot), _CHUNK_ROWS):
+        chunk = hot[start:start + _CHUNK_ROWS]
+        params = [rows[i].params for i in chunk]
         temperature = torch.tensor([p.temperature for p in params])
-        probs = filter_probs(torch.softmax(logits[hot] / temperature[:, None], dim=-1), params)
+        probs = filter_probs(torch.softmax(logits[chunk] / temperature[:, None], dim=-1),
+                             params)
         q = torch.empty_like(probs)
-        for j, i in enumerate(hot):
+        for j, i in enumerate(chunk):
             gen = torch.Generator(device=q.device)
             gen.manual_seed(step_seed(rows[i].seed, _step(rows[i])))
             q[j].exponential_(1, generator=gen)
@@ -106,7 +112,7 @@ def sample(logits: torch.Tensor, rows: Sequence[SampleInput],
         # inf) leaves no distribution and degenerates to its mode, the argmax below
         mass = probs.sum(dim=-1)
         valid = (torch.isfinite(mass) & (mass > 0)).tolist()
-        for i, token, ok in zip(hot, torch.argmax(probs / q, dim=-1).tolist(), valid):
+        for i, token, ok in zip(chunk, torch.argmax(probs / q, dim=-1).tolist(), valid):
             if ok:
                 chosen[i] = token
     cold = [i for i, token in enumerate(chosen) if token is None]
