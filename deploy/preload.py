@@ -51,6 +51,7 @@ def worker_preload(mode: str) -> dict[str, str]:
     found = find_tcmalloc() if mode == "auto" and sys.platform.startswith("linux") else None
     if found is None:
         return {}
-    inherited = [p for p in os.environ.get("LD_PRELOAD", "").split(":") if p]
-    return {"LD_PRELOAD": ":".join(inherited + [found] if found not in inherited
-                                   else inherited)}
+    paths = [p for p in os.environ.get("LD_PRELOAD", "").split(":") if p]
+    if found not in paths:
+        paths.append(found)
+    return {"LD_PRELOAD": ":".join(paths)}

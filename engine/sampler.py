@@ -136,7 +136,7 @@ def _is_plain_greedy(row: SampleInput) -> bool:
 def _step(row: SampleInput) -> int:
     """The index of the output token being sampled, counting tokens made before a move.
     Raises ValueError when output_offset exceeds the prompt."""
-    prompt_ids, output_ids = row.history()
+    _, output_ids = row.history()
     return len(output_ids)
 
 
