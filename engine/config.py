@@ -211,6 +211,10 @@ class EngineConfig(pydantic.BaseModel):
     among those the process may run on; a cpu list ("0-3,8") claims among those. Workers of
     one node never share a claimed core. A launcher sets it to the cores it set aside for the
     node's workers; library use (tests, benchmarks) defaults to "none".
+    `enforce_eager`: true runs the model's forward eager, false compiles it with torch.compile
+    (engine.compilation; vLLM's `--enforce-eager`); None (the default) compiles on CUDA and
+    runs eager on CPU, where the C++ kernels already run each layer's ops and the compiled
+    forward measured no faster (benchmarks/RESULTS.md, "The compiled forward").
     `fault_injection`: lets the worker actors' `inject_fault` act, for fault tests of a running
     cluster; off (the default) it raises. No CLI flag sets it.
     """
@@ -230,6 +234,7 @@ class EngineConfig(pydantic.BaseModel):
     kernel_backend: Literal["auto", "triton", "torch"] = "auto"
     tensor_parallel_size: int = pydantic.Field(1, gt=0)
     cpu_bind: str = "none"
+    enforce_eager: bool | None = None
     fault_injection: bool = False
 
     @pydantic.field_validator("cpu_bind")
@@ -240,6 +245,13 @@ class EngineConfig(pydantic.BaseModel):
     def torch_dtype(self) -> torch.dtype:
         """The torch dtype named by `dtype`."""
         return getattr(torch, self.dtype)
+
+    def eager(self) -> bool:
+        """Whether the forward runs eager: `enforce_eager`, or where it is None, whether the
+        device is not CUDA."""
+        if self.enforce_eager is not None:
+            return self.enforce_eager
+        return torch.device(self.device).type != "cuda"
 
     def resolved_max_model_len(self, model_config: ModelConfig) -> int:
         """`max_model_len`, or the model's limit when unset.

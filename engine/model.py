@@ -17,9 +17,8 @@ import torch
 from torch import nn
 
 import kernels
-from engine.attention import AttentionMetadata, paged_attention
+from engine.attention_layer import unified_attention
 from engine.config import ModelConfig
-from engine.kv_cache import PagedKVCache
 from engine.loader import CheckpointReader, WeightLoadError
 from engine.parallel import (LinearBase, MergedColumnParallelLinear, RowParallelLinear,
                              TPGroup, replicated_weight_loader)
@@ -60,8 +59,9 @@ class RMSNorm(nn.Module):
 class LlamaAttention(nn.Module):
     """GQA self-attention with RoPE; K/V go to the layer's paged cache before attending."""
 
-    def __init__(self, config: ModelConfig, tp: TPGroup) -> None:
+    def __init__(self, config: ModelConfig, tp: TPGroup, layer: int) -> None:
         super().__init__()
+        self.layer = layer  # its cache in the forward context's PagedKVCache
         self.num_heads = config.num_attention_heads // tp.world_size  # this rank's heads
         self.num_kv_heads = config.num_key_value_heads // tp.world_size
         self.head_dim = config.head_dim
@@ -76,9 +76,6 @@ class LlamaAttention(nn.Module):
         self,
         hidden: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        attn: AttentionMetadata,
     ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
         q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
@@ -87,7 +84,7 @@ class LlamaAttention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         positions, cos_sin_cache = rope
         kernels.rotary_embedding(positions, q, k, cos_sin_cache)  # in place
-        out = paged_attention(q, k, v, k_cache, v_cache, attn, self.scale)
+        out = unified_attention(q, k, v, self.layer, self.scale)
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
 
 
@@ -107,10 +104,10 @@ class LlamaMLP(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     """Pre-norm block; the residual stream is carried separately (vLLM's fused add+norm style)."""
 
-    def __init__(self, config: ModelConfig, tp: TPGroup) -> None:
+    def __init__(self, config: ModelConfig, tp: TPGroup, layer: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config, tp)
+        self.self_attn = LlamaAttention(config, tp, layer)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config, tp)
 
@@ -119,12 +116,9 @@ class LlamaDecoderLayer(nn.Module):
         hidden: torch.Tensor,
         residual: torch.Tensor | None,
         rope: tuple[torch.Tensor, torch.Tensor],
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        attn: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(hidden, rope, k_cache, v_cache, attn)
+        hidden = self.self_attn(hidden, rope)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
@@ -138,7 +132,8 @@ class LlamaModel(nn.Module):
         # would cost seconds of one-time imports per process)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size,
                                          _weight=torch.empty(config.vocab_size, config.hidden_size))
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, tp) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, tp, layer)
+                                    for layer in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
@@ -170,20 +165,15 @@ class LlamaForCausalLM(nn.Module):
         #: lm_head's weight as compute_logits reads it (process_weights_after_loading)
         self.logits_weight: torch.Tensor | None = None
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        kv_cache: PagedKVCache,
-        attn: AttentionMetadata,
-    ) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """input_ids, positions: int64 [num_tokens] -> final-normed hidden [num_tokens, hidden].
 
-        Writes each layer's new K/V into `kv_cache` at `attn.slot_mapping`."""
+        Runs inside a forward context (engine.forward_context): writes each layer's new K/V
+        into its cache at the context's `attn.slot_mapping`. Raises RuntimeError outside one."""
         rope = (positions, self.rotary.cos_sin_cache(positions.device))  # kernels.rotary_embedding's inputs
         hidden, residual = self.model.embed_tokens(input_ids), None
-        for index, layer in enumerate(self.model.layers):
-            hidden, residual = layer(hidden, residual, rope, kv_cache.k[index], kv_cache.v[index], attn)
+        for layer in self.model.layers:
+            hidden, residual = layer(hidden, residual, rope)
         hidden, _ = self.model.norm(hidden, residual)
         return hidden
 

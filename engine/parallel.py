@@ -177,12 +177,24 @@ class LinearBase(nn.Module):
     shard), repacked after loading for the device's fastest GEMM."""
 
     weight: nn.Parameter
+    #: names a packed weight inside a compiled graph (kernels.linear_handle); None: dense
+    weight_handle: int | None = None
+    out_features: int = 0
 
     def process_weights_after_loading(self) -> None:
         """Replace `weight` with `kernels.pack_linear_weight`'s layout (on CPU an opaque oneDNN
         tensor that only `kernels.linear` reads); call once, after every weight is loaded."""
         self.weight = nn.Parameter(kernels.pack_linear_weight(self.weight.detach()),
                                    requires_grad=False)
+        self.weight_handle = kernels.linear_handle(self.weight)
+        self.out_features = int(self.weight.shape[0])
+
+    def gemm(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x [n, in] @ weight^T (+ bias) -> [n, out]; a graph torch.compile traces reaches a
+        packed weight through its handle, since the opaque tensor cannot be traced."""
+        if self.weight_handle is not None and torch.compiler.is_compiling():
+            return kernels.linear_by_handle(x, self.weight_handle, self.out_features, bias)
+        return kernels.linear(x, self.weight, bias)
 
 
 class ColumnParallelLinear(LinearBase):
@@ -204,7 +216,7 @@ class ColumnParallelLinear(LinearBase):
         _load_shard(param, loaded, name, 0, self.tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return kernels.linear(x, self.weight, self.bias)
+        return self.gemm(x, self.bias)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -258,5 +270,5 @@ class RowParallelLinear(LinearBase):
             replicated_weight_loader(param, loaded, name)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.tp.all_reduce(kernels.linear(x, self.weight))
+        y = self.tp.all_reduce(self.gemm(x, None))
         return y if self.bias is None else y + self.bias

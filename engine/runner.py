@@ -20,6 +20,11 @@ never `broadcast_object_list` (it pickles):
            and concatenates them into full blocks
     STOP   header [4]: follow() returns
 
+Each step's inputs are written into persistent buffers (engine.input_buffers) and the forward
+runs inside a forward context (engine.forward_context) that carries the attention metadata, the
+cache and the KV connector's layer hooks; the forward is compiled (engine.compilation) unless
+the config runs it eager.
+
 Rank 0 serializes commands with a lock, so the engine loop's steps and a KV fetch's writes
 (from transfer threads) may call it concurrently. At TP=1 there is no command, no lock and no
 communication: `wire_kv` is the cache itself.
@@ -28,39 +33,32 @@ communication: `wire_kv` is the cache itself.
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import torch
 
 import kernels
 
-from engine import cpu_binding
+from engine import compilation, cpu_binding
 from engine.attention import AttentionMetadata
 from engine.config import EngineConfig, ModelConfig
+from engine.forward_context import ForwardContext, LayerHooks, set_forward_context
+from engine.input_buffers import InputBuffers, SequenceChunk
 from engine.kv_cache import PagedKVCache
 from engine.loader import CheckpointReader
 from engine.model import build_model, check_tensor_parallel
 from engine.parallel import TPError, TPGroup
 from kvstore.blocks import num_blocks_for
 
+__all__ = ["ModelRunner", "SequenceChunk", "ShardedKVView"]
+
+log = logging.getLogger(__name__)
+
 _STEP, _WRITE, _READ, _STOP = 1, 2, 3, 4
 _HEADER = 8
-
-
-@dataclass(frozen=True)
-class SequenceChunk:
-    """New tokens of one sequence for one forward pass.
-
-    token_ids: the new tokens (>= 1); num_computed_tokens: tokens of this sequence already in the
-    KV cache (positions 0..n-1); block_table: physical block ids covering at least
-    num_computed_tokens + len(token_ids) tokens (block j holds positions j*block_size ...).
-    """
-
-    token_ids: Sequence[int]
-    num_computed_tokens: int
-    block_table: Sequence[int]
 
 
 class ModelRunner:
@@ -84,7 +82,9 @@ class ModelRunner:
         divide the heads, KV heads or intermediate size. Sets torch's intra-op threads
         (process-wide) to `engine_config.torch_threads` and, on CPU, pins them to cores by
         `engine_config.cpu_bind` (engine.cpu_binding): build it on the thread that will run
-        the engine's ops.
+        the engine's ops. Compiles the forward and warms it up unless `engine_config.eager()`
+        (`forward_mode` says which runs; a compile that cannot work falls back to eager with a
+        warning).
         """
         self.engine_config = engine_config
         self.model_config = model_config or ModelConfig.from_pretrained(engine_config.model)
@@ -122,6 +122,19 @@ class ModelRunner:
         #: called (on the failing thread) once a collective failed; engine.tp_instance exits
         #: the process there, so the instance restarts as a whole
         self.on_tp_failure: Callable[[TPError], None] | None = None
+        #: the KV connector's per-layer hooks, run around each layer's attention (a worker
+        #: engine sets its connector here); None: none
+        self.layer_hooks: LayerHooks | None = None
+        self._inputs = InputBuffers(engine_config.max_num_batched_tokens, 256,
+                                    self.max_model_len, engine_config.block_size, self.device)
+        self._step_lock = threading.Lock()  # one step's views of the input buffers at a time
+        started = time.perf_counter()
+        #: the model's forward as run: compiled (engine.compilation) or the module itself
+        self.forward, self.forward_mode = compilation.select_forward(
+            self.model, self.device, self.tp.world_size, engine_config.eager(),
+            self._warm_up)
+        if self.forward_mode == "compiled":
+            log.info("model compiled and warmed up in %.1f s", time.perf_counter() - started)
 
     @torch.inference_mode()
     def execute(self, chunks: list[SequenceChunk], *, all_logits: bool = False) -> torch.Tensor:
@@ -136,14 +149,35 @@ class ModelRunner:
         """
         if not chunks:
             raise ValueError("execute needs at least one chunk")
-        input_ids, positions, attn = self._prepare(chunks)
-        with self._command():
-            if self.tp.world_size > 1:
-                self._send_step(input_ids, positions, attn)
-            hidden = self.model(input_ids, positions, self.kv_cache, attn)
-        if not all_logits:
-            hidden = hidden[attn.query_start_loc[1:].to(torch.int64) - 1]
-        return self.model.compute_logits(hidden)
+        for index, chunk in enumerate(chunks):
+            self._validate(index, chunk)
+        with self._step_lock:
+            input_ids, positions, attn = self._inputs.prepare(chunks)
+            with self._command():
+                if self.tp.world_size > 1:
+                    self._send_step(input_ids, positions, attn)
+                hidden = self._run_forward(input_ids, positions, attn, self.layer_hooks)
+            if not all_logits:
+                hidden = hidden[attn.query_start_loc[1:].to(torch.int64) - 1]
+            return self.model.compute_logits(hidden)
+
+    def _run_forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                     attn: AttentionMetadata, hooks: LayerHooks | None) -> torch.Tensor:
+        with set_forward_context(ForwardContext(attn, self.kv_cache, hooks)):
+            return self.forward(input_ids, positions)
+
+    @torch.inference_mode()
+    def _warm_up(self, forward: compilation.Forward) -> None:
+        """Run `forward` once, through the input buffers, on a few tokens whose K/V are not
+        stored (slot -1) and whose attention reads block 0, so compiling happens now, not on a
+        first request."""
+        num_tokens = 4
+        table = [0] * num_blocks_for(num_tokens, self.kv_cache.block_size)
+        input_ids, positions, attn = self._inputs.prepare(
+            [SequenceChunk([0] * num_tokens, 0, table)])
+        attn.slot_mapping.fill_(-1)
+        with set_forward_context(ForwardContext(attn, self.kv_cache)):
+            forward(input_ids, positions)
 
     # ---- tensor parallel: rank 0's commands and the other ranks' loop -----------------------
     def read_wire_blocks(self, block_ids: Sequence[int]) -> torch.Tensor:
@@ -189,7 +223,7 @@ class ModelRunner:
                 return
             if command == _STEP:
                 input_ids, positions, attn = self._receive_step(*args[:4])
-                self.model(input_ids, positions, self.kv_cache, attn)
+                self._run_forward(input_ids, positions, attn, None)
                 continue
             index = self.tp.broadcast(torch.empty(args[0], dtype=torch.int64, device=self.device))
             local = torch.empty((args[0], *self.kv_cache.block_shape), dtype=self.kv_cache.dtype,
@@ -242,39 +276,9 @@ class ModelRunner:
         )
         return input_ids, positions, attn
 
-    def _prepare(self, chunks: list[SequenceChunk]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        block_size = self.kv_cache.block_size
-        token_ids: list[int] = []
-        positions, slots, tables = [], [], []
-        seq_lens, query_start_loc = [], [0]
-        for index, chunk in enumerate(chunks):
-            start, num_new = chunk.num_computed_tokens, len(chunk.token_ids)
-            seq_len = start + num_new
-            self._validate(index, chunk, seq_len)
-            table = torch.tensor(list(chunk.block_table[: num_blocks_for(seq_len, block_size)]), dtype=torch.int64)
-            chunk_positions = torch.arange(start, seq_len, dtype=torch.int64)
-            token_ids.extend(chunk.token_ids)
-            positions.append(chunk_positions)
-            slots.append(table[chunk_positions // block_size] * block_size + chunk_positions % block_size)
-            tables.append(table)
-            seq_lens.append(seq_len)
-            query_start_loc.append(query_start_loc[-1] + num_new)
-        block_tables = torch.zeros((len(chunks), max(len(t) for t in tables)), dtype=torch.int32)
-        for row, table in enumerate(tables):
-            block_tables[row, : len(table)] = table
-        device = self.device
-        attn = AttentionMetadata(
-            slot_mapping=torch.cat(slots).to(device),
-            block_tables=block_tables.to(device),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-            query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32, device=device),
-            max_seq_len=max(seq_lens),
-        )
-        input_ids = torch.tensor(token_ids, dtype=torch.int64, device=device)
-        return input_ids, torch.cat(positions).to(device), attn
-
-    def _validate(self, index: int, chunk: SequenceChunk, seq_len: int) -> None:
+    def _validate(self, index: int, chunk: SequenceChunk) -> None:
         block_size, num_blocks = self.kv_cache.block_size, self.kv_cache.num_blocks
+        seq_len = chunk.num_computed_tokens + len(chunk.token_ids)
         if not chunk.token_ids:
             raise ValueError(f"chunk {index}: token_ids is empty")
         if chunk.num_computed_tokens < 0:

@@ -15,6 +15,11 @@ oracle in tests/kernels/attention_oracle.py):
   through their runtime environment (`runtime_env_vars`);
 - "torch": always torch.
 
+Inside a graph torch.compile traces, the elementwise ops are the torch references, which
+Inductor fuses into code of its own (C++/OpenMP on CPU, Triton on CUDA); paged attention and the
+K/V store run outside traced graphs (engine.attention_layer's custom op), so they keep their
+kernels here.
+
 triton is imported only when a Triton kernel is first needed. Shapes, dtypes and semantics are
 documented on the torch implementations; the launchers (`kernels.triton_*.plan_*`) check shapes,
 strides and dtypes and raise `KernelInputError` (a ValueError) for anything unsupported.
@@ -35,6 +40,7 @@ __all__ = [
     "decode_batches_rows",
     "get_backend",
     "linear",
+    "linear_by_handle",
     "pack_linear_weight",
     "paged_decode_attention",
     "paged_prefill_attention",
@@ -119,7 +125,9 @@ def _triton(name: str) -> ModuleType:
 
 def _elementwise(triton_module: str, *tensors: torch.Tensor) -> ModuleType:
     """Where an elementwise op on these tensors runs: the Triton module, the C++ CPU ops, or
-    the torch reference."""
+    the torch reference (always, inside a graph torch.compile traces)."""
+    if torch.compiler.is_compiling():
+        return reference
     if _use_triton(tensors[0]):
         return _triton(triton_module)
     if _backend == "auto" and cpu_fused_ops.supports(*tensors):
@@ -149,6 +157,20 @@ def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
     copy on CPU in float32 or bfloat16 (`cpu_gemm.pack`; an opaque tensor only `linear` reads),
     else `weight` itself."""
     return cpu_gemm.pack(weight) if cpu_gemm.can_pack(weight) else weight
+
+
+def linear_handle(weight: torch.Tensor) -> int | None:
+    """For a weight from `pack_linear_weight` that torch.compile cannot trace (an opaque
+    oneDNN tensor), the handle `linear_by_handle` names it by; None for a dense weight, which
+    a traced graph reads directly."""
+    return cpu_gemm.register(weight) if weight.is_mkldnn else None
+
+
+def linear_by_handle(x: torch.Tensor, handle: int, out_features: int,
+                     bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`linear` with the packed weight `linear_handle` named: x [n, in] -> [n, out_features],
+    as one custom op (`pdcluster::packed_linear`) a compiled graph calls."""
+    return torch.ops.pdcluster.packed_linear(x, handle, out_features, bias)
 
 
 def store_kv_cache(

@@ -11,9 +11,17 @@ backend packs its linear weights the same way; Inductor's freezing pass does it 
 A packed weight is an opaque mkldnn tensor (`is_mkldnn`), [out, in] in shape only: it is read
 by `linear` here and nothing else, so the embedding table a tied lm_head shares is packed as a
 copy.
+
+torch.compile cannot trace an opaque tensor (it has no storage to fake), so a compiled graph
+names a packed weight by an integer handle (`register`) and calls the custom op
+`pdcluster::packed_linear`, which looks the weight up when the graph runs.
 """
 
 from __future__ import annotations
+
+import itertools
+import threading
+import weakref
 
 import torch
 
@@ -45,3 +53,31 @@ def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = No
     """x [..., in] @ weight [out, in]^T (+ bias [out]) -> [..., out] in x's dtype, with the
     weight from `pack`; the same values as `F.linear` up to the order of float additions."""
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+_handles: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
+_next_handle = itertools.count(1)
+_handles_lock = threading.Lock()
+
+
+def register(packed: torch.Tensor) -> int:
+    """A handle naming `packed` in `packed_linear` for as long as the tensor lives (the registry
+    holds it weakly, so a model's weights go when the model does)."""
+    with _handles_lock:
+        handle = next(_next_handle)
+        _handles[handle] = packed
+    return handle
+
+
+@torch.library.custom_op("pdcluster::packed_linear", mutates_args=())
+def packed_linear(x: torch.Tensor, handle: int, out_features: int,
+                  bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`linear` with the packed weight `register` returned `handle` for: x [..., in] ->
+    [..., out_features]. Raises KeyError for a handle whose weight is gone."""
+    return linear(x, _handles[handle], bias)
+
+
+@packed_linear.register_fake
+def _(x: torch.Tensor, handle: int, out_features: int,
+      bias: torch.Tensor | None = None) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], out_features))

@@ -143,11 +143,29 @@ class PrefillWorker:
         self._layer_delay_s = float(value)
         if not self._delay_hooked:
             self._delay_hooked = True
-            for layer in self.engine.runner.model.model.layers:
-                layer.register_forward_hook(lambda *_: time.sleep(self._layer_delay_s))
+            runner = self.engine.runner
+            runner.layer_hooks = _DelayedLayerHooks(runner.layer_hooks,
+                                                    lambda: self._layer_delay_s)
 
     @ray.method(concurrency_group="control")
     def reset_prefix_cache(self) -> bool:
         """Drop this worker's G1 prefix cache (vLLM's reset_prefix_cache); False, changing
         nothing, while a prefill holds blocks."""
         return self.engine.reset_prefix_cache()
+
+
+class _DelayedLayerHooks:
+    """The connector's layer hooks with a sleep after each layer's save (the layer_delay
+    fault), in the forward context, where compiled and eager forwards both run them."""
+
+    def __init__(self, inner, delay_s) -> None:
+        self._inner, self._delay_s = inner, delay_s
+
+    def wait_for_layer_load(self, layer: int) -> None:
+        if self._inner is not None:
+            self._inner.wait_for_layer_load(layer)
+
+    def save_kv_layer(self, layer: int) -> None:
+        if self._inner is not None:
+            self._inner.save_kv_layer(layer)
+        time.sleep(self._delay_s())

@@ -149,10 +149,7 @@ class PrefillEngine:
         self.inbox = EngineInbox()
         connector.register_kv_caches(runner.wire_kv)
         connector.wakeup = lambda: self.inbox.post("wake")
-        for layer, module in enumerate(runner.model.model.layers):
-            module.register_forward_pre_hook(
-                lambda *_, layer=layer: connector.wait_for_layer_load(layer))
-            module.register_forward_hook(lambda *_, layer=layer: connector.save_kv_layer(layer))
+        runner.layer_hooks = connector  # around each layer's attention, compiled or not
         # index events and results, on one thread of their own: a request's events reach the
         # index before its caller gets the result
         self._events = ThreadPoolExecutor(1, thread_name_prefix="prefill-events")

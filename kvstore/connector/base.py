@@ -14,7 +14,8 @@ both halves:
 * worker side
   - ``bind_connector_metadata``: the step about to run (which request's tokens);
   - ``start_load_kv``: start the planned loads, never blocking;
-  - ``wait_for_layer_load`` / ``save_kv_layer``: per decoder layer, around its forward;
+  - ``wait_for_layer_load`` / ``save_kv_layer``: per decoder layer, around its attention
+    (inside the forward, compiled or eager);
   - ``wait_for_save``: after each forward;
   - ``get_finished``: the requests whose sends or loads settled since the last call.
 
@@ -180,11 +181,11 @@ class KVConnector(abc.ABC):
         """Start every load planned since the last call; never blocks."""
 
     def wait_for_layer_load(self, layer: int) -> None:
-        """Before ``layer``'s forward: its KV must be in place (whole-request loads finish
+        """Before ``layer``'s attention: its KV must be in place (whole-request loads finish
         before a request runs, so by default there is nothing to wait for)."""
 
     def save_kv_layer(self, layer: int) -> None:
-        """After ``layer``'s forward: its new KV is in the cache. May raise StepCancelled."""
+        """After ``layer``'s attention: its new KV is in the cache. May raise StepCancelled."""
 
     def wait_for_save(self) -> None:
         """After a forward: what save_kv_layer began must not block the next one."""

@@ -39,6 +39,17 @@ def test_prefix_caching_switch():
     assert on.engine.enable_prefix_caching and not off.engine.enable_prefix_caching
 
 
+def test_enforce_eager_switch_and_the_device_default():
+    def engine(*flags):
+        return load_config(None, _overrides(_parser().parse_args(["serve", *flags]))).engine
+
+    default, eager, compiled = engine(), engine("--enforce-eager"), engine("--no-enforce-eager")
+    assert (default.enforce_eager, eager.enforce_eager, compiled.enforce_eager) == (None, True, False)
+    assert default.eager() and eager.eager() and not compiled.eager()
+    assert not default.model_copy(update={"device": "cuda"}).eager()
+    assert eager.model_copy(update={"device": "cuda"}).eager()
+
+
 def test_api_keys_from_flags_and_file(tmp_path):
     path = tmp_path / "keys"
     path.write_text("k3\n")

@@ -1,6 +1,7 @@
 """Acceptance: paged-engine logits equal transformers' LlamaForCausalLM (fp32, max abs diff <= 1e-4).
 
-Two checkpoints: the bundled stories260K, and a random 2-layer GQA model with untied embeddings,
+Each test runs on the eager forward and on the compiled one (engine.compilation). Two
+checkpoints: the bundled stories260K, and a random 2-layer GQA model with untied embeddings,
 Llama-3 rope scaling (original_max_position_embeddings=64, so the scaling changes every position)
 saved sharded. Block tables are shuffled so blocks are never contiguous; decode steps cross
 several block boundaries; HF runs the full sequence once and every engine step is compared with
@@ -42,7 +43,8 @@ class Case:
     hf: transformers.LlamaForCausalLM
 
     def engine_config(self, **overrides) -> EngineConfig:
-        fields = {"model": self.path, "block_size": self.block_size, "num_kv_blocks": NUM_BLOCKS, **overrides}
+        fields = {"model": self.path, "block_size": self.block_size, "num_kv_blocks": NUM_BLOCKS,
+                  "enforce_eager": self.runner.forward_mode == "eager", **overrides}
         return EngineConfig(**fields)
 
     def hf_logits(self, tokens: list[int]) -> torch.Tensor:
@@ -64,14 +66,20 @@ def random_llama3_checkpoint(tmp_path_factory) -> str:
     return str(path)
 
 
-@pytest.fixture(scope="module", params=["stories260K", "random_llama3"])
+@pytest.fixture(scope="module", params=[("stories260K", "eager"), ("random_llama3", "eager"),
+                                        ("stories260K", "compiled"),
+                                        ("random_llama3", "compiled")],
+                ids=lambda p: "-".join(p))
 def case(request) -> Case:
-    if request.param == "stories260K":
+    name, mode = request.param
+    if name == "stories260K":
         path, block_size = str(BUNDLED_MODEL), 16
     else:
         path, block_size = request.getfixturevalue("random_llama3_checkpoint"), 4
     hf = transformers.LlamaForCausalLM.from_pretrained(path, attn_implementation="eager").eval()
-    runner = ModelRunner(EngineConfig(model=path, block_size=block_size, num_kv_blocks=NUM_BLOCKS))
+    runner = ModelRunner(EngineConfig(model=path, block_size=block_size, num_kv_blocks=NUM_BLOCKS,
+                                      enforce_eager=mode == "eager"))
+    assert runner.forward_mode == mode
     return Case(path, block_size, runner, hf)
 
 

@@ -1,0 +1,53 @@
+"""A decoder layer's attention as one custom op, `pdcluster::unified_attention` (vLLM's split
+point): a compiled graph calls it as an opaque node and everything else of the layer compiles
+around it.
+
+Inside, it reads the forward context (engine.forward_context), runs the KV connector's
+`wait_for_layer_load` for the layer, stores the new K/V into the layer's paged cache and attends
+(engine.attention.paged_attention, on the device's kernels), then runs `save_kv_layer`, which
+may raise the connector's StepCancelled. The cache is written through the context, not through
+an argument, so the compiled graph never copies it; order is kept because each layer's
+attention consumes the previous layer's output.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.attention import paged_attention
+from engine.forward_context import get_forward_context
+
+
+def unified_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
+                      scale: float) -> torch.Tensor:
+    """q [T, H, D], k/v [T, Hkv, D] of decoder layer `layer` -> attention output [T, H, D]
+    over the forward context's cache (see engine.attention.paged_attention). Eager calls run
+    the op's body directly; a traced graph records the custom op.
+    Raises RuntimeError outside a forward context."""
+    if torch.compiler.is_compiling():
+        return torch.ops.pdcluster.unified_attention(q, k, v, layer, scale)
+    return _attend(q, k, v, layer, scale)
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
+            scale: float) -> torch.Tensor:
+    context = get_forward_context()
+    hooks, cache = context.layer_hooks, context.kv_cache
+    if hooks is not None:
+        hooks.wait_for_layer_load(layer)
+    out = paged_attention(q, k, v, cache.k[layer], cache.v[layer], context.attn, scale)
+    if hooks is not None:
+        hooks.save_kv_layer(layer)
+    return out
+
+
+@torch.library.custom_op("pdcluster::unified_attention", mutates_args=())
+def _unified_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
+                          scale: float) -> torch.Tensor:
+    return _attend(q, k, v, layer, scale)
+
+
+@_unified_attention_op.register_fake
+def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
+      scale: float) -> torch.Tensor:
+    return torch.empty_like(q, memory_format=torch.contiguous_format)

@@ -1,0 +1,148 @@
+"""The compiled forward (engine.compilation): one graph for every batch shape, the KV
+connector's layer hooks inside it, the eager fallback without a compiler, a warm start from
+Inductor's cache, and the persistent input buffers it reads. Its logits against transformers
+are checked in test_paged_logits.py, which runs every case compiled and eager."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from engine.config import BUNDLED_MODEL, EngineConfig
+from engine.input_buffers import InputBuffers
+from engine.runner import ModelRunner, SequenceChunk
+from kvstore.connector.base import StepCancelled
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def compiled() -> ModelRunner:
+    runner = ModelRunner(EngineConfig(num_kv_blocks=64, enforce_eager=False))
+    assert runner.forward_mode == "compiled"
+    return runner
+
+
+@pytest.fixture(scope="module")
+def eager() -> ModelRunner:
+    return ModelRunner(EngineConfig(num_kv_blocks=64, enforce_eager=True))
+
+
+def _batches() -> list[list[SequenceChunk]]:
+    prompt = list(range(5, 40))
+    return [
+        [SequenceChunk(prompt, 0, [0, 1, 2])],                                   # prefill
+        [SequenceChunk([7], 35, [0, 1, 2])],                                      # decode, 1
+        [SequenceChunk([8], 36, [0, 1, 2]), SequenceChunk(prompt[:17], 0, [9, 10])],  # mixed
+        [SequenceChunk([9], 37, [0, 1, 2]), SequenceChunk([3], 17, [9, 10]),
+         SequenceChunk(prompt[:1], 0, [20])],                                     # decode, 3
+    ]
+
+
+def test_one_graph_serves_every_batch_shape_with_the_eager_logits(compiled, eager):
+    graphs = counters["stats"]["unique_graphs"]
+    for batch in _batches():
+        got, expected = compiled.execute(batch), eager.execute(batch)
+        assert got.shape == expected.shape == (len(batch), compiled.model_config.vocab_size)
+        torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
+    assert counters["stats"]["unique_graphs"] == graphs  # warm-up compiled the only graph
+
+
+class _Recorder:
+    def __init__(self, cancel_at: int | None = None) -> None:
+        self.calls: list[tuple[str, int]] = []
+        self.cancel_at = cancel_at
+
+    def wait_for_layer_load(self, layer: int) -> None:
+        self.calls.append(("wait", layer))
+
+    def save_kv_layer(self, layer: int) -> None:
+        self.calls.append(("save", layer))
+        if layer == self.cancel_at:
+            raise StepCancelled("req-1")
+
+
+@pytest.mark.parametrize("mode", ["compiled", "eager"])
+def test_layer_hooks_run_around_each_layers_attention(mode, request):
+    runner = request.getfixturevalue(mode)
+    layers = runner.model_config.num_hidden_layers
+    recorder = _Recorder()
+    runner.layer_hooks = recorder
+    try:
+        runner.execute([SequenceChunk([5, 6, 7], 0, [30])])
+        assert recorder.calls == [(kind, layer) for layer in range(layers)
+                                  for kind in ("wait", "save")]
+        # a connector's StepCancelled leaves the forward with its own type, mid-way
+        runner.layer_hooks = cancelling = _Recorder(cancel_at=1)
+        with pytest.raises(StepCancelled):
+            runner.execute([SequenceChunk([5, 6, 7], 0, [31])])
+        assert cancelling.calls == [("wait", 0), ("save", 0), ("wait", 1), ("save", 1)]
+    finally:
+        runner.layer_hooks = None
+
+
+def test_without_a_cxx_compiler_the_engine_warns_and_runs_eager(monkeypatch, caplog):
+    monkeypatch.setenv("CXX", "/nonexistent/c++")
+    with caplog.at_level(logging.WARNING, logger="engine.compilation"):
+        runner = ModelRunner(EngineConfig(num_kv_blocks=8, enforce_eager=False))
+    assert runner.forward_mode == "eager"
+    assert any("no C++ compiler" in r.getMessage() for r in caplog.records)
+    assert runner.execute([SequenceChunk([5, 6], 0, [0])]).shape[0] == 1
+
+
+_CHILD = """
+import json, sys, time
+sys.path.insert(0, sys.argv[1])
+from torch._dynamo.utils import counters
+from engine.config import EngineConfig
+from engine.runner import ModelRunner
+started = time.perf_counter()
+runner = ModelRunner(EngineConfig(num_kv_blocks=8, enforce_eager=False))
+print(json.dumps({"mode": runner.forward_mode, "seconds": time.perf_counter() - started,
+                  **{k: counters["inductor"][k] for k in ("fxgraph_cache_hit", "fxgraph_cache_miss")}}))
+"""
+
+
+@pytest.mark.slow
+def test_a_warm_start_reads_the_graph_from_inductors_cache(tmp_path):
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+
+    def start() -> dict:
+        out = subprocess.run([sys.executable, "-c", _CHILD, str(ROOT)], env=env, check=True,
+                             capture_output=True, text=True, timeout=300).stdout
+        return json.loads(out.strip().splitlines()[-1])
+
+    cold, warm = start(), start()
+    assert cold["mode"] == warm["mode"] == "compiled"
+    assert cold["fxgraph_cache_miss"] >= 1 and cold["fxgraph_cache_hit"] == 0
+    assert warm["fxgraph_cache_hit"] >= 1 and warm["fxgraph_cache_miss"] == 0
+
+
+def test_input_buffers_are_written_in_place_with_the_slot_mapping_of_the_block_tables():
+    buffers = InputBuffers(max_tokens=4, max_seqs=1, max_model_len=64, block_size=4,
+                           device=torch.device("cpu"))
+    first = buffers.prepare([SequenceChunk([1, 2, 3], 0, [7])])
+    chunks = [SequenceChunk([11, 12, 13, 14, 15], 2, [5, 9]), SequenceChunk([21], 9, [3, 8, 6])]
+    ids, positions, attn = buffers.prepare(chunks)  # grows: 6 tokens, 2 sequences
+    assert ids.tolist() == [11, 12, 13, 14, 15, 21]
+    assert positions.tolist() == [2, 3, 4, 5, 6, 9]
+    # slot = block_table[p // block_size] * block_size + p % block_size, by hand
+    assert attn.slot_mapping.tolist() == [5 * 4 + 2, 5 * 4 + 3, 9 * 4 + 0, 9 * 4 + 1, 9 * 4 + 2,
+                                          6 * 4 + 1]
+    assert attn.seq_lens.tolist() == [7, 10] and attn.query_start_loc.tolist() == [0, 5, 6]
+    assert attn.block_tables[0, :2].tolist() == [5, 9] and attn.block_tables[1, :3].tolist() == [3, 8, 6]
+    assert attn.max_seq_len == 10 and attn.block_tables.shape == (2, 16)
+    # no growth: the next step's views sit at the same addresses
+    again = buffers.prepare([SequenceChunk([4], 1, [2])])
+    assert again[0].data_ptr() == ids.data_ptr() and again[2].slot_mapping.data_ptr() == \
+        attn.slot_mapping.data_ptr()
+    assert again[2].slot_mapping.tolist() == [2 * 4 + 1]
+    assert first[0].data_ptr() != ids.data_ptr()  # the first buffers were outgrown
