@@ -11,7 +11,8 @@
 #   other     run as a command, e.g. `pdcluster bench ...` or `bash`
 #
 # Extra arguments go to `ray start` (head, prefill, decode) or to `pdcluster serve` (serve,
-# gateway). Role resource names are deploy/placement.py's PREFILL and DECODE. Ray ports must
+# gateway). On prefill/decode nodes RAY_CPUS=LIST keeps Ray's processes on those cores, to
+# pair with `--cpu-bind` naming the rest for the engines. Role resource names are deploy/placement.py's PREFILL and DECODE. Ray ports must
 # be on a trusted network; with Ray's token auth set RAY_AUTH_MODE=token and RAY_AUTH_TOKEN on
 # every node (docs/deploy.md, "Network and security").
 set -euo pipefail
@@ -29,7 +30,13 @@ case "$role" in
     # the engines are this node's workload: at Ray's default worker niceness (15) every
     # other process's wake-up preempts their compute threads (deploy/local_ray.py)
     export RAY_worker_niceness="${RAY_worker_niceness:-0}"
-    exec ray start --address="${RAY_ADDRESS:?set RAY_ADDRESS to the head, host:port}" \
+    # RAY_CPUS (a cpu list): Ray's own processes (raylet, agents, and the workers' threads
+    # other than the engine's) run on these cores only. The engines then pin their torch
+    # threads to the cores `pdcluster serve --cpu-bind LIST` names, which may lie outside
+    # this set (engine.cpu_binding).
+    affinity=()
+    [ -n "${RAY_CPUS:-}" ] && affinity=(taskset -c "$RAY_CPUS")
+    exec "${affinity[@]}" ray start --address="${RAY_ADDRESS:?set RAY_ADDRESS to the head, host:port}" \
       --resources="{\"$role\": 1}" --disable-usage-stats --block "$@" ;;
   gateway)
     ray start --address="${RAY_ADDRESS:?set RAY_ADDRESS to the head, host:port}" \

@@ -75,7 +75,9 @@ def stubbed(tmp_path):
     for tool in ("ray", "pdcluster"):
         stub = tmp_path / tool
         stub.write_text(f"#!{sys.executable}\nimport json, sys\n"
-                        f"open({str(log)!r}, 'a').write(json.dumps(['{tool}', *sys.argv[1:]]) + '\\n')\n")
+                        f"open({str(log)!r}, 'a').write(json.dumps(['{tool}', *sys.argv[1:]]) + '\\n')\n"
+                        f"import os\nopen({str(tmp_path)!r} + '/affinity-{tool}', 'w')"
+                        f".write(json.dumps(sorted(os.sched_getaffinity(0))))\n")
         stub.chmod(0o755)
 
     def run(*args: str, **env: str) -> list[list[str]]:
@@ -96,6 +98,15 @@ def test_entrypoint_worker_roles_offer_placement_resources(stubbed):
         resources = json.loads(next(a for a in call if a.startswith("--resources="))
                                .split("=", 1)[1])
         assert resources == {role: 1} and "--block" in call and call[-1] == "--num-gpus=1"
+
+
+def test_entrypoint_worker_roles_start_ray_on_ray_cpus(stubbed, tmp_path):
+    core = sorted(os.sched_getaffinity(0))[-1]
+    (call,) = stubbed(placement.PREFILL, RAY_ADDRESS="head:6379", RAY_CPUS=str(core))
+    assert call[:2] == ["ray", "start"]
+    assert json.loads((tmp_path / "affinity-ray").read_text()) == [core]
+    stubbed(placement.DECODE, RAY_ADDRESS="head:6379")  # unset: Ray keeps every core
+    assert json.loads((tmp_path / "affinity-ray").read_text()) == sorted(os.sched_getaffinity(0))
 
 
 def test_entrypoint_head_gateway_and_serve(stubbed):
