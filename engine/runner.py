@@ -59,6 +59,8 @@ log = logging.getLogger(__name__)
 
 _STEP, _WRITE, _READ, _STOP = 1, 2, 3, 4
 _HEADER = 8
+#: sequences a step's input buffers hold at first; they grow if a step holds more
+_INITIAL_MAX_SEQS = 256
 
 
 class ModelRunner:
@@ -125,7 +127,7 @@ class ModelRunner:
         #: the KV connector's per-layer hooks, run around each layer's attention (a worker
         #: engine sets its connector here); None: none
         self.layer_hooks: LayerHooks | None = None
-        self._inputs = InputBuffers(engine_config.max_num_batched_tokens, 256,
+        self._inputs = InputBuffers(engine_config.max_num_batched_tokens, _INITIAL_MAX_SEQS,
                                     self.max_model_len, engine_config.block_size, self.device)
         self._step_lock = threading.Lock()  # one step's views of the input buffers at a time
         started = time.perf_counter()
