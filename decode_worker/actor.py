@@ -70,7 +70,8 @@ class DecodeWorker:
             connector = create_connector(["fetch"], KVConnectorContext(
                 worker_id, node_id, kv_config, transfer, local_store=node_client,
                 device=runner.kv_cache.device.type))
-            return DecodeEngine(runner, worker_id, os.getpid(), connector, peers)
+            return DecodeEngine(runner, worker_id, os.getpid(), connector, peers,
+                                transfer.load_failure_policy)
 
         self.loop = EngineLoop(build, "decode-engine")
         self.engine = self.loop.core

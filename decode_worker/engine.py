@@ -43,7 +43,7 @@ import logging
 import time
 from collections import OrderedDict, deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import torch
@@ -54,10 +54,12 @@ from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.preemption import PREEMPTION_MODES
 from engine.core.request import RequestStatus
 from engine.core.scheduler import Scheduler
-from engine.protocol import DecodeRequest, FinishReason, TokenDelta, TokenLogprob
+from engine.protocol import (KV_LOAD_FAILED, DecodeRequest, FinishReason, TokenDelta,
+                             TokenLogprob)
 from engine.runner import ModelRunner, SequenceChunk
 from engine.sampler import SampleInput, draw_seed, sample
 from kvstore.block_pool import BlockPool
+from kvstore.connector.base import KVLoadFailurePolicy
 from kvstore.connector.fetch import FetchConnector, KVFetch
 from kvstore.transfer.layer_stream import LayerStreamAnnounce
 from kvstore.transfer.peers import StreamPeers
@@ -118,10 +120,15 @@ class DecodeEngine:
     when it was admitted to run (time.time()), the paths tried, a layer stream's per-piece
     arrivals, whether the prompt was recomputed, and the PrefillResult's extra.
     peers: how to tell a prefill its layer stream is no longer wanted (None: nobody).
+    kv_load_failure_policy: a fetch that failed for good is recomputed here ("recompute") or
+        ends the request with error_code KV_LOAD_FAILED ("fail"); both are counted in
+        stats()["kv_load_failures_total"] by action (KVTransferConfig.load_failure_policy).
     """
 
     def __init__(self, runner: ModelRunner, worker_id: str, pid: int,
-                 connector: FetchConnector, peers: StreamPeers | None = None) -> None:
+                 connector: FetchConnector, peers: StreamPeers | None = None,
+                 kv_load_failure_policy: str = "recompute") -> None:
+        self.kv_load_failures = KVLoadFailurePolicy(kv_load_failure_policy)
         self.runner = runner
         self.worker_id = worker_id
         self.pid = pid
@@ -188,6 +195,7 @@ class DecodeEngine:
             "num_pending_layer_streams": len(self.streams),
             "num_fetch_retries_total": self.num_fetch_retries_total,
             "num_fetch_recomputes_total": self.num_fetch_recomputes_total,
+            "kv_load_failures_total": dict(self.kv_load_failures.failures_total),
         }
 
     # ---- the engine loop's (engine.core.engine_loop) -----------------------------------------
@@ -296,6 +304,14 @@ class DecodeEngine:
                 self._finish(seq, FinishReason.ABORT)
                 continue
             if outcome.failures:
+                if self.kv_load_failures.record():
+                    log.warning("KV fetch of %s failed, ending the request "
+                                "(--kv-load-failure-policy fail): %s", seq.request_id,
+                                outcome.failures[0], extra={"request_id": seq.request_id})
+                    self._finish(seq, FinishReason.ERROR,
+                                 f"KV load failed: {outcome.failures[0]}",
+                                 error_code=KV_LOAD_FAILED)
+                    continue
                 log.warning("KV fetch of %s failed, recomputing the prompt here: %s",
                             seq.request_id, outcome.failures[0],
                             extra={"request_id": seq.request_id})
@@ -375,10 +391,12 @@ class DecodeEngine:
         return None
 
     def _finish(self, seq: DecodeSequence, reason: FinishReason, error: str | None = None,
-                new_tokens: tuple[int, ...] = (), logprob: TokenLogprob | None = None) -> None:
+                new_tokens: tuple[int, ...] = (), logprob: TokenLogprob | None = None,
+                error_code: str | None = None) -> None:
         self.scheduler.finish(seq)
         seq.swapped = None
-        seq.emit(self._delta(seq, new_tokens, reason, error, logprob))
+        delta = self._delta(seq, new_tokens, reason, error, logprob)
+        seq.emit(delta if error_code is None else replace(delta, error_code=error_code))
 
     def _delta(self, seq: DecodeSequence, tokens: tuple[int, ...], reason: FinishReason | None,
                error: str | None = None, logprob: TokenLogprob | None = None) -> TokenDelta:

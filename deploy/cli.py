@@ -74,6 +74,9 @@ _SERVE_FLAGS = [
     ("--kv-streaming", "transfer.streaming", str, "request (default): decode pulls a request's "
                                                   "KV after prefill | layer: layer by layer, "
                                                   "overlapping prefill compute"),
+    ("--kv-load-failure-policy", "transfer.load_failure_policy", str,
+     "recompute (default): a failed KV load is recomputed, counted and logged | fail: the "
+     "request ends with an error"),
     ("--drain-timeout", "drain_timeout_s", float, "on SIGTERM: stop admitting, let in-flight "
                                                   "requests finish for this long (default 30 s)"),
     ("--kv-token", "kvstore.token", str, "shared token of the KV plane: its gRPC calls and "

@@ -223,13 +223,19 @@ class DecodeRequest:
     prefill: PrefillResult | None = None
 
 
+#: TokenDelta.error_code of a KV load that failed under the ``fail`` policy
+KV_LOAD_FAILED = "kv_load_failed"
+
+
 @dataclass(frozen=True)
 class TokenDelta:
     """One streamed item from a decode worker: the new tokens since the last item.
 
     finish_reason is set on the last item; num_forward_tokens counts the tokens this decode
     worker ran through the model for the request (the prompt is never recomputed, so it is
-    generated − 1 on a normal finish); error carries a message when finish_reason is ERROR.
+    generated − 1 on a normal finish); error carries a message when finish_reason is ERROR,
+    and error_code what kind of error when a caller must tell it apart (KV_LOAD_FAILED: the
+    request's KV load failed under the ``fail`` policy, which no retry should paper over).
     """
 
     request_id: str
@@ -241,3 +247,4 @@ class TokenDelta:
     error: str | None = None
     logprobs: tuple[TokenLogprob, ...] | None = None
     extra: dict = field(default_factory=dict)
+    error_code: str | None = None

@@ -156,6 +156,14 @@ class KVTransferConfig(pydantic.BaseModel):
         streaming: ``request`` (decode pulls the whole request's KV once prefill is done) or
             ``layer`` (each layer's KV for the new tokens is published as soon as that layer's
             prefill compute ends, overlapping the rest; Mooncake FAST'25 §3.1).
+        load_failure_policy: what a worker does when a KV load fails for good (a decode's
+            fetch after its retry, a prefill's prefix load cut short): ``recompute`` (the
+            default) computes what did not arrive, so the client sees no error, only latency,
+            and the worker counts it (``pdcluster_kv_load_failures_total{action="recompute"}``)
+            and logs a warning; ``fail`` ends the request with KVLoadError (the client gets
+            an error: a 503, or an error event once its stream began), which shows a
+            misconfigured data plane at once. vLLM's
+            ``kv_load_failure_policy``, whose default became ``fail``.
         token / tls / max_message_bytes: deprecated copies of KVStoreConfig's; accepted with
             a DeprecationWarning and used only by a backend built without a KVStoreConfig.
     """
@@ -169,6 +177,7 @@ class KVTransferConfig(pydantic.BaseModel):
     min_stream_bytes: int = pydantic.Field(default=8 << 20, gt=0)
     bind_host: str = "127.0.0.1"
     streaming: Literal["request", "layer"] = "request"
+    load_failure_policy: Literal["recompute", "fail"] = "recompute"
     token: pydantic.SecretStr | None = pydantic.Field(
         default=None, exclude=True, repr=False,
         deprecated="KVTransferConfig.token is deprecated: the KV plane's token is "

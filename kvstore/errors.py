@@ -37,6 +37,12 @@ class KVTransferError(KVStoreError):
         self.address = address
 
 
+class KVLoadError(KVStoreError):
+    """A request's KV load failed and the KV load failure policy is ``fail``
+    (``--kv-load-failure-policy``, vLLM's ``kv_load_failure_policy``): the request ends with
+    this error instead of recomputing what did not arrive."""
+
+
 class KVAuthError(KVStoreError):
     """The KV store refused the call: missing or wrong shared token (gRPC UNAUTHENTICATED).
 

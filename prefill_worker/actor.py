@@ -90,7 +90,7 @@ class PrefillWorker:
             self.tp.start(runner)
             ctx.device = runner.kv_cache.device.type
             return PrefillEngine(runner, create_connector(names, ctx), worker_id, os.getpid(),
-                                 index, node_id)
+                                 index, node_id, transfer.load_failure_policy)
 
         self.loop = EngineLoop(build, "prefill-engine")
         self.engine = self.loop.core

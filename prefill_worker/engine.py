@@ -55,7 +55,8 @@ from engine.protocol import FirstToken, PrefillRequest, PrefillResult
 from engine.runner import ModelRunner, SequenceChunk
 from engine.sampler import SampleInput, draw_seed, sample
 from kvstore.block_pool import BlockPool
-from kvstore.connector.base import KVConnector, LoadOutcome, StepCancelled
+from kvstore.connector.base import KVConnector, KVLoadFailurePolicy, LoadOutcome, StepCancelled
+from kvstore.errors import KVLoadError
 from kvstore.events import BlockStored
 from kvstore.hashing import block_keys, make_namespace
 from kvstore.index import KVIndex, Location
@@ -125,10 +126,15 @@ class PrefillEngine:
         worker_id / pid: who computed a result (PrefillResult.prefill_worker_id / _pid).
         index / node_id: where G1 cache events go, as (node_id, "device", worker_id)
             locations (index None: nowhere).
+        kv_load_failure_policy: a prefix load cut short is recomputed from where it stopped
+            ("recompute") or ends the request with KVLoadError ("fail"); both are counted in
+            stats()["kv_load_failures_total"] by action (KVTransferConfig.load_failure_policy).
     """
 
     def __init__(self, runner: ModelRunner, connector: KVConnector, worker_id: str, pid: int,
-                 index: KVIndex | None = None, node_id: str = "local-node") -> None:
+                 index: KVIndex | None = None, node_id: str = "local-node",
+                 kv_load_failure_policy: str = "recompute") -> None:
+        self.kv_load_failures = KVLoadFailurePolicy(kv_load_failure_policy)
         self.runner = runner
         self.connector = connector
         self.index = index
@@ -214,6 +220,7 @@ class PrefillEngine:
                 "g1_reannouncements_total": self.g1_reannouncements_total,
                 "prefix_cache_queried_tokens_total": self.prefix_cache_queried_tokens_total,
                 "prefix_cache_hit_tokens_total": dict(self.prefix_cache_hit_tokens_total),
+                "kv_load_failures_total": dict(self.kv_load_failures.failures_total),
                 **self.connector.stats()}
 
     # ---- the engine loop's (engine.core.engine_loop) -------------------------------------
@@ -341,6 +348,13 @@ class PrefillEngine:
                 self._end(seq, RequestAborted(request_id))
                 continue
             seq.loaded = outcome
+            if outcome.failures:
+                if self.kv_load_failures.record():
+                    log.warning("prefix load cut short, ending the request "
+                                "(--kv-load-failure-policy fail): %s", outcome.failures[0],
+                                extra={"request_id": request_id})
+                    self._end(seq, KVLoadError(f"KV load failed: {outcome.failures[0]}"))
+                    continue
             for failure in outcome.failures:
                 log.warning("prefix load cut short, recomputing the rest: %s", failure,
                             extra={"request_id": request_id})

@@ -99,6 +99,14 @@ class ClusterStatsCollector:
                 by_backend[backend] = by_backend.get(backend, 0) + n
         for backend, n in sorted(by_backend.items()):
             transfer.add_metric([backend], n)
+        load_failures = CounterMetricFamily(
+            "pdcluster_kv_load_failures", "KV loads that failed for good, by role and what the "
+            "KV load failure policy did: recompute (silent to the client) or fail",
+            labels=["role", "action"])
+        for role, stats in (("prefill", stats_p), ("decode", stats_d)):
+            for action in ("recompute", "fail"):
+                load_failures.add_metric([role, action], sum(
+                    s.get("kv_load_failures_total", {}).get(action, 0) for s in stats))
         blocks = GaugeMetricFamily("pdcluster_kv_blocks", "KV blocks in worker caches",
                                    labels=["tier", "state"])
         for state, key in (("free", "num_free_blocks"), ("used", "num_used_blocks"),
@@ -118,7 +126,7 @@ class ClusterStatsCollector:
         waiting.add_metric(["decode"], sum(s.get("num_waiting", 0) for s in stats_d))
         if self.gate is not None:  # sequences in the gateway's fair queue
             waiting.add_metric(["gateway"], self.gate.queued)
-        return [queried, hits, transfer, blocks, running, waiting]
+        return [queried, hits, transfer, load_failures, blocks, running, waiting]
 
 
 async def _gather_stats(instances) -> list[dict]:

@@ -16,7 +16,9 @@ so the next prefill recomputes the KV (prefix-cache hits make that cheap), sampl
 token the dead worker would have sampled next (the sampler draws output token t from the
 (seed, t) stream: engine.sampler), and the client stream goes on with no duplicate and no
 missing token. A worker that reports an error for the request (a failed KV fetch, a store it
-could not reach) gets the same treatment once, on another instance when one is live. When no
+could not reach) gets the same treatment once, on another instance when one is live, except
+a KV load that failed under `--kv-load-failure-policy fail`: that request ends with the error,
+as the policy asks (a retry would recompute it elsewhere). When no
 live instance turns up within `migration_deadline_s`, the request ends: GenerationError if
 nothing was streamed yet (the gateway answers 503), else a TokenDelta with FinishReason.ERROR
 (the gateway's error event).
@@ -33,9 +35,10 @@ from typing import AsyncIterator
 
 from ray.exceptions import RayActorError, RayTaskError
 
-from engine.protocol import (DecodeRequest, FinishReason, FirstToken, PrefillRequest,
-                             PrefillResult, SamplingParams, TokenDelta)
+from engine.protocol import (KV_LOAD_FAILED, DecodeRequest, FinishReason, FirstToken,
+                             PrefillRequest, PrefillResult, SamplingParams, TokenDelta)
 from engine.sampler import draw_seed
+from kvstore.errors import KVLoadError
 from router.conductor import Conductor, Instance, NoInstanceError, RequestRejected, RouteRequest
 
 log = logging.getLogger(__name__)
@@ -245,12 +248,12 @@ class Pipeline:
 async def _next_from(stream, prefill: Instance):
     """The prefill stream's next item (PrefillWorker.prefill). Raises _Moved when the worker
     died or failed the request, GenerationError (via _worker_error) when it refused the
-    input."""
+    input or its KV load failed under the fail policy."""
     try:
         return await (await stream.__anext__())
     except (RayTaskError, RayActorError) as exc:
-        if isinstance(exc, RayTaskError) and isinstance(exc.cause, ValueError):
-            raise _worker_error(exc, prefill) from exc  # the input itself: no retry
+        if isinstance(exc, RayTaskError) and isinstance(exc.cause, (ValueError, KVLoadError)):
+            raise _worker_error(exc, prefill) from exc  # the input, or the policy: no retry
         raise _moved(exc, prefill) from exc
 
 
@@ -282,8 +285,10 @@ async def _stream_decode(decode: Instance, request: DecodeRequest) -> AsyncItera
             delta: TokenDelta = await ref
             finished = delta.finish_reason is not None
             if delta.finish_reason is FinishReason.ERROR:
-                raise _Moved(decode, f"decode worker {decode.worker_id} failed: {delta.error}",
-                             dead=False)
+                message = f"decode worker {decode.worker_id} failed: {delta.error}"
+                if delta.error_code == KV_LOAD_FAILED:
+                    raise GenerationError(message)
+                raise _Moved(decode, message, dead=False)
             yield delta
     except (RayTaskError, RayActorError) as exc:
         finished = True

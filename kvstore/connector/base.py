@@ -99,6 +99,23 @@ class LoadOutcome:
     detail: dict[str, Any] = field(default_factory=dict)  # diagnostics (paths tried, timings)
 
 
+class KVLoadFailurePolicy:
+    """What a worker does with a load that failed for good (KVTransferConfig.
+    load_failure_policy: "recompute" or "fail"), and how many it had, by action.
+    Raises ValueError for another policy."""
+
+    def __init__(self, policy: str = "recompute") -> None:
+        if policy not in ("recompute", "fail"):
+            raise ValueError(f"KV load failure policy must be recompute or fail, got {policy!r}")
+        self.policy = policy
+        self.failures_total = {"recompute": 0, "fail": 0}
+
+    def record(self) -> bool:
+        """Count one failed load; True when its request must end with an error."""
+        self.failures_total[self.policy] += 1
+        return self.policy == "fail"
+
+
 @dataclass
 class KVConnectorContext:
     """Everything a connector may be built from (``KVConnector.from_context``), so that the

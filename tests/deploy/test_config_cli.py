@@ -39,6 +39,17 @@ def test_prefix_caching_switch():
     assert on.engine.enable_prefix_caching and not off.engine.enable_prefix_caching
 
 
+def test_kv_load_failure_policy_flag():
+    def policy(*flags):
+        return load_config(None, _overrides(_parser().parse_args(["serve", *flags]))
+                           ).transfer.load_failure_policy
+
+    assert policy() == "recompute"
+    assert policy("--kv-load-failure-policy", "fail") == "fail"
+    with pytest.raises(ValidationError):
+        policy("--kv-load-failure-policy", "ignore")
+
+
 def test_enforce_eager_switch_and_the_device_default():
     def engine(*flags):
         return load_config(None, _overrides(_parser().parse_args(["serve", *flags]))).engine

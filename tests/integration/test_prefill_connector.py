@@ -14,7 +14,7 @@ from kvstore.config import KVStoreConfig
 from kvstore.connector import KV_CONNECTORS, connector_class, prefill_connector_names
 from kvstore.connector.base import KVConnector
 from kvstore.connector.pool import PoolConnector
-from kvstore.errors import KVTransferError
+from kvstore.errors import KVLoadError, KVTransferError
 from kvstore.index import Location
 from prefill_worker.engine import PrefillEngine
 from tests.engine_loops import started, stop
@@ -81,8 +81,34 @@ def test_a_planned_load_is_reused_and_a_failed_one_is_recomputed(engine, store, 
     assert engine.stats()["num_prefill_tokens_total"] == 2 * len(prompt) + (
         len(prompt) - loaded.num_cached_tokens)
     assert engine.kv_manager.num_free_blocks == free
+    assert engine.stats()["kv_load_failures_total"] == {"recompute": 1, "fail": 0}
     for result in (warm, loaded, recomputed):
         client.release_tail(result.tail_handle)
+
+
+def test_a_failed_load_ends_the_request_under_the_fail_policy(store, hf):
+    server, client = store
+    faulty = FaultyConnector(PoolConnector(NODE, client, server.address, client))
+    engine = started(lambda: PrefillEngine(
+        ModelRunner(EngineConfig(model=str(BUNDLED_MODEL), num_kv_blocks=64)), faulty, "p", 0,
+        kv_load_failure_policy="fail"))
+    try:
+        prompt = hf.encode("Tom had a small boat. He sailed it on the lake with his dad. " * 3)
+        warm = engine.prefill(PrefillRequest("warm-f", tuple(prompt), PARAMS))
+        assert engine.reset_prefix_cache()
+        free = engine.kv_manager.num_free_blocks
+        faulty.fail_loads = True
+        with pytest.raises(KVLoadError, match="injected load failure"):
+            engine.prefill(planned("failed", prompt, warm.block_keys))
+        assert engine.kv_manager.num_free_blocks == free  # every block back
+        assert engine.stats()["kv_load_failures_total"] == {"recompute": 0, "fail": 1}
+        faulty.fail_loads = False  # the engine goes on serving
+        assert engine.prefill(PrefillRequest("after", tuple(prompt), PARAMS)).first_token == \
+            warm.first_token
+        client.release_tail(warm.tail_handle)
+        client.release_tail("tail:after")
+    finally:
+        stop(engine)
 
 
 def test_a_failed_save_fails_the_result_after_the_first_token(engine, store, hf):

@@ -20,7 +20,8 @@ import pytest
 
 from decode_worker.engine import DecodeEngine
 from engine.config import EngineConfig
-from engine.protocol import DecodeRequest, PrefillRequest, PrefillResult, SamplingParams
+from engine.protocol import (KV_LOAD_FAILED, DecodeRequest, FinishReason, PrefillRequest,
+                             PrefillResult, SamplingParams)
 from engine.runner import ModelRunner
 from kvstore.client import KVStoreClient
 from kvstore.connector.fetch import FetchConnector
@@ -128,11 +129,13 @@ def stalled_address():
         conn.close()
 
 
-def decode_engine(backend: KVTransferBackend | None = None) -> DecodeEngine:
+def decode_engine(backend: KVTransferBackend | None = None,
+                  kv_load_failure_policy: str = "recompute") -> DecodeEngine:
     runner = ModelRunner(EngineConfig(num_kv_blocks=64))
     transfer = KVTransferConfig(timeout_s=TIMEOUT_S)
     return started(lambda: DecodeEngine(runner, "decode-f", 0,
-                                        FetchConnector(transfer, backend=backend)))
+                                        FetchConnector(transfer, backend=backend),
+                                        kv_load_failure_policy=kv_load_failure_policy))
 
 
 def prefill_for(prefill: PrefillEngine, request_id: str, prompt: list[int],
@@ -212,6 +215,33 @@ def test_stalled_store_is_retried_then_the_prompt_recomputed(prefill, store, hf,
         stats = assert_settled(engine, prefill, client)
         assert stats["num_fetch_recomputes_total"] == 2 and stats["num_fetch_retries_total"] == 2
         assert stats["num_recomputed_tokens_total"] == 2 * len(prompt)
+        assert stats["kv_load_failures_total"] == {"recompute": 2, "fail": 0}
+    finally:
+        stop(engine)
+
+
+def test_under_the_fail_policy_a_failed_fetch_ends_the_request(prefill, store, hf,
+                                                               stalled_address):
+    _, client = store
+    prompt = hf.encode(STORY * 3)
+    engine = decode_engine(kv_load_failure_policy="fail")
+    try:
+        result = prefill_for(prefill, "stalled-fail", prompt, GREEDY, False)
+        client.release_tail(result.tail_handle)  # the stalled store is the only holder
+        deltas: queue.SimpleQueue = queue.SimpleQueue()
+        engine.add_request(DecodeRequest(result.request_id, tuple(prompt), GREEDY,
+                                         dataclasses.replace(result,
+                                                             kv_address=stalled_address)),
+                           deltas.put)
+        delta = deltas.get(timeout=60)
+        assert delta.finish_reason is FinishReason.ERROR and delta.token_ids == ()
+        assert delta.error_code == KV_LOAD_FAILED and "KV load failed" in delta.error
+        stats = assert_settled(engine, prefill, client)  # every block back, on both sides
+        assert stats["kv_load_failures_total"] == {"recompute": 0, "fail": 1}
+        assert stats["num_fetch_recomputes_total"] == 0 and stats["num_recomputed_tokens_total"] == 0
+        # the engine goes on serving
+        ok = prefill_for(prefill, "after-fail", prompt, GREEDY, False)
+        assert decode(engine, ok, prompt, GREEDY) == hf.greedy(prompt, 16)
     finally:
         stop(engine)
 
