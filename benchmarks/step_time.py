@@ -1,18 +1,26 @@
-"""One engine step of the 100M random Llama (throughput.py's model) against the memory roofline.
+"""One engine step of a random-weight Llama against the memory roofline, on CPU or CUDA.
 
-Prints the read bandwidth (a sum over 1 GiB at the engine's thread count, bytes read per
-second), the weight-read bound of a decode step (weight bytes / bandwidth), and the measured
+Models (`--shape`): `100m`, throughput.py's shape (hidden 768, 12 layers, 12 heads, 4 KV heads,
+intermediate 2048, vocab 32000); `1b`, TinyLlama-1.1B's (hidden 2048, 22 layers, 32 heads, 4 KV
+heads, intermediate 5632). The checkpoint is written here with safetensors alone, so the
+script runs where only torch (and Triton, on CUDA) is installed.
+
+Prints the read bandwidth (a sum over 1 GiB on the device at the engine's thread count, bytes
+read per second), the weight-read bound of a decode step (weight bytes / bandwidth), and the measured
 ModelRunner.execute time of decode batches (context 600 tokens each) and of a 512-token
 prefill, median of repeated runs, for each forward mode asked for (the compiled forward,
 engine.compilation, and the eager one; measurements of the modes alternate).
 
     python benchmarks/step_time.py [--threads 2] [--batches 1,4,32] [--repeats 10]
-                                   [--modes compiled,eager]
+                                   [--modes compiled,eager] [--device cpu|cuda]
+                                   [--shape 100m|1b] [--dtype float32|bfloat16]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import statistics
 import sys
 import tempfile
 import time
@@ -21,52 +29,103 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.append(str(Path(__file__).resolve().parent))  # after the repo: benchmarks/kernels.py
 
 from engine.config import EngineConfig  # noqa: E402
 from engine.runner import ModelRunner, SequenceChunk  # noqa: E402
-from cpu_attention import median_s  # noqa: E402
-from throughput import FULL, write_model  # noqa: E402
 
 CONTEXT = 600
 BLOCKS_PER_SEQ = 40
+SHAPES = {
+    "100m": dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
+                 num_attention_heads=12, num_key_value_heads=4, vocab_size=32000),
+    "1b": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
+               num_attention_heads=32, num_key_value_heads=4, vocab_size=32000),
+}
 
 
-def read_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> float:
-    """Bytes per second of a float32 sum over `nbytes`."""
-    x = torch.ones(nbytes // 4)
-    x.sum()
-    start = time.perf_counter()
+def write_random_llama(path: Path, shape: dict, dtype: torch.dtype, seed: int = 0) -> None:
+    """A Llama checkpoint (config.json + model.safetensors, tied embeddings) with normal(0,
+    0.02) weights and unit norms, in `dtype`."""
+    from safetensors.torch import save_file
+
+    gen = torch.Generator().manual_seed(seed)
+    hidden, inter = shape["hidden_size"], shape["intermediate_size"]
+    head_dim = hidden // shape["num_attention_heads"]
+    kv = shape["num_key_value_heads"] * head_dim
+
+    def normal(*size: int) -> torch.Tensor:
+        return (torch.randn(*size, generator=gen) * 0.02).to(dtype)
+
+    tensors = {"model.embed_tokens.weight": normal(shape["vocab_size"], hidden),
+               "model.norm.weight": torch.ones(hidden, dtype=dtype)}
+    for i in range(shape["num_hidden_layers"]):
+        prefix = f"model.layers.{i}."
+        tensors |= {prefix + "self_attn.q_proj.weight": normal(hidden, hidden),
+                    prefix + "self_attn.k_proj.weight": normal(kv, hidden),
+                    prefix + "self_attn.v_proj.weight": normal(kv, hidden),
+                    prefix + "self_attn.o_proj.weight": normal(hidden, hidden),
+                    prefix + "mlp.gate_proj.weight": normal(inter, hidden),
+                    prefix + "mlp.up_proj.weight": normal(inter, hidden),
+                    prefix + "mlp.down_proj.weight": normal(hidden, inter),
+                    prefix + "input_layernorm.weight": torch.ones(hidden, dtype=dtype),
+                    prefix + "post_attention_layernorm.weight": torch.ones(hidden, dtype=dtype)}
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path / "model.safetensors"))
+    (path / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", **shape,
+        "max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+        "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2,
+        "torch_dtype": str(dtype).removeprefix("torch.")}))
+
+
+def median_ms(fn, repeats: int, device: torch.device) -> float:
+    """Median wall time of fn() in ms, after one warm-up call; on CUDA each call is
+    synchronized."""
+    def call() -> None:
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    call()
+    times = []
     for _ in range(repeats):
-        x.sum()
-    return repeats * nbytes / (time.perf_counter() - start)
+        began = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - began)
+    return statistics.median(times) * 1000
 
 
-def median_ms(fn, repeats: int) -> float:
-    return median_s(fn, repeats) * 1000
+def read_bandwidth(device: torch.device = torch.device("cpu"), nbytes: int = 1 << 30,
+                   repeats: int = 5) -> float:
+    """Bytes per second of a float32 sum over `nbytes` on `device`."""
+    x = torch.ones(nbytes // 4, device=device)
+    return nbytes / (median_ms(x.sum, repeats, device) / 1000)
 
 
 def measure(threads: int, batches: list[int], repeats: int,
-            modes: tuple[str, ...] = ("eager",)) -> dict:
+            modes: tuple[str, ...] = ("eager",), device: str = "cpu", shape: str = "100m",
+            dtype: str = "float32") -> dict:
     """Read bandwidth (bytes/s), weight bytes, the weight-read bound (ms), and per forward
     mode ("compiled" | "eager") the median execute time (ms) of each decode batch and of a
-    512-token prefill, at `threads`. Raises RuntimeError if a compiled runner fell back to
-    eager."""
+    512-token prefill, at `threads`, of the `shape` model on `device` in `dtype`. Raises
+    RuntimeError if a compiled runner fell back to eager."""
     torch.set_num_threads(threads)
-    bandwidth = read_bandwidth()
+    dev = torch.device(device)
+    bandwidth = read_bandwidth(dev)
     runners = {}
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = Path(tmp) / "random-llama"
-        write_model(model_dir, FULL, 0)
+        write_random_llama(model_dir, SHAPES[shape], getattr(torch, dtype))
         for mode in modes:
             started = time.perf_counter()
             runners[mode] = ModelRunner(EngineConfig(
                 model=str(model_dir), num_kv_blocks=2664, torch_threads=threads,
-                enforce_eager=mode == "eager"))
+                device=device, dtype=dtype, enforce_eager=mode == "eager"))
             if runners[mode].forward_mode != mode:
                 raise RuntimeError(f"asked for a {mode} forward, got {runners[mode].forward_mode}")
             print(f"{mode} runner ready in {time.perf_counter() - started:.1f} s")
     first = runners[modes[0]]
+    # packed CPU weights are opaque: count the bytes of their shape
     weight_bytes = sum(p.numel() * p.element_size() for p in first.model.parameters())
     decode: dict[str, dict[int, float]] = {mode: {} for mode in modes}
     for batch in batches:
@@ -74,9 +133,9 @@ def measure(threads: int, batches: list[int], repeats: int,
                                                           (i + 1) * BLOCKS_PER_SEQ)))
                   for i in range(batch)]
         for mode, runner in runners.items():
-            decode[mode][batch] = median_ms(lambda: runner.execute(chunks), repeats)
+            decode[mode][batch] = median_ms(lambda: runner.execute(chunks), repeats, dev)
     prompt = [SequenceChunk(list(range(3, 515)), 0, list(range(2000, 2032)))]
-    prefill = {mode: median_ms(lambda: runner.execute(prompt), 5)
+    prefill = {mode: median_ms(lambda: runner.execute(prompt), 5, dev)
                for mode, runner in runners.items()}
     return {"bandwidth": bandwidth, "weight_bytes": weight_bytes,
             "bound_ms": weight_bytes / bandwidth * 1000, "decode_ms": decode,
@@ -90,11 +149,15 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--modes", default="compiled,eager",
                         help="forward modes to measure, alternating: compiled, eager")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--shape", default="100m", choices=sorted(SHAPES))
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     args = parser.parse_args()
     modes = tuple(args.modes.split(","))
     result = measure(args.threads, [int(b) for b in args.batches.split(",")], args.repeats,
-                     modes)
+                     modes, args.device, args.shape, args.dtype)
     bound = result["bound_ms"]
+    print(f"{args.shape} model, {args.dtype}, on {args.device}")
     print(f"read bandwidth {result['bandwidth'] / 1e9:.1f} GB/s ({args.threads} threads); "
           f"weights {result['weight_bytes'] / 1e6:.0f} MB -> decode step bound {bound:.1f} ms")
     for mode in modes:

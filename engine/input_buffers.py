@@ -47,9 +47,9 @@ class _Buffer:
 
     def view(self, *index: slice) -> torch.Tensor:
         """The device tensor's rows `index`, holding the host rows' values (copied now off
-        CPU)."""
+        CPU). The copy is synchronous: the host rows are rewritten by the next step."""
         if self.device_tensor is not self.host_tensor:
-            self.device_tensor[index].copy_(self.host_tensor[index], non_blocking=True)
+            self.device_tensor[index].copy_(self.host_tensor[index])
         return self.device_tensor[index]
 
 
