@@ -1,6 +1,7 @@
 """KV block-transfer throughput: grpc and torch/gloo against a raw TCP socket, over loopback.
 
     .venv/bin/python benchmarks/transfer.py [--sizes 64K,256K,1M,4M,16M,64M] [--block-kib 64]
+        [--floor] [--mooncake]
 
 Each request moves ``size`` bytes (``size / block`` blocks) from a server process to this
 process into a preallocated buffer, request/response, one request at a time:
@@ -14,6 +15,11 @@ process into a preallocated buffer, request/response, one request at a time:
   (identity serializers); the client copies the reply into the same preallocated buffer.
 * gloo: a TorchPairChannel; the client sends a 16-byte request tensor, the server answers with
   a TorchKVSender, a TorchTransferBackend receiver receives into a preallocated tensor.
+* Mooncake Transfer Engine (``--mooncake``; the ``pdcluster[mooncake]`` extra, TCP transport,
+  P2PHANDSHAKE metadata, so no metadata server): both sides register their buffers once; the
+  client pulls. ``te`` is TE's best pattern, one contiguous read of ``size`` bytes; ``te-blocks``
+  reads the same bytes as one batch of ``block``-sized reads from scattered source blocks
+  into consecutive destination blocks, the pattern a paged cache gives a connector.
 
 GB/s = 1e9 bytes per second; each cell is the median of ``--rounds`` rounds that interleave the
 backends (the load of a shared machine swings), ``--min-time`` seconds per cell in all.
@@ -135,6 +141,24 @@ def _gloo_server(ready: mp.Queue, num_blocks: int, block_elems: int, chunk_bytes
         sender.result()
 
 
+def _te_engine():
+    from mooncake.engine import TransferEngine
+
+    engine = TransferEngine()
+    if engine.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") != 0:
+        raise RuntimeError("Mooncake TransferEngine.initialize failed")
+    return engine
+
+
+def _te_server(ready: mp.Queue, num_blocks: int, block_elems: int) -> None:
+    engine = _te_engine()
+    blocks = _blocks(num_blocks, block_elems)
+    if engine.register_memory(blocks.data_ptr(), blocks.nbytes) != 0:
+        raise RuntimeError("Mooncake register_memory failed")
+    ready.put((f"127.0.0.1:{engine.get_rpc_port()}", blocks.data_ptr()))
+    time.sleep(1e6)
+
+
 def _spawn(target, *args):
     ctx = mp.get_context("spawn")
     ready = ctx.Queue()
@@ -194,6 +218,33 @@ def _receiver_client(backend, address: str, dest: torch.Tensor, keys: list[bytes
     return fetch
 
 
+def _te_clients(segment: str, remote_base: int, dest: torch.Tensor,
+                block_nbytes: int) -> dict[str, Callable[[int], None]]:
+    engine = _te_engine()
+    if engine.register_memory(dest.data_ptr(), dest.nbytes) != 0:
+        raise RuntimeError("Mooncake register_memory failed")
+    num_blocks = dest.nbytes // block_nbytes
+    # a paged cache's blocks of one request: scattered over the source, consecutive here
+    order = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(1)).tolist()
+    local = [dest.data_ptr() + i * block_nbytes for i in range(num_blocks)]
+    remote = [remote_base + b * block_nbytes for b in order]
+
+    def contiguous(size: int) -> None:
+        if engine.transfer_sync_read(segment, dest.data_ptr(), remote_base, size) != 0:
+            raise RuntimeError("Mooncake read failed")
+
+    def blocks(size: int) -> None:
+        n = size // block_nbytes
+        if engine.batch_transfer_sync_read(segment, local[:n], remote[:n],
+                                           [block_nbytes] * n) != 0:
+            raise RuntimeError("Mooncake batch read failed")
+
+    blocks(dest.nbytes)  # the bytes land where they should before anything is timed
+    if not torch.equal(dest, _blocks(num_blocks, dest.shape[1])[order]):
+        raise RuntimeError("Mooncake batch read delivered the wrong bytes")
+    return {"te": contiguous, "te-blocks": blocks}
+
+
 def _measure(fetch: Callable[[int], None], size: int, min_time_s: float) -> float:
     count, start = 0, time.perf_counter()
     while (elapsed := time.perf_counter() - start) < min_time_s or count < 2:
@@ -238,6 +289,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-gloo", action="store_true")
     parser.add_argument("--floor", action="store_true",
                         help="add bare grpcio on a persistent stream (no pdcluster code)")
+    parser.add_argument("--mooncake", action="store_true",
+                        help="add Mooncake's Transfer Engine over TCP: one contiguous read, "
+                             "and a batch of block reads (pdcluster[mooncake] extra)")
     args = parser.parse_args(argv)
 
     from kvstore.transfer.grpc_backend import GrpcTransferBackend
@@ -280,12 +334,20 @@ def main(argv: list[str] | None = None) -> None:
             channel.wait(channel.send(request, _REQUEST_TAG), 60.0)
         clients["gloo"] = _receiver_client(torch_backend, gloo_address, dest, keys, before=ask)
 
+    if args.mooncake:
+        te_proc, (segment, remote_base) = _spawn(_te_server, num_blocks, block_elems)
+        procs.append(te_proc)
+        te_dest = torch.zeros(num_blocks, block_elems)  # its own buffer, registered with TE
+        clients |= _te_clients(segment, remote_base, te_dest, block_nbytes)
+
     print(f"block {args.block_kib} KiB, chunk {args.chunk_kib} KiB, grpc streams "
           f"{args.streams} (min {args.min_stream_kib} KiB each), {os.cpu_count()} CPUs, "
           f"torch {torch.__version__}\n")
     header = "| size | raw socket GB/s | grpc GB/s | grpc/raw |"
     header += "" if args.no_gloo else " gloo GB/s | gloo/raw |"
     header += " grpc floor GB/s | floor/raw |" if args.floor else ""
+    header += (" TE GB/s | TE/raw | TE blocks GB/s | TE blocks/raw |" if args.mooncake
+               else "")
     print(header)
     print("|" + "---|" * (header.count("|") - 1))
     try:
@@ -297,6 +359,9 @@ def main(argv: list[str] | None = None) -> None:
                 row += f" {gbps['gloo']:.2f} | {gbps['gloo'] / gbps['raw']:.2f} |"
             if "floor" in gbps:
                 row += f" {gbps['floor']:.2f} | {gbps['floor'] / gbps['raw']:.2f} |"
+            for name in ("te", "te-blocks"):
+                if name in gbps:
+                    row += f" {gbps[name]:.2f} | {gbps[name] / gbps['raw']:.2f} |"
             print(row, flush=True)
     finally:
         grpc_backend.close()
