@@ -37,6 +37,10 @@ class KVTransferError(KVStoreError):
         self.address = address
 
 
+class KVTransferTimeout(KVTransferError):
+    """A transfer, or one call of it, passed its deadline."""
+
+
 class KVLoadError(KVStoreError):
     """A request's KV load failed and the KV load failure policy is ``fail``
     (``--kv-load-failure-policy``, vLLM's ``kv_load_failure_policy``): the request ends with

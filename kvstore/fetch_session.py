@@ -24,7 +24,7 @@ from typing import NamedTuple
 
 import grpc
 
-from kvstore.errors import BlockLayoutError, KVTransferError
+from kvstore.errors import BlockLayoutError, KVTransferError, KVTransferTimeout
 from kvstore.layout import BlockLayout
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.rpc_errors import fetch_error, rpc_error
@@ -265,8 +265,8 @@ class BlockStream:
             complete = True
         except grpc.RpcError as exc:
             if self._expired:
-                raise KVTransferError(f"{where} exceeded its deadline of {self._timeout_s:g} s",
-                                      address=address) from None
+                raise KVTransferTimeout(f"{where} exceeded its deadline of {self._timeout_s:g} s",
+                                        address=address) from None
             if self._cancelled:
                 raise KVTransferError(f"{where} cancelled", address=address) from None
             raise rpc_error(address, "FetchBlocks", exc) from None

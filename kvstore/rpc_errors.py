@@ -14,7 +14,7 @@ from __future__ import annotations
 import grpc
 
 from kvstore.errors import (BlockLayoutError, BlockNotFoundError, KVAuthError, KVStoreError,
-                            KVTransferError, StoreCapacityError)
+                            KVTransferError, KVTransferTimeout, StoreCapacityError)
 from kvstore.proto import kvstore_pb2 as pb
 
 ERROR_METADATA_KEY = "pdcluster-error"
@@ -54,7 +54,7 @@ def rpc_error(address: str, method: str, exc: grpc.RpcError,
     if kind == "layout":
         return BlockLayoutError(f"{where}: {details}")
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-        return KVTransferError(f"{where} exceeded its deadline", address=address)
+        return KVTransferTimeout(f"{where} exceeded its deadline", address=address)
     name = code.name if code is not None else "UNKNOWN"
     return KVTransferError(f"{where} failed with {name}: {details}", address=address)
 

@@ -99,6 +99,17 @@ class ClusterStatsCollector:
                 by_backend[backend] = by_backend.get(backend, 0) + n
         for backend, n in sorted(by_backend.items()):
             transfer.add_metric([backend], n)
+        transfer_errors = CounterMetricFamily(
+            "pdcluster_kv_transfer_errors", "Failed KV transfer attempts of decode workers, by "
+            "backend and kind (timeout: past its deadline; error: the rest)",
+            labels=["backend", "kind"])
+        errors: dict[tuple[str, str], int] = {("grpc", "timeout"): 0, ("grpc", "error"): 0}
+        for s in stats_d:
+            for backend, kinds in s.get("kv_transfer_errors_by_backend", {}).items():
+                for kind, n in kinds.items():
+                    errors[backend, kind] = errors.get((backend, kind), 0) + n
+        for (backend, kind), n in sorted(errors.items()):
+            transfer_errors.add_metric([backend, kind], n)
         load_failures = CounterMetricFamily(
             "pdcluster_kv_load_failures", "KV loads that failed for good, by role and what the "
             "KV load failure policy did: recompute (silent to the client) or fail",
@@ -126,7 +137,8 @@ class ClusterStatsCollector:
         waiting.add_metric(["decode"], sum(s.get("num_waiting", 0) for s in stats_d))
         if self.gate is not None:  # sequences in the gateway's fair queue
             waiting.add_metric(["gateway"], self.gate.queued)
-        return [queried, hits, transfer, load_failures, blocks, running, waiting]
+        return [queried, hits, transfer, transfer_errors, load_failures, blocks, running,
+                waiting]
 
 
 async def _gather_stats(instances) -> list[dict]:

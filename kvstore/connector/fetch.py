@@ -52,7 +52,7 @@ import torch
 from kvstore.config import KVStoreConfig, KVTransferConfig
 from kvstore.connector.base import (BlockCache, KVConnector, KVConnectorContext,
                                     KVConnectorRequest, LoadOutcome)
-from kvstore.errors import KVStoreError
+from kvstore.errors import KVStoreError, KVTransferTimeout
 from kvstore.node_client import NodeStoreClient
 from kvstore.transfer.arena_receiver import ArenaReceiver
 from kvstore.transfer.base import FetchRequest, KVReceiver, KVTransferBackend, TransferState
@@ -97,6 +97,8 @@ class FetchConnector(KVConnector):
     Attributes:
         bytes_by_backend: KV bytes written into the cache by successful fetches, by path
             ("torch", "grpc", "arena", or a given backend's name).
+        errors_by_backend: failed attempts by path and kind: "timeout" (KVTransferTimeout, a
+            deadline passed) or "error"; attempts of aborted fetches are not counted.
         v_perturbation: a fault to inject (DecodeWorker.inject_fault, only with
             EngineConfig.fault_injection on): when non-zero, added to every received V block
             before it is written to the cache. Always 0 in serving.
@@ -115,6 +117,9 @@ class FetchConnector(KVConnector):
         self.store = self.grpc if self.pair is not None else self.backend
         self.v_perturbation = 0.0
         self.bytes_by_backend: Counter[str] = Counter()
+        #: failed attempts by path and kind ("timeout": past a deadline, "error": the rest);
+        #: an aborted fetch's attempt is neither
+        self.errors_by_backend: dict[str, Counter[str]] = {}
         self._lock = threading.Lock()
         self._planned: list[tuple[KVConnectorRequest, list[int]]] = []
         self._fetches: dict[str, KVFetch] = {}
@@ -210,8 +215,10 @@ class FetchConnector(KVConnector):
     def stats(self) -> dict:
         with self._lock:
             by_backend = dict(self.bytes_by_backend)
+            errors = {path: dict(kinds) for path, kinds in self.errors_by_backend.items()}
         return {"kv_bytes_fetched_total": sum(by_backend.values()),
-                "kv_bytes_fetched_by_backend": by_backend}
+                "kv_bytes_fetched_by_backend": by_backend,
+                "kv_transfer_errors_by_backend": errors}
 
     def close(self) -> None:
         for backend in {id(b): b for b in (self.backend, self.grpc)}.values():
@@ -262,6 +269,11 @@ class FetchConnector(KVConnector):
     def _count(self, by_backend: dict[str, int]) -> None:
         with self._lock:
             self.bytes_by_backend.update(by_backend)
+
+    def _count_error(self, path: str, error: KVStoreError) -> None:
+        kind = "timeout" if isinstance(error, KVTransferTimeout) else "error"
+        with self._lock:
+            self.errors_by_backend.setdefault(path, Counter())[kind] += 1
 
 
 class KVFetch:
@@ -316,8 +328,10 @@ class KVFetch:
                 and len(self.paths) < MAX_ATTEMPTS:
             if self.prefill is None:
                 return TransferState.TRANSFERRING
+            error = _error_of(self.receiver)
+            self._connector._count_error(self.path, error)
             log.warning("KV fetch of %s over %s failed, retrying from the KV store: %s",
-                        self.prefill.request_id, self.path, _error_of(self.receiver),
+                        self.prefill.request_id, self.path, error,
                         extra={"request_id": self.prefill.request_id})
             self._leave_path()
             self.receiver = self._start(self._retry_path())
@@ -376,6 +390,8 @@ class KVFetch:
             self._connector._count(_bytes_by_backend(self.receiver, self.path))
         else:
             self.error = _error_of(self.receiver)
+            if not self._aborted:
+                self._connector._count_error(self.path, self.error)
             self._leave_path()
         if not (state is TransferState.SUCCESS and self.path in _TAKES_STORE_TAIL):
             self._connector._release_tail(self.prefill)  # not taken: do not wait for its TTL

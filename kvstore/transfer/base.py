@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
 from kvstore.config import KVStoreConfig, KVTransferConfig, kv_plane_of
-from kvstore.errors import BlockLayoutError, KVStoreError, KVTransferError
+from kvstore.errors import BlockLayoutError, KVStoreError, KVTransferError, KVTransferTimeout
 
 if TYPE_CHECKING:
     from kvstore.transfer.dest import CallbackDest
@@ -106,8 +106,8 @@ class _TransferBase:
         """Current state; aborts and fails the transfer once its deadline has passed."""
         state = self._state
         if not state.done and self._deadline is not None and time.monotonic() > self._deadline:
-            self._abort_with(KVTransferError(f"{self._describe()} exceeded its deadline",
-                                             address=self._address()))
+            self._abort_with(KVTransferTimeout(f"{self._describe()} exceeded its deadline",
+                                               address=self._address()))
             state = self._state
         return state
 

@@ -29,8 +29,11 @@ def free_port() -> int:
 @pytest.fixture(scope="session")
 def cluster():
     """Local Ray with one KV store, one prefill and one decode actor (default ServeConfig, with
-    the workers' fault injection on for the tests that use it)."""
-    with Cluster(ServeConfig(ray_num_cpus=4, engine=EngineConfig(fault_injection=True))) as c:
+    the workers' fault injection on for the tests that use it, and no core pinning: this
+    cluster lives for the whole session, and its claims would leave no core to the served
+    clusters of tests/deploy that check pinning)."""
+    with Cluster(ServeConfig(ray_num_cpus=4, cpu_bind="none",
+                             engine=EngineConfig(fault_injection=True))) as c:
         yield c
 
 

@@ -193,6 +193,8 @@ def test_injected_fetch_failure_retries_then_recomputes(prefill, store, hf):
         stats = settled(decode, client)
         assert (stats["num_fetch_retries_total"], stats["num_fetch_recomputes_total"]) == (1, 1)
         assert fake.calls == 2
+        # the injected failure, then the retry's missing blocks: two errors, no timeout
+        assert stats["kv_transfer_errors_by_backend"] == {"fake": {"error": 2}}
 
         second = prefill.prefill(PrefillRequest("fake-2", tuple(prompt), params))
         blocks = client.get_blocks(list(second.block_keys))

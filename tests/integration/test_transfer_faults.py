@@ -189,7 +189,8 @@ def test_hung_transfer_times_out_and_the_retry_succeeds(prefill, store, hf, para
         stats = assert_settled(engine, prefill, client)
         assert (stats["num_fetch_retries_total"], stats["num_fetch_recomputes_total"]) == (1, 0)
         assert faulty.calls == 2 and engine.kv_timings["hung"]["paths"] == ["grpc", "grpc"]
-        assert_settled(clean_engine, prefill, client)
+        assert stats["kv_transfer_errors_by_backend"] == {"grpc": {"timeout": 1}}
+        assert assert_settled(clean_engine, prefill, client)["kv_transfer_errors_by_backend"] == {}
     finally:
         stop(engine)
         stop(clean_engine)
@@ -216,6 +217,8 @@ def test_stalled_store_is_retried_then_the_prompt_recomputed(prefill, store, hf,
         assert stats["num_fetch_recomputes_total"] == 2 and stats["num_fetch_retries_total"] == 2
         assert stats["num_recomputed_tokens_total"] == 2 * len(prompt)
         assert stats["kv_load_failures_total"] == {"recompute": 2, "fail": 0}
+        # both attempts of both requests passed their deadline on the stalled store
+        assert stats["kv_transfer_errors_by_backend"] == {"grpc": {"timeout": 4}}
     finally:
         stop(engine)
 
