@@ -43,7 +43,7 @@ import logging
 import time
 from collections import OrderedDict, deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -395,11 +395,11 @@ class DecodeEngine:
                 error_code: str | None = None) -> None:
         self.scheduler.finish(seq)
         seq.swapped = None
-        delta = self._delta(seq, new_tokens, reason, error, logprob)
-        seq.emit(delta if error_code is None else replace(delta, error_code=error_code))
+        seq.emit(self._delta(seq, new_tokens, reason, error, logprob, error_code))
 
     def _delta(self, seq: DecodeSequence, tokens: tuple[int, ...], reason: FinishReason | None,
-               error: str | None = None, logprob: TokenLogprob | None = None) -> TokenDelta:
+               error: str | None = None, logprob: TokenLogprob | None = None,
+               error_code: str | None = None) -> TokenDelta:
         return TokenDelta(seq.request_id, tuple(tokens), reason, seq.num_forward_tokens,
                           self.worker_id, self.pid, error,
-                          logprobs=None if logprob is None else (logprob,))
+                          logprobs=None if logprob is None else (logprob,), error_code=error_code)

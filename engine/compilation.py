@@ -20,12 +20,12 @@ or fails, the engine warns once and runs eager.
 from __future__ import annotations
 
 import logging
-import os
-import shutil
 from collections.abc import Callable
 
 import torch
 from torch import nn
+
+from kernels import cpu_extension
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +36,7 @@ def compile_unsupported(device: torch.device, tp_size: int) -> str | None:
     """Why the forward cannot be compiled for `device` at TP size `tp_size` here, or None."""
     if tp_size > 1:
         return "tensor parallel forwards run eager (gloo all-reduces are not traced)"
-    if device.type == "cpu" and shutil.which(os.environ.get("CXX", "c++")) is None:
+    if device.type == "cpu" and not cpu_extension.has_cxx_compiler():
         return "no C++ compiler for Inductor's CPU code"
     if device.type == "cuda":
         try:

@@ -98,8 +98,8 @@ class InputBuffers:
         for row, chunk in enumerate(chunks):
             start, num_new = chunk.num_computed_tokens, len(chunk.token_ids)
             seq_len, end = start + num_new, t + num_new
-            tables[row, :num_blocks_for(seq_len, block_size)] = \
-                chunk.block_table[:num_blocks_for(seq_len, block_size)]
+            num_blocks = num_blocks_for(seq_len, block_size)
+            tables[row, :num_blocks] = chunk.block_table[:num_blocks]
             ids[t:end] = chunk.token_ids
             chunk_positions = positions[t:end]
             chunk_positions[:] = self._arange[start:seq_len]

@@ -36,7 +36,7 @@ def module() -> ModuleType | None:
         return _module
     with _lock:
         if _module is None and not _failed:
-            if shutil.which(os.environ.get("CXX", "c++")) is None:
+            if not has_cxx_compiler():
                 _failed = True
                 log.warning("no C++ compiler: CPU attention and layer ops run the slower torch "
                             "paths")
@@ -59,6 +59,11 @@ def module() -> ModuleType | None:
                 log.warning("building the C++ CPU kernels failed (%s): CPU attention and layer "
                             "ops run the slower torch paths", exc)
         return _module
+
+
+def has_cxx_compiler() -> bool:
+    """Whether the C++ compiler torch builds with (CXX, default c++) is on PATH."""
+    return shutil.which(os.environ.get("CXX", "c++")) is not None
 
 
 def available() -> bool:
