@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine.config import EngineConfig  # noqa: E402
 from engine.runner import ModelRunner, SequenceChunk  # noqa: E402
+from engine.parallel import LinearBase  # noqa: E402
 
 CONTEXT = 600
 BLOCKS_PER_SEQ = 40
@@ -102,11 +103,20 @@ def read_bandwidth(device: torch.device = torch.device("cpu"), nbytes: int = 1 <
     return nbytes / (median_ms(x.sum, repeats, device) / 1000)
 
 
+def drop_skinny_weights(model: torch.nn.Module) -> None:
+    """Take the skinny GEMM's weight copies out of an eager model, so every linear runs
+    oneDNN's matmul: the comparison the "eager-onednn" mode measures."""
+    for module in model.modules():
+        if isinstance(module, LinearBase):
+            module.skinny_weight = None
+    model.logits_skinny = None
+
+
 def measure(threads: int, batches: list[int], repeats: int,
             modes: tuple[str, ...] = ("eager",), device: str = "cpu", shape: str = "100m",
             dtype: str = "float32") -> dict:
     """Read bandwidth (bytes/s), weight bytes, the weight-read bound (ms), and per forward
-    mode ("compiled" | "eager") the median execute time (ms) of each decode batch and of a
+    mode ("compiled" | "eager" | "eager-onednn": eager without the skinny GEMM) the median execute time (ms) of each decode batch and of a
     512-token prefill, at `threads`, of the `shape` model on `device` in `dtype`. Raises
     RuntimeError if a compiled runner fell back to eager."""
     torch.set_num_threads(threads)
@@ -120,8 +130,10 @@ def measure(threads: int, batches: list[int], repeats: int,
             started = time.perf_counter()
             runners[mode] = ModelRunner(EngineConfig(
                 model=str(model_dir), num_kv_blocks=2664, torch_threads=threads,
-                device=device, dtype=dtype, enforce_eager=mode == "eager"))
-            if runners[mode].forward_mode != mode:
+                device=device, dtype=dtype, enforce_eager=mode != "compiled"))
+            if mode == "eager-onednn":
+                drop_skinny_weights(runners[mode].model)
+            elif runners[mode].forward_mode != mode:
                 raise RuntimeError(f"asked for a {mode} forward, got {runners[mode].forward_mode}")
             print(f"{mode} runner ready in {time.perf_counter() - started:.1f} s")
     first = runners[modes[0]]
@@ -148,7 +160,8 @@ def main() -> None:
     parser.add_argument("--batches", default="1,4,32")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--modes", default="compiled,eager",
-                        help="forward modes to measure, alternating: compiled, eager")
+                        help="forward modes to measure, alternating: compiled, eager, "
+                             "eager-onednn (eager with every linear on oneDNN)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--shape", default="100m", choices=sorted(SHAPES))
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
@@ -162,8 +175,8 @@ def main() -> None:
           f"weights {result['weight_bytes'] / 1e6:.0f} MB -> decode step bound {bound:.1f} ms")
     for mode in modes:
         for batch, ms in result["decode_ms"][mode].items():
-            print(f"{mode:8s} decode batch {batch:3d}: {ms:7.1f} ms  ({ms / bound:.2f}x the bound)")
-        print(f"{mode:8s} prefill 512 tokens: {result['prefill_ms'][mode]:.1f} ms")
+            print(f"{mode:12s} decode batch {batch:3d}: {ms:7.1f} ms  ({ms / bound:.2f}x the bound)")
+        print(f"{mode:12s} prefill 512 tokens: {result['prefill_ms'][mode]:.1f} ms")
 
 
 if __name__ == "__main__":

@@ -164,6 +164,8 @@ class LlamaForCausalLM(nn.Module):
         )
         #: lm_head's weight as compute_logits reads it (process_weights_after_loading)
         self.logits_weight: torch.Tensor | None = None
+        #: its skinny copy for decode batches on CPU (kernels.pack_skinny_weight), or None
+        self.logits_skinny: torch.Tensor | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """input_ids, positions: int64 [num_tokens] -> final-normed hidden [num_tokens, hidden].
@@ -182,16 +184,19 @@ class LlamaForCausalLM(nn.Module):
         weight = self.logits_weight
         if weight is None:
             weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return kernels.linear(hidden, weight).to(torch.float32)
+        return kernels.linear(hidden, weight, skinny=self.logits_skinny).to(torch.float32)
 
     def process_weights_after_loading(self) -> None:
         """Repack every GEMM weight for the device's fastest linear (`kernels.pack_linear_weight`,
         vLLM's hook of the same name); call once, after `load_checkpoint`. A tied lm_head gets
         a packed copy of the embedding table (the lookup needs it dense); an untied one is
-        packed in place."""
+        packed in place. Each also gets its skinny copy for decode batches, where it applies."""
         for module in self.modules():
             if isinstance(module, LinearBase):
                 module.process_weights_after_loading()
+        dense = (self.model.embed_tokens.weight if self.lm_head is None
+                 else self.lm_head.weight).detach()
+        self.logits_skinny = kernels.pack_skinny_weight(dense)
         if self.lm_head is None:
             self.logits_weight = kernels.pack_linear_weight(self.model.embed_tokens.weight)
         else:

@@ -179,14 +179,18 @@ class LinearBase(nn.Module):
     weight: nn.Parameter
     #: names a packed weight inside a compiled graph (kernels.linear_handle); None: dense
     weight_handle: int | None = None
+    #: the weight packed for decode batches on CPU (kernels.pack_skinny_weight), or None
+    skinny_weight: torch.Tensor | None = None
     out_features: int = 0
 
     def process_weights_after_loading(self) -> None:
         """Replace `weight` with `kernels.pack_linear_weight`'s layout (on CPU an opaque oneDNN
-        tensor that only `kernels.linear` reads); call once, after every weight is loaded."""
-        self.weight = nn.Parameter(kernels.pack_linear_weight(self.weight.detach()),
-                                   requires_grad=False)
-        self.weight_handle = kernels.linear_handle(self.weight)
+        tensor that only `kernels.linear` reads), beside its skinny copy for decode batches;
+        call once, after every weight is loaded."""
+        dense = self.weight.detach()
+        self.skinny_weight = kernels.pack_skinny_weight(dense)
+        self.weight = nn.Parameter(kernels.pack_linear_weight(dense), requires_grad=False)
+        self.weight_handle = kernels.linear_handle(self.weight, self.skinny_weight)
         self.out_features = int(self.weight.shape[0])
 
     def gemm(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -194,7 +198,7 @@ class LinearBase(nn.Module):
         packed weight through its handle, since the opaque tensor cannot be traced."""
         if self.weight_handle is not None and torch.compiler.is_compiling():
             return kernels.linear_by_handle(x, self.weight_handle, self.out_features, bias)
-        return kernels.linear(x, self.weight, bias)
+        return kernels.linear(x, self.weight, bias, self.skinny_weight)
 
 
 class ColumnParallelLinear(LinearBase):

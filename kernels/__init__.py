@@ -143,12 +143,15 @@ def _use_triton(tensor: torch.Tensor) -> bool:
     return True
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           skinny: torch.Tensor | None = None) -> torch.Tensor:
     """x [n, in] @ weight [out, in]^T (+ bias) -> [n, out]. `weight` is a dense tensor
-    (`F.linear`) or one from `pack_linear_weight` (oneDNN's matmul, `cpu_gemm.linear`); every
-    backend takes the same path, since neither is a kernel of ours."""
-    if weight.is_mkldnn:
-        return cpu_gemm.linear(x, weight, bias)
+    (`F.linear`) or one from `pack_linear_weight` (oneDNN's matmul); `skinny`, from
+    `pack_skinny_weight`, runs batches of a few rows on the C++ skinny GEMM
+    (`cpu_gemm.linear`). Every backend takes the same path: on CPU the GEMM does not depend
+    on the attention backend chosen."""
+    if weight.is_mkldnn or skinny is not None:
+        return cpu_gemm.linear(x, weight, bias, skinny)
     return torch.nn.functional.linear(x, weight, bias)
 
 
@@ -159,11 +162,18 @@ def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
     return cpu_gemm.pack(weight) if cpu_gemm.can_pack(weight) else weight
 
 
-def linear_handle(weight: torch.Tensor) -> int | None:
+def pack_skinny_weight(weight: torch.Tensor) -> torch.Tensor | None:
+    """The weight [out, in] packed for `linear`'s batches of a few rows on CPU
+    (`cpu_gemm.pack_skinny`), or None where that kernel does not apply (CUDA, other dtypes,
+    no C++ compiler); pass it to `linear` beside the weight."""
+    return cpu_gemm.pack_skinny(weight) if cpu_gemm.can_pack_skinny(weight) else None
+
+
+def linear_handle(weight: torch.Tensor, skinny: torch.Tensor | None = None) -> int | None:
     """For a weight from `pack_linear_weight` that torch.compile cannot trace (an opaque
-    oneDNN tensor), the handle `linear_by_handle` names it by; None for a dense weight, which
-    a traced graph reads directly."""
-    return cpu_gemm.register(weight) if weight.is_mkldnn else None
+    oneDNN tensor), or one with a skinny copy, the handle `linear_by_handle` names them by;
+    None for a dense weight alone, which a traced graph reads directly."""
+    return cpu_gemm.register(weight, skinny) if weight.is_mkldnn or skinny is not None else None
 
 
 def linear_by_handle(x: torch.Tensor, handle: int, out_features: int,

@@ -1,5 +1,5 @@
 // Python bindings of the C++ CPU kernels (cpu_paged_decode.cpp, cpu_paged_prefill.cpp,
-// cpu_fused_ops.cpp) and of the thread pinning (cpu_threads.cpp), built together as one
+// cpu_fused_ops.cpp, cpu_skinny_gemm.cpp) and of the thread pinning (cpu_threads.cpp), built together as one
 // extension by kernels/cpu_extension.py.
 #include <torch/extension.h>
 
@@ -24,6 +24,11 @@ void rotary_embedding(torch::Tensor positions, torch::Tensor q, torch::Tensor k,
 void store_kv_cache(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
                     torch::Tensor slot_mapping);
 
+int64_t skinny_gemm_tile();
+torch::Tensor skinny_gemm_pack(torch::Tensor weight);
+torch::Tensor skinny_gemm(torch::Tensor x, torch::Tensor packed, int64_t out_features,
+                          c10::optional<torch::Tensor> bias);
+
 std::vector<int64_t> bind_omp_threads(const std::vector<int64_t>& cpus);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -34,5 +39,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", &silu_and_mul);
   m.def("rotary_embedding", &rotary_embedding);
   m.def("store_kv_cache", &store_kv_cache);
+  m.def("skinny_gemm_tile", &skinny_gemm_tile);
+  m.def("skinny_gemm_pack", &skinny_gemm_pack);
+  m.def("skinny_gemm", &skinny_gemm);
   m.def("bind_omp_threads", &bind_omp_threads);
 }

@@ -1,4 +1,5 @@
-"""The linear layer's GEMM on CPU: oneDNN with weights packed once, at load.
+"""The linear layer's GEMM on CPU: oneDNN with weights packed once, at load, and for decode
+batches our skinny GEMM (`cpu_skinny_gemm.cpp`) over a second copy packed in column tiles.
 
 `F.linear` on CPU calls BLAS with the weight in its plain [out, in] layout, and BLAS then
 re-blocks the weight on every call; at decode batch sizes that traffic, not arithmetic, sets
@@ -11,6 +12,13 @@ backend packs its linear weights the same way; Inductor's freezing pass does it 
 A packed weight is an opaque mkldnn tensor (`is_mkldnn`), [out, in] in shape only: it is read
 by `linear` here and nothing else, so the embedding table a tied lm_head shares is packed as a
 copy.
+
+With few rows a GEMM is a read of the weight, and oneDNN's matmul does not stream its layout
+at the machine's read bandwidth there on every CPU; the skinny GEMM does (benchmarks/RESULTS.md,
+"A skinny GEMM for decode"). Up to `SKINNY_MAX_ROWS` rows `linear` takes the skinny copy where
+one was packed, above it oneDNN: prefill-sized batches are compute-bound, where oneDNN's
+blocking for the caches pays. Both copies are kept, so the linear weights take twice their
+size in memory.
 
 torch.compile cannot trace an opaque tensor (it has no storage to fake), so a compiled graph
 names a packed weight by an integer handle (`register`) and calls the custom op
@@ -25,7 +33,13 @@ import weakref
 
 import torch
 
+import kernels.cpu_extension as cpu_extension
+
 _PACKED_DTYPES = (torch.float32, torch.bfloat16)
+
+#: the most rows `linear` runs on the skinny copy; measured faster than oneDNN's matmul up to
+#: this size and beyond on the CPUs of benchmarks/RESULTS.md
+SKINNY_MAX_ROWS = 32
 
 
 def can_pack(weight: torch.Tensor) -> bool:
@@ -49,32 +63,65 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), None)
 
 
-def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def can_pack_skinny(weight: torch.Tensor) -> bool:
+    """Whether `pack_skinny` applies: a 2-D CPU weight in float32 or bfloat16 (any CPU: the
+    kernel widens bfloat16 itself), with the C++ extension built."""
+    return (weight.device.type == "cpu" and weight.dim() == 2 and weight.dtype in _PACKED_DTYPES
+            and cpu_extension.available())
+
+
+def pack_skinny(weight: torch.Tensor) -> torch.Tensor:
+    """weight [out, in] -> the skinny GEMM's layout, [ceil(out / T), in, T] in weight's dtype,
+    column tiles of T (32 or 64, the machine's vector width times 2 or 4) zero-padded past
+    `out`; `weight` is left as it was. Raises ValueError where `can_pack_skinny` is false."""
+    if not can_pack_skinny(weight):
+        raise ValueError(f"cannot pack a {weight.dtype} {tuple(weight.shape)} weight on "
+                         f"{weight.device} for the skinny GEMM")
+    return cpu_extension.module().skinny_gemm_pack(weight.detach())
+
+
+def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None,
+           skinny: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., in] @ weight [out, in]^T (+ bias [out]) -> [..., out] in x's dtype, with the
-    weight from `pack`; the same values as `F.linear` up to the order of float additions."""
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    weight from `pack` (or dense, where `can_pack` is false) and optionally its `pack_skinny`
+    copy, which batches of up to `SKINNY_MAX_ROWS` rows run on; the same values as `F.linear`
+    up to the order of float additions."""
+    rows = x.numel() // max(x.shape[-1], 1)
+    if skinny is not None and rows <= SKINNY_MAX_ROWS and x.dtype == skinny.dtype:
+        flat = x.reshape(-1, x.shape[-1])
+        if flat.stride(-1) != 1:
+            flat = flat.contiguous()
+        out = cpu_extension.module().skinny_gemm(flat, skinny, packed.shape[0], bias)
+        return out.view(*x.shape[:-1], packed.shape[0])
+    if packed.is_mkldnn:
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    return torch.nn.functional.linear(x, packed, bias)
 
 
 _handles: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
+_skinny: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
 _next_handle = itertools.count(1)
 _handles_lock = threading.Lock()
 
 
-def register(packed: torch.Tensor) -> int:
-    """A handle naming `packed` in `packed_linear` for as long as the tensor lives (the registry
-    holds it weakly, so a model's weights go when the model does)."""
+def register(packed: torch.Tensor, skinny: torch.Tensor | None = None) -> int:
+    """A handle naming `packed` (and its skinny copy) in `packed_linear` for as long as the
+    tensors live (the registry holds them weakly, so a model's weights go when the model
+    does)."""
     with _handles_lock:
         handle = next(_next_handle)
         _handles[handle] = packed
+        if skinny is not None:
+            _skinny[handle] = skinny
     return handle
 
 
 @torch.library.custom_op("pdcluster::packed_linear", mutates_args=())
 def packed_linear(x: torch.Tensor, handle: int, out_features: int,
                   bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`linear` with the packed weight `register` returned `handle` for: x [..., in] ->
+    """`linear` with the weights `register` returned `handle` for: x [..., in] ->
     [..., out_features]. Raises KeyError for a handle whose weight is gone."""
-    return linear(x, _handles[handle], bias)
+    return linear(x, _handles[handle], bias, _skinny.get(handle))
 
 
 @packed_linear.register_fake

@@ -80,10 +80,15 @@ inline void prefetch_row(const T* p, int64_t n) {
   for (int64_t b = 0; b < n * int64_t(sizeof(T)); b += 64) __builtin_prefetch(bytes + b);
 }
 
+// A tree of halving adds, 4 vector steps, where a lane-by-lane loop compiles to ~2 scalar
+// instructions a lane: decode attention finishes one dot product per token and query row.
 inline float hsum(vf v) {
-  float s = 0.f;
-  for (int i = 0; i < W; ++i) s += v[i];
-  return s;
+  typedef float v8 __attribute__((vector_size(32)));
+  typedef float v4 __attribute__((vector_size(16)));
+  const v8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7)
+               + __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  const v4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  return (b[0] + b[2]) + (b[1] + b[3]);
 }
 
 inline float hmax(vf v) {

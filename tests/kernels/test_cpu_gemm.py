@@ -1,7 +1,7 @@
-"""kernels.linear with oneDNN-packed CPU weights against a float64 matmul. The merged q/k/v
-and gate/up loading, and the packing of every weight at load, are checked end to end by the
-logits-vs-HF tests (tests/engine/test_paged_logits.py, and test_tensor_parallel.py for the
-shards)."""
+"""kernels.linear with oneDNN-packed CPU weights, and with the skinny GEMM's copy, against a
+float64 matmul. The merged q/k/v and gate/up loading, and the packing of every weight at load,
+are checked end to end by the logits-vs-HF tests (tests/engine/test_paged_logits.py, and
+test_tensor_parallel.py for the shards)."""
 
 from __future__ import annotations
 
@@ -71,3 +71,85 @@ def test_packing_leaves_the_dense_weight_as_it_was():
     before = weight.clone()
     kernels.pack_linear_weight(weight)
     assert torch.equal(weight, before)
+
+
+# ---- the skinny GEMM for decode batches ---------------------------------------------------
+
+needs_skinny = pytest.mark.skipif(not cpu_gemm.can_pack_skinny(torch.zeros(1, 1)),
+                                  reason="C++ kernels not built")
+
+
+@needs_skinny
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 11, 12, 13, 32])
+@pytest.mark.parametrize("bias", [False, True])
+def test_skinny_linear_matches_a_float64_matmul_at_every_row_count(rows, bias):
+    """Rows are taken 6 at a time with 1..5 left over, and 1 or 2 rows split k over several
+    accumulators: every path is hit. 200 outputs leave a partial last tile; K = 97 leaves a
+    partial k-unroll."""
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 97, generator=gen)
+    weight = torch.randn(200, 97, generator=gen)
+    b = torch.randn(200, generator=gen) if bias else None
+    expected = x.double() @ weight.double().t() + (b.double() if bias else 0)
+    skinny = kernels.pack_skinny_weight(weight)
+    assert skinny is not None and skinny.shape[1] == 97 and skinny.shape[0] * skinny.shape[2] >= 200
+    out = kernels.linear(x, kernels.pack_linear_weight(weight), b, skinny)
+    assert out.shape == (rows, 200) and out.dtype == torch.float32
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-4)
+
+
+@needs_skinny
+def test_skinny_linear_on_a_dense_weight_and_leading_dims():
+    """Where oneDNN cannot pack (the weight stays dense) the skinny copy still serves few rows;
+    x may have leading dims and be a strided column view."""
+    weight = torch.randn(70, 96)
+    x = torch.randn(2, 3, 160)[..., 32:128]
+    out = kernels.linear(x, weight, skinny=kernels.pack_skinny_weight(weight))
+    assert out.shape == (2, 3, 70)
+    torch.testing.assert_close(out, x @ weight.t(), rtol=1e-5, atol=1e-5)
+
+
+@needs_skinny
+@pytest.mark.parametrize("rows", [1, 4, 9])
+def test_bf16_skinny_linear_rounds_an_fp32_sum_once(rows):
+    """bf16 in, bf16 out, on any CPU (the kernel widens bf16 itself): within bf16's half-ulp of
+    the exact product of the same bf16 values."""
+    x, weight, b, expected = _case(rows, True, torch.bfloat16)
+    out = kernels.linear(x, weight, b, kernels.pack_skinny_weight(weight))
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.double(), expected, rtol=2**-8, atol=1e-2)
+
+
+@needs_skinny
+def test_more_rows_than_the_skinny_limit_take_the_other_gemm():
+    """Above SKINNY_MAX_ROWS the skinny copy is not read: a copy of zeros changes nothing."""
+    weight = torch.randn(64, 96)
+    zeros = kernels.pack_skinny_weight(torch.zeros_like(weight))
+    many = torch.randn(cpu_gemm.SKINNY_MAX_ROWS + 1, 96)
+    torch.testing.assert_close(kernels.linear(many, weight, skinny=zeros), many @ weight.t(),
+                               rtol=1e-5, atol=1e-5)
+    few = many[:cpu_gemm.SKINNY_MAX_ROWS]
+    assert torch.count_nonzero(kernels.linear(few, weight, skinny=zeros)) == 0
+
+
+@needs_skinny
+def test_a_skinny_copy_of_another_shape_is_refused():
+    skinny = kernels.pack_skinny_weight(torch.randn(64, 96))
+    with pytest.raises(RuntimeError, match="in_features"):
+        kernels.linear(torch.randn(2, 80), torch.randn(64, 80), skinny=skinny)
+    with pytest.raises(ValueError, match="skinny"):
+        cpu_gemm.pack_skinny(torch.randn(64, 96, dtype=torch.float64))
+
+
+@needs_skinny
+def test_the_compiled_graph_s_handle_reaches_the_skinny_copy():
+    weight = torch.randn(64, 96)
+    packed = kernels.pack_linear_weight(weight)
+    skinny = kernels.pack_skinny_weight(torch.zeros_like(weight))  # zeros: visible if used
+    handle = kernels.linear_handle(packed, skinny)
+    x = torch.randn(3, 96)
+    assert torch.count_nonzero(kernels.linear_by_handle(x, handle, 64)) == 0
+    dense_handle = kernels.linear_handle(weight, kernels.pack_skinny_weight(weight))
+    assert dense_handle is not None
+    torch.testing.assert_close(kernels.linear_by_handle(x, dense_handle, 64), x @ weight.t(),
+                               rtol=1e-5, atol=1e-5)

@@ -1,0 +1,174 @@
+// The linear layer's GEMM for a few rows (decode batches): out [M, N] = x [M, K] @ W^T, with W
+// [N, K] packed once into column tiles, [ceil(N / TILE)][K][TILE], zero-padded past N.
+//
+// With few rows a GEMM is a read of the weight: every weight element is used M times, once per
+// row, so the step time is the weight's bytes over the read bandwidth. A thread here owns a
+// contiguous run of tiles and reads it front to back, one sequential stream, asking for the
+// lines a few tile rows ahead; each weight vector loaded is multiplied into MR rows at once
+// from registers. oneDNN's matmul reads its blocked layout well below the bandwidth at these
+// sizes on some CPUs (benchmarks/RESULTS.md, "A skinny GEMM for decode").
+//
+// Vectors are the machine's widest (AVX-512: 16 floats, 4 per tile row; otherwise 8, 2 per
+// tile row) so the accumulators stay in registers: MR x NT of them, plus NT weight vectors and
+// one broadcast x value. Math in float32; bfloat16 weights and inputs are widened exactly, and
+// a bfloat16 output is rounded once, to nearest even, as oneDNN's bf16 matmul does.
+#include <torch/extension.h>
+
+#include <c10/util/BFloat16.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+namespace {
+
+#if defined(__AVX512F__)
+constexpr int VW = 16;
+constexpr int NT = 4;
+#else
+constexpr int VW = 8;
+constexpr int NT = 2;
+#endif
+constexpr int TILE = VW * NT;           // output columns per tile
+constexpr int MR = 6;                   // rows multiplied per pass over a tile
+constexpr int64_t PREFETCH_ROWS = 8;    // tile rows ahead of the one being read
+
+typedef float vec __attribute__((vector_size(VW * 4)));
+typedef uint16_t vec_h __attribute__((vector_size(VW * 2)));
+typedef uint32_t vec_u __attribute__((vector_size(VW * 4)));
+
+inline vec load(const float* p) {
+  vec v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline vec load(const c10::BFloat16* p) {
+  vec_h h;
+  std::memcpy(&h, p, sizeof h);
+  const vec_u bits = __builtin_convertvector(h, vec_u) << 16;
+  vec v;
+  std::memcpy(&v, &bits, sizeof v);
+  return v;
+}
+
+// rows: MR_ rows of x (row stride ldx) times one tile [K][TILE] -> out columns [n0, n0 + nn),
+// with U independent accumulator sets over k so that a pass with few rows still has enough
+// FMAs in flight to cover their latency.
+template <typename T, int MR_, int U>
+void tile_pass(const T* x, int64_t ldx, const T* tile, int64_t K, const T* bias, T* out,
+               int64_t ldo, int64_t nn) {
+  vec acc[U][MR_][NT];
+#pragma GCC unroll 64
+  for (int u = 0; u < U; ++u)
+#pragma GCC unroll 64
+    for (int m = 0; m < MR_; ++m)
+#pragma GCC unroll 8
+      for (int j = 0; j < NT; ++j) acc[u][m][j] = vec{};
+  const int64_t K_main = K / U * U;
+  for (int64_t k = 0; k < K_main; k += U) {
+#pragma GCC unroll 8
+    for (int u = 0; u < U; ++u) {
+      const T* w = tile + (k + u) * TILE;
+      const char* ahead = reinterpret_cast<const char*>(w + PREFETCH_ROWS * TILE);
+#pragma GCC unroll 8
+      for (int c = 0; c < int(TILE * sizeof(T)); c += 64) __builtin_prefetch(ahead + c);
+      vec wv[NT];
+#pragma GCC unroll 8
+      for (int j = 0; j < NT; ++j) wv[j] = load(w + j * VW);
+#pragma GCC unroll 64
+      for (int m = 0; m < MR_; ++m) {
+        const vec xs = vec{} + static_cast<float>(x[m * ldx + k + u]);
+#pragma GCC unroll 8
+        for (int j = 0; j < NT; ++j) acc[u][m][j] += xs * wv[j];
+      }
+    }
+  }
+  for (int64_t k = K_main; k < K; ++k) {
+    const T* w = tile + k * TILE;
+    for (int m = 0; m < MR_; ++m) {
+      const vec xs = vec{} + static_cast<float>(x[m * ldx + k]);
+      for (int j = 0; j < NT; ++j) acc[0][m][j] += xs * load(w + j * VW);
+    }
+  }
+  for (int m = 0; m < MR_; ++m) {
+    float sum[TILE];
+    for (int j = 0; j < NT; ++j) {
+      vec s = acc[0][m][j];
+      for (int u = 1; u < U; ++u) s += acc[u][m][j];
+      std::memcpy(sum + j * VW, &s, sizeof s);
+    }
+    T* o = out + m * ldo;
+    for (int64_t i = 0; i < nn; ++i)
+      o[i] = static_cast<T>(bias ? sum[i] + static_cast<float>(bias[i]) : sum[i]);
+  }
+}
+
+template <typename T>
+void skinny_rows(const torch::Tensor& x, const torch::Tensor& packed, const T* bias,
+                 torch::Tensor& out) {
+  const int64_t M = x.size(0), K = x.size(1), N = out.size(1), tiles = packed.size(0);
+  const int64_t ldx = x.stride(0);
+  const T* xp = x.data_ptr<T>();
+  const T* wp = packed.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+#pragma omp parallel for schedule(static)
+  for (int64_t t = 0; t < tiles; ++t) {
+    const int64_t n0 = t * TILE, nn = std::min<int64_t>(TILE, N - n0);
+    const T* tile = wp + t * K * TILE;
+    const T* b = bias ? bias + n0 : nullptr;
+    int64_t m = 0;
+    for (; m + MR <= M; m += MR)
+      tile_pass<T, MR, 1>(xp + m * ldx, ldx, tile, K, b, op + m * N + n0, N, nn);
+    const T* xm = xp + m * ldx;
+    T* om = op + m * N + n0;
+    switch (M - m) {
+      case 5: tile_pass<T, 5, 1>(xm, ldx, tile, K, b, om, N, nn); break;
+      case 4: tile_pass<T, 4, 1>(xm, ldx, tile, K, b, om, N, nn); break;
+      case 3: tile_pass<T, 3, 1>(xm, ldx, tile, K, b, om, N, nn); break;
+      case 2: tile_pass<T, 2, 2>(xm, ldx, tile, K, b, om, N, nn); break;
+      case 1: tile_pass<T, 1, 4>(xm, ldx, tile, K, b, om, N, nn); break;
+      default: break;
+    }
+  }
+}
+
+bool supported_dtype(const torch::Tensor& t) {
+  return t.scalar_type() == torch::kFloat32 || t.scalar_type() == torch::kBFloat16;
+}
+
+}  // namespace
+
+int64_t skinny_gemm_tile() { return TILE; }
+
+torch::Tensor skinny_gemm_pack(torch::Tensor weight) {
+  TORCH_CHECK(supported_dtype(weight) && weight.dim() == 2 && weight.device().is_cpu(),
+              "weight: float32 or bfloat16 [out, in] on CPU");
+  const int64_t N = weight.size(0), K = weight.size(1), tiles = (N + TILE - 1) / TILE;
+  torch::Tensor packed = torch::zeros({tiles, K, TILE}, weight.options());
+  for (int64_t t = 0; t < tiles; ++t) {
+    const int64_t n0 = t * TILE, nn = std::min<int64_t>(TILE, N - n0);
+    packed[t].narrow(1, 0, nn).copy_(weight.narrow(0, n0, nn).t());
+  }
+  return packed;
+}
+
+torch::Tensor skinny_gemm(torch::Tensor x, torch::Tensor packed, int64_t out_features,
+                          c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(supported_dtype(x) && x.dim() == 2 && x.stride(1) == 1,
+              "x: float32 or bfloat16 [rows, in] with contiguous rows");
+  TORCH_CHECK(packed.scalar_type() == x.scalar_type() && packed.dim() == 3
+                  && packed.size(1) == x.size(1) && packed.size(2) == TILE
+                  && packed.is_contiguous() && packed.size(0) * TILE >= out_features
+                  && packed.size(0) * TILE < out_features + TILE,
+              "packed: from skinny_gemm_pack, in x's dtype and with x's in_features");
+  TORCH_CHECK(!bias || (bias->scalar_type() == x.scalar_type() && bias->dim() == 1
+                        && bias->size(0) == out_features && bias->is_contiguous()),
+              "bias: [out_features] contiguous, in x's dtype");
+  torch::Tensor out = torch::empty({x.size(0), out_features}, x.options());
+  if (x.scalar_type() == torch::kBFloat16)
+    skinny_rows<c10::BFloat16>(x, packed, bias ? bias->data_ptr<c10::BFloat16>() : nullptr, out);
+  else
+    skinny_rows<float>(x, packed, bias ? bias->data_ptr<float>() : nullptr, out);
+  return out;
+}
