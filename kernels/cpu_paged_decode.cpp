@@ -34,18 +34,18 @@ struct Seq {
   }
 };
 
-// R query rows of one KV head with head_dim = NV * 16: q rows at q (head_dim apart), out rows
+// R query rows of one KV head with head_dim = NV * W: q rows at q (head_dim apart), out rows
 // likewise; scores: scratch of R * len floats.
 template <int NV, int R, typename T>
 void attend_rows(const Seq<T>& s, const T* q, T* out, float scale, float* scores) {
   vf qv[R][NV];
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < NV; ++c) qv[r][c] = load(q + r * NV * 16 + c * 16);
+    for (int c = 0; c < NV; ++c) qv[r][c] = load(q + r * NV * W + c * W);
   for (int64_t t = 0; t < s.len; ++t) {
     const T* k = s.token(s.k, t);
     if (t + PREFETCH_TOKENS < s.len) prefetch_row(s.token(s.k, t + PREFETCH_TOKENS), NV * W);
     vf kv[NV];
-    for (int c = 0; c < NV; ++c) kv[c] = load(k + c * 16);
+    for (int c = 0; c < NV; ++c) kv[c] = load(k + c * W);
     for (int r = 0; r < R; ++r) {
       vf dot = qv[r][0] * kv[0];
       for (int c = 1; c < NV; ++c) dot += qv[r][c] * kv[c];
@@ -67,14 +67,14 @@ void attend_rows(const Seq<T>& s, const T* q, T* out, float scale, float* scores
     const T* v = s.token(s.v, t);
     if (t + PREFETCH_TOKENS < s.len) prefetch_row(s.token(s.v, t + PREFETCH_TOKENS), NV * W);
     vf vv[NV];
-    for (int c = 0; c < NV; ++c) vv[c] = load(v + c * 16);
+    for (int c = 0; c < NV; ++c) vv[c] = load(v + c * W);
     for (int r = 0; r < R; ++r) {
       const float p = scores[r * s.len + t];
       for (int c = 0; c < NV; ++c) acc[r][c] += p * vv[c];
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < NV; ++c) store(out + r * NV * 16 + c * 16, acc[r][c]);
+    for (int c = 0; c < NV; ++c) store(out + r * NV * W + c * W, acc[r][c]);
 }
 
 // All `group` query rows of one KV head, up to RMAX at a time (so rows x head_dim of
@@ -82,11 +82,12 @@ void attend_rows(const Seq<T>& s, const T* q, T* out, float scale, float* scores
 template <int NV, typename T>
 void attend_head(const Seq<T>& s, const T* q, T* out, int64_t group, float scale,
                  float* scores) {
-  constexpr int RMAX = NV <= 4 ? 4 : (NV <= 8 ? 2 : 1);
+  constexpr int HD = NV * W;
+  constexpr int RMAX = HD <= 64 ? 4 : (HD <= 128 ? 2 : 1);
   for (int64_t r = 0; r < group;) {
     const int64_t rows = std::min<int64_t>(RMAX, group - r);
-    const T* qr = q + r * NV * 16;
-    T* o = out + r * NV * 16;
+    const T* qr = q + r * NV * W;
+    T* o = out + r * NV * W;
     switch (rows) {
       case 4: attend_rows<NV, (RMAX >= 4 ? 4 : 1), T>(s, qr, o, scale, scores); break;
       case 3: attend_rows<NV, (RMAX >= 3 ? 3 : 1), T>(s, qr, o, scale, scores); break;

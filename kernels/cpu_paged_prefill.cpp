@@ -54,7 +54,7 @@ struct Scratch {
   std::vector<T*> out;
 };
 
-// scores[r][16j..16j+16) = scale * q_r . K[16j..16j+16) for key tiles j < ntiles.
+// scores[r][Wj..Wj+W) = scale * q_r . K[Wj..Wj+W) for key tiles j < ntiles.
 template <int NV, typename T>
 void score_tiles(const Tile<T>& t, const T* const* q, int rows, int64_t ntiles, float scale,
                  float* scores) {
@@ -106,7 +106,8 @@ void softmax_row(float* s, int64_t visible, int64_t width) {
 template <int NV, typename T>
 void weighted_values(const Tile<T>& t, const float* weights, int rows, int64_t nkeys,
                      T* const* out) {
-  constexpr int RV = NV <= 2 ? 8 : (NV <= 4 ? 6 : (NV <= 8 ? 3 : 1));
+  constexpr int HD = NV * W;
+  constexpr int RV = HD <= 32 ? 8 : (HD <= 64 ? 6 : (HD <= 128 ? 3 : 1));
   for (int r0 = 0; r0 < rows; r0 += RV) {
     const int rn = std::min(RV, rows - r0);
     vf acc[RV][NV];

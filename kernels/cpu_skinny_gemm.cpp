@@ -8,9 +8,9 @@
 // from registers. oneDNN's matmul reads its blocked layout well below the bandwidth at these
 // sizes on some CPUs (benchmarks/RESULTS.md, "A skinny GEMM for decode").
 //
-// Vectors are the machine's widest (AVX-512: 16 floats, 4 per tile row; otherwise 8, 2 per
-// tile row) so the accumulators stay in registers: MR x NT of them, plus NT weight vectors and
-// one broadcast x value. Math in float32; bfloat16 weights and inputs are widened exactly, and
+// Vectors are cpu_vec.h's, the machine's widest (AVX-512: 16 floats, 4 per tile row;
+// otherwise 8, 2 per tile row), so the accumulators stay in registers: MR x NT of them, plus
+// NT weight vectors and one broadcast x value. Math in float32; bfloat16 weights and inputs are widened exactly, and
 // a bfloat16 output is rounded once, to nearest even, as oneDNN's bf16 matmul does.
 #include <torch/extension.h>
 
@@ -20,37 +20,16 @@
 #include <cstdint>
 #include <cstring>
 
+#include "cpu_vec.h"
+
 namespace {
 
-#if defined(__AVX512F__)
-constexpr int VW = 16;
-constexpr int NT = 4;
-#else
-constexpr int VW = 8;
-constexpr int NT = 2;
-#endif
-constexpr int TILE = VW * NT;           // output columns per tile
-constexpr int MR = 6;                   // rows multiplied per pass over a tile
-constexpr int64_t PREFETCH_ROWS = 8;    // tile rows ahead of the one being read
+using namespace pdc;
 
-typedef float vec __attribute__((vector_size(VW * 4)));
-typedef uint16_t vec_h __attribute__((vector_size(VW * 2)));
-typedef uint32_t vec_u __attribute__((vector_size(VW * 4)));
-
-inline vec load(const float* p) {
-  vec v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-
-inline vec load(const c10::BFloat16* p) {
-  vec_h h;
-  std::memcpy(&h, p, sizeof h);
-  const vec_u bits = __builtin_convertvector(h, vec_u) << 16;
-  vec v;
-  std::memcpy(&v, &bits, sizeof v);
-  return v;
-}
+constexpr int NT = W == 16 ? 4 : 2;    // vectors per tile row
+constexpr int TILE = W * NT;           // output columns per tile
+constexpr int MR = 6;                  // rows multiplied per pass over a tile
+constexpr int64_t PREFETCH_ROWS = 8;   // tile rows ahead of the one being read
 
 // rows: MR_ rows of x (row stride ldx) times one tile [K][TILE] -> out columns [n0, n0 + nn),
 // with U independent accumulator sets over k so that a pass with few rows still has enough
@@ -58,13 +37,13 @@ inline vec load(const c10::BFloat16* p) {
 template <typename T, int MR_, int U>
 void tile_pass(const T* x, int64_t ldx, const T* tile, int64_t K, const T* bias, T* out,
                int64_t ldo, int64_t nn) {
-  vec acc[U][MR_][NT];
+  vf acc[U][MR_][NT];
 #pragma GCC unroll 64
   for (int u = 0; u < U; ++u)
 #pragma GCC unroll 64
     for (int m = 0; m < MR_; ++m)
 #pragma GCC unroll 8
-      for (int j = 0; j < NT; ++j) acc[u][m][j] = vec{};
+      for (int j = 0; j < NT; ++j) acc[u][m][j] = vf{};
   const int64_t K_main = K / U * U;
   for (int64_t k = 0; k < K_main; k += U) {
 #pragma GCC unroll 8
@@ -73,12 +52,12 @@ void tile_pass(const T* x, int64_t ldx, const T* tile, int64_t K, const T* bias,
       const char* ahead = reinterpret_cast<const char*>(w + PREFETCH_ROWS * TILE);
 #pragma GCC unroll 8
       for (int c = 0; c < int(TILE * sizeof(T)); c += 64) __builtin_prefetch(ahead + c);
-      vec wv[NT];
+      vf wv[NT];
 #pragma GCC unroll 8
-      for (int j = 0; j < NT; ++j) wv[j] = load(w + j * VW);
+      for (int j = 0; j < NT; ++j) wv[j] = load(w + j * W);
 #pragma GCC unroll 64
       for (int m = 0; m < MR_; ++m) {
-        const vec xs = vec{} + static_cast<float>(x[m * ldx + k + u]);
+        const vf xs = splat(static_cast<float>(x[m * ldx + k + u]));
 #pragma GCC unroll 8
         for (int j = 0; j < NT; ++j) acc[u][m][j] += xs * wv[j];
       }
@@ -87,16 +66,16 @@ void tile_pass(const T* x, int64_t ldx, const T* tile, int64_t K, const T* bias,
   for (int64_t k = K_main; k < K; ++k) {
     const T* w = tile + k * TILE;
     for (int m = 0; m < MR_; ++m) {
-      const vec xs = vec{} + static_cast<float>(x[m * ldx + k]);
-      for (int j = 0; j < NT; ++j) acc[0][m][j] += xs * load(w + j * VW);
+      const vf xs = splat(static_cast<float>(x[m * ldx + k]));
+      for (int j = 0; j < NT; ++j) acc[0][m][j] += xs * load(w + j * W);
     }
   }
   for (int m = 0; m < MR_; ++m) {
     float sum[TILE];
     for (int j = 0; j < NT; ++j) {
-      vec s = acc[0][m][j];
+      vf s = acc[0][m][j];
       for (int u = 1; u < U; ++u) s += acc[u][m][j];
-      std::memcpy(sum + j * VW, &s, sizeof s);
+      store(sum + j * W, s);
     }
     T* o = out + m * ldo;
     for (int64_t i = 0; i < nn; ++i)

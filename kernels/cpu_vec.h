@@ -1,6 +1,12 @@
-// SIMD helpers of the C++ CPU attention kernels: 16-float vectors written with GCC/Clang
-// vector extensions, which compile to AVX-512 with -march=native on CPUs that have it and to
-// narrower units elsewhere, and a call-free exp, so the loops around it vectorize.
+// SIMD helpers of the C++ CPU kernels: vectors of the machine's widest unit written with
+// GCC/Clang vector extensions (16 floats with AVX-512, 8 otherwise: AVX2 and narrower), and a
+// call-free exp, so the loops around it vectorize.
+//
+// The width follows the machine because a vector wider than its registers is not free: GCC
+// lowers each 64-byte vector on an AVX2 CPU to a pair of registers, runs out of its 16 for
+// the rows a kernel keeps in them, and builds every broadcast of a scalar through the stack;
+// decode attention ran at half the speed it does with 8-float vectors there
+// (benchmarks/RESULTS.md, "A skinny GEMM for decode").
 #pragma once
 
 #include <c10/util/BFloat16.h>
@@ -13,11 +19,16 @@
 
 namespace pdc {
 
-typedef float vf __attribute__((vector_size(64)));
-typedef int32_t vi __attribute__((vector_size(64)));
-typedef uint32_t vu __attribute__((vector_size(64)));
-typedef uint16_t vh __attribute__((vector_size(32)));  // 16 bfloat16 bit patterns
+#if defined(__AVX512F__)
 constexpr int W = 16;  // floats per vector
+#else
+constexpr int W = 8;
+#endif
+
+typedef float vf __attribute__((vector_size(W * 4)));
+typedef int32_t vi __attribute__((vector_size(W * 4)));
+typedef uint32_t vu __attribute__((vector_size(W * 4)));
+typedef uint16_t vh __attribute__((vector_size(W * 2)));  // W bfloat16 bit patterns
 
 inline vf load(const float* p) {
   vf v;
@@ -80,14 +91,19 @@ inline void prefetch_row(const T* p, int64_t n) {
   for (int64_t b = 0; b < n * int64_t(sizeof(T)); b += 64) __builtin_prefetch(bytes + b);
 }
 
-// A tree of halving adds, 4 vector steps, where a lane-by-lane loop compiles to ~2 scalar
-// instructions a lane: decode attention finishes one dot product per token and query row.
+// A tree of halving adds, where a lane-by-lane loop compiles to ~2 scalar instructions a
+// lane: decode attention finishes one dot product per token and query row.
 inline float hsum(vf v) {
-  typedef float v8 __attribute__((vector_size(32)));
   typedef float v4 __attribute__((vector_size(16)));
-  const v8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7)
-               + __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-  const v4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  v4 b;
+  if constexpr (W == 16) {
+    typedef float v8 __attribute__((vector_size(32)));
+    const v8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7)
+                 + __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+    b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  } else {
+    b = __builtin_shufflevector(v, v, 0, 1, 2, 3) + __builtin_shufflevector(v, v, 4, 5, 6, 7);
+  }
   return (b[0] + b[2]) + (b[1] + b[3]);
 }
 
@@ -97,23 +113,23 @@ inline float hmax(vf v) {
   return m;
 }
 
-// fn(std::integral_constant<int, NV>{}) for a head_dim = NV * 16 the kernels are specialized
-// for (16, 32, 48, 64, 80, 96, 112, 128, 160, 192, 256), R{} for any other: the one list of
-// head dims both attention kernels instantiate.
+// fn(std::integral_constant<int, NV>{}) for a head_dim = NV * W the kernels are specialized
+// for (16, 32, 48, 64, 80, 96, 112, 128, 160, 192, 256: multiples of 16, so of W), R{} for
+// any other: the one list of head dims both attention kernels instantiate.
 template <typename R, typename Fn>
 R by_head_dim(int64_t head_dim, Fn fn) {
   switch (head_dim) {
-    case 16: return fn(std::integral_constant<int, 1>{});
-    case 32: return fn(std::integral_constant<int, 2>{});
-    case 48: return fn(std::integral_constant<int, 3>{});
-    case 64: return fn(std::integral_constant<int, 4>{});
-    case 80: return fn(std::integral_constant<int, 5>{});
-    case 96: return fn(std::integral_constant<int, 6>{});
-    case 112: return fn(std::integral_constant<int, 7>{});
-    case 128: return fn(std::integral_constant<int, 8>{});
-    case 160: return fn(std::integral_constant<int, 10>{});
-    case 192: return fn(std::integral_constant<int, 12>{});
-    case 256: return fn(std::integral_constant<int, 16>{});
+    case 16: return fn(std::integral_constant<int, 16 / W>{});
+    case 32: return fn(std::integral_constant<int, 32 / W>{});
+    case 48: return fn(std::integral_constant<int, 48 / W>{});
+    case 64: return fn(std::integral_constant<int, 64 / W>{});
+    case 80: return fn(std::integral_constant<int, 80 / W>{});
+    case 96: return fn(std::integral_constant<int, 96 / W>{});
+    case 112: return fn(std::integral_constant<int, 112 / W>{});
+    case 128: return fn(std::integral_constant<int, 128 / W>{});
+    case 160: return fn(std::integral_constant<int, 160 / W>{});
+    case 192: return fn(std::integral_constant<int, 192 / W>{});
+    case 256: return fn(std::integral_constant<int, 256 / W>{});
     default: return R{};
   }
 }
@@ -146,7 +162,7 @@ inline float exp_nonpositive(float x) {
   return p;
 }
 
-// The same on 16 lanes; n = -floor(0.5 - y) (truncation of a non-negative value), which
+// The same on W lanes; n = -floor(0.5 - y) (truncation of a non-negative value), which
 // rounds ties down instead of up: f stays in [-0.5, 0.5] either way.
 inline vf exp_nonpositive(vf x) {
   x = x < -87.0f ? splat(-87.0f) : x;
