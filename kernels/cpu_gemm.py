@@ -37,8 +37,9 @@ import kernels.cpu_extension as cpu_extension
 
 _PACKED_DTYPES = (torch.float32, torch.bfloat16)
 
-#: the most rows `linear` runs on the skinny copy; measured faster than oneDNN's matmul up to
-#: this size and beyond on the CPUs of benchmarks/RESULTS.md
+#: the most rows `linear` runs on the skinny copy: decode batches. It measured faster than
+#: oneDNN's matmul up to this size and beyond on an AVX2 CPU (benchmarks/RESULTS.md); larger
+#: batches stay on oneDNN, which ran near the FMA peak in prefill on an AVX-512 CPU
 SKINNY_MAX_ROWS = 32
 
 
