@@ -198,9 +198,9 @@ class LlamaForCausalLM(nn.Module):
                  else self.lm_head.weight).detach()
         self.logits_skinny = kernels.pack_skinny_weight(dense)
         if self.lm_head is None:
-            self.logits_weight = kernels.pack_linear_weight(self.model.embed_tokens.weight)
+            self.logits_weight = kernels.pack_linear_weight(dense)
         else:
-            self.lm_head.weight = nn.Parameter(kernels.pack_linear_weight(self.lm_head.weight),
+            self.lm_head.weight = nn.Parameter(kernels.pack_linear_weight(dense),
                                                requires_grad=False)
             self.logits_weight = self.lm_head.weight
 

@@ -149,10 +149,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     (`F.linear`) or one from `pack_linear_weight` (oneDNN's matmul); `skinny`, from
     `pack_skinny_weight`, runs batches of a few rows on the C++ skinny GEMM
     (`cpu_gemm.linear`). Every backend takes the same path: on CPU the GEMM does not depend
-    on the attention backend chosen."""
-    if weight.is_mkldnn or skinny is not None:
-        return cpu_gemm.linear(x, weight, bias, skinny)
-    return torch.nn.functional.linear(x, weight, bias)
+    on the attention backend chosen, and a dense weight alone is `F.linear` on any device."""
+    return cpu_gemm.linear(x, weight, bias, skinny)
 
 
 def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:

@@ -87,8 +87,8 @@ def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = No
     weight from `pack` (or dense, where `can_pack` is false) and optionally its `pack_skinny`
     copy, which batches of up to `SKINNY_MAX_ROWS` rows run on; the same values as `F.linear`
     up to the order of float additions."""
-    rows = x.numel() // max(x.shape[-1], 1)
-    if skinny is not None and rows <= SKINNY_MAX_ROWS and x.dtype == skinny.dtype:
+    if (skinny is not None and x.dtype == skinny.dtype
+            and x.numel() <= SKINNY_MAX_ROWS * x.shape[-1]):
         flat = x.reshape(-1, x.shape[-1])
         if flat.stride(-1) != 1:
             flat = flat.contiguous()
