@@ -68,9 +68,16 @@ _SERVE_FLAGS = [
     ("--kv-bind", "kvstore.host", str, "KV store gRPC bind address (default 127.0.0.1; a "
                                         "node's routable address in a multi-node cluster)"),
     ("--kv-transfer", "transfer.backend", str, "KV data plane prefill -> decode: grpc (default) "
-                                               "| torch (torch.distributed pairs: gloo/NCCL)"),
-    ("--kv-transfer-bind", "transfer.bind_host", str, "torch transfer: address a prefill's pair "
-                                                      "store binds (a routable one across nodes)"),
+                                               "| torch (torch.distributed pairs: gloo/NCCL) "
+                                               "| mooncake (Mooncake's Transfer Engine)"),
+    ("--kv-transfer-bind", "transfer.bind_host", str, "torch / mooncake transfer: address a "
+                                                      "worker's pair store or Transfer Engine "
+                                                      "binds (a routable one across nodes)"),
+    ("--kv-mooncake-protocol", "transfer.mooncake_protocol", str,
+     "mooncake transfer: TE transport, tcp (default) | rdma"),
+    ("--kv-transfer-buffer-bytes", "transfer.source_buffer_bytes", int,
+     "mooncake transfer: host memory per prefill worker registered with TE for KV waiting "
+     "to be read (default 512 MiB)"),
     ("--kv-streaming", "transfer.streaming", str, "request (default): decode pulls a request's "
                                                   "KV after prefill | layer: layer by layer, "
                                                   "overlapping prefill compute"),

@@ -16,6 +16,7 @@ from kvstore.index import Location
 
 if TYPE_CHECKING:
     from kvstore.transfer.layer_stream import LayerStreamAnnounce
+    from kvstore.transfer.mooncake import RemoteRegion
 
 
 @dataclass(frozen=True)
@@ -187,6 +188,9 @@ class PrefillResult:
         then the tail) under ``pair_tag``; None when nothing was pushed. The blocks are in the
         KV store as well (the fallback, and the prefix cache).
     pair_tag: the push's tag on that pair (unique among its in-flight transfers).
+    kv_region: ``--kv-transfer mooncake``: where the prefill's Transfer Engine holds every
+        block of the prompt for the decode to read (kvstore.transfer.mooncake.RemoteRegion);
+        None when the KV was not offered. The blocks are in the KV store as well.
     layer_stream: ``--kv-streaming layer``: the stream of per-layer pieces the prefill put on
         its node's store while computing, announced to the decode peer before the compute
         (kvstore.transfer.layer_stream); None when the KV was not streamed. The blocks are in
@@ -208,6 +212,7 @@ class PrefillResult:
     kv_node_id: str | None = None
     pair_address: str | None = None
     pair_tag: int = 0
+    kv_region: "RemoteRegion | None" = None
     layer_stream: "LayerStreamAnnounce | None" = None
     extra: dict = field(default_factory=dict)
 

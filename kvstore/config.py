@@ -14,7 +14,7 @@ from typing import Any, Literal
 import pydantic
 
 #: Names of the transfer backends (kvstore.transfer.registry.TRANSFER_BACKENDS has the classes).
-TransferBackendName = Literal["grpc", "torch"]
+TransferBackendName = Literal["grpc", "torch", "mooncake"]
 
 
 def _renamed_keys(model: str, data: Any, renames: dict[str, str]) -> Any:
@@ -143,7 +143,9 @@ class KVTransferConfig(pydantic.BaseModel):
 
     Attributes:
         backend: ``grpc`` (pull from a node's KV store), ``torch`` (torch.distributed
-            point-to-point over a pair group: gloo on CPU, NCCL on CUDA).
+            point-to-point over a pair group: gloo on CPU, NCCL on CUDA), ``mooncake``
+            (Mooncake's Transfer Engine: the decode reads the prefill's registered memory;
+            kvstore.transfer.mooncake).
         timeout_s: default deadline in seconds of one whole transfer (FetchRequest.deadline_s
             wins), and the limit of a torch pair's setup; each call to a KV store has its own
             KVStoreConfig.rpc_timeout_s.
@@ -151,8 +153,13 @@ class KVTransferConfig(pydantic.BaseModel):
         num_streams: grpc: concurrent FetchBlocks sessions one large transfer is split across.
         min_stream_bytes: grpc: a transfer is split only so that each stream gets at least
             this many bytes (small transfers stay on one stream).
-        bind_host: torch: address the sender's pair store binds (a node's routable address
-            in a cluster).
+        bind_host: torch: address the sender's pair store binds; mooncake: the address each
+            worker's Transfer Engine announces and listens on (a node's routable address in a
+            cluster).
+        mooncake_protocol: mooncake: TE's transport, ``tcp`` or ``rdma``.
+        source_buffer_bytes: mooncake: host memory a prefill worker registers with TE once,
+            in which requests' KV waits for its decode to read it; a request that finds no
+            room is not offered over TE (its decode reads the KV store).
         streaming: ``request`` (decode pulls the whole request's KV once prefill is done) or
             ``layer`` (each layer's KV for the new tokens is published as soon as that layer's
             prefill compute ends, overlapping the rest; Mooncake FAST'25 §3.1).
@@ -176,6 +183,8 @@ class KVTransferConfig(pydantic.BaseModel):
     num_streams: int = pydantic.Field(default=2, ge=1, le=64)
     min_stream_bytes: int = pydantic.Field(default=8 << 20, gt=0)
     bind_host: str = "127.0.0.1"
+    mooncake_protocol: Literal["tcp", "rdma"] = "tcp"
+    source_buffer_bytes: int = pydantic.Field(default=512 << 20, gt=0)
     streaming: Literal["request", "layer"] = "request"
     load_failure_policy: Literal["recompute", "fail"] = "recompute"
     token: pydantic.SecretStr | None = pydantic.Field(

@@ -11,10 +11,15 @@ PY=${PYTHON:-python3}
 # Triton without dependencies (it would not pull CUDA torch, but keep the tested version exact).
 [ "$(uname -s)" = Linux ] && .venv/bin/python -m pip install -q --no-deps triton==3.9.0
 if [ "${1:-}" = "--dev" ]; then
-  .venv/bin/python -m pip install -q -e ".[dev]"
-  if ! command -v redis-server >/dev/null 2>&1; then
+  # the tests of --kv-transfer mooncake need Mooncake's Transfer Engine (its CPU build, which
+  # loads libibverbs even over TCP)
+  .venv/bin/python -m pip install -q -e ".[dev,mooncake]"
+  NEED=""
+  command -v redis-server >/dev/null 2>&1 || NEED="redis-server"
+  ldconfig -p 2>/dev/null | grep -q libibverbs.so.1 || NEED="$NEED libibverbs1"
+  if [ -n "$NEED" ]; then
     SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
-    $SUDO apt-get update -qq && $SUDO apt-get install -y -qq redis-server >/dev/null
+    $SUDO apt-get update -qq && $SUDO apt-get install -y -qq $NEED >/dev/null
   fi
 else
   .venv/bin/python -m pip install -q -e .

@@ -20,6 +20,7 @@ KV_CONNECTORS: dict[str, str] = {
     "layer": "kvstore.connector.layer_stream:LayerStreamConnector",
     "torch": "kvstore.connector.torch_push:TorchPushConnector",
     "fetch": "kvstore.connector.fetch:FetchConnector",
+    "mooncake": "kvstore.connector.mooncake:MooncakeConnector",
 }
 
 
@@ -37,6 +38,7 @@ def create_connector(names: Sequence[str], ctx: KVConnectorContext) -> KVConnect
 
 def prefill_connector_names(backend: str, streaming: str, tp_size: int) -> list[str]:
     """What a prefill worker runs: the pool always (the prefix cache, and every decode's
-    fallback), layer streaming at TP=1 when asked, the torch pair push when asked."""
+    fallback), layer streaming at TP=1 when asked, the torch pair push or the Mooncake source
+    when asked."""
     return (["pool"] + (["layer"] if streaming == "layer" and tp_size == 1 else [])
-            + (["torch"] if backend == "torch" else []))
+            + ([backend] if backend in ("torch", "mooncake") else []))

@@ -15,6 +15,10 @@ The path a request's blocks take (KVFetch):
    (PrefillResult.pair_address, pair_tag). If the pair fails, the fetch falls back, once, to
    the store path: the prefill publishes every block to its node's KV store as well (the pool
    is the prefix cache), so a broken pair costs time, not the request.
+   With ``--kv-transfer mooncake`` the prefill instead copies them into a region of the memory
+   its Transfer Engine registered (PrefillResult.kv_region) and this worker reads the region
+   with one TE batch straight into the reserved blocks of its registered cache
+   (kvstore.transfer.mooncake); a failed read falls back to the store path the same way.
 2. store — full blocks through this node's shared-memory arena when the prefill ran on this
    node, else by key over gRPC streams; the tail by its one-shot handle over gRPC
    (tests may give the connector a fake backend for this path).
@@ -24,7 +28,7 @@ The path a request's blocks take (KVFetch):
 
 Faults: every attempt has a deadline (KVTransferConfig.timeout_s; a layer stream's
 bounds the silence between pieces). A failed or timed-out attempt is retried once from
-another holder: after a pair or layer stream, the prefill node's store (keyed blocks + tail);
+another holder: after a pair, a Mooncake read or a layer stream, the prefill node's store (keyed blocks + tail);
 after the store itself, the store again over gRPC (the one other path to the only node known
 to hold the tail). If the retry fails too, the fetch FAILS and the engine recomputes the
 prompt locally (the decode engine), so a transfer fault costs time, not the request.
@@ -56,7 +60,7 @@ from kvstore.errors import KVStoreError, KVTransferTimeout
 from kvstore.node_client import NodeStoreClient
 from kvstore.transfer.arena_receiver import ArenaReceiver
 from kvstore.transfer.base import FetchRequest, KVReceiver, KVTransferBackend, TransferState
-from kvstore.transfer.dest import CallbackDest
+from kvstore.transfer.dest import CacheDest, CallbackDest
 from kvstore.transfer.grpc_backend import GrpcTransferBackend
 from kvstore.transfer.layer_stream import (ALL_LAYERS, LayerPiece, LayerStreamAnnounce,
                                            LayerStreamReceiver)
@@ -96,7 +100,7 @@ class FetchConnector(KVConnector):
 
     Attributes:
         bytes_by_backend: KV bytes written into the cache by successful fetches, by path
-            ("torch", "grpc", "arena", or a given backend's name).
+            ("torch", "mooncake", "grpc", "arena", or a given backend's name).
         errors_by_backend: failed attempts by path and kind: "timeout" (KVTransferTimeout, a
             deadline passed) or "error"; attempts of aborted fetches are not counted.
         v_perturbation: a fault to inject (DecodeWorker.inject_fault, only with
@@ -114,7 +118,8 @@ class FetchConnector(KVConnector):
         self.grpc = (self.backend if isinstance(self.backend, GrpcTransferBackend)
                      else GrpcTransferBackend(transfer, kv_config))
         self.pair = self.backend if self.backend.name == "torch" else None
-        self.store = self.grpc if self.pair is not None else self.backend
+        self.puller = self.backend if self.backend.name == "mooncake" else None
+        self.store = self.grpc if self.backend.name in ("torch", "mooncake") else self.backend
         self.v_perturbation = 0.0
         self.bytes_by_backend: Counter[str] = Counter()
         #: failed attempts by path and kind ("timeout": past a deadline, "error": the rest);
@@ -198,6 +203,8 @@ class FetchConnector(KVConnector):
             sink = CallbackDest(lambda start, blocks: None, pushed.num_blocks,
                                 self.cache.block_shape, self.cache.dtype)
             self.pair.create_receiver().start(pushed, sink)  # its own thread, own deadline
+        if self.puller is not None and prefill.kv_region is not None:
+            self.grpc.submit(self.puller.release, prefill.kv_region)
         self._release_tail(prefill)
         return False, None
 
@@ -250,9 +257,12 @@ class FetchConnector(KVConnector):
             return "arena"
         return self.store.name
 
-    def _dest(self, table: list[int]) -> CallbackDest:
-        return CallbackDest(lambda start, blocks: self._write(table, start, blocks), len(table),
-                            self.cache.block_shape, self.cache.dtype)
+    def _dest(self, table: list[int]) -> CacheDest:
+        """The blocks ``table`` of the cache; a fault to inject (v_perturbation) keeps every
+        backend on ``write``, where it applies."""
+        return CacheDest(lambda start, blocks: self._write(table, start, blocks), table,
+                         None if self.v_perturbation else self.cache, self.cache.block_shape,
+                         self.cache.dtype)
 
     def _write(self, table: list[int], start: int, blocks: torch.Tensor) -> None:
         self.cache.write_blocks(table[start:start + blocks.shape[0]], self._perturbed(blocks, 2))
@@ -286,9 +296,9 @@ class KVFetch:
     retry from the store.
 
     Attributes:
-        paths: the paths tried so far, in order: "layer", "torch", "grpc", "arena" or a given
-            backend's name; at most MAX_ATTEMPTS (the first, then one retry from another
-            holder).
+        paths: the paths tried so far, in order: "layer", "torch", "mooncake", "grpc", "arena"
+            or a given backend's name; at most MAX_ATTEMPTS (the first, then one retry from
+            another holder).
         receiver: the current path's receiver.
         stream: the layer stream it started with, or None.
         error: the error the fetch FAILED with, once it has (then the engine recomputes).
@@ -310,6 +320,8 @@ class KVFetch:
             first = "layer"
         elif connector.pair is not None and prefill.pair_address is not None:
             first = "torch"
+        elif connector.puller is not None and prefill.kv_region is not None:
+            first = "mooncake"
         else:
             first = connector._store_path(prefill)
         self.receiver = self._start(first)
@@ -341,13 +353,14 @@ class KVFetch:
         return state
 
     def abort(self) -> bool:
-        """Stop fetching. True: nothing more will be written. False (a pair receive under way):
-        bytes may still land until it is done — the receive is left to finish, or to fail at
-        its deadline, because aborting it would tear the pair channel down, and every other
-        transfer on it, as torch cannot cancel a posted recv. Either way the connector reports
-        the fetch from get_finished once it has settled."""
+        """Stop fetching. True: nothing more will be written. False (a pair receive or a
+        Mooncake read under way): bytes may still land until it is done — the receive is left
+        to finish, or to fail at its deadline, because aborting it would tear the pair channel
+        down, and every other transfer on it, as torch cannot cancel a posted recv; TE cannot
+        cancel a read at all. Either way the connector reports the fetch from get_finished once
+        it has settled."""
         self._aborted = True
-        if self.path == "torch" and not self.poll().done:
+        if self.path in ("torch", "mooncake") and not self.poll().done:
             return False
         self.receiver.abort()
         self.poll()
@@ -366,6 +379,11 @@ class KVFetch:
             return receiver
         if path == "torch":
             receiver, request = connector.pair.create_receiver(), _pair_request(prefill)
+        elif path == "mooncake":
+            region = prefill.kv_region
+            receiver = connector.puller.create_receiver()
+            request = FetchRequest(region.session, prefill.block_keys, prefill.tail_handle,
+                                   prefill.num_tail_tokens, region=region)
         else:
             receiver = (ArenaReceiver(connector.grpc, connector.node_client) if path == "arena"
                         else connector.store.create_receiver())
@@ -375,7 +393,7 @@ class KVFetch:
         return receiver
 
     def _retry_path(self) -> str:
-        if self.path in ("layer", "torch"):
+        if self.path in ("layer", "torch", "mooncake"):
             return self._connector._store_path(self.prefill)
         return "grpc" if self.path == "arena" else self.path
 

@@ -23,7 +23,7 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from kvstore.config import KVStoreConfig, KVTransferConfig, kv_plane_of
 from kvstore.errors import BlockLayoutError, KVStoreError, KVTransferError, KVTransferTimeout
@@ -63,6 +63,8 @@ class FetchRequest:
             backend's ``KVTransferConfig.timeout_s``.
         tag: torch only: the transfer's tag, agreed with the sender over the control plane
             (unique among the pair's in-flight transfers, 0 <= tag < 2**31).
+        region: mooncake only: where the source registered the blocks
+            (kvstore.transfer.mooncake.RemoteRegion).
     """
 
     address: str
@@ -71,6 +73,7 @@ class FetchRequest:
     num_tail_tokens: int = 0
     deadline_s: float | None = None
     tag: int = 0
+    region: Any = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "keys", tuple(self.keys))

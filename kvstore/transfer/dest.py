@@ -62,3 +62,18 @@ class CallbackDest:
     def write_tensor(self, start: int, blocks: torch.Tensor) -> None:
         """Blocks ``[start, start + len(blocks))`` from a ``[k, *block_shape]`` tensor."""
         self._write(start, blocks)
+
+
+class CacheDest(CallbackDest):
+    """A destination that is blocks ``block_ids`` of a paged cache (a BlockCache): a backend
+    that can address the cache's memory (a one-sided engine that registered it) writes there
+    directly; any other goes through ``write`` like a CallbackDest.
+
+    ``cache`` None: only ``write`` may be used (e.g. a fault injection must see the blocks).
+    """
+
+    def __init__(self, write: Callable[[int, torch.Tensor], None], block_ids: Sequence[int],
+                 cache, block_shape: Sequence[int], dtype: torch.dtype):
+        super().__init__(write, len(block_ids), block_shape, dtype)
+        self.block_ids = list(block_ids)
+        self.cache = cache

@@ -5,10 +5,11 @@ from __future__ import annotations
 from kvstore.config import KVStoreConfig, KVTransferConfig
 from kvstore.transfer.base import KVTransferBackend
 from kvstore.transfer.grpc_backend import GrpcTransferBackend
+from kvstore.transfer.mooncake import MooncakeTransferBackend
 from kvstore.transfer.torch_dist import TorchTransferBackend
 
 TRANSFER_BACKENDS: dict[str, type[KVTransferBackend]] = {
-    cls.name: cls for cls in (GrpcTransferBackend, TorchTransferBackend)
+    cls.name: cls for cls in (GrpcTransferBackend, TorchTransferBackend, MooncakeTransferBackend)
 }
 
 

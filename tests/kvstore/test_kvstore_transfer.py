@@ -75,7 +75,7 @@ def test_wire_codec_is_protobuf_both_ways():
 
 
 def test_registry_maps_names_to_backends():
-    assert set(TRANSFER_BACKENDS) == {"grpc", "torch"}
+    assert set(TRANSFER_BACKENDS) == {"grpc", "torch", "mooncake"}
     backend = create_backend(KVTransferConfig(backend="torch"))
     assert isinstance(backend, TorchTransferBackend)
     backend.close()

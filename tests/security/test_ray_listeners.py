@@ -47,3 +47,23 @@ def test_every_listener_of_the_local_cluster_is_loopback(serve):
     assert any(n.startswith("ray::KVStore") for n in names), found
     exposed = [entry for entry in found if not is_loopback(entry[2])]
     assert not exposed, f"listening beyond loopback: {exposed}"
+
+
+def test_mooncake_transfer_engine_listens_on_loopback_only(serve):
+    """Mooncake's Transfer Engine binds every interface by itself; with `--kv-transfer
+    mooncake` both workers' TE listeners (handshake and TCP transport; the decode's start with
+    its first read) are on the transfer bind address, 127.0.0.1, like the rest."""
+    pytest.importorskip("mooncake.engine", reason="needs pdcluster[mooncake] and libibverbs1")
+    import httpx
+
+    served = serve("--kv-transfer", "mooncake")
+    before = {port for *_, port in listeners([psutil.Process(served.proc.pid),
+                                              *served.tree])}
+    r = httpx.post(f"http://127.0.0.1:{served.port}/v1/completions", timeout=60,
+                   json={"model": "stories260K", "prompt": "Once upon a time", "max_tokens": 4})
+    assert r.status_code == 200, r.text
+    found = listeners([psutil.Process(served.proc.pid), *served.record_tree()])
+    te = [entry for entry in found if entry[3] not in before]
+    assert len(te) >= 2, found  # not vacuous: at least the decode's two TE listeners are new
+    exposed = [entry for entry in found if not is_loopback(entry[2])]
+    assert not exposed, f"listening beyond loopback: {exposed}"

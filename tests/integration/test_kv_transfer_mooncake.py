@@ -1,0 +1,318 @@
+"""Prefill engine → Mooncake Transfer Engine → decode engine in one process (no Ray), over TE's
+real TCP transport: the read into the decode's registered cache and through host staging, the
+region's release and lease, the fallback to the KV store when the source is gone or its lease
+too short, a full staging buffer, aborts, and the quarantine of blocks a read may still write
+(TE slowed down by a wrapper: a real TE read cannot be made slow on demand). Outputs against HF.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import threading
+import time
+
+import pytest
+import torch
+
+from engine.config import EngineConfig
+from engine.kv_cache import PagedKVCache
+from engine.protocol import PrefillRequest, PrefillResult, SamplingParams
+from engine.runner import ModelRunner
+from kvstore.config import KVTransferConfig
+from kvstore.connector.fetch import FetchConnector, KVFetch
+from kvstore.connector.multi import MultiConnector
+from kvstore.connector.pool import PoolConnector
+from kvstore.errors import BlockLayoutError
+from kvstore.transfer.base import FetchRequest, TransferState
+from kvstore.transfer.dest import CacheDest
+from prefill_worker.engine import PrefillEngine
+from tests.engine_loops import started, stop
+from tests.integration.test_kv_transfer_backends import (  # noqa: F401 — the store fixture
+    STORY, _free_port, decode_engine, generate, run_decode, settled, store)
+
+pytest.importorskip("mooncake.engine", reason="needs pdcluster[mooncake] and libibverbs1")
+
+from kvstore.connector.mooncake import MooncakeConnector, RegionAllocator  # noqa: E402
+from kvstore.transfer.mooncake import MooncakeTransferBackend, RemoteRegion  # noqa: E402
+
+MOONCAKE = KVTransferConfig(backend="mooncake", timeout_s=10, source_buffer_bytes=32 << 20)
+
+
+def prefill_engine(store, transfer: KVTransferConfig, lease_s: float = 60.0) -> PrefillEngine:
+    server, client = store
+    connector = MultiConnector([PoolConnector("local-node", client, server.address, client),
+                                MooncakeConnector(transfer, lease_s)])
+    return started(lambda: PrefillEngine(ModelRunner(EngineConfig(num_kv_blocks=128)),
+                                         connector, "prefill-mc", 0))
+
+
+@pytest.fixture(scope="module")
+def prefill(store):
+    engine = prefill_engine(store, MOONCAKE)
+    yield engine
+    stop(engine)
+
+
+@pytest.fixture(scope="module")
+def decode():
+    engine = decode_engine("decode-mc", MOONCAKE)
+    yield engine
+    stop(engine)
+
+
+def released(prefill: PrefillEngine, count: int, timeout_s: float = 5.0) -> dict:
+    """The prefill's stats once ``count`` regions were released (its loop reclaims them)."""
+    deadline = time.monotonic() + timeout_s
+    while (stats := prefill.stats())["kv_mooncake_regions_released_total"] < count:
+        assert time.monotonic() < deadline, stats
+        time.sleep(0.02)
+    return stats
+
+
+def test_te_carries_every_block_into_the_cache_and_output_matches_hf(prefill, decode, store,
+                                                                       hf):
+    _, client = store
+    prompt = hf.encode(STORY)
+    assert len(prompt) > 32 and len(prompt) % 16  # full blocks and a tail
+    before = dict(decode.stats()["kv_bytes_fetched_by_backend"])
+    base = prefill.stats()["kv_mooncake_regions_released_total"]
+    result, tokens, _ = generate(prefill, decode, "mc-1", prompt, 24)
+    assert isinstance(result.kv_region, RemoteRegion) and tokens == hf.greedy(prompt, 24)
+    stats = settled(decode, client)  # every block back, the store's tail released
+    moved = {k: v - before.get(k, 0) for k, v in stats["kv_bytes_fetched_by_backend"].items()}
+    num_blocks = -(-len(prompt) // 16)
+    assert moved == {"mooncake": num_blocks * decode.runner.kv_cache.block_nbytes}
+    assert released(prefill, base + 1)["kv_mooncake_regions_leased"] == 0
+
+
+def test_decode_output_depends_on_the_bytes_te_moved(prefill, store, hf):
+    """The decode's next tokens come from the KV that arrived: with V perturbed on arrival
+    (the fault hook keeps the blocks on the staged path, where it applies) they change."""
+    _, client = store
+    prompt = hf.encode("Lily and Ben went to the park. " + STORY)
+    decode = decode_engine("decode-mc-perturbed", MOONCAKE)
+    try:
+        decode.connector.v_perturbation = 5.0
+        _, tokens, _ = generate(prefill, decode, "mc-perturbed", prompt, 12)
+        assert tokens != hf.greedy(prompt, 12)
+        stats = settled(decode, client)
+        assert set(stats["kv_bytes_fetched_by_backend"]) == {"mooncake"}
+    finally:
+        stop(decode)
+
+
+@pytest.mark.parametrize("fault", ["dead source", "lease too short"])
+def test_unreachable_region_falls_back_to_the_store(prefill, store, hf, fault):
+    _, client = store
+    prompt = hf.encode("The cat sat on the mat. " + STORY)
+    params = SamplingParams(max_tokens=12, temperature=0)
+    decode = decode_engine("decode-mc-fb", KVTransferConfig(backend="mooncake", timeout_s=5))
+    try:
+        result = prefill.prefill(PrefillRequest(f"fb-{fault}", tuple(prompt), params))
+        region = result.kv_region
+        region = (dataclasses.replace(region, session=f"127.0.0.1:{_free_port()}")
+                  if fault == "dead source" else
+                  dataclasses.replace(region, expires_at=time.time() + 3))
+        start = time.monotonic()
+        tokens, last = run_decode(decode, dataclasses.replace(result, kv_region=region), prompt,
+                                  params)
+        assert tokens == hf.greedy(prompt, 12) and last.error is None
+        assert time.monotonic() - start < 12
+        stats = settled(decode, client)
+        assert set(stats["kv_bytes_fetched_by_backend"]) == {"grpc"}
+        assert stats["kv_transfer_errors_by_backend"] == {"mooncake": {"error": 1}}
+        assert stats["num_fetch_retries_total"] == 1
+    finally:
+        stop(decode)
+
+
+def test_full_buffer_and_unfetched_regions(store, hf):
+    """A request that finds no room in the staging buffer is not offered (its decode reads the
+    store); one whose decode finishes it at admission has its region released; one nobody
+    reads is reclaimed when its lease ends."""
+    _, client = store
+    prompt = hf.encode("One day, a big dog " + STORY)
+    block_nbytes = ModelRunner(EngineConfig(num_kv_blocks=4)).kv_cache.block_nbytes
+    num_blocks = -(-len(prompt) // 16)
+    tight = MOONCAKE.model_copy(update={"source_buffer_bytes": num_blocks * block_nbytes})
+    prefill = prefill_engine(store, tight, lease_s=1.0)
+    decode = decode_engine("decode-mc-full", MOONCAKE)
+    small = decode_engine("decode-mc-small", MOONCAKE, num_kv_blocks=4)
+    params = SamplingParams(max_tokens=8, temperature=0)
+    try:
+        held = prefill.prefill(PrefillRequest("held", tuple(prompt), params))
+        full = prefill.prefill(PrefillRequest("full", tuple(prompt), params))
+        assert held.kv_region is not None and full.kv_region is None
+        assert prefill.stats()["kv_mooncake_buffer_full_total"] == 1
+        client.release_tail(held.tail_handle)  # nobody will read "held"
+        tokens, _ = run_decode(decode, full, prompt, params)
+        assert tokens == hf.greedy(prompt, 8)
+        assert set(settled(decode, client)["kv_bytes_fetched_by_backend"]) == {"grpc"}
+        time.sleep(1.2)  # its lease ends
+        stats = prefill.stats()
+        assert stats["kv_mooncake_regions_expired_total"] == 1
+        assert stats["kv_mooncake_regions_leased"] == 0
+
+        # needs more blocks than the worker has: finished at admission, the region released
+        result, _, last = generate(prefill, small, "too-big", prompt, 40)
+        assert result.kv_region is not None and "KV blocks" in last.error
+        released(prefill, 1)
+        settled(small, client)
+    finally:
+        for engine in (small, decode, prefill):
+            stop(engine)
+
+
+def test_aborts_bring_every_block_back(prefill, decode, store, hf):
+    _, client = store
+    prompt = hf.encode("The sun was hot. " + STORY)
+    for i in range(3):
+        _, _, last = generate(prefill, decode, f"mc-abort-{i}", prompt, 16, abort=True)
+        settled(decode, client)
+    _, tokens, _ = generate(prefill, decode, "mc-after-aborts", prompt, 16)
+    assert tokens == hf.greedy(prompt, 16)
+    settled(decode, client)
+
+
+class SlowTE:
+    """A Transfer Engine whose reads return ``delay_s`` late: the read has landed, but TE has
+    not reported it yet, which is when a real read may still be writing."""
+
+    def __init__(self, engine, delay_s: float) -> None:
+        self._engine, self.delay_s = engine, delay_s
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+    def batch_transfer_sync_read(self, *args):
+        status = self._engine.batch_transfer_sync_read(*args)
+        time.sleep(self.delay_s)
+        return status
+
+
+class SlowBackend(MooncakeTransferBackend):
+    delay_s = 0.5
+
+    def engine(self):
+        return SlowTE(super().engine(), self.delay_s)
+
+
+def _source(num_blocks: int = 6):
+    """A source cache of random blocks, and the MooncakeConnector offering them."""
+    cache = PagedKVCache(2, 16, 4, 2, 8, torch.float32, "cpu")
+    for layer in range(2):
+        cache.k[layer].normal_()
+        cache.v[layer].normal_()
+    connector = MooncakeConnector(MOONCAKE, lease_s=60)
+    connector.register_kv_caches(cache)
+    request = type("R", (), {"request_id": "r", "runs_alone": False,
+                             "request": PrefillRequest("r", (1,), SamplingParams(max_tokens=4))})
+    ids = random.Random(0).sample(range(16), num_blocks)
+    _, params = connector.request_finished(request, ids)
+    return cache, connector, ids, params["kv_region"]
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_region_lands_block_for_block_in_any_table(direct):
+    """Scattered source blocks, a destination table with runs and gaps: every block equals its
+    source block, through the registered cache and through host staging."""
+    cache, connector, ids, region = _source()
+    dst = PagedKVCache(2, 20, 4, 2, 8, torch.float32, "cpu")
+    table = [3, 4, 5, 11, 0, 19]
+    backend = MooncakeTransferBackend(MOONCAKE)
+    dest = CacheDest(lambda s, b: dst.write_blocks(table[s:s + len(b)], b), table,
+                     dst if direct else None, dst.block_shape, dst.dtype)
+    receiver = backend.create_receiver()
+    receiver.start(FetchRequest(region.session, (b"k",) * 5, "tail", 3, region=region), dest)
+    while not receiver.poll().done:
+        time.sleep(0.005)
+    assert receiver.result() == len(ids) * cache.block_nbytes
+    assert torch.equal(dst.read_blocks(table), cache.read_blocks(ids))
+    untouched = [b for b in range(20) if b not in table]
+    assert not dst.read_blocks(untouched).any()
+    with pytest.raises(BlockLayoutError):
+        backend.create_receiver().start(
+            FetchRequest(region.session, (b"k",) * 4, region=region), dest)
+
+
+@pytest.mark.parametrize("event", ["abort", "deadline"])
+def test_blocks_stay_quarantined_until_te_reports(event):
+    """An abort or a deadline while a read is in flight does not settle the fetch: it settles,
+    FAILED, only once TE returned, and KVFetch.abort says bytes may still land."""
+    cache, connector, ids, region = _source()
+    runner_cache = PagedKVCache(2, 20, 4, 2, 8, torch.float32, "cpu")
+    backend = SlowBackend(MOONCAKE.model_copy(update={"timeout_s": 0.2}))
+    fetch_connector = FetchConnector(MOONCAKE, backend=backend)
+    fetch_connector.register_kv_caches(runner_cache)
+    result = PrefillResult("r", 0, "127.0.0.1:1", (b"k",) * 5, "tail", 3, 0, "p", 0,
+                           kv_region=region)
+    fetch = KVFetch(fetch_connector, list(range(6)), result)
+    assert fetch.path == "mooncake"
+    time.sleep(0.3)  # the read is done, TE has not said so; the deadline has passed
+    if event == "abort":
+        assert fetch.abort() is False
+    assert fetch.poll() is TransferState.TRANSFERRING
+    deadline = time.monotonic() + 5
+    while not (state := fetch.receiver.poll()).done:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert state is TransferState.FAILED
+    fetch_connector.close()
+
+
+def test_region_allocator_against_an_occupancy_map():
+    """Random allocations and frees: no two live ranges overlap, each lies inside the buffer,
+    and an allocation fails only when no aligned free run of that size exists (checked against
+    a byte map kept independently)."""
+    rng = random.Random(1)
+    capacity = 64 * 100
+    allocator = RegionAllocator(capacity)
+    used = bytearray(capacity // 64)  # one entry per 64-byte unit
+    live: list[tuple[int, int]] = []
+    for _ in range(2000):
+        if live and rng.random() < 0.45:
+            offset, nbytes = live.pop(rng.randrange(len(live)))
+            allocator.free(offset, nbytes)
+            units = -(-nbytes // 64)
+            used[offset // 64:offset // 64 + units] = bytes(units)
+            continue
+        nbytes = rng.randint(1, 64 * 12)
+        units = -(-nbytes // 64)
+        offset = allocator.allocate(nbytes)
+        fits = any(not any(used[i:i + units]) for i in range(len(used) - units + 1))
+        assert (offset is not None) == fits
+        if offset is not None:
+            assert offset % 64 == 0 and offset + units * 64 <= capacity
+            assert not any(used[offset // 64:offset // 64 + units])
+            used[offset // 64:offset // 64 + units] = b"\1" * units
+            live.append((offset, nbytes))
+    assert allocator.free_bytes == used.count(0) * 64
+
+
+def test_kv_transfer_mooncake_flags():
+    from deploy.cli import _overrides, _parser
+    from deploy.config import load_config
+
+    args = _parser().parse_args(["serve", "--kv-transfer", "mooncake",
+                                 "--kv-transfer-buffer-bytes", "1048576"])
+    transfer = load_config(None, _overrides(args)).transfer
+    assert (transfer.backend, transfer.source_buffer_bytes) == ("mooncake", 1 << 20)
+    assert transfer.mooncake_protocol == "tcp"
+
+
+def test_concurrent_reads_share_one_engine(prefill, decode, store, hf):
+    _, client = store
+    prompts = [hf.encode(f"{name} had a red ball. " + STORY) for name in ("Tom", "Amy", "Max")]
+    outputs: dict[int, list[int]] = {}
+
+    def run(i: int) -> None:
+        outputs[i] = generate(prefill, decode, f"mc-c{i}", prompts[i], 10)[1]
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert all(outputs[i] == hf.greedy(prompts[i], 10) for i in range(3))
+    settled(decode, client)
