@@ -20,6 +20,10 @@ process into a preallocated buffer, request/response, one request at a time:
   client pulls. ``te`` is TE's best pattern, one contiguous read of ``size`` bytes; ``te-blocks``
   reads the same bytes as one batch of ``block``-sized reads from scattered source blocks
   into consecutive destination blocks, the pattern a paged cache gives a connector.
+  ``pdc-te`` is pdcluster's ``--kv-transfer mooncake`` path: a MooncakeConnector offered the
+  request's blocks of a paged cache (8 layers) in a layer-major region, and a
+  MooncakeTransferBackend receiver reads it into consecutive blocks of the client's registered
+  paged cache (one piece per layer and K|V) and writes the release word.
 
 GB/s = 1e9 bytes per second; each cell is the median of ``--rounds`` rounds that interleave the
 backends (the load of a shared machine swings), ``--min-time`` seconds per cell in all.
@@ -157,6 +161,57 @@ def _te_server(ready: mp.Queue, num_blocks: int, block_elems: int) -> None:
         raise RuntimeError("Mooncake register_memory failed")
     ready.put((f"127.0.0.1:{engine.get_rpc_port()}", blocks.data_ptr()))
     time.sleep(1e6)
+
+
+def _pdc_cache(num_blocks: int, block_nbytes: int):
+    """A float32 paged cache of 8 layers whose wire block is ``block_nbytes``."""
+    from engine.kv_cache import PagedKVCache
+
+    span = block_nbytes // 16  # one block of one (layer, K|V)
+    if span % (16 * 4 * 4):
+        raise ValueError("the block size must be a multiple of 4 KiB for pdc-te")
+    return PagedKVCache(8, num_blocks, 16, 4, span // (16 * 4 * 4), torch.float32, "cpu")
+
+
+def _pdc_te_server(ready: mp.Queue, sizes: list[int], block_nbytes: int) -> None:
+    from kvstore.connector.mooncake import MooncakeConnector
+    from engine.protocol import PrefillRequest, SamplingParams
+
+    num_blocks = max(sizes) // block_nbytes
+    cache = _pdc_cache(num_blocks, block_nbytes)
+    for tensors in (cache.k, cache.v):
+        for t in tensors:
+            t.normal_()
+    transfer = KVTransferConfig(backend="mooncake", source_buffer_bytes=sum(sizes) + (1 << 20))
+    connector = MooncakeConnector(transfer, lease_s=24 * 3600)
+    connector.register_kv_caches(cache)
+    request = type("R", (), {"request_id": "bench", "runs_alone": False,
+                             "request": PrefillRequest("bench", (1,), SamplingParams())})
+    order = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(1)).tolist()
+    regions = {size: connector.request_finished(request, order[:size // block_nbytes])[1]
+               ["kv_region"] for size in sizes}
+    ready.put(regions)
+    time.sleep(1e6)
+
+
+def _pdc_te_client(regions: dict, block_nbytes: int) -> Callable[[int], None]:
+    from kvstore.transfer.dest import CacheDest
+    from kvstore.transfer.mooncake import MooncakeTransferBackend
+
+    backend = MooncakeTransferBackend(KVTransferConfig(backend="mooncake", timeout_s=60.0))
+    cache = _pdc_cache(max(regions) // block_nbytes, block_nbytes)
+
+    def fetch(size: int) -> None:
+        region = regions[size]
+        table = list(range(region.num_blocks))
+        dest = CacheDest(lambda start, blocks: None, table, cache, cache.block_shape,
+                         cache.dtype)
+        receiver = backend.create_receiver()
+        receiver.start(FetchRequest(region.session, (b"k",) * region.num_blocks,
+                                    region=region), dest)
+        wait(receiver, interval_s=_POLL_S)
+        assert receiver.result() == size
+    return fetch
 
 
 def _spawn(target, *args):
@@ -339,6 +394,9 @@ def main(argv: list[str] | None = None) -> None:
         procs.append(te_proc)
         te_dest = torch.zeros(num_blocks, block_elems)  # its own buffer, registered with TE
         clients |= _te_clients(segment, remote_base, te_dest, block_nbytes)
+        pdc_proc, regions = _spawn(_pdc_te_server, sizes, block_nbytes)
+        procs.append(pdc_proc)
+        clients["pdc-te"] = _pdc_te_client(regions, block_nbytes)
 
     print(f"block {args.block_kib} KiB, chunk {args.chunk_kib} KiB, grpc streams "
           f"{args.streams} (min {args.min_stream_kib} KiB each), {os.cpu_count()} CPUs, "
@@ -346,8 +404,8 @@ def main(argv: list[str] | None = None) -> None:
     header = "| size | raw socket GB/s | grpc GB/s | grpc/raw |"
     header += "" if args.no_gloo else " gloo GB/s | gloo/raw |"
     header += " grpc floor GB/s | floor/raw |" if args.floor else ""
-    header += (" TE GB/s | TE/raw | TE blocks GB/s | TE blocks/raw |" if args.mooncake
-               else "")
+    header += (" TE GB/s | TE/raw | TE blocks GB/s | TE blocks/raw | pdc-te GB/s | "
+               "pdc-te/raw |" if args.mooncake else "")
     print(header)
     print("|" + "---|" * (header.count("|") - 1))
     try:
@@ -359,7 +417,7 @@ def main(argv: list[str] | None = None) -> None:
                 row += f" {gbps['gloo']:.2f} | {gbps['gloo'] / gbps['raw']:.2f} |"
             if "floor" in gbps:
                 row += f" {gbps['floor']:.2f} | {gbps['floor'] / gbps['raw']:.2f} |"
-            for name in ("te", "te-blocks"):
+            for name in ("te", "te-blocks", "pdc-te"):
                 if name in gbps:
                     row += f" {gbps[name]:.2f} | {gbps[name] / gbps['raw']:.2f} |"
             print(row, flush=True)

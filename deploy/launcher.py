@@ -28,6 +28,7 @@ from kvstore.layout import BlockLayout
 from prefill_worker.actor import PrefillWorker
 from router.admission import SLO
 from router.conductor import Conductor, Instance, InstanceRegistry, build_live_conductor
+from router.cost_model import load_cost_model
 from engine.logs import worker_env_vars
 from router.pipeline import ColocatedPipeline, Pipeline
 
@@ -128,7 +129,8 @@ class Cluster:
             self.registry.add(instance)
         self.conductor, self._stats_poller = build_live_conductor(
             self.registry, policy=cfg.policy, admission=cfg.admission,
-            slo=SLO(cfg.slo_ttft_s, cfg.slo_tbt_ms / 1000), cost_model=cfg.cost_model,
+            slo=SLO(cfg.slo_ttft_s, cfg.slo_tbt_ms / 1000),
+            cost_model=load_cost_model(cfg.cost_model).for_connector(cfg.transfer.backend),
             block_size=cfg.engine.block_size, model_name=cfg.model_name(),
             index_url=cfg.kvpool.index_url)
         self.pipeline.conductor = self.conductor

@@ -8,7 +8,11 @@ It builds one ModelRunner in this process (the engine a worker runs) and times, 
              (the prefill worker's path) → least squares on [1, new, new·(cached + new/2)]
     decode   one step of `batch` sequences of `ctx` tokens each → on [1, batch·ctx, batch]
     transfer reading n KV blocks out of the paged cache and writing them back (a tier load's
-             memory traffic) → on [1, bytes]
+             memory traffic) → on [1, bytes]: the model's own T_transfer, and path ``local``
+    connectors with `--kv-transfer NAME[,NAME...]`: moving n blocks from a source process on
+             this node into the paged cache over each connector (deploy.profile_transfer)
+             → on [1, bytes]: path ``pd:NAME``; grpc's is also path ``remote`` (a pull from
+             another node's store takes the same path; measured here over loopback)
 
 Coefficients are clamped at >= 0 (refitting without a term that came out negative), so a
 prediction never falls below what the terms that remain say. Capacities come from the config:
@@ -25,6 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
+from kvstore.errors import KVStoreError
 from router.cost_model import CostModel, save_cost_model
 
 
@@ -40,6 +45,9 @@ def add_profile_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--dram-cache-gb", type=float, default=0.25, help="G2 arena per node")
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--kv-transfer", default="",
+                   help="connectors to measure prefill -> decode: grpc,torch,mooncake "
+                        "(default: none)")
     p.add_argument("--name", help="cost model name (default: profiled-<model dir>)")
     p.add_argument("--output", default="cost_model.json")
 
@@ -115,23 +123,37 @@ def profile_engine(runner, repeats: int = 5) -> dict:
             "transfer_coef": fit_nonnegative(tf, np.array([r[1] for r in transfer_rows]))}
 
 
+def transfer_figures(rows: list[tuple[int, float]]) -> dict[str, float]:
+    """{"latency_s", "bytes_per_s"} fitted on [(bytes, seconds)] (at least two sizes)."""
+    features = np.array([[1.0, b] for b, _ in rows])
+    lat, per_byte = fit_nonnegative(features, np.array([s for _, s in rows]))
+    return {"latency_s": float(lat), "bytes_per_s": 1.0 / per_byte if per_byte > 0 else 1e15}
+
+
 def cost_model_from_profile(name: str, prof: dict, block_size: int, dram_cache_bytes: int,
                             num_kv_blocks: int) -> CostModel:
     a, b, c = (float(x) for x in prof["prefill_coef"])
     d, e, f = (float(x) for x in prof["decode_coef"])
     lat, per_byte = (float(x) for x in prof["transfer_coef"])
     kv_per_token = prof["block_bytes"] // block_size
+    paths = {"local": transfer_figures(prof["transfer"])}
+    for connector, rows in prof.get("connectors", {}).items():
+        paths[f"pd:{connector}"] = transfer_figures(rows)
+        if connector == "grpc":
+            paths["remote"] = paths["pd:grpc"]
     return CostModel(
         name=name, prefill_base_s=a, prefill_per_token_s=b, prefill_attention_s=c,
         step_base_s=d, step_per_context_token_s=e, step_per_sequence_s=f,
         kv_bytes_per_token=int(kv_per_token),
         transfer_bytes_per_s=1.0 / per_byte if per_byte > 0 else 1e15,
         transfer_latency_s=lat, dram_cache_tokens=int(dram_cache_bytes // kv_per_token),
-        decode_kv_tokens=num_kv_blocks * block_size, source="pdcluster profile")
+        decode_kv_tokens=num_kv_blocks * block_size, source="pdcluster profile",
+        transfer_paths=paths)
 
 
 def run_profile(args: argparse.Namespace) -> int:
     """Run `pdcluster profile`; returns the exit status."""
+    from deploy.profile_transfer import CONNECTORS, measure_connector
     from engine.config import EngineConfig
     from engine.runner import ModelRunner
 
@@ -143,15 +165,22 @@ def run_profile(args: argparse.Namespace) -> int:
         if args.model:
             fields["model"] = args.model
         engine = EngineConfig(**fields)
+        connectors = [c for c in args.kv_transfer.split(",") if c]
+        unknown = set(connectors) - set(CONNECTORS)
+        if unknown:
+            raise ValueError(f"--kv-transfer: unknown {sorted(unknown)}; one of "
+                             f"{', '.join(CONNECTORS)}")
         runner = ModelRunner(engine)
         prof = profile_engine(runner, args.repeats)
+        prof["connectors"] = {c: measure_connector(c, runner.kv_cache, args.repeats)
+                              for c in connectors}
         name = args.name or f"profiled-{Path(engine.model).name}"
         model = cost_model_from_profile(name, prof, engine.block_size,
                                         int(args.dram_cache_gb * (1 << 30)), engine.num_kv_blocks)
         save_cost_model(model, args.output, {
             "engine": engine.model_dump(),
-            "samples": {k: prof[k] for k in ("prefill", "decode", "transfer")}})
-    except (ValueError, OSError) as exc:
+            "samples": {k: prof[k] for k in ("prefill", "decode", "transfer", "connectors")}})
+    except (ValueError, OSError, KVStoreError) as exc:
         print(f"pdcluster profile: {exc}", file=sys.stderr)
         return 2
     print(f"cost model {model.name}: T_prefill = {model.prefill_base_s:.3g} + "
@@ -159,6 +188,9 @@ def run_profile(args: argparse.Namespace) -> int:
           f" + new/2); T_step = {model.step_base_s:.3g} + {model.step_per_context_token_s:.3g}"
           f"·ctx + {model.step_per_sequence_s:.3g}·batch; T_transfer = "
           f"{model.transfer_latency_s:.3g} + bytes / {model.transfer_bytes_per_s:.3g}")
+    for path, figures in model.transfer_paths.items():
+        print(f"  T_transfer[{path}] = {figures['latency_s']:.3g} + bytes / "
+              f"{figures['bytes_per_s']:.3g}")
     print(f"written: {args.output}", file=sys.stderr)
     return 0
 

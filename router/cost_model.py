@@ -10,6 +10,12 @@ Three functions (Mooncake FAST'25 §4, Algorithm 1's Estimate* calls):
     T_transfer(bytes)      = latency + bytes / bandwidth                  seconds
         moving KV blocks into an instance's device memory from another tier or node.
 
+T_transfer has one pair of figures per path where they were measured (`transfer_paths`,
+written by `pdcluster profile --kv-transfer`): ``local`` (a node's host/SSD tier into a worker's
+cache), ``remote`` (a pull from another node's store), ``pd`` (prefill → decode over the
+deployment's connector; ``pd:<connector>`` for each one measured). A path without figures uses
+the model's own `transfer_latency_s` and `transfer_bytes_per_s`.
+
 `BUILTIN_COST_MODELS["mooncake-70b"]` stands for LLaMA-70B on one 8×A800 node, from Mooncake's
 reported setup and rates. It was fixed before any policy was tuned; changing a constant needs a
 recorded reason (benchmarks/RESULTS.md). `pdcluster profile` fits the same form on the real
@@ -20,10 +26,12 @@ load (`load_cost_model`).
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 KIB = 1024
+#: T_transfer's paths (see the module docstring)
+PATH_LOCAL, PATH_REMOTE, PATH_PD = "local", "remote", "pd"
 
 
 @dataclass(frozen=True)
@@ -31,7 +39,8 @@ class CostModel:
     """Coefficients of the three cost functions plus the capacities they imply.
 
     Units: seconds, tokens, bytes. `dram_cache_tokens`: a node's host-DRAM KV cache (G2);
-    `decode_kv_tokens`: KV tokens a decode instance's device memory holds.
+    `decode_kv_tokens`: KV tokens a decode instance's device memory holds. `transfer_paths`:
+    path -> {"latency_s", "bytes_per_s"} where measured (module docstring).
     """
 
     name: str
@@ -47,6 +56,7 @@ class CostModel:
     dram_cache_tokens: int
     decode_kv_tokens: int
     source: str = ""
+    transfer_paths: dict[str, dict[str, float]] = field(default_factory=dict)
 
     def t_prefill(self, new: int, cached: int = 0) -> float:
         """Seconds to prefill `new` tokens on top of `cached` ones (0 when new <= 0)."""
@@ -62,14 +72,38 @@ class CostModel:
         return (self.step_base_s + self.step_per_context_token_s * context_tokens
                 + self.step_per_sequence_s * batch)
 
-    def t_transfer(self, num_bytes: float) -> float:
-        """Seconds to move `num_bytes` of KV (0 for nothing)."""
+    def t_transfer(self, num_bytes: float, path: str | None = None) -> float:
+        """Seconds to move `num_bytes` of KV over `path` (None or unmeasured: the model's own
+        figures; 0 for nothing)."""
         if num_bytes <= 0:
             return 0.0
-        return self.transfer_latency_s + num_bytes / self.transfer_bytes_per_s
+        figures = self.transfer_paths.get(path) if path else None
+        if figures is None:
+            return self.transfer_latency_s + num_bytes / self.transfer_bytes_per_s
+        return figures["latency_s"] + num_bytes / figures["bytes_per_s"]
 
-    def t_transfer_tokens(self, tokens: int) -> float:
-        return self.t_transfer(tokens * self.kv_bytes_per_token)
+    def t_transfer_tokens(self, tokens: int, path: str | None = None) -> float:
+        return self.t_transfer(tokens * self.kv_bytes_per_token, path)
+
+    def t_load_tokens(self, local_tokens: int, remote_tokens: int) -> float:
+        """Seconds to bring a prefix into a worker's cache: `local_tokens` from its node's
+        tiers, `remote_tokens` pulled from other nodes. Without measured local and remote
+        figures, one transfer of both at the model's own rate."""
+        if PATH_LOCAL not in self.transfer_paths and PATH_REMOTE not in self.transfer_paths:
+            return self.t_transfer_tokens(local_tokens + remote_tokens)
+        return (self.t_transfer_tokens(local_tokens, PATH_LOCAL)
+                + self.t_transfer_tokens(remote_tokens, PATH_REMOTE))
+
+    def for_connector(self, connector: str) -> CostModel:
+        """This model with path ``pd`` taken from ``pd:<connector>`` when that was measured."""
+        figures = self.transfer_paths.get(f"{PATH_PD}:{connector}")
+        if figures is None:
+            return self
+        return replace(self, transfer_paths={**self.transfer_paths, PATH_PD: figures})
+
+    def with_transfer_paths(self, paths: dict[str, dict[str, float]]) -> CostModel:
+        """This model with `paths`' measured figures in place of its own for those paths."""
+        return replace(self, transfer_paths={**self.transfer_paths, **paths})
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -79,10 +113,16 @@ class CostModel:
         """Raises ValueError on a missing or unknown field."""
         names = {f.name for f in fields(cls)}
         unknown = set(data) - names
-        missing = {f.name for f in fields(cls) if f.name != "source"} - set(data)
+        missing = {f.name for f in fields(cls)
+                   if f.name not in ("source", "transfer_paths")} - set(data)
         if unknown or missing:
             raise ValueError(f"cost model: unknown fields {sorted(unknown)}, "
                              f"missing {sorted(missing)}")
+        for path, figures in data.get("transfer_paths", {}).items():
+            if set(figures) != {"latency_s", "bytes_per_s"} or figures["bytes_per_s"] <= 0 \
+                    or figures["latency_s"] < 0:
+                raise ValueError(f"cost model: transfer path {path!r} needs latency_s >= 0 "
+                                 f"and bytes_per_s > 0, got {figures}")
         return cls(**data)
 
 

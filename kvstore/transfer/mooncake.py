@@ -44,6 +44,7 @@ messages (the RemoteRegion) travel on the Ray plane.
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
 import threading
@@ -64,6 +65,8 @@ from kvstore.transfer.te_bind import confine_listeners
 LEASE_MARGIN_S = 2.0
 #: TE's own floor for MC_TRANSFER_TIMEOUT (it ignores less).
 _TE_MIN_TIMEOUT_S = 5
+_MISSING = ("--kv-transfer mooncake needs Mooncake's Transfer Engine: pip install "
+            "'pdcluster[mooncake]' (or [mooncake-cuda]), and the OS package libibverbs1")
 
 
 @dataclass(frozen=True)
@@ -120,21 +123,31 @@ def new_transfer_engine(config: KVTransferConfig):
     try:
         from mooncake.engine import TransferEngine
     except ImportError as exc:  # the optional extra
-        raise KVTransferError("--kv-transfer mooncake needs Mooncake's Transfer Engine: "
-                              "pip install 'pdcluster[mooncake]' (or [mooncake-cuda])") from exc
+        raise KVTransferError(_MISSING) from exc
     confine_listeners(config.bind_host)
     # read by TransferEngine's constructor: its sync calls give up after this long
     os.environ["MC_TRANSFER_TIMEOUT"] = str(max(_TE_MIN_TIMEOUT_S, math.ceil(config.timeout_s)))
     engine = TransferEngine()
-    if engine.initialize(config.bind_host, "P2PHANDSHAKE", config.mooncake_protocol, "") != 0:
-        raise KVTransferError(f"Mooncake TransferEngine failed to initialize on "
-                              f"{config.bind_host} over {config.mooncake_protocol}")
+    host = advertised_host(config.bind_host)
+    if engine.initialize(host, "P2PHANDSHAKE", config.mooncake_protocol, "") != 0:
+        raise KVTransferError(f"Mooncake TransferEngine failed to initialize on {host} over "
+                              f"{config.mooncake_protocol}")
     return engine
 
 
-def session_of(engine, host: str) -> str:
+def advertised_host(bind_host: str) -> str:
+    """The address peers reach a TE bound to ``bind_host`` at: itself, or for a wildcard
+    (0.0.0.0, ::: every interface, as across nodes) this node's Ray IP, as a KV store does."""
+    if bind_host not in ("0.0.0.0", "::", ""):
+        return bind_host
+    import ray.util
+
+    return ray.util.get_node_ip_address()
+
+
+def session_of(engine, bind_host: str) -> str:
     """The TE session name peers use to reach ``engine``: ``host:rpc_port``."""
-    return f"{host}:{engine.get_rpc_port()}"
+    return f"{advertised_host(bind_host)}:{engine.get_rpc_port()}"
 
 
 def register(engine, tensors: Sequence[torch.Tensor]) -> None:
@@ -155,7 +168,11 @@ class MooncakeTransferBackend(KVTransferBackend):
     name = "mooncake"
 
     def __init__(self, config: KVTransferConfig, kv_config: KVStoreConfig | None = None):
+        """Raises KVTransferError when the ``mooncake`` package is missing (a worker then
+        fails at start, not at its first transfer)."""
         super().__init__(config, kv_config)
+        if importlib.util.find_spec("mooncake") is None:
+            raise KVTransferError(_MISSING)
         self._lock = threading.Lock()
         self._engine = None
         self._registered: dict[int, object] = {}  # id(cache) -> cache (kept alive)
@@ -260,6 +277,8 @@ class MooncakeKVReceiver(KVReceiver):
             self._fail(late)
         elif ok:
             self._succeed()
+        # after settling: the request need not wait for the source to hear it
+        self._guarded(self._backend.release, region)
 
     def _pull(self, region: RemoteRegion, dest: CallbackDest) -> None:
         if time.time() + self._remaining_s() > region.expires_at - LEASE_MARGIN_S:
@@ -268,13 +287,10 @@ class MooncakeKVReceiver(KVReceiver):
         backend = self._backend
         engine = backend.engine()
         cache = backend.direct_cache(dest)
-        try:
-            if cache is not None:
-                self._read(engine, region, *_cache_pieces(region, cache, dest.block_ids))
-            else:
-                self._read_staged(engine, region, dest)
-        finally:
-            backend.release(region)
+        if cache is not None:
+            self._read(engine, region, *_cache_pieces(region, cache, dest.block_ids))
+        else:
+            self._read_staged(engine, region, dest)
         self._add_bytes(region.nbytes)
 
     def _read(self, engine, region: RemoteRegion, dst: list[int], src: list[int],

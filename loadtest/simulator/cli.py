@@ -7,6 +7,11 @@
 {"policies": {name: {"mean_ttft_ms", "p99_ttft_ms", "slo_attainment", "goodput",
 "hit_ratio", ...}}, "runs": {name: full summary}}; `--admission all` does the same over
 admission modes under "admissions". One run writes its full summary (results.summarize).
+
+`--measured-transfer FILE` (a `pdcluster profile --kv-transfer` file) runs the same again
+with the cost model's transfer figures replaced by the file's measured ones per path (the
+``pd`` path: `--kv-transfer`'s connector), and writes both under "assumed" and "measured",
+with each one's ranking (best SLO attainment first, then lowest mean TTFT).
 Plots go next to --output unless --no-plots. The same command also runs as
 `python -m loadtest.simulator.cli ...`.
 """
@@ -23,7 +28,7 @@ from loadtest.simulator.engine import SimConfig, Simulation
 from loadtest.simulator.results import POLICY_KEYS, policy_row, summarize
 from loadtest.simulator.workload import load_requests
 from router.admission import ADMISSIONS, SLO
-from router.cost_model import DEFAULT_COST_MODEL, load_cost_model
+from router.cost_model import DEFAULT_COST_MODEL, CostModel, load_cost_model
 from router.policies import DEFAULT_POLICY, POLICIES
 
 _TABLE_KEYS = (*POLICY_KEYS, "mean_tbt_ms", "rejected", "wasted_prefill_s")
@@ -58,12 +63,19 @@ def add_simulate_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="simulated seconds between load samples")
     p.add_argument("--output", default="simulation.json", help="result JSON path")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    p.add_argument("--measured-transfer",
+                   help="a `pdcluster profile --kv-transfer` file: also run with its measured "
+                        "transfer figures and compare the rankings")
+    p.add_argument("--kv-transfer", default="grpc",
+                   help="the connector whose measured prefill -> decode figures apply "
+                        "(default grpc)")
 
 
-def _config(args: argparse.Namespace, policy: str, admission: str) -> SimConfig:
+def _config(args: argparse.Namespace, policy: str, admission: str,
+            cost: CostModel | None = None) -> SimConfig:
     if args.prefill_instances < 1 or args.decode_instances < 1:
         raise ValueError("--prefill-instances and --decode-instances must be >= 1")
-    return SimConfig(cost=load_cost_model(args.cost_model),
+    return SimConfig(cost=cost or load_cost_model(args.cost_model),
                      prefill_instances=args.prefill_instances,
                      decode_instances=args.decode_instances, policy=policy,
                      admission=admission, slo=SLO(args.slo_ttft_s, args.slo_tbt_ms / 1000),
@@ -100,6 +112,36 @@ def format_table(rows: dict[str, dict], axis: str) -> str:
     return "\n".join(lines)
 
 
+def ranking(rows: dict[str, dict]) -> list[str]:
+    """Run names, best first: highest SLO attainment, then lowest mean TTFT."""
+    return sorted(rows, key=lambda n: (-rows[n]["slo_attainment"], rows[n]["mean_ttft_ms"]))
+
+
+def _compare_measured(args: argparse.Namespace, policies: list[str], admissions: list[str],
+                      requests, assumed: dict[str, dict], axis: str) -> dict:
+    """The runs again under the measured transfer figures; {"assumed": ..., "measured": ...}
+    with each one's rows and ranking."""
+    measured_paths = load_cost_model(args.measured_transfer).transfer_paths
+    if not measured_paths:
+        raise ValueError(f"{args.measured_transfer} has no measured transfer paths: write it "
+                         f"with `pdcluster profile --kv-transfer ...`")
+    cost = load_cost_model(args.cost_model).with_transfer_paths(measured_paths) \
+        .for_connector(args.kv_transfer)
+    measured = {}
+    for config in (_config(args, p, a, cost) for p in policies for a in admissions):
+        name = config.policy if len(policies) > 1 else config.admission
+        measured[name] = policy_row(_one(config, requests)[0])
+    out = {"paths": cost.transfer_paths,
+           "assumed": {axis: assumed, "ranking": ranking(assumed)},
+           "measured": {axis: measured, "ranking": ranking(measured)}}
+    print(f"\nwith the measured transfer figures ({args.measured_transfer}, "
+          f"pd = {args.kv_transfer}):")
+    print(format_table(measured, "policy" if axis == "policies" else "admission"))
+    print(f"ranking, assumed:  {' > '.join(out['assumed']['ranking'])}")
+    print(f"ranking, measured: {' > '.join(out['measured']['ranking'])}")
+    return out
+
+
 def run_simulate(args: argparse.Namespace) -> int:
     """Run the `simulate` subcommand in `args`; returns the exit status."""
     try:
@@ -108,6 +150,9 @@ def run_simulate(args: argparse.Namespace) -> int:
         if len(policies) > 1 and len(admissions) > 1:
             raise ValueError("--policy all and --admission all cannot be combined")
         configs = [_config(args, p, a) for p in policies for a in admissions]
+        if args.measured_transfer and len(configs) == 1:
+            raise ValueError("--measured-transfer compares rankings: give --policy all or "
+                             "--admission all")
         requests = load_requests(args.trace, args.time_scale, args.start, args.num_requests)
         if not requests:
             raise ValueError("the trace selection holds no request")
@@ -126,6 +171,9 @@ def run_simulate(args: argparse.Namespace) -> int:
                       "runs": {n: {k: v for k, v in s.items() if k != "samples"}
                                for n, s in runs.items()}}
             print(format_table(result[axis], "policy" if axis == "policies" else "admission"))
+            if args.measured_transfer:
+                result["transfer_comparison"] = _compare_measured(
+                    args, policies, admissions, requests, result[axis], axis)
         result["args"] = {k: v for k, v in vars(args).items()
                           if isinstance(v, (str, int, float, bool, type(None)))}
         result["trace"] = {"path": str(args.trace), "start": args.start,

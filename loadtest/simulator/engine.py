@@ -27,7 +27,7 @@ from loadtest.simulator.workload import SimRequest
 from loadtest.trace import TRACE_BLOCK_SIZE
 from router.admission import SLO, decode_rejection
 from router.conductor import Conductor, InstanceRegistry, PrefixKeyer, RequestRejected, RouteRequest
-from router.cost_model import CostModel
+from router.cost_model import PATH_PD, CostModel
 from router.load_source import LoadSource
 from router.policies import PrefillPlan
 from router.policies.base import DecodeLoad
@@ -178,8 +178,7 @@ class Simulation:
             by_tier["remote"] += cached - local
         self.reuse.update(req.keys[:cached])
         res.hit_blocks = by_tier
-        moved = (cached - device_run) * bs
-        res.prefill_s = cost.t_transfer_tokens(moved) + \
+        res.prefill_s = cost.t_load_tokens((local - device_run) * bs, (cached - local) * bs) + \
             cost.t_prefill(req.input_tokens - cached * bs, cached * bs)
         res.started_s = self.now
         p.running, p.busy_until = res, self.now + res.prefill_s
@@ -197,7 +196,8 @@ class Simulation:
             res.status, res.end_s = "ok", self.now
             self.forecast.discard(req.request_id)
             return
-        streamed = res.started_s + self.config.cost.t_transfer_tokens(req.input_tokens)
+        streamed = res.started_s + self.config.cost.t_transfer_tokens(req.input_tokens,
+                                                                      PATH_PD)
         self._push(max(self.now, streamed), "decode_ready", res)
 
     def _decode_ready(self, res: RequestResult) -> None:

@@ -10,8 +10,9 @@ Prefix accounting (block granularity, `block_size` tokens per block): for prefil
 node n, `device_blocks` = leading blocks in p's own device cache (G1), `local_blocks` = leading
 blocks in p's G1 or in node n's host/SSD tiers (>= device_blocks), and the context's
 `global_blocks` = leading blocks held anywhere alive. Blocks not in p's own G1 are moved into it
-at `CostModel.t_transfer` (a local tier load or a pull from another node); at least one prompt
-token is always computed (`max_hit_blocks`).
+at `CostModel.t_load_tokens` (its node's tiers at the ``local`` path's rate, the rest pulled
+from other nodes at the ``remote`` path's); at least one prompt token is always computed
+(`max_hit_blocks`).
 """
 
 from __future__ import annotations
@@ -92,9 +93,11 @@ def estimate(ctx: RouteContext, cand: PrefillCandidate, cached_blocks: int,
     cached_blocks = min(cached_blocks, ctx.max_hit_blocks)
     pulled_blocks = min(pulled_blocks, max(0, cached_blocks - cand.local_blocks))
     cached = cached_blocks * ctx.block_size
-    moved = max(0, cached_blocks - cand.device_blocks) * ctx.block_size
-    exec_s = cand.exec_scale * (ctx.cost.t_transfer_tokens(moved)
-                                + ctx.cost.t_prefill(ctx.num_tokens - cached, cached))
+    local = max(0, min(cached_blocks, cand.local_blocks) - cand.device_blocks)
+    remote = max(0, cached_blocks - max(cand.local_blocks, cand.device_blocks))
+    exec_s = cand.exec_scale * (
+        ctx.cost.t_load_tokens(local * ctx.block_size, remote * ctx.block_size)
+        + ctx.cost.t_prefill(ctx.num_tokens - cached, cached))
     return PrefillPlan(cand.instance_id, cached_blocks, pulled_blocks, exec_s,
                        cand.queue_s + exec_s)
 

@@ -145,3 +145,35 @@ def test_cli_policy_all_writes_every_policy_and_plots(tmp_path):
         assert (tmp_path / f"one_{suffix}.png").is_file()
     assert simulate_main(["--trace", str(TRACE), "--policy", "all", "--admission", "all",
                           "--output", str(single)]) == 2
+
+
+@needs_trace
+def test_measured_transfer_reranks_against_the_assumed_figures(tmp_path):
+    """`--measured-transfer`: the same runs under a profile file's transfer figures; a slower
+    measured tier and remote path make cache reuse dearer, so the prefill times grow, and both
+    rankings are written."""
+    from dataclasses import replace
+
+    from router.cost_model import save_cost_model
+
+    slow = {"local": {"latency_s": 0.01, "bytes_per_s": 5e8},
+            "remote": {"latency_s": 0.02, "bytes_per_s": 2e8},
+            "pd:grpc": {"latency_s": 0.02, "bytes_per_s": 2e8}}
+    measured = tmp_path / "measured.json"
+    save_cost_model(replace(MOONCAKE_70B, name="measured", transfer_paths=slow), measured)
+    out = tmp_path / "sim.json"
+    assert simulate_main(["--trace", str(TRACE), "--num-requests", "150", "--policy", "all",
+                          "--time-scale", "0.6", "--no-plots", "--measured-transfer",
+                          str(measured), "--output", str(out)]) == 0
+    comparison = json.loads(out.read_text())["transfer_comparison"]
+    assert comparison["paths"]["pd"] == slow["pd:grpc"]
+    for side in ("assumed", "measured"):
+        assert sorted(comparison[side]["ranking"]) == sorted(comparison[side]["policies"])
+    assumed, slower = (comparison[s]["policies"]["kvcache_centric"]["mean_ttft_ms"]
+                       for s in ("assumed", "measured"))
+    assert slower > assumed
+    empty = tmp_path / "empty.json"
+    save_cost_model(MOONCAKE_70B, empty)
+    assert simulate_main(["--trace", str(TRACE), "--num-requests", "20", "--policy", "all",
+                          "--no-plots", "--measured-transfer", str(empty), "--output",
+                          str(out)]) == 2

@@ -65,3 +65,57 @@ def test_profile_fits_the_bundled_model(tmp_path):
     # the fit predicts its own samples to within a factor of 2 on the median
     ratios = [model.t_prefill(n, c) / s for n, c, s in data["samples"]["prefill"] if s > 0]
     assert 0.5 < float(np.median(ratios)) < 2.0
+
+
+def test_transfer_paths_replace_the_model_figures_only_where_measured(tmp_path):
+    paths = {"local": {"latency_s": 0.0, "bytes_per_s": 1e10},
+             "remote": {"latency_s": 0.002, "bytes_per_s": 1e9},
+             "pd:mooncake": {"latency_s": 0.001, "bytes_per_s": 2e9}}
+    m = MOONCAKE_70B.with_transfer_paths(paths)
+    n = 10 * MOONCAKE_70B.kv_bytes_per_token
+    assert m.t_transfer(n, "remote") == pytest.approx(0.002 + n / 1e9)
+    assert m.t_transfer(n) == MOONCAKE_70B.t_transfer(n)  # the model's own: 87 GB/s + 5 ms
+    assert m.t_transfer(n, "pd") == MOONCAKE_70B.t_transfer(n)  # not measured
+    assert m.for_connector("mooncake").t_transfer(n, "pd") == pytest.approx(0.001 + n / 2e9)
+    assert m.for_connector("torch") is m
+    assert m.t_load_tokens(10, 20) == pytest.approx(
+        10 * m.kv_bytes_per_token / 1e10 + 0.002 + 20 * m.kv_bytes_per_token / 1e9)
+    # nothing measured: one transfer of both, as before per-path figures existed
+    assert MOONCAKE_70B.t_load_tokens(10, 20) == MOONCAKE_70B.t_transfer_tokens(30)
+    path = tmp_path / "m.json"
+    save_cost_model(m, path)
+    assert load_cost_model(str(path)) == m
+    bad = {**m.to_json(), "transfer_paths": {"remote": {"latency_s": 0.0, "bytes_per_s": 0}}}
+    with pytest.raises(ValueError, match="bytes_per_s > 0"):
+        CostModel.from_json(bad)
+
+
+@pytest.mark.slow
+def test_profile_measures_each_connector_between_two_processes(tmp_path):
+    """`pdcluster profile --kv-transfer grpc,torch,mooncake`: each connector moves blocks of
+    the bundled model's layout from a source process into the paged cache; the file gets
+    per-path figures whose fit predicts the samples, and bigger transfers take longer."""
+    import argparse
+    import importlib.util
+
+    connectors = ["grpc", "torch"] + (["mooncake"] if importlib.util.find_spec("mooncake")
+                                       else [])
+    parser = argparse.ArgumentParser()
+    add_profile_parser(parser.add_subparsers(dest="command"))
+    out = tmp_path / "cost.json"
+    args = parser.parse_args(["profile", "--repeats", "3", "--num-kv-blocks", "128",
+                              "--kv-transfer", ",".join(connectors), "--output", str(out)])
+    assert run_profile(args) == 0
+    model = load_cost_model(str(out))
+    samples = json.loads(out.read_text())["samples"]["connectors"]
+    assert set(samples) == set(connectors)
+    assert set(model.transfer_paths) == {"local", "remote", *(f"pd:{c}" for c in connectors)}
+    assert model.transfer_paths["remote"] == model.transfer_paths["pd:grpc"]
+    for connector, rows in samples.items():
+        assert [b for b, _ in rows] == [n * rows[0][0] for n in (1, 4, 16, 64)]
+        assert rows[-1][1] > rows[0][1], (connector, rows)
+        predicted = model.for_connector(connector).t_transfer(rows[-1][0], "pd")
+        assert 0.5 < predicted / rows[-1][1] < 2.0, (connector, rows)
+    assert parser.parse_args(["profile", "--kv-transfer", "nccl"]) and \
+        run_profile(parser.parse_args(["profile", "--kv-transfer", "nccl",
+                                       "--output", str(out)])) == 2

@@ -1,0 +1,205 @@
+"""A KV connector's transfer cost, measured for `pdcluster profile --kv-transfer NAME`.
+
+A source process on this node holds a request's blocks the way a prefill worker does for that
+connector, and this process receives them the way a decode worker does, into a paged cache of
+the profiled model's layout, through the connector's own transfer backend:
+
+    grpc      a node's KV store (TieredNodeStore: the shared-memory arena) behind its gRPC
+              server; a GrpcTransferBackend receiver pulls the blocks by key
+    torch     a TorchPairChannel (gloo): a TorchKVSender pushes, a TorchTransferBackend
+              receiver receives
+    mooncake  a MooncakeConnector's registered region; a MooncakeTransferBackend receiver reads
+              it into the registered cache with one TE batch
+
+Each sample is the median time of moving n blocks (n in BLOCK_COUNTS), start to SUCCESS. Two
+processes on one node: across nodes the same code measures a real network only when run on a
+cluster (not done here).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import secrets
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from engine.kv_cache import PagedKVCache
+from kvstore.config import KVStoreConfig, KVTransferConfig
+from kvstore.hashing import block_keys, make_namespace
+from kvstore.transfer.base import FetchRequest, KVReceiver
+from kvstore.transfer.dest import WIRE_DTYPES, CacheDest
+
+#: Blocks per sampled transfer
+BLOCK_COUNTS = (1, 4, 16, 64)
+CONNECTORS = ("grpc", "torch", "mooncake")
+_POLL_S = 1e-4
+_SOURCE_TIMEOUT_S = 120.0
+
+
+def _keys(n: int) -> list[bytes]:
+    return block_keys(list(range(n)), 1, make_namespace("pdcluster-profile"))
+
+
+def _blocks(n: int, block_shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    return torch.randn(n, *block_shape, generator=torch.Generator().manual_seed(0)).to(dtype)
+
+
+def _source_cache(block_shape: tuple[int, ...], dtype: torch.dtype, n: int) -> PagedKVCache:
+    layers, _, block_size, heads, head_dim = block_shape
+    cache = PagedKVCache(layers, n, block_size, heads, head_dim, dtype, "cpu")
+    cache.write_blocks(list(range(n)), _blocks(n, block_shape, dtype))
+    return cache
+
+
+# ---- source processes (spawned) -----------------------------------------------------------
+
+def _grpc_source(ready: mp.Queue, stop, block_shape, dtype, n: int, token: str) -> None:
+    from kvstore.client import KVStoreClient
+    from kvstore.layout import BlockLayout
+    from kvstore.node_store import TieredNodeStore
+    from kvstore.server import KVStoreServer
+
+    layout = BlockLayout(WIRE_DTYPES[dtype], tuple(block_shape))
+    store = TieredNodeStore("profile", layout, 2 * n * layout.nbytes + (1 << 20), None, 0,
+                            None, 1 << 20, 3600.0)
+    config = KVStoreConfig(token=token)
+    server = KVStoreServer(config, store=store)
+    server.start()
+    try:
+        with KVStoreClient(server.address, token=token) as client:
+            client.put_blocks(_keys(n), _blocks(n, block_shape, dtype))
+        ready.put(server.address)
+        stop.wait()
+    finally:
+        server.stop()
+        store.close()  # its shared-memory arena goes with it
+
+
+def _torch_source(ready: mp.Queue, stop, block_shape, dtype, n: int, token: str) -> None:
+    from kvstore.transfer.torch_dist import TorchKVSender
+    from kvstore.transfer.torch_pair import TorchPairChannel
+
+    blocks = _blocks(n, block_shape, dtype)
+    channel = TorchPairChannel(0, "127.0.0.1", 0, timeout_s=60.0, token=token)
+    ready.put(channel.address)
+    channel.connect()
+    request = torch.empty(2, dtype=torch.int64)
+    while True:  # a request [n, tag]; n = 0: done
+        channel.wait(channel.recv(request, 1), 3600.0)
+        if int(request[0]) == 0:
+            channel.close()
+            return
+        sender = TorchKVSender(channel)
+        sender.start(blocks[:int(request[0])], int(request[1]), 60.0)
+        while not sender.poll().done:
+            time.sleep(_POLL_S)
+
+
+def _mooncake_source(ready: mp.Queue, stop, block_shape, dtype, n: int, token: str) -> None:
+    from engine.protocol import PrefillRequest, SamplingParams
+    from kvstore.connector.mooncake import MooncakeConnector
+
+    cache = _source_cache(tuple(block_shape), dtype, n)
+    nbytes = sum(BLOCK_COUNTS) * cache.block_nbytes + (1 << 20)
+    connector = MooncakeConnector(KVTransferConfig(backend="mooncake",
+                                                   source_buffer_bytes=nbytes), 24 * 3600.0)
+    connector.register_kv_caches(cache)
+    request = type("Profiled", (), {"request_id": "profile", "runs_alone": False,
+                                    "request": PrefillRequest("profile", (1,),
+                                                              SamplingParams())})
+    ready.put({count: connector.request_finished(request, list(range(count)))[1]["kv_region"]
+               for count in BLOCK_COUNTS if count <= n})
+    stop.wait()
+
+
+_SOURCES = {"grpc": _grpc_source, "torch": _torch_source, "mooncake": _mooncake_source}
+
+
+# ---- the receiving side --------------------------------------------------------------------
+
+def _receive(receiver: KVReceiver, request: FetchRequest, dest: CacheDest) -> None:
+    receiver.start(request, dest)
+    while not receiver.poll().done:
+        time.sleep(_POLL_S)
+    receiver.result()  # raises the transfer's error
+
+
+def _fetcher(name: str, source, cache: PagedKVCache, token: str
+             ) -> tuple[Callable[[int], None], Callable[[], None]]:
+    """(fetch n blocks into the cache, close)."""
+    from kvstore.transfer.registry import create_backend
+
+    transfer = KVTransferConfig(backend=name, timeout_s=60.0)
+    backend = create_backend(transfer, KVStoreConfig(token=token))
+    keys, tags = _keys(max(BLOCK_COUNTS)), iter(range(2, 2**31))
+
+    def dest(n: int) -> CacheDest:
+        table = list(range(n))
+        return CacheDest(lambda start, blocks: cache.write_blocks(
+            table[start:start + len(blocks)], blocks), table, cache, cache.block_shape,
+            cache.dtype)
+
+    def fetch(n: int) -> None:
+        if name == "mooncake":
+            region = source[n]
+            request = FetchRequest(region.session, tuple(keys[:n]), region=region)
+        elif name == "torch":
+            tag = next(tags)
+            channel = backend.channel(source, 60.0)
+            channel.wait(channel.send(torch.tensor([n, tag], dtype=torch.int64), 1), 60.0)
+            request = FetchRequest(source, tuple(keys[:n]), tag=tag)
+        else:
+            request = FetchRequest(source, tuple(keys[:n]))
+        _receive(backend.create_receiver(), request, dest(n))
+
+    def close() -> None:
+        if name == "torch":
+            channel = backend.channel(source, 60.0)
+            channel.wait(channel.send(torch.zeros(2, dtype=torch.int64), 1), 60.0)
+        backend.close()
+    return fetch, close
+
+
+def measure_connector(name: str, cache: PagedKVCache, repeats: int = 5
+                      ) -> list[tuple[int, float]]:
+    """[(bytes, seconds)]: the median time to move n blocks of ``cache``'s layout over the
+    connector ``name`` from a source process into ``cache`` (blocks 0..n-1), for each n in
+    BLOCK_COUNTS that the cache holds.
+
+    Raises:
+        ValueError: an unknown connector name.
+        KVStoreError: a transfer failed (e.g. ``mooncake`` without its extra).
+    """
+    if name not in _SOURCES:
+        raise ValueError(f"--kv-transfer {name!r}: one of {', '.join(CONNECTORS)}")
+    counts = [n for n in BLOCK_COUNTS if n <= cache.num_blocks]
+    token = secrets.token_hex(16)
+    ctx = mp.get_context("spawn")
+    ready, stop = ctx.Queue(), ctx.Event()
+    proc = ctx.Process(target=_SOURCES[name], args=(ready, stop, cache.block_shape,
+                                                     cache.dtype, max(counts), token),
+                       daemon=True)
+    proc.start()
+    try:
+        fetch, close = _fetcher(name, ready.get(timeout=_SOURCE_TIMEOUT_S), cache, token)
+        try:
+            rows = []
+            for n in counts:
+                fetch(n)  # warm-up: channels, registrations
+                samples = []
+                for _ in range(repeats):
+                    began = time.perf_counter()
+                    fetch(n)
+                    samples.append(time.perf_counter() - began)
+                rows.append((n * cache.block_nbytes, statistics.median(samples)))
+            return rows
+        finally:
+            close()
+    finally:
+        stop.set()
+        proc.join(30)
+        if proc.is_alive():
+            proc.kill()
