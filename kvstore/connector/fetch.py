@@ -28,9 +28,9 @@ The path a request's blocks take (KVFetch):
 
 Faults: every attempt has a deadline (KVTransferConfig.timeout_s; a layer stream's
 bounds the silence between pieces). A failed or timed-out attempt is retried once from
-another holder: after a pair, a Mooncake read or a layer stream, the prefill node's store (keyed blocks + tail);
-after the store itself, the store again over gRPC (the one other path to the only node known
-to hold the tail). If the retry fails too, the fetch FAILS and the engine recomputes the
+another holder: after a pair, a Mooncake read or a layer stream, the prefill node's store
+(keyed blocks + tail); after the store itself, the store again over gRPC (the one other path
+to the only node known to hold the tail). If the retry fails too, the fetch FAILS and the engine recomputes the
 prompt locally (the decode engine), so a transfer fault costs time, not the request.
 
 Blocks land straight in the reserved cache blocks, written from the backends' threads (a

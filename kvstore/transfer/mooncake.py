@@ -38,8 +38,9 @@ once and the fetch takes the store path.
 Security: TE's data plane has no authentication: any peer that reaches its ports can read and
 write every registered region. Its listeners (handshake and TCP transport) bind ``bind_host``
 only, though TE itself binds every interface (kvstore.transfer.te_bind). Run it on a trusted
-network; the Kubernetes NetworkPolicy limits its ports to the cluster's pods. What crosses it is raw KV bytes, never pickles; the control
-messages (the RemoteRegion) travel on the Ray plane.
+network; the Kubernetes NetworkPolicy limits its ports to the cluster's pods. What crosses it
+is raw KV bytes, never pickles; the control messages (the RemoteRegion) travel on the Ray
+plane.
 """
 
 from __future__ import annotations
