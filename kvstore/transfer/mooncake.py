@@ -119,8 +119,8 @@ def new_transfer_engine(config: KVTransferConfig):
         KVTransferError: the ``mooncake`` package is missing (``pdcluster[mooncake]``), the
             listeners cannot be confined, or TE failed to initialize.
     """
-    # TE logs through glog, every transfer at INFO; read when its library loads
-    os.environ.setdefault("GLOG_minloglevel", "1")
+    # TE logs through glog at MC_LOG_LEVEL (INFO by default: a line per segment it opens)
+    os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
     try:
         from mooncake.engine import TransferEngine
     except ImportError as exc:  # the optional extra
