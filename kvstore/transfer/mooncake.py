@@ -57,8 +57,9 @@ import torch
 
 from kvstore.config import KVStoreConfig, KVTransferConfig
 from kvstore.errors import BlockLayoutError, KVTransferError, KVTransferTimeout
+from kvstore.layout import DTYPE_ITEMSIZE
 from kvstore.transfer.base import FetchRequest, KVReceiver, KVTransferBackend, TransferState
-from kvstore.transfer.dest import WIRE_DTYPES, CacheDest, CallbackDest
+from kvstore.transfer.dest import CacheDest, CallbackDest
 from kvstore.transfer.te_bind import confine_listeners
 
 #: Seconds a region's lease must outlast a receiver's deadline: the two ends read different
@@ -98,16 +99,11 @@ class RemoteRegion:
     @property
     def span_nbytes(self) -> int:
         """Bytes of one block of one (layer, K|V): block_size * kv_heads * head_dim * itemsize."""
-        itemsize = _itemsize(self.dtype)
-        return math.prod(self.block_shape[2:]) * itemsize
+        return math.prod(self.block_shape[2:]) * DTYPE_ITEMSIZE[self.dtype]
 
     @property
     def nbytes(self) -> int:
-        return self.num_blocks * math.prod(self.block_shape) * _itemsize(self.dtype)
-
-
-def _itemsize(wire_dtype: str) -> int:
-    return next(d.itemsize for d, name in WIRE_DTYPES.items() if name == wire_dtype)
+        return self.num_blocks * math.prod(self.block_shape) * DTYPE_ITEMSIZE[self.dtype]
 
 
 def new_transfer_engine(config: KVTransferConfig):

@@ -9,16 +9,14 @@ tests/multinode/test_kv_transfer_torch.py for why).
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
-import ray
 
 from deploy.config import ServeConfig
 from engine.config import EngineConfig
-from engine.protocol import SamplingParams
 from kvstore.config import KVTransferConfig
-from tests.multinode.test_kv_transfer_torch import STORY, run, settled_decode, stats, tokens_of
+from tests.multinode.test_kv_transfer_torch import (STORY, check_output_depends_on_received_kv,
+                                                    run, run_concurrently, settled_decode,
+                                                    stats, tokens_of)
 
 pytest.importorskip("mooncake.engine", reason="needs pdcluster[mooncake] and libibverbs1")
 
@@ -46,33 +44,14 @@ def test_kv_comes_over_te_and_output_matches_hf(cluster, hf):
 
 
 def test_decode_output_depends_on_kv_read_over_te(cluster, hf):
-    prompt = hf.encode("Lily and Ben went to the park. " + STORY)
-    expected = hf.greedy(prompt, 24)
-    decode = cluster.decode[0].handle
-    try:
-        ray.get(decode.inject_fault.remote("perturb_v", 3.0))
-        perturbed = tokens_of(run(cluster, "mc-perturbed", prompt, 24, ignore_eos=True))
-    finally:
-        ray.get(decode.inject_fault.remote("perturb_v", 0.0))
-    assert perturbed[0] == expected[0] and perturbed[1:] != expected[1:]
-    assert tokens_of(run(cluster, "mc-clean", prompt, 24)) == expected
-    assert set(settled_decode(cluster)["kv_bytes_fetched_by_backend"]) == {"mooncake"}
+    check_output_depends_on_received_kv(cluster, hf, "mooncake")
 
 
 def test_concurrent_requests_and_regions_come_back(cluster, hf):
     prompts = [hf.encode(t) for t in ("Once upon a time", "The cat", STORY, "One day, a dog")]
     lengths = [40, 8, 24, 16]
     expected = [hf.greedy(p, n) for p, n in zip(prompts, lengths)]
-
-    async def all_requests():
-        async def one(i):
-            params = SamplingParams(max_tokens=lengths[i], temperature=0.0)
-            return [d async for d in cluster.pipeline.generate(f"mc-batch-{i}", prompts[i],
-                                                                params)]
-        return await asyncio.gather(*(one(i) for i in range(len(prompts))))
-
-    outputs = asyncio.run(all_requests())
-    assert [tokens_of(d) for d in outputs] == expected
+    assert run_concurrently(cluster, "mc-batch", prompts, lengths) == expected
     settled_decode(cluster)
     prefill = stats(cluster.prefill[0])
     assert prefill["kv_mooncake_regions_leased"] == 0

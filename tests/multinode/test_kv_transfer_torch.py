@@ -80,18 +80,38 @@ def test_kv_comes_over_the_pair_and_output_matches_hf(cluster, hf):
     assert prefill["kv_pairs_opened_total"] == 1 and prefill["kv_pushes_total"] == 1
 
 
-def test_decode_output_depends_on_kv_received_over_the_pair(cluster, hf):
+def check_output_depends_on_received_kv(cluster: Cluster, hf, backend: str) -> None:
+    """With V perturbed as it arrives, the decode's tokens after the first change; without,
+    they match HF; every byte came over ``backend``."""
     prompt = hf.encode("Lily and Ben went to the park. " + STORY)
     expected = hf.greedy(prompt, 24)
     decode = cluster.decode[0].handle
     try:
         ray.get(decode.inject_fault.remote("perturb_v", 3.0))
-        perturbed = tokens_of(run(cluster, "torch-perturbed", prompt, 24, ignore_eos=True))
+        perturbed = tokens_of(run(cluster, f"{backend}-perturbed", prompt, 24,
+                                  ignore_eos=True))
     finally:
         ray.get(decode.inject_fault.remote("perturb_v", 0.0))
     assert perturbed[0] == expected[0] and perturbed[1:] != expected[1:]
-    assert tokens_of(run(cluster, "torch-clean", prompt, 24)) == expected
-    assert set(settled_decode(cluster)["kv_bytes_fetched_by_backend"]) == {"torch"}
+    assert tokens_of(run(cluster, f"{backend}-clean", prompt, 24)) == expected
+    assert set(settled_decode(cluster)["kv_bytes_fetched_by_backend"]) == {backend}
+
+
+def run_concurrently(cluster: Cluster, prefix: str, prompts: list[list[int]],
+                     lengths: list[int]) -> list[list[int]]:
+    """The greedy outputs of all prompts, generated at once."""
+    async def all_requests():
+        async def one(i):
+            params = SamplingParams(max_tokens=lengths[i], temperature=0.0)
+            return [d async for d in cluster.pipeline.generate(f"{prefix}-{i}", prompts[i],
+                                                                params)]
+        return await asyncio.gather(*(one(i) for i in range(len(prompts))))
+
+    return [tokens_of(deltas) for deltas in asyncio.run(all_requests())]
+
+
+def test_decode_output_depends_on_kv_received_over_the_pair(cluster, hf):
+    check_output_depends_on_received_kv(cluster, hf, "torch")
 
 
 def test_concurrent_requests_share_one_pair(cluster, hf):
@@ -101,15 +121,9 @@ def test_concurrent_requests_share_one_pair(cluster, hf):
     expected = [hf.greedy(p, n) for p, n in zip(prompts, lengths)]
     pushes = stats(cluster.prefill[0])["kv_pushes_total"]
 
-    async def all_requests():
-        async def one(i):
-            params = SamplingParams(max_tokens=lengths[i], temperature=0.0)
-            return [d async for d in cluster.pipeline.generate(f"torch-batch-{i}", prompts[i],
-                                                                params)]
-        return await asyncio.gather(*(one(i) for i in range(len(prompts))))
-
-    for deltas, want in zip(asyncio.run(all_requests()), expected):
-        assert tokens_of(deltas) == want
+    for tokens, want in zip(run_concurrently(cluster, "torch-batch", prompts, lengths),
+                            expected):
+        assert tokens == want
     prefill = stats(cluster.prefill[0])
     assert prefill["kv_pushes_total"] - pushes == len(prompts)
     assert prefill["kv_pairs_opened_total"] == 1  # no failure tore the pair down
