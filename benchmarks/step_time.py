@@ -114,11 +114,12 @@ def drop_skinny_weights(model: torch.nn.Module) -> None:
 
 def measure(threads: int, batches: list[int], repeats: int,
             modes: tuple[str, ...] = ("eager",), device: str = "cpu", shape: str = "100m",
-            dtype: str = "float32") -> dict:
+            dtype: str = "float32", profile_batch: int = 0) -> dict:
     """Read bandwidth (bytes/s), weight bytes, the weight-read bound (ms), and per forward
-    mode ("compiled" | "eager" | "eager-onednn": eager without the skinny GEMM) the median execute time (ms) of each decode batch and of a
-    512-token prefill, at `threads`, of the `shape` model on `device` in `dtype`. Raises
-    RuntimeError if a compiled runner fell back to eager."""
+    mode ("compiled" | "eager" | "eager-onednn": eager without the skinny GEMM) the median
+    execute time (ms) of each decode batch and of a 512-token prefill, at `threads`, of the
+    `shape` model on `device` in `dtype`; with `profile_batch`, each mode's profiler table of
+    decode steps at that batch. Raises RuntimeError if a compiled runner fell back to eager."""
     torch.set_num_threads(threads)
     dev = torch.device(device)
     bandwidth = read_bandwidth(dev)
@@ -135,23 +136,49 @@ def measure(threads: int, batches: list[int], repeats: int,
                 drop_skinny_weights(runners[mode].model)
             elif runners[mode].forward_mode != mode:
                 raise RuntimeError(f"asked for a {mode} forward, got {runners[mode].forward_mode}")
-            print(f"{mode} runner ready in {time.perf_counter() - started:.1f} s")
+            graphs = runners[mode].decode_graphs
+            print(f"{mode} runner ready in {time.perf_counter() - started:.1f} s"
+                  + (f" (CUDA graphs of decode batches up to {graphs.sizes[-1]})" if graphs else ""))
     first = runners[modes[0]]
     # packed CPU weights are opaque: count the bytes of their shape
     weight_bytes = sum(p.numel() * p.element_size() for p in first.model.parameters())
     decode: dict[str, dict[int, float]] = {mode: {} for mode in modes}
     for batch in batches:
-        chunks = [SequenceChunk([5], CONTEXT, list(range(i * BLOCKS_PER_SEQ,
-                                                          (i + 1) * BLOCKS_PER_SEQ)))
-                  for i in range(batch)]
+        chunks = decode_chunks(batch)
         for mode, runner in runners.items():
             decode[mode][batch] = median_ms(lambda: runner.execute(chunks), repeats, dev)
     prompt = [SequenceChunk(list(range(3, 515)), 0, list(range(2000, 2032)))]
     prefill = {mode: median_ms(lambda: runner.execute(prompt), 5, dev)
                for mode, runner in runners.items()}
+    profiles = {}
+    if profile_batch:
+        chunks = decode_chunks(profile_batch)
+        profiles = {mode: profile_steps(lambda: runner.execute(chunks), dev)
+                    for mode, runner in runners.items()}
     return {"bandwidth": bandwidth, "weight_bytes": weight_bytes,
             "bound_ms": weight_bytes / bandwidth * 1000, "decode_ms": decode,
-            "prefill_ms": prefill}
+            "prefill_ms": prefill, "profiles": profiles}
+
+
+def decode_chunks(batch: int) -> list[SequenceChunk]:
+    """`batch` decode rows, one new token each after CONTEXT cached tokens."""
+    return [SequenceChunk([5], CONTEXT, list(range(i * BLOCKS_PER_SEQ, (i + 1) * BLOCKS_PER_SEQ)))
+            for i in range(batch)]
+
+
+def profile_steps(fn, device: torch.device, steps: int = 5) -> str:
+    """torch.profiler's table of `steps` calls of fn (after one warm-up), top 25 operators by
+    self CPU time: where a step's host time goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    fn()
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
 
 
 def main() -> None:
@@ -165,10 +192,14 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--shape", default="100m", choices=sorted(SHAPES))
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    parser.add_argument("--profile-batch", type=int, default=0,
+                        help="also print torch.profiler's table of decode steps at this batch")
     args = parser.parse_args()
     modes = tuple(args.modes.split(","))
     result = measure(args.threads, [int(b) for b in args.batches.split(",")], args.repeats,
-                     modes, args.device, args.shape, args.dtype)
+                     modes, args.device, args.shape, args.dtype, args.profile_batch)
+    for mode, table in result["profiles"].items():
+        print(f"== {mode}: decode batch {args.profile_batch}, 5 steps\n{table}")
     bound = result["bound_ms"]
     print(f"{args.shape} model, {args.dtype}, on {args.device}")
     print(f"read bandwidth {result['bandwidth'] / 1e9:.1f} GB/s ({args.threads} threads); "

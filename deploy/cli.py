@@ -51,6 +51,9 @@ _SERVE_FLAGS = [
      "auto (Triton on CUDA, torch elsewhere) | triton (interpreted on CPU) | torch"),
     ("--preemption-mode", "engine.preemption_mode", str,
      "recompute | swap: how a full decode cache makes room (default recompute)"),
+    ("--max-cudagraph-capture-size", "engine.max_cudagraph_capture_size", int,
+     "on CUDA, capture decode batches up to this many sequences as CUDA graphs "
+     "(default 256; 0: none; --enforce-eager: none)"),
     ("--max-num-batched-tokens", "engine.max_num_batched_tokens", int,
      "token budget of one forward step; longer prompts prefill in chunks (default 512)"),
     ("--ray-num-cpus", "ray_num_cpus", int, "logical CPUs of the local Ray "

@@ -215,6 +215,10 @@ class EngineConfig(pydantic.BaseModel):
     (engine.compilation; vLLM's `--enforce-eager`); None (the default) compiles on CUDA and
     runs eager on CPU, where the C++ kernels already run each layer's ops and the compiled
     forward measured no faster (benchmarks/RESULTS.md, "The compiled forward").
+    `max_cudagraph_capture_size`: on CUDA, a runner that is not eager at TP=1 captures its
+    decode forward as CUDA graphs for batches of 1, 2, 4, then every 8 sequences up to this
+    (engine.cuda_graphs; vLLM's option of this name); larger decode batches and steps with a
+    prefill chunk run the forward. 0 captures none.
     `fault_injection`: lets the worker actors' `inject_fault` act, for fault tests of a running
     cluster; off (the default) it raises. No CLI flag sets it.
     """
@@ -235,6 +239,7 @@ class EngineConfig(pydantic.BaseModel):
     tensor_parallel_size: int = pydantic.Field(1, gt=0)
     cpu_bind: str = "none"
     enforce_eager: bool | None = None
+    max_cudagraph_capture_size: int = pydantic.Field(256, ge=0)
     fault_injection: bool = False
 
     @pydantic.field_validator("cpu_bind")

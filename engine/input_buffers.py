@@ -64,32 +64,47 @@ class InputBuffers:
         self.device = device
         self.max_blocks = num_blocks_for(max_model_len, block_size)
         self._arange = np.arange(max_model_len, dtype=np.int64)
+        #: counts the (re)allocations: views taken before a change point at dropped buffers
+        self.generation = 0
         self._allocate_tokens(max_tokens)
         self._allocate_seqs(max_seqs)
 
     def _allocate_tokens(self, n: int) -> None:
+        self.generation += 1
         self.max_tokens = n
         self._input_ids = _Buffer((n,), torch.int64, self.device)
         self._positions = _Buffer((n,), torch.int64, self.device)
         self._slot_mapping = _Buffer((n,), torch.int64, self.device)
 
     def _allocate_seqs(self, n: int) -> None:
+        self.generation += 1
         self.max_seqs = n
         self._block_tables = _Buffer((n, self.max_blocks), torch.int32, self.device)
         self._seq_lens = _Buffer((n,), torch.int32, self.device)
         self._query_start_loc = _Buffer((n + 1,), torch.int32, self.device)
 
-    def prepare(self, chunks: Sequence[SequenceChunk]
+    def prepare(self, chunks: Sequence[SequenceChunk], pad_to: int | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """(input_ids int64 [T], positions int64 [T], the batch's AttentionMetadata) for
         validated chunks (block tables long enough, sequences within max_model_len), as views
         of the buffers valid until the next `prepare`. block_tables is [S, max_blocks]; a
-        row's entries past its sequence's blocks are stale and never read."""
+        row's entries past its sequence's blocks are stale and never read.
+
+        `pad_to`: a batch of decode chunks (one token each) is padded with padding sequences
+        up to `pad_to` sequences (and tokens): token 0 at position 0, slot -1 (its K/V is not
+        stored), seq_len 1, block table row [0, ...] (it reads block 0; its output is
+        meaningless). Raises ValueError if a chunk has more than one token or pad_to is below
+        the batch."""
         num_tokens = sum(len(chunk.token_ids) for chunk in chunks)
+        if pad_to is not None:
+            if num_tokens != len(chunks) or pad_to < len(chunks):
+                raise ValueError(f"padding to {pad_to} needs at most {pad_to} one-token chunks")
+            num_tokens = pad_to
+        num_seqs = len(chunks) if pad_to is None else pad_to
         if num_tokens > self.max_tokens:
             self._allocate_tokens(max(num_tokens, 2 * self.max_tokens))
-        if len(chunks) > self.max_seqs:
-            self._allocate_seqs(max(len(chunks), 2 * self.max_seqs))
+        if num_seqs > self.max_seqs:
+            self._allocate_seqs(max(num_seqs, 2 * self.max_seqs))
         ids, positions = self._input_ids.host, self._positions.host
         slots, tables = self._slot_mapping.host, self._block_tables.host
         seq_lens, starts = self._seq_lens.host, self._query_start_loc.host
@@ -111,7 +126,14 @@ class InputBuffers:
             seq_lens[row] = seq_len
             starts[row + 1] = end
             t, max_seq_len = end, max(max_seq_len, seq_len)
-        num_seqs = len(chunks)
+        if num_seqs > t:  # padding sequences, one token each
+            ids[t:num_seqs] = 0
+            positions[t:num_seqs] = 0
+            slots[t:num_seqs] = -1
+            tables[t:num_seqs, 0] = 0
+            seq_lens[t:num_seqs] = 1
+            starts[t + 1:num_seqs + 1] = np.arange(t + 1, num_seqs + 1)
+            t, max_seq_len = num_seqs, max(max_seq_len, 1)
         attn = AttentionMetadata(
             slot_mapping=self._slot_mapping.view(slice(0, t)),
             block_tables=self._block_tables.view(slice(0, num_seqs)),

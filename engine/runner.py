@@ -23,7 +23,8 @@ never `broadcast_object_list` (it pickles):
 Each step's inputs are written into persistent buffers (engine.input_buffers) and the forward
 runs inside a forward context (engine.forward_context) that carries the attention metadata, the
 cache and the KV connector's layer hooks; the forward is compiled (engine.compilation) unless
-the config runs it eager.
+the config runs it eager. On CUDA, a compiled runner at TP=1 replays decode steps from CUDA
+graphs (engine.cuda_graphs).
 
 Rank 0 serializes commands with a lock, so the engine loop's steps and a KV fetch's writes
 (from transfer threads) may call it concurrently. At TP=1 there is no command, no lock and no
@@ -45,6 +46,7 @@ import kernels
 from engine import compilation, cpu_binding
 from engine.attention import AttentionMetadata
 from engine.config import EngineConfig, ModelConfig
+from engine.cuda_graphs import DecodeGraphs
 from engine.forward_context import ForwardContext, LayerHooks, set_forward_context
 from engine.input_buffers import InputBuffers, SequenceChunk
 from engine.kv_cache import PagedKVCache
@@ -127,7 +129,9 @@ class ModelRunner:
         #: the KV connector's per-layer hooks, run around each layer's attention (a worker
         #: engine sets its connector here); None: none
         self.layer_hooks: LayerHooks | None = None
-        self._inputs = InputBuffers(engine_config.max_num_batched_tokens, _INITIAL_MAX_SEQS,
+        graph_max = engine_config.max_cudagraph_capture_size
+        self._inputs = InputBuffers(max(engine_config.max_num_batched_tokens, graph_max),
+                                    max(_INITIAL_MAX_SEQS, graph_max),
                                     self.max_model_len, engine_config.block_size, self.device)
         self._step_lock = threading.Lock()  # one step's views of the input buffers at a time
         started = time.perf_counter()
@@ -137,6 +141,18 @@ class ModelRunner:
             self._warm_up)
         if self.forward_mode == "compiled":
             log.info("model compiled and warmed up in %.1f s", time.perf_counter() - started)
+        #: decode steps replayed from CUDA graphs (engine.cuda_graphs); None: every step runs
+        #: the forward
+        self.decode_graphs: DecodeGraphs | None = None
+        if (self.device.type == "cuda" and self.tp.world_size == 1 and not engine_config.eager()
+                and graph_max > 0):
+            graphs = DecodeGraphs(self.forward, self._inputs, self.kv_cache, graph_max)
+            try:
+                graphs.capture()
+                self.decode_graphs = graphs
+            except Exception as exc:  # noqa: BLE001 - the forward still runs without graphs
+                log.warning("capturing CUDA graphs failed, decode steps run the forward: %s: %s",
+                            type(exc).__name__, exc)
 
     @torch.inference_mode()
     def execute(self, chunks: list[SequenceChunk], *, all_logits: bool = False) -> torch.Tensor:
@@ -154,6 +170,13 @@ class ModelRunner:
         for index, chunk in enumerate(chunks):
             self._validate(index, chunk)
         with self._step_lock:
+            graph_size = self._graph_size(chunks)
+            if graph_size is not None:
+                if self.decode_graphs.stale:
+                    self.decode_graphs.capture()
+                self._inputs.prepare(chunks, pad_to=graph_size)
+                hidden = self.decode_graphs.replay(graph_size)[:len(chunks)]
+                return self.model.compute_logits(hidden)  # one token per sequence
             input_ids, positions, attn = self._inputs.prepare(chunks)
             with self._command():
                 if self.tp.world_size > 1:
@@ -162,6 +185,15 @@ class ModelRunner:
             if not all_logits:
                 hidden = hidden[attn.query_start_loc[1:].to(torch.int64) - 1]
             return self.model.compute_logits(hidden)
+
+    def _graph_size(self, chunks: list[SequenceChunk]) -> int | None:
+        """The captured batch size this step replays at, or None to run the forward: only
+        all-decode steps without layer hooks, up to the largest captured size."""
+        if self.decode_graphs is None or self.layer_hooks is not None:
+            return None
+        if any(len(chunk.token_ids) != 1 for chunk in chunks):
+            return None
+        return self.decode_graphs.size_for(len(chunks))
 
     def _run_forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                      attn: AttentionMetadata, hooks: LayerHooks | None) -> torch.Tensor:

@@ -146,3 +146,47 @@ def test_input_buffers_are_written_in_place_with_the_slot_mapping_of_the_block_t
         attn.slot_mapping.data_ptr()
     assert again[2].slot_mapping.tolist() == [2 * 4 + 1]
     assert first[0].data_ptr() != ids.data_ptr()  # the first buffers were outgrown
+
+
+def test_padded_decode_batch_gives_the_real_rows_logits_and_stores_only_their_kv(eager):
+    """The CUDA graphs' padding (engine.cuda_graphs), checked on CPU: a decode batch padded to
+    more sequences yields the same hidden states for its real rows as unpadded, and the
+    padding rows write nothing into the cache."""
+    from engine.cuda_graphs import capture_sizes
+    from engine.forward_context import ForwardContext, set_forward_context
+
+    assert capture_sizes(0) == () and capture_sizes(3) == (1, 2, 3)
+    assert capture_sizes(20) == (1, 2, 4, 8, 16, 20)
+    prompts = [list(range(5, 40)), list(range(50, 67))]
+    tables = [[0, 1, 2], [9, 10]]
+    for prompt, table in zip(prompts, tables):
+        eager.execute([SequenceChunk(prompt, 0, table)])
+    decode = [SequenceChunk([7], 35, tables[0]), SequenceChunk([8], 17, tables[1])]
+    buffers = InputBuffers(max_tokens=8, max_seqs=8, max_model_len=256, block_size=16,
+                           device=torch.device("cpu"))
+
+    def hidden(pad_to):
+        ids, positions, attn = buffers.prepare(decode, pad_to=pad_to)
+        with set_forward_context(ForwardContext(attn, eager.kv_cache)):
+            return ids, attn, eager.forward(ids, positions).clone()
+
+    def slots() -> torch.Tensor:  # [2 * layers, slots, heads * head_dim]
+        return torch.stack([x.reshape(-1, x.shape[2] * x.shape[3])
+                            for x in eager.kv_cache.k + eager.kv_cache.v])
+
+    before = slots().clone()
+    ids, attn, padded = hidden(5)
+    assert ids.tolist() == [7, 8, 0, 0, 0] and attn.slot_mapping.tolist()[2:] == [-1] * 3
+    assert attn.seq_lens.tolist() == [36, 18, 1, 1, 1]
+    assert attn.query_start_loc.tolist() == [0, 1, 2, 3, 4, 5]
+    assert attn.block_tables[2:, 0].tolist() == [0, 0, 0]
+    after_padded = slots().clone()
+    _, _, unpadded = hidden(None)
+    torch.testing.assert_close(padded[:2], unpadded, rtol=0, atol=1e-5)
+    # the padded run wrote the real rows' slots only, what the unpadded run writes there
+    # (up to the GEMM's rounding at another row count)
+    torch.testing.assert_close(after_padded, slots(), rtol=0, atol=1e-5)
+    changed = (after_padded != before).any(-1).any(0).nonzero().flatten().tolist()
+    assert changed == [tables[0][35 // 16] * 16 + 35 % 16, tables[1][17 // 16] * 16 + 17 % 16]
+    with pytest.raises(ValueError, match="one-token chunks"):
+        buffers.prepare(decode, pad_to=1)

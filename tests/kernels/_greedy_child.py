@@ -23,8 +23,12 @@ from engine.config import EngineConfig
 from engine.runner import ModelRunner, SequenceChunk
 
 
-def greedy(prompts: list[list[int]], num_tokens: int) -> tuple[list[list[int]], list[torch.Tensor]]:
-    runner = ModelRunner(EngineConfig(num_kv_blocks=16, block_size=16))
+def greedy(prompts: list[list[int]], num_tokens: int, runner: ModelRunner | None = None,
+           **config: object) -> tuple[list[list[int]], list[torch.Tensor]]:
+    """Greedy tokens per prompt and each step's logits, on `runner` or a new one with
+    EngineConfig(**config) (the bundled model, 16 blocks of 16 tokens unless overridden);
+    prompt i's table is blocks 8i..8i+7."""
+    runner = runner or ModelRunner(EngineConfig(**{"num_kv_blocks": 16, "block_size": 16, **config}))
     tables = [list(range(8 * i, 8 * i + 8)) for i in range(len(prompts))]
     seqs = [list(p) for p in prompts]
     split = len(prompts[0]) // 2

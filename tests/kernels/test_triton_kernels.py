@@ -117,7 +117,8 @@ def _heads(group: int) -> tuple[int, int]:
 def test_paged_decode_attention(group, head_dim, block_size, dtype):
     gen = _gen("decode", group, head_dim, block_size, dtype)
     num_heads, num_kv_heads = _heads(group)
-    seq_lens = [1, block_size, block_size + 1, 2 * block_size, 3 * block_size - 5]
+    # the longest context spans 9 blocks, past 3 tiles of every tile config, so 3 splits stay 3
+    seq_lens = [1, block_size, block_size + 1, 2 * block_size, 3 * block_size - 5, 8 * block_size + 3]
     k_cache, v_cache, block_tables = _paged_cache(gen, seq_lens, block_size, num_kv_heads, head_dim, dtype)
     q = _randn(gen, len(seq_lens), num_heads, head_dim, dtype=dtype)
     lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
