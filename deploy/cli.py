@@ -104,6 +104,10 @@ _SERVE_FLAGS = [
     ("--index-url", "kvpool.index_url", str, "global KV index: ray://NAME (default, embedded) "
                                              "or redis://host:port/db"),
     ("--node-lease-s", "kvpool.node_lease_s", float, "node liveness lease in the index (<= 10)"),
+    ("--kv-pool", "kvpool.backend", str, "prefix cache and index: pdcluster (default: node "
+                                         "stores, --index-url) | mooncake-store"),
+    ("--mooncake-master", "kvpool.mooncake_master", str,
+     "--kv-pool mooncake-store: the mooncake_master's RPC address, HOST:PORT"),
     ("--policy", "policy", str, "Conductor policy: kvcache_centric (default) | cache_aware | "
                                 "least_loaded | round_robin | random"),
     ("--admission", "admission", str, "SLO admission: none (default) | arrival | prediction"),

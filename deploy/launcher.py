@@ -130,7 +130,8 @@ class Cluster:
         self.conductor, self._stats_poller = build_live_conductor(
             self.registry, policy=cfg.policy, admission=cfg.admission,
             slo=SLO(cfg.slo_ttft_s, cfg.slo_tbt_ms / 1000),
-            cost_model=load_cost_model(cfg.cost_model).for_connector(cfg.transfer.backend),
+            cost_model=load_cost_model(cfg.cost_model).for_connector(cfg.transfer.backend)
+            .for_pool(cfg.kvpool.backend),
             block_size=cfg.engine.block_size, model_name=cfg.model_name(),
             index_url=cfg.kvpool.index_url)
         self.pipeline.conductor = self.conductor

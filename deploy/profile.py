@@ -48,6 +48,10 @@ def add_profile_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--kv-transfer", default="",
                    help="connectors to measure prefill -> decode: grpc,torch,mooncake "
                         "(default: none)")
+    p.add_argument("--kv-pool", default="",
+                   help="also measure loading a prefix from this pool backend: mooncake-store "
+                        "(needs --mooncake-master)")
+    p.add_argument("--mooncake-master", help="the mooncake_master's RPC address, HOST:PORT")
     p.add_argument("--name", help="cost model name (default: profiled-<model dir>)")
     p.add_argument("--output", default="cost_model.json")
 
@@ -141,6 +145,8 @@ def cost_model_from_profile(name: str, prof: dict, block_size: int, dram_cache_b
         paths[f"pd:{connector}"] = transfer_figures(rows)
         if connector == "grpc":
             paths["remote"] = paths["pd:grpc"]
+    for backend, rows in prof.get("pools", {}).items():
+        paths[f"pool:{backend}"] = transfer_figures(rows)
     return CostModel(
         name=name, prefill_base_s=a, prefill_per_token_s=b, prefill_attention_s=c,
         step_base_s=d, step_per_context_token_s=e, step_per_sequence_s=f,
@@ -153,7 +159,7 @@ def cost_model_from_profile(name: str, prof: dict, block_size: int, dram_cache_b
 
 def run_profile(args: argparse.Namespace) -> int:
     """Run `pdcluster profile`; returns the exit status."""
-    from deploy.profile_transfer import CONNECTORS, measure_connector
+    from deploy.profile_transfer import CONNECTORS, POOLS, measure_connector, measure_pool
     from engine.config import EngineConfig
     from engine.runner import ModelRunner
 
@@ -170,16 +176,24 @@ def run_profile(args: argparse.Namespace) -> int:
         if unknown:
             raise ValueError(f"--kv-transfer: unknown {sorted(unknown)}; one of "
                              f"{', '.join(CONNECTORS)}")
+        if args.kv_pool and args.kv_pool not in POOLS:
+            raise ValueError(f"--kv-pool: one of {', '.join(POOLS)}")
+        if args.kv_pool and not args.mooncake_master:
+            raise ValueError("--kv-pool mooncake-store needs --mooncake-master HOST:PORT")
         runner = ModelRunner(engine)
         prof = profile_engine(runner, args.repeats)
         prof["connectors"] = {c: measure_connector(c, runner.kv_cache, args.repeats)
                               for c in connectors}
+        prof["pools"] = ({args.kv_pool: measure_pool(args.kv_pool, runner.kv_cache,
+                                                     args.mooncake_master, args.repeats)}
+                         if args.kv_pool else {})
         name = args.name or f"profiled-{Path(engine.model).name}"
         model = cost_model_from_profile(name, prof, engine.block_size,
                                         int(args.dram_cache_gb * (1 << 30)), engine.num_kv_blocks)
         save_cost_model(model, args.output, {
             "engine": engine.model_dump(),
-            "samples": {k: prof[k] for k in ("prefill", "decode", "transfer", "connectors")}})
+            "samples": {k: prof[k] for k in ("prefill", "decode", "transfer", "connectors",
+                                             "pools")}})
     except (ValueError, OSError, KVStoreError) as exc:
         print(f"pdcluster profile: {exc}", file=sys.stderr)
         return 2

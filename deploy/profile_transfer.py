@@ -11,6 +11,11 @@ the profiled model's layout, through the connector's own transfer backend:
     mooncake  a MooncakeConnector's registered region; a MooncakeTransferBackend receiver reads
               it into the registered cache with one TE batch
 
+`pdcluster profile --kv-pool mooncake-store` measures the pool the same way (`measure_pool`):
+a source process mounts a segment into the Mooncake Store at `--mooncake-master` and puts the
+blocks; this process gets them through its own store client into the cache, as a prefill's
+pool connector loads a prefix.
+
 Each sample is the median time of moving n blocks (n in BLOCK_COUNTS), start to SUCCESS. Two
 processes on one node: across nodes the same code measures a real network only when run on a
 cluster (not done here).
@@ -115,7 +120,23 @@ def _mooncake_source(ready: mp.Queue, stop, block_shape, dtype, n: int, token: s
     stop.wait()
 
 
+def _mooncake_store_source(ready: mp.Queue, stop, block_shape, dtype, n: int,
+                           master: str) -> None:
+    from kvstore.mooncake_store import MooncakeStoreClient
+
+    blocks = _blocks(n, block_shape, dtype)
+    nbytes = blocks.numel() * blocks.element_size()
+    client = MooncakeStoreClient(master, segment_bytes=2 * nbytes + (16 << 20),
+                                 buffer_bytes=nbytes + (1 << 20))
+    try:
+        ready.put(client.put(_keys(n), blocks))
+        stop.wait()
+    finally:
+        client.close()
+
+
 _SOURCES = {"grpc": _grpc_source, "torch": _torch_source, "mooncake": _mooncake_source}
+POOLS = ("mooncake-store",)
 
 
 # ---- the receiving side --------------------------------------------------------------------
@@ -163,6 +184,26 @@ def _fetcher(name: str, source, cache: PagedKVCache, token: str
     return fetch, close
 
 
+def _pool_fetcher(master: str, stored: int, cache: PagedKVCache
+                  ) -> tuple[Callable[[int], None], Callable[[], None]]:
+    """(get n blocks from the Mooncake Store into the cache, close)."""
+    from kvstore.errors import KVStoreError
+    from kvstore.mooncake_store import MooncakeStoreClient
+
+    n_max = max(BLOCK_COUNTS)
+    if stored < min(n_max, cache.num_blocks):
+        raise KVStoreError(f"the Mooncake Store took {stored} of the profiled blocks")
+    client = MooncakeStoreClient(master, buffer_bytes=n_max * cache.block_nbytes + (1 << 20))
+    keys = _keys(n_max)
+
+    def fetch(n: int) -> None:
+        data = torch.empty((n, *cache.block_shape), dtype=cache.dtype)
+        if client.get(keys[:n], data) < n:
+            raise KVStoreError("the Mooncake Store lost profiled blocks")
+        cache.write_blocks(list(range(n)), data)
+    return fetch, client.close
+
+
 def measure_connector(name: str, cache: PagedKVCache, repeats: int = 5
                       ) -> list[tuple[int, float]]:
     """[(bytes, seconds)]: the median time to move n blocks of ``cache``'s layout over the
@@ -175,16 +216,38 @@ def measure_connector(name: str, cache: PagedKVCache, repeats: int = 5
     """
     if name not in _SOURCES:
         raise ValueError(f"--kv-transfer {name!r}: one of {', '.join(CONNECTORS)}")
-    counts = [n for n in BLOCK_COUNTS if n <= cache.num_blocks]
     token = secrets.token_hex(16)
+    return _measure(_SOURCES[name], token,
+                    lambda source: _fetcher(name, source, cache, token), cache, repeats)
+
+
+def measure_pool(backend: str, cache: PagedKVCache, master: str, repeats: int = 5
+                 ) -> list[tuple[int, float]]:
+    """[(bytes, seconds)] as measure_connector, for loading a prefix from the pool backend
+    ``backend`` (a Mooncake Store at ``master``, "host:port").
+
+    Raises:
+        ValueError: an unknown backend.
+        KVStoreError: the store could not be reached or lost the blocks.
+    """
+    if backend not in POOLS:
+        raise ValueError(f"--kv-pool {backend!r}: one of {', '.join(POOLS)}")
+    return _measure(_mooncake_store_source, master,
+                    lambda stored: _pool_fetcher(master, stored, cache), cache, repeats)
+
+
+def _measure(source, source_arg, fetcher, cache: PagedKVCache, repeats: int
+             ) -> list[tuple[int, float]]:
+    """Run ``source(ready, stop, block_shape, dtype, n, source_arg)`` in a spawned process,
+    build ``fetch, close = fetcher(what it put on ready)`` here, and time fetch(n)."""
+    counts = [n for n in BLOCK_COUNTS if n <= cache.num_blocks]
     ctx = mp.get_context("spawn")
     ready, stop = ctx.Queue(), ctx.Event()
-    proc = ctx.Process(target=_SOURCES[name], args=(ready, stop, cache.block_shape,
-                                                     cache.dtype, max(counts), token),
-                       daemon=True)
+    proc = ctx.Process(target=source, args=(ready, stop, cache.block_shape, cache.dtype,
+                                            max(counts), source_arg), daemon=True)
     proc.start()
     try:
-        fetch, close = _fetcher(name, ready.get(timeout=_SOURCE_TIMEOUT_S), cache, token)
+        fetch, close = fetcher(ready.get(timeout=_SOURCE_TIMEOUT_S))
         try:
             rows = []
             for n in counts:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from kvstore.index import DEFAULT_INDEX_URL
 
@@ -14,6 +16,11 @@ class KVPoolConfig(BaseModel):
     index_url: `ray://<actor name>` (embedded default: one named in-memory index actor),
         `memory://` (process-local, single-process tests only) or `redis://host:port/db`.
     node_lease_s: a node whose store stops heartbeating drops out of lookups after this long.
+    backend: "pdcluster" (our node stores and index) or "mooncake-store" (`--kv-pool`): a
+        Mooncake Store at `mooncake_master` ("host:port", its master's RPC address) is the
+        prefix cache and the index; `index_url` then becomes ``mooncake://<mooncake_master>``
+        and each prefill worker mounts `dram_cache_bytes` into the store.
+    Raises ValueError (pydantic's ValidationError) for mooncake-store without a master.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -23,3 +30,23 @@ class KVPoolConfig(BaseModel):
     ssd_cache_bytes: int = Field(1 << 30, gt=0)
     index_url: str = DEFAULT_INDEX_URL
     node_lease_s: float = Field(10.0, gt=0, le=10.0)
+    backend: Literal["pdcluster", "mooncake-store"] = "pdcluster"
+    mooncake_master: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _mooncake_index(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("backend") == "mooncake-store":
+            if not data.get("mooncake_master"):
+                raise ValueError("--kv-pool mooncake-store needs --mooncake-master HOST:PORT")
+            data = {**data, "index_url": f"mooncake://{data['mooncake_master']}"}
+        return data
+
+    def index_options(self, bind_host: str, protocol: str) -> dict[str, Any]:
+        """What a prefill worker opens the index with (`kvstore.index.open_index`'s kw): for
+        mooncake-store, its store client's listen address and protocol and the segment it
+        mounts; nothing otherwise."""
+        if self.backend != "mooncake-store":
+            return {}
+        return {"bind_host": bind_host, "protocol": protocol,
+                "segment_bytes": self.dram_cache_bytes, "buffer_bytes": 64 << 20}

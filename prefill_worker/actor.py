@@ -64,8 +64,10 @@ class PrefillWorker:
         node_id = ray.get_runtime_context().get_node_id()
         store = kvstore_actor(node_id, ray_namespace)
         address = ray.get(store.address.remote(), timeout=30)
-        index = open_index(pool_config.index_url)
         transfer = transfer or KVTransferConfig()
+        index = open_index(pool_config.index_url,
+                           **pool_config.index_options(transfer.bind_host,
+                                                       transfer.mooncake_protocol))
         self.worker_id = worker_id
         self._fault_injection = engine_config.fault_injection
         self._layer_delay_s, self._delay_hooked = 0.0, False

@@ -13,8 +13,10 @@ Three functions (Mooncake FAST'25 §4, Algorithm 1's Estimate* calls):
 T_transfer has one pair of figures per path where they were measured (`transfer_paths`,
 written by `pdcluster profile --kv-transfer`): ``local`` (a node's host/SSD tier into a worker's
 cache), ``remote`` (a pull from another node's store), ``pd`` (prefill → decode over the
-deployment's connector; ``pd:<connector>`` for each one measured). A path without figures uses
-the model's own `transfer_latency_s` and `transfer_bytes_per_s`.
+deployment's connector; ``pd:<connector>`` for each one measured), ``pool:<backend>`` (a
+pull from a pool backend other than our node stores: ``pool:mooncake-store``, whose blocks
+every instance loads as remote ones). A path without figures uses the model's own
+`transfer_latency_s` and `transfer_bytes_per_s`.
 
 `BUILTIN_COST_MODELS["mooncake-70b"]` stands for LLaMA-70B on one 8×A800 node, from Mooncake's
 reported setup and rates. It was fixed before any policy was tuned; changing a constant needs a
@@ -100,6 +102,15 @@ class CostModel:
         if figures is None:
             return self
         return replace(self, transfer_paths={**self.transfer_paths, PATH_PD: figures})
+
+    def for_pool(self, backend: str) -> CostModel:
+        """This model with path ``remote`` taken from ``pool:<backend>`` when that was
+        measured: with `--kv-pool mooncake-store` every reused block not in an instance's own
+        cache is pulled from the store."""
+        figures = self.transfer_paths.get(f"pool:{backend}")
+        if figures is None:
+            return self
+        return replace(self, transfer_paths={**self.transfer_paths, PATH_REMOTE: figures})
 
     def with_transfer_paths(self, paths: dict[str, dict[str, float]]) -> CostModel:
         """This model with `paths`' measured figures in place of its own for those paths."""

@@ -14,6 +14,11 @@ store keeps one copy of a key) and its partial tail block to the node's store un
 per-request handle, never keyed or indexed. Both run off the engine loop, in order. The
 transfer params that come out (``kv_address``, ``block_keys``, ``tail_handle``,
 ``num_tail_tokens``, ``kv_node_id``) tell the decode where to pull from.
+
+With `--kv-pool mooncake-store` the index is a Mooncake Store (kvstore.index.mooncake_store):
+its blocks are found at the location "mooncake_store" and loaded from the store, hits counted
+under that tier; a computed prompt's full blocks are put into the store once its params are
+out (the node's G2 still takes them, for this request's decode to pull).
 """
 
 from __future__ import annotations
@@ -39,6 +44,8 @@ from kvstore.remote import RemoteStores
 log = logging.getLogger(__name__)
 
 LOCAL_TIERS = ("host", "ssd")
+#: the tier of blocks held by a Mooncake Store (kvstore.index.mooncake_store)
+POOL_TIER = "mooncake_store"
 #: Finished requests whose tail an abort may still release (the client left at the first token).
 MAX_TRACKED_TAILS = 4096
 
@@ -71,6 +78,7 @@ class PoolConnector(KVConnector):
         # tails of finished prefills (bounded), and prefills publishing now whose caller left
         self._tails: OrderedDict[str, str] = OrderedDict()
         self._publishing: dict[str, bool] = {}  # request id -> aborted meanwhile
+        self.pool_puts_total = self.pool_put_failures_total = 0
         self._loads = ThreadPoolExecutor(1, thread_name_prefix="prefill-load")
         self._saves = ThreadPoolExecutor(1, thread_name_prefix="prefill-publish")
 
@@ -141,9 +149,22 @@ class PoolConnector(KVConnector):
         if handle is not None:
             self._saves.submit(self._release_tail, handle)
 
+    def stats(self) -> dict:
+        if not self._holds_pool():
+            return {}
+        return {"kv_mooncake_store_puts_total": self.pool_puts_total,
+                "kv_mooncake_store_put_failures_total": self.pool_put_failures_total}
+
     def close(self) -> None:
         for executor in (self._loads, self._saves):
             executor.shutdown(wait=False)
+
+    def _holds_pool(self) -> bool:
+        return self.index is not None and self.index.holds_blocks
+
+    def _pool_store(self):
+        """The index's own block store (Mooncake Store). Raises KVIndexUnavailableError."""
+        return self.index.block_store
 
     # ---- off the loop -----------------------------------------------------------------------
     def _load(self, request_id: str, keys: list[bytes], dest: list[int],
@@ -185,12 +206,15 @@ class PoolConnector(KVConnector):
         return outcome
 
     def _sources(self, locations: Sequence[Sequence]) -> list[str]:
-        """Per key: "local" or the node id to fetch from; stops at the first unfetchable key."""
+        """Per key: "local", "mooncake_store" or the node id to fetch from; stops at the first
+        unfetchable key."""
         sources: list[str] = []
         for locs in locations:
             fetchable = [loc for loc in locs if loc.tier in LOCAL_TIERS]
             if any(loc.node_id == self.node_id for loc in fetchable):
                 sources.append("local")
+            elif any(loc.tier == POOL_TIER for loc in locs):
+                sources.append(POOL_TIER)
             elif fetchable and self.remote is not None:  # fastest tier first (host, then ssd)
                 sources.append(fetchable[0].node_id)
             else:
@@ -210,6 +234,16 @@ class PoolConnector(KVConnector):
             got = next((i for i, t in enumerate(found) if t is None), len(found))
             for tier in found[:got]:
                 tiers[tier] = tiers.get(tier, 0) + bs
+            return got
+        if source == POOL_TIER:
+            try:
+                got = self._pool_store().get(keys, out)
+            except KVStoreError as exc:  # an unreachable store: recompute
+                outcome.failures.append(f"mooncake store: {exc}")
+                return 0
+            if got < len(keys):  # evicted since the lookup
+                outcome.failures.append(f"mooncake store: {len(keys) - got} blocks gone")
+            tiers[POOL_TIER] = tiers.get(POOL_TIER, 0) + got * bs
             return got
         try:
             out.copy_(self.remote.client(source).get_blocks(keys))
@@ -250,6 +284,23 @@ class PoolConnector(KVConnector):
         if aborted and handle is not None:
             self._release_tail(handle)
         self.wakeup()
+        if keys and self._holds_pool():
+            self._put_in_pool(keys, data[: len(keys)])
+
+    def _put_in_pool(self, keys: list[bytes], blocks: torch.Tensor) -> None:
+        """Full blocks into the Mooncake Store, for any prefill to reuse; a failure costs
+        later requests a recompute, so it is counted and logged, not raised."""
+        try:
+            stored = self._pool_store().put(keys, blocks)
+        except KVStoreError as exc:
+            stored, reason = 0, str(exc)
+        else:
+            reason = "the store refused the rest (full?)"
+        self.pool_puts_total += stored
+        if stored < len(keys):
+            self.pool_put_failures_total += len(keys) - stored
+            log.warning("%d of %d blocks not put into the Mooncake Store: %s",
+                        len(keys) - stored, len(keys), reason)
 
     def _release_tail(self, handle: str) -> None:
         try:

@@ -5,6 +5,8 @@
     memory://                      MemoryIndex, in this process (tests, single-process tools)
     redis://host:port/db           RedisIndex on a real server (``rediss://``, ``unix://`` too)
     ray://pdcluster-kv-index       ActorIndex: the embedded default, a named Ray actor
+    mooncake://host:port           MooncakeStoreIndex: a Mooncake Store's own lookup
+                                   (`--kv-pool mooncake-store`; the master's RPC address)
 
 Semantics (liveness, events, errors): ``kvstore.index.base``. Importing this package imports
 neither Ray nor redis-py; ``RedisIndex`` and ``ActorIndex`` load on first use.
@@ -35,10 +37,14 @@ def open_index(url: str = DEFAULT_INDEX_URL, **kw: Any) -> KVIndex:
     if scheme in ("redis", "rediss", "unix"):
         from kvstore.index.redis_index import RedisIndex
         return RedisIndex(url, **kw)
+    if scheme == "mooncake":
+        from kvstore.index.mooncake_store import MooncakeStoreIndex
+        return MooncakeStoreIndex(urlsplit(url).netloc, **kw)
     if scheme == "ray":
         from kvstore.index.actor import DEFAULT_INDEX_ACTOR_NAME, ActorIndex
         return ActorIndex(urlsplit(url).netloc or DEFAULT_INDEX_ACTOR_NAME, **kw)
-    raise ValueError(f"unknown index URL {url!r}; schemes: memory, ray, redis, rediss, unix")
+    raise ValueError(f"unknown index URL {url!r}; schemes: memory, ray, redis, rediss, unix, "
+                     "mooncake")
 
 
 def __getattr__(name: str) -> Any:

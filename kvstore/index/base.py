@@ -36,8 +36,10 @@ from kvstore.errors import KVStoreError
 from kvstore.events import AllCleared, BlockRemoved, BlockStored, KVCacheEvent
 from kvstore.hashing import KEY_BYTES
 
-TIERS = ("device", "host", "ssd")
-"""G1 a worker's paged cache, G2 a node's host-DRAM arena, G3 a node's SSD slabs (fastest first)."""
+TIERS = ("device", "host", "ssd", "mooncake_store")
+"""G1 a worker's paged cache, G2 a node's host-DRAM arena, G3 a node's SSD slabs (fastest
+first); with `--kv-pool mooncake-store`, a Mooncake Store in place of G2/G3, which says whether
+it holds a block but not on which node (kvstore.index.mooncake_store)."""
 TIER_RANK = {tier: rank for rank, tier in enumerate(TIERS)}
 DEFAULT_NODE_LEASE_S = 10.0
 """Default ``--node-lease-s``: a node that stops heartbeating drops out of lookups within this."""
@@ -181,6 +183,11 @@ class KVIndex(abc.ABC):
 
     def close(self) -> None:
         """Release client resources; the index's contents are untouched."""
+
+    #: whether the index is the blocks' own store too (Mooncake Store), reached through
+    #: `block_store` (kvstore.mooncake_store.MooncakeStoreClient); ours hold locations only
+    holds_blocks = False
+    block_store = None
 
     def __enter__(self) -> KVIndex:
         return self

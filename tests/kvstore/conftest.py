@@ -24,6 +24,17 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+def stop_process(proc: subprocess.Popen, kill: bool = False) -> None:
+    """Terminate (or SIGKILL) a server subprocess and wait for it; SIGKILL after 10 s."""
+    if proc.poll() is None:
+        proc.kill() if kill else proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 class RedisServer:
     """One ``redis-server`` subprocess on a fixed port; ``restart`` keeps the port."""
 
@@ -60,15 +71,8 @@ class RedisServer:
 
     def stop(self, kill: bool = False) -> None:
         """Terminate (or SIGKILL, like a crash) the server and wait for it."""
-        if self.proc is None:
-            return
-        if self.proc.poll() is None:
-            self.proc.kill() if kill else self.proc.terminate()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        if self.proc is not None:
+            stop_process(self.proc, kill)
         self.proc = None
 
     def restart(self, kill: bool = True) -> None:
