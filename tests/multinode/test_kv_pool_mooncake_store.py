@@ -22,7 +22,8 @@ from kvstore.config import KVStoreConfig
 from kvstore.pool_config import KVPoolConfig
 from prefill_worker.actor import PrefillWorker
 from tests.kvstore.mooncake_master import MooncakeMaster
-from tests.multinode.test_kv_pool_multinode import check_baseline, decode, hits, story_prompt
+from tests.multinode.test_kv_pool_multinode import (check_baseline, decode, hits, story_prompt,
+                                                    two_node_cluster)
 
 pytest.importorskip("mooncake.store", reason="needs pdcluster[mooncake] and libibverbs1")
 
@@ -33,18 +34,9 @@ NS = "pdc-mooncake-store"
 
 @pytest.fixture(scope="module")
 def nodes(tmp_path_factory):
-    from ray.cluster_utils import Cluster
-
-    assert not ray.is_initialized(), "run tests/multinode in its own pytest process"
     master = MooncakeMaster(tmp_path_factory.mktemp("mooncake"))
     master.start()
-    cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 3, "resources": {"node_a": 10}, "object_store_memory": 80 << 20})
-    cluster.add_node(num_cpus=3, resources={"node_b": 10}, object_store_memory=80 << 20)
-    ray.init(address=cluster.address, namespace=NS)
-    cluster.wait_for_nodes()
-    node_of = {r: next(n["NodeID"] for n in ray.nodes() if n["Alive"] and r in n["Resources"])
-               for r in ("node_a", "node_b")}
+    cluster, node_of = two_node_cluster(NS)
     engine = EngineConfig(num_kv_blocks=256)
     kv = KVStoreConfig(token="mooncake-store-test-token", rpc_timeout_s=3)
     pool = KVPoolConfig(backend="mooncake-store", mooncake_master=master.address,

@@ -35,18 +35,25 @@ STORY = ("Once upon a time, there was a little girl named Lily. She loved to pla
          "laughed and said, \"Can we play together?\" The dog barked and they played all day. ")
 
 
-@pytest.fixture(scope="module")
-def nodes(tmp_path_factory):
+def two_node_cluster(namespace: str):
+    """A `ray.cluster_utils.Cluster` of nodes with resources node_a and node_b (3 CPUs each),
+    this process connected to it in `namespace`; returns (cluster, resource -> node id)."""
     from ray.cluster_utils import Cluster
 
     assert not ray.is_initialized(), "run tests/multinode in its own pytest process"
     cluster = Cluster(initialize_head=True, head_node_args={
         "num_cpus": 3, "resources": {"node_a": 10}, "object_store_memory": 80 << 20})
     cluster.add_node(num_cpus=3, resources={"node_b": 10}, object_store_memory=80 << 20)
-    ray.init(address=cluster.address, namespace=NS)
+    ray.init(address=cluster.address, namespace=namespace)
     cluster.wait_for_nodes()
     node_of = {r: next(n["NodeID"] for n in ray.nodes() if n["Alive"] and r in n["Resources"])
                for r in ("node_a", "node_b")}
+    return cluster, node_of
+
+
+@pytest.fixture(scope="module")
+def nodes(tmp_path_factory):
+    cluster, node_of = two_node_cluster(NS)
     engine = EngineConfig(num_kv_blocks=256)
     # fault_injection: the fault tests below stop a store's gRPC plane and its heartbeat
     kv = KVStoreConfig(token="multinode-test-token", rpc_timeout_s=3, fault_injection=True)
