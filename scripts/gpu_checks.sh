@@ -11,8 +11,7 @@ out=${OUT:-gpu-checks}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 python=${PYTHON:-python3}
-steps=("${@:-pytest kernels step}")
-steps=(${steps[@]})
+steps=${*:-pytest kernels step}
 status=0
 
 run() {  # run LOG SECONDS CMD...: CMD's output to the terminal and $out/LOG
@@ -26,7 +25,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm 
   | tee "$out/device.txt"
 $python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__,
 torch.cuda.get_device_name())" | tee -a "$out/device.txt"
-for step in "${steps[@]}"; do
+for step in $steps; do
   case $step in
     pytest) run pytest_gpu.log 240 $python -m pytest -m gpu tests/kernels -q -p no:cacheprovider \
               -o cache_dir=/tmp/pytest-cache ;;

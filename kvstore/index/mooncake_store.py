@@ -63,13 +63,11 @@ class MooncakeStoreIndex(KVIndex):
 
     def lookup(self, keys: Sequence[bytes]) -> list[list[Location]]:
         check_keys(keys)
-        return [[POOL_LOCATION] if held else [] for held in self._exists(keys)]
+        return [[POOL_LOCATION] if held else [] for held in self._ask("exists", keys)]
 
     def longest_prefix(self, keys: Sequence[bytes]) -> list[list[Location]]:
         check_keys(keys)
-        held = self._exists(keys)
-        n = next((i for i, h in enumerate(held) if not h), len(held))
-        return [[POOL_LOCATION] for _ in range(n)]
+        return [[POOL_LOCATION] for _ in range(self._ask("longest_prefix", keys))]
 
     def heartbeat(self, node_id: str, lease_s: float = DEFAULT_NODE_LEASE_S) -> bool:
         return True
@@ -83,10 +81,10 @@ class MooncakeStoreIndex(KVIndex):
         if client is not None:
             client.close()
 
-    def _exists(self, keys: Sequence[bytes]) -> list[bool]:
+    def _ask(self, method: str, keys: Sequence[bytes]):
+        """The store client's `method`(keys); its errors as KVIndexUnavailableError."""
+        store = self.block_store
         try:
-            return self.block_store.exists(keys)
-        except KVIndexUnavailableError:
-            raise
+            return getattr(store, method)(keys)
         except KVStoreError as exc:
             raise KVIndexUnavailableError(str(exc)) from exc
