@@ -116,7 +116,8 @@ def measure(threads: int, batches: list[int], repeats: int,
             modes: tuple[str, ...] = ("eager",), device: str = "cpu", shape: str = "100m",
             dtype: str = "float32", profile_batch: int = 0) -> dict:
     """Read bandwidth (bytes/s), weight bytes, the weight-read bound (ms), and per forward
-    mode ("compiled" | "eager" | "eager-onednn": eager without the skinny GEMM) the median
+    mode ("compiled" | "eager" | "eager-forward": eager without the C++ decode stack |
+    "eager-onednn": eager-forward without the skinny GEMM) the median
     execute time (ms) of each decode batch and of a 512-token prefill, at `threads`, of the
     `shape` model on `device` in `dtype`; with `profile_batch`, each mode's profiler table of
     decode steps at that batch. Raises RuntimeError if a compiled runner fell back to eager."""
@@ -134,6 +135,9 @@ def measure(threads: int, batches: list[int], repeats: int,
                 device=device, dtype=dtype, enforce_eager=mode != "compiled"))
             if mode == "eager-onednn":
                 drop_skinny_weights(runners[mode].model)
+                runners[mode].cpu_decode_stack = None
+            elif mode == "eager-forward":
+                runners[mode].cpu_decode_stack = None
             elif runners[mode].forward_mode != mode:
                 raise RuntimeError(f"asked for a {mode} forward, got {runners[mode].forward_mode}")
             graphs = runners[mode].decode_graphs
@@ -188,7 +192,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--modes", default="compiled,eager",
                         help="forward modes to measure, alternating: compiled, eager, "
-                             "eager-onednn (eager with every linear on oneDNN)")
+                             "eager-forward (eager, decode steps on the module forward, not "
+                             "the C++ decode stack), eager-onednn (eager-forward with every "
+                             "linear on oneDNN)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--shape", default="100m", choices=sorted(SHAPES))
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))

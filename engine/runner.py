@@ -43,7 +43,7 @@ import torch
 
 import kernels
 
-from engine import compilation, cpu_binding
+from engine import compilation, cpu_binding, cpu_decode_stack
 from engine.attention import AttentionMetadata
 from engine.config import EngineConfig, ModelConfig
 from engine.cuda_graphs import DecodeGraphs
@@ -153,6 +153,11 @@ class ModelRunner:
             except Exception as exc:  # noqa: BLE001 - the forward still runs without graphs
                 log.warning("capturing CUDA graphs failed, decode steps run the forward: %s: %s",
                             type(exc).__name__, exc)
+        #: on CPU, an eager forward's all-decode steps as one C++ call (engine.cpu_decode_stack);
+        #: None: every step runs the forward
+        self.cpu_decode_stack: cpu_decode_stack.CPUDecodeStack | None = (
+            cpu_decode_stack.build(self.model, self.kv_cache)
+            if self.forward_mode == "eager" and self.tp.world_size == 1 else None)
 
     @torch.inference_mode()
     def execute(self, chunks: list[SequenceChunk], *, all_logits: bool = False) -> torch.Tensor:
@@ -178,6 +183,9 @@ class ModelRunner:
                 hidden = self.decode_graphs.replay(graph_size)[:len(chunks)]
                 return self.model.compute_logits(hidden)  # one token per sequence
             input_ids, positions, attn = self._inputs.prepare(chunks)
+            if self._on_decode_stack(chunks):
+                return self.model.compute_logits(
+                    self.cpu_decode_stack.forward(input_ids, positions, attn))
             with self._command():
                 if self.tp.world_size > 1:
                     self._send_step(input_ids, positions, attn)
@@ -194,6 +202,14 @@ class ModelRunner:
         if any(len(chunk.token_ids) != 1 for chunk in chunks):
             return None
         return self.decode_graphs.size_for(len(chunks))
+
+    def _on_decode_stack(self, chunks: list[SequenceChunk]) -> bool:
+        """Whether this step runs on the CPU decode stack: all-decode, without layer hooks, on
+        the kernel backend it was built for, within its rows."""
+        stack = self.cpu_decode_stack
+        return (stack is not None and self.layer_hooks is None and len(chunks) <= stack.max_rows
+                and kernels.get_backend() == "auto"
+                and all(len(chunk.token_ids) == 1 for chunk in chunks))
 
     def _run_forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                      attn: AttentionMetadata, hooks: LayerHooks | None) -> torch.Tensor:

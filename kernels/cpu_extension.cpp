@@ -1,35 +1,8 @@
-// Python bindings of the C++ CPU kernels (cpu_paged_decode.cpp, cpu_paged_prefill.cpp,
-// cpu_fused_ops.cpp, cpu_skinny_gemm.cpp) and of the thread pinning (cpu_threads.cpp), built together as one
+// Python bindings of the C++ CPU kernels (cpu_kernels.h), of the decode step's layer stack
+// (cpu_decode_stack.h) and of the thread pinning (cpu_threads.cpp), built together as one
 // extension by kernels/cpu_extension.py.
-#include <torch/extension.h>
-
-#include <tuple>
-#include <vector>
-
-bool supports_head_dim(int64_t head_dim);
-torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache,
-                                     torch::Tensor v_cache, torch::Tensor block_tables,
-                                     torch::Tensor seq_lens, double scale);
-torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache,
-                                      torch::Tensor v_cache, torch::Tensor block_tables,
-                                      torch::Tensor cu_seqlens_q, torch::Tensor seq_lens,
-                                      double scale);
-
-std::tuple<torch::Tensor, torch::Tensor> fused_add_rms_norm(torch::Tensor x, torch::Tensor weight,
-                                                            double eps,
-                                                            c10::optional<torch::Tensor> residual);
-torch::Tensor silu_and_mul(torch::Tensor x);
-void rotary_embedding(torch::Tensor positions, torch::Tensor q, torch::Tensor k,
-                      torch::Tensor cos_sin_cache);
-void store_kv_cache(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
-                    torch::Tensor slot_mapping);
-
-int64_t skinny_gemm_tile();
-torch::Tensor skinny_gemm_pack(torch::Tensor weight);
-torch::Tensor skinny_gemm(torch::Tensor x, torch::Tensor packed, int64_t out_features,
-                          c10::optional<torch::Tensor> bias);
-
-std::vector<int64_t> bind_omp_threads(const std::vector<int64_t>& cpus);
+#include "cpu_kernels.h"
+#include "cpu_decode_stack.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("supports_head_dim", &supports_head_dim);
@@ -43,4 +16,26 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("skinny_gemm_pack", &skinny_gemm_pack);
   m.def("skinny_gemm", &skinny_gemm);
   m.def("bind_omp_threads", &bind_omp_threads);
+  py::class_<DecodeLayer>(m, "DecodeLayer")
+      .def(py::init([](torch::Tensor input_norm, torch::Tensor qkv, torch::Tensor o,
+                       torch::Tensor post_norm, torch::Tensor gate_up, torch::Tensor down,
+                       c10::optional<torch::Tensor> qkv_bias, c10::optional<torch::Tensor> o_bias,
+                       c10::optional<torch::Tensor> gate_up_bias,
+                       c10::optional<torch::Tensor> down_bias) {
+             return DecodeLayer{input_norm, qkv, o, post_norm, gate_up, down,
+                                qkv_bias, o_bias, gate_up_bias, down_bias};
+           }),
+           py::arg("input_norm"), py::arg("qkv"), py::arg("o"), py::arg("post_norm"),
+           py::arg("gate_up"), py::arg("down"), py::arg("qkv_bias") = py::none(),
+           py::arg("o_bias") = py::none(), py::arg("gate_up_bias") = py::none(),
+           py::arg("down_bias") = py::none());
+  py::class_<DecodeStack>(m, "DecodeStack")
+      .def(py::init<torch::Tensor, std::vector<DecodeLayer>, torch::Tensor, double, int64_t,
+                    int64_t, int64_t, int64_t, double>(),
+           py::arg("embedding"), py::arg("layers"), py::arg("final_norm"), py::arg("eps"),
+           py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"),
+           py::arg("intermediate_size"), py::arg("scale"))
+      // the other Python threads of an engine process (its RPC servers, the token stream)
+      // run while the step computes
+      .def("forward", &DecodeStack::forward, py::call_guard<py::gil_scoped_release>());
 }

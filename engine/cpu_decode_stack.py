@@ -1,0 +1,95 @@
+"""An all-decode step's decoder layers on CPU in one C++ call (kernels/cpu_decode_stack.cpp):
+the CPU's counterpart of the decode CUDA graphs (engine.cuda_graphs).
+
+An eager decode step on CPU is its kernels plus Python's dispatch between them: per layer a
+dozen module calls, views and backend checks. On a slow core that dispatch is a sizeable
+share of the step (benchmarks/RESULTS.md, "Decode steps without Python between the kernels").
+The stack holds each layer's weights once (the norms and the skinny GEMM's packed copies) and
+runs the embedding, every layer and the final norm in C++. It calls the same kernels in the
+same order as the model's eager forward, so its hidden states are the forward's, bit for bit.
+
+What stays on the forward: steps with a prefill chunk, batches of more rows than the skinny
+GEMM takes (`kernels.cpu_gemm.SKINNY_MAX_ROWS`; oneDNN runs those), steps with the KV
+connector's layer hooks (a prefill worker's), a kernel backend other than "auto", and every
+model `build` turns down: tensor-parallel ranks (their all-reduces), a compiled forward, or
+weights, dtype or head size the C++ kernels do not take.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+import kernels
+import kernels.cpu_extension as cpu_extension
+from engine.attention import AttentionMetadata
+from engine.kv_cache import PagedKVCache
+from engine.model import LlamaForCausalLM
+from kernels.cpu_gemm import SKINNY_MAX_ROWS
+
+_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def build(model: LlamaForCausalLM, kv_cache: PagedKVCache) -> CPUDecodeStack | None:
+    """The stack for `model` (eager, after `process_weights_after_loading`) over `kv_cache`,
+    or None where it does not apply: not on CPU, TP > 1, no C++ extension, a kernel backend
+    other than "auto", a dtype other than float32 / bfloat16, a head size the attention kernel
+    has no specialization for, or a linear without its skinny copy."""
+    dtype = model.model.embed_tokens.weight.dtype
+    if (kv_cache.device.type != "cpu" or model.tp.world_size != 1 or dtype not in _DTYPES
+            or kv_cache.dtype != dtype or kernels.get_backend() != "auto"
+            or not cpu_extension.available()
+            or not cpu_extension.module().supports_head_dim(model.config.head_dim)):
+        return None
+    projections = [(layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+                    layer.mlp.down_proj) for layer in model.model.layers]
+    if any(linear.skinny_weight is None or linear.skinny_weight.dtype != dtype
+           for layer in projections for linear in layer):
+        return None
+    return CPUDecodeStack(model, kv_cache)
+
+
+class CPUDecodeStack:
+    """The model's decoder layers for decode batches of up to `max_rows` sequences, one new
+    token each; `forward` runs them."""
+
+    max_rows = SKINNY_MAX_ROWS
+
+    def __init__(self, model: LlamaForCausalLM, kv_cache: PagedKVCache) -> None:
+        ext = cpu_extension.module()
+        config = model.config
+
+        def bias(linear: Any) -> torch.Tensor | None:
+            return None if linear.bias is None else linear.bias.detach()
+
+        layers = []
+        for layer in model.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            layers.append(ext.DecodeLayer(
+                input_norm=layer.input_layernorm.weight.detach(),
+                qkv=attn.qkv_proj.skinny_weight, o=attn.o_proj.skinny_weight,
+                post_norm=layer.post_attention_layernorm.weight.detach(),
+                gate_up=mlp.gate_up_proj.skinny_weight, down=mlp.down_proj.skinny_weight,
+                qkv_bias=bias(attn.qkv_proj), o_bias=bias(attn.o_proj),
+                gate_up_bias=bias(mlp.gate_up_proj), down_bias=bias(mlp.down_proj)))
+        first = model.model.layers[0].self_attn
+        self._stack = ext.DecodeStack(
+            embedding=model.model.embed_tokens.weight.detach(), layers=layers,
+            final_norm=model.model.norm.weight.detach(), eps=model.model.norm.eps,
+            num_heads=first.num_heads, num_kv_heads=first.num_kv_heads,
+            head_dim=first.head_dim, intermediate_size=config.intermediate_size,
+            scale=first.scale)
+        self._rotary = model.rotary
+        self._kv_cache = kv_cache
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                attn: AttentionMetadata) -> torch.Tensor:
+        """input_ids, positions int64 [n] (n <= max_rows, one new token per sequence, as
+        `InputBuffers.prepare` lays out a decode batch) -> final-normed hidden [n, hidden];
+        writes each layer's new K/V into the cache at `attn.slot_mapping`. Raises
+        RuntimeError for inputs the kernels reject (e.g. a slot outside the cache)."""
+        cache = self._kv_cache
+        return self._stack.forward(input_ids, positions, self._rotary.cos_sin_cache(cache.device),
+                                   cache.k, cache.v, attn.slot_mapping, attn.block_tables,
+                                   attn.seq_lens)

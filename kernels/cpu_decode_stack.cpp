@@ -1,0 +1,65 @@
+// A decode step's decoder layers in one call: between the kernels there is no Python, whose
+// dispatch of a few dozen small ops per layer costs a sizeable share of a decode step on a
+// slow core. The layer is the model's (engine/model.py), kernel for kernel; prefill chunks,
+// tensor parallel and the KV connector's per-layer hooks stay on that forward.
+#include "cpu_decode_stack.h"
+
+#include "cpu_kernels.h"
+
+#include <tuple>
+#include <utility>
+
+DecodeStack::DecodeStack(torch::Tensor embedding, std::vector<DecodeLayer> layers,
+                         torch::Tensor final_norm, double eps, int64_t num_heads,
+                         int64_t num_kv_heads, int64_t head_dim, int64_t intermediate_size,
+                         double scale)
+    : embedding_(std::move(embedding)), layers_(std::move(layers)),
+      final_norm_(std::move(final_norm)), eps_(eps), scale_(scale), num_heads_(num_heads),
+      num_kv_heads_(num_kv_heads), head_dim_(head_dim), hidden_size_(embedding_.size(1)),
+      intermediate_size_(intermediate_size) {
+  TORCH_CHECK(embedding_.dim() == 2, "embedding: [vocab, hidden]");
+  TORCH_CHECK(!layers_.empty(), "at least one layer");
+  TORCH_CHECK(num_kv_heads_ > 0 && num_heads_ % num_kv_heads_ == 0,
+              "num_heads must be a multiple of num_kv_heads");
+}
+
+torch::Tensor DecodeStack::forward(torch::Tensor input_ids, torch::Tensor positions,
+                                   torch::Tensor cos_sin_cache,
+                                   const std::vector<torch::Tensor>& k_caches,
+                                   const std::vector<torch::Tensor>& v_caches,
+                                   torch::Tensor slot_mapping, torch::Tensor block_tables,
+                                   torch::Tensor seq_lens) const {
+  const size_t num_layers = layers_.size();
+  TORCH_CHECK(k_caches.size() == num_layers && v_caches.size() == num_layers,
+              "one K and one V cache per layer");
+  TORCH_CHECK(input_ids.dim() == 1 && positions.sizes() == input_ids.sizes()
+                  && slot_mapping.sizes() == input_ids.sizes()
+                  && seq_lens.size(0) == input_ids.size(0) && block_tables.size(0) == input_ids.size(0),
+              "one new token per sequence: input_ids, positions, slot_mapping, seq_lens and "
+              "block_tables' rows agree");
+  const int64_t n = input_ids.size(0);
+  const int64_t q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_;
+  torch::Tensor hidden = torch::embedding(embedding_, input_ids);
+  c10::optional<torch::Tensor> residual;
+  torch::Tensor normed;
+  for (size_t l = 0; l < num_layers; ++l) {
+    const DecodeLayer& layer = layers_[l];
+    std::tie(normed, hidden) = fused_add_rms_norm(hidden, layer.input_norm, eps_, residual);
+    residual = hidden;
+    torch::Tensor qkv = skinny_gemm(normed, layer.qkv, q_size + 2 * kv_size, layer.qkv_bias);
+    torch::Tensor q = qkv.narrow(1, 0, q_size).view({n, num_heads_, head_dim_});
+    torch::Tensor k = qkv.narrow(1, q_size, kv_size).view({n, num_kv_heads_, head_dim_});
+    torch::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({n, num_kv_heads_, head_dim_});
+    rotary_embedding(positions, q, k, cos_sin_cache);
+    store_kv_cache(k, v, k_caches[l], v_caches[l], slot_mapping);
+    torch::Tensor attn = paged_decode_attention(q, k_caches[l], v_caches[l], block_tables,
+                                                seq_lens, scale_);
+    hidden = skinny_gemm(attn.reshape({n, q_size}), layer.o, hidden_size_, layer.o_bias);
+    std::tie(normed, hidden) = fused_add_rms_norm(hidden, layer.post_norm, eps_, residual);
+    residual = hidden;
+    torch::Tensor gate_up = skinny_gemm(normed, layer.gate_up, 2 * intermediate_size_,
+                                        layer.gate_up_bias);
+    hidden = skinny_gemm(silu_and_mul(gate_up), layer.down, hidden_size_, layer.down_bias);
+  }
+  return std::get<0>(fused_add_rms_norm(hidden, final_norm_, eps_, residual));
+}

@@ -1,0 +1,34 @@
+// The C++ CPU kernels' entry points (defined in cpu_paged_decode.cpp, cpu_paged_prefill.cpp,
+// cpu_fused_ops.cpp, cpu_skinny_gemm.cpp and cpu_threads.cpp), for the bindings and for
+// cpu_decode_stack.cpp, which calls them directly.
+#pragma once
+
+#include <torch/extension.h>
+
+#include <tuple>
+#include <vector>
+
+bool supports_head_dim(int64_t head_dim);
+torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache,
+                                     torch::Tensor v_cache, torch::Tensor block_tables,
+                                     torch::Tensor seq_lens, double scale);
+torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache,
+                                      torch::Tensor v_cache, torch::Tensor block_tables,
+                                      torch::Tensor cu_seqlens_q, torch::Tensor seq_lens,
+                                      double scale);
+
+std::tuple<torch::Tensor, torch::Tensor> fused_add_rms_norm(torch::Tensor x, torch::Tensor weight,
+                                                            double eps,
+                                                            c10::optional<torch::Tensor> residual);
+torch::Tensor silu_and_mul(torch::Tensor x);
+void rotary_embedding(torch::Tensor positions, torch::Tensor q, torch::Tensor k,
+                      torch::Tensor cos_sin_cache);
+void store_kv_cache(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
+                    torch::Tensor slot_mapping);
+
+int64_t skinny_gemm_tile();
+torch::Tensor skinny_gemm_pack(torch::Tensor weight);
+torch::Tensor skinny_gemm(torch::Tensor x, torch::Tensor packed, int64_t out_features,
+                          c10::optional<torch::Tensor> bias);
+
+std::vector<int64_t> bind_omp_threads(const std::vector<int64_t>& cpus);
