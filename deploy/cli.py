@@ -81,6 +81,9 @@ _SERVE_FLAGS = [
     ("--kv-transfer-buffer-bytes", "transfer.source_buffer_bytes", int,
      "mooncake transfer: host memory per prefill worker registered with TE for KV waiting "
      "to be read (default 512 MiB)"),
+    ("--kv-receive-buffer-bytes", "transfer.receive_buffer_bytes", int,
+     "mooncake transfer: host memory per decode worker kept registered with TE for staged "
+     "reads of scattered blocks (default 256 MiB)"),
     ("--kv-streaming", "transfer.streaming", str, "request (default): decode pulls a request's "
                                                   "KV after prefill | layer: layer by layer, "
                                                   "overlapping prefill compute"),

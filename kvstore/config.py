@@ -160,6 +160,10 @@ class KVTransferConfig(pydantic.BaseModel):
         source_buffer_bytes: mooncake: host memory a prefill worker registers with TE once,
             in which requests' KV waits for its decode to read it; a request that finds no
             room is not offered over TE (its decode reads the KV store).
+        receive_buffer_bytes: mooncake: host memory a decode worker keeps registered with TE
+            for staged reads (a request whose destination blocks are not consecutive is read
+            in one piece into it, then copied into its blocks); a transfer that finds none
+            free registers a buffer for itself alone.
         streaming: ``request`` (decode pulls the whole request's KV once prefill is done) or
             ``layer`` (each layer's KV for the new tokens is published as soon as that layer's
             prefill compute ends, overlapping the rest; Mooncake FAST'25 §3.1).
@@ -185,6 +189,7 @@ class KVTransferConfig(pydantic.BaseModel):
     bind_host: str = "127.0.0.1"
     mooncake_protocol: Literal["tcp", "rdma"] = "tcp"
     source_buffer_bytes: int = pydantic.Field(default=512 << 20, gt=0)
+    receive_buffer_bytes: int = pydantic.Field(default=256 << 20, ge=0)
     streaming: Literal["request", "layer"] = "request"
     load_failure_policy: Literal["recompute", "fail"] = "recompute"
     token: pydantic.SecretStr | None = pydantic.Field(

@@ -8,9 +8,11 @@ Flow of one transfer::
     prefill: MooncakeConnector copies the prompt's blocks into a leased region of its
              registered staging buffer, layer-major; RemoteRegion --(PrefillResult, Ray)-->
     decode:  MooncakeKVReceiver.start(FetchRequest(region=...), CacheDest)
-             -> one TE batch read: per (layer, K|V), one piece per run of consecutive
-                destination blocks (the region holds each (layer, K|V) contiguously, so a
-                run is contiguous on both sides)
+             -> destination blocks consecutive: one TE batch read straight into the cache,
+                one piece per (layer, K|V) (the region holds each (layer, K|V)
+                contiguously, as the cache holds each layer's K or V)
+             -> scattered: one TE read of the whole region into a registered receive
+                buffer, then one local copy per (layer, K|V) into the blocks
              -> writes the region's generation into its release word (a TE write): the
                 prefill may reuse the region
 
@@ -18,6 +20,12 @@ Layout of a region: [layers, 2 (K, V), num_blocks, block_size, kv_heads, head_di
 block layout with the block axis moved inside, so that each (layer, K|V) of a request is one
 contiguous span, as each layer's K or V of a paged cache is ([num_blocks, block_size, kv_heads,
 head_dim] per layer).
+
+Why scattered blocks are staged: TE's TCP transport opens a connection per piece (and a
+request's pieces are its (layer, K|V) spans times its runs of consecutive blocks), so a read
+of one piece per block costs a connection per 64 KiB-ish piece, far more than the local copy
+(benchmarks/RESULTS.md). The receive buffers are registered once and reused
+(``KVTransferConfig.receive_buffer_bytes``).
 
 Where the decode cache is not host memory this process can hand to TE (a CUDA cache with the
 CPU build, or a tensor-parallel view that scatters heads over ranks), the region is pulled
@@ -175,6 +183,9 @@ class MooncakeTransferBackend(KVTransferBackend):
         self._registered: dict[int, object] = {}  # id(cache) -> cache (kept alive)
         self._release_words: torch.Tensor | None = None
         self._next_word = 0
+        self._free_buffers: list[torch.Tensor] = []  # kept receive buffers, idle
+        self._kept: set[int] = set()  # data_ptr of every kept receive buffer
+        self._buffer_bytes = 0  # their bytes, idle or not
 
     def engine(self):
         """This backend's TE, initialized on first use. Raises KVTransferError."""
@@ -197,6 +208,43 @@ class MooncakeTransferBackend(KVTransferBackend):
                 register(engine, [*cache.k, *cache.v])
                 self._registered[id(cache)] = cache
         return cache
+
+    def take_buffer(self, nbytes: int) -> torch.Tensor:
+        """A registered host buffer (uint8, at least ``nbytes``) for one staged read: an idle
+        one, a new one kept while the kept ones total at most ``receive_buffer_bytes``, else
+        one for this read alone. Give it back with ``give_buffer`` once the read settled.
+        Raises KVTransferError."""
+        engine = self.engine()
+        with self._lock:
+            fits = [i for i, b in enumerate(self._free_buffers) if b.numel() >= nbytes]
+            if fits:  # the smallest that fits (by position: tensors compare elementwise)
+                return self._free_buffers.pop(
+                    min(fits, key=lambda i: self._free_buffers[i].numel()))
+            size = max(1 << 20, 1 << (nbytes - 1).bit_length())  # a power of two: reusable
+            keep = self._buffer_bytes + size <= self.config.receive_buffer_bytes
+            if keep:
+                self._buffer_bytes += size
+        buffer = torch.empty(size if keep else nbytes, dtype=torch.uint8)
+        try:
+            register(engine, [buffer])
+        except KVTransferError:
+            if keep:
+                with self._lock:
+                    self._buffer_bytes -= size
+            raise
+        if keep:
+            with self._lock:
+                self._kept.add(buffer.data_ptr())
+        return buffer
+
+    def give_buffer(self, buffer: torch.Tensor) -> None:
+        """Return a buffer from ``take_buffer`` (after its read settled: TE no longer writes
+        into it)."""
+        with self._lock:
+            if buffer.data_ptr() in self._kept:
+                self._free_buffers.append(buffer)
+                return
+        self.engine().unregister_memory(buffer.data_ptr())
 
     def release(self, region: RemoteRegion) -> None:
         """Tell the source it may reuse ``region`` (a TE write of its generation into its
@@ -284,10 +332,11 @@ class MooncakeKVReceiver(KVReceiver):
         backend = self._backend
         engine = backend.engine()
         cache = backend.direct_cache(dest)
-        if cache is not None:
-            self._read(engine, region, *_cache_pieces(region, cache, dest.block_ids))
+        runs = _runs(dest.block_ids, cache.num_blocks) if cache is not None else []
+        if len(runs) == 1:
+            self._read(engine, region, *_cache_pieces(region, cache, runs))
         else:
-            self._read_staged(engine, region, dest)
+            self._read_staged(engine, region, dest, cache)
         self._add_bytes(region.nbytes)
 
     def _read(self, engine, region: RemoteRegion, dst: list[int], src: list[int],
@@ -296,25 +345,34 @@ class MooncakeKVReceiver(KVReceiver):
             raise KVTransferError(f"{self._describe()}: Transfer Engine read failed or timed "
                                   f"out", address=region.session)
 
-    def _read_staged(self, engine, region: RemoteRegion, dest: CallbackDest) -> None:
-        layers, kv, *block = region.block_shape
-        staging = torch.empty((layers, kv, region.num_blocks, *block), dtype=dest.dtype)
-        register(engine, [staging])
+    def _read_staged(self, engine, region: RemoteRegion, dest: CallbackDest, cache) -> None:
+        """The whole region in one read into a receive buffer, then into the destination:
+        one copy per (layer, K|V) into ``cache``'s blocks, or ``dest.write_tensor``."""
+        backend = self._backend
+        buffer = backend.take_buffer(region.nbytes)
         try:
-            self._read(engine, region, [staging.data_ptr()], [region.address], [region.nbytes])
+            self._read(engine, region, [buffer.data_ptr()], [region.address], [region.nbytes])
+            layers, kv, *block = region.block_shape
+            staged = buffer[:region.nbytes].view(dest.dtype).view(
+                layers, kv, region.num_blocks, *block)
+            if cache is not None:
+                index = torch.tensor(dest.block_ids, dtype=torch.int64)
+                for layer in range(layers):
+                    for which, tensors in enumerate((cache.k, cache.v)):
+                        tensors[layer].index_copy_(0, index, staged[layer, which])
+            else:
+                self._write(dest.write_tensor, 0,
+                            staged.permute(2, 0, 1, *range(3, staged.dim())))
         finally:
-            # after the read settled: TE no longer writes into it
-            engine.unregister_memory(staging.data_ptr())
-        self._write(dest.write_tensor, 0, staging.permute(2, 0, 1, *range(3, staging.dim())))
+            # after the read settled and the copies ended: TE no longer writes into it
+            backend.give_buffer(buffer)
 
 
-def _cache_pieces(region: RemoteRegion, cache, block_ids: Sequence[int]
+def _cache_pieces(region: RemoteRegion, cache, runs: Sequence[tuple[int, int, int]]
                   ) -> tuple[list[int], list[int], list[int]]:
     """(destination addresses, source addresses, lengths) of the region's pieces: for each
-    (layer, K|V), one per run of consecutive destination block ids. Raises BlockLayoutError
-    for a block id outside the cache."""
+    (layer, K|V), one per run of consecutive destination blocks (`_runs`)."""
     span = region.span_nbytes
-    runs = _runs(block_ids, cache.num_blocks)
     dst, src, lengths = [], [], []
     for layer in range(region.block_shape[0]):
         for which, tensors in enumerate((cache.k, cache.v)):

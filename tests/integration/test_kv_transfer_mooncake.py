@@ -213,13 +213,16 @@ def _source(num_blocks: int = 6):
     return cache, connector, ids, params["kv_region"]
 
 
-@pytest.mark.parametrize("direct", [True, False])
-def test_region_lands_block_for_block_in_any_table(direct):
-    """Scattered source blocks, a destination table with runs and gaps: every block equals its
-    source block, through the registered cache and through host staging."""
+@pytest.mark.parametrize(("direct", "table"), [
+    (True, [3, 4, 5, 11, 0, 19]),  # runs and gaps: one read into a receive buffer, then copies
+    (True, [7, 8, 9, 10, 11, 12]),  # consecutive: read straight into the cache
+    (False, [3, 4, 5, 11, 0, 19]),  # no registered cache: through dest.write_tensor
+], ids=["scattered", "consecutive", "write-callback"])
+def test_region_lands_block_for_block_in_any_table(direct, table):
+    """Scattered source blocks, destination tables consecutive or with runs and gaps: every
+    block equals its source block, through the registered cache and through host staging."""
     cache, connector, ids, region = _source()
     dst = PagedKVCache(2, 20, 4, 2, 8, torch.float32, "cpu")
-    table = [3, 4, 5, 11, 0, 19]
     backend = MooncakeTransferBackend(MOONCAKE)
     dest = CacheDest(lambda s, b: dst.write_blocks(table[s:s + len(b)], b), table,
                      dst if direct else None, dst.block_shape, dst.dtype)
@@ -234,6 +237,20 @@ def test_region_lands_block_for_block_in_any_table(direct):
     with pytest.raises(BlockLayoutError):
         backend.create_receiver().start(
             FetchRequest(region.session, (b"k",) * 4, region=region), dest)
+
+
+def test_receive_buffers_are_reused_smallest_first_and_capped():
+    backend = MooncakeTransferBackend(MOONCAKE.model_copy(update={"receive_buffer_bytes": 5 << 20}))
+    small, large = backend.take_buffer(1 << 20), backend.take_buffer(3 << 20)
+    assert (small.numel(), large.numel()) == (1 << 20, 4 << 20)  # powers of two from 1 MiB
+    beyond = backend.take_buffer(2 << 20)  # 1 + 4 MiB kept: a buffer for this read alone
+    assert beyond.numel() == 2 << 20
+    for buffer in (small, large, beyond):
+        backend.give_buffer(buffer)
+    again = backend.take_buffer(2 << 20)  # the smallest idle one that fits, not a new one
+    assert again.data_ptr() == large.data_ptr()
+    assert backend.take_buffer(1000).data_ptr() == small.data_ptr()
+    assert backend.take_buffer(1000).data_ptr() not in (small.data_ptr(), large.data_ptr())
 
 
 @pytest.mark.parametrize("event", ["abort", "deadline"])
@@ -295,9 +312,11 @@ def test_kv_transfer_mooncake_flags():
     from deploy.config import load_config
 
     args = _parser().parse_args(["serve", "--kv-transfer", "mooncake",
-                                 "--kv-transfer-buffer-bytes", "1048576"])
+                                 "--kv-transfer-buffer-bytes", "1048576",
+                                 "--kv-receive-buffer-bytes", "0"])
     transfer = load_config(None, _overrides(args)).transfer
     assert (transfer.backend, transfer.source_buffer_bytes) == ("mooncake", 1 << 20)
+    assert transfer.receive_buffer_bytes == 0
     assert transfer.mooncake_protocol == "tcp"
 
 

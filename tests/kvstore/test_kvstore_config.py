@@ -47,6 +47,7 @@ def test_transfer_config_holds_no_kv_plane_settings():
     assert config.model_dump().keys() == {"backend", "timeout_s", "max_chunk_bytes",
                                           "num_streams", "min_stream_bytes", "bind_host",
                                           "mooncake_protocol", "source_buffer_bytes",
+                                          "receive_buffer_bytes",
                                           "streaming", "load_failure_policy"}
     assert kv_plane_of(config) == KVStoreConfig()  # no token, no TLS
 
