@@ -23,7 +23,9 @@ process into a preallocated buffer, request/response, one request at a time:
   ``pdc-te`` is pdcluster's ``--kv-transfer mooncake`` path: a MooncakeConnector offered the
   request's blocks of a paged cache (8 layers) in a layer-major region, and a
   MooncakeTransferBackend receiver reads it into consecutive blocks of the client's registered
-  paged cache (one piece per layer and K|V) and writes the release word.
+  paged cache (one piece per layer and K|V) and writes the release word. ``pdc-te scattered``
+  is the same into scattered destination blocks (a cache's free blocks, the usual case): one
+  read into the receiver's registered buffer, then a copy per layer and K|V.
 
 GB/s = 1e9 bytes per second; each cell is the median of ``--rounds`` rounds that interleave the
 backends (the load of a shared machine swings), ``--min-time`` seconds per cell in all.
@@ -194,16 +196,19 @@ def _pdc_te_server(ready: mp.Queue, sizes: list[int], block_nbytes: int) -> None
     time.sleep(1e6)
 
 
-def _pdc_te_client(regions: dict, block_nbytes: int) -> Callable[[int], None]:
+def _pdc_te_client(regions: dict, block_nbytes: int,
+                   scattered: bool = False) -> Callable[[int], None]:
     from kvstore.transfer.dest import CacheDest
     from kvstore.transfer.mooncake import MooncakeTransferBackend
 
     backend = MooncakeTransferBackend(KVTransferConfig(backend="mooncake", timeout_s=60.0))
-    cache = _pdc_cache(max(regions) // block_nbytes, block_nbytes)
+    num_blocks = 2 * max(regions) // block_nbytes
+    cache = _pdc_cache(num_blocks, block_nbytes)
+    spread = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(2)).tolist()
 
     def fetch(size: int) -> None:
         region = regions[size]
-        table = list(range(region.num_blocks))
+        table = spread[:region.num_blocks] if scattered else list(range(region.num_blocks))
         dest = CacheDest(lambda start, blocks: None, table, cache, cache.block_shape,
                          cache.dtype)
         receiver = backend.create_receiver()
@@ -397,6 +402,7 @@ def main(argv: list[str] | None = None) -> None:
         pdc_proc, regions = _spawn(_pdc_te_server, sizes, block_nbytes)
         procs.append(pdc_proc)
         clients["pdc-te"] = _pdc_te_client(regions, block_nbytes)
+        clients["pdc-te-scattered"] = _pdc_te_client(regions, block_nbytes, scattered=True)
 
     print(f"block {args.block_kib} KiB, chunk {args.chunk_kib} KiB, grpc streams "
           f"{args.streams} (min {args.min_stream_kib} KiB each), {os.cpu_count()} CPUs, "
@@ -405,7 +411,7 @@ def main(argv: list[str] | None = None) -> None:
     header += "" if args.no_gloo else " gloo GB/s | gloo/raw |"
     header += " grpc floor GB/s | floor/raw |" if args.floor else ""
     header += (" TE GB/s | TE/raw | TE blocks GB/s | TE blocks/raw | pdc-te GB/s | "
-               "pdc-te/raw |" if args.mooncake else "")
+               "pdc-te/raw | pdc-te scattered GB/s | scattered/raw |" if args.mooncake else "")
     print(header)
     print("|" + "---|" * (header.count("|") - 1))
     try:
@@ -417,7 +423,7 @@ def main(argv: list[str] | None = None) -> None:
                 row += f" {gbps['gloo']:.2f} | {gbps['gloo'] / gbps['raw']:.2f} |"
             if "floor" in gbps:
                 row += f" {gbps['floor']:.2f} | {gbps['floor'] / gbps['raw']:.2f} |"
-            for name in ("te", "te-blocks", "pdc-te"):
+            for name in ("te", "te-blocks", "pdc-te", "pdc-te-scattered"):
                 if name in gbps:
                     row += f" {gbps[name]:.2f} | {gbps[name] / gbps['raw']:.2f} |"
             print(row, flush=True)
