@@ -29,8 +29,7 @@ of one piece per block costs a connection per 64 KiB-ish piece, far more than th
 
 Where the decode cache is not host memory this process can hand to TE (a CUDA cache with the
 CPU build, or a tensor-parallel view that scatters heads over ranks), the region is pulled
-whole into a host staging tensor registered for that transfer and written with
-``dest.write_tensor``.
+whole into a receive buffer the same way and written with ``dest.write_tensor``.
 
 Quarantine: TE cannot cancel a transfer in flight, so while a read is in flight the receiver
 does not fail at its deadline or on abort: bytes may still land in the destination blocks. It
