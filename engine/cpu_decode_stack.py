@@ -9,7 +9,7 @@ runs the embedding, every layer and the final norm in C++. It calls the same ker
 same order as the model's eager forward, so its hidden states are the forward's, bit for bit.
 
 What stays on the forward: steps with a prefill chunk, batches of more rows than the skinny
-GEMM takes (`kernels.cpu_gemm.SKINNY_MAX_ROWS`; oneDNN runs those), steps with the KV
+GEMM takes (`kernels.cpu_gemm.skinny_max_rows`; oneDNN runs those), steps with the KV
 connector's layer hooks (a prefill worker's), a kernel backend other than "auto", and every
 model `build` turns down: tensor-parallel ranks (their all-reduces), a compiled forward, or
 weights, dtype or head size the C++ kernels do not take.
@@ -26,7 +26,7 @@ import kernels.cpu_extension as cpu_extension
 from engine.attention import AttentionMetadata
 from engine.kv_cache import PagedKVCache
 from engine.model import LlamaForCausalLM
-from kernels.cpu_gemm import SKINNY_MAX_ROWS
+from kernels.cpu_gemm import skinny_max_rows
 
 _DTYPES = (torch.float32, torch.bfloat16)
 
@@ -54,11 +54,11 @@ class CPUDecodeStack:
     """The model's decoder layers for decode batches of up to `max_rows` sequences, one new
     token each; `forward` runs them."""
 
-    max_rows = SKINNY_MAX_ROWS
-
     def __init__(self, model: LlamaForCausalLM, kv_cache: PagedKVCache) -> None:
         ext = cpu_extension.module()
         config = model.config
+        #: the most sequences a step runs here: the skinny GEMM's rows in the model's dtype
+        self.max_rows = skinny_max_rows(model.model.embed_tokens.weight.dtype)
 
         def bias(linear: Any) -> torch.Tensor | None:
             return None if linear.bias is None else linear.bias.detach()

@@ -17,8 +17,10 @@ With few rows a GEMM is a read of the weight, and oneDNN's matmul does not strea
 at the machine's read bandwidth there on every CPU; the skinny GEMM does (benchmarks/RESULTS.md,
 "A skinny GEMM for decode"). Up to `SKINNY_MAX_ROWS` rows `linear` takes the skinny copy where
 one was packed, above it oneDNN: prefill-sized batches are compute-bound, where oneDNN's
-blocking for the caches pays. Both copies are kept, so the linear weights take twice their
-size in memory.
+blocking for the caches pays. On a CPU with AMX, oneDNN's bfloat16 matmul runs on the tile
+unit, which outruns the skinny GEMM's vector FMAs from a few rows on, so bfloat16 takes the
+skinny copy for fewer rows there (`skinny_max_rows`). Both copies are kept, so the linear
+weights take twice their size in memory.
 
 torch.compile cannot trace an opaque tensor (it has no storage to fake), so a compiled graph
 names a packed weight by an integer handle (`register`) and calls the custom op
@@ -27,6 +29,7 @@ names a packed weight by an integer handle (`register`) and calls the custom op
 
 from __future__ import annotations
 
+import functools
 import itertools
 import threading
 import weakref
@@ -41,6 +44,25 @@ _PACKED_DTYPES = (torch.float32, torch.bfloat16)
 #: oneDNN's matmul up to this size and beyond on an AVX2 CPU (benchmarks/RESULTS.md); larger
 #: batches stay on oneDNN, which ran near the FMA peak in prefill on an AVX-512 CPU
 SKINNY_MAX_ROWS = 32
+#: the same for bfloat16 on a CPU with AMX, where oneDNN's tile kernels overtake the skinny
+#: GEMM between 6 and 8 rows (benchmarks/RESULTS.md, "bfloat16 on AMX")
+SKINNY_MAX_ROWS_AMX_BF16 = 6
+
+
+@functools.cache
+def skinny_max_rows(dtype: torch.dtype) -> int:
+    """The most rows `linear` runs on the skinny copy in `dtype` on this CPU:
+    `SKINNY_MAX_ROWS_AMX_BF16` for bfloat16 where the CPU has AMX tiles (and oneDNN uses them),
+    `SKINNY_MAX_ROWS` otherwise."""
+    if dtype == torch.bfloat16 and _has_amx_bf16():
+        return SKINNY_MAX_ROWS_AMX_BF16
+    return SKINNY_MAX_ROWS
+
+
+def _has_amx_bf16() -> bool:
+    probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    return (probe is not None and probe() and torch.backends.mkldnn.is_available()
+            and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def can_pack(weight: torch.Tensor) -> bool:
@@ -85,10 +107,10 @@ def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = No
            skinny: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., in] @ weight [out, in]^T (+ bias [out]) -> [..., out] in x's dtype, with the
     weight from `pack` (or dense, where `can_pack` is false) and optionally its `pack_skinny`
-    copy, which batches of up to `SKINNY_MAX_ROWS` rows run on; the same values as `F.linear`
-    up to the order of float additions."""
+    copy, which batches of up to `skinny_max_rows(x.dtype)` rows run on; the same values as
+    `F.linear` up to the order of float additions."""
     if (skinny is not None and x.dtype == skinny.dtype
-            and x.numel() <= SKINNY_MAX_ROWS * x.shape[-1]):
+            and x.numel() <= skinny_max_rows(x.dtype) * x.shape[-1]):
         flat = x.reshape(-1, x.shape[-1])
         if flat.stride(-1) != 1:
             flat = flat.contiguous()

@@ -133,6 +133,26 @@ def test_more_rows_than_the_skinny_limit_take_the_other_gemm():
 
 
 @needs_skinny
+@pytest.mark.parametrize("amx", [True, False])
+def test_bf16_on_amx_takes_the_skinny_copy_for_fewer_rows(monkeypatch, amx):
+    """Where the CPU has AMX, bfloat16 batches above SKINNY_MAX_ROWS_AMX_BF16 rows leave the
+    skinny copy (oneDNN's tile kernels are faster there); float32 keeps SKINNY_MAX_ROWS."""
+    monkeypatch.setattr(cpu_gemm, "_has_amx_bf16", lambda: amx)
+    cpu_gemm.skinny_max_rows.cache_clear()
+    try:
+        limit = cpu_gemm.SKINNY_MAX_ROWS_AMX_BF16 if amx else cpu_gemm.SKINNY_MAX_ROWS
+        assert cpu_gemm.skinny_max_rows(torch.bfloat16) == limit
+        assert cpu_gemm.skinny_max_rows(torch.float32) == cpu_gemm.SKINNY_MAX_ROWS
+        weight = torch.randn(64, 96, dtype=torch.bfloat16)
+        zeros = kernels.pack_skinny_weight(torch.zeros_like(weight))
+        many = torch.randn(limit + 1, 96, dtype=torch.bfloat16)
+        assert torch.count_nonzero(kernels.linear(many, weight, skinny=zeros)) > 0
+        assert torch.count_nonzero(kernels.linear(many[:limit], weight, skinny=zeros)) == 0
+    finally:
+        cpu_gemm.skinny_max_rows.cache_clear()
+
+
+@needs_skinny
 def test_a_skinny_copy_of_another_shape_is_refused():
     skinny = kernels.pack_skinny_weight(torch.randn(64, 96))
     with pytest.raises(RuntimeError, match="in_features"):
