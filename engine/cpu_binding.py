@@ -13,6 +13,13 @@ doubling up on a claimed core.
 
 Cores are handed out physical core first: the first hardware thread of every core, then
 their SMT siblings, so a two-thread team does not land on the two halves of one core.
+
+A node's launcher may set cores aside for the workers by writing them, as a cpu list, to the
+file `workers` in the same directory (`CoreClaims.set_worker_cores`; the images' entrypoint
+does, deploy/node_cores.py). "auto" then claims from those. This is how a Kubernetes pod keeps
+Ray's own processes off the engines' cores: Ray runs confined to the rest, and its workers,
+which inherit that confinement, still find the cores meant for them, whatever ids the pod's
+cpuset has.
 """
 
 from __future__ import annotations
@@ -112,16 +119,27 @@ class CoreClaims:
     def cpus(self) -> list[int]:
         return sorted(self._held)
 
+    def worker_cores(self) -> list[int] | None:
+        """The cores the node's launcher set aside for the workers (`set_worker_cores`), or
+        None where it set none (or the file does not hold a cpu list)."""
+        return _read_cpu_list(str(self.directory / "workers")) or None
+
+    def set_worker_cores(self, cpus: Iterable[int]) -> None:
+        """Declare `cpus` the node's workers' cores: "auto" claims from them from now on.
+        Written whole (a rename), so a reader never sees half a list."""
+        self._ensure_directory()
+        path = self.directory / "workers"
+        staged = path.with_name(f"workers.{os.getpid()}")
+        staged.write_text(format_cpu_list(cpus) + "\n")
+        os.replace(staged, path)
+
     def claim(self, count: int, pool: Sequence[int]) -> list[int] | None:
         """Claim `count` cores of `pool`, taken in `physical_first` order, releasing the cores
         held before. Returns them sorted, or None (holding nothing) when fewer than `count`
         are free."""
         with self._lock:
             self._release()
-            if not self.directory.is_dir():  # shared by every user's workers, as /tmp is
-                self.directory.mkdir(parents=True, exist_ok=True)
-                with contextlib.suppress(OSError):  # another user made it first
-                    os.chmod(self.directory, 0o1777)
+            self._ensure_directory()
             for cpu in physical_first(pool):
                 if len(self._held) == count:
                     break
@@ -136,6 +154,12 @@ class CoreClaims:
                 self._release()
                 return None
             return self.cpus
+
+    def _ensure_directory(self) -> None:
+        if not self.directory.is_dir():  # shared by every user's workers, as /tmp is
+            self.directory.mkdir(parents=True, exist_ok=True)
+            with contextlib.suppress(OSError):  # another user made it first
+                os.chmod(self.directory, 0o1777)
 
     def release(self) -> None:
         """Give back every core this process holds."""
@@ -156,8 +180,10 @@ def bind_threads(cpu_bind: str, threads: int, claims: CoreClaims | None = None) 
 
     Call it on the thread that runs the engine's ops, after torch.set_num_threads(threads):
     that thread becomes the team's first member and is pinned too.
-    cpu_bind: "none" (pin nothing), "auto" (claim from the cores this process may run on) or
-        a cpu list (claim from those: the cores a launcher set aside for the node's workers).
+    cpu_bind: "none" (pin nothing), "auto" (claim from the node's worker cores where its
+        launcher declared them, `CoreClaims.worker_cores`, else from the cores this process
+        may run on) or a cpu list (claim from those: the cores a launcher set aside for the
+        node's workers).
     claims: the registry to claim in (default: one per process).
     Returns the cores, sorted, or None when nothing was pinned: "none", or too few free cores
     (logged as a warning). Raises ValueError for a malformed cpu_bind.
@@ -169,7 +195,10 @@ def bind_threads(cpu_bind: str, threads: int, claims: CoreClaims | None = None) 
     if claims is None:
         _claims = _claims or CoreClaims()
         claims = _claims
-    pool = sorted(os.sched_getaffinity(0)) if cpu_bind == AUTO else parse_cpu_list(cpu_bind)
+    if cpu_bind == AUTO:
+        pool = claims.worker_cores() or sorted(os.sched_getaffinity(0))
+    else:
+        pool = parse_cpu_list(cpu_bind)
     cpus = claims.claim(threads, pool)
     if cpus is None:
         log.warning("cpu binding: fewer than %d of cores %s are free on this node; this "

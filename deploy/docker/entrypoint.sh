@@ -8,17 +8,41 @@
 #   gateway   joins RAY_ADDRESS as a CPU-less node (object store RAY_OBJECT_STORE_MEMORY
 #             bytes, default 256 MiB), then runs the gateway, which is the Ray driver:
 #             pdcluster serve --address auto (a driver needs a raylet on its own machine)
+#   kuberay   a KubeRay pod's container (RayCluster annotation
+#             ray.io/overwrite-container-cmd: "true"): runs the `ray start` KubeRay generated
+#             (KUBERAY_GEN_RAY_START_CMD) with the core split below
 #   other     run as a command, e.g. `pdcluster bench ...` or `bash`
 #
 # Extra arguments go to `ray start` (head, prefill, decode) or to `pdcluster serve` (serve,
-# gateway). On prefill/decode nodes RAY_CPUS=LIST keeps Ray's processes on those cores, to
-# pair with `--cpu-bind` naming the rest for the engines. Role resource names are deploy/placement.py's PREFILL and DECODE. Ray ports must
+# gateway). Role resource names are deploy/placement.py's PREFILL and DECODE. Ray ports must
 # be on a trusted network; with Ray's token auth set RAY_AUTH_MODE=token and RAY_AUTH_TOKEN on
 # every node (docs/deploy.md, "Network and security").
+#
+# Core split on prefill/decode nodes (and kuberay pods): RAY_RESERVED_CPUS=N keeps Ray's own
+# processes (raylet, agents, the workers' threads other than the engine's) on N of the
+# container's cores, RAY_CPUS=LIST on those cores; deploy/node_cores.py declares the other
+# cores the engines' (`--cpu-bind auto` claims from them, engine.cpu_binding).
 set -euo pipefail
 
 role="${1:-serve}"
 [ $# -gt 0 ] && shift
+
+# sets `affinity` to the taskset prefix that confines Ray to its share of the cores (none
+# when neither RAY_CPUS nor RAY_RESERVED_CPUS is set)
+ray_affinity() {
+  affinity=()
+  local split=()
+  if [ -n "${RAY_CPUS:-}" ]; then
+    split=(--ray-cpus "$RAY_CPUS")
+  elif [ -n "${RAY_RESERVED_CPUS:-}" ] && [ "$RAY_RESERVED_CPUS" != 0 ]; then
+    split=(--reserve "$RAY_RESERVED_CPUS")
+  else
+    return 0
+  fi
+  local ray_cpus
+  ray_cpus="$(python -m deploy.node_cores "${split[@]}")"
+  affinity=(taskset -c "$ray_cpus")
+}
 
 case "$role" in
   serve)
@@ -30,12 +54,7 @@ case "$role" in
     # the engines are this node's workload: at Ray's default worker niceness (15) every
     # other process's wake-up preempts their compute threads (deploy/local_ray.py)
     export RAY_worker_niceness="${RAY_worker_niceness:-0}"
-    # RAY_CPUS (a cpu list): Ray's own processes (raylet, agents, and the workers' threads
-    # other than the engine's) run on these cores only. The engines then pin their torch
-    # threads to the cores `pdcluster serve --cpu-bind LIST` names, which may lie outside
-    # this set (engine.cpu_binding).
-    affinity=()
-    [ -n "${RAY_CPUS:-}" ] && affinity=(taskset -c "$RAY_CPUS")
+    ray_affinity
     exec "${affinity[@]}" ray start --address="${RAY_ADDRESS:?set RAY_ADDRESS to the head, host:port}" \
       --resources="{\"$role\": 1}" --disable-usage-stats --block "$@" ;;
   gateway)
@@ -43,6 +62,13 @@ case "$role" in
       --num-cpus=0 --object-store-memory="${RAY_OBJECT_STORE_MEMORY:-268435456}" \
       --disable-usage-stats
     exec pdcluster serve --address auto --host 0.0.0.0 "$@" ;;
+  kuberay)
+    # KubeRay's own container command starts with this; with the annotation it is ours to run
+    ulimit -n 65536 2>/dev/null || true
+    export RAY_worker_niceness="${RAY_worker_niceness:-0}"
+    ray_affinity
+    # the generated command is one shell string, its quoted JSON resources included
+    exec "${affinity[@]}" bash -c "${KUBERAY_GEN_RAY_START_CMD:?not started by KubeRay with ray.io/overwrite-container-cmd}" ;;
   *)
     exec "$role" "$@" ;;
 esac

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from deploy import placement
+from engine import cpu_binding
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCKER = ROOT / "deploy" / "docker"
@@ -80,6 +81,12 @@ def stubbed(tmp_path):
                         f".write(json.dumps(sorted(os.sched_getaffinity(0))))\n")
         stub.chmod(0o755)
 
+    # `python -m deploy.node_cores` is the real one, with its claims directory in tmp_path
+    claims = tmp_path / "claims"
+    python = tmp_path / "python"
+    python.write_text(f"#!/bin/sh\nexec {sys.executable} \"$@\" --claims-dir {claims}\n")
+    python.chmod(0o755)
+
     def run(*args: str, **env: str) -> list[list[str]]:
         log.write_text("")
         environ = {**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}", **env}
@@ -107,6 +114,37 @@ def test_entrypoint_worker_roles_start_ray_on_ray_cpus(stubbed, tmp_path):
     assert json.loads((tmp_path / "affinity-ray").read_text()) == [core]
     stubbed(placement.DECODE, RAY_ADDRESS="head:6379")  # unset: Ray keeps every core
     assert json.loads((tmp_path / "affinity-ray").read_text()) == sorted(os.sched_getaffinity(0))
+
+
+def test_entrypoint_worker_roles_reserve_cores_for_ray_and_declare_the_rest(stubbed, tmp_path):
+    """RAY_RESERVED_CPUS=1: Ray runs on one core, the engines' cores are declared for
+    `--cpu-bind auto` (engine.cpu_binding.CoreClaims.worker_cores)."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        pytest.skip("needs two cores")
+    (call,) = stubbed(placement.DECODE, RAY_ADDRESS="head:6379", RAY_RESERVED_CPUS="1")
+    assert call[:2] == ["ray", "start"]
+    (ray_core,) = json.loads((tmp_path / "affinity-ray").read_text())
+    workers = cpu_binding.CoreClaims(tmp_path / "claims").worker_cores()
+    assert workers == [c for c in cores if c != ray_core]
+
+
+def test_entrypoint_kuberay_runs_the_generated_ray_start_on_its_cores(stubbed, tmp_path):
+    """The kuberay role runs KUBERAY_GEN_RAY_START_CMD (a shell string with quoted JSON) under
+    the core split, and fails without it."""
+    cores = sorted(os.sched_getaffinity(0))
+    generated = ("ray start --address=head:6379 --resources='{\"prefill\": 1}' --block "
+                 "--num-cpus=4")
+    (call,) = stubbed("kuberay", KUBERAY_GEN_RAY_START_CMD=generated,
+                      RAY_RESERVED_CPUS="1" if len(cores) > 1 else "0")
+    assert call == ["ray", "start", "--address=head:6379", '--resources={"prefill": 1}',
+                    "--block", "--num-cpus=4"]
+    affinity = json.loads((tmp_path / "affinity-ray").read_text())
+    assert len(affinity) == (1 if len(cores) > 1 else len(cores))
+    environ = {k: v for k, v in os.environ.items() if k != "KUBERAY_GEN_RAY_START_CMD"}
+    out = subprocess.run(["bash", str(DOCKER / "entrypoint.sh"), "kuberay"], env=environ,
+                         capture_output=True, text=True, timeout=30)
+    assert out.returncode != 0 and "KUBERAY_GEN_RAY_START_CMD" in out.stderr
 
 
 def test_entrypoint_head_gateway_and_serve(stubbed):

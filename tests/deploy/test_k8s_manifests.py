@@ -233,6 +233,13 @@ def test_ray_version_images_and_roles(overlay):
     tag = redis["containers"][0]["image"].rpartition(":")[2]
     assert re.fullmatch(r"\d+\.\d+\.\d+(-\w+)?", tag), tag  # pinned, never latest
 
+    # KubeRay keeps our command (the entrypoint's kuberay role runs its generated ray start)
+    assert rc["metadata"]["annotations"]["ray.io/overwrite-container-cmd"] == "true"
+    for template in ray_pods(rc).values():
+        for container in template["spec"]["containers"]:
+            assert container["command"] == ["/usr/local/bin/pdcluster-entrypoint"]
+            assert container["args"] == ["kuberay"]
+
     head, workers = rc["spec"]["headGroupSpec"], rc["spec"]["workerGroupSpecs"]
     assert head["rayStartParams"]["num-cpus"] == "0"
     assert not set(start_resources(head)) & set(placement.ROLES)
@@ -318,9 +325,14 @@ def test_worker_pods_fit_the_config(overlay, tmp_path):
         ssd = volumes[mounts[cfg.kvpool.ssd_cache_dir]]
         storage = ssd["ephemeral"]["volumeClaimTemplate"]["spec"]["resources"]["requests"]
         assert quantity(storage["storage"]) >= cfg.kvpool.ssd_cache_bytes, role
-        # every configured actor of the role finds room: no actor left pending
-        cpus = quantity(limits["cpu"])
+        # every configured actor of the role finds room: no actor left pending; the pod's
+        # CPU limit is Ray's CPUs plus the cores kept for Ray's own processes
+        cpus = int(group["rayStartParams"]["num-cpus"])
         assert instances[role] * cfg.actor_num_cpus <= group["minReplicas"] * cpus, role
+        env = {e["name"]: e["value"] for e in container.get("env", [])}
+        reserved = int(env["RAY_RESERVED_CPUS"])
+        assert reserved >= 1 and quantity(limits["cpu"]) == cpus + reserved, role
+        assert container["resources"]["requests"]["cpu"] == limits["cpu"], role
         gpus = quantity(limits.get("nvidia.com/gpu", 0))
         if gpu:
             assert instances[role] <= group["minReplicas"] * gpus, role

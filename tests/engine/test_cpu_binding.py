@@ -127,3 +127,35 @@ def test_a_core_this_process_may_not_use_is_refused_not_claimed(tmp_path, caplog
     with caplog.at_level(logging.WARNING, logger="engine.cpu_binding"):
         assert cpu_binding.bind_threads(str(missing), 1, claims) is None
     assert "unpinned" in caplog.text and claims.cpus == []
+
+
+def test_declared_worker_cores_are_read_back_whole(tmp_path):
+    claims = CoreClaims(tmp_path / "claims")
+    assert claims.worker_cores() is None
+    claims.set_worker_cores([3, 0, 1])
+    assert CoreClaims(tmp_path / "claims").worker_cores() == [0, 1, 3]
+    (tmp_path / "claims" / "workers").write_text("not a list\n")
+    assert claims.worker_cores() is None
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores")
+def test_auto_claims_the_declared_worker_cores_beyond_an_inherited_confinement(tmp_path):
+    """A worker started by a Ray confined to one core (it inherits that mask) claims, with
+    "auto", the core its node declared for the engines, and runs there."""
+    ray_core, worker_core = sorted(os.sched_getaffinity(0))[:2]
+    CoreClaims(tmp_path).set_worker_cores([worker_core])
+    script = textwrap.dedent(f"""
+        import json, os, torch
+        from pathlib import Path
+        from engine.cpu_binding import CoreClaims, bind_threads
+        torch.set_num_threads(1)
+        inherited = sorted(os.sched_getaffinity(0))
+        got = bind_threads("auto", 1, CoreClaims(Path({str(tmp_path)!r})))
+        print(json.dumps({{"inherited": inherited, "got": got,
+                          "now": sorted(os.sched_getaffinity(0))}}))
+    """)
+    out = subprocess.run(["taskset", "-c", str(ray_core), sys.executable, "-c", script],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result == {"inherited": [ray_core], "got": [worker_core], "now": [worker_core]}
