@@ -67,11 +67,14 @@ class DecodeWorker:
         def build() -> DecodeEngine:  # on the engine loop's thread
             runner = ModelRunner(engine_config, tp=self.tp.group)
             self.tp.start(runner)
-            connector = create_connector(["fetch"], KVConnectorContext(
-                worker_id, node_id, kv_config, transfer, local_store=node_client,
-                device=runner.kv_cache.device.type))
+            context = KVConnectorContext(worker_id, node_id, kv_config, transfer,
+                                         local_store=node_client,
+                                         device=runner.kv_cache.device.type)
+            connector = create_connector(["fetch"], context)
+            publisher = (create_connector(["publish"], context) if transfer.decode_publish
+                         else None)
             return DecodeEngine(runner, worker_id, os.getpid(), connector, peers,
-                                transfer.load_failure_policy)
+                                transfer.load_failure_policy, publisher)
 
         self.loop = EngineLoop(build, "decode-engine")
         self.engine = self.loop.core

@@ -30,6 +30,11 @@ Lifecycle of a request on a decode worker:
 5. FINISHED       — EOS / stop id / max_tokens / max_model_len, abort, or a failed fetch; every
                     block it held goes back to the pool in the same loop iteration (an abort
                     during a fetch: once the connector reports it settled, see KVFetch.abort).
+                    Then, after its last token went out and before this thread allocates
+                    again, a sequence that ended normally has the full blocks of its prompt
+                    and output that no prefill published copied out for the KV pool (the
+                    publish connector, kvstore.connector.publish): a conversation's next turn
+                    reuses the reply. Aborted and failed sequences publish nothing.
 
 The statuses are engine.core.request.RequestStatus. The engine runs on an engine loop
 (engine.core.engine_loop: the thread that built the model; never the actor's event loop, which
@@ -59,8 +64,9 @@ from engine.protocol import (KV_LOAD_FAILED, DecodeRequest, FinishReason, TokenD
 from engine.runner import ModelRunner, SequenceChunk
 from engine.sampler import SampleInput, draw_seed, sample
 from kvstore.block_pool import BlockPool
-from kvstore.connector.base import KVLoadFailurePolicy
+from kvstore.connector.base import KVConnector, KVLoadFailurePolicy
 from kvstore.connector.fetch import FetchConnector, KVFetch
+from kvstore.hashing import block_keys, make_namespace
 from kvstore.transfer.layer_stream import LayerStreamAnnounce
 from kvstore.transfer.peers import StreamPeers
 
@@ -79,8 +85,9 @@ class DecodeSequence:
     aborted: bool = False
     arrival: int = 0
     swapped: torch.Tensor | None = None  # host copy of the KV of a request preempted by swap
-    # the scheduler's prefix-cache and chunking fields: a decode worker keys nothing; a
-    # prompt's KV arrives whole, or (colocated) is computed here in chunks
+    # the scheduler's prefix-cache and chunking fields: a decode worker caches no prefix; a
+    # prompt's KV arrives whole, or (colocated) is computed here in chunks. block_keys is set
+    # when the sequence ends normally: the keys of its full KV blocks, which it publishes
     block_keys: tuple[bytes, ...] = ()
     num_computed_tokens: int = 0
     runs_alone: bool = False
@@ -123,11 +130,14 @@ class DecodeEngine:
     kv_load_failure_policy: a fetch that failed for good is recomputed here ("recompute") or
         ends the request with error_code KV_LOAD_FAILED ("fail"); both are counted in
         stats()["kv_load_failures_total"] by action (KVTransferConfig.load_failure_policy).
+    publisher: the connector a normally ended sequence's blocks go out through
+        (kvstore.connector.publish.PublishConnector); None: nothing is published.
     """
 
     def __init__(self, runner: ModelRunner, worker_id: str, pid: int,
                  connector: FetchConnector, peers: StreamPeers | None = None,
-                 kv_load_failure_policy: str = "recompute") -> None:
+                 kv_load_failure_policy: str = "recompute",
+                 publisher: KVConnector | None = None) -> None:
         self.kv_load_failures = KVLoadFailurePolicy(kv_load_failure_policy)
         self.runner = runner
         self.worker_id = worker_id
@@ -146,6 +156,10 @@ class DecodeEngine:
         self._num_fetch_recomputed_tokens = 0
         self.connector = connector
         connector.register_kv_caches(runner.wire_kv)
+        self.publisher = publisher
+        if publisher is not None:
+            publisher.register_kv_caches(runner.wire_kv)
+        self.model_id = runner.model_config.name
         self.inbox = EngineInbox()
         self.num_forward_tokens_total = 0
         self.num_steps_total = 0
@@ -192,6 +206,7 @@ class DecodeEngine:
             "num_preemptions_total": self.scheduler.num_preemptions_total,
             "num_recomputed_tokens_total": self.num_recomputed_tokens_total,
             **self.connector.stats(),
+            **(self.publisher.stats() if self.publisher is not None else {}),
             "num_pending_layer_streams": len(self.streams),
             "num_fetch_retries_total": self.num_fetch_retries_total,
             "num_fetch_recomputes_total": self.num_fetch_recomputes_total,
@@ -201,6 +216,8 @@ class DecodeEngine:
     # ---- the engine loop's (engine.core.engine_loop) -----------------------------------------
     def close(self) -> None:
         self.connector.close()
+        if self.publisher is not None:
+            self.publisher.close()
 
     def handle(self, kind: str, item) -> None:
         if kind == "add":
@@ -393,9 +410,27 @@ class DecodeEngine:
     def _finish(self, seq: DecodeSequence, reason: FinishReason, error: str | None = None,
                 new_tokens: tuple[int, ...] = (), logprob: TokenLogprob | None = None,
                 error_code: str | None = None) -> None:
+        publish = (self.publisher is not None and seq.status is RequestStatus.RUNNING
+                   and reason in (FinishReason.STOP, FinishReason.LENGTH))
+        table = list(seq.block_table)
         self.scheduler.finish(seq)
         seq.swapped = None
         seq.emit(self._delta(seq, new_tokens, reason, error, logprob, error_code))
+        if publish:
+            # the freed blocks keep their bytes until this thread allocates again
+            self._publish(seq, table)
+
+    def _publish(self, seq: DecodeSequence, block_table: list[int]) -> None:
+        """Hand the full blocks of the sequence's KV, in `block_table`, to the publisher, which
+        copies what no prefill published. A failure costs later turns a recompute, never
+        this request."""
+        namespace = make_namespace(self.model_id, seq.request.cache_salt)
+        seq.block_keys = tuple(block_keys(seq.kv_token_ids(), self.block_size, namespace))
+        try:
+            self.publisher.request_finished(seq, block_table[:len(seq.block_keys)])
+        except Exception:  # noqa: BLE001 — the request already ended well
+            log.exception("publishing the blocks of %s failed", seq.request_id,
+                          extra={"request_id": seq.request_id})
 
     def _delta(self, seq: DecodeSequence, tokens: tuple[int, ...], reason: FinishReason | None,
                error: str | None = None, logprob: TokenLogprob | None = None,

@@ -140,6 +140,9 @@ _SERVE_SWITCHES = [
     ("--enforce-eager", "engine.enforce_eager",
      "run the model eager (--no-enforce-eager: compile it with torch.compile; default: "
      "compiled on CUDA, eager on CPU)"),
+    ("--kv-decode-publish", "transfer.decode_publish",
+     "decode workers publish the full blocks of finished sequences, prompt and reply, to the "
+     "KV pool, for a conversation's next turn (default on)"),
 ]
 
 

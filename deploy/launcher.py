@@ -116,11 +116,15 @@ class Cluster:
             ).remote(f"prefill-{i}", prefill_engine, cfg.kvstore, cfg.kvpool, cfg.ray_namespace,
                      transfer)
             self.prefill.append(Instance(f"prefill-{i}", "prefill", handle))
+        # colocated, nothing loads prefixes from the pool: what a decode published would only
+        # take arena space
+        decode_transfer = (transfer.model_copy(update={"decode_publish": False})
+                           if cfg.colocated else transfer)
         for i in range(cfg.decode_instances):
             handle = DecodeWorker.options(runtime_env=runtime_env,
                                           **self._rank0_options(decode_tp,
                                                                 placement.DECODE)).remote(
-                f"decode-{i}", decode_engine, cfg.kvstore, cfg.ray_namespace, transfer)
+                f"decode-{i}", decode_engine, cfg.kvstore, cfg.ray_namespace, decode_transfer)
             self.decode.append(Instance(f"decode-{i}", "decode", handle))
         infos = ray.get([i.handle.info.remote() for i in self.prefill + self.decode])
         for instance, info in zip(self.prefill + self.decode, infos):

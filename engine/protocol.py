@@ -226,6 +226,9 @@ class DecodeRequest:
     prompt_token_ids: tuple[int, ...]
     sampling: SamplingParams
     prefill: PrefillResult | None = None
+    #: the tenant's prefix-cache salt (PrefillRequest.cache_salt): the namespace of the keys
+    #: under which a decode worker publishes the sequence's blocks
+    cache_salt: str | None = None
 
 
 #: TokenDelta.error_code of a KV load that failed under the ``fail`` policy

@@ -175,6 +175,10 @@ class KVTransferConfig(pydantic.BaseModel):
             an error: a 503, or an error event once its stream began), which shows a
             misconfigured data plane at once. vLLM's
             ``kv_load_failure_policy``, whose default became ``fail``.
+        decode_publish: a decode worker puts the full blocks of a sequence that ended
+            normally (prompt and output; the blocks no prefill published) into its node's KV
+            store and so the index (kvstore.connector.publish), so a conversation's next turn
+            reuses the reply's KV.
         token / tls / max_message_bytes: deprecated copies of KVStoreConfig's; accepted with
             a DeprecationWarning and used only by a backend built without a KVStoreConfig.
     """
@@ -192,6 +196,7 @@ class KVTransferConfig(pydantic.BaseModel):
     receive_buffer_bytes: int = pydantic.Field(default=256 << 20, ge=0)
     streaming: Literal["request", "layer"] = "request"
     load_failure_policy: Literal["recompute", "fail"] = "recompute"
+    decode_publish: bool = True
     token: pydantic.SecretStr | None = pydantic.Field(
         default=None, exclude=True, repr=False,
         deprecated="KVTransferConfig.token is deprecated: the KV plane's token is "

@@ -118,6 +118,14 @@ class ClusterStatsCollector:
             for action in ("recompute", "fail"):
                 load_failures.add_metric([role, action], sum(
                     s.get("kv_load_failures_total", {}).get(action, 0) for s in stats))
+        published = CounterMetricFamily(
+            "pdcluster_kv_published_blocks", "Full KV blocks decode workers offered the KV pool "
+            "from finished sequences (kvstore.connector.publish), by outcome: stored, or failed "
+            "(a later turn recomputes them)", labels=["role", "outcome"])
+        published.add_metric(["decode", "stored"], sum(
+            s.get("kv_blocks_published_total", 0) for s in stats_d))
+        published.add_metric(["decode", "failed"], sum(
+            s.get("kv_publish_failures_total", 0) for s in stats_d))
         blocks = GaugeMetricFamily("pdcluster_kv_blocks", "KV blocks in worker caches",
                                    labels=["tier", "state"])
         for state, key in (("free", "num_free_blocks"), ("used", "num_used_blocks"),
@@ -137,8 +145,8 @@ class ClusterStatsCollector:
         waiting.add_metric(["decode"], sum(s.get("num_waiting", 0) for s in stats_d))
         if self.gate is not None:  # sequences in the gateway's fair queue
             waiting.add_metric(["gateway"], self.gate.queued)
-        return [queried, hits, transfer, transfer_errors, load_failures, blocks, running,
-                waiting]
+        return [queried, hits, transfer, transfer_errors, load_failures, published, blocks,
+                running, waiting]
 
 
 async def _gather_stats(instances) -> list[dict]:

@@ -236,8 +236,8 @@ class Pipeline:
             # the first token went out while the prefill published the KV the decode needs
             result: PrefillResult = await _next_from(stream, prefill)
             handed_to_decode = True  # from here the decode's abort releases what it holds
-            async with aclosing(_stream_decode(decode, DecodeRequest(attempt_id, prompt, params,
-                                                                    result))) as deltas:
+            request = DecodeRequest(attempt_id, prompt, params, result, run.cache_salt)
+            async with aclosing(_stream_decode(decode, request)) as deltas:
                 async for delta in deltas:
                     yield delta
         finally:
@@ -268,7 +268,7 @@ class ColocatedPipeline(Pipeline):
             decode = self.conductor.route_decode(self._route_request(run, prompt), run.failed)
         except NoInstanceError as exc:
             raise self._routing_error(run, exc) from exc
-        request = DecodeRequest(run.attempt_id, prompt, params)
+        request = DecodeRequest(run.attempt_id, prompt, params, cache_salt=run.cache_salt)
         async with aclosing(_stream_decode(decode, request)) as stream:
             async for delta in stream:
                 yield delta

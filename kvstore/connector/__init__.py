@@ -21,6 +21,7 @@ KV_CONNECTORS: dict[str, str] = {
     "torch": "kvstore.connector.torch_push:TorchPushConnector",
     "fetch": "kvstore.connector.fetch:FetchConnector",
     "mooncake": "kvstore.connector.mooncake:MooncakeConnector",
+    "publish": "kvstore.connector.publish:PublishConnector",
 }
 
 

@@ -139,3 +139,5 @@ def test_metrics_cover_requests_rejections_and_prefix_cache(http, api_base):
     assert delta("pdcluster_prefix_cache_hit_tokens_total", tier="device") == 32
     assert delta("pdcluster_requests_rejected_total", reason="invalid_request") == 1
     assert delta("pdcluster_kv_transfer_bytes_total", backend="grpc") > 0
+    # prompt and reply fill the same 2 full blocks the prefill published: nothing new to publish
+    assert delta("pdcluster_kv_published_blocks_total", role="decode", outcome="stored") == 0

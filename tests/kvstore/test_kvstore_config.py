@@ -48,7 +48,8 @@ def test_transfer_config_holds_no_kv_plane_settings():
                                           "num_streams", "min_stream_bytes", "bind_host",
                                           "mooncake_protocol", "source_buffer_bytes",
                                           "receive_buffer_bytes",
-                                          "streaming", "load_failure_policy"}
+                                          "streaming", "load_failure_policy",
+                                          "decode_publish"}
     assert kv_plane_of(config) == KVStoreConfig()  # no token, no TLS
 
 
