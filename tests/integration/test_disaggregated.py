@@ -23,10 +23,11 @@ LONG_PROMPT = ("Once upon a time, there was a little boy named Tim. Tim had a bi
 
 
 def run(cluster: Cluster, request_id: str, prompt_ids: list[int], max_tokens: int,
-        **sampling) -> list:
+        cache_salt: str | None = None, **sampling) -> list:
     async def collect():
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, **sampling)
-        return [d async for d in cluster.pipeline.generate(request_id, prompt_ids, params)]
+        return [d async for d in cluster.pipeline.generate(request_id, prompt_ids, params,
+                                                           cache_salt)]
 
     return asyncio.run(collect())
 
@@ -72,7 +73,10 @@ def test_decode_output_depends_on_kv_received_over_grpc(cluster, hf):
     bytes_before = decode_stats(cluster)["kv_bytes_fetched_total"]
     try:
         ray.get(decode.inject_fault.remote("perturb_v", 3.0))
-        perturbed = tokens_of(run(cluster, "req-perturbed", prompt, 24, ignore_eos=True))
+        # under a salt of its own: the decode publishes the blocks it holds when the request
+        # ends, and these hold perturbed V, which no later request of the session may load
+        perturbed = tokens_of(run(cluster, "req-perturbed", prompt, 24, "perturbed",
+                                  ignore_eos=True))
     finally:
         ray.get(decode.inject_fault.remote("perturb_v", 0.0))
     assert perturbed[0] == expected[0]  # token 1 comes from prefill, untouched
