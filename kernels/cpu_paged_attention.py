@@ -1,11 +1,20 @@
 """The C++ paged attention kernels for CPU (decode: `cpu_paged_decode.cpp`, prefill:
-`cpu_paged_prefill.cpp`; built by `kernels.cpu_extension`)."""
+`cpu_paged_prefill.cpp`; built by `kernels.cpu_extension`).
+
+bfloat16 prefill on a CPU with AMX takes torch's SDPA instead, per sequence over its K/V
+gathered from the blocks: SDPA's flash kernel multiplies bfloat16 tiles on the AMX unit
+(accumulating in float32), where the C++ kernel widens to float32 vectors; it measured 1.7-6x
+faster there (benchmarks/RESULTS.md, "bfloat16 on AMX"). Decode attention, a read of K/V,
+stays on the C++ kernel.
+"""
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 import kernels.cpu_extension as cpu_extension
+from kernels.cpu_gemm import amx_bf16_available
 
 
 _DTYPES = (torch.float32, torch.bfloat16)
@@ -35,5 +44,42 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     """See `torch_attention.paged_prefill_attention`; float32 or bfloat16 (`supports`). Raises
     RuntimeError for inputs outside the contract (a seq_len beyond its block table or shorter
     than its new tokens)."""
+    if q.dtype == torch.bfloat16 and amx_bf16_available():
+        return sdpa_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q,
+                                      seq_lens, scale)
     return cpu_extension.module().paged_prefill_attention(q, k_cache, v_cache, block_tables,
                                                           cu_seqlens_q, seq_lens, scale)
+
+
+def sdpa_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                           seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """`paged_prefill_attention` through torch's SDPA, one call per sequence: its K/V gathered
+    from its blocks into [seq_len, kv_heads, head_dim], its new tokens attending bottom-right
+    causally (new token i of L in a sequence of S sees keys 0..S-L+i). Same contract and
+    errors as the C++ kernel's."""
+    out = torch.empty_like(q)
+    _, block_size, num_kv_heads, head_dim = k_cache.shape
+    starts, lens = cu_seqlens_q.tolist(), seq_lens.tolist()
+    for i, total in enumerate(lens):
+        begin, end = starts[i], starts[i + 1]
+        new = end - begin
+        if new == 0:
+            continue
+        if total < new:
+            raise RuntimeError(f"sequence {i}: seq_len {total} is shorter than its new tokens "
+                               f"({new})")
+        num_blocks = -(-total // block_size)
+        if num_blocks > block_tables.shape[1]:
+            raise RuntimeError(f"sequence {i}: seq_len {total} is beyond its block table "
+                               f"({block_tables.shape[1]} blocks)")
+        index = block_tables[i, :num_blocks].long()
+        k, v = (c.index_select(0, index).view(-1, num_kv_heads, head_dim)[:total]
+                .transpose(0, 1).unsqueeze(0) for c in (k_cache, v_cache))
+        query = q[begin:end].transpose(0, 1).unsqueeze(0)
+        mask = None if new == total else torch.ones(new, total, dtype=torch.bool).tril(total - new)
+        attended = F.scaled_dot_product_attention(query, k, v, attn_mask=mask,
+                                                  is_causal=mask is None, scale=scale,
+                                                  enable_gqa=True)
+        out[begin:end] = attended[0].transpose(0, 1)
+    return out
