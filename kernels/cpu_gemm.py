@@ -45,7 +45,7 @@ _PACKED_DTYPES = (torch.float32, torch.bfloat16)
 #: batches stay on oneDNN, which ran near the FMA peak in prefill on an AVX-512 CPU
 SKINNY_MAX_ROWS = 32
 #: the same for bfloat16 on a CPU with AMX, where oneDNN's tile kernels overtake the skinny
-#: GEMM between 6 and 8 rows (benchmarks/RESULTS.md, "bfloat16 on AMX")
+#: GEMM after a few rows (benchmarks/RESULTS.md, "bfloat16 on AMX")
 SKINNY_MAX_ROWS_AMX_BF16 = 6
 
 

@@ -3,9 +3,9 @@
 
 bfloat16 prefill on a CPU with AMX takes torch's SDPA instead, per sequence over its K/V
 gathered from the blocks: SDPA's flash kernel multiplies bfloat16 tiles on the AMX unit
-(accumulating in float32), where the C++ kernel widens to float32 vectors; it measured 1.7-6x
-faster there (benchmarks/RESULTS.md, "bfloat16 on AMX"). Decode attention, a read of K/V,
-stays on the C++ kernel.
+(accumulating in float32), where the C++ kernel widens to float32 vectors
+(benchmarks/RESULTS.md, "bfloat16 on AMX"). Decode attention, a read of K/V, stays on the C++
+kernel.
 """
 
 from __future__ import annotations
