@@ -1,11 +1,12 @@
 """The C++ paged attention kernels for CPU (decode: `cpu_paged_decode.cpp`, prefill:
 `cpu_paged_prefill.cpp`; built by `kernels.cpu_extension`).
 
-bfloat16 prefill on a CPU with AMX takes torch's SDPA instead, per sequence over its K/V
-gathered from the blocks: SDPA's flash kernel multiplies bfloat16 tiles on the AMX unit
-(accumulating in float32), where the C++ kernel widens to float32 vectors
-(benchmarks/RESULTS.md, "bfloat16 on AMX"). Decode attention, a read of K/V, stays on the C++
-kernel.
+Prefill on a CPU with AMX takes torch's SDPA instead, per sequence over its K/V gathered from
+the blocks. In bfloat16, SDPA's flash kernel multiplies tiles on the AMX unit (accumulating in
+float32), where the C++ kernel widens to float32 vectors; in float32 its oneDNN GEMMs also
+measured faster than the C++ kernel on such a (Sapphire Rapids class) core, while on an AMD
+core the C++ kernel was the faster (benchmarks/RESULTS.md, "bfloat16 on AMX"). Decode
+attention, a read of K/V, stays on the C++ kernel everywhere.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     """See `torch_attention.paged_prefill_attention`; float32 or bfloat16 (`supports`). Raises
     RuntimeError for inputs outside the contract (a seq_len beyond its block table or shorter
     than its new tokens)."""
-    if q.dtype == torch.bfloat16 and amx_bf16_available():
+    if amx_bf16_available():
         return sdpa_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q,
                                       seq_lens, scale)
     return cpu_extension.module().paged_prefill_attention(q, k_cache, v_cache, block_tables,
@@ -61,6 +62,7 @@ def sdpa_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     out = torch.empty_like(q)
     _, block_size, num_kv_heads, head_dim = k_cache.shape
     starts, lens = cu_seqlens_q.tolist(), seq_lens.tolist()
+    out[starts[-1]:].zero_()  # padding rows after the last chunk, as the C++ kernel leaves them
     for i, total in enumerate(lens):
         begin, end = starts[i], starts[i + 1]
         new = end - begin

@@ -201,18 +201,19 @@ def test_a_mixed_batch_equals_each_sequence_alone():
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
 def test_the_sdpa_prefill_path_matches_the_oracle(dtype, tol):
-    """The path bfloat16 prefill takes on AMX CPUs, run here on any CPU: whole prompts and
-    chunks after a cached prefix, scattered and consecutive blocks, a zero-token row."""
+    """The path prefill takes on AMX CPUs, run here on any CPU: whole prompts and chunks after
+    a cached prefix, scattered and consecutive blocks, a zero-token row, padding rows."""
     k_cache, v_cache = (c.to(dtype) for c in caches())
     seq_lens, num_new = [5, 37, 130, 71, 9], [5, 37, 33, 1, 0]
     table = tables(seq_lens, [False, True, False, True, False])
     lens = torch.tensor(seq_lens, dtype=torch.int32)
-    q = (4 * torch.randn(sum(num_new), NUM_HEADS, HEAD_DIM)).to(dtype)
+    q = (4 * torch.randn(sum(num_new) + 3, NUM_HEADS, HEAD_DIM)).to(dtype)  # 3 padding rows
     cu = torch.tensor([0, *torch.tensor(num_new).cumsum(0).tolist()], dtype=torch.int32)
     want = attention_oracle.paged_prefill_attention(q, k_cache, v_cache, table, cu, lens, SCALE)
     got = cpu_paged_attention.sdpa_prefill_attention(q, k_cache, v_cache, table, cu, lens,
                                                      SCALE)
     assert got.dtype == dtype and got.shape == want.shape
+    assert not got[int(cu[-1]):].any()
     torch.testing.assert_close(got, want, atol=tol, rtol=tol)
     with pytest.raises(RuntimeError, match="shorter than its new tokens"):
         cpu_paged_attention.sdpa_prefill_attention(
