@@ -412,7 +412,7 @@ class DecodeEngine:
                 error_code: str | None = None) -> None:
         publish = (self.publisher is not None and seq.status is RequestStatus.RUNNING
                    and reason in (FinishReason.STOP, FinishReason.LENGTH))
-        table = list(seq.block_table)
+        table = list(seq.block_table) if publish else []  # finish empties the request's own
         self.scheduler.finish(seq)
         seq.swapped = None
         seq.emit(self._delta(seq, new_tokens, reason, error, logprob, error_code))

@@ -54,15 +54,16 @@ def skinny_max_rows(dtype: torch.dtype) -> int:
     """The most rows `linear` runs on the skinny copy in `dtype` on this CPU:
     `SKINNY_MAX_ROWS_AMX_BF16` for bfloat16 where the CPU has AMX tiles (and oneDNN uses them),
     `SKINNY_MAX_ROWS` otherwise."""
-    if dtype == torch.bfloat16 and amx_bf16_available():
+    if dtype == torch.bfloat16 and has_amx():
         return SKINNY_MAX_ROWS_AMX_BF16
     return SKINNY_MAX_ROWS
 
 
 @functools.cache
-def amx_bf16_available() -> bool:
+def has_amx() -> bool:
     """Whether this CPU has AMX tiles and torch's oneDNN runs bfloat16 on it (Sapphire Rapids
-    and later Xeons)."""
+    and later Xeons): the CPU class whose kernel choices differ (`skinny_max_rows`,
+    kernels.cpu_paged_attention)."""
     probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
     return (probe is not None and probe() and torch.backends.mkldnn.is_available()
             and torch.ops.mkldnn._is_mkldnn_bf16_supported())

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 import kernels.cpu_extension as cpu_extension
-from kernels.cpu_gemm import amx_bf16_available
+from kernels.cpu_gemm import has_amx
 
 
 _DTYPES = (torch.float32, torch.bfloat16)
@@ -45,7 +45,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     """See `torch_attention.paged_prefill_attention`; float32 or bfloat16 (`supports`). Raises
     RuntimeError for inputs outside the contract (a seq_len beyond its block table or shorter
     than its new tokens)."""
-    if amx_bf16_available():
+    if has_amx():
         return sdpa_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q,
                                       seq_lens, scale)
     return cpu_extension.module().paged_prefill_attention(q, k_cache, v_cache, block_tables,

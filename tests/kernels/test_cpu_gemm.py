@@ -137,7 +137,7 @@ def test_more_rows_than_the_skinny_limit_take_the_other_gemm():
 def test_bf16_on_amx_takes_the_skinny_copy_for_fewer_rows(monkeypatch, amx):
     """Where the CPU has AMX, bfloat16 batches above SKINNY_MAX_ROWS_AMX_BF16 rows leave the
     skinny copy (oneDNN's tile kernels are faster there); float32 keeps SKINNY_MAX_ROWS."""
-    monkeypatch.setattr(cpu_gemm, "amx_bf16_available", lambda: amx)
+    monkeypatch.setattr(cpu_gemm, "has_amx", lambda: amx)
     cpu_gemm.skinny_max_rows.cache_clear()
     try:
         limit = cpu_gemm.SKINNY_MAX_ROWS_AMX_BF16 if amx else cpu_gemm.SKINNY_MAX_ROWS
