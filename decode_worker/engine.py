@@ -91,6 +91,8 @@ class DecodeSequence:
     block_keys: tuple[bytes, ...] = ()
     num_computed_tokens: int = 0
     runs_alone: bool = False
+    # prompt tokens a colocated prefill took from a cache instead of computing
+    num_cached_tokens: int = 0
 
     @property
     def request_id(self) -> str:
@@ -435,6 +437,10 @@ class DecodeEngine:
     def _delta(self, seq: DecodeSequence, tokens: tuple[int, ...], reason: FinishReason | None,
                error: str | None = None, logprob: TokenLogprob | None = None,
                error_code: str | None = None) -> TokenDelta:
+        # a colocated request's first delta says what its prompt found cached; after a
+        # prefill, the prefill's first token said it
+        first = seq.request.prefill is None and len(tokens) == len(seq.output_ids) > 0
         return TokenDelta(seq.request_id, tuple(tokens), reason, seq.num_forward_tokens,
                           self.worker_id, self.pid, error,
-                          logprobs=None if logprob is None else (logprob,), error_code=error_code)
+                          logprobs=None if logprob is None else (logprob,), error_code=error_code,
+                          num_cached_tokens=seq.num_cached_tokens if first else None)

@@ -160,6 +160,8 @@ class FirstToken:
     gateway sends it to the client while the prompt's KV is still being published).
 
     logprob: its logprob entry when the request asked for logprobs.
+    num_cached_tokens: prompt tokens whose KV came from the prefix cache (any tier), not
+        computed; what OpenAI's `usage.prompt_tokens_details.cached_tokens` reports.
     """
 
     request_id: str
@@ -167,6 +169,7 @@ class FirstToken:
     logprob: TokenLogprob | None
     prefill_worker_id: str
     prefill_pid: int
+    num_cached_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -244,6 +247,8 @@ class TokenDelta:
     generated − 1 on a normal finish); error carries a message when finish_reason is ERROR,
     and error_code what kind of error when a caller must tell it apart (KV_LOAD_FAILED: the
     request's KV load failed under the ``fail`` policy, which no retry should paper over).
+    num_cached_tokens: on the first item of a request, the prompt tokens the prefix cache
+    served (FirstToken.num_cached_tokens); None on the others.
     """
 
     request_id: str
@@ -256,3 +261,4 @@ class TokenDelta:
     logprobs: tuple[TokenLogprob, ...] | None = None
     extra: dict = field(default_factory=dict)
     error_code: str | None = None
+    num_cached_tokens: int | None = None

@@ -1,6 +1,7 @@
 """`pdcluster bench`: load-test an OpenAI-compatible endpoint (pdcluster's or any other).
 
     pdcluster bench run     [--trace FILE | synthetic flags] [load flags] ...   one run
+    pdcluster bench run     --multi-turn [--trace FILE | conversation flags]    conversations
     pdcluster bench sweep   --request-rates 1,2,4 | --max-concurrencies 1,4,16  one run per point
     pdcluster bench compare A.json B.json                                     B/A per metric
     pdcluster bench report  RESULT.json                                       re-draw the report
@@ -24,6 +25,7 @@ from loadtest.options import (
     Endpoint,
     add_run_arguments,
     base_url,
+    build_conversations,
     build_workload,
     client_config,
     run_config,
@@ -89,13 +91,15 @@ def _stem(args: argparse.Namespace, load: str) -> str:
     if args.result_filename:
         return Path(args.result_filename).stem
     label = args.label or ("trace" if args.trace else "synthetic")
+    if args.multi_turn and not args.label:
+        label = f"multiturn-{label}"
     return f"{label}-{load}-{datetime.datetime.now().strftime('%Y%m%d-%H%M%S')}"
 
 
 async def _one(args, endpoint: Endpoint, rate: float | None, concurrency: int | None,
                stem: str, report: bool) -> dict:
-    from loadtest.report import format_summary, write_report  # matplotlib: only when used
-
+    if args.multi_turn:
+        return await _conversations(args, endpoint, rate, concurrency, stem, report)
     workload = build_workload(args, endpoint, rate)
     if not workload.requests:
         raise ValueError(f"no request to send ({workload.dropped} dropped as over "
@@ -107,6 +111,13 @@ async def _one(args, endpoint: Endpoint, rate: float | None, concurrency: int | 
                 "burstiness": args.burstiness}
     result = await run_benchmark(workload, client_config(args, endpoint),
                                  run_config(args, concurrency), metadata)
+    return _save(args, result, stem, report)
+
+
+def _save(args: argparse.Namespace, result: dict, stem: str, report: bool) -> dict:
+    """Writes the result JSON (and the report), prints the summary; returns `result`."""
+    from loadtest.report import format_summary, write_report  # matplotlib: only when used
+
     out_dir = Path(args.result_dir)
     save_json(result, out_dir / f"{stem}.json")
     print(format_summary(result))
@@ -114,6 +125,24 @@ async def _one(args, endpoint: Endpoint, rate: float | None, concurrency: int | 
     if report:
         print(f"report: {write_report(result, out_dir, stem)}", file=sys.stderr)
     return result
+
+
+async def _conversations(args, endpoint: Endpoint, rate: float | None,
+                         concurrency: int | None, stem: str, report: bool) -> dict:
+    from loadtest.multiturn import run_conversations
+
+    conversations = build_conversations(args, endpoint, rate)
+    if not conversations.conversations:
+        raise ValueError(f"no conversation to run ({conversations.dropped_turns} turns "
+                         "dropped as over --max-model-len)")
+    print(f"{conversations.description}: {len(conversations.conversations)} conversations, "
+          f"{conversations.num_turns} turns, {conversations.dropped_turns} dropped",
+          file=sys.stderr)
+    metadata = {"label": args.label or stem, "request_rate": conversations.params.get(
+        "request_rate"), "burstiness": args.burstiness}
+    result = await run_conversations(conversations, client_config(args, endpoint),
+                                     run_config(args, concurrency), metadata)
+    return _save(args, result, stem, report)
 
 
 async def _run(args: argparse.Namespace) -> int:

@@ -7,7 +7,10 @@ TTFT is the time to the first token event, ITL gets one entry per later token ev
 the previous one), and E2E latency is the time to the last token event. The output length is
 `usage.completion_tokens` from the final usage chunk (`stream_options.include_usage`) when the
 server sends one; otherwise the sum of `token_ids` lengths when the server returns them
-(`return_token_ids`), else the number of chunks with non-empty text.
+(`return_token_ids`), else the number of chunks with non-empty text. With `return_token_ids`
+the record keeps the output ids (a multi-turn conversation appends them to its next prompt),
+and `cached_tokens` is the usage's `prompt_tokens_details.cached_tokens` when the server
+reports it (OpenAI's field; pdcluster always, vLLM with --enable-prompt-tokens-details).
 
 A request fails — recorded, never raised — on a non-200 status, an `error` object in the stream,
 no token event before the stream ends, a connection error, or the client timeout (`timeout_s`
@@ -82,6 +85,8 @@ class RequestRecord:
     itl_s: list[float] = field(default_factory=list)
     e2el_s: float = 0.0
     output_tokens: int = 0
+    output_token_ids: list[int] = field(default_factory=list)
+    cached_tokens: int | None = None
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -128,6 +133,8 @@ class _StreamState:
         self.event_times: list[float] = []
         self.chunk_tokens = 0
         self.usage_tokens: int | None = None
+        self.cached_tokens: int | None = None
+        self.token_ids: list[int] = []
         self.error = ""
 
     def feed(self, raw: bytes, now: float) -> bool:
@@ -149,10 +156,14 @@ class _StreamState:
             token_ids = choice.get("token_ids")
             if token_ids is not None:
                 self.chunk_tokens += len(token_ids)
+                self.token_ids.extend(int(t) for t in token_ids)
             elif choice.get("text"):
                 self.chunk_tokens += 1
         elif (usage := data.get("usage")) and usage.get("completion_tokens") is not None:
             self.usage_tokens = int(usage["completion_tokens"])
+            details = usage.get("prompt_tokens_details") or {}
+            if details.get("cached_tokens") is not None:
+                self.cached_tokens = int(details["cached_tokens"])
         return False
 
     def finish(self, record: RequestRecord, st: float) -> RequestRecord:
@@ -168,6 +179,8 @@ class _StreamState:
         record.e2el_s = times[-1] - st
         record.output_tokens = (self.usage_tokens if self.usage_tokens is not None
                                 else self.chunk_tokens)
+        record.output_token_ids = self.token_ids
+        record.cached_tokens = self.cached_tokens
         record.success = True
         return record
 

@@ -13,6 +13,7 @@ import numpy as np
 
 from loadtest.arrivals import rate_arrivals
 from loadtest.client import ClientConfig
+from loadtest.conversations import ConversationSet, synthetic_conversations, trace_conversations
 from loadtest.metrics import parse_goodput
 from loadtest.prefix import DENOMINATORS
 from loadtest.runner import RunConfig, rate_label
@@ -80,6 +81,19 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                                        "prompt ids are drawn from (default: stories260K's)")
     g.add_argument("--seed", type=int, default=0)
 
+    g = p.add_argument_group("multi-turn (--multi-turn)")
+    g.add_argument("--multi-turn", action="store_true",
+                   help="conversations: each turn sends the history, the server's actual "
+                        "reply and a new user message (synthetic, or inferred from --trace)")
+    g.add_argument("--num-conversations", type=int, default=32,
+                   help="synthetic: conversations (default 32)")
+    g.add_argument("--num-turns", type=int, default=4, help="synthetic: turns each (default 4)")
+    g.add_argument("--user-len", default="16",
+                   help="synthetic: tokens of each later user message: N, LO:HI or @HISTOGRAM")
+    g.add_argument("--think-time", type=float, default=1.0,
+                   help="synthetic: mean seconds between a reply and the next turn "
+                        "(exponential; 0: none; default 1)")
+
     g = p.add_argument_group("load")
     g.add_argument("--request-rate", type=float, default=None,
                    help="requests/s (default: inf for synthetic; a trace follows its "
@@ -145,6 +159,34 @@ def run_config(args: argparse.Namespace, max_concurrency: int | None) -> RunConf
                      scrape_interval_s=args.scrape_interval, block_size=args.block_size,
                      hit_denominator=args.hit_denominator,
                      hit_cap_last_token=args.hit_cap_last_token, progress=not args.disable_tqdm)
+
+
+def build_conversations(args: argparse.Namespace, endpoint: Endpoint,
+                        request_rate: float | None) -> ConversationSet:
+    """The conversations of a --multi-turn run; `request_rate` paces synthetic conversation
+    starts (None: all at once) and is refused with a trace, whose timestamps pace it."""
+    space = token_space_from_tokenizer(args.tokenizer) if args.tokenizer else TokenSpace()
+    max_len = args.max_model_len if args.max_model_len is not None else endpoint.max_model_len
+    if args.trace:
+        if request_rate is not None:
+            raise ValueError("--multi-turn with --trace follows the trace's timestamps "
+                             "(scale them with --time-scale), not --request-rate")
+        records = read_trace(args.trace, args.start, args.num_requests)
+        return trace_conversations(records, space, length_scale=args.length_scale,
+                                   time_scale=args.time_scale, max_model_len=max_len,
+                                   seed=args.seed, source=args.trace.rsplit("/", 1)[-1])
+    rng = np.random.default_rng(args.seed)
+    n = args.num_conversations
+    rate = math.inf if request_rate is None else request_rate
+    conversations = synthetic_conversations(
+        n, args.num_turns, parse_length(args.input_len), parse_length(args.user_len),
+        parse_length(args.output_len), space, think_time_s=args.think_time,
+        starts_s=rate_arrivals(n, rate, args.burstiness, rng),
+        shared_prefix_fraction=args.shared_prefix_fraction,
+        num_prefix_groups=args.num_prefix_groups, max_model_len=max_len, seed=args.seed)
+    conversations.params.update({"request_rate": rate_label(rate),
+                                 "burstiness": args.burstiness})
+    return conversations
 
 
 def build_workload(args: argparse.Namespace, endpoint: Endpoint,

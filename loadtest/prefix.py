@@ -58,15 +58,62 @@ def offline_prefix_hits(prompts: Iterable[Sequence[int]], block_size: int = 16,
     queried: list[int] = []
     hit: list[int] = []
     for prompt in prompts:
-        n = len(prompt)
         keys = block_keys(prompt, block_size, b"")
-        cached = 0
-        while cached < len(keys) and keys[cached] in seen:
-            cached += 1
-        hit_tokens = cached * block_size
-        if cap_last_token:
-            hit_tokens = min(hit_tokens, block_size * ((n - 1) // block_size) if n else 0)
-        hit.append(hit_tokens)
-        queried.append(n if denominator == "prompt" else len(keys) * block_size)
+        hit.append(_hit_tokens(keys, seen, len(prompt), block_size, cap_last_token))
+        queried.append(len(prompt) if denominator == "prompt" else len(keys) * block_size)
         seen.update(keys)
     return PrefixHits(queried=queried, hit=hit)
+
+
+def _hit_tokens(keys: list[bytes], seen: set[bytes], n: int, block_size: int,
+                cap_last_token: bool) -> int:
+    """Tokens of a prompt of `n` tokens with block keys `keys` an infinite cache holding
+    `seen` serves: its leading seen blocks, capped to leave the last token computed."""
+    cached = 0
+    while cached < len(keys) and keys[cached] in seen:
+        cached += 1
+    hit_tokens = cached * block_size
+    if cap_last_token:
+        hit_tokens = min(hit_tokens, block_size * ((n - 1) // block_size) if n else 0)
+    return hit_tokens
+
+
+@dataclass(frozen=True)
+class SentRequest:
+    """A request as the conversation bound sees it: its prompt, the tokens whose KV it held
+    when it finished (prompt and all output tokens but the last, which no forward ran; None
+    when it failed), and when it was sent and finished (s after the benchmark start)."""
+
+    prompt: Sequence[int]
+    kv_ids: Sequence[int] | None
+    start_s: float
+    end_s: float
+
+
+def conversation_prefix_hits(requests: Sequence[SentRequest], block_size: int = 16,
+                             cap_last_token: bool = True) -> PrefixHits:
+    """Infinite-cache hits when replies are cached too: the bound of decode-side publishing.
+
+    As `offline_prefix_hits` (denominator "prompt"), except that a request's full blocks of
+    prompt and reply (`kv_ids`) become hits for every request sent after it finished. Results
+    are in the order of `requests`.
+
+    Raises:
+        ValueError: block_size < 1.
+    """
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1 (got {block_size})")
+    # at equal times a finish comes first: a turn is sent the instant its previous one ended
+    events = sorted([(r.start_s, 1, i) for i, r in enumerate(requests)]
+                    + [(r.end_s, 0, i) for i, r in enumerate(requests) if r.kv_ids is not None])
+    seen: set[bytes] = set()
+    hit = [0] * len(requests)
+    for _, is_send, i in events:
+        request = requests[i]
+        if not is_send:
+            seen.update(block_keys(list(request.kv_ids), block_size, b""))
+            continue
+        keys = block_keys(list(request.prompt), block_size, b"")
+        hit[i] = _hit_tokens(keys, seen, len(request.prompt), block_size, cap_last_token)
+        seen.update(keys)
+    return PrefixHits(queried=[len(r.prompt) for r in requests], hit=hit)

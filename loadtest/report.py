@@ -60,15 +60,39 @@ def summary_rows(result: dict) -> list[tuple[str, str]]:
         rows.append((f"  tier {tier}", _pct(ratio)))
     rows.append(("Prefix hit ratio (offline, infinite cache)",
                  _pct(result.get("offline_prefix_hit_ratio"))))
+    if result.get("turns"):
+        rows.append(("Conversations", _fmt(result.get("num_conversations"))))
+        rows.append(("Abandoned turns (after a failure)", _fmt(result.get("abandoned_turns"))))
+        rows.append(("KV bytes transferred", _fmt(result.get("kv_transfer_bytes"), 0)))
+        rows.append(("KV bytes transferred per request",
+                     _fmt(result.get("kv_transfer_bytes_per_request"), 0)))
     return rows
 
 
 def format_summary(result: dict) -> str:
-    """vLLM-style console block."""
+    """vLLM-style console block; a multi-turn run adds its per-turn table."""
     lines = [" Serving Benchmark Result ".center(60, "=")]
     lines += [f"{label + ':':<46} {value}" for label, value in summary_rows(result)]
+    if result.get("turns"):
+        lines.append(" Per turn ".center(60, "-"))
+        lines += turn_table(result)
     lines.append("=" * 60)
     return "\n".join(lines)
+
+
+TURN_COLUMNS = ("turn", "completed", "median TTFT ms", "hit", "hit of full blocks",
+                "bound", "hit / bound")
+
+
+def turn_table(result: dict) -> list[str]:
+    """The per-turn rows of a multi-turn result as a Markdown table."""
+    lines = ["| " + " | ".join(TURN_COLUMNS) + " |", "|---" * len(TURN_COLUMNS) + "|"]
+    for row in result["turns"]:
+        cells = (row["turn"], row["completed"], _fmt(row["median_ttft_ms"], 1),
+                 _pct(row["hit_ratio"]), _pct(row["hit_ratio_full_blocks"]),
+                 _pct(row["offline_bound_hit_ratio"]), _fmt(row["hit_vs_bound"], 3))
+        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+    return lines
 
 
 def write_report(result: dict, out_dir: Path, stem: str) -> Path:
@@ -92,6 +116,8 @@ def write_report(result: dict, out_dir: Path, stem: str) -> Path:
           f"- date: {result.get('date')}", "",
           "| metric | value |", "|---|---:|"]
     md += [f"| {label.strip()} | {value} |" for label, value in summary_rows(result)]
+    if result.get("turns"):
+        md += ["", "## Per turn", ""] + turn_table(result)
     errors = sorted({r.error for r in records if not r.success})
     if errors:
         md += ["", "## Errors (distinct)", ""] + [f"- `{e[:200]}`" for e in errors[:20]]

@@ -24,7 +24,7 @@ from tqdm import tqdm
 from loadtest.client import ClientConfig, RequestRecord, send_request
 from loadtest.metrics import compute_metrics
 from loadtest.prefix import offline_prefix_hits
-from loadtest.scrape import CounterSampler, hit_ratios, scrape
+from loadtest.scrape import CacheCounters, CounterSampler, hit_ratios, scrape
 from loadtest.workload import BenchRequest, Workload
 
 
@@ -58,6 +58,28 @@ class RunConfig:
 async def run_benchmark(workload: Workload, client: ClientConfig, run: RunConfig,
                         metadata: dict | None = None) -> dict:
     """Run `workload` and return the result dict (see README "pdcluster bench")."""
+    measured = await measured_run(run, lambda session, t0: _dispatch(
+        session, workload.requests, client, run, t0))
+    return _result(workload, client, run, measured.value, measured.duration, measured.before,
+                   measured.after, measured.samples, metadata or {})
+
+
+@dataclass
+class MeasuredRun:
+    """What `measured_run` returns: the body's value, its duration (s) and the /metrics
+    scrapes before, after and in between (None / empty without a metrics URL)."""
+
+    value: object
+    duration: float
+    before: CacheCounters | None
+    after: CacheCounters | None
+    samples: list[CacheCounters]
+
+
+async def measured_run(run: RunConfig, body) -> MeasuredRun:
+    """Runs `await body(session, t0)` in an HTTP session (at most `run.max_concurrency`
+    connections), between a /metrics scrape before and one after, with the sampler scraping
+    every `run.scrape_interval_s` meanwhile. `t0` is the start on the perf_counter clock."""
     connector = aiohttp.TCPConnector(limit=run.max_concurrency or 0, force_close=False)
     async with aiohttp.ClientSession(connector=connector, trust_env=False,
                                      timeout=aiohttp.ClientTimeout(total=None)) as session:
@@ -67,14 +89,13 @@ async def run_benchmark(workload: Workload, client: ClientConfig, run: RunConfig
         if before is not None:
             sampler.samples.append(before)
             sampler.start()
-        records = await _dispatch(session, workload.requests, client, run, t0)
+        value = await body(session, t0)
         duration = time.perf_counter() - t0
         after = None
         if before is not None:
             await sampler.stop()
             after = await sampler.sample_now()
-    return _result(workload, client, run, records, duration, before, after, sampler.samples,
-                   metadata or {})
+    return MeasuredRun(value, duration, before, after, sampler.samples)
 
 
 async def _dispatch(session: aiohttp.ClientSession, requests: list[BenchRequest],

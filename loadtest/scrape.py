@@ -4,6 +4,7 @@ pdcluster exports
     pdcluster_prefix_cache_queried_tokens_total            prompt tokens looked up
     pdcluster_prefix_cache_hit_tokens_total{tier="..."}    of those, served from tier
                                                            (device, host, ssd, remote)
+and `pdcluster_kv_transfer_bytes_total{backend="..."}`, the KV bytes decode workers received.
 The measured hit ratio of a run is Δhit / Δqueried between a scrape before the first request
 and one after the last, overall (hits summed over tiers) and per tier; a sampler also scrapes
 every few seconds for the hit ratio over time. Counters are summed over any other labels (e.g.
@@ -22,6 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 QUERIED = "pdcluster_prefix_cache_queried_tokens"
 HIT = "pdcluster_prefix_cache_hit_tokens"
+TRANSFER_BYTES = "pdcluster_kv_transfer_bytes"
 
 
 @dataclass(frozen=True)
@@ -31,9 +33,11 @@ class CacheCounters:
     t_s: float
     queried: float
     hit_by_tier: dict[str, float] = field(default_factory=dict)
+    transfer_bytes_by_backend: dict[str, float] = field(default_factory=dict)
 
     def to_json(self) -> dict:
-        return {"t_s": self.t_s, "queried": self.queried, "hit_by_tier": self.hit_by_tier}
+        return {"t_s": self.t_s, "queried": self.queried, "hit_by_tier": self.hit_by_tier,
+                "transfer_bytes_by_backend": self.transfer_bytes_by_backend}
 
 
 def parse_counters(text: str, t_s: float = 0.0) -> CacheCounters | None:
@@ -44,6 +48,7 @@ def parse_counters(text: str, t_s: float = 0.0) -> CacheCounters | None:
     """
     queried: float | None = None
     hits: dict[str, float] = {}
+    transfer: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             name = sample.name.removesuffix("_total")
@@ -54,9 +59,13 @@ def parse_counters(text: str, t_s: float = 0.0) -> CacheCounters | None:
             elif name == HIT:
                 tier = sample.labels.get("tier", "all")
                 hits[tier] = hits.get(tier, 0.0) + sample.value
+            elif name == TRANSFER_BYTES:
+                backend = sample.labels.get("backend", "all")
+                transfer[backend] = transfer.get(backend, 0.0) + sample.value
     if queried is None:
         return None
-    return CacheCounters(t_s=t_s, queried=queried, hit_by_tier=hits)
+    return CacheCounters(t_s=t_s, queried=queried, hit_by_tier=hits,
+                         transfer_bytes_by_backend=transfer)
 
 
 async def scrape(session: aiohttp.ClientSession, metrics_url: str, t_s: float = 0.0,
@@ -87,6 +96,16 @@ def hit_ratios(before: CacheCounters | None, after: CacheCounters | None) -> dic
     return {"overall": sum(d_hit.values()) / d_queried,
             "by_tier": {t: v / d_queried for t, v in sorted(d_hit.items())},
             "queried_tokens": d_queried, "hit_tokens": sum(d_hit.values())}
+
+
+def transfer_bytes(before: CacheCounters | None, after: CacheCounters | None) -> float | None:
+    """KV bytes decode workers received between two scrapes, summed over backends; None when
+    either scrape is missing or a counter went backwards."""
+    if before is None or after is None:
+        return None
+    moved = {b: v - before.transfer_bytes_by_backend.get(b, 0.0)
+             for b, v in after.transfer_bytes_by_backend.items()}
+    return None if any(v < 0 for v in moved.values()) else sum(moved.values())
 
 
 class CounterSampler:

@@ -101,7 +101,7 @@ def trace_workload(records: list[TraceRecord], space: TokenSpace, *, length_scal
     requests: list[BenchRequest] = []
     dropped = 0
     for record, arrival in zip(records, arrivals):
-        prompt = _prompt(record, block, blocks)
+        prompt = record_prompt(record, block, blocks)
         output_len = max(1, round(record.output_length * block / TRACE_BLOCK_SIZE))
         if max_model_len is not None and len(prompt) + output_len > max_model_len:
             dropped += 1
@@ -117,7 +117,8 @@ def trace_workload(records: list[TraceRecord], space: TokenSpace, *, length_scal
                 "time_scale": time_scale, "max_model_len": max_model_len, "seed": seed})
 
 
-def _prompt(record: TraceRecord, block: int, blocks: BlockTokens) -> list[int]:
+def record_prompt(record: TraceRecord, block: int, blocks: BlockTokens) -> list[int]:
+    """The prompt token ids of `record` with `block`-token blocks (see the module docstring)."""
     n = len(record.hash_ids)
     tail_orig = min(max(record.input_length - TRACE_BLOCK_SIZE * (n - 1), 1), TRACE_BLOCK_SIZE)
     tail = min(block, max(1, round(tail_orig * block / TRACE_BLOCK_SIZE)))

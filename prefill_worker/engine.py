@@ -407,7 +407,7 @@ class PrefillEngine:
             self.eos_token_ids)
         seq.first_token = (token, logprob)
         seq.first.set_result(FirstToken(seq.request_id, token, logprob, self.worker_id,
-                                        self.pid))
+                                        self.pid, self._num_cached_tokens(seq)))
         self._sending[seq.request_id] = seq
         try:
             _, params = self.connector.request_finished(seq, seq.block_table)
@@ -424,8 +424,12 @@ class PrefillEngine:
         self.prefix_cache_hit_tokens_total.update(seq.loaded.tokens_by_tier)
         self.scheduler.finish(seq)
         log.debug("prefill of %d tokens (%d cached) in %.1f ms", seq.num_prompt_tokens,
-                  hit * self.block_size + seq.loaded.num_tokens,
+                  self._num_cached_tokens(seq),
                   (time.perf_counter() - seq.began) * 1e3, extra={"request_id": seq.request_id})
+
+    def _num_cached_tokens(self, seq: PrefillSequence) -> int:
+        """Prompt tokens the prefix cache served: device hits plus tokens loaded from a tier."""
+        return seq.num_hit_blocks * self.block_size + seq.loaded.num_tokens
 
     def _end(self, seq: PrefillSequence, error: BaseException) -> None:
         """The request ends without a result: what the connector moves for it dropped, its
@@ -461,10 +465,10 @@ class PrefillEngine:
         params = dict(params)
         seq.extra.update(params.pop("extra", {}))
         token, logprob = seq.first_token
-        num_cached = seq.num_hit_blocks * self.block_size + seq.loaded.num_tokens
         seq.result.set_result(PrefillResult(
             seq.request_id, token, params.pop("kv_address"), params.pop("block_keys"),
-            params.pop("tail_handle"), params.pop("num_tail_tokens"), num_cached,
+            params.pop("tail_handle"), params.pop("num_tail_tokens"),
+            self._num_cached_tokens(seq),
             self.worker_id, self.pid, logprob, extra=seq.extra, **params))
 
     def _apply_events(self, events: list, cached_keys: list[bytes] | None) -> None:

@@ -127,10 +127,13 @@ async def respond(ctx: ServingContext, body: SamplingFields, request_id: str,
     num_prompt_tokens = sum(len(p) for p in prompts)
     if body.stream:
         return StreamingResponse(sse(first, rest, choice, head, num_prompt_tokens,
-                                     body.stream_options), media_type="text/event-stream")
+                                     body.stream_options, body.n),
+                                 media_type="text/event-stream")
     choices = await collect(first, rest, len(specs))
+    cached = {c.index: c.num_cached_tokens for c in choices}
     response = {**head, "choices": [choice(c) for c in choices],
-                "usage": usage(num_prompt_tokens, sum(len(c.token_ids) for c in choices))}
+                "usage": usage(num_prompt_tokens, sum(len(c.token_ids) for c in choices),
+                               cached_tokens(cached, body.n))}
     if body.return_token_ids:
         response["prompt_token_ids"] = prompts if len(prompts) > 1 else prompts[0]
     return JSONResponse(response)
@@ -186,6 +189,8 @@ async def collect(first: ChoiceDelta, rest: AsyncIterator[ChoiceDelta],
             acc.token_ids += delta.token_ids
             acc.logprobs += delta.logprobs
             acc.finish_reason = delta.finish_reason or acc.finish_reason
+            if acc.num_cached_tokens is None:
+                acc.num_cached_tokens = delta.num_cached_tokens
     except GenerationError as exc:
         log.warning("request failed: %s", exc)
         raise APIError(exc.status, str(exc)) from exc
@@ -196,23 +201,29 @@ async def collect(first: ChoiceDelta, rest: AsyncIterator[ChoiceDelta],
 
 async def sse(first: ChoiceDelta, rest: AsyncIterator[ChoiceDelta],
               choice: Callable[[ChoiceDelta], dict], head: dict, prompt_tokens: int,
-              stream_options: StreamOptions | None) -> AsyncIterator[str]:
+              stream_options: StreamOptions | None,
+              choices_per_prompt: int = 1) -> AsyncIterator[str]:
     """SSE frames, one per delta: `head` with the one choice `choice(delta)`; then `[DONE]`.
     With stream_options include_usage, a last chunk (`head` with no choices) carries the
     request's usage; with continuous_usage_stats (vLLM's extension), every chunk also carries
     the usage so far. A mid-stream failure becomes an error event."""
     completion_tokens = 0
+    cached: dict[int, int | None] = {}
     include_usage = bool(stream_options and stream_options.include_usage)
     continuous = include_usage and stream_options.continuous_usage_stats
     try:
         async for delta in _chain(first, rest):
             completion_tokens += len(delta.token_ids)
+            if cached.get(delta.index) is None:
+                cached[delta.index] = delta.num_cached_tokens
             frame = {**head, "choices": [choice(delta)]}
             if continuous:
-                frame["usage"] = usage(prompt_tokens, completion_tokens)
+                frame["usage"] = usage(prompt_tokens, completion_tokens,
+                                       cached_tokens(cached, choices_per_prompt))
             yield f"data: {json.dumps(frame)}\n\n"
         if include_usage:
-            last = {**head, "choices": [], "usage": usage(prompt_tokens, completion_tokens)}
+            last = {**head, "choices": [], "usage": usage(
+                prompt_tokens, completion_tokens, cached_tokens(cached, choices_per_prompt))}
             yield f"data: {json.dumps(last)}\n\n"
     except GenerationError as exc:
         log.warning("stream ended by an error: %s", exc)
@@ -228,9 +239,22 @@ async def _chain(first: ChoiceDelta, rest: AsyncIterator[ChoiceDelta]) -> AsyncI
         yield delta
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+def usage(prompt_tokens: int, completion_tokens: int, cached: int | None = None) -> dict:
+    """OpenAI's usage object; with `cached`, `prompt_tokens_details.cached_tokens` too."""
+    body = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}
+    if cached is not None:
+        body["prompt_tokens_details"] = {"cached_tokens": cached}
+    return body
+
+
+def cached_tokens(by_choice: dict[int, int | None], choices_per_prompt: int) -> int | None:
+    """A request's cached prompt tokens: as `prompt_tokens` counts each prompt once, the sum
+    over prompts of what the first choice of each (index p·n) found cached. None until one of
+    them has reported."""
+    firsts = [n for index, n in by_choice.items()
+              if index % choices_per_prompt == 0 and n is not None]
+    return sum(firsts) if firsts else None
 
 
 def envelope(request_id: str, obj: str, model: str, created: int | None = None) -> dict:

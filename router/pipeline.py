@@ -232,7 +232,8 @@ class Pipeline:
             yield TokenDelta(attempt_id, (first.token,), None,
                              logprobs=None if first.logprob is None else (first.logprob,),
                              extra={"prefill_worker_id": first.prefill_worker_id,
-                                    "prefill_pid": first.prefill_pid})
+                                    "prefill_pid": first.prefill_pid},
+                             num_cached_tokens=first.num_cached_tokens)
             # the first token went out while the prefill published the KV the decode needs
             result: PrefillResult = await _next_from(stream, prefill)
             handed_to_decode = True  # from here the decode's abort releases what it holds

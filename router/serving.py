@@ -35,13 +35,16 @@ class ChoiceSpec:
 
 @dataclass
 class ChoiceDelta:
-    """New output of one choice. finish_reason: None, "stop" or "length" (OpenAI's values)."""
+    """New output of one choice. finish_reason: None, "stop" or "length" (OpenAI's values).
+    num_cached_tokens: on the choice's first delta, the prompt tokens the prefix cache
+    served; None on the others."""
 
     index: int
     text: str
     token_ids: list[int]
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
+    num_cached_tokens: int | None = None
 
 
 _DONE = object()
@@ -127,6 +130,9 @@ class GenerationService:
         num_tokens = 0
         try:
             async for delta in deltas:
+                # a migrated request's later attempts report their resumed prompts: only the
+                # first report is the request's
+                cached = delta.num_cached_tokens if first_token_at is None else None
                 if first_token_at is None:
                     first_token_at = time.perf_counter()
                 num_tokens += len(delta.token_ids)
@@ -137,7 +143,7 @@ class GenerationService:
                 text = stops.update(detok.text, final)
                 reason = "stop" if stops.stopped else _finish_text(delta.finish_reason)
                 yield ChoiceDelta(spec.index, text, list(delta.token_ids),
-                                  list(delta.logprobs or ()), reason)
+                                  list(delta.logprobs or ()), reason, cached)
                 if reason is not None:
                     self.metrics.observe_request(first_token_at - start,
                                                  time.perf_counter() - start, num_tokens)

@@ -3,8 +3,10 @@
 
 It streams one SSE chunk per token, ends with a usage chunk when asked
 (`stream_options.include_usage`), keeps vLLM-style prefix-cache counters over an infinite cache
-of 16-token blocks (queries += prompt tokens; hits += leading cached full-block tokens, capped
-so the last prompt token is computed) and exposes them on /metrics. `behavior(body)` picks what
+of 16-token blocks of prompts (queries += prompt tokens; hits += leading cached full-block
+tokens, capped so the last prompt token is computed), exposes them on /metrics and reports a
+request's hits as its usage's `prompt_tokens_details.cached_tokens`. With `return_token_ids`
+token i of a reply is id 3 + i % 100. `behavior(body)` picks what
 happens to a request: "ok", "fail" (HTTP 500), "stall" (no reply), "stall_mid" (2 tokens,
 then nothing), "error_mid" (2 tokens, then an error object).
 """
@@ -79,7 +81,7 @@ class StubServer:
                   for t, v in self.hits.items()]
         return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
 
-    def _count_prefix(self, prompt: list[int]) -> None:
+    def _count_prefix(self, prompt: list[int]) -> int:
         keys, prev = [], b""
         for i in range(len(prompt) // BLOCK):
             block = json.dumps(prompt[i * BLOCK:(i + 1) * BLOCK]).encode()
@@ -93,6 +95,7 @@ class StubServer:
         self.hits["device"] += min(hit, 2 * BLOCK)   # first two blocks "on device", rest "host"
         self.hits["host"] += max(hit - 2 * BLOCK, 0)
         self._seen.update(keys)
+        return hit
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
@@ -103,7 +106,7 @@ class StubServer:
                                                 "type": "server_error"}}, status=500)
         if mode == "stall":
             await asyncio.sleep(30)
-        self._count_prefix(body["prompt"])
+        cached = self._count_prefix(body["prompt"])
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
         n = int(body["max_tokens"])
@@ -124,7 +127,8 @@ class StubServer:
         if (body.get("stream_options") or {}).get("include_usage"):
             await self._send(response, {"id": "x", "choices": [], "usage": {
                 "prompt_tokens": len(body["prompt"]), "completion_tokens": n,
-                "total_tokens": len(body["prompt"]) + n}})
+                "total_tokens": len(body["prompt"]) + n,
+                "prompt_tokens_details": {"cached_tokens": cached}}})
         await response.write(b"data: [DONE]\n\n")
         return response
 
