@@ -1,0 +1,141 @@
+"""Multi-turn chat load with and without the decode worker publishing replies to the KV pool.
+
+For each setting (`--kv-decode-publish` on, off), in alternating order over `--rounds`:
+start `pdcluster serve` fresh (empty caches), run `pdcluster bench run --multi-turn`, stop it.
+Prints, per setting, the mean over rounds of the turns ≥ 2 hit ratio (over prompt tokens and
+over full-block prompt tokens, from the per-request `cached_tokens`), the offline bound that
+counts replies, hit / bound, and median TTFT per turn; the bound-independent TTFT ratio of
+publish on to publish off for turns ≥ 2 is the headline.
+
+    python benchmarks/multi_turn.py                    # bundled stories260K, 2 prefill + 2 decode
+    python benchmarks/multi_turn.py --model 100m --prefill 1 --decode 1 --input-len 256
+
+`--model 100m` is the random-weight 100M-parameter Llama of benchmarks/throughput.py (fp32);
+its prompts draw from that model's word-level vocabulary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from throughput import FULL, free_port, wait_healthy, write_model  # noqa: E402
+
+PDCLUSTER = Path(sys.executable).parent / "pdcluster"
+
+
+def serve(model: Path | None, args, publish: bool, port: int, log: Path) -> subprocess.Popen:
+    command = [str(PDCLUSTER), "serve", "--port", str(port), "--log-level", "warning",
+               "--prefill-instances", str(args.prefill), "--decode-instances", str(args.decode),
+               "--kv-decode-publish" if publish else "--no-kv-decode-publish"]
+    if model is not None:
+        command += ["--model", str(model), "--num-kv-blocks", "2664",
+                    "--max-num-batched-tokens", "1024", "--torch-threads", "1"]
+    return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=open(log, "ab"),
+                            start_new_session=True)
+
+
+def bench(port: int, model: Path | None, args, out: Path, seed: int, name: str) -> dict:
+    command = [str(PDCLUSTER), "bench", "run", "--multi-turn", "--port", str(port),
+               "--num-conversations", str(args.conversations), "--num-turns", str(args.turns),
+               "--input-len", args.input_len, "--user-len", args.user_len,
+               "--output-len", str(args.output_len), "--think-time", str(args.think_time),
+               "--seed", str(seed), "--result-dir", str(out), "--result-filename",
+               f"{name}.json", "--no-report", "--disable-tqdm"]
+    if args.max_concurrency:
+        command += ["--max-concurrency", str(args.max_concurrency)]
+    if model is not None:
+        command += ["--tokenizer", str(model)]
+    subprocess.run(command, check=True, capture_output=True)
+    return json.loads((out / f"{name}.json").read_text())
+
+
+def run_setting(model: Path | None, args, publish: bool, out: Path, seed: int) -> dict:
+    port = free_port()
+    name = f"publish-{'on' if publish else 'off'}-s{seed}"
+    server = serve(model, args, publish, port, out / f"{name}.log")
+    try:
+        wait_healthy(port, server)
+        return bench(port, model, args, out, seed, name)
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", choices=("bundled", "100m"), default="bundled")
+    parser.add_argument("--prefill", type=int, default=2)
+    parser.add_argument("--decode", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--conversations", type=int, default=32)
+    parser.add_argument("--turns", type=int, default=4)
+    parser.add_argument("--input-len", default="128")
+    parser.add_argument("--user-len", default="8:16")
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--think-time", type=float, default=0.5)
+    parser.add_argument("--max-concurrency", type=int, default=None)
+    args = parser.parse_args()
+    results: dict[bool, list[dict]] = {True: [], False: []}
+    loads = []
+    with tempfile.TemporaryDirectory() as tmp:
+        model = None
+        if args.model == "100m":
+            model = Path(tmp) / "random-llama"
+            write_model(model, FULL, 0)
+        for round_ in range(args.rounds):
+            for publish in ((True, False) if round_ % 2 == 0 else (False, True)):
+                loads.append(os.getloadavg()[0])
+                print(f"round {round_ + 1}: publish {'on' if publish else 'off'} ...",
+                      flush=True)
+                results[publish].append(run_setting(model, args, publish, Path(tmp),
+                                                    seed=100 + round_))
+                loads.append(os.getloadavg()[0])
+    report(results, args, loads)
+    return 0
+
+
+def report(results: dict[bool, list[dict]], args, loads: list[float]) -> None:
+    def turn(result: dict, k) -> dict:
+        return next(row for row in result["turns"] if row["turn"] == k)
+
+    def mean(publish: bool, k, key: str) -> float:
+        return statistics.mean(turn(r, k)[key] for r in results[publish])
+
+    print(f"\n{args.model} model, {args.prefill} prefill + {args.decode} decode, "
+          f"{args.conversations} conversations x {args.turns} turns, first prompt "
+          f"{args.input_len}, user {args.user_len}, reply {args.output_len}, think "
+          f"{args.think_time} s; mean of {args.rounds} round(s); load average "
+          f"{min(loads):.2f}-{max(loads):.2f}\n")
+    turns = [row["turn"] for row in results[True][0]["turns"]]
+    print("| publish | turns >= 2 hit | of full blocks | bound | hit / bound | "
+          + " | ".join(f"TTFT p50 turn {k}" for k in turns) + " | KV bytes / request |")
+    print("|---" * (6 + len(turns)) + "|")
+    for publish in (True, False):
+        cells = [f"{100 * mean(publish, '2+', 'hit_ratio'):.1f} %",
+                 f"{100 * mean(publish, '2+', 'hit_ratio_full_blocks'):.1f} %",
+                 f"{100 * mean(publish, '2+', 'offline_bound_hit_ratio'):.1f} %",
+                 f"{mean(publish, '2+', 'hit_vs_bound'):.3f}"]
+        cells += [f"{mean(publish, k, 'median_ttft_ms'):.1f} ms" for k in turns]
+        moved = [r["kv_transfer_bytes_per_request"] for r in results[publish]]
+        cells.append(f"{statistics.mean(moved) / 1e3:.0f} kB" if None not in moved else "n/a")
+        print(f"| {'on' if publish else 'off'} | " + " | ".join(cells) + " |")
+    ratio = mean(True, "2+", "median_ttft_ms") / mean(False, "2+", "median_ttft_ms")
+    print(f"\nturns >= 2 median TTFT, publish on / off: {ratio:.2f}x")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
