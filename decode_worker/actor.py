@@ -27,6 +27,8 @@ from kvstore.actor import kvstore_actor
 from kvstore.config import KVStoreConfig, KVTransferConfig
 from kvstore.connector import create_connector
 from kvstore.connector.base import KVConnectorContext
+from kvstore.index import open_index
+from kvstore.pool_config import KVPoolConfig
 from kvstore.node_client import NodeStoreClient
 from kvstore.transfer.layer_stream import LayerStreamAnnounce
 from kvstore.transfer.peers import RayStreamPeers, register_self
@@ -43,14 +45,17 @@ class DecodeWorker:
     each request's blocks in the KV pool's layout and scatters the KV-head slices to the ranks.
 
     transfer: the KV transfer settings (``--kv-transfer``), shared by every worker; None: gRPC
-    with the KV store's rpc_timeout_s as its deadline. The KV plane's token, TLS and message
+    with the KV store's rpc_timeout_s as its deadline. pool_config: where the global KV index
+    is, to which the prefix cache of this worker's device blocks is announced (None: the
+    cache works unindexed, and the Conductor cannot see it). The KV plane's token, TLS and message
     size are always kv_config's. With ``transfer.streaming == "layer"`` the actor
     registers itself (kvstore.transfer.peers) so prefills can announce their layer streams.
     """
 
     def __init__(self, worker_id: str, engine_config: EngineConfig, kv_config: KVStoreConfig,
                  ray_namespace: str | None = None,
-                 transfer: KVTransferConfig | None = None) -> None:
+                 transfer: KVTransferConfig | None = None,
+                 pool_config: KVPoolConfig | None = None) -> None:
         setup_worker_logging()  # --log-level / --log-format, as the gateway logs
         self.tp = TPInstance(engine_config)
         node_id = ray.get_runtime_context().get_node_id()
@@ -63,6 +68,10 @@ class DecodeWorker:
             peers = RayStreamPeers(ray_namespace, timeout)
         self.worker_id = worker_id
         self._fault_injection = engine_config.fault_injection
+        index = (open_index(pool_config.index_url,
+                            **pool_config.index_options(transfer.bind_host,
+                                                        transfer.mooncake_protocol))
+                 if pool_config is not None and engine_config.enable_prefix_caching else None)
 
         def build() -> DecodeEngine:  # on the engine loop's thread
             runner = ModelRunner(engine_config, tp=self.tp.group)
@@ -74,7 +83,8 @@ class DecodeWorker:
             publisher = (create_connector(["publish"], context) if transfer.decode_publish
                          else None)
             return DecodeEngine(runner, worker_id, os.getpid(), connector, peers,
-                                transfer.load_failure_policy, publisher)
+                                transfer.load_failure_policy, publisher, index, node_id,
+                                transfer.incremental_transfer)
 
         self.loop = EngineLoop(build, "decode-engine")
         self.engine = self.loop.core

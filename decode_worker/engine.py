@@ -36,6 +36,18 @@ Lifecycle of a request on a decode worker:
                     publish connector, kvstore.connector.publish): a conversation's next turn
                     reuses the reply. Aborted and failed sequences publish nothing.
 
+Prefix cache (with EngineConfig.enable_prefix_caching, as on prefill): the full blocks of a
+normally finished sequence (prompt and output) stay cached in this worker's pool, keyed as the
+prefill keys them, and so do a prompt's blocks once its KV landed or was computed here. Running
+sequences come first: a cached block is one whose sequence ended, on the free queue's LRU
+order, and any allocation may evict it; nothing is set aside for the cache. A new request's
+admission takes the cached blocks of its prompt's leading keys: a prompt computed here
+(colocated) starts after them, and a prompt coming from a prefill fetches only the blocks after
+them (incremental transfer) when it comes by the store path — a pushed transfer (torch pair,
+Mooncake region, layer stream) brings the whole prompt, as the prefill sent it before this
+worker was asked. The cache's events go to the global index as this worker's device tier, so
+the Conductor sees which decode holds a conversation's previous turn.
+
 The statuses are engine.core.request.RequestStatus. The engine runs on an engine loop
 (engine.core.engine_loop: the thread that built the model; never the actor's event loop, which
 a forward would block for every other call); requests and aborts reach it through its inbox, and tokens leave through
@@ -46,8 +58,9 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -67,6 +80,8 @@ from kvstore.block_pool import BlockPool
 from kvstore.connector.base import KVConnector, KVLoadFailurePolicy
 from kvstore.connector.fetch import FetchConnector, KVFetch
 from kvstore.hashing import block_keys, make_namespace
+from kvstore.index import KVIndex, Location
+from kvstore.index.device_feed import DeviceCacheFeed
 from kvstore.transfer.layer_stream import LayerStreamAnnounce
 from kvstore.transfer.peers import StreamPeers
 
@@ -85,13 +100,14 @@ class DecodeSequence:
     aborted: bool = False
     arrival: int = 0
     swapped: torch.Tensor | None = None  # host copy of the KV of a request preempted by swap
-    # the scheduler's prefix-cache and chunking fields: a decode worker caches no prefix; a
-    # prompt's KV arrives whole, or (colocated) is computed here in chunks. block_keys is set
-    # when the sequence ends normally: the keys of its full KV blocks, which it publishes
+    # the scheduler's prefix-cache and chunking fields: block_keys are the prompt's full-block
+    # keys its admission looks up in this worker's cache (empty: nothing is looked up);
+    # num_computed_tokens counts the hits, then the prompt's chunks computed or landed. When
+    # the sequence ends normally, block_keys become the keys of all its full KV blocks
     block_keys: tuple[bytes, ...] = ()
     num_computed_tokens: int = 0
     runs_alone: bool = False
-    # prompt tokens a colocated prefill took from a cache instead of computing
+    # prompt tokens admission found in this worker's cache (not fetched, not computed)
     num_cached_tokens: int = 0
 
     @property
@@ -134,12 +150,17 @@ class DecodeEngine:
         stats()["kv_load_failures_total"] by action (KVTransferConfig.load_failure_policy).
     publisher: the connector a normally ended sequence's blocks go out through
         (kvstore.connector.publish.PublishConnector); None: nothing is published.
+    index / node_id: where the prefix cache's events go, as (node_id, "device", worker_id);
+        None: the cache works unindexed.
+    incremental_transfer: a prompt from a prefill starts after the blocks cached here
+        (KVTransferConfig.incremental_transfer); off, it comes whole.
     """
 
     def __init__(self, runner: ModelRunner, worker_id: str, pid: int,
                  connector: FetchConnector, peers: StreamPeers | None = None,
                  kv_load_failure_policy: str = "recompute",
-                 publisher: KVConnector | None = None) -> None:
+                 publisher: KVConnector | None = None, index: KVIndex | None = None,
+                 node_id: str = "local-node", incremental_transfer: bool = True) -> None:
         self.kv_load_failures = KVLoadFailurePolicy(kv_load_failure_policy)
         self.runner = runner
         self.worker_id = worker_id
@@ -149,8 +170,17 @@ class DecodeEngine:
         self.max_model_len = cfg.resolved_max_model_len(runner.model_config)
         self.max_num_batched_tokens = cfg.max_num_batched_tokens
         self.eos_token_ids = frozenset(runner.model_config.eos_token_ids)
-        self.pool = BlockPool(cfg.num_kv_blocks, enable_caching=False)  # decode keys nothing
+        self.pool = BlockPool(cfg.num_kv_blocks, enable_caching=cfg.enable_prefix_caching)
+        self.incremental_transfer = incremental_transfer
         self.kv = KVCacheManager(self.pool, self.block_size)
+        self._index_events = ThreadPoolExecutor(1, thread_name_prefix="decode-events")
+        self._g1_feed = DeviceCacheFeed(self.pool, index, Location(node_id, "device", worker_id),
+                                        self._index_events)
+        # prompts computed here: tokens looked up, and found, in this worker's cache
+        self.prefix_cache_queried_tokens_total = 0
+        self.prefix_cache_hit_tokens_total: Counter[str] = Counter({"device": 0})
+        # prompts from a prefill: blocks found here, so not fetched
+        self.kv_blocks_reused_total = 0
         self.scheduler: Scheduler[DecodeSequence] = Scheduler(
             self.kv, PREEMPTION_MODES[cfg.preemption_mode](self.kv, self._prefill_locally,
                                                            runner.wire_kv))
@@ -213,10 +243,15 @@ class DecodeEngine:
             "num_fetch_retries_total": self.num_fetch_retries_total,
             "num_fetch_recomputes_total": self.num_fetch_recomputes_total,
             "kv_load_failures_total": dict(self.kv_load_failures.failures_total),
+            "prefix_cache_queried_tokens_total": self.prefix_cache_queried_tokens_total,
+            "prefix_cache_hit_tokens_total": dict(self.prefix_cache_hit_tokens_total),
+            "kv_blocks_reused_total": self.kv_blocks_reused_total,
+            "g1_reannouncements_total": self._g1_feed.reannouncements_total,
         }
 
     # ---- the engine loop's (engine.core.engine_loop) -----------------------------------------
     def close(self) -> None:
+        self._index_events.shutdown(wait=False)
         self.connector.close()
         if self.publisher is not None:
             self.publisher.close()
@@ -242,6 +277,7 @@ class DecodeEngine:
             return False
         decoding = [s for s in running if s.num_computed_tokens >= s.num_prompt_tokens]
         self._step(decoding, self.scheduler.schedule_chunks(self.max_num_batched_tokens))
+        self._g1_feed.send()
         return True
 
     def idle_wait_s(self) -> float:
@@ -263,12 +299,37 @@ class DecodeEngine:
             error = (f"request needs up to {self.kv.blocks_for(most)} KV blocks, worker has "
                      f"{self.kv.num_blocks}")
         if finish is None:
+            seq.block_keys = self._prompt_keys(seq)
             self.scheduler.add(seq)
             return
         self.streams.drop(seq.request_id)  # a stream announced for it is not needed
         self.connector.request_finished(seq, ())  # it never fetched: its tail, pushed KV go
         seq.status = RequestStatus.FINISHED
         seq.emit(self._delta(seq, (), finish, error))
+
+    def _prompt_keys(self, seq: DecodeSequence) -> tuple[bytes, ...]:
+        """The prompt's full-block keys to look up at admission: none without a prefix cache,
+        with incremental transfer off, or when the prefill pushes the whole prompt (it sent it
+        before this worker was asked); the prefill's keys when the blocks come by the store
+        path; computed here, as the prefill computes them, for a prompt this worker runs."""
+        prefill = seq.request.prefill
+        if not self.pool.enable_caching:
+            return ()
+        if prefill is None:
+            namespace = make_namespace(self.model_id, seq.request.cache_salt)
+            return tuple(block_keys(seq.request.prompt_token_ids, self.block_size, namespace))
+        if (not self.incremental_transfer or prefill.pair_address is not None
+                or prefill.kv_region is not None or prefill.layer_stream is not None):
+            return ()
+        return prefill.block_keys
+
+    def _cache_prompt(self, seq: DecodeSequence) -> None:
+        """The prompt's full blocks, whose KV is now all there, become prefix-cache entries
+        (those that were hits already are)."""
+        prefill = seq.request.prefill
+        keys = seq.block_keys if prefill is None else prefill.block_keys
+        if self.pool.enable_caching and keys:
+            self.pool.cache_full_blocks(seq.block_table[:len(keys)], keys)
 
     def _abort_now(self, request_id: str) -> None:
         self.streams.drop(request_id, tell_prefill=True)
@@ -302,10 +363,14 @@ class DecodeEngine:
         """New requests the scheduler admits start their KV: computed here when colocated,
         else fetched from the prefill side (or taken from its layer stream)."""
         for seq in self.scheduler.admit():
-            n, _ = self.connector.get_num_new_matched_tokens(seq, 0)
+            seq.num_cached_tokens = seq.num_computed_tokens  # the scheduler's prefix hits
+            n, _ = self.connector.get_num_new_matched_tokens(seq, seq.num_computed_tokens)
             if not n:  # colocated: its prompt runs in the next steps' chunks
+                self.prefix_cache_queried_tokens_total += seq.num_prompt_tokens
+                self.prefix_cache_hit_tokens_total["device"] += seq.num_cached_tokens
                 seq.status = RequestStatus.RUNNING
                 continue
+            self.kv_blocks_reused_total += seq.num_cached_tokens // self.block_size
             self.connector.update_state_after_alloc(seq, seq.block_table, n)
             self._start_waiting_for_kv(seq)
         self.connector.start_load_kv()
@@ -339,22 +404,27 @@ class DecodeEngine:
                 timings["recomputed"] = True
             seq.num_computed_tokens = seq.num_prompt_tokens
             seq.status = RequestStatus.RUNNING
+            self._cache_prompt(seq)
             timings["admitted_s"] = time.time()
 
-    def _prefill_locally(self, tokens: Sequence[int], block_table: Sequence[int]) -> None:
-        """Run tokens through the model from position 0 into block_table (their KV only), in
-        chunks of at most max_num_batched_tokens."""
-        for start in range(0, len(tokens), self.max_num_batched_tokens):
-            chunk = tuple(tokens[start:start + self.max_num_batched_tokens])
-            self.runner.execute([SequenceChunk(chunk, start, block_table)])
+    def _prefill_locally(self, tokens: Sequence[int], block_table: Sequence[int],
+                         start: int = 0) -> None:
+        """Run tokens through the model from position `start` into block_table (their KV
+        only; the KV before `start` is there already), in chunks of at most
+        max_num_batched_tokens."""
+        for offset in range(0, len(tokens), self.max_num_batched_tokens):
+            chunk = tuple(tokens[offset:offset + self.max_num_batched_tokens])
+            self.runner.execute([SequenceChunk(chunk, start + offset, block_table)])
 
     def _recompute_prompt(self, seq: DecodeSequence) -> bool:
         """A KV fetch failed for good (after its retry): compute the prompt's KV into seq's
         blocks here instead (its output so far is kept: output token 0 came from the prefill).
         False: the recompute failed too and the request ended with an error."""
-        prompt = list(seq.request.prompt_token_ids)
+        # the blocks admission found cached hold their KV (and may be shared): start after them
+        start = seq.num_cached_tokens
+        prompt = list(seq.request.prompt_token_ids)[start:]
         try:
-            self._prefill_locally(prompt, seq.block_table)
+            self._prefill_locally(prompt, seq.block_table, start)
         except Exception as exc:  # noqa: BLE001 — this request fails, the engine goes on
             log.exception("recomputing %s failed", seq.request_id,
                           extra={"request_id": seq.request_id})
@@ -377,6 +447,8 @@ class DecodeEngine:
         logits = self.runner.execute(chunks)
         for seq, n in prefills:
             seq.num_computed_tokens += n
+            if seq.num_computed_tokens == seq.num_prompt_tokens:
+                self._cache_prompt(seq)
         # every decoding request, then the prompts this step completed, in chunk order
         done = [(row, seq) for row, (seq, _) in enumerate(prefills, len(decoding))
                 if seq.num_computed_tokens == seq.num_prompt_tokens]
@@ -412,8 +484,15 @@ class DecodeEngine:
     def _finish(self, seq: DecodeSequence, reason: FinishReason, error: str | None = None,
                 new_tokens: tuple[int, ...] = (), logprob: TokenLogprob | None = None,
                 error_code: str | None = None) -> None:
-        publish = (self.publisher is not None and seq.status is RequestStatus.RUNNING
-                   and reason in (FinishReason.STOP, FinishReason.LENGTH))
+        normal = (seq.status is RequestStatus.RUNNING
+                  and reason in (FinishReason.STOP, FinishReason.LENGTH))
+        publish = normal and self.publisher is not None
+        if normal and (publish or self.pool.enable_caching):
+            namespace = make_namespace(self.model_id, seq.request.cache_salt)
+            seq.block_keys = tuple(block_keys(seq.kv_token_ids(), self.block_size, namespace))
+            if self.pool.enable_caching:  # before finish frees them: cached, evictable
+                self.pool.cache_full_blocks(seq.block_table[:len(seq.block_keys)],
+                                            seq.block_keys)
         table = list(seq.block_table) if publish else []  # finish empties the request's own
         self.scheduler.finish(seq)
         seq.swapped = None
@@ -423,11 +502,9 @@ class DecodeEngine:
             self._publish(seq, table)
 
     def _publish(self, seq: DecodeSequence, block_table: list[int]) -> None:
-        """Hand the full blocks of the sequence's KV, in `block_table`, to the publisher, which
-        copies what no prefill published. A failure costs later turns a recompute, never
-        this request."""
-        namespace = make_namespace(self.model_id, seq.request.cache_salt)
-        seq.block_keys = tuple(block_keys(seq.kv_token_ids(), self.block_size, namespace))
+        """Hand the full blocks of the sequence's KV (keys: seq.block_keys), in `block_table`,
+        to the publisher, which copies what no prefill published. A failure costs later turns
+        a recompute, never this request."""
         try:
             self.publisher.request_finished(seq, block_table[:len(seq.block_keys)])
         except Exception:  # noqa: BLE001 — the request already ended well

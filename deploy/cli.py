@@ -113,6 +113,10 @@ _SERVE_FLAGS = [
      "--kv-pool mooncake-store: the mooncake_master's RPC address, HOST:PORT"),
     ("--policy", "policy", str, "Conductor policy: kvcache_centric (default) | cache_aware | "
                                 "least_loaded | round_robin | random"),
+    ("--pd-decider", "pd_decider", str,
+     "per request: disaggregate, or prefill on the decode instance: cost (default) | always "
+     "(disaggregate every request) | never (prefill on the decode) | threshold:N (local when "
+     "at most N prompt tokens are not in the decode's cache)"),
     ("--admission", "admission", str, "SLO admission: none (default) | arrival | prediction"),
     ("--slo-ttft-s", "slo_ttft_s", float, "TTFT SLO admission enforces (default 30 s)"),
     ("--slo-tbt-ms", "slo_tbt_ms", float, "TBT SLO admission enforces (default 100 ms)"),
@@ -143,6 +147,9 @@ _SERVE_SWITCHES = [
     ("--kv-decode-publish", "transfer.decode_publish",
      "decode workers publish the full blocks of finished sequences, prompt and reply, to the "
      "KV pool, for a conversation's next turn (default on)"),
+    ("--kv-incremental-transfer", "transfer.incremental_transfer",
+     "a decode worker holding a prompt's leading blocks in its own cache fetches only the "
+     "rest (default on)"),
 ]
 
 

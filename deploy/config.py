@@ -97,6 +97,7 @@ class ServeConfig(BaseModel):
     prefill_tp: int | None = Field(None, ge=1)
     decode_tp: int | None = Field(None, ge=1)
     policy: str = "kvcache_centric"
+    pd_decider: str = "cost"
     admission: Literal["none", "arrival", "prediction"] = "none"
     slo_ttft_s: float = Field(30.0, gt=0)
     slo_tbt_ms: float = Field(100.0, gt=0)
@@ -134,6 +135,13 @@ class ServeConfig(BaseModel):
         if policy not in POLICIES:
             raise ValueError(f"unknown policy {policy!r}; one of {sorted(POLICIES)}")
         return policy
+
+    @field_validator("pd_decider")
+    @classmethod
+    def _known_pd_decider(cls, spec: str) -> str:
+        from router.pd_decider import PDDecider
+
+        return str(PDDecider.parse(spec))
 
     @model_validator(mode="before")
     @classmethod

@@ -124,7 +124,8 @@ class Cluster:
             handle = DecodeWorker.options(runtime_env=runtime_env,
                                           **self._rank0_options(decode_tp,
                                                                 placement.DECODE)).remote(
-                f"decode-{i}", decode_engine, cfg.kvstore, cfg.ray_namespace, decode_transfer)
+                f"decode-{i}", decode_engine, cfg.kvstore, cfg.ray_namespace, decode_transfer,
+                cfg.kvpool)
             self.decode.append(Instance(f"decode-{i}", "decode", handle))
         infos = ray.get([i.handle.info.remote() for i in self.prefill + self.decode])
         for instance, info in zip(self.prefill + self.decode, infos):
@@ -137,7 +138,7 @@ class Cluster:
             cost_model=load_cost_model(cfg.cost_model).for_connector(cfg.transfer.backend)
             .for_pool(cfg.kvpool.backend),
             block_size=cfg.engine.block_size, model_name=cfg.model_name(),
-            index_url=cfg.kvpool.index_url)
+            index_url=cfg.kvpool.index_url, pd_decider=cfg.pd_decider)
         self.pipeline.conductor = self.conductor
         return self
 

@@ -179,6 +179,9 @@ class KVTransferConfig(pydantic.BaseModel):
             normally (prompt and output; the blocks no prefill published) into its node's KV
             store and so the index (kvstore.connector.publish), so a conversation's next turn
             reuses the reply's KV.
+        incremental_transfer: a decode worker that holds a prompt's leading blocks in its own
+            prefix cache fetches only the blocks after them (store path only: a pushed
+            transfer brings the whole prompt); off, every prompt travels whole.
         token / tls / max_message_bytes: deprecated copies of KVStoreConfig's; accepted with
             a DeprecationWarning and used only by a backend built without a KVStoreConfig.
     """
@@ -197,6 +200,7 @@ class KVTransferConfig(pydantic.BaseModel):
     streaming: Literal["request", "layer"] = "request"
     load_failure_policy: Literal["recompute", "fail"] = "recompute"
     decode_publish: bool = True
+    incremental_transfer: bool = True
     token: pydantic.SecretStr | None = pydantic.Field(
         default=None, exclude=True, repr=False,
         deprecated="KVTransferConfig.token is deprecated: the KV plane's token is "

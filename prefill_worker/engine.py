@@ -57,16 +57,15 @@ from engine.sampler import SampleInput, draw_seed, sample
 from kvstore.block_pool import BlockPool
 from kvstore.connector.base import KVConnector, KVLoadFailurePolicy, LoadOutcome, StepCancelled
 from kvstore.errors import KVLoadError
-from kvstore.events import BlockStored
 from kvstore.hashing import block_keys, make_namespace
 from kvstore.index import KVIndex, Location
+from kvstore.index.device_feed import DeviceCacheFeed
 
 log = logging.getLogger(__name__)
 
 
 MAX_TRACKED_ABORTS = 4096
 #: Seconds between checks that the global index still lists this worker's G1 blocks.
-INDEX_CHECK_S = 2.0
 IDLE_WAIT_S = 0.05  # engine loop sleep with nothing to run, unless woken
 
 
@@ -166,8 +165,8 @@ class PrefillEngine:
         # ids aborted before they arrived; bounded, as aborts may name finished requests
         self._aborted: OrderedDict[str, None] = OrderedDict()
         self._abort_lock = threading.Lock()
-        self._index_checked_at = 0.0
-        self.g1_reannouncements_total = 0
+        self._g1_feed = DeviceCacheFeed(self.pool, index,
+                                        Location(node_id, "device", worker_id), self._events)
         self.num_prefill_tokens_total = 0  # tokens run through the model
         self.num_requests_total = 0
         self.prefix_cache_queried_tokens_total = 0  # prompt tokens looked up (vLLM's "queries")
@@ -217,7 +216,7 @@ class PrefillEngine:
                 "max_prefill_chunks_per_step": self.max_chunks_per_step,
                 "num_prefill_tokens_total": self.num_prefill_tokens_total,
                 "num_requests_total": self.num_requests_total,
-                "g1_reannouncements_total": self.g1_reannouncements_total,
+                "g1_reannouncements_total": self._g1_feed.reannouncements_total,
                 "prefix_cache_queried_tokens_total": self.prefix_cache_queried_tokens_total,
                 "prefix_cache_hit_tokens_total": dict(self.prefix_cache_hit_tokens_total),
                 "kv_load_failures_total": dict(self.kv_load_failures.failures_total),
@@ -441,20 +440,9 @@ class PrefillEngine:
         _fail(seq, error)
 
     def _send_events(self) -> None:
-        """The pool's G1 events to the index, off the loop, in order with results (a
-        request's events reach the index before its caller gets the result); every
-        INDEX_CHECK_S, a check that the index still lists this worker's G1 blocks."""
-        if self.index is None:
-            self.pool.take_events()
-            return
-        events = self.pool.take_events()
-        now = time.monotonic()
-        check = now - self._index_checked_at >= INDEX_CHECK_S
-        if check:
-            self._index_checked_at = now
-        if events or check:
-            self._events.submit(self._apply_events, events,
-                                self.pool.cached_keys() if check else None)
+        """The pool's G1 events to the index, in order with results (a request's events reach
+        the index before its caller gets the result)."""
+        self._g1_feed.send()
 
     # ---- off the loop --------------------------------------------------------------------
     def _deliver(self, seq: PrefillSequence, params: dict | BaseException) -> None:
@@ -470,26 +458,6 @@ class PrefillEngine:
             params.pop("tail_handle"), params.pop("num_tail_tokens"),
             self._num_cached_tokens(seq),
             self.worker_id, self.pid, logprob, extra=seq.extra, **params))
-
-    def _apply_events(self, events: list, cached_keys: list[bytes] | None) -> None:
-        location = Location(self.node_id, "device", self.worker_id)
-        try:
-            if events:
-                self.index.apply_events(location, events)
-            if cached_keys:
-                self._reannounce_if_lost(location, cached_keys)
-        except Exception as exc:  # noqa: BLE001 — an index outage costs hits, not requests
-            log.warning("G1 events not indexed: %s", exc)
-
-    def _reannounce_if_lost(self, location: Location, cached_keys: list[bytes]) -> None:
-        """If the index lost this worker's G1 entries (Redis restarted empty, or events failed
-        to reach it), announce every cached key again (index loss), found by looking one
-        cached key up."""
-        if location in self.index.lookup(cached_keys[:1])[0]:
-            return
-        self.index.apply_events(location, [BlockStored(tuple(cached_keys))])
-        self.g1_reannouncements_total += 1
-
 
 def _fail(seq: PrefillSequence, error: BaseException) -> None:
     for future in (seq.first, seq.result):

@@ -2,11 +2,13 @@
 
 Mooncake FAST'25 §4 (Algorithm 1) and arXiv 2407.00079v1 §6. Per request:
 
-    block keys of the prompt ──▶ global index: longest cached prefix, per prefill instance
+    block keys of the prompt ──▶ global index: longest cached prefix, per prefill instance,
+                                 and per decode instance in its own device cache
     LoadSource ──▶ each prefill instance's predicted queue, each decode instance's load
     prefill policy ──▶ PrefillPlan (instance, reused/pulled prefix, predicted TTFT)
     DecodeForecast ──▶ decode loads as predicted for when that prefill finishes
     decode policy ──▶ DecodePlan (instance, predicted TBT)
+    PD decider ──▶ disaggregated, or prefilled on the decode instance (router.pd_decider)
     admission ──▶ admit, or raise RequestRejected (HTTP 429 + Retry-After)
 
 Everything the Conductor reads sits behind two small interfaces, a `KVIndex` and a `LoadSource`
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections import Counter
 from dataclasses import dataclass, replace
 from typing import AbstractSet, Callable, NamedTuple, Sequence
 
@@ -30,6 +33,7 @@ from router.admission import SLO, Rejection, make_admission
 from router.registry import Instance, InstanceRegistry  # noqa: F401 — re-exported
 from router.cost_model import DEFAULT_COST_MODEL, CostModel, load_cost_model
 from router.load_source import LoadSource, RouteDecision
+from router.pd_decider import PATHS, PDDecider
 from router.policies import (DEFAULT_POLICY, PrefillCandidate, RouteContext, make_policy,
                              prefix_hits)
 from router.policies.forecast import DecodeForecast
@@ -67,11 +71,13 @@ class RouteRequest:
 
 
 class Route(NamedTuple):
-    """Where a request goes (Conductor.route), and what its prefill reuses."""
+    """Where a request goes (Conductor.route), and what its prefill reuses. local: the PD
+    decider keeps it on `decode`, which prefills it too (`prefill` is not used)."""
 
     prefill: Instance
     decode: Instance
     kv_plan: PrefixPlan | None = None
+    local: bool = False
 
 
 def _without(instances: list[Instance], exclude: AbstractSet[str]) -> list[Instance]:
@@ -105,13 +111,19 @@ class Conductor:
         keyer: block keys of a request (needed with an index unless requests carry keys).
         cost_model: a CostModel or a name/file for load_cost_model.
         admission: "none" | "arrival" | "prediction"; slo: the SLOs it enforces.
+        pd_decider: a PDDecider or its spec ("always", the default here: every request is
+            disaggregated; `pdcluster serve` defaults to "cost").
+
+    Attributes:
+        pd_decisions: admitted requests by path, "disaggregated" or "local".
     """
 
     def __init__(self, registry: InstanceRegistry, policy: str = DEFAULT_POLICY, *,
                  loads: LoadSource | None = None, index: KVIndex | None = None,
                  keyer: Callable[[RouteRequest], list[bytes]] | None = None,
                  cost_model: CostModel | str = DEFAULT_COST_MODEL, admission: str = "none",
-                 slo: SLO = SLO(), forecast: DecodeForecast | None = None) -> None:
+                 slo: SLO = SLO(), forecast: DecodeForecast | None = None,
+                 pd_decider: PDDecider | str = "always") -> None:
         self.registry = registry
         self.policy_name = policy
         self._prefill_policy, self._decode_policy = make_policy(policy)
@@ -124,17 +136,22 @@ class Conductor:
         self.keyer = keyer
         self.block_size = getattr(keyer, "block_size", 16)
         self.forecast = forecast or DecodeForecast(self.cost)
+        self.pd_decider = (pd_decider if isinstance(pd_decider, PDDecider)
+                           else PDDecider.parse(pd_decider))
+        self.pd_decisions: Counter[str] = Counter({path: 0 for path in PATHS})
         self._lock = threading.Lock()
 
     def route_decode(self, request: RouteRequest, exclude: AbstractSet[str] = frozenset()
                      ) -> Instance:
         """A decode instance alone (colocated mode), not one of `exclude` while another is
-        live. Raises NoInstanceError."""
+        live; the decode policy sees which instances hold the prompt's prefix. Raises
+        NoInstanceError."""
         decodes = _without(self.registry.by_role("decode"), exclude)
         if not decodes:
             raise NoInstanceError("no decode instance is live")
+        found = self._longest_prefix(self._keys(request))
         with self._lock:
-            ctx = self._context(request, [], [d.worker_id for d in decodes], [])
+            ctx = self._context(request, [], [d.worker_id for d in decodes], [], found=found)
             plan = self._decode_policy.select(ctx)
         return next(d for d in decodes if d.worker_id == plan.instance_id)
 
@@ -152,17 +169,18 @@ class Conductor:
                                [d.worker_id for d in decodes])
         return Route(next(p for p in prefills if p.worker_id == decision.prefill.instance_id),
                      next(d for d in decodes if d.worker_id == decision.decode.instance_id),
-                     decision.kv_plan)
+                     decision.kv_plan, decision.local)
 
     def decide(self, request: RouteRequest, prefill_ids: Sequence[str],
                decode_ids: Sequence[str]) -> RouteDecision:
         """The routing decision over the given instance ids (the simulator calls this
         directly). Raises RequestRejected; records an admitted decision in the ledgers."""
         keys = self._keys(request)
-        locations = self._longest_prefix(keys)
+        found = self._longest_prefix(keys)
+        locations = _prefill_visible(found, decode_ids)
         with self._lock:
             now = self.loads.now()
-            ctx = self._context(request, prefill_ids, decode_ids, locations, now)
+            ctx = self._context(request, prefill_ids, decode_ids, locations, now, found)
             prefill = self._prefill_policy.select(ctx)
             join_at = now + prefill.ttft_s
             self.forecast.expire(now)
@@ -172,12 +190,18 @@ class Conductor:
             rejection = self.admission.check(ctx, at_join, prefill, decode)
             if rejection is not None:
                 raise RequestRejected(rejection)
+            load = next(d for d in at_join.decodes if d.instance_id == decode.instance_id)
+            local = self.pd_decider.local(at_join, prefill, load, self.slo)
             kv_plan = PrefixPlan(tuple(keys), tuple(tuple(locs) for locs in locations),
-                                 prefill.cached_blocks) if keys else None
+                                 prefill.cached_blocks) if keys and not local else None
             decision = RouteDecision(request.request_id, prefill, decode, ctx.num_tokens, now,
-                                     kv_plan)
-            self.forecast.add(request.request_id, decode.instance_id, join_at, ctx.num_tokens)
-            self.loads.on_routed(decision)
+                                     kv_plan, local)
+            # a local prefill starts on the decode now and takes no prefill instance's time
+            self.forecast.add(request.request_id, decode.instance_id, now if local else join_at,
+                              ctx.num_tokens)
+            if not local:
+                self.loads.on_routed(decision)
+            self.pd_decisions[PATHS[local]] += 1
         return decision
 
     def prefill_done(self, request_id: str, ok: bool = True) -> None:
@@ -201,23 +225,42 @@ class Conductor:
             return []
 
     def _context(self, request: RouteRequest, prefill_ids: Sequence[str],
-                 decode_ids: Sequence[str], locations: list, now: float | None = None
-                 ) -> RouteContext:
+                 decode_ids: Sequence[str], locations: list, now: float | None = None,
+                 found: list | None = None) -> RouteContext:
+        """`locations`: what prefills can load from; `found`: every location of the
+        prompt's leading blocks, decode instances' device caches included."""
         nodes = [(p, self.loads.node_of(p)) for p in prefill_ids]
         hits = prefix_hits(locations, nodes) if locations else {}
         prefills = tuple(PrefillCandidate(p, node, self.loads.prefill_queue_s(p),
                                           *hits.get(p, (0, 0)), self.loads.exec_scale(p))
                          for p, node in nodes)
+        held = prefix_hits(found, [(d, None) for d in decode_ids]) if found else {}
+        decodes = tuple(replace(self.loads.decode_load(d),
+                                cached_blocks=held.get(d, (0, 0))[0]) for d in decode_ids)
         return RouteContext(request.request_id, request.num_prompt_tokens, self.block_size,
-                            len(locations), prefills,
-                            tuple(self.loads.decode_load(d) for d in decode_ids), self.cost,
+                            len(locations), prefills, decodes, self.cost,
                             self.loads.now() if now is None else now)
+
+
+def _prefill_visible(locations: list, decode_ids: Sequence[str]) -> list:
+    """The index's locations without decode instances' device caches, which no prefill
+    loads from, cut at the first block left with none."""
+    decodes = set(decode_ids)
+    visible = []
+    for locs in locations:
+        kept = [loc for loc in locs if not (loc.tier == "device" and loc.instance_id in decodes)]
+        if not kept:
+            break
+        visible.append(kept)
+    return visible
 
 
 def build_live_conductor(registry: InstanceRegistry, *, policy: str, admission: str,
                          slo: SLO, cost_model: CostModel | str, block_size: int,
                          model_name: str, index_url: str | None,
-                         poll_interval_s: float = 0.25) -> tuple[Conductor, StatsPoller]:
+                         poll_interval_s: float = 0.25,
+                         pd_decider: PDDecider | str = "always"
+                         ) -> tuple[Conductor, StatsPoller]:
     """The Conductor `pdcluster serve` runs: the global index at `index_url` (None: none),
     block keys as the workers compute them, LedgerLoads fed by a started StatsPoller.
     Returns (conductor, poller); stop the poller at shutdown."""
@@ -226,7 +269,7 @@ def build_live_conductor(registry: InstanceRegistry, *, policy: str, admission: 
     conductor = Conductor(registry, policy, loads=loads,
                           index=open_index(index_url) if index_url else None,
                           keyer=PrefixKeyer(block_size, model_name), cost_model=cost,
-                          admission=admission, slo=slo)
+                          admission=admission, slo=slo, pd_decider=pd_decider)
     poller = StatsPoller(registry, loads, poll_interval_s)
     poller.poll_once()
     return conductor, poller.start()

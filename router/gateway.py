@@ -58,7 +58,8 @@ def build_app(pipeline: Pipeline, tokenizer: Tokenizer, served_model_name: str,
     its gate) is what a drain (deploy/serve.py) acts on."""
     metrics = GatewayMetrics()
     service = GenerationService(pipeline, tokenizer, metrics, gate)
-    cluster_stats = ClusterStatsCollector(pipeline.conductor.registry, service.gate)
+    cluster_stats = ClusterStatsCollector(pipeline.conductor.registry, service.gate,
+                                          lambda: pipeline.conductor.pd_decisions)
     ctx = ServingContext(service, tokenizer, served_model_name, max_model_len,
                          max_seqs_per_request)
     app = FastAPI(title="pdcluster", docs_url=None, redoc_url=None)

@@ -19,7 +19,8 @@ from router.policies.base import DecodeLoad, DecodePlan, PrefillPlan
 @dataclass(frozen=True)
 class RouteDecision:
     """One admitted request's plans: where it prefills and decodes, its prompt length in
-    tokens, and `routed_at` (seconds on the LoadSource's clock)."""
+    tokens, and `routed_at` (seconds on the LoadSource's clock). local: the PD decider keeps
+    it on its decode instance, which prefills it (the prefill plan was the alternative)."""
 
     request_id: str
     prefill: PrefillPlan
@@ -27,6 +28,7 @@ class RouteDecision:
     num_tokens: int
     routed_at: float
     kv_plan: PrefixPlan | None = None  # what the prefill worker reuses, and from where
+    local: bool = False
 
 
 class LoadSource(abc.ABC):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Iterable
+from typing import Callable, Iterable, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -69,9 +69,11 @@ class GatewayMetrics:
 class ClusterStatsCollector:
     """Sums worker stats into Prometheus families. Use `await scrape()`, then expose."""
 
-    def __init__(self, instances: InstanceRegistry, gate: InflightGate | None = None) -> None:
+    def __init__(self, instances: InstanceRegistry, gate: InflightGate | None = None,
+                 pd_decisions: Callable[[], Mapping[str, int]] | None = None) -> None:
         self.instances = instances
         self.gate = gate
+        self.pd_decisions = pd_decisions
 
     async def scrape(self) -> list[Metric]:
         stats_p = await _gather_stats(self.instances.by_role("prefill"))
@@ -79,12 +81,15 @@ class ClusterStatsCollector:
         stats_kv = await _gather_stats(self.instances.by_role("kvstore"))
         queried = CounterMetricFamily("pdcluster_prefix_cache_queried_tokens",
                                       "Prompt tokens looked up in the prefix cache")
-        queried.add_metric([], sum(s.get("prefix_cache_queried_tokens_total", 0) for s in stats_p))
+        # prompts are computed by prefill workers, and on decode workers when colocated or
+        # when the PD decider keeps a request there
+        queried.add_metric([], sum(s.get("prefix_cache_queried_tokens_total", 0)
+                                   for s in stats_p + stats_d))
         hits = CounterMetricFamily("pdcluster_prefix_cache_hit_tokens",
                                    "Prompt tokens served from the prefix cache, by tier",
                                    labels=["tier"])
         by_tier: dict[str, int] = {"device": 0}
-        for s in stats_p:
+        for s in stats_p + stats_d:
             for tier, n in s.get("prefix_cache_hit_tokens_total", {}).items():
                 by_tier[tier] = by_tier.get(tier, 0) + n
         for tier, n in sorted(by_tier.items()):
@@ -145,8 +150,17 @@ class ClusterStatsCollector:
         waiting.add_metric(["decode"], sum(s.get("num_waiting", 0) for s in stats_d))
         if self.gate is not None:  # sequences in the gateway's fair queue
             waiting.add_metric(["gateway"], self.gate.queued)
-        return [queried, hits, transfer, transfer_errors, load_failures, published, blocks,
-                running, waiting]
+        metrics = [queried, hits, transfer, transfer_errors, load_failures, published, blocks,
+                   running, waiting]
+        if self.pd_decisions is not None:
+            decisions = CounterMetricFamily(
+                "pdcluster_pd_decisions", "Requests by the PD decider's path: disaggregated "
+                "(prefill instance, then KV transfer) or local (prefilled on the decode "
+                "instance)", labels=["path"])
+            for path, n in sorted(self.pd_decisions().items()):
+                decisions.add_metric([path], n)
+            metrics.append(decisions)
+        return metrics
 
 
 async def _gather_stats(instances) -> list[dict]:

@@ -126,7 +126,8 @@ def _moved(exc: Exception, instance: Instance) -> _Moved:
 
 class Pipeline:
     """Disaggregated: the Conductor's prefill instance computes the prompt and token 0, the
-    decode instance pulls the KV and generates the rest."""
+    decode instance pulls the KV and generates the rest; or, where the Conductor's PD decider
+    says so, the decode instance prefills the request itself (router.pd_decider)."""
 
     roles: tuple[str, ...] = ("prefill", "decode")
 
@@ -211,10 +212,15 @@ class Pipeline:
     async def _attempt(self, run: _Run) -> AsyncIterator[TokenDelta]:
         prompt, params = run.resumed()
         try:
-            prefill, decode, kv_plan = self.conductor.route(self._route_request(run, prompt),
-                                                            run.failed)
+            prefill, decode, kv_plan, local = self.conductor.route(
+                self._route_request(run, prompt), run.failed)
         except NoInstanceError as exc:
             raise self._routing_error(run, exc) from exc
+        if local:
+            async with aclosing(_decode_only(run, decode, prompt, params)) as deltas:
+                async for delta in deltas:
+                    yield delta
+            return
         attempt_id = run.attempt_id
         stream = prefill.handle.prefill.options(num_returns="streaming").remote(
             PrefillRequest(attempt_id, prompt, params, run.cache_salt, decode.worker_id, kv_plan))
@@ -269,10 +275,19 @@ class ColocatedPipeline(Pipeline):
             decode = self.conductor.route_decode(self._route_request(run, prompt), run.failed)
         except NoInstanceError as exc:
             raise self._routing_error(run, exc) from exc
-        request = DecodeRequest(run.attempt_id, prompt, params, cache_salt=run.cache_salt)
-        async with aclosing(_stream_decode(decode, request)) as stream:
-            async for delta in stream:
+        async with aclosing(_decode_only(run, decode, prompt, params)) as deltas:
+            async for delta in deltas:
                 yield delta
+
+
+async def _decode_only(run: _Run, decode: Instance, prompt: tuple[int, ...],
+                       params: SamplingParams) -> AsyncIterator[TokenDelta]:
+    """The attempt on `decode` alone: it prefills the prompt (its own prefix cache serves what
+    it holds) and generates, with no KV transfer."""
+    request = DecodeRequest(run.attempt_id, prompt, params, cache_salt=run.cache_salt)
+    async with aclosing(_stream_decode(decode, request)) as stream:
+        async for delta in stream:
+            yield delta
 
 
 async def _stream_decode(decode: Instance, request: DecodeRequest) -> AsyncIterator[TokenDelta]:

@@ -2,10 +2,13 @@
 prefill side into the request's reserved cache blocks, through the transfer backends of
 kvstore.transfer.
 
-As a connector (FetchConnector): a request that comes with a PrefillResult matches its whole
-prompt, asynchronously (get_num_new_matched_tokens); once it holds its blocks the fetch is
-planned (update_state_after_alloc) and started (start_load_kv), and get_finished reports it
-settled — landed, or failed after its retry, and then the engine recomputes the prompt.
+As a connector (FetchConnector): a request that comes with a PrefillResult matches its prompt
+past the tokens the decode's own prefix cache holds, asynchronously
+(get_num_new_matched_tokens); once it holds its blocks the fetch is planned
+(update_state_after_alloc) and started (start_load_kv), and get_finished reports it settled —
+landed, or failed after its retry, and then the engine recomputes the prompt. Only the blocks
+after the cached ones travel (incremental transfer); the engine asks for that only where the
+blocks come by the store path, as a pushed transfer brings the whole prompt.
 request_finished lets go of what the prefill side holds for a request that never fetched.
 
 The path a request's blocks take (KVFetch):
@@ -135,24 +138,28 @@ class FetchConnector(KVConnector):
 
     def get_num_new_matched_tokens(self, request: KVConnectorRequest,
                                    num_computed_tokens: int) -> tuple[int, bool]:
-        """The whole prompt, asynchronously, when the request comes with a PrefillResult."""
+        """The prompt after the `num_computed_tokens` found cached here (whole blocks),
+        asynchronously, when the request comes with a PrefillResult."""
         if request.request.prefill is None:
             return 0, False
         return request.num_prompt_tokens - num_computed_tokens, True
 
     def update_state_after_alloc(self, request: KVConnectorRequest, block_ids: Sequence[int],
                                  num_external_tokens: int) -> None:
+        """Plans the fetch of the last `num_external_tokens` of the prompt into `block_ids`;
+        the blocks before them hold cached KV already and are left alone."""
         if num_external_tokens:
-            self._planned.append((request, list(block_ids)))
+            skip = (request.num_prompt_tokens - num_external_tokens) // self.cache.block_size
+            self._planned.append((request, list(block_ids), skip))
 
     def start_load_kv(self) -> None:
         """Start the planned fetches (a layer stream not announced here in time is taken now,
         from the store where its pieces wait); never blocks."""
         planned, self._planned = self._planned, []
-        for request, table in planned:
+        for request, table, skip in planned:
             prefill = request.request.prefill
             self._fetches[request.request_id] = KVFetch(self, table, prefill,
-                                                        prefill.layer_stream)
+                                                        prefill.layer_stream, skip)
 
     def start_stream(self, announce: LayerStreamAnnounce, block_table: Sequence[int]) -> KVFetch:
         """A layer stream announced before its request came, taken into blocks reserved for it
@@ -291,9 +298,11 @@ class KVFetch:
     per step and never blocks on it.
 
     Starting never blocks: the prompt's KV goes into ``block_table[0 : n_full (+1 if tail)]``
-    (a layer stream's into ``block_table[0 : stream.num_blocks]``). A fetch started from a
-    layer-stream announce (``prefill`` None) needs the PrefillResult (set ``prefill``) only to
-    retry from the store.
+    (a layer stream's into ``block_table[0 : stream.num_blocks]``). With ``skip_blocks`` k the
+    first k full blocks are cached here already: only keys k.. and the tail are fetched, into
+    ``block_table[k:]``, by the store paths (a pushed transfer or a layer stream always brings
+    the whole prompt, so it takes none to skip). A fetch started from a layer-stream announce
+    (``prefill`` None) needs the PrefillResult (set ``prefill``) only to retry from the store.
 
     Attributes:
         paths: the paths tried so far, in order: "layer", "torch", "mooncake", "grpc", "arena"
@@ -305,10 +314,17 @@ class KVFetch:
     """
 
     def __init__(self, connector: FetchConnector, block_table: Sequence[int],
-                 prefill: PrefillResult | None, stream: LayerStreamAnnounce | None = None) -> None:
+                 prefill: PrefillResult | None, stream: LayerStreamAnnounce | None = None,
+                 skip_blocks: int = 0) -> None:
         num_blocks = (stream.num_blocks if stream is not None
                       else len(prefill.block_keys) + (prefill.tail_handle is not None))
-        self._connector, self._table = connector, list(block_table[:num_blocks])
+        pushed = stream is not None or prefill.pair_address is not None \
+            or prefill.kv_region is not None
+        if skip_blocks and (pushed or skip_blocks > len(prefill.block_keys)):
+            raise ValueError(f"cannot skip {skip_blocks} blocks of a pushed transfer or of "
+                             f"{len(prefill.block_keys)} keyed blocks")
+        self._skip = skip_blocks
+        self._connector, self._table = connector, list(block_table[skip_blocks:num_blocks])
         self.prefill, self.stream = prefill, stream
         self.started_s = time.time()
         self.paths: list[str] = []
@@ -387,8 +403,8 @@ class KVFetch:
         else:
             receiver = (ArenaReceiver(connector.grpc, connector.node_client) if path == "arena"
                         else connector.store.create_receiver())
-            request = FetchRequest(prefill.kv_address, prefill.block_keys, prefill.tail_handle,
-                                   prefill.num_tail_tokens)
+            request = FetchRequest(prefill.kv_address, prefill.block_keys[self._skip:],
+                                   prefill.tail_handle, prefill.num_tail_tokens)
         receiver.start(request, connector._dest(self._table))
         return receiver
 

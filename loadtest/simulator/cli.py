@@ -8,6 +8,9 @@
 "hit_ratio", ...}}, "runs": {name: full summary}}; `--admission all` does the same over
 admission modes under "admissions". One run writes its full summary (results.summarize).
 
+`--pd-decider all` runs always, never and cost (router.pd_decider) under "pd_deciders" the same
+way, with each decider's `local_fraction` (requests prefilled on their decode instance).
+
 `--measured-transfer FILE` (a `pdcluster profile --kv-transfer` file) runs the same again
 with the cost model's transfer figures replaced by the file's measured ones per path (the
 ``pd`` path: `--kv-transfer`'s connector), and writes both under "assumed" and "measured",
@@ -29,9 +32,11 @@ from loadtest.simulator.results import POLICY_KEYS, policy_row, summarize
 from loadtest.simulator.workload import load_requests
 from router.admission import ADMISSIONS, SLO
 from router.cost_model import DEFAULT_COST_MODEL, CostModel, load_cost_model
+from router.pd_decider import PDDecider
 from router.policies import DEFAULT_POLICY, POLICIES
 
-_TABLE_KEYS = (*POLICY_KEYS, "mean_tbt_ms", "rejected", "wasted_prefill_s")
+_TABLE_KEYS = (*POLICY_KEYS, "mean_tbt_ms", "rejected", "wasted_prefill_s", "local_fraction")
+PD_DECIDERS = ("always", "never", "cost")
 
 
 def add_simulate_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -50,6 +55,8 @@ def add_simulate_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--policy", default=DEFAULT_POLICY,
                    help=f"{' | '.join(POLICIES)} | all (default {DEFAULT_POLICY})")
     p.add_argument("--admission", default="none", help=f"{' | '.join(ADMISSIONS)} | all")
+    p.add_argument("--pd-decider", default="always",
+                   help="always (default) | never | cost | threshold:N | all (the first three)")
     p.add_argument("--slo-ttft-s", type=float, default=30.0)
     p.add_argument("--slo-tbt-ms", type=float, default=100.0)
     p.add_argument("--device-cache-tokens", type=int, default=0,
@@ -72,7 +79,7 @@ def add_simulate_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _config(args: argparse.Namespace, policy: str, admission: str,
-            cost: CostModel | None = None) -> SimConfig:
+            cost: CostModel | None = None, pd_decider: str | None = None) -> SimConfig:
     if args.prefill_instances < 1 or args.decode_instances < 1:
         raise ValueError("--prefill-instances and --decode-instances must be >= 1")
     return SimConfig(cost=cost or load_cost_model(args.cost_model),
@@ -83,7 +90,8 @@ def _config(args: argparse.Namespace, policy: str, admission: str,
                      dram_cache_tokens=args.dram_cache_tokens,
                      ssd_cache_tokens=args.ssd_cache_tokens,
                      decode_kv_tokens=args.decode_kv_tokens,
-                     sample_interval_s=args.sample_interval_s)
+                     sample_interval_s=args.sample_interval_s,
+                     pd_decider=pd_decider or args.pd_decider)
 
 
 def _one(config: SimConfig, requests) -> tuple[dict, list[float]]:
@@ -92,7 +100,8 @@ def _one(config: SimConfig, requests) -> tuple[dict, list[float]]:
     summary = summarize(sim)
     summary["wall_s"] = time.perf_counter() - began
     ttfts = [r.first_token_s - r.request.arrival_s for r in sim.results if r.status == "ok"]
-    print(f"{config.policy}/{config.admission}: {len(requests)} requests simulated in "
+    print(f"{config.policy}/{config.admission}/{config.pd_decider}: {len(requests)} requests "
+          f"simulated in "
           f"{summary['wall_s']:.1f} s", file=sys.stderr)
     return summary, ttfts
 
@@ -147,9 +156,16 @@ def run_simulate(args: argparse.Namespace) -> int:
     try:
         policies = list(POLICIES) if args.policy == "all" else [args.policy]
         admissions = list(ADMISSIONS) if args.admission == "all" else [args.admission]
-        if len(policies) > 1 and len(admissions) > 1:
-            raise ValueError("--policy all and --admission all cannot be combined")
-        configs = [_config(args, p, a) for p in policies for a in admissions]
+        deciders = list(PD_DECIDERS) if args.pd_decider == "all" else [args.pd_decider]
+        if sum(len(x) > 1 for x in (policies, admissions, deciders)) > 1:
+            raise ValueError("only one of --policy all, --admission all and --pd-decider all")
+        for decider in deciders:
+            PDDecider.parse(decider)
+        configs = [_config(args, p, a, pd_decider=d)
+                   for p in policies for a in admissions for d in deciders]
+        if args.measured_transfer and len(deciders) > 1:
+            raise ValueError("--measured-transfer compares policies or admissions, not "
+                             "--pd-decider all")
         if args.measured_transfer and len(configs) == 1:
             raise ValueError("--measured-transfer compares rankings: give --policy all or "
                              "--admission all")
@@ -160,17 +176,20 @@ def run_simulate(args: argparse.Namespace) -> int:
         stem = out.stem
         runs = {}
         ttfts = {}
+        axis, label = (("policies", "policy") if len(policies) > 1
+                       else ("pd_deciders", "pd decider") if len(deciders) > 1
+                       else ("admissions", "admission"))
         for config in configs:
-            name = config.policy if len(policies) > 1 else config.admission
+            name = {"policies": config.policy, "pd_deciders": config.pd_decider,
+                    "admissions": config.admission}[axis]
             runs[name], ttfts[name] = _one(config, requests)
         if len(configs) == 1:
             result = next(iter(runs.values()))
         else:
-            axis = "policies" if len(policies) > 1 else "admissions"
             result = {axis: {n: policy_row(s) for n, s in runs.items()},
                       "runs": {n: {k: v for k, v in s.items() if k != "samples"}
                                for n, s in runs.items()}}
-            print(format_table(result[axis], "policy" if axis == "policies" else "admission"))
+            print(format_table(result[axis], label))
             if args.measured_transfer:
                 result["transfer_comparison"] = _compare_measured(
                     args, policies, admissions, requests, result[axis], axis)

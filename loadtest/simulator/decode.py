@@ -132,6 +132,14 @@ class DecodeInstance:
         self.context_tokens += seq.join_ctx
         heapq.heappush(self._finish_heap, (self.step + seq.steps, seq.request_id))
 
+    def stall(self, at: float, seconds: float) -> float:
+        """The instance computes something else (a prompt the PD decider kept here) for
+        `seconds` from the first step boundary at or after `at`: every running sequence's
+        next token waits that long. Returns when the stall ends."""
+        self.advance_to(at)
+        self.t = max(self.t, at) + seconds
+        return self.t
+
     def drain(self) -> None:
         """Run every sequence to completion."""
         self.advance_to(math.inf)

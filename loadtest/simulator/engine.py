@@ -10,6 +10,12 @@ cached on the node → the KV reaches the decode instance (streamed during the p
 max(prefill end, prefill start + T_transfer(prompt))) → decode admits it if its KV fits and the
 step time stays within the TBT SLO; otherwise the prefill was wasted: with admission the
 request is rejected there, without it the request runs anyway (or waits for KV room).
+
+With a PD decider (router.pd_decider) a request it keeps local skips the prefill instance: its
+decode instance computes the whole prompt for T_prefill(prompt), during which every sequence
+decoding there waits (one stall; the engine's chunked prefill spreads the same time over
+several steps), then the request joins. Decode instances keep no prefix cache here, so the
+decider sees none.
 """
 
 from __future__ import annotations
@@ -52,6 +58,7 @@ class SimConfig:
     decode_kv_tokens: int | None = None
     block_size: int = TRACE_BLOCK_SIZE
     sample_interval_s: float = 10.0
+    pd_decider: str = "always"
 
 
 @dataclass(slots=True)
@@ -67,6 +74,7 @@ class RequestResult:
     prefill_s: float = 0.0
     wasted: bool = False
     hit_blocks: Counter = field(default_factory=Counter)
+    local: bool = False  # prefilled on its decode instance (the PD decider)
 
 
 class _Prefill:
@@ -122,7 +130,8 @@ class Simulation:
         self.conductor = Conductor(InstanceRegistry(), config.policy, loads=_SimLoads(self),
                                    index=self.index, keyer=PrefixKeyer(config.block_size, ""),
                                    cost_model=cost, admission=config.admission,
-                                   slo=config.slo, forecast=self.forecast)
+                                   slo=config.slo, forecast=self.forecast,
+                                   pd_decider=config.pd_decider)
         self.results = [RequestResult(r) for r in requests]
         self._by_id = {r.request.request_id: r for r in self.results}
         self._events: list = []
@@ -160,11 +169,29 @@ class Simulation:
             return
         res.prefill_id = decision.prefill.instance_id
         res.decode_id = decision.decode.instance_id
+        if decision.local:
+            self._prefill_on_decode(res)
+            return
         p = self.prefills[res.prefill_id]
         p.queue.append((res, decision.prefill))
         p.backlog_s += decision.prefill.exec_s
         if p.running is None:
             self._start(p)
+
+    def _prefill_on_decode(self, res: RequestResult) -> None:
+        req = res.request
+        res.local, res.prefill_id = True, None
+        res.prefill_s = self.config.cost.t_prefill(req.input_tokens)
+        d = self.decodes[res.decode_id]
+        res.started_s = self.now
+        res.first_token_s = d.stall(self.now, res.prefill_s)
+        if req.output_tokens <= 1:
+            res.status, res.end_s = "ok", res.first_token_s
+            self.forecast.discard(req.request_id)
+            return
+        d.join(req.request_id, req.input_tokens + 1, req.output_tokens - 1, res.first_token_s,
+               queue_when_full=True)
+        self.forecast.joined(req.request_id, res.first_token_s)
 
     def _start(self, p: _Prefill) -> None:
         res, plan = p.queue.popleft()

@@ -54,6 +54,7 @@ def summarize(sim: Simulation, include_samples: bool = True) -> dict:
     wasted = [r for r in results if r.wasted]
     out = {
         "config": {"policy": cfg.policy, "admission": cfg.admission,
+                   "pd_decider": cfg.pd_decider,
                    "prefill_instances": cfg.prefill_instances,
                    "decode_instances": cfg.decode_instances, "cost_model": cfg.cost.name,
                    "slo_ttft_s": slo.ttft_s, "slo_tbt_ms": slo.tbt_s * 1000,
@@ -69,6 +70,7 @@ def summarize(sim: Simulation, include_samples: bool = True) -> dict:
         "prefill_busy_s": float(sum(r.prefill_s for r in ran)),
         "duration_s": duration, "good": good,
         "slo_attainment": good / max(1, len(results)), "goodput": good / duration,
+        "local_fraction": sum(r.local for r in ran) / max(1, len(ran)),
         "request_throughput": len(done) / duration,
         **_stats("ttft", ttft), **_stats("tbt", tbt), **_stats("e2e", e2e),
         "hit_ratio": sum(hit_tokens.values()) / max(1, prompt_tokens),
@@ -94,7 +96,7 @@ def per_instance(sim: Simulation) -> dict:
     busy: Counter = Counter()
     count: Counter = Counter()
     for r in sim.results:
-        if r.started_s is not None:
+        if r.started_s is not None and not r.local:
             busy[r.prefill_id] += r.prefill_s
             count[r.prefill_id] += 1
     return {p: {"requests": count[p], "busy_s": round(busy[p], 3)} for p in sim.prefills}
@@ -106,4 +108,5 @@ POLICY_KEYS = ("mean_ttft_ms", "p99_ttft_ms", "slo_attainment", "goodput", "hit_
 def policy_row(summary: dict) -> dict:
     """The per-policy entry of `--policy all`, plus a few more for the tables."""
     return {k: summary[k] for k in (*POLICY_KEYS, "median_ttft_ms", "mean_tbt_ms",
-                                    "p99_tbt_ms", "rejected", "wasted_prefill_s")}
+                                    "p99_tbt_ms", "rejected", "wasted_prefill_s",
+                                    "local_fraction")}

@@ -39,12 +39,15 @@ class PrefillCandidate:
 @dataclass(frozen=True)
 class DecodeLoad:
     """A decode instance's load: running (and waiting) sequences, the context tokens they hold,
-    and how many KV tokens fit (None: unknown)."""
+    and how many KV tokens fit (None: unknown). cached_blocks: the request's leading blocks the
+    instance holds in its own device cache (its previous turn ran there), which it would not
+    need moved."""
 
     instance_id: str
     batch_size: int = 0
     context_tokens: int = 0
     capacity_tokens: int | None = None
+    cached_blocks: int = 0
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,8 @@ from router.policies.base import (DecodePlan, DecodePolicy, PrefillPlan, Prefill
 
 DEFAULT_BALANCING_THRESHOLD = 1.0
 TIE_S = 1e-3
+#: how much slower (relative predicted step time) a decode holding the request's prefix may be
+DEFAULT_AFFINITY_SLACK = 0.25
 
 
 def _best(ctx: RouteContext, plans: list[PrefillPlan], tie_s: float) -> PrefillPlan:
@@ -65,10 +67,24 @@ class KVCacheCentricPrefill(PrefillPolicy):
 
 class TBTDecode(DecodePolicy):
     """The decode instance with the lowest predicted step time once the request joins, among
-    those with room for its KV (all of them if none has room); ties to the smaller batch."""
+    those with room for its KV (all of them if none has room); ties to the smaller batch.
+
+    Decode affinity: an instance holding the request's leading blocks in its own cache (the
+    conversation's previous turn ran there) receives only the rest. It is chosen over the
+    fastest when its predicted step time is within `affinity_slack` of the lowest (relative),
+    the most cached blocks first: SGLang's cache-aware router keeps requests on their cache
+    the same way until the load is too uneven.
+    """
+
+    def __init__(self, affinity_slack: float = DEFAULT_AFFINITY_SLACK) -> None:
+        if affinity_slack < 0:
+            raise ValueError(f"affinity_slack must be >= 0, got {affinity_slack}")
+        self.affinity_slack = affinity_slack
 
     def select(self, ctx: RouteContext) -> DecodePlan:
         loads = [d for d in ctx.decodes if fits(d, ctx.num_tokens)] or list(ctx.decodes)
-        best = min(loads, key=lambda d: (predicted_tbt(ctx.cost, d, ctx.num_tokens),
-                                         d.batch_size))
-        return DecodePlan(best.instance_id, predicted_tbt(ctx.cost, best, ctx.num_tokens))
+        tbt = {d.instance_id: predicted_tbt(ctx.cost, d, ctx.num_tokens) for d in loads}
+        lowest = min(tbt.values())
+        near = [d for d in loads if tbt[d.instance_id] <= lowest * (1 + self.affinity_slack)]
+        best = min(near, key=lambda d: (-d.cached_blocks, tbt[d.instance_id], d.batch_size))
+        return DecodePlan(best.instance_id, tbt[best.instance_id])

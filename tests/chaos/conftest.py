@@ -234,6 +234,7 @@ def running_env(workdir: Path, **overrides) -> Iterator[ChaosEnv]:
     redis.start()
     config = ServeConfig(**{
         "prefill_instances": 2, "decode_instances": 2, "ray_num_cpus": 6,
+        "pd_decider": "always",  # the chaos of the disaggregated path
         "ray_namespace": f"pdcluster-chaos-{os.getpid()}",
         "engine": EngineConfig(num_kv_blocks=256),
         "kvstore": KVStoreConfig(tail_ttl_s=TAIL_TTL_S),

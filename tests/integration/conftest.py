@@ -29,10 +29,11 @@ def free_port() -> int:
 @pytest.fixture(scope="session")
 def cluster():
     """Local Ray with one KV store, one prefill and one decode actor (default ServeConfig, with
-    the workers' fault injection on for the tests that use it, and no core pinning: this
+    the workers' fault injection on for the tests that use it, no core pinning: this
     cluster lives for the whole session, and its claims would leave no core to the served
-    clusters of tests/deploy that check pinning)."""
-    with Cluster(ServeConfig(ray_num_cpus=4, cpu_bind="none",
+    clusters of tests/deploy that check pinning; and every request disaggregated, as the
+    tests of the transfer path need: tests/integration/test_pd_decider.py runs the others)."""
+    with Cluster(ServeConfig(ray_num_cpus=4, cpu_bind="none", pd_decider="always",
                              engine=EngineConfig(fault_injection=True))) as c:
         yield c
 

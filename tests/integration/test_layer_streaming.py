@@ -23,6 +23,7 @@ from engine.config import EngineConfig
 from engine.protocol import PrefillRequest, SamplingParams
 from kvstore.client import KVStoreClient
 from kvstore.config import KVTransferConfig
+from kvstore.pool_config import KVPoolConfig
 
 pytestmark = pytest.mark.slow
 
@@ -36,7 +37,10 @@ BUDGET = 16  # tokens per prefill step: a long prompt runs in many chunks
 @pytest.fixture(scope="module")
 def layer_cluster(cluster):
     """The session cluster first (it owns the session's Ray), then ours beside it."""
-    config = ServeConfig(ray_num_cpus=4, ray_namespace=f"pdc-layer-{os.getpid()}",
+    config = ServeConfig(pd_decider="always",
+                         ray_num_cpus=4, ray_namespace=f"pdc-layer-{os.getpid()}",
+                         # an index of its own: the session cluster's is on the same node
+                         kvpool=KVPoolConfig(index_url=f"ray://pdc-layer-index-{os.getpid()}"),
                          transfer=KVTransferConfig(streaming="layer", timeout_s=10),
                          engine=EngineConfig(max_num_batched_tokens=BUDGET,
                                                              fault_injection=True))

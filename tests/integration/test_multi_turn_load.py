@@ -2,6 +2,7 @@
 later turns find their replies cached because the decode worker published them."""
 
 import asyncio
+from dataclasses import replace
 
 import httpx
 
@@ -39,8 +40,13 @@ def test_usage_reports_the_prompt_tokens_found_cached(api_base):
 def test_later_turns_hit_the_replies_the_decode_published(api_base):
     base = api_base.removesuffix("/v1")
     convs = synthetic_conversations(4, 3, parse_length("40"), parse_length("8"),
-                                    parse_length("24"), TokenSpace(), think_time_s=0.05,
-                                    seed=72)
+                                    parse_length("24"), TokenSpace(), seed=72)
+    # a reply's blocks reach the pool shortly after its last token (the publish is off the
+    # token path): a user who answers within milliseconds may find them still on their way
+    think = 0.3
+    convs = replace(convs, conversations=[
+        replace(c, turns=(c.turns[0], *(replace(t, think_s=think) for t in c.turns[1:])))
+        for c in convs.conversations])
     client = ClientConfig(api_url=f"{api_base}/completions", model="stories260K")
     run = RunConfig(metrics_url=f"{base}/metrics", progress=False, scrape_interval_s=0)
     result = asyncio.run(run_conversations(convs, client, run))

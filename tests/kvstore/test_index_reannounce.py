@@ -97,6 +97,7 @@ def test_prefill_worker_reannounces_its_g1_blocks_after_redis_restarts_empty(
     """A prefill worker's G1 (device) entries come back too: the next request after the loss
     finds one cached key missing from the index and announces all of them again."""
     import prefill_worker.engine as prefill_engine
+    from kvstore.index import device_feed
     from engine.config import BUNDLED_MODEL, EngineConfig
     from engine.protocol import PrefillRequest, SamplingParams
     from engine.runner import ModelRunner
@@ -105,7 +106,7 @@ def test_prefill_worker_reannounces_its_g1_blocks_after_redis_restarts_empty(
     from kvstore.connector.pool import PoolConnector
     from tests.kvstore.lru_block_store import lru_server
 
-    monkeypatch.setattr(prefill_engine, "INDEX_CHECK_S", 0.0)
+    monkeypatch.setattr(device_feed, "INDEX_CHECK_S", 0.0)
     server = lru_server(KVStoreConfig())
     server.start()
     client = KVStoreClient(server.address)

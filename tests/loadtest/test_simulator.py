@@ -177,3 +177,30 @@ def test_measured_transfer_reranks_against_the_assumed_figures(tmp_path):
     assert simulate_main(["--trace", str(TRACE), "--num-requests", "20", "--policy", "all",
                           "--no-plots", "--measured-transfer", str(empty), "--output",
                           str(out)]) == 2
+
+
+def test_a_stall_delays_every_running_sequence_by_its_length():
+    got = {}
+    d = DecodeInstance("d0", MOONCAKE_70B, None, lambda rid, a, b: got.__setitem__(rid, b))
+    plain = DecodeInstance("d1", MOONCAKE_70B, None, lambda rid, a, b: got.__setitem__(rid, b))
+    d.join("a", 1000, 20, 0.0)
+    plain.join("b", 1000, 20, 0.0)
+    assert d.stall(0.0, 0.5) == pytest.approx(0.5)
+    d.drain()
+    plain.drain()
+    assert got["a"] == pytest.approx(got["b"] + 0.5)
+
+
+@needs_trace
+def test_pd_deciders_in_the_simulator(tmp_path):
+    out = tmp_path / "pd.json"
+    assert simulate_main(["--trace", str(TRACE), "--num-requests", "200", "--pd-decider",
+                          "all", "--time-scale", "0.6", "--no-plots",
+                          "--output", str(out)]) == 0
+    rows = json.loads(out.read_text())["pd_deciders"]
+    assert set(rows) == {"always", "never", "cost"}
+    assert rows["always"]["local_fraction"] == 0 and rows["never"]["local_fraction"] == 1
+    # prefilling every prompt on the decode stalls every decode: far worse steps
+    assert rows["never"]["mean_tbt_ms"] > 2 * rows["always"]["mean_tbt_ms"]
+    assert simulate_main(["--trace", str(TRACE), "--pd-decider", "sometimes",
+                          "--output", str(out)]) == 2

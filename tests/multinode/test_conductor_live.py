@@ -40,7 +40,8 @@ MODEL = "stories260K"
 
 @pytest.fixture(scope="module")
 def cluster(local_cluster):
-    config = ServeConfig(prefill_instances=2, decode_instances=1, ray_namespace="pdc-conductor",
+    config = ServeConfig(pd_decider="always",
+                         prefill_instances=2, decode_instances=1, ray_namespace="pdc-conductor",
                          engine={"num_kv_blocks": 2048})
     with local_cluster(config) as c:
         yield c

@@ -25,7 +25,8 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def cluster(local_cluster):
-    config = ServeConfig(transfer=KVTransferConfig(backend="mooncake"), ray_num_cpus=4,
+    config = ServeConfig(pd_decider="always",
+                         transfer=KVTransferConfig(backend="mooncake"), ray_num_cpus=4,
                          ray_namespace="pdc-kv-mooncake",
                          engine=EngineConfig(fault_injection=True))
     with local_cluster(config) as c:

@@ -30,7 +30,8 @@ STORY = ("Once upon a time, there was a little boy named Tim. Tim had a big red 
 
 @pytest.fixture(scope="module")
 def cluster(local_cluster):
-    config = ServeConfig(transfer=KVTransferConfig(backend="torch"), ray_num_cpus=4,
+    config = ServeConfig(pd_decider="always",
+                         transfer=KVTransferConfig(backend="torch"), ray_num_cpus=4,
                          ray_namespace="pdc-kv-torch", engine=EngineConfig(fault_injection=True))
     with local_cluster(config) as c:
         yield c

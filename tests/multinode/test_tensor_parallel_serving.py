@@ -31,7 +31,7 @@ LAYERS = ModelConfig.from_pretrained(BUNDLED_MODEL).num_hidden_layers
 
 @pytest.fixture(scope="module")
 def cluster(local_cluster):
-    config = ServeConfig(prefill_tp=2, decode_tp=2, ray_namespace="pdc-tp")
+    config = ServeConfig(pd_decider="always", prefill_tp=2, decode_tp=2, ray_namespace="pdc-tp")
     with local_cluster(config) as c:
         yield c
 

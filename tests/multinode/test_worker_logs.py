@@ -35,7 +35,8 @@ def json_records(path: Path) -> list[dict]:
 
 
 def test_worker_records_are_json_with_request_ids(local_cluster):
-    config = ServeConfig(ray_namespace="pdc-logs", log_format="json", log_level="debug")
+    config = ServeConfig(pd_decider="always",
+                         ray_namespace="pdc-logs", log_format="json", log_level="debug")
     with local_cluster(config) as cluster:
         async def run():
             params = SamplingParams(max_tokens=3, temperature=0)

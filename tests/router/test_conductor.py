@@ -25,8 +25,8 @@ def registry(prefills: int = 2, decodes: int = 3) -> InstanceRegistry:
 def test_round_robin_cycles_each_role_independently():
     conductor = Conductor(registry(), "round_robin")
     picks = [conductor.route(RouteRequest(str(n), (1,))) for n in range(6)]
-    assert [p.worker_id for p, _, _ in picks] == ["p0", "p1"] * 3
-    assert [d.worker_id for _, d, _ in picks] == ["d0", "d1", "d2"] * 2
+    assert [p.worker_id for p, _, _, _ in picks] == ["p0", "p1"] * 3
+    assert [d.worker_id for _, d, _, _ in picks] == ["d0", "d1", "d2"] * 2
 
 
 def test_no_instance_and_unknown_policy():
@@ -68,7 +68,7 @@ def test_a_cached_prefix_draws_its_requests_and_load_spreads_the_rest():
     keys = block_keys(prefix, 16, make_namespace("stories260K"))
     index.add(keys, Location("node-a", "device", "p1"))
     for n in range(3):  # each finishes before the next: no queue
-        p, _, _ = conductor.route(RouteRequest(f"s{n}", tuple(prefix + [7, n])))
+        p, _, _, _ = conductor.route(RouteRequest(f"s{n}", tuple(prefix + [7, n])))
         assert p.worker_id == "p1"
         conductor.prefill_done(f"s{n}")
     # a salted tenant's keys differ: no prefix is known for it
@@ -98,3 +98,19 @@ def test_decide_over_explicit_ids_with_precomputed_keys():
                                 ["p0", "p1"], ["d0"])
     assert decision.prefill.cached_blocks == 4 and decision.decode.instance_id == "d0"
     assert decision.num_tokens == 80
+
+
+def test_decode_caches_draw_their_conversations_and_no_prefill_loads_from_them():
+    conductor, index, clock = cache_aware_conductor()
+    history = list(range(3, 3 + 200))
+    keys = block_keys(history, 16, make_namespace("stories260K"))
+    index.add(keys, Location("node-a", "device", "d2"))  # the previous turn decoded on d2
+    p, d, plan, local = conductor.route(RouteRequest("t2", tuple(history + [9, 9, 9])))
+    assert d.worker_id == "d2"
+    # a decode's device cache is no prefill's source: nothing to load, nothing planned
+    assert plan.num_load_blocks == 0 and plan.locations == ()
+    index.add(keys[:4], Location("node-a", "host"))
+    _, _, plan, _ = conductor.route(RouteRequest("t3", tuple(history + [8])))
+    assert plan.num_load_blocks == 4 and len(plan.locations) == 4
+    # colocated, the decode choice sees the same caches
+    assert conductor.route_decode(RouteRequest("c", tuple(history + [7]))).worker_id == "d2"

@@ -100,6 +100,25 @@ def test_tbt_decode_picks_the_fastest_step_among_those_with_room():
     assert plan.tbt_s == pytest.approx(MOONCAKE_70B.t_step(11, 300_000 + 20 * B + 1))
 
 
+def test_tbt_decode_keeps_a_request_on_its_cache_until_the_load_is_too_uneven():
+    cand = [PrefillCandidate("p0", None, 0)]
+    idle = DecodeLoad("d0", 0, 0, capacity_tokens=10**7)
+    tbt = {"idle": MOONCAKE_70B.t_step(1, 20 * B + 1)}
+    # a little busier, holding 12 of the prompt's blocks: within the slack, it wins
+    holder = DecodeLoad("d1", 2, 4 * B, capacity_tokens=10**7, cached_blocks=12)
+    assert MOONCAKE_70B.t_step(3, 24 * B + 1) < 1.25 * tbt["idle"]
+    assert TBTDecode().select(ctx(cand, [idle, holder])).instance_id == "d1"
+    assert TBTDecode(affinity_slack=0).select(ctx(cand, [idle, holder])).instance_id == "d0"
+    # far busier: the fastest step wins
+    swamped = DecodeLoad("d1", 60, 400_000, capacity_tokens=10**7, cached_blocks=12)
+    assert TBTDecode().select(ctx(cand, [idle, swamped])).instance_id == "d0"
+    # the longer cached prefix first among those near enough
+    more = DecodeLoad("d2", 1, 2 * B, capacity_tokens=10**7, cached_blocks=16)
+    assert TBTDecode().select(ctx(cand, [idle, holder, more])).instance_id == "d2"
+    with pytest.raises(ValueError):
+        TBTDecode(affinity_slack=-1)
+
+
 def test_local_plan_never_pulls():
     cand = PrefillCandidate("p0", "n0", 0.0, 0, 3)
     assert local_plan(ctx([cand], global_blocks=10), cand).pulled_blocks == 0

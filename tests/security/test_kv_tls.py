@@ -140,7 +140,8 @@ def test_a_cluster_serves_over_mutual_tls_kv_plane(pki):
     from tests.background_server import BackgroundServer
 
     good = pki["good"]
-    config = ServeConfig(ray_num_cpus=4, actor_num_cpus=0.1, ray_namespace="pdcluster-tls",
+    config = ServeConfig(pd_decider="always",
+                         ray_num_cpus=4, actor_num_cpus=0.1, ray_namespace="pdcluster-tls",
                          kvstore=KVStoreConfig(tls=_tls(good, good["ca"])))
     with Cluster(config) as cluster:
         with BackgroundServer(gateway_app(cluster.config, cluster)) as server:

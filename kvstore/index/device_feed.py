@@ -1,0 +1,65 @@
+"""A worker's device cache (G1) in the global KV index: its block pool's cache events, sent off
+the engine loop, and a periodic check that the index still lists them.
+
+The engine loop calls `send()` after each step that may have stored or evicted blocks; the
+events go to the index on the executor the caller gives (prefill: the one that also delivers
+results, so a request's events reach the index before its caller gets the result). Every
+`check_s`, the same call also checks one cached key: when the index lost the worker's entries
+(Redis restarted empty, or events failed to reach it), every cached key is announced again.
+An index outage costs prefix hits, never requests: failures are logged, not raised.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import Executor
+
+from kvstore.block_pool import BlockPool
+from kvstore.events import BlockStored
+from kvstore.index.base import KVIndex, Location
+
+log = logging.getLogger(__name__)
+
+INDEX_CHECK_S = 2.0
+
+
+class DeviceCacheFeed:
+    """Feeds `pool`'s events to `index` under `location` (node, "device", worker id).
+
+    Attributes:
+        reannouncements_total: times the index had lost this worker's entries and every cached
+            key was announced again.
+    """
+
+    def __init__(self, pool: BlockPool, index: KVIndex | None, location: Location,
+                 executor: Executor, check_s: float | None = None) -> None:
+        self.pool, self.index, self.location = pool, index, location
+        self._executor = executor
+        self._check_s = INDEX_CHECK_S if check_s is None else check_s
+        self._checked_at = 0.0
+        self.reannouncements_total = 0
+
+    def send(self) -> None:
+        """On the engine loop: take the pool's events and hand them to the executor (dropped
+        without an index, so they never pile up)."""
+        events = self.pool.take_events()
+        if self.index is None:
+            return
+        now = time.monotonic()
+        check = now - self._checked_at >= self._check_s
+        if check:
+            self._checked_at = now
+        if events or check:
+            self._executor.submit(self._apply, events,
+                                  self.pool.cached_keys() if check else None)
+
+    def _apply(self, events: list, cached_keys: list[bytes] | None) -> None:
+        try:
+            if events:
+                self.index.apply_events(self.location, events)
+            if cached_keys and self.location not in self.index.lookup(cached_keys[:1])[0]:
+                self.index.apply_events(self.location, [BlockStored(tuple(cached_keys))])
+                self.reannouncements_total += 1
+        except Exception as exc:  # noqa: BLE001 — an index outage costs hits, not requests
+            log.warning("G1 events of %s not indexed: %s", self.location.instance_id, exc)

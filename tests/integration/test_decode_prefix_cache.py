@@ -1,0 +1,118 @@
+"""The decode worker's own prefix cache: a finished turn's blocks stay in its device cache, the
+next turn from a prefill fetches only the blocks after them (incremental transfer), and a
+prompt computed on the decode (colocated) starts after them. Prefill engine → gRPC KV store →
+decode engine in one process (no Ray); outputs against transformers' greedy generate."""
+
+from __future__ import annotations
+
+import pytest
+
+from decode_worker.engine import DecodeEngine
+from engine.config import BUNDLED_MODEL, EngineConfig
+from engine.protocol import DecodeRequest, FinishReason, PrefillRequest, SamplingParams
+from engine.runner import ModelRunner
+from kvstore.client import KVStoreClient
+from kvstore.config import KVStoreConfig, KVTransferConfig
+from kvstore.connector.fetch import FetchConnector
+from kvstore.connector.pool import PoolConnector
+from kvstore.hashing import block_keys, make_namespace
+from kvstore.index import Location, MemoryIndex
+from prefill_worker.engine import PrefillEngine
+from tests.engine_loops import started, stop
+from tests.integration.test_decode_publish import run_decode
+from tests.kvstore.lru_block_store import lru_server
+
+NODE = "node-c"
+BS = 16
+
+
+@pytest.fixture(scope="module")
+def engines():
+    server = lru_server(KVStoreConfig())
+    server.start()
+    client = KVStoreClient(server.address)
+    config = EngineConfig(model=str(BUNDLED_MODEL), num_kv_blocks=128)
+    index = MemoryIndex()
+    index.heartbeat(NODE, 600)
+    prefill = started(lambda: PrefillEngine(
+        ModelRunner(config), PoolConnector(NODE, client, server.address, client), "p", 0))
+    decode = started(lambda: DecodeEngine(ModelRunner(config), "d", 0,
+                                          FetchConnector(KVTransferConfig(timeout_s=5)),
+                                          index=index, node_id=NODE))
+    yield prefill, decode, index
+    stop(decode)
+    stop(prefill)
+    client.close()
+    server.stop()
+
+
+def keys_of(tokens: list[int]) -> list[bytes]:
+    return block_keys(tokens, BS, make_namespace("stories260K", None))
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+
+
+def disaggregated(engines, request_id: str, prompt: list[int], n: int):
+    prefill, decode, _ = engines
+    result = prefill.prefill(PrefillRequest(request_id, tuple(prompt), greedy(n)))
+    deltas = run_decode(decode, DecodeRequest(request_id, tuple(prompt), greedy(n), result))
+    return result, [result.first_token] + [t for d in deltas for t in d.token_ids]
+
+
+def test_the_next_turn_fetches_only_what_the_decode_does_not_hold(engines, hf):
+    _, decode, index = engines
+    prompt = hf.encode("Once upon a time, there was a little girl named Lily.")
+    fetched = decode.stats()["kv_bytes_fetched_total"]
+    first, out = disaggregated(engines, "i1", prompt, 40)
+    assert out == hf.greedy(prompt, 40)
+    first_bytes = decode.stats()["kv_bytes_fetched_total"] - fetched
+    first_blocks = len(first.block_keys) + (first.tail_handle is not None)
+    per_block = first_bytes // first_blocks
+    assert per_block * first_blocks == first_bytes > 0
+    held = keys_of(prompt + out[:-1])  # the KV the finished sequence held, now cached
+    mine = Location(NODE, "device", "d")
+    decode._index_events.submit(lambda: None).result(10)  # the feed's queue has run
+    assert all(mine in locs for locs in index.lookup(held))
+
+    follow = prompt + out + hf.encode(" She went to the park.", add_special_tokens=False)
+    reused = decode.stats()["kv_blocks_reused_total"]
+    fetched = decode.stats()["kv_bytes_fetched_total"]
+    second, out2 = disaggregated(engines, "i2", follow, 8)
+    assert out2 == hf.greedy(follow, 8)
+    skipped = decode.stats()["kv_blocks_reused_total"] - reused
+    assert skipped == len(held)
+    moved = len(second.block_keys) + (second.tail_handle is not None) - skipped
+    assert decode.stats()["kv_bytes_fetched_total"] - fetched == moved * per_block
+    assert 2 * moved < len(second.block_keys) + (second.tail_handle is not None)
+
+
+def test_a_prompt_computed_on_the_decode_starts_after_its_cached_blocks(engines, hf):
+    _, decode, _ = engines
+    prompt = hf.encode("One day, a little dog named Max found a big red ball in the garden.")
+    params = greedy(12)
+    first = run_decode(decode, DecodeRequest("c1", tuple(prompt), params))
+    out = [t for d in first for t in d.token_ids]
+    assert out == hf.greedy(prompt, 12) and first[0].num_cached_tokens == 0
+    follow = prompt + out + hf.encode(" The end.", add_special_tokens=False)
+    queried = decode.stats()["prefix_cache_queried_tokens_total"]
+    second = run_decode(decode, DecodeRequest("c2", tuple(follow), params))
+    assert [t for d in second for t in d.token_ids] == hf.greedy(follow, 12)
+    cached = len(keys_of(prompt + out[:-1])) * BS
+    assert second[0].num_cached_tokens == cached > 0
+    assert all(d.num_cached_tokens is None for d in second[1:])
+    stats = decode.stats()
+    assert stats["prefix_cache_queried_tokens_total"] - queried == len(follow)
+    assert stats["num_free_blocks"] == stats["num_blocks"]  # cached blocks are free to evict
+
+
+def test_an_aborted_sequence_leaves_no_reply_blocks_cached(engines, hf):
+    _, decode, _ = engines
+    prompt = hf.encode("The sun was shining and the birds were singing in the tall trees.")
+    deltas = run_decode(decode, DecodeRequest("a1", tuple(prompt), greedy(60)), abort_after=30)
+    assert deltas[-1].finish_reason is FinishReason.ABORT
+    out = [t for d in deltas for t in d.token_ids]
+    prompt_blocks = len(keys_of(prompt))
+    reply_keys = keys_of(prompt + out[:-1])[prompt_blocks:]
+    assert reply_keys and all(decode.pool.get_cached_block(k) is None for k in reply_keys)

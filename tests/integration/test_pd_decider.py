@@ -1,0 +1,82 @@
+"""The PD decider on a real cluster (`--pd-decider threshold:N`): short prompts are prefilled on
+their decode instance, long ones disaggregated, both with transformers' greedy output, and the
+decisions are on /metrics. A conversation's next turn, prefilled on the decode that ran the
+previous one, finds its history in that decode's own prefix cache."""
+
+from __future__ import annotations
+
+import os
+
+import httpx
+import pytest
+import ray
+from prometheus_client.parser import text_string_to_metric_families
+
+from deploy.config import ServeConfig
+from deploy.launcher import Cluster
+from kvstore.pool_config import KVPoolConfig
+from deploy.serve import gateway_app
+from tests.background_server import BackgroundServer
+
+THRESHOLD = 48
+
+
+@pytest.fixture(scope="module")
+def base_url(cluster):
+    """The session cluster first (it owns the session's Ray), then ours beside it, in a
+    namespace of its own."""
+    config = ServeConfig(ray_num_cpus=4, cpu_bind="none", pd_decider=f"threshold:{THRESHOLD}",
+                         ray_namespace=f"pdc-decider-{os.getpid()}",
+                         # an index of its own: the session cluster's is on the same node
+                         kvpool=KVPoolConfig(index_url=f"ray://pdc-decider-index-{os.getpid()}"))
+    with Cluster(config) as cluster, BackgroundServer(gateway_app(config, cluster)) as server:
+        yield server.url, cluster
+
+
+def metric(base: str, name: str) -> dict[tuple, float]:
+    text = httpx.get(f"{base}/metrics", timeout=30).text
+    return {tuple(sorted(s.labels.items())): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples
+            if s.name == name}
+
+
+def complete(base: str, prompt: list[int], n: int) -> dict:
+    response = httpx.post(f"{base}/v1/completions", timeout=120, json={
+        "model": "stories260K", "prompt": prompt, "max_tokens": n, "temperature": 0,
+        "return_token_ids": True})
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def test_short_prompts_stay_on_the_decode_and_long_ones_are_disaggregated(base_url, hf):
+    base, cluster = base_url
+    short = hf.encode("Once upon a time, there was a cat.")
+    long = hf.encode("Once upon a time, there was a little girl named Lily. She loved to play "
+                     "outside in the park with her friends. One day, she saw a big red ball "
+                     "under a tree and ran to get it.")
+    assert len(short) <= THRESHOLD < len(long)
+    before = ray.get(cluster.prefill[0].handle.stats.remote())["num_requests_total"]
+    for prompt in (short, long):
+        body = complete(base, prompt, 12)
+        assert body["choices"][0]["token_ids"] == hf.greedy(prompt, 12)
+    after = ray.get(cluster.prefill[0].handle.stats.remote())["num_requests_total"]
+    assert after - before == 1  # only the long one went to the prefill instance
+    decisions = metric(base, "pdcluster_pd_decisions_total")
+    assert decisions[(("path", "local"),)] >= 1
+    assert decisions[(("path", "disaggregated"),)] >= 1
+
+
+def test_the_next_turn_finds_its_history_in_the_decode_s_own_cache(base_url, hf):
+    base, _ = base_url
+    prompt = hf.encode("The dog ran fast.")
+    first = complete(base, prompt, 24)
+    reply = first["choices"][0]["token_ids"]
+    follow = prompt + reply + hf.encode(" Then", add_special_tokens=False)
+    assert len(follow) - (len(prompt) + len(reply) - 1) // 16 * 16 <= THRESHOLD
+    second = complete(base, follow, 8)
+    assert second["choices"][0]["token_ids"] == hf.greedy(follow, 8)
+    # everything the first turn held in full blocks: its prompt and reply but the last token
+    cached = (len(prompt) + len(reply) - 1) // 16 * 16
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == cached > 0
+    hits = metric(base, "pdcluster_prefix_cache_hit_tokens_total")
+    assert hits[(("tier", "device"),)] >= cached
