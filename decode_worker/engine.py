@@ -327,9 +327,18 @@ class DecodeEngine:
         """The prompt's full blocks, whose KV is now all there, become prefix-cache entries
         (those that were hits already are)."""
         prefill = seq.request.prefill
-        keys = seq.block_keys if prefill is None else prefill.block_keys
-        if self.pool.enable_caching and keys:
+        self._cache(seq, seq.block_keys if prefill is None else prefill.block_keys)
+
+    def _cache(self, seq: DecodeSequence, keys: Sequence[bytes]) -> None:
+        """The first len(keys) blocks of seq's table become prefix-cache entries under `keys`;
+        a refusal (a block holding another key: a bug) costs hits, never the request."""
+        if not (self.pool.enable_caching and keys):
+            return
+        try:
             self.pool.cache_full_blocks(seq.block_table[:len(keys)], keys)
+        except ValueError:
+            log.exception("caching the blocks of %s failed", seq.request_id,
+                          extra={"request_id": seq.request_id})
 
     def _abort_now(self, request_id: str) -> None:
         self.streams.drop(request_id, tell_prefill=True)
@@ -490,9 +499,7 @@ class DecodeEngine:
         if normal and (publish or self.pool.enable_caching):
             namespace = make_namespace(self.model_id, seq.request.cache_salt)
             seq.block_keys = tuple(block_keys(seq.kv_token_ids(), self.block_size, namespace))
-            if self.pool.enable_caching:  # before finish frees them: cached, evictable
-                self.pool.cache_full_blocks(seq.block_table[:len(seq.block_keys)],
-                                            seq.block_keys)
+            self._cache(seq, seq.block_keys)  # before finish frees them: cached, evictable
         table = list(seq.block_table) if publish else []  # finish empties the request's own
         self.scheduler.finish(seq)
         seq.swapped = None

@@ -80,3 +80,18 @@ def test_the_next_turn_finds_its_history_in_the_decode_s_own_cache(base_url, hf)
     assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == cached > 0
     hits = metric(base, "pdcluster_prefix_cache_hit_tokens_total")
     assert hits[(("tier", "device"),)] >= cached
+
+
+def test_seeded_outputs_are_the_same_on_either_path(base_url, api_base, hf):
+    """The same seeded request, disaggregated on the session cluster and prefilled on the
+    decode here: token-identical (the sampler draws from per-(seed, step) streams)."""
+    base, _ = base_url
+    prompt = hf.encode("A little bird sang a song.")
+    assert len(prompt) <= THRESHOLD
+    body = {"model": "stories260K", "prompt": prompt, "max_tokens": 20, "temperature": 0.9,
+            "seed": 7, "return_token_ids": True}
+    here = httpx.post(f"{base}/v1/completions", json=body, timeout=120).json()
+    there = httpx.post(f"{api_base}/completions", json=body, timeout=120).json()
+    assert here["choices"][0]["token_ids"] == there["choices"][0]["token_ids"]
+    decisions = metric(base, "pdcluster_pd_decisions_total")
+    assert decisions[(("path", "local"),)] >= 1

@@ -56,7 +56,7 @@ def test_mooncake_transfer_engine_listens_on_loopback_only(serve):
     pytest.importorskip("mooncake.engine", reason="needs pdcluster[mooncake] and libibverbs1")
     import httpx
 
-    served = serve("--kv-transfer", "mooncake")
+    served = serve("--kv-transfer", "mooncake", "--pd-decider", "always")
     before = {port for *_, port in listeners([psutil.Process(served.proc.pid),
                                               *served.tree])}
     r = httpx.post(f"http://127.0.0.1:{served.port}/v1/completions", timeout=60,
