@@ -84,7 +84,8 @@ class DecodeWorker:
                          else None)
             return DecodeEngine(runner, worker_id, os.getpid(), connector, peers,
                                 transfer.load_failure_policy, publisher, index, node_id,
-                                transfer.incremental_transfer)
+                                transfer.incremental_transfer,
+                                transfer.decode_publish_interval)
 
         self.loop = EngineLoop(build, "decode-engine")
         self.engine = self.loop.core

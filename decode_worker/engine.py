@@ -34,7 +34,9 @@ Lifecycle of a request on a decode worker:
                     again, a sequence that ended normally has the full blocks of its prompt
                     and output that no prefill published copied out for the KV pool (the
                     publish connector, kvstore.connector.publish): a conversation's next turn
-                    reuses the reply. Aborted and failed sequences publish nothing.
+                    reuses the reply. Aborted and failed sequences publish nothing more
+                    (with a publish interval, the whole blocks a running sequence put
+                    earlier stay).
 
 Prefix cache (with EngineConfig.enable_prefix_caching, as on prefill): the full blocks of a
 normally finished sequence (prompt and output) stay cached in this worker's pool, keyed as the
@@ -109,6 +111,8 @@ class DecodeSequence:
     runs_alone: bool = False
     # prompt tokens admission found in this worker's cache (not fetched, not computed)
     num_cached_tokens: int = 0
+    # leading full blocks handed to the publisher while running (a publish interval)
+    num_published_blocks: int = 0
 
     @property
     def request_id(self) -> str:
@@ -150,6 +154,8 @@ class DecodeEngine:
         stats()["kv_load_failures_total"] by action (KVTransferConfig.load_failure_policy).
     publisher: the connector a normally ended sequence's blocks go out through
         (kvstore.connector.publish.PublishConnector); None: nothing is published.
+    publish_interval: with a publisher, a running sequence's blocks also go out every this
+        many full blocks (KVTransferConfig.decode_publish_interval; 0: at the end only).
     index / node_id: where the prefix cache's events go, as (node_id, "device", worker_id);
         None: the cache works unindexed.
     incremental_transfer: a prompt from a prefill starts after the blocks cached here
@@ -160,7 +166,8 @@ class DecodeEngine:
                  connector: FetchConnector, peers: StreamPeers | None = None,
                  kv_load_failure_policy: str = "recompute",
                  publisher: KVConnector | None = None, index: KVIndex | None = None,
-                 node_id: str = "local-node", incremental_transfer: bool = True) -> None:
+                 node_id: str = "local-node", incremental_transfer: bool = True,
+                 publish_interval: int = 0) -> None:
         self.kv_load_failures = KVLoadFailurePolicy(kv_load_failure_policy)
         self.runner = runner
         self.worker_id = worker_id
@@ -189,6 +196,7 @@ class DecodeEngine:
         self.connector = connector
         connector.register_kv_caches(runner.wire_kv)
         self.publisher = publisher
+        self.publish_interval = publish_interval if publisher is not None else 0
         if publisher is not None:
             publisher.register_kv_caches(runner.wire_kv)
         self.model_id = runner.model_config.name
@@ -478,6 +486,8 @@ class DecodeEngine:
             finish = self._check_stop(seq)
             if finish is None:
                 seq.emit(self._delta(seq, (token,), None, logprob=logprob))
+                if self.publish_interval:
+                    self._publish_progress(seq)
             else:
                 self._finish(seq, finish, new_tokens=(token,), logprob=logprob)
 
@@ -501,12 +511,33 @@ class DecodeEngine:
             seq.block_keys = tuple(block_keys(seq.kv_token_ids(), self.block_size, namespace))
             self._cache(seq, seq.block_keys)  # before finish frees them: cached, evictable
         table = list(seq.block_table) if publish else []  # finish empties the request's own
+        if self.publisher is not None and not publish:
+            self.publisher.abort(seq.request_id)  # what it put while running stays
         self.scheduler.finish(seq)
         seq.swapped = None
         seq.emit(self._delta(seq, new_tokens, reason, error, logprob, error_code))
         if publish:
             # the freed blocks keep their bytes until this thread allocates again
             self._publish(seq, table)
+
+    def _publish_progress(self, seq: DecodeSequence) -> None:
+        """Every publish_interval more full blocks of a running sequence's KV, those blocks
+        go to the publisher (after the token went out; blocks a prefill published count as
+        out already)."""
+        tokens = seq.kv_token_ids()
+        full = len(tokens) // self.block_size
+        prefill = seq.request.prefill
+        out = max(seq.num_published_blocks, len(prefill.block_keys) if prefill else 0)
+        if full < out + self.publish_interval:
+            return
+        namespace = make_namespace(self.model_id, seq.request.cache_salt)
+        keys = block_keys(tokens, self.block_size, namespace)
+        try:
+            self.publisher.save_progress(seq, keys, seq.block_table[:len(keys)])
+        except Exception:  # noqa: BLE001 — a lost publish costs a later recompute
+            log.exception("publishing the blocks of %s failed", seq.request_id,
+                          extra={"request_id": seq.request_id})
+        seq.num_published_blocks = len(keys)
 
     def _publish(self, seq: DecodeSequence, block_table: list[int]) -> None:
         """Hand the full blocks of the sequence's KV (keys: seq.block_keys), in `block_table`,

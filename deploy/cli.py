@@ -117,6 +117,9 @@ _SERVE_FLAGS = [
      "per request: disaggregate, or prefill on the decode instance: cost (default) | always "
      "(disaggregate every request) | never (prefill on the decode) | threshold:N (local when "
      "at most N prompt tokens are not in the decode's cache)"),
+    ("--kv-decode-publish-interval", "transfer.decode_publish_interval", int,
+     "with --kv-decode-publish: also publish a running sequence's blocks every N full blocks "
+     "(default 0: when it ends)"),
     ("--admission", "admission", str, "SLO admission: none (default) | arrival | prediction"),
     ("--slo-ttft-s", "slo_ttft_s", float, "TTFT SLO admission enforces (default 30 s)"),
     ("--slo-tbt-ms", "slo_tbt_ms", float, "TBT SLO admission enforces (default 100 ms)"),

@@ -179,6 +179,8 @@ class KVTransferConfig(pydantic.BaseModel):
             normally (prompt and output; the blocks no prefill published) into its node's KV
             store and so the index (kvstore.connector.publish), so a conversation's next turn
             reuses the reply's KV.
+        decode_publish_interval: with decode_publish, a running sequence's blocks also go out
+            every this many full blocks, not only when it ends (0: at the end only).
         incremental_transfer: a decode worker that holds a prompt's leading blocks in its own
             prefix cache fetches only the blocks after them (store path only: a pushed
             transfer brings the whole prompt); off, every prompt travels whole.
@@ -200,6 +202,7 @@ class KVTransferConfig(pydantic.BaseModel):
     streaming: Literal["request", "layer"] = "request"
     load_failure_policy: Literal["recompute", "fail"] = "recompute"
     decode_publish: bool = True
+    decode_publish_interval: int = pydantic.Field(0, ge=0)
     incremental_transfer: bool = True
     token: pydantic.SecretStr | None = pydantic.Field(
         default=None, exclude=True, repr=False,

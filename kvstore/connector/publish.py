@@ -3,9 +3,13 @@ the full blocks of its prompt and output that no prefill published go to this no
 under their chained keys, so the next turn of a conversation (its prompt is this one's prompt,
 the reply and a new message) reuses the reply's KV instead of recomputing it.
 
-Only ``request_finished`` does anything. The engine calls it for a sequence that ended
-normally (a stop token, max_tokens or the context limit), never for an aborted or failed one,
-after the last token was emitted. The blocks' bytes are copied out on the engine loop, so the
+``request_finished`` does the work. The engine calls it for a sequence that ended normally (a
+stop token, max_tokens or the context limit), never for an aborted or failed one, after the
+last token was emitted. With a publish interval the engine also calls ``save_progress`` while
+the sequence runs, each time N more of its blocks are full: those blocks are whole (their
+KV never changes again), so they go out at once and a later turn, or another request sharing
+the prefix, need not wait for the end; ``request_finished`` then puts only the rest, and
+``abort`` forgets a sequence that will not finish. The blocks' bytes are copied out on the engine loop, so the
 engine frees the blocks at once, and put off the loop, on one thread, in order. The put goes
 through the node store (arena and commit), which records the blocks in the global index like
 a prefill's, under the tier that holds them.
@@ -44,6 +48,7 @@ class PublishConnector(KVConnector):
         self.publish_failures_total = 0
         self._lock = threading.Lock()
         self._saves = ThreadPoolExecutor(1, thread_name_prefix="decode-publish")
+        self._saved: dict[str, int] = {}  # request id -> leading blocks put while it ran
 
     @classmethod
     def from_context(cls, ctx: KVConnectorContext) -> PublishConnector:
@@ -57,16 +62,34 @@ class PublishConnector(KVConnector):
         output, in order); block_ids: the cache blocks holding them, the same length. Copies
         the blocks no prefill published and puts them off the loop; never delays the blocks'
         release (returns delay_free False). Raises ValueError when the lengths differ."""
-        keys = list(request.block_keys)
+        self._save(request, list(request.block_keys), block_ids)
+        self._saved.pop(request.request_id, None)
+        return False, None
+
+    def save_progress(self, request: KVConnectorRequest, keys: Sequence[bytes],
+                      block_ids: Sequence[int]) -> None:
+        """A running request's first len(keys) blocks are full (keys: their chained keys;
+        block_ids: the cache blocks holding them): copies those not put yet and puts them off
+        the loop. Raises ValueError when the lengths differ."""
+        self._save(request, list(keys), block_ids)
+        self._saved[request.request_id] = len(keys)
+
+    def abort(self, request_id: str) -> None:
+        """The request ends without finishing: what it put while running stays (whole blocks);
+        nothing more goes out."""
+        self._saved.pop(request_id, None)
+
+    def _save(self, request: KVConnectorRequest, keys: list[bytes],
+              block_ids: Sequence[int]) -> None:
         if len(keys) != len(block_ids):
             raise ValueError(f"{len(keys)} block keys for {len(block_ids)} blocks")
         prefill = request.request.prefill
-        start = len(prefill.block_keys) if prefill is not None else 0
+        start = max(len(prefill.block_keys) if prefill is not None else 0,
+                    self._saved.get(request.request_id, 0))
         if start >= len(keys):
-            return False, None
+            return
         data = self.cache.read_blocks(list(block_ids[start:])).cpu()
         self._saves.submit(self._put, keys[start:], data)
-        return False, None
 
     def stats(self) -> dict:
         with self._lock:

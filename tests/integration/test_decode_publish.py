@@ -196,6 +196,32 @@ def test_a_failed_publish_is_counted_and_the_request_is_unharmed(hf):
         stop(decode)
 
 
+def test_with_an_interval_full_blocks_go_out_while_the_sequence_runs(cluster, hf):
+    """--kv-decode-publish-interval 1: each block goes out once full, so a sequence aborted
+    mid-way has published its full blocks, whole, and nothing after them."""
+    _, _, _, client = cluster
+    publisher = PublishConnector(client)
+    config = EngineConfig(model=str(BUNDLED_MODEL), num_kv_blocks=64)
+    decode = started(lambda: DecodeEngine(ModelRunner(config), "d-interval", 0,
+                                          FetchConnector(KVTransferConfig(timeout_s=5)),
+                                          publisher=publisher, publish_interval=1))
+    try:
+        prompt = hf.encode("The little red hen found a grain of wheat in the farmyard.")
+        params = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
+        deltas = run_decode(decode, DecodeRequest("running", tuple(prompt), params),
+                            abort_after=45)
+        assert deltas[-1].finish_reason is FinishReason.ABORT
+        out = [t for d in deltas for t in d.token_ids]
+        assert out == hf.greedy(prompt, len(out))
+        full = keys_of(prompt + out[:-1])  # every block whose KV was whole before the abort
+        publisher.flush(30)
+        assert publisher.stats()["kv_blocks_published_total"] == len(full) >= 3
+        assert client.exists(full) == [True] * len(full)
+        assert not any(client.exists(keys_of(prompt + out + [3] * 16)[len(full):]))
+    finally:
+        stop(decode)
+
+
 def test_request_finished_refuses_keys_and_blocks_that_disagree():
     publisher = PublishConnector(FailingStore())
 

@@ -95,3 +95,18 @@ def test_seeded_outputs_are_the_same_on_either_path(base_url, api_base, hf):
     assert here["choices"][0]["token_ids"] == there["choices"][0]["token_ids"]
     decisions = metric(base, "pdcluster_pd_decisions_total")
     assert decisions[(("path", "local"),)] >= 1
+
+
+def test_logprobs_agree_on_either_path(base_url, api_base, hf):
+    """KV the decode computed for itself and KV a prefill computed and sent differ by fp32
+    rounding at most: the logprobs of the same greedy request agree within 1e-4."""
+    base, _ = base_url
+    prompt = hf.encode("The moon was big and round.")
+    body = {"model": "stories260K", "prompt": prompt, "max_tokens": 16, "temperature": 0,
+            "logprobs": 1, "return_token_ids": True}
+    here = httpx.post(f"{base}/v1/completions", json=body, timeout=120).json()["choices"][0]
+    there = httpx.post(f"{api_base}/completions", json=body, timeout=120).json()["choices"][0]
+    assert here["token_ids"] == there["token_ids"] == hf.greedy(prompt, 16)
+    mine, theirs = here["logprobs"]["token_logprobs"], there["logprobs"]["token_logprobs"]
+    assert len(mine) == 16
+    assert max(abs(a - b) for a, b in zip(mine, theirs)) < 1e-4

@@ -49,7 +49,8 @@ def test_transfer_config_holds_no_kv_plane_settings():
                                           "mooncake_protocol", "source_buffer_bytes",
                                           "receive_buffer_bytes",
                                           "streaming", "load_failure_policy",
-                                          "decode_publish", "incremental_transfer"}
+                                          "decode_publish", "decode_publish_interval",
+                                          "incremental_transfer"}
     assert kv_plane_of(config) == KVStoreConfig()  # no token, no TLS
 
 
