@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -35,7 +34,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from throughput import FULL, free_port, wait_healthy, write_model  # noqa: E402
+from throughput import FULL, free_port, stop_server, wait_healthy, write_model  # noqa: E402
 
 PDCLUSTER = Path(sys.executable).parent / "pdcluster"
 BUNDLED = Path(__file__).resolve().parents[1] / "engine" / "models" / "stories260K"
@@ -84,11 +83,7 @@ def run_setting(model: Path | None, args, publish: bool, out: Path, seed: int) -
         wait_healthy(port, server)
         return bench(port, model, args, out, seed, name)
     finally:
-        os.killpg(server.pid, signal.SIGTERM)
-        try:
-            server.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
+        stop_server(server)
 
 
 def main() -> int:

@@ -23,18 +23,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import statistics
 import subprocess
 import sys
 import tempfile
-import time
 import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from throughput import FULL, free_port, wait_healthy, write_model  # noqa: E402
+from throughput import FULL, free_port, stop_server, wait_healthy, write_model  # noqa: E402
 
 PDCLUSTER = Path(sys.executable).parent / "pdcluster"
 DECIDERS = ("always", "never", "cost")
@@ -89,11 +87,7 @@ def run(model: Path, cost: Path, decider: str, args, seed: int, out: Path) -> di
         result["decisions"] = {p: after.get(p, 0) - before.get(p, 0) for p in after}
         return result
     finally:
-        os.killpg(server.pid, signal.SIGTERM)
-        try:
-            server.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
+        stop_server(server)
 
 
 def summary(result: dict) -> dict:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import signal
 import socket
@@ -116,6 +117,16 @@ def wait_healthy(port: int, server: subprocess.Popen) -> None:
         except OSError:
             time.sleep(1)
     raise RuntimeError("the server did not become healthy")
+
+
+def stop_server(server: subprocess.Popen) -> None:
+    """SIGTERM to the server's process group (it was started with start_new_session), then
+    SIGKILL if it has not exited within 60 s."""
+    os.killpg(server.pid, signal.SIGTERM)
+    try:
+        server.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(server.pid, signal.SIGKILL)
 
 
 @torch.inference_mode()

@@ -31,7 +31,6 @@ import argparse
 import json
 import os
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -44,7 +43,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.append(str(ROOT / "benchmarks"))
 
 from step_time import measure  # noqa: E402
-from throughput import FULL, free_port, wait_healthy, write_model  # noqa: E402
+from throughput import FULL, free_port, stop_server, wait_healthy, write_model  # noqa: E402
 
 VLLM_VENV = ROOT / "benchmarks" / ".venv-vllm"
 VLLM_VERSION = "0.32.0"
@@ -137,11 +136,7 @@ def run_mode(mode: str, model: Path, args, seeds, out_dir: Path) -> dict:
                                         next(seeds), out_dir)
         return result
     finally:
-        os.killpg(server.pid, signal.SIGTERM)
-        try:
-            server.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
+        stop_server(server)
 
 
 def main() -> int:
