@@ -125,6 +125,8 @@ def serve(config: ServeConfig) -> int:
             # turns SIGTERM into exit(15). Either is a graceful stop: exit 0 after cleanup.
             if exc.code not in (signal.SIGTERM, signal.SIGINT):
                 raise
+        except KeyboardInterrupt:  # the same SIGINT, re-raised where Python's default handler
+            pass                   # is in place: Ctrl-C after a drain is a graceful stop too
     finally:
         cluster.shutdown()
     return 0
