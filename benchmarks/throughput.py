@@ -87,8 +87,9 @@ def run_pdcluster(model_dir: Path, requests: list[BenchRequest], concurrency: in
     args = [str(Path(sys.executable).parent / "pdcluster"), "serve", "--model", str(model_dir),
             "--port", str(port), "--num-kv-blocks", str(kv_blocks), "--log-level", "warning",
             "--max-num-batched-tokens", "1024"]
+    # disaggregated means every request: the PD decider would keep some on the decode
     args += (["--colocated", "--torch-threads", str(threads)] if colocated else
-             ["--torch-threads", str(max(1, threads // 2))])
+             ["--torch-threads", str(max(1, threads // 2)), "--pd-decider", "always"])
     server = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                               start_new_session=True)
     try:

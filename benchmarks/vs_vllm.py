@@ -15,7 +15,8 @@
   LD_PRELOAD of tcmalloc (the OS package libtcmalloc-minimal4, when installed) and the wheel's
   libiomp5.
 - pdcluster: colocated `--colocated --torch-threads 2`; disaggregated 1 prefill + 1 decode with
-  `--torch-threads 1` each; both `--num-kv-blocks 2664 --max-num-batched-tokens 1024`.
+  `--torch-threads 1` each and `--pd-decider always`; both `--num-kv-blocks 2664
+  --max-num-batched-tokens 1024`.
 - Client: `pdcluster bench run --input-len 512 --output-len 128 --temperature 0 --ignore-eos`,
   a fresh `--seed` per point so no prefix cache hits; one short untimed request first.
 - Rounds alternate the order of the servers. Prints, per mode and concurrency, the mean over
@@ -98,8 +99,9 @@ def pdcluster_command(model: Path, port: int, dtype: str, threads: int,
             "--log-level", "warning"]
     if compiled:
         args.append("--no-enforce-eager")
+    # disaggregated means every request: the PD decider would keep some on the decode
     args += (["--colocated", "--torch-threads", str(threads)] if colocated
-             else ["--torch-threads", str(max(1, threads // 2))])
+             else ["--torch-threads", str(max(1, threads // 2)), "--pd-decider", "always"])
     return args, dict(os.environ)
 
 
