@@ -136,6 +136,7 @@ class DecodeSequence:
 
 STEP_LOG_SIZE = 4096
 IDLE_WAIT_S = 0.02  # engine loop sleep with nothing to run, unless woken
+INDEX_BATCH_S = 0.1  # the prefix cache's events go to the index at most this often
 FETCH_POLL_S = 0.002  # ... while a KV fetch is in flight (fetches are polled, not awaited)
 
 
@@ -182,7 +183,7 @@ class DecodeEngine:
         self.kv = KVCacheManager(self.pool, self.block_size)
         self._index_events = ThreadPoolExecutor(1, thread_name_prefix="decode-events")
         self._g1_feed = DeviceCacheFeed(self.pool, index, Location(node_id, "device", worker_id),
-                                        self._index_events)
+                                        self._index_events, min_interval_s=INDEX_BATCH_S)
         # prompts computed here: tokens looked up, and found, in this worker's cache
         self.prefix_cache_queried_tokens_total = 0
         self.prefix_cache_hit_tokens_total: Counter[str] = Counter({"device": 0})
@@ -282,6 +283,7 @@ class DecodeEngine:
         self._poll_fetches()
         running = self.scheduler.grow()
         if not running:
+            self._g1_feed.send()  # what a batch interval held back
             return False
         decoding = [s for s in running if s.num_computed_tokens >= s.num_prompt_tokens]
         self._step(decoding, self.scheduler.schedule_chunks(self.max_num_batched_tokens))

@@ -7,6 +7,11 @@ results, so a request's events reach the index before its caller gets the result
 `check_s`, the same call also checks one cached key: when the index lost the worker's entries
 (Redis restarted empty, or events failed to reach it), every cached key is announced again.
 An index outage costs prefix hits, never requests: failures are logged, not raised.
+
+With `min_interval_s` the events of several steps go out together, at most one batch per
+interval: a decode worker, whose allocations evict cached blocks at nearly every step, would
+otherwise send the index a batch per step. The prefill keeps 0, as its results wait for their
+events.
 """
 
 from __future__ import annotations
@@ -33,11 +38,14 @@ class DeviceCacheFeed:
     """
 
     def __init__(self, pool: BlockPool, index: KVIndex | None, location: Location,
-                 executor: Executor, check_s: float | None = None) -> None:
+                 executor: Executor, check_s: float | None = None,
+                 min_interval_s: float = 0.0) -> None:
         self.pool, self.index, self.location = pool, index, location
         self._executor = executor
         self._check_s = INDEX_CHECK_S if check_s is None else check_s
-        self._checked_at = 0.0
+        self._min_interval_s = min_interval_s
+        self._checked_at = self._sent_at = 0.0
+        self._pending: list = []
         self.reannouncements_total = 0
 
     def send(self) -> None:
@@ -46,11 +54,16 @@ class DeviceCacheFeed:
         events = self.pool.take_events()
         if self.index is None:
             return
+        self._pending += events
         now = time.monotonic()
+        if self._pending and now - self._sent_at < self._min_interval_s:
+            return  # they go with a later step's
         check = now - self._checked_at >= self._check_s
         if check:
             self._checked_at = now
-        if events or check:
+        if self._pending or check:
+            self._sent_at = now
+            events, self._pending = self._pending, []
             self._executor.submit(self._apply, events,
                                   self.pool.cached_keys() if check else None)
 
