@@ -10,10 +10,10 @@ serve` fresh, run `pdcluster bench run` with half the prompts of 32–64 tokens 
 
 Prints per decider (mean over rounds): goodput under the SLOs (`--slo-ttft-ms`,
 `--slo-tpot-ms`), median TTFT of the short and of the long prompts, median TPOT, and the
-share of requests the decider kept local (from `pdcluster_pd_decisions_total`). The
-acceptance of issue 18: `cost` reaches >= 0.95x the goodput of the better of the other two,
-takes each path for >= 20 % of the requests, and its short-prompt TTFT is within 10 % of
-`never`'s.
+share of requests the decider kept local (from `pdcluster_pd_decisions_total`), then
+`cost`'s goodput against the better of the other two and its short-prompt TTFT against
+`never`'s: a decider worth having matches the better fixed choice on goodput, uses both
+paths, and serves short prompts as fast as prefilling them locally.
 
     python benchmarks/pd_decider.py --rounds 2
 """
