@@ -4,7 +4,10 @@
     .venv/bin/python benchmarks/kernels.py --smoke    # anywhere: tiny shapes (interpreted on CPU)
 
 On a CUDA GPU every kernel runs through its public `kernels.*` function with the backend forced to
-Triton and is timed with `triton.testing.do_bench` (median of its repetitions). Next to each time:
+Triton and is timed with `triton.testing.do_bench` (median of its repetitions). A call whose kernel
+runs for tens of microseconds is then timed partly by the host's Python launch path, which a
+decode step under CUDA graphs never pays: `--cuda-graph` times replays of a captured graph of each
+call instead (`triton.testing.do_bench_cudagraph`). Next to each time:
 GB/s with bytes = bytes read + bytes written once (each input read once, each output written
 once; split-K workspace traffic not counted), or TFLOP/s with 2 FLOPs per multiply-add, QK^T and
 PV both counted, causal attention halved. Ceilings measured in the same run: a device-to-device
@@ -83,7 +86,9 @@ class Row:
         return self.amount / (self.ms * 1e-3) / (GB if self.unit == "GB/s" else TFLOP)
 
 
-def _timer(smoke: bool) -> Callable[[Callable[[], object]], float]:
+def _timer(smoke: bool, cuda_graph: bool = False) -> Callable[[Callable[[], object]], float]:
+    if not smoke and cuda_graph:
+        return lambda fn: triton.testing.do_bench_cudagraph(fn, return_mode="median")
     if not smoke:
         return lambda fn: triton.testing.do_bench(fn, return_mode="median")
 
@@ -235,6 +240,9 @@ def _verdicts(rows: dict[str, Row]) -> list[str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--smoke", action="store_true", help="tiny shapes (always so without CUDA)")
+    parser.add_argument("--cuda-graph", action="store_true",
+                        help="time replays of a captured CUDA graph of each call: the kernels' device "
+                             "time without the host's launch cost between calls")
     args = parser.parse_args()
     on_gpu = torch.cuda.is_available()
     smoke = args.smoke or not on_gpu
@@ -242,7 +250,7 @@ def main() -> None:
     shapes = SMOKE if smoke else Shapes()
     kernels.set_backend("triton")
     torch.manual_seed(0)
-    time_ms = _timer(smoke or not on_gpu)
+    time_ms = _timer(smoke or not on_gpu, args.cuda_graph)
     rows = bench_ceilings(shapes, device, time_ms)
     rows += bench_attention(shapes, device, time_ms, smoke)
     rows += bench_elementwise(shapes, device, time_ms, smoke)
