@@ -20,8 +20,10 @@ pytestmark = pytest.mark.skipif(not cpu_extension.available(),
 
 def test_decode_matches_oracle_over_scattered_and_consecutive_blocks():
     k_cache, v_cache = caches()
-    seq_lens = [1, 7, 8, 9, 40, 77, 130]
-    table = tables(seq_lens, [False, True, False, True, True, False, True])
+    # lengths below, at and past multiples of the 8 and 16 tokens whose scores the kernel
+    # finishes together
+    seq_lens = [1, 7, 8, 9, 16, 32, 40, 77, 130]
+    table = tables(seq_lens, [False, True, False, True, False, True, True, False, True])
     q = torch.randn(len(seq_lens), NUM_HEADS, HEAD_DIM)
     lens = torch.tensor(seq_lens, dtype=torch.int32)
     want = attention_oracle.paged_decode_attention(q, k_cache, v_cache, table, lens, SCALE)
@@ -126,6 +128,24 @@ def test_prefill_over_long_cached_prefixes_matches_the_oracle():
     want = attention_oracle.paged_prefill_attention(q, k_cache, v_cache, table, cu, lens, 0.125)
     got = cpu_paged_attention.paged_prefill_attention(q, k_cache, v_cache, table, cu, lens, 0.125)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+def test_decode_with_a_block_size_not_a_power_of_two(dtype, tol):
+    """Block sizes that are powers of two take a shift and a mask to find a token's row; any
+    other divides, and must land on the same rows."""
+    gen = torch.Generator().manual_seed(12)
+    shape = (60, 12, 4, 64)
+    k_cache = torch.randn(shape, generator=gen).to(dtype)
+    v_cache = torch.randn(shape, generator=gen).to(dtype)
+    seq_lens = [1, 12, 13, 40, 100]
+    table = torch.randperm(60, generator=gen)[:5 * 9].view(5, 9).to(torch.int32)
+    q = torch.randn(len(seq_lens), 12, 64, generator=gen).to(dtype)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    want = attention_oracle.paged_decode_attention(q.float(), k_cache.float(), v_cache.float(),
+                                                   table, lens, 0.125)
+    got = cpu_paged_attention.paged_decode_attention(q, k_cache, v_cache, table, lens, 0.125)
+    torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
 
 
 def test_bfloat16_decode_and_prefill_match_the_oracle():
