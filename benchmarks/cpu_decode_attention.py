@@ -18,9 +18,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
 
 import torch
 
@@ -29,23 +27,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from kernels import cpu_paged_attention  # noqa: E402
 from tests.kernels import attention_oracle  # noqa: E402
 
+from step_time import median_ms, read_bandwidth  # noqa: E402
+
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 12, 4, 64, 16
-
-
-def median_ms(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        began = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - began)
-    return statistics.median(times) * 1e3
-
-
-def read_bandwidth() -> float:
-    """Bytes per second of a float32 sum over 1 GiB."""
-    x = torch.ones(1 << 28)
-    return (1 << 30) / (median_ms(x.sum, 5) / 1e3)
+CPU = torch.device("cpu")
 
 
 def main() -> None:
@@ -85,7 +70,7 @@ def main() -> None:
             want = attention_oracle.paged_decode_attention(q.float(), k_cache.float(),
                                                            v_cache.float(), table, lens, scale)
             diff = (call().float() - want).abs().max().item()
-            ms = median_ms(call, args.repeats)
+            ms = median_ms(call, args.repeats, CPU)
             print(f"| {str(dtype).removeprefix('torch.')} | {name} | {ms:.3f} | "
                   f"{kv_bytes / ms / 1e6:.1f} GB/s | {bandwidth / 1e9:.1f} GB/s | {diff:.1e} |")
 
