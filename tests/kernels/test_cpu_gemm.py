@@ -82,17 +82,19 @@ needs_skinny = pytest.mark.skipif(not cpu_gemm.can_pack_skinny(torch.zeros(1, 1)
 @needs_skinny
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 11, 12, 13, 32])
 @pytest.mark.parametrize("bias", [False, True])
-def test_skinny_linear_matches_a_float64_matmul_at_every_row_count(rows, bias):
+@pytest.mark.parametrize("in_features", [97, 600])
+def test_skinny_linear_matches_a_float64_matmul_at_every_row_count(rows, bias, in_features):
     """Rows are taken 6 at a time with 1..5 left over, and 1 or 2 rows split k over several
     accumulators: every path is hit. 200 outputs leave a partial last tile; K = 97 leaves a
-    partial k-unroll."""
+    partial k-unroll; K = 600 is a longer k loop over a tile larger than L1."""
     gen = torch.Generator().manual_seed(rows)
-    x = torch.randn(rows, 97, generator=gen)
-    weight = torch.randn(200, 97, generator=gen)
+    x = torch.randn(rows, in_features, generator=gen)
+    weight = torch.randn(200, in_features, generator=gen)
     b = torch.randn(200, generator=gen) if bias else None
     expected = x.double() @ weight.double().t() + (b.double() if bias else 0)
     skinny = kernels.pack_skinny_weight(weight)
-    assert skinny is not None and skinny.shape[1] == 97 and skinny.shape[0] * skinny.shape[2] >= 200
+    assert (skinny is not None and skinny.shape[1] == in_features
+            and skinny.shape[0] * skinny.shape[2] >= 200)
     out = kernels.linear(x, kernels.pack_linear_weight(weight), b, skinny)
     assert out.shape == (rows, 200) and out.dtype == torch.float32
     torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-4)
