@@ -13,7 +13,9 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#if defined(__AVX512BF16__)
 #include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <cstdint>
