@@ -130,21 +130,33 @@ def test_prefill_over_long_cached_prefixes_matches_the_oracle():
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("block_size", [16, 12])
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
-def test_decode_with_a_block_size_not_a_power_of_two(dtype, tol):
-    """Block sizes that are powers of two take a shift and a mask to find a token's row; any
-    other divides, and must land on the same rows."""
-    gen = torch.Generator().manual_seed(12)
-    shape = (60, 12, 4, 64)
+def test_the_cpp_kernels_at_any_block_size(block_size, dtype, tol):
+    """The decode kernel finds a token's row with a shift and a mask where the block size is a
+    power of two, and divides otherwise: both must land on the same rows. The C++ prefill
+    kernel is called directly, because on an AMX CPU `paged_prefill_attention` takes the SDPA
+    path instead."""
+    gen = torch.Generator().manual_seed(block_size)
+    shape = (60, block_size, 4, 64)
     k_cache = torch.randn(shape, generator=gen).to(dtype)
     v_cache = torch.randn(shape, generator=gen).to(dtype)
-    seq_lens = [1, 12, 13, 40, 100]
-    table = torch.randperm(60, generator=gen)[:5 * 9].view(5, 9).to(torch.int32)
-    q = torch.randn(len(seq_lens), 12, 64, generator=gen).to(dtype)
+    seq_lens, num_new = [1, 12, 13, 40, 100], [1, 12, 5, 17, 60]
+    max_blocks = -(-max(seq_lens) // block_size)
+    table = torch.randperm(60, generator=gen)[:5 * max_blocks].view(5, max_blocks)
+    table = table.to(torch.int32)
     lens = torch.tensor(seq_lens, dtype=torch.int32)
+    q = torch.randn(len(seq_lens), 12, 64, generator=gen).to(dtype)
     want = attention_oracle.paged_decode_attention(q.float(), k_cache.float(), v_cache.float(),
                                                    table, lens, 0.125)
     got = cpu_paged_attention.paged_decode_attention(q, k_cache, v_cache, table, lens, 0.125)
+    torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
+    cu = torch.tensor([0, *torch.tensor(num_new).cumsum(0).tolist()], dtype=torch.int32)
+    q = torch.randn(int(cu[-1]), 12, 64, generator=gen).to(dtype)
+    want = attention_oracle.paged_prefill_attention(q.float(), k_cache.float(), v_cache.float(),
+                                                    table, cu, lens, 0.125)
+    got = cpu_extension.module().paged_prefill_attention(q, k_cache, v_cache, table, cu, lens,
+                                                         0.125)
     torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
 
 
