@@ -159,6 +159,9 @@ def measure(threads: int, batches: list[int], repeats: int,
         chunks = decode_chunks(profile_batch)
         profiles = {mode: profile_steps(lambda: runner.execute(chunks), dev)
                     for mode, runner in runners.items()}
+        for mode, runner in runners.items():
+            if runner.decode_graphs is not None:
+                profiles[mode] += "\n" + graph_step_phases(runner, chunks, repeats)
     return {"bandwidth": bandwidth, "weight_bytes": weight_bytes,
             "bound_ms": weight_bytes / bandwidth * 1000, "decode_ms": decode,
             "prefill_ms": prefill, "profiles": profiles}
@@ -172,7 +175,7 @@ def decode_chunks(batch: int) -> list[SequenceChunk]:
 
 def profile_steps(fn, device: torch.device, steps: int = 5) -> str:
     """torch.profiler's table of `steps` calls of fn (after one warm-up), top 25 operators by
-    self CPU time: where a step's host time goes."""
+    self CPU time: where a step's host time goes; on CUDA also by self device time."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
@@ -182,7 +185,23 @@ def profile_steps(fn, device: torch.device, steps: int = 5) -> str:
             fn()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
+    averages = prof.key_averages()
+    table = averages.table(sort_by="self_cpu_time_total", row_limit=25)
+    if device.type == "cuda":
+        table += "\n" + averages.table(sort_by="self_device_time_total", row_limit=25)
+    return table
+
+
+def graph_step_phases(runner: ModelRunner, chunks: list[SequenceChunk], repeats: int) -> str:
+    """Median ms of the parts of a decode step replayed from a CUDA graph, each synchronized:
+    the host's input preparation with its copies, the replay alone, and the whole execute."""
+    graphs, dev = runner.decode_graphs, runner.device
+    size = graphs.size_for(len(chunks))
+    prepare = median_ms(lambda: runner._inputs.prepare(chunks, pad_to=size), repeats, dev)
+    replay = median_ms(lambda: graphs.replay(size), repeats, dev)
+    step = median_ms(lambda: runner.execute(chunks), repeats, dev)
+    return (f"graph step of {len(chunks)} rows (size {size}): prepare {prepare:.3f} ms, "
+            f"replay {replay:.3f} ms, execute {step:.3f} ms")
 
 
 def main() -> None:

@@ -6,7 +6,8 @@ captures the forward of an all-decode batch once per batch size in `capture_size
 then every 8 up to `max_cudagraph_capture_size`, as vLLM's defaults). A decode batch of n
 sequences is padded to the smallest captured size N >= n (engine.input_buffers: padding rows
 store no K/V and their output is dropped) and its graph is replayed: one launch for the whole
-forward.
+forward and the logits after it (the lm_head and the cast to float32 would otherwise be two
+more launches of the host, which the step then waits on).
 
 A graph reads its inputs at the addresses it was captured with: the input buffers' persistent
 device tensors, which `InputBuffers.prepare` rewrites in place before each replay. The buffers
@@ -33,6 +34,7 @@ from engine.kv_cache import PagedKVCache
 log = logging.getLogger(__name__)
 
 Forward = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+Logits = Callable[[torch.Tensor], torch.Tensor]
 
 
 def capture_sizes(max_size: int) -> tuple[int, ...]:
@@ -49,12 +51,14 @@ class DecodeGraphs:
 
     `forward(input_ids, positions)` is the model's forward (compiled or eager) returning hidden
     states [T, hidden]; it runs inside a forward context over `kv_cache` without layer hooks.
+    `compute_logits(hidden)` maps them to float32 logits [T, vocab]; the graph holds both.
     """
 
-    def __init__(self, forward: Forward, inputs: InputBuffers, kv_cache: PagedKVCache,
-                 max_size: int) -> None:
+    def __init__(self, forward: Forward, compute_logits: Logits, inputs: InputBuffers,
+                 kv_cache: PagedKVCache, max_size: int) -> None:
         self.sizes = capture_sizes(max_size)
         self._forward, self._inputs, self._kv_cache = forward, inputs, kv_cache
+        self._compute_logits = compute_logits
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._generation = -1
 
@@ -73,13 +77,13 @@ class DecodeGraphs:
             input_ids, positions, attn = self._inputs.prepare([], pad_to=size)
             context = ForwardContext(attn, self._kv_cache)
             with set_forward_context(context):
-                self._forward(input_ids, positions)
+                self._compute_logits(self._forward(input_ids, positions))
                 torch.cuda.synchronize()
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
-                    hidden = self._forward(input_ids, positions)
+                    logits = self._compute_logits(self._forward(input_ids, positions))
             pool = graph.pool()
-            self._graphs[size] = (graph, hidden)
+            self._graphs[size] = (graph, logits)
         self._generation = self._inputs.generation
         log.info("captured CUDA graphs of decode batches %s in %.1f s", list(self.sizes),
                  time.perf_counter() - started)
@@ -92,10 +96,10 @@ class DecodeGraphs:
 
     def replay(self, size: int) -> torch.Tensor:
         """Run the graph of `size` on what the input buffers hold now (prepared with
-        pad_to=size) -> its hidden states [size, hidden], valid until the next replay.
+        pad_to=size) -> its float32 logits [size, vocab], valid until the next replay.
         Raises RuntimeError if the graphs are stale."""
         if self.stale:
             raise RuntimeError("the input buffers moved since the CUDA graphs were captured")
-        graph, hidden = self._graphs[size]
+        graph, logits = self._graphs[size]
         graph.replay()
-        return hidden
+        return logits

@@ -146,7 +146,8 @@ class ModelRunner:
         self.decode_graphs: DecodeGraphs | None = None
         if (self.device.type == "cuda" and self.tp.world_size == 1 and not engine_config.eager()
                 and graph_max > 0):
-            graphs = DecodeGraphs(self.forward, self._inputs, self.kv_cache, graph_max)
+            graphs = DecodeGraphs(self.forward, self.model.compute_logits, self._inputs,
+                                  self.kv_cache, graph_max)
             try:
                 graphs.capture()
                 self.decode_graphs = graphs
@@ -180,8 +181,8 @@ class ModelRunner:
                 if self.decode_graphs.stale:
                     self.decode_graphs.capture()
                 self._inputs.prepare(chunks, pad_to=graph_size)
-                hidden = self.decode_graphs.replay(graph_size)[:len(chunks)]
-                return self.model.compute_logits(hidden)  # one token per sequence
+                # a copy: the graph's output is rewritten by the next replay
+                return self.decode_graphs.replay(graph_size)[:len(chunks)].clone()
             input_ids, positions, attn = self._inputs.prepare(chunks)
             if self._on_decode_stack(chunks):
                 return self.model.compute_logits(

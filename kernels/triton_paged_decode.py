@@ -1,7 +1,9 @@
 """Triton `paged_decode_attention`: one query token per sequence over its paged K/V, split-K.
 
-Flash-decoding (Dao et al., 2023): the context of a sequence is cut into `num_splits` ranges;
-program (seq, kv_head, split) runs the online softmax (FlashAttention-2) over its range for all
+Flash-decoding (Dao et al., 2023): the context of each sequence is cut into `num_splits` ranges
+of equal length (whole BLOCK_N tiles), sized by that sequence's own length, so a short sequence
+in a batch planned for the block table's full width still spreads over every split, and a
+CUDA graph captured once serves any lengths; program (seq, kv_head, split) runs the online softmax (FlashAttention-2) over its range for all
 `group = num_heads // num_kv_heads` query heads sharing that KV head, so each K/V tile is read
 once per group. The GQA group is the M dimension of both `tl.dot`s, padded to 16 (tl.dot's
 minimum on GPUs), and head_dim is padded to a power of two >= 16. With one split the kernel
@@ -49,7 +51,6 @@ def _decode_kernel(
     stride_c_slot,
     stride_c_head,
     stride_bt,
-    split_size,
     num_splits,
     NUM_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
@@ -65,6 +66,7 @@ def _decode_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
+    split_size = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
     start = split * split_size
     end = tl.minimum(start + split_size, seq_len)
 
@@ -228,7 +230,6 @@ def plan_paged_decode_attention(
                 "partial_out_ptr": partial_out,
                 "partial_max_ptr": partial_max,
                 "partial_sum_ptr": partial_sum,
-                "split_size": split_size,
                 "num_splits": num_splits,
             },
             constexprs={
