@@ -8,11 +8,15 @@ The stack holds each layer's weights once (the norms and the skinny GEMM's packe
 runs the embedding, every layer and the final norm in C++. It calls the same kernels in the
 same order as the model's eager forward, so its hidden states are the forward's, bit for bit.
 
-What stays on the forward: steps with a prefill chunk, batches of more rows than the skinny
-GEMM takes (`kernels.cpu_gemm.skinny_max_rows`; oneDNN runs those), steps with the KV
-connector's layer hooks (a prefill worker's), a kernel backend other than "auto", and every
-model `build` turns down: tensor-parallel ranks (their all-reduces), a compiled forward, or
-weights, dtype or head size the C++ kernels do not take.
+Each projection runs where `kernels.cpu_gemm.linear` would run it: the skinny GEMM up to
+`skinny_max_rows` rows, oneDNN's matmul over the packed weight above (called from C++ too), so
+a decode batch of any size stays off Python. Batches above the skinny rows stay on the forward
+only where the weights were not packed for oneDNN.
+
+What stays on the forward: steps with a prefill chunk, steps with the KV connector's layer
+hooks (a prefill worker's), a kernel backend other than "auto", and every model `build` turns
+down: tensor-parallel ranks (their all-reduces), a compiled forward, or weights, dtype or head
+size the C++ kernels do not take.
 """
 
 from __future__ import annotations
@@ -51,17 +55,20 @@ def build(model: LlamaForCausalLM, kv_cache: PagedKVCache) -> CPUDecodeStack | N
 
 
 class CPUDecodeStack:
-    """The model's decoder layers for decode batches of up to `max_rows` sequences, one new
-    token each; `forward` runs them."""
+    """The model's decoder layers for decode batches (one new token per sequence) of the
+    sizes `takes` accepts; `forward` runs them."""
 
     def __init__(self, model: LlamaForCausalLM, kv_cache: PagedKVCache) -> None:
         ext = cpu_extension.module()
         config = model.config
-        #: the most sequences a step runs here: the skinny GEMM's rows in the model's dtype
-        self.max_rows = skinny_max_rows(model.model.embed_tokens.weight.dtype)
+        #: the most rows a projection runs on the skinny GEMM, in the model's dtype
+        self.skinny_max_rows = skinny_max_rows(model.model.embed_tokens.weight.dtype)
 
         def bias(linear: Any) -> torch.Tensor | None:
             return None if linear.bias is None else linear.bias.detach()
+
+        def packed(linear: Any) -> torch.Tensor | None:
+            return linear.weight.detach() if linear.weight.is_mkldnn else None
 
         layers = []
         for layer in model.model.layers:
@@ -72,20 +79,31 @@ class CPUDecodeStack:
                 post_norm=layer.post_attention_layernorm.weight.detach(),
                 gate_up=mlp.gate_up_proj.skinny_weight, down=mlp.down_proj.skinny_weight,
                 qkv_bias=bias(attn.qkv_proj), o_bias=bias(attn.o_proj),
-                gate_up_bias=bias(mlp.gate_up_proj), down_bias=bias(mlp.down_proj)))
+                gate_up_bias=bias(mlp.gate_up_proj), down_bias=bias(mlp.down_proj),
+                qkv_packed=packed(attn.qkv_proj), o_packed=packed(attn.o_proj),
+                gate_up_packed=packed(mlp.gate_up_proj), down_packed=packed(mlp.down_proj)))
+        #: whether every projection has its oneDNN-packed weight: then any batch runs here
+        self.packed = all(packed(linear) is not None for layer in model.model.layers
+                          for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                         layer.mlp.gate_up_proj, layer.mlp.down_proj))
         first = model.model.layers[0].self_attn
         self._stack = ext.DecodeStack(
             embedding=model.model.embed_tokens.weight.detach(), layers=layers,
             final_norm=model.model.norm.weight.detach(), eps=model.model.norm.eps,
             num_heads=first.num_heads, num_kv_heads=first.num_kv_heads,
             head_dim=first.head_dim, intermediate_size=config.intermediate_size,
-            scale=first.scale)
+            scale=first.scale, skinny_max_rows=self.skinny_max_rows)
         self._rotary = model.rotary
         self._kv_cache = kv_cache
 
+    def takes(self, num_rows: int) -> bool:
+        """Whether a decode batch of `num_rows` sequences runs here: any size where the weights
+        are packed for oneDNN, else up to the skinny GEMM's rows."""
+        return self.packed or num_rows <= self.skinny_max_rows
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 attn: AttentionMetadata) -> torch.Tensor:
-        """input_ids, positions int64 [n] (n <= max_rows, one new token per sequence, as
+        """input_ids, positions int64 [n] (`takes(n)`, one new token per sequence, as
         `InputBuffers.prepare` lays out a decode batch) -> final-normed hidden [n, hidden];
         writes each layer's new K/V into the cache at `attn.slot_mapping`. Raises
         RuntimeError for inputs the kernels reject (e.g. a slot outside the cache)."""

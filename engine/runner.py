@@ -208,7 +208,7 @@ class ModelRunner:
         """Whether this step runs on the CPU decode stack: all-decode, without layer hooks, on
         the kernel backend it was built for, within its rows."""
         stack = self.cpu_decode_stack
-        return (stack is not None and self.layer_hooks is None and len(chunks) <= stack.max_rows
+        return (stack is not None and self.layer_hooks is None and stack.takes(len(chunks))
                 and kernels.get_backend() == "auto"
                 and all(len(chunk.token_ids) == 1 for chunk in chunks))
 

@@ -6,21 +6,53 @@
 
 #include "cpu_kernels.h"
 
+#include <ATen/core/dispatch/Dispatcher.h>
+
+#include <optional>
 #include <tuple>
 #include <utility>
+
+namespace {
+
+// oneDNN's matmul over a weight packed by mkldnn::_reorder_linear_weight: the op
+// kernels.cpu_gemm.linear calls, reached through the dispatcher since it has no C++ API.
+torch::Tensor onednn_linear(const torch::Tensor& x, const torch::Tensor& packed,
+                            const c10::optional<torch::Tensor>& bias) {
+  static const auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
+          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+                            c10::string_view, c10::List<std::optional<at::Scalar>>,
+                            std::optional<c10::string_view>)>();
+  return op.call(x, packed, bias, "none", c10::List<std::optional<at::Scalar>>(),
+                 c10::string_view(""));
+}
+
+}  // namespace
 
 DecodeStack::DecodeStack(torch::Tensor embedding, std::vector<DecodeLayer> layers,
                          torch::Tensor final_norm, double eps, int64_t num_heads,
                          int64_t num_kv_heads, int64_t head_dim, int64_t intermediate_size,
-                         double scale)
+                         double scale, int64_t skinny_max_rows)
     : embedding_(std::move(embedding)), layers_(std::move(layers)),
       final_norm_(std::move(final_norm)), eps_(eps), scale_(scale), num_heads_(num_heads),
       num_kv_heads_(num_kv_heads), head_dim_(head_dim), hidden_size_(embedding_.size(1)),
-      intermediate_size_(intermediate_size) {
+      intermediate_size_(intermediate_size), skinny_max_rows_(skinny_max_rows) {
   TORCH_CHECK(embedding_.dim() == 2, "embedding: [vocab, hidden]");
   TORCH_CHECK(!layers_.empty(), "at least one layer");
   TORCH_CHECK(num_kv_heads_ > 0 && num_heads_ % num_kv_heads_ == 0,
               "num_heads must be a multiple of num_kv_heads");
+}
+
+torch::Tensor DecodeStack::linear(const torch::Tensor& x, const torch::Tensor& skinny,
+                                  const c10::optional<torch::Tensor>& packed, int64_t out,
+                                  const c10::optional<torch::Tensor>& bias) const {
+  if (x.size(0) <= skinny_max_rows_) {
+    return skinny_gemm(x, skinny, out, bias);
+  }
+  TORCH_CHECK(packed.has_value(), "a batch of ", x.size(0), " rows needs the oneDNN-packed "
+              "weights: the skinny GEMM takes at most ", skinny_max_rows_);
+  return onednn_linear(x, *packed, bias);
 }
 
 torch::Tensor DecodeStack::forward(torch::Tensor input_ids, torch::Tensor positions,
@@ -46,7 +78,8 @@ torch::Tensor DecodeStack::forward(torch::Tensor input_ids, torch::Tensor positi
     const DecodeLayer& layer = layers_[l];
     std::tie(normed, hidden) = fused_add_rms_norm(hidden, layer.input_norm, eps_, residual);
     residual = hidden;
-    torch::Tensor qkv = skinny_gemm(normed, layer.qkv, q_size + 2 * kv_size, layer.qkv_bias);
+    torch::Tensor qkv = linear(normed, layer.qkv, layer.qkv_packed, q_size + 2 * kv_size,
+                               layer.qkv_bias);
     torch::Tensor q = qkv.narrow(1, 0, q_size).view({n, num_heads_, head_dim_});
     torch::Tensor k = qkv.narrow(1, q_size, kv_size).view({n, num_kv_heads_, head_dim_});
     torch::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({n, num_kv_heads_, head_dim_});
@@ -54,12 +87,14 @@ torch::Tensor DecodeStack::forward(torch::Tensor input_ids, torch::Tensor positi
     store_kv_cache(k, v, k_caches[l], v_caches[l], slot_mapping);
     torch::Tensor attn = paged_decode_attention(q, k_caches[l], v_caches[l], block_tables,
                                                 seq_lens, scale_);
-    hidden = skinny_gemm(attn.reshape({n, q_size}), layer.o, hidden_size_, layer.o_bias);
+    hidden = linear(attn.reshape({n, q_size}), layer.o, layer.o_packed, hidden_size_,
+                    layer.o_bias);
     std::tie(normed, hidden) = fused_add_rms_norm(hidden, layer.post_norm, eps_, residual);
     residual = hidden;
-    torch::Tensor gate_up = skinny_gemm(normed, layer.gate_up, 2 * intermediate_size_,
-                                        layer.gate_up_bias);
-    hidden = skinny_gemm(silu_and_mul(gate_up), layer.down, hidden_size_, layer.down_bias);
+    torch::Tensor gate_up = linear(normed, layer.gate_up, layer.gate_up_packed,
+                                   2 * intermediate_size_, layer.gate_up_bias);
+    hidden = linear(silu_and_mul(gate_up), layer.down, layer.down_packed, hidden_size_,
+                    layer.down_bias);
   }
   return std::get<0>(fused_add_rms_norm(hidden, final_norm_, eps_, residual));
 }

@@ -8,31 +8,44 @@
 
 // One decoder layer's weights as the stack reads them: the two RMSNorm weights [hidden], and
 // the four projections packed by skinny_gemm_pack (q|k|v stacked, gate|up stacked), each
-// with its optional bias [out] in the activations' dtype.
+// with its optional bias [out] in the activations' dtype and, optionally, the same weight in
+// oneDNN's packed layout (kernels/cpu_gemm.py: an opaque mkldnn tensor) for batches of more
+// rows than the skinny GEMM takes.
 struct DecodeLayer {
   torch::Tensor input_norm, qkv, o, post_norm, gate_up, down;
   c10::optional<torch::Tensor> qkv_bias, o_bias, gate_up_bias, down_bias;
+  c10::optional<torch::Tensor> qkv_packed, o_packed, gate_up_packed, down_packed;
 };
 
 class DecodeStack {
  public:
+  // skinny_max_rows: the most rows a projection runs on the skinny GEMM; larger batches run
+  // oneDNN's matmul over the packed weights, which every layer must then have.
   DecodeStack(torch::Tensor embedding, std::vector<DecodeLayer> layers, torch::Tensor final_norm,
               double eps, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-              int64_t intermediate_size, double scale);
+              int64_t intermediate_size, double scale, int64_t skinny_max_rows);
 
   // input_ids, positions int64 [n] (one new token per sequence) -> the final-normed hidden
   // states [n, hidden]; writes each layer's new K/V into k_caches[l] / v_caches[l] at
   // slot_mapping (int64 [n]) and attends over block_tables (int32 [n, max_blocks]) up to
   // seq_lens (int32 [n]). The same kernels, in the same order, as the model's eager forward.
+  // Raises c10::Error for more than skinny_max_rows rows where a layer has no packed weights.
   torch::Tensor forward(torch::Tensor input_ids, torch::Tensor positions,
                         torch::Tensor cos_sin_cache, const std::vector<torch::Tensor>& k_caches,
                         const std::vector<torch::Tensor>& v_caches, torch::Tensor slot_mapping,
                         torch::Tensor block_tables, torch::Tensor seq_lens) const;
 
  private:
+  // x [n, in] @ W^T (+ bias) -> [n, out]: the skinny GEMM up to skinny_max_rows_ rows,
+  // oneDNN above, as kernels.cpu_gemm.linear chooses.
+  torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& skinny,
+                       const c10::optional<torch::Tensor>& packed, int64_t out,
+                       const c10::optional<torch::Tensor>& bias) const;
+
   torch::Tensor embedding_;
   std::vector<DecodeLayer> layers_;
   torch::Tensor final_norm_;
   double eps_, scale_;
   int64_t num_heads_, num_kv_heads_, head_dim_, hidden_size_, intermediate_size_;
+  int64_t skinny_max_rows_;
 };

@@ -21,20 +21,27 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                        torch::Tensor post_norm, torch::Tensor gate_up, torch::Tensor down,
                        c10::optional<torch::Tensor> qkv_bias, c10::optional<torch::Tensor> o_bias,
                        c10::optional<torch::Tensor> gate_up_bias,
-                       c10::optional<torch::Tensor> down_bias) {
+                       c10::optional<torch::Tensor> down_bias,
+                       c10::optional<torch::Tensor> qkv_packed,
+                       c10::optional<torch::Tensor> o_packed,
+                       c10::optional<torch::Tensor> gate_up_packed,
+                       c10::optional<torch::Tensor> down_packed) {
              return DecodeLayer{input_norm, qkv, o, post_norm, gate_up, down,
-                                qkv_bias, o_bias, gate_up_bias, down_bias};
+                                qkv_bias, o_bias, gate_up_bias, down_bias,
+                                qkv_packed, o_packed, gate_up_packed, down_packed};
            }),
            py::arg("input_norm"), py::arg("qkv"), py::arg("o"), py::arg("post_norm"),
            py::arg("gate_up"), py::arg("down"), py::arg("qkv_bias") = py::none(),
            py::arg("o_bias") = py::none(), py::arg("gate_up_bias") = py::none(),
-           py::arg("down_bias") = py::none());
+           py::arg("down_bias") = py::none(), py::arg("qkv_packed") = py::none(),
+           py::arg("o_packed") = py::none(), py::arg("gate_up_packed") = py::none(),
+           py::arg("down_packed") = py::none());
   py::class_<DecodeStack>(m, "DecodeStack")
       .def(py::init<torch::Tensor, std::vector<DecodeLayer>, torch::Tensor, double, int64_t,
-                    int64_t, int64_t, int64_t, double>(),
+                    int64_t, int64_t, int64_t, double, int64_t>(),
            py::arg("embedding"), py::arg("layers"), py::arg("final_norm"), py::arg("eps"),
            py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"),
-           py::arg("intermediate_size"), py::arg("scale"))
+           py::arg("intermediate_size"), py::arg("scale"), py::arg("skinny_max_rows"))
       // the other Python threads of an engine process (its RPC servers, the token stream)
       // run while the step computes
       .def("forward", &DecodeStack::forward, py::call_guard<py::gil_scoped_release>());

@@ -12,8 +12,10 @@ import torch
 import transformers
 
 import kernels
+from engine import cpu_decode_stack
 from engine.config import EngineConfig
 from engine.runner import ModelRunner, SequenceChunk
+from kernels import cpu_gemm
 
 BLOCK_SIZE = 4
 
@@ -44,30 +46,64 @@ def _hf_logits(hf: transformers.PreTrainedModel, tokens: list[int]) -> torch.Ten
         return hf(torch.tensor([tokens])).logits[0].float()
 
 
-def test_decode_steps_match_hf_and_the_forward_bit_for_bit(qwen2):
-    runner, hf = qwen2
-    rng = random.Random(3)
+def _decode_against_hf_and_the_forward(runner: ModelRunner, hf: transformers.PreTrainedModel,
+                                       seed: int) -> int:
+    """Greedy decode steps of 3 sequences over scattered blocks, each step run on the stack and
+    again on the forward: their logits are equal bit for bit and within 1e-4 of transformers.
+    -> the stack's forward calls."""
+    rng = random.Random(seed)
     prompts = [[1] + [rng.randrange(3, 512) for _ in range(n)] for n in (5, 12, 9)]
     order = list(range(64))
     rng.shuffle(order)
     tables = [order[i * 8:(i + 1) * 8] for i in range(len(prompts))]  # scattered blocks
     sequences = [list(p) for p in prompts]
     logits = runner.execute([SequenceChunk(p, 0, t) for p, t in zip(prompts, tables)])
-    stack, diffs = runner.cpu_decode_stack, []
-    for _ in range(2 * BLOCK_SIZE + 1):  # decode rows cross block boundaries
-        for seq, row in zip(sequences, logits):
-            seq.append(int(row.argmax()))
-        chunks = [SequenceChunk(s[-1:], len(s) - 1, t) for s, t in zip(sequences, tables)]
-        logits = runner.execute(chunks)
-        runner.cpu_decode_stack = None  # the same step again on the forward: same K/V, slots
-        try:
-            forward = runner.execute(chunks)
-        finally:
-            runner.cpu_decode_stack = stack
-        assert torch.equal(logits, forward)
-        diffs += [(logits[i] - _hf_logits(hf, s)[-1]).abs().max().item()
-                  for i, s in enumerate(sequences)]
+    stack, diffs, calls = runner.cpu_decode_stack, [], []
+    real = stack.forward
+    stack.forward = lambda *args: calls.append(len(args[0])) or real(*args)
+    try:
+        for _ in range(2 * BLOCK_SIZE + 1):  # decode rows cross block boundaries
+            for seq, row in zip(sequences, logits):
+                seq.append(int(row.argmax()))
+            chunks = [SequenceChunk(s[-1:], len(s) - 1, t) for s, t in zip(sequences, tables)]
+            logits = runner.execute(chunks)
+            runner.cpu_decode_stack = None  # the same step again on the forward: same K/V, slots
+            try:
+                forward = runner.execute(chunks)
+            finally:
+                runner.cpu_decode_stack = stack
+            assert torch.equal(logits, forward)
+            diffs += [(logits[i] - _hf_logits(hf, s)[-1]).abs().max().item()
+                      for i, s in enumerate(sequences)]
+    finally:
+        del stack.forward
     assert max(diffs) <= 1e-4
+    return len(calls)
+
+
+def test_decode_steps_match_hf_and_the_forward_bit_for_bit(qwen2):
+    runner, hf = qwen2
+    assert _decode_against_hf_and_the_forward(runner, hf, seed=3) == 2 * BLOCK_SIZE + 1
+
+
+def test_batches_above_the_skinny_rows_run_onednn_inside_the_stack(qwen2, monkeypatch):
+    """With the skinny GEMM limited to 2 rows, 3-row steps still run on the stack, through
+    oneDNN's packed weights called from C++, and equal the forward's (oneDNN there too)."""
+    runner, hf = qwen2
+    monkeypatch.setattr(cpu_gemm, "skinny_max_rows", lambda dtype: 2)
+    monkeypatch.setattr(cpu_decode_stack, "skinny_max_rows", lambda dtype: 2)
+    stack = cpu_decode_stack.build(runner.model, runner.kv_cache)
+    assert stack.packed and stack.takes(3)
+    monkeypatch.setattr(runner, "cpu_decode_stack", stack)
+    assert _decode_against_hf_and_the_forward(runner, hf, seed=4) == 2 * BLOCK_SIZE + 1
+    # at this model's widths oneDNN and the skinny GEMM give equal bits, so count the op:
+    # the dispatcher records the stack's calls as it does Python's
+    chunks = [SequenceChunk([7], 3, [50]), SequenceChunk([8], 3, [51]), SequenceChunk([9], 0, [52])]
+    with torch.profiler.profile() as prof:
+        runner.execute(chunks)
+    names = [event.name for event in prof.events()]
+    assert names.count("mkldnn::_linear_pointwise") == 4 * len(runner.model.model.layers) + 1
+    assert "pdcluster_cpu::skinny_gemm" not in names
 
 
 class _Recorder:
