@@ -35,8 +35,10 @@ struct Seq {
   int64_t len, block_size, row;  // tokens, tokens per block, elements between tokens
   int shift;  // log2(block_size) for a power of two, else -1
   // A 64-bit division per token and pass would cost more than the token's multiply-adds:
-  // block sizes are powers of two in practice, and take a shift and a mask.
-  const T* token(const T* base, int64_t t) const {
+  // block sizes are powers of two in practice, and take a shift and a mask. Forced inline,
+  // as are the passes' per-token lambdas: the compiler left them as calls, and every vector
+  // register is caller-saved, so each call spilled and reloaded the rows' accumulators.
+  __attribute__((always_inline)) const T* token(const T* base, int64_t t) const {
     if (shift >= 0)
       return base + ((int64_t(table[t >> shift]) << shift) + (t & (block_size - 1))) * row;
     return base + (int64_t(table[t / block_size]) * block_size + t % block_size) * row;
@@ -100,7 +102,7 @@ inline vf unreverse(vf v) {
 // sums for token t), folded: out[r] is the vector `fold` makes of them (N = W: each lane one
 // token's score, bit-reversed).
 template <int N, int R, typename Leaf>
-inline void fold_tokens(int64_t t, const Leaf& leaf, vf (&out)[R]) {
+__attribute__((always_inline)) inline void fold_tokens(int64_t t, const Leaf& leaf, vf (&out)[R]) {
   if constexpr (N == 1) {
     leaf(t, out);
   } else {
@@ -158,7 +160,7 @@ void score_rows(const Seq<T>& s, const T* q, float scale, float* scores) {
     for (int r = 0; r < R; ++r)
       for (int c = 0; c < NB; ++c)
         qb[r][c] = (__m512bh)_mm512_loadu_si512(q + r * NV * W + c * 2 * W);
-    pass([&](int64_t t, vf (&d)[R]) {
+    pass([&](int64_t t, vf (&d)[R]) __attribute__((always_inline)) {
       const T* k = s.token(s.k, t);
       if (t + PREFETCH_TOKENS < s.len) prefetch_row(s.token(s.k, t + PREFETCH_TOKENS), NV * W);
       __m512bh kb[NB];
@@ -175,7 +177,7 @@ void score_rows(const Seq<T>& s, const T* q, float scale, float* scores) {
   vf qv[R][NV];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < NV; ++c) qv[r][c] = load(q + r * NV * W + c * W);
-  pass([&](int64_t t, vf (&d)[R]) {
+  pass([&](int64_t t, vf (&d)[R]) __attribute__((always_inline)) {
     const T* k = s.token(s.k, t);
     if (t + PREFETCH_TOKENS < s.len) prefetch_row(s.token(s.k, t + PREFETCH_TOKENS), NV * W);
     vf kv[NV];

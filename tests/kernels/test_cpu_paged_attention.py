@@ -181,6 +181,31 @@ def test_bfloat16_decode_and_prefill_match_the_oracle():
     torch.testing.assert_close(got, want, atol=1e-2, rtol=1e-2)
 
 
+@pytest.mark.parametrize("head_dim", [32, 64, 96, 128, 256])
+@pytest.mark.parametrize("group", [1, 3, 8])
+def test_bfloat16_decode_at_every_even_vector_count_and_group(head_dim, group):
+    """Where the CPU has AVX512-BF16, bfloat16 scores take vdpbf16ps over pairs of 16-float
+    vectors: every head size whose vectors come in pairs, groups that take one and several
+    passes of query rows (each pass holds its rows in registers), odd and even lengths, below,
+    at and past a block."""
+    gen = torch.Generator().manual_seed(head_dim * 10 + group)
+    num_kv_heads, block_size = 2, 16
+    shape = (64, block_size, num_kv_heads, head_dim)
+    k_cache, v_cache = (torch.randn(shape, generator=gen).to(torch.bfloat16) for _ in range(2))
+    seq_lens = [1, 2, 15, 16, 33, 64, 101]
+    max_blocks = -(-max(seq_lens) // block_size)
+    table = torch.randperm(64, generator=gen)[:len(seq_lens) * max_blocks]
+    table = table.view(len(seq_lens), max_blocks).to(torch.int32)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    q = torch.randn(len(seq_lens), group * num_kv_heads, head_dim, generator=gen)
+    q = q.to(torch.bfloat16)
+    scale = head_dim ** -0.5
+    want = attention_oracle.paged_decode_attention(q.float(), k_cache.float(), v_cache.float(),
+                                                   table, lens, scale)
+    got = cpu_paged_attention.paged_decode_attention(q, k_cache, v_cache, table, lens, scale)
+    torch.testing.assert_close(got.float(), want, atol=1e-2, rtol=1e-2)
+
+
 def test_a_cache_in_another_dtype_than_q_keeps_the_torch_path():
     k_cache, _ = caches()
     assert not cpu_paged_attention.supports(torch.zeros(1, NUM_HEADS, HEAD_DIM,
