@@ -44,9 +44,10 @@ _PACKED_DTYPES = (torch.float32, torch.bfloat16)
 #: oneDNN's matmul up to this size and beyond on an AVX2 CPU (benchmarks/RESULTS.md); larger
 #: batches stay on oneDNN, which ran near the FMA peak in prefill on an AVX-512 CPU
 SKINNY_MAX_ROWS = 32
-#: the same for bfloat16 on a CPU with AMX, where oneDNN's tile kernels overtake the skinny
-#: GEMM after a few rows (benchmarks/RESULTS.md, "bfloat16 on AMX")
-SKINNY_MAX_ROWS_AMX_BF16 = 6
+#: the same for bfloat16 on a CPU with AMX, where oneDNN's tile kernels match the skinny GEMM
+#: at one row and beat it from two on, with the decode stack calling either (benchmarks/
+#: RESULTS.md, "bfloat16 on AMX" and "oneDNN inside the CPU decode stack")
+SKINNY_MAX_ROWS_AMX_BF16 = 1
 
 
 @functools.cache
