@@ -3,7 +3,8 @@
 Flash-decoding (Dao et al., 2023): the context of each sequence is cut into `num_splits` ranges
 of equal length (whole BLOCK_N tiles), sized by that sequence's own length, so a short sequence
 in a batch planned for the block table's full width still spreads over every split, and a
-CUDA graph captured once serves any lengths; program (seq, kv_head, split) runs the online softmax (FlashAttention-2) over its range for all
+CUDA graph captured once serves any lengths. Program (seq, kv_head, split) runs the online
+softmax (FlashAttention-2) over its range for all
 `group = num_heads // num_kv_heads` query heads sharing that KV head, so each K/V tile is read
 once per group. The GQA group is the M dimension of both `tl.dot`s, padded to 16 (tl.dot's
 minimum on GPUs), and head_dim is padded to a power of two >= 16. With one split the kernel
