@@ -106,15 +106,24 @@ def hits(worker) -> dict:
     return ray.get(worker.stats.remote())["prefix_cache_hit_tokens_total"]
 
 
-def check_baseline(env) -> None:
-    """Every block a request held is back: G1 pools and decode cache free, no arena pins."""
+def check_baseline(env, settle_s: float = 10.0) -> None:
+    """Every block a request held is back: G1 pools and decode cache free, no arena pins or
+    leases. A prefill publishes its blocks after the first token went out, so a store's write
+    leases can outlast the request by that publish: each store gets `settle_s` to reach zero
+    (a leaked lease never does)."""
     for name in ("prefill_a", "prefill_b"):
         assert ray.get(env[name].stats.remote())["num_used_blocks"] == 0, name
     d = ray.get(env["decode"].stats.remote())
     assert d["num_free_blocks"] == d["num_blocks"] and d["num_active"] == 0
     for store in env["stores"].values():
+        deadline = time.monotonic() + settle_s
         try:
-            assert ray.get(store.stats.remote(), timeout=5)["tiers"]["host"]["used"] == 0
+            while True:
+                used = ray.get(store.stats.remote(), timeout=5)["tiers"]["host"]["used"]
+                if used == 0 or time.monotonic() > deadline:
+                    break
+                time.sleep(0.1)
+            assert used == 0
         except ray.exceptions.RayActorError:
             pass  # a store a test took down
 
