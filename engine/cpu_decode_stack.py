@@ -46,12 +46,17 @@ def build(model: LlamaForCausalLM, kv_cache: PagedKVCache) -> CPUDecodeStack | N
             or not cpu_extension.available()
             or not cpu_extension.module().supports_head_dim(model.config.head_dim)):
         return None
-    projections = [(layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
-                    layer.mlp.down_proj) for layer in model.model.layers]
     if any(linear.skinny_weight is None or linear.skinny_weight.dtype != dtype
-           for layer in projections for linear in layer):
+           for linear in _projections(model)):
         return None
     return CPUDecodeStack(model, kv_cache)
+
+
+def _projections(model: LlamaForCausalLM) -> list[Any]:
+    """Every layer's four linears the stack runs: q|k|v, o, gate|up, down."""
+    return [linear for layer in model.model.layers
+            for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                           layer.mlp.gate_up_proj, layer.mlp.down_proj)]
 
 
 class CPUDecodeStack:
@@ -83,9 +88,7 @@ class CPUDecodeStack:
                 qkv_packed=packed(attn.qkv_proj), o_packed=packed(attn.o_proj),
                 gate_up_packed=packed(mlp.gate_up_proj), down_packed=packed(mlp.down_proj)))
         #: whether every projection has its oneDNN-packed weight: then any batch runs here
-        self.packed = all(packed(linear) is not None for layer in model.model.layers
-                          for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
-                                         layer.mlp.gate_up_proj, layer.mlp.down_proj))
+        self.packed = all(linear.weight.is_mkldnn for linear in _projections(model))
         first = model.model.layers[0].self_attn
         self._stack = ext.DecodeStack(
             embedding=model.model.embed_tokens.weight.detach(), layers=layers,
