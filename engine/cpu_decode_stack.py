@@ -4,14 +4,14 @@ the CPU's counterpart of the decode CUDA graphs (engine.cuda_graphs).
 An eager decode step on CPU is its kernels plus Python's dispatch between them: per layer a
 dozen module calls, views and backend checks. On a slow core that dispatch is a sizeable
 share of the step (benchmarks/RESULTS.md, "Decode steps without Python between the kernels").
-The stack holds each layer's weights once (the norms and the skinny GEMM's packed copies) and
+The stack holds each layer's weights once (the norms and the GEMMs' packed copies) and
 runs the embedding, every layer and the final norm in C++. It calls the same kernels in the
 same order as the model's eager forward, so its hidden states are the forward's, bit for bit.
 
-Each projection runs where `kernels.cpu_gemm.linear` would run it: the skinny GEMM up to
-`skinny_max_rows` rows, oneDNN's matmul over the packed weight above (called from C++ too), so
-a decode batch of any size stays off Python. Batches above the skinny rows stay on the forward
-only where the weights were not packed for oneDNN.
+Each projection runs where `kernels.cpu_gemm.linear` would run it: the skinny GEMM (for
+bfloat16 on AMX, the tile GEMM) up to `skinny_max_rows` rows, oneDNN's matmul over the packed
+weight above (called from C++ too), so a decode batch of any size stays off Python. Batches
+above the skinny rows stay on the forward only where the weights were not packed for oneDNN.
 
 What stays on the forward: steps with a prefill chunk, steps with the KV connector's layer
 hooks (a prefill worker's), a kernel backend other than "auto", and every model `build` turns
@@ -66,7 +66,8 @@ class CPUDecodeStack:
     def __init__(self, model: LlamaForCausalLM, kv_cache: PagedKVCache) -> None:
         ext = cpu_extension.module()
         config = model.config
-        #: the most rows a projection runs on the skinny GEMM, in the model's dtype
+        #: the most rows a projection runs on its second copy (the skinny or the tile GEMM),
+        #: in the model's dtype
         self.skinny_max_rows = skinny_max_rows(model.model.embed_tokens.weight.dtype)
 
         def bias(linear: Any) -> torch.Tensor | None:

@@ -48,7 +48,7 @@ torch::Tensor DecodeStack::linear(const torch::Tensor& x, const torch::Tensor& s
                                   const c10::optional<torch::Tensor>& packed, int64_t out,
                                   const c10::optional<torch::Tensor>& bias) const {
   if (x.size(0) <= skinny_max_rows_) {
-    return skinny_gemm(x, skinny, out, bias);
+    return skinny.dim() == 1 ? amx_gemm(x, skinny, out, bias) : skinny_gemm(x, skinny, out, bias);
   }
   TORCH_CHECK(packed.has_value(), "a batch of ", x.size(0), " rows needs the oneDNN-packed "
               "weights: the skinny GEMM takes at most ", skinny_max_rows_);

@@ -7,10 +7,10 @@
 #include <vector>
 
 // One decoder layer's weights as the stack reads them: the two RMSNorm weights [hidden], and
-// the four projections packed by skinny_gemm_pack (q|k|v stacked, gate|up stacked), each
-// with its optional bias [out] in the activations' dtype and, optionally, the same weight in
-// oneDNN's packed layout (kernels/cpu_gemm.py: an opaque mkldnn tensor) for batches of more
-// rows than the skinny GEMM takes.
+// the four projections (q|k|v stacked, gate|up stacked) packed by skinny_gemm_pack, or for
+// bfloat16 on AMX by amx_gemm_pack (kernels/cpu_gemm.py: a flat tensor), each with its
+// optional bias [out] in the activations' dtype and, optionally, the same weight in oneDNN's
+// packed layout (an opaque mkldnn tensor) for batches of more rows than that copy takes.
 struct DecodeLayer {
   torch::Tensor input_norm, qkv, o, post_norm, gate_up, down;
   c10::optional<torch::Tensor> qkv_bias, o_bias, gate_up_bias, down_bias;
@@ -19,7 +19,8 @@ struct DecodeLayer {
 
 class DecodeStack {
  public:
-  // skinny_max_rows: the most rows a projection runs on the skinny GEMM; larger batches run
+  // skinny_max_rows: the most rows a projection runs on its first copy (the skinny GEMM, or
+  // the tile GEMM for a flat copy); larger batches run
   // oneDNN's matmul over the packed weights, which every layer must then have.
   DecodeStack(torch::Tensor embedding, std::vector<DecodeLayer> layers, torch::Tensor final_norm,
               double eps, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
@@ -36,8 +37,8 @@ class DecodeStack {
                         torch::Tensor block_tables, torch::Tensor seq_lens) const;
 
  private:
-  // x [n, in] @ W^T (+ bias) -> [n, out]: the skinny GEMM up to skinny_max_rows_ rows,
-  // oneDNN above, as kernels.cpu_gemm.linear chooses.
+  // x [n, in] @ W^T (+ bias) -> [n, out]: the skinny GEMM (or the tile GEMM, for a flat copy)
+  // up to skinny_max_rows_ rows, oneDNN above, as kernels.cpu_gemm.linear chooses.
   torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& skinny,
                        const c10::optional<torch::Tensor>& packed, int64_t out,
                        const c10::optional<torch::Tensor>& bias) const;

@@ -15,6 +15,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("skinny_gemm_tile", &skinny_gemm_tile);
   m.def("skinny_gemm_pack", &skinny_gemm_pack);
   m.def("skinny_gemm", &skinny_gemm);
+  m.def("amx_gemm_supported", &amx_gemm_supported);
+  m.def("amx_gemm_pack", &amx_gemm_pack);
+  // prefill GEMMs run while the engine's other Python threads go on
+  m.def("amx_gemm", &amx_gemm, py::call_guard<py::gil_scoped_release>());
   m.def("bind_omp_threads", &bind_omp_threads);
   py::class_<DecodeLayer>(m, "DecodeLayer")
       .def(py::init([](torch::Tensor input_norm, torch::Tensor qkv, torch::Tensor o,

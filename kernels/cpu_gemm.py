@@ -17,10 +17,17 @@ With few rows a GEMM is a read of the weight, and oneDNN's matmul does not strea
 at the machine's read bandwidth there on every CPU; the skinny GEMM does (benchmarks/RESULTS.md,
 "A skinny GEMM for decode"). Up to `SKINNY_MAX_ROWS` rows `linear` takes the skinny copy where
 one was packed, above it oneDNN: prefill-sized batches are compute-bound, where oneDNN's
-blocking for the caches pays. On a CPU with AMX, oneDNN's bfloat16 matmul runs on the tile
-unit, which outruns the skinny GEMM's vector FMAs from a few rows on, so bfloat16 takes the
-skinny copy for fewer rows there (`skinny_max_rows`). Both copies are kept, so the linear
-weights take twice their size in memory.
+blocking for the caches pays. Both copies are kept, so the linear weights take twice their
+size in memory.
+
+bfloat16 on a CPU with AMX is the exception: there the second copy is the tile GEMM's
+(`cpu_amx_gemm.cpp`, on torch's brgemm), which multiplies on the tile unit. It reads a decode
+batch's weights faster than both the skinny GEMM and oneDNN, and up to about a thousand rows
+it splits the work evenly over the threads where oneDNN leaves one waiting
+(benchmarks/RESULTS.md, "Prefill GEMMs on AMX tiles"), so it takes every batch up to
+`AMX_MAX_ROWS` rows and oneDNN the larger ones. `pack_skinny` makes that copy, a flat tensor
+the tile GEMM reads (`is_amx_copy`), and `linear` and the C++ decode stack tell the two kinds
+of copy apart by its shape.
 
 torch.compile cannot trace an opaque tensor (it has no storage to fake), so a compiled graph
 names a packed weight by an integer handle (`register`) and calls the custom op
@@ -44,26 +51,38 @@ _PACKED_DTYPES = (torch.float32, torch.bfloat16)
 #: oneDNN's matmul up to this size and beyond on an AVX2 CPU (benchmarks/RESULTS.md); larger
 #: batches stay on oneDNN, which ran near the FMA peak in prefill on an AVX-512 CPU
 SKINNY_MAX_ROWS = 32
-#: the same for bfloat16 on a CPU with AMX, where oneDNN's tile kernels match the skinny GEMM
-#: at one row and beat it from two on, with the decode stack calling either (benchmarks/
-#: RESULTS.md, "bfloat16 on AMX" and "oneDNN inside the CPU decode stack")
-SKINNY_MAX_ROWS_AMX_BF16 = 1
+#: for bfloat16 on a CPU with AMX, the most rows the tile GEMM's copy takes: it beat oneDNN
+#: at every size from 1 row to 1024 but for 192-384 rows, and lost from 1536 on
+#: (benchmarks/RESULTS.md, "Prefill GEMMs on AMX tiles")
+AMX_MAX_ROWS = 1024
 
 
 @functools.cache
 def skinny_max_rows(dtype: torch.dtype) -> int:
-    """The most rows `linear` runs on the skinny copy in `dtype` on this CPU:
-    `SKINNY_MAX_ROWS_AMX_BF16` for bfloat16 where the CPU has AMX tiles (and oneDNN uses them),
+    """The most rows `linear` runs on the second copy (`pack_skinny`) in `dtype` on this CPU:
+    `AMX_MAX_ROWS` for bfloat16 where that copy is the tile GEMM's (`uses_amx_gemm`),
     `SKINNY_MAX_ROWS` otherwise."""
-    if dtype == torch.bfloat16 and has_amx():
-        return SKINNY_MAX_ROWS_AMX_BF16
-    return SKINNY_MAX_ROWS
+    return AMX_MAX_ROWS if uses_amx_gemm(dtype) else SKINNY_MAX_ROWS
+
+
+@functools.cache
+def uses_amx_gemm(dtype: torch.dtype) -> bool:
+    """Whether `pack_skinny` packs `dtype` weights for the tile GEMM: bfloat16 on a CPU with
+    AMX, with the C++ extension built and torch's brgemm running there."""
+    return (dtype == torch.bfloat16 and has_amx() and cpu_extension.available()
+            and cpu_extension.module().amx_gemm_supported())
+
+
+def is_amx_copy(copy: torch.Tensor) -> bool:
+    """Whether a `pack_skinny` copy is the tile GEMM's (flat) rather than the skinny GEMM's
+    (3-D column tiles)."""
+    return copy.dim() == 1
 
 
 @functools.cache
 def has_amx() -> bool:
     """Whether this CPU has AMX tiles and torch's oneDNN runs bfloat16 on it (Sapphire Rapids
-    and later Xeons): the CPU class whose kernel choices differ (`skinny_max_rows`,
+    and later Xeons): the CPU class whose kernel choices differ (`uses_amx_gemm`,
     kernels.cpu_paged_attention)."""
     probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
     return (probe is not None and probe() and torch.backends.mkldnn.is_available()
@@ -93,18 +112,26 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
 
 def can_pack_skinny(weight: torch.Tensor) -> bool:
     """Whether `pack_skinny` applies: a 2-D CPU weight in float32 or bfloat16 (any CPU: the
-    kernel widens bfloat16 itself), with the C++ extension built."""
-    return (weight.device.type == "cpu" and weight.dim() == 2 and weight.dtype in _PACKED_DTYPES
-            and cpu_extension.available())
+    skinny GEMM widens bfloat16 itself), with the C++ extension built; for the tile GEMM
+    (`uses_amx_gemm`) also an even number of input features."""
+    if not (weight.device.type == "cpu" and weight.dim() == 2
+            and weight.dtype in _PACKED_DTYPES and cpu_extension.available()):
+        return False
+    return not uses_amx_gemm(weight.dtype) or weight.shape[1] % 2 == 0
 
 
 def pack_skinny(weight: torch.Tensor) -> torch.Tensor:
-    """weight [out, in] -> the skinny GEMM's layout, [ceil(out / T), in, T] in weight's dtype,
-    column tiles of T (32 or 64, the machine's vector width times 2 or 4) zero-padded past
-    `out`; `weight` is left as it was. Raises ValueError where `can_pack_skinny` is false."""
+    """weight [out, in] -> the second copy `linear` reads for batches of up to
+    `skinny_max_rows(weight.dtype)` rows; `weight` is left as it was. Either the skinny GEMM's
+    layout, [ceil(out / T), in, T] in weight's dtype, column tiles of T (32 or 64, the machine's
+    vector width times 2 or 4) zero-padded past `out`; or, where `uses_amx_gemm`, the tile
+    GEMM's, flat [out * in] bfloat16 in blocks of 128 output columns, each [in / 2][128][2]
+    (the last block narrower). Raises ValueError where `can_pack_skinny` is false."""
     if not can_pack_skinny(weight):
         raise ValueError(f"cannot pack a {weight.dtype} {tuple(weight.shape)} weight on "
                          f"{weight.device} for the skinny GEMM")
+    if uses_amx_gemm(weight.dtype):
+        return cpu_extension.module().amx_gemm_pack(weight.detach())
     return cpu_extension.module().skinny_gemm_pack(weight.detach())
 
 
@@ -119,7 +146,9 @@ def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = No
         flat = x.reshape(-1, x.shape[-1])
         if flat.stride(-1) != 1:
             flat = flat.contiguous()
-        out = cpu_extension.module().skinny_gemm(flat, skinny, packed.shape[0], bias)
+        ext = cpu_extension.module()
+        gemm = ext.amx_gemm if is_amx_copy(skinny) else ext.skinny_gemm
+        out = gemm(flat, skinny, packed.shape[0], bias)
         return out.view(*x.shape[:-1], packed.shape[0])
     if packed.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")

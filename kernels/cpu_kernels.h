@@ -1,6 +1,6 @@
 // The C++ CPU kernels' entry points (defined in cpu_paged_decode.cpp, cpu_paged_prefill.cpp,
-// cpu_fused_ops.cpp, cpu_skinny_gemm.cpp and cpu_threads.cpp), for the bindings and for
-// cpu_decode_stack.cpp, which calls them directly.
+// cpu_fused_ops.cpp, cpu_skinny_gemm.cpp, cpu_amx_gemm.cpp and cpu_threads.cpp), for the
+// bindings and for cpu_decode_stack.cpp, which calls them directly.
 #pragma once
 
 #include <torch/extension.h>
@@ -30,5 +30,10 @@ int64_t skinny_gemm_tile();
 torch::Tensor skinny_gemm_pack(torch::Tensor weight);
 torch::Tensor skinny_gemm(torch::Tensor x, torch::Tensor packed, int64_t out_features,
                           c10::optional<torch::Tensor> bias);
+
+bool amx_gemm_supported();
+torch::Tensor amx_gemm_pack(torch::Tensor weight);
+torch::Tensor amx_gemm(torch::Tensor x, torch::Tensor packed, int64_t out_features,
+                       c10::optional<torch::Tensor> bias);
 
 std::vector<int64_t> bind_omp_threads(const std::vector<int64_t>& cpus);

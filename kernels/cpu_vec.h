@@ -11,6 +11,10 @@
 
 #include <c10/util/BFloat16.h>
 
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -39,7 +43,9 @@ inline vf load(const float* p) {
 inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
 
 // bfloat16 is the top half of a float32: widening is a shift; narrowing rounds to nearest,
-// ties to even (as torch's casts do; the kernels' outputs are finite).
+// ties to even (as torch's casts do; the kernels' outputs are finite), in one instruction
+// where the CPU has AVX-512 BF16: the bit arithmetic otherwise takes six, which made the
+// bfloat16 layer ops bound by their instructions rather than their bytes.
 inline vf load(const c10::BFloat16* p) {
   vh h;
   std::memcpy(&h, p, sizeof h);
@@ -50,6 +56,13 @@ inline vf load(const c10::BFloat16* p) {
 }
 
 inline void store(c10::BFloat16* p, vf v) {
+#if defined(__AVX512BF16__)
+  if constexpr (W == 16) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
+                        reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(reinterpret_cast<__m512>(v))));
+    return;
+  }
+#endif
   vu bits;
   std::memcpy(&bits, &v, sizeof bits);
   bits = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
@@ -73,6 +86,12 @@ inline vf round_to(vf v) {
   if constexpr (std::is_same_v<T, float>) {
     return v;
   } else {
+#if defined(__AVX512BF16__)
+    if constexpr (W == 16) {
+      const __m256i h = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(reinterpret_cast<__m512>(v)));
+      return reinterpret_cast<vf>(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    }
+#endif
     T tmp[W];
     store(tmp, v);
     return load(tmp);

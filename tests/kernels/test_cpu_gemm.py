@@ -1,5 +1,5 @@
-"""kernels.linear with oneDNN-packed CPU weights, and with the skinny GEMM's copy, against a
-float64 matmul. The merged q/k/v and gate/up loading, and the packing of every weight at load,
+"""kernels.linear with oneDNN-packed CPU weights, and with the skinny or tile GEMM's copy,
+against a float64 matmul. The merged q/k/v and gate/up loading, and the packing of every weight at load,
 are checked end to end by the logits-vs-HF tests (tests/engine/test_paged_logits.py, and
 test_tensor_parallel.py for the shards)."""
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import kernels
-from kernels import cpu_gemm
+from kernels import cpu_extension, cpu_gemm
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(),
                                 reason="torch built without oneDNN")
@@ -136,22 +136,76 @@ def test_more_rows_than_the_skinny_limit_take_the_other_gemm():
 
 @needs_skinny
 @pytest.mark.parametrize("amx", [True, False])
-def test_bf16_on_amx_takes_the_skinny_copy_for_fewer_rows(monkeypatch, amx):
-    """Where the CPU has AMX, bfloat16 batches above SKINNY_MAX_ROWS_AMX_BF16 rows leave the
-    skinny copy (oneDNN's tile kernels are faster there); float32 keeps SKINNY_MAX_ROWS."""
+def test_bf16_on_amx_takes_the_tile_gemm_s_copy_up_to_its_rows(monkeypatch, amx):
+    """Where the CPU has AMX (and torch's brgemm runs there), the bfloat16 copy is the tile
+    GEMM's and takes batches of up to AMX_MAX_ROWS rows; elsewhere it is the skinny GEMM's,
+    up to SKINNY_MAX_ROWS. float32 keeps SKINNY_MAX_ROWS. Above the limit the copy is not
+    read: a copy of zeros changes nothing."""
     monkeypatch.setattr(cpu_gemm, "has_amx", lambda: amx)
     cpu_gemm.skinny_max_rows.cache_clear()
+    cpu_gemm.uses_amx_gemm.cache_clear()
     try:
-        limit = cpu_gemm.SKINNY_MAX_ROWS_AMX_BF16 if amx else cpu_gemm.SKINNY_MAX_ROWS
+        tiles = cpu_gemm.uses_amx_gemm(torch.bfloat16)
+        assert tiles == (amx and cpu_extension.module().amx_gemm_supported())
+        limit = cpu_gemm.AMX_MAX_ROWS if tiles else cpu_gemm.SKINNY_MAX_ROWS
         assert cpu_gemm.skinny_max_rows(torch.bfloat16) == limit
         assert cpu_gemm.skinny_max_rows(torch.float32) == cpu_gemm.SKINNY_MAX_ROWS
         weight = torch.randn(64, 96, dtype=torch.bfloat16)
         zeros = kernels.pack_skinny_weight(torch.zeros_like(weight))
+        assert cpu_gemm.is_amx_copy(zeros) == tiles
         many = torch.randn(limit + 1, 96, dtype=torch.bfloat16)
         assert torch.count_nonzero(kernels.linear(many, weight, skinny=zeros)) > 0
         assert torch.count_nonzero(kernels.linear(many[:limit], weight, skinny=zeros)) == 0
     finally:
         cpu_gemm.skinny_max_rows.cache_clear()
+        cpu_gemm.uses_amx_gemm.cache_clear()
+
+
+needs_amx_gemm = pytest.mark.skipif(
+    not (cpu_extension.available() and cpu_gemm.uses_amx_gemm(torch.bfloat16)),
+    reason="the tile GEMM needs AMX and the C++ extension")
+
+
+@needs_amx_gemm
+@pytest.mark.parametrize("rows", [1, 2, 17, 300, 1024])
+@pytest.mark.parametrize("out_features", [64, 200, 1000])
+def test_tile_gemm_rounds_an_fp32_sum_once(rows, out_features):
+    """The tile GEMM's copy, bias and all, at decode and prefill row counts, with output
+    widths that leave a narrower last block (200, 1000) and none (64): within bfloat16's
+    half-ulp of the exact product of the same bfloat16 values."""
+    gen = torch.Generator().manual_seed(rows * out_features)
+    x = torch.randn(rows, 96, generator=gen).to(torch.bfloat16)
+    weight = torch.randn(out_features, 96, generator=gen).to(torch.bfloat16)
+    b = torch.randn(out_features, generator=gen).to(torch.bfloat16)
+    copy = kernels.pack_skinny_weight(weight)
+    assert cpu_gemm.is_amx_copy(copy) and copy.numel() == weight.numel()
+    out = kernels.linear(x, kernels.pack_linear_weight(weight), b, copy)
+    expected = x.double() @ weight.double().t() + b.double()
+    assert out.dtype == torch.bfloat16 and out.shape == (rows, out_features)
+    torch.testing.assert_close(out.double(), expected, rtol=2**-8, atol=1e-2)
+
+
+@needs_amx_gemm
+def test_tile_gemm_reads_a_strided_x_and_refuses_a_copy_of_another_shape():
+    weight = torch.randn(130, 96, dtype=torch.bfloat16)
+    copy = kernels.pack_skinny_weight(weight)
+    x = torch.randn(40, 160, dtype=torch.bfloat16)[:, 32:128]
+    torch.testing.assert_close(kernels.linear(x, weight, skinny=copy).double(),
+                               x.double() @ weight.double().t(), rtol=2**-8, atol=1e-2)
+    with pytest.raises(RuntimeError, match="columns"):
+        kernels.linear(torch.randn(3, 80, dtype=torch.bfloat16),
+                       torch.randn(130, 80, dtype=torch.bfloat16), skinny=copy)
+
+
+@needs_amx_gemm
+def test_an_odd_number_of_inputs_gets_no_tile_copy_and_stays_on_onednn():
+    """The tile unit multiplies pairs along the input: an odd width has no tile copy, and
+    `linear` runs oneDNN for it."""
+    weight = torch.randn(64, 95, dtype=torch.bfloat16)
+    assert kernels.pack_skinny_weight(weight) is None
+    x = torch.randn(5, 95, dtype=torch.bfloat16)
+    torch.testing.assert_close(kernels.linear(x, kernels.pack_linear_weight(weight)).double(),
+                               x.double() @ weight.double().t(), rtol=2**-8, atol=1e-2)
 
 
 @needs_skinny

@@ -1,0 +1,132 @@
+// The linear layer's GEMM in bfloat16 on AMX tiles: out [M, N] = x [M, K] @ W^T (+ bias),
+// with W [N, K] packed once into blocks of BN columns in the tile unit's pair-interleaved
+// (VNNI) layout: block b is [K / 2][width][2], width BN but for the last, N - b * BN, in a
+// flat tensor of W's N * K elements.
+//
+// Why not oneDNN's matmul, which already runs on the tiles: with up to about a thousand rows
+// and two threads, its work split leaves one thread waiting (two threads ran 1.3-1.5x one,
+// against 2x from 1536 rows on; benchmarks/RESULTS.md, "Prefill GEMMs on AMX tiles"). Here
+// the output is cut into blocks of at most BM_MAX rows by BN columns, each thread takes an
+// equal contiguous run of blocks, walking the column blocks of one row block so that its rows
+// stay in the core's L2, and each block is one batch-reduce GEMM over the whole K on torch's
+// brgemm (oneDNN's JIT micro-kernel, the one torch's CPU flash attention uses). Accumulation
+// is float32; the output is rounded once, to nearest even, after the bias, as oneDNN does.
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+#include <ATen/native/CPUBlas.h>
+#include <c10/util/BFloat16.h>
+
+#include <omp.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include "cpu_vec.h"
+
+namespace {
+
+using bf16 = c10::BFloat16;
+using pdc::load;
+using pdc::store;
+using pdc::W;
+
+constexpr int64_t BN = 64;      // output columns per block: 8 tiles of 16 floats
+constexpr int64_t BM_MAX = 512;  // output rows per block, at most
+
+// Rows per block: M cut into equal blocks of at most BM_MAX rows, so no thread is left with
+// a short last block.
+int64_t rows_per_block(int64_t M) {
+  const int64_t blocks = (M + BM_MAX - 1) / BM_MAX;
+  return (M + blocks - 1) / blocks;
+}
+
+// acc [rows][BN] float32 (+ bias) -> out rows, columns [n0, n0 + nn), rounded to bfloat16.
+void store_block(const float* acc, int64_t rows, const float* bias, bf16* out, int64_t ldo,
+                 int64_t nn) {
+  const int64_t full = nn / W * W;
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* a = acc + r * BN;
+    bf16* o = out + r * ldo;
+    if (bias != nullptr) {
+      for (int64_t n = 0; n < full; n += W) store(o + n, load(a + n) + load(bias + n));
+      for (int64_t n = full; n < nn; ++n) o[n] = static_cast<bf16>(a[n] + bias[n]);
+    } else {
+      for (int64_t n = 0; n < full; n += W) store(o + n, load(a + n));
+      for (int64_t n = full; n < nn; ++n) o[n] = static_cast<bf16>(a[n]);
+    }
+  }
+}
+
+}  // namespace
+
+bool amx_gemm_supported() { return at::native::cpublas::could_pack(at::kBFloat16); }
+
+torch::Tensor amx_gemm_pack(torch::Tensor weight) {
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == torch::kBFloat16 &&
+                  weight.device().is_cpu(),
+              "amx_gemm_pack: a 2-D bfloat16 CPU weight [out, in]");
+  TORCH_CHECK(weight.size(1) % 2 == 0, "amx_gemm_pack: in_features must be even, got ",
+              weight.size(1));
+  const auto w = weight.contiguous();
+  const int64_t N = w.size(0), K = w.size(1), blocks = (N + BN - 1) / BN;
+  auto packed = torch::empty({N * K}, w.options());
+  const bf16* src = w.data_ptr<bf16>();
+  bf16* dst = packed.data_ptr<bf16>();
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t width = std::min(BN, N - b * BN);
+      bf16* block = dst + b * BN * K;
+      for (int64_t n = 0; n < width; ++n) {
+        const bf16* row = src + (b * BN + n) * K;
+        for (int64_t k = 0; k < K; ++k) block[(k / 2) * width * 2 + n * 2 + (k % 2)] = row[k];
+      }
+    }
+  });
+  return packed;
+}
+
+torch::Tensor amx_gemm(torch::Tensor x, torch::Tensor packed, int64_t out_features,
+                       c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16 && x.stride(1) == 1,
+              "amx_gemm: x must be bfloat16 [M, K] with unit column stride");
+  TORCH_CHECK(packed.dim() == 1 && packed.scalar_type() == torch::kBFloat16 &&
+                  packed.is_contiguous(),
+              "amx_gemm: packed must come from amx_gemm_pack");
+  const int64_t M = x.size(0), K = x.size(1), N = out_features, blocks_n = (N + BN - 1) / BN;
+  TORCH_CHECK(K % 2 == 0 && N > 0 && packed.numel() == N * K, "amx_gemm: x has ", K,
+              " columns; the packed weight's ", packed.numel(), " elements are not ", N,
+              " out_features times that");
+  torch::Tensor bias_f;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->numel() == N, "amx_gemm: bias must have out_features elements");
+    bias_f = bias->to(torch::kFloat32).contiguous();
+  }
+  auto out = torch::empty({M, N}, x.options());
+  if (M == 0) return out;
+  const bf16* A = x.data_ptr<bf16>();
+  const bf16* B = packed.data_ptr<bf16>();
+  const float* bias_p = bias.has_value() ? bias_f.data_ptr<float>() : nullptr;
+  bf16* C = out.data_ptr<bf16>();
+  const int64_t lda = x.stride(0), BM = rows_per_block(M), blocks_m = (M + BM - 1) / BM;
+  const int64_t blocks = blocks_m * blocks_n;
+  const int threads = static_cast<int>(std::min<int64_t>(at::get_num_threads(), blocks));
+#pragma omp parallel num_threads(threads)
+  {
+    const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+    thread_local std::vector<float> acc;
+    acc.resize(BM * BN);
+    for (int64_t i = blocks * t / nt, end = blocks * (t + 1) / nt; i < end; ++i) {
+      const int64_t mb = i / blocks_n, nb = i % blocks_n;
+      const int64_t m0 = mb * BM, rows = std::min(BM, M - m0), n0 = nb * BN;
+      const int64_t width = std::min(BN, N - n0);
+      at::native::cpublas::brgemm(rows, width, K, lda, width, BN, /*add_C=*/false,
+                                  A + m0 * lda, B + n0 * K, acc.data());
+      store_block(acc.data(), rows, bias_p == nullptr ? nullptr : bias_p + n0,
+                  C + m0 * N + n0, N, width);
+    }
+    at::native::cpublas::brgemm_release();
+  }
+  return out;
+}
