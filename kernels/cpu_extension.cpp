@@ -8,6 +8,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("supports_head_dim", &supports_head_dim);
   m.def("paged_decode_attention", &paged_decode_attention);
   m.def("paged_prefill_attention", &paged_prefill_attention);
+  m.def("amx_prefill_attention", &amx_prefill_attention);
   m.def("fused_add_rms_norm", &fused_add_rms_norm);
   m.def("silu_and_mul", &silu_and_mul);
   m.def("rotary_embedding", &rotary_embedding);

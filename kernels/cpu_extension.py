@@ -1,5 +1,6 @@
 """The C++ kernels for CPU, built as one extension on first use: paged attention for decode
-(`cpu_paged_decode.cpp`) and prefill (`cpu_paged_prefill.cpp`), the fused elementwise
+(`cpu_paged_decode.cpp`) and prefill (`cpu_paged_prefill.cpp`; in bfloat16 on AMX tiles,
+`cpu_amx_prefill.cpp`), the fused elementwise
 ops of a decoder layer (`cpu_fused_ops.cpp`), the linear GEMM for decode batches
 (`cpu_skinny_gemm.cpp`) and for bfloat16 prefill batches on AMX tiles (`cpu_amx_gemm.cpp`), an all-decode step's decoder layers in one call
 (`cpu_decode_stack.cpp`), and the pinning of torch's OpenMP threads to cores
@@ -27,8 +28,8 @@ _module: ModuleType | None = None
 _failed = False
 #: compiled together (cpu_vec.h, which the kernels include, is tracked by ninja's deps)
 _SOURCES = ("cpu_extension.cpp", "cpu_paged_decode.cpp", "cpu_paged_prefill.cpp",
-            "cpu_fused_ops.cpp", "cpu_skinny_gemm.cpp", "cpu_amx_gemm.cpp", "cpu_threads.cpp",
-            "cpu_decode_stack.cpp")
+            "cpu_amx_prefill.cpp", "cpu_fused_ops.cpp", "cpu_skinny_gemm.cpp", "cpu_amx_gemm.cpp",
+            "cpu_threads.cpp", "cpu_decode_stack.cpp")
 
 
 def module() -> ModuleType | None:

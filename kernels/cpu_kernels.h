@@ -1,5 +1,5 @@
 // The C++ CPU kernels' entry points (defined in cpu_paged_decode.cpp, cpu_paged_prefill.cpp,
-// cpu_fused_ops.cpp, cpu_skinny_gemm.cpp, cpu_amx_gemm.cpp and cpu_threads.cpp), for the
+// cpu_amx_prefill.cpp, cpu_fused_ops.cpp, cpu_skinny_gemm.cpp, cpu_amx_gemm.cpp and cpu_threads.cpp), for the
 // bindings and for cpu_decode_stack.cpp, which calls them directly.
 #pragma once
 
@@ -16,6 +16,9 @@ torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache,
                                       torch::Tensor v_cache, torch::Tensor block_tables,
                                       torch::Tensor cu_seqlens_q, torch::Tensor seq_lens,
                                       double scale);
+torch::Tensor amx_prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                    torch::Tensor block_tables, torch::Tensor cu_seqlens_q,
+                                    torch::Tensor seq_lens, double scale);
 
 std::tuple<torch::Tensor, torch::Tensor> fused_add_rms_norm(torch::Tensor x, torch::Tensor weight,
                                                             double eps,

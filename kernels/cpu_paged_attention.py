@@ -1,12 +1,14 @@
 """The C++ paged attention kernels for CPU (decode: `cpu_paged_decode.cpp`, prefill:
 `cpu_paged_prefill.cpp`; built by `kernels.cpu_extension`).
 
-Prefill on a CPU with AMX takes torch's SDPA instead, per sequence over its K/V gathered from
-the blocks. In bfloat16, SDPA's flash kernel multiplies tiles on the AMX unit (accumulating in
-float32), where the C++ kernel widens to float32 vectors; in float32 its oneDNN GEMMs also
-measured faster than the C++ kernel on such a (Sapphire Rapids class) core, while on an AMD
-core the C++ kernel was the faster (benchmarks/RESULTS.md, "bfloat16 on AMX"). Decode
-attention, a read of K/V, stays on the C++ kernel everywhere.
+Prefill on a CPU with AMX takes the tile unit instead. In bfloat16 that is our flash kernel
+on torch's brgemm (`cpu_amx_prefill.cpp`), which multiplies on the tiles where the C++ kernel
+widens to float32 vectors, reads the paged blocks itself, and skips the keys after each
+query block (benchmarks/RESULTS.md, "Prefill attention on AMX tiles"). In float32 it is
+torch's SDPA, per sequence over its K/V gathered from the blocks: its oneDNN GEMMs measured
+faster than the C++ kernel on such a (Sapphire Rapids class) core, while on an AMD core the
+C++ kernel was the faster (benchmarks/RESULTS.md, "bfloat16 on AMX"). Decode attention, a
+read of K/V, stays on the C++ kernel everywhere.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 import kernels.cpu_extension as cpu_extension
-from kernels.cpu_gemm import has_amx
+from kernels.cpu_gemm import has_amx, uses_amx_gemm
 
 
 _DTYPES = (torch.float32, torch.bfloat16)
@@ -45,11 +47,20 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     """See `torch_attention.paged_prefill_attention`; float32 or bfloat16 (`supports`). Raises
     RuntimeError for inputs outside the contract (a seq_len beyond its block table or shorter
     than its new tokens)."""
+    if q.dtype == torch.bfloat16 and has_tile_prefill():
+        return cpu_extension.module().amx_prefill_attention(q, k_cache, v_cache, block_tables,
+                                                            cu_seqlens_q, seq_lens, scale)
     if has_amx():
         return sdpa_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q,
                                       seq_lens, scale)
     return cpu_extension.module().paged_prefill_attention(q, k_cache, v_cache, block_tables,
                                                           cu_seqlens_q, seq_lens, scale)
+
+
+def has_tile_prefill() -> bool:
+    """Whether bfloat16 prefill runs on the tile kernel here: where torch's brgemm multiplies
+    bfloat16 on AMX tiles (the condition of the tile GEMM, kernels.cpu_gemm.uses_amx_gemm)."""
+    return uses_amx_gemm(torch.bfloat16)
 
 
 def sdpa_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -280,3 +280,64 @@ def test_the_sdpa_prefill_path_matches_the_oracle(dtype, tol):
         cpu_paged_attention.sdpa_prefill_attention(
             q[:1], k_cache, v_cache, table[:1, :1], torch.tensor([0, 1], dtype=torch.int32),
             torch.tensor([BLOCK_SIZE + 1], dtype=torch.int32), SCALE)
+
+
+needs_tiles = pytest.mark.skipif(not cpu_paged_attention.has_tile_prefill(),
+                                 reason="the tile prefill kernel needs AMX")
+
+
+@needs_tiles
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [
+    (12, 4, 64),   # group 3
+    (16, 2, 64),   # group 8
+    (8, 8, 128),   # no GQA
+    (4, 1, 80),    # head_dim not a power of two
+])
+@pytest.mark.parametrize("block_size", [16, 12])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_tile_prefill_kernel_matches_the_oracle(num_heads, num_kv_heads, head_dim,
+                                                     block_size, threads):
+    """bfloat16 prefill on the AMX tiles: whole prompts shorter than a key chunk and over
+    several, chunks after a cached prefix (one of a single token, one of several query
+    items), a zero-token row and padding rows, over scattered blocks of any size."""
+    gen = torch.Generator().manual_seed(head_dim * num_heads + block_size)
+    seq_lens, num_new = [5, 200, 700, 71, 9, 130], [5, 200, 90, 1, 0, 130]
+    blocks = [-(-n // block_size) for n in seq_lens]
+    shape = (sum(blocks) + 5, block_size, num_kv_heads, head_dim)
+    k_cache, v_cache = (torch.randn(shape, generator=gen).to(torch.bfloat16) for _ in range(2))
+    perm = torch.randperm(shape[0], generator=gen).to(torch.int32)
+    table = torch.zeros(len(seq_lens), max(blocks) + 2, dtype=torch.int32)
+    for row, ids in enumerate(perm[:sum(blocks)].split(blocks)):
+        table[row, :len(ids)] = ids
+    cu = torch.tensor([0, *torch.tensor(num_new).cumsum(0).tolist()], dtype=torch.int32)
+    q = (3 * torch.randn(int(cu[-1]) + 3, num_heads, head_dim, generator=gen)).to(torch.bfloat16)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    scale = head_dim ** -0.5
+    want = attention_oracle.paged_prefill_attention(q.float(), k_cache.float(), v_cache.float(),
+                                                    table, cu, lens, scale)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = cpu_paged_attention.paged_prefill_attention(q, k_cache, v_cache, table, cu, lens,
+                                                          scale)
+    finally:
+        torch.set_num_threads(before)
+    assert got.dtype == torch.bfloat16 and got.shape == q.shape
+    assert not got[int(cu[-1]):].any()
+    # bfloat16 q/k/v and probabilities: the error of torch's own bfloat16 attention
+    torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
+
+
+@needs_tiles
+def test_the_tile_prefill_kernel_refuses_what_the_others_refuse():
+    k_cache, v_cache = (c.to(torch.bfloat16) for c in caches())
+    q = torch.randn(8, NUM_HEADS, HEAD_DIM).to(torch.bfloat16)
+    table = tables([40], [False])
+    with pytest.raises(RuntimeError, match="shorter than its new tokens"):
+        cpu_paged_attention.paged_prefill_attention(
+            q, k_cache, v_cache, table, torch.tensor([0, 8], dtype=torch.int32),
+            torch.tensor([5], dtype=torch.int32), SCALE)
+    with pytest.raises(RuntimeError, match="block table"):
+        cpu_paged_attention.paged_prefill_attention(
+            q[:1], k_cache, v_cache, table[:, :1], torch.tensor([0, 1], dtype=torch.int32),
+            torch.tensor([BLOCK_SIZE + 1], dtype=torch.int32), SCALE)
