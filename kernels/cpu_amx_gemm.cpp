@@ -5,19 +5,18 @@
 //
 // Why not oneDNN's matmul, which already runs on the tiles: with up to about a thousand rows
 // and two threads, its work split leaves one thread waiting (two threads ran 1.3-1.5x one,
-// against 2x from 1536 rows on; benchmarks/RESULTS.md, "Prefill GEMMs on AMX tiles"). Here
-// the output is cut into blocks of at most BM_MAX rows by BN columns, each thread takes an
-// equal contiguous run of blocks, walking the column blocks of one row block so that its rows
-// stay in the core's L2, and each block is one batch-reduce GEMM over the whole K on torch's
-// brgemm (oneDNN's JIT micro-kernel, the one torch's CPU flash attention uses). Accumulation
-// is float32; the output is rounded once, to nearest even, after the bias, as oneDNN does.
+// against 2x from about 1100 rows on; benchmarks/RESULTS.md, "Prefill GEMMs on AMX tiles").
+// Here the output is cut into blocks of at most BM_MAX rows by BN columns, which the threads
+// claim one at a time, in order: the column blocks of one row block, whose rows stay in the
+// L2. Each block is one batch-reduce GEMM over the whole K on torch's brgemm (oneDNN's JIT
+// micro-kernel, the one torch's CPU flash attention uses). Accumulation is float32; the
+// output is rounded once, to nearest even, after the bias, as oneDNN does.
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
 #include <ATen/native/CPUBlas.h>
 #include <c10/util/BFloat16.h>
 
-#include <omp.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -114,10 +113,12 @@ torch::Tensor amx_gemm(torch::Tensor x, torch::Tensor packed, int64_t out_featur
   const int threads = static_cast<int>(std::min<int64_t>(at::get_num_threads(), blocks));
 #pragma omp parallel num_threads(threads)
   {
-    const int t = omp_get_thread_num(), nt = omp_get_num_threads();
     thread_local std::vector<float> acc;
     acc.resize(BM * BN);
-    for (int64_t i = blocks * t / nt, end = blocks * (t + 1) / nt; i < end; ++i) {
+    // blocks claimed one at a time, in order: a thread the OS takes off its core for a while
+    // leaves its share to the others instead of stalling them at the end
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < blocks; ++i) {
       const int64_t mb = i / blocks_n, nb = i % blocks_n;
       const int64_t m0 = mb * BM, rows = std::min(BM, M - m0), n0 = nb * BN;
       const int64_t width = std::min(BN, N - n0);

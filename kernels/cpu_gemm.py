@@ -52,9 +52,10 @@ _PACKED_DTYPES = (torch.float32, torch.bfloat16)
 #: batches stay on oneDNN, which ran near the FMA peak in prefill on an AVX-512 CPU
 SKINNY_MAX_ROWS = 32
 #: for bfloat16 on a CPU with AMX, the most rows the tile GEMM's copy takes: it beat oneDNN
-#: at every size from 1 row to 1024 but for 192-384 rows, and lost from 1536 on
-#: (benchmarks/RESULTS.md, "Prefill GEMMs on AMX tiles")
-AMX_MAX_ROWS = 1024
+#: at every size from 1 row to 1088 but for 192-384 rows; above 1088 rows oneDNN splits its
+#: work differently and won (benchmarks/RESULTS.md, "Prefill GEMMs on AMX tiles"). A
+#: colocated step of a 1024-token prefill budget plus its decode rows stays below it.
+AMX_MAX_ROWS = 1088
 
 
 @functools.cache

@@ -282,14 +282,22 @@ torch::Tensor decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cac
   const int64_t threads = at::get_num_threads();
   const int64_t splits = std::min(num_kv_heads, std::max<int64_t>(1, (2 * threads + num_seqs - 1) / num_seqs));
   const int64_t heads_per_item = (num_kv_heads + splits - 1) / splits;
-  at::parallel_for(0, num_seqs * splits, 1, [&](int64_t begin, int64_t end) {
+  for (int64_t seq = 0; seq < num_seqs; ++seq)
+    TORCH_CHECK(lens[seq] >= 1 && lens[seq] <= max_blocks * block_size,
+                "seq_len outside its block table");
+  // Items are claimed one at a time: a thread the OS takes off its core for a while (a busy
+  // small machine runs the gateway and the client beside the engine) leaves its share to the
+  // other threads instead of stalling them at the end of the step.
+  const int64_t items = num_seqs * splits;
+#pragma omp parallel num_threads(std::min(threads, items))
+  {
     std::vector<float> scores;
-    for (int64_t item = begin; item < end; ++item) {
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t item = 0; item < items; ++item) {
       const int64_t seq = item / splits;
       const int64_t h0 = (item % splits) * heads_per_item;
       const int64_t h1 = std::min(num_kv_heads, h0 + heads_per_item);
       const int64_t len = lens[seq];
-      TORCH_CHECK(len >= 1 && len <= max_blocks * block_size, "seq_len outside its block table");
       scores.resize(4 * len);
       for (int64_t h = h0; h < h1; ++h) {
         const Seq<T> s{kp + h * head_dim, vp + h * head_dim, tables + seq * max_blocks, len,
@@ -298,7 +306,7 @@ torch::Tensor decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cac
         attend(s, qp + offset, op + offset, group, fscale, scores.data());
       }
     }
-  });
+  }
   return out;
 }
 
