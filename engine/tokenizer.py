@@ -234,21 +234,41 @@ class IncrementalDetokenizer:
     what a client gets by decoding the whole sequence (it keeps the space a SentencePiece
     tokenizer attaches to a word's first piece). A delta that ends in U+FFFD (an incomplete
     UTF-8 byte sequence from byte-fallback tokens) is held back until the bytes complete.
+
+    Each call decodes a window, not the whole sequence (vLLM's incremental detokenization): the
+    ids from the end of the text emitted before the last delta, with and without the new ids;
+    the delta is the difference of the two texts. Whatever the decoder does at the window's
+    first token (the SentencePiece strip of a leading space) it does to both, so it cancels.
+    A window starts where emitted text ended, never inside a character: a byte-fallback
+    decoder replaces a whole run of byte pieces that does not start a character, which would
+    not cancel. Decoding the whole sequence for every token made the gateway's CPU time grow
+    with the context, and on a small machine it competes with the engine for the cores
+    (benchmarks/RESULTS.md, "Prefill GEMMs on AMX tiles").
     """
+
+    #: prompt tokens the first decode starts with: enough context for a decoder (a word's
+    #: leading space); moved back if it would start inside a character
+    WINDOW = 5
 
     def __init__(self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int]) -> None:
         self._tok = tokenizer
-        self._prompt = list(prompt_token_ids)
-        self._prompt_text_len = len(tokenizer.decode(self._prompt))
-        self._output: list[int] = []
+        self._ids = list(prompt_token_ids)
+        start = max(len(self._ids) - self.WINDOW, 0)
+        while start > 0 and tokenizer.decode(self._ids[start:]).startswith("\ufffd"):
+            start -= 1
+        self._prefix_offset = start
+        self._read_offset = len(self._ids)
         self.text = ""
 
     def add(self, token_ids: Sequence[int], final: bool = False) -> str:
         """Append output ids; return the newly complete text (may be empty)."""
-        self._output.extend(token_ids)
-        full = self._tok.decode(self._prompt + self._output)[self._prompt_text_len:]
-        if not final and full.endswith("\ufffd"):
+        self._ids.extend(token_ids)
+        window = self._ids[self._prefix_offset:]
+        emitted = self._tok.decode(window[:self._read_offset - self._prefix_offset])
+        full = self._tok.decode(window)
+        if len(full) <= len(emitted) or (not final and full.endswith("\ufffd")):
             return ""
-        delta = full[len(self.text):]
-        self.text = full
+        delta = full[len(emitted):]
+        self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+        self.text += delta
         return delta

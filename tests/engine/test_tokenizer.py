@@ -40,3 +40,23 @@ def test_incremental_text_equals_whole_sequence_decode(tokenizers, text):
         len(hf.decode(prompt, skip_special_tokens=True)):]
     assert "".join(pieces) == expected
     assert all("\ufffd" not in p for p in pieces)  # split UTF-8 sequences are held back
+
+
+@pytest.mark.parametrize("group", [1, 2, 3, 7])
+def test_incremental_text_over_long_outputs_in_groups_equals_whole_sequence_decode(tokenizers,
+                                                                                    group):
+    """Outputs many times longer than the decode window, added a few ids at a time (as a
+    step of speculative or batched output would), with multi-byte characters split over
+    byte-fallback pieces and runs of spaces: the deltas still add up to the whole decode."""
+    ours, hf = tokenizers
+    prompt = ours.encode("Lily and Ben went to the park.")
+    output = ours.encode(" ".join(TEXTS[:5]) * 4, add_special_tokens=False)
+    detok = IncrementalDetokenizer(ours, prompt)
+    pieces = []
+    for start in range(0, len(output), group):
+        last = start + group >= len(output)
+        pieces.append(detok.add(output[start:start + group], final=last))
+    expected = hf.decode(prompt + output, skip_special_tokens=True)[
+        len(hf.decode(prompt, skip_special_tokens=True)):]
+    assert "".join(pieces) == expected == detok.text
+    assert all("\ufffd" not in p for p in pieces)
