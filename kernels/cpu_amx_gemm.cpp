@@ -17,7 +17,6 @@
 #include <ATen/native/CPUBlas.h>
 #include <c10/util/BFloat16.h>
 
-
 #include <algorithm>
 #include <cstdint>
 #include <vector>
