@@ -62,6 +62,16 @@ def test_every_head_layout_matches_the_oracle_at_any_thread_count(num_heads, num
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
+def _prefill_with_threads(threads, *args):
+    """cpu_paged_attention.paged_prefill_attention(*args) at `threads` torch threads."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return cpu_paged_attention.paged_prefill_attention(*args)
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_prefill_matches_oracle_for_prompts_chunks_and_padding():
     """Whole prompts (one shorter than a key tile, one over several 16-token query tiles),
     chunks after a cached prefix (one of a single token), a sequence with no new tokens, and
@@ -99,13 +109,7 @@ def test_prefill_every_head_layout_matches_the_oracle_at_any_thread_count(
     lens = torch.tensor(seq_lens, dtype=torch.int32)
     scale = head_dim ** -0.5
     want = attention_oracle.paged_prefill_attention(q, k_cache, v_cache, table, cu, lens, scale)
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        got = cpu_paged_attention.paged_prefill_attention(q, k_cache, v_cache, table, cu, lens,
-                                                          scale)
-    finally:
-        torch.set_num_threads(before)
+    got = _prefill_with_threads(threads, q, k_cache, v_cache, table, cu, lens, scale)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
@@ -315,13 +319,7 @@ def test_the_tile_prefill_kernel_matches_the_oracle(num_heads, num_kv_heads, hea
     scale = head_dim ** -0.5
     want = attention_oracle.paged_prefill_attention(q.float(), k_cache.float(), v_cache.float(),
                                                     table, cu, lens, scale)
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        got = cpu_paged_attention.paged_prefill_attention(q, k_cache, v_cache, table, cu, lens,
-                                                          scale)
-    finally:
-        torch.set_num_threads(before)
+    got = _prefill_with_threads(threads, q, k_cache, v_cache, table, cu, lens, scale)
     assert got.dtype == torch.bfloat16 and got.shape == q.shape
     assert not got[int(cu[-1]):].any()
     # bfloat16 q/k/v and probabilities: the error of torch's own bfloat16 attention
