@@ -45,7 +45,9 @@ inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
 // bfloat16 is the top half of a float32: widening is a shift; narrowing rounds to nearest,
 // ties to even (as torch's casts do; the kernels' outputs are finite), in one instruction
 // where the CPU has AVX-512 BF16: the bit arithmetic otherwise takes six, which made the
-// bfloat16 layer ops bound by their instructions rather than their bytes.
+// bfloat16 layer ops bound by their instructions rather than their bytes. That instruction
+// flushes values below bfloat16's smallest normal (~1.2e-38) to zero, where torch's cast
+// keeps them subnormal.
 inline vf load(const c10::BFloat16* p) {
   vh h;
   std::memcpy(&h, p, sizeof h);
