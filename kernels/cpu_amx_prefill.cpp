@@ -138,7 +138,9 @@ torch::Tensor amx_prefill_attention(torch::Tensor q, torch::Tensor k_cache, torc
     const int64_t kb = seqs[b.seq].len - seqs[b.seq].new_tokens + b.first;
     return ka > kb;
   });
-  std::vector<bf16> packs(pack_elems);
+  // uninitialized: pack_kv writes every element, the padding zeros included
+  const auto packs_t = torch::empty({pack_elems}, q.options());
+  bf16* packs = packs_t.data_ptr<bf16>();
   const bf16* kc = k_cache.data_ptr<bf16>();
   const bf16* vc = v_cache.data_ptr<bf16>();
   const int32_t* tb = tables.data_ptr<int32_t>();
@@ -148,7 +150,7 @@ torch::Tensor amx_prefill_attention(torch::Tensor q, torch::Tensor k_cache, torc
       const Sequence& s = seqs[w / KVH];
       const int64_t g = w % KVH;
       if (s.new_tokens == 0) continue;
-      bf16* kt = packs.data() + s.pack_offset + 2 * g * s.padded * D;
+      bf16* kt = packs + s.pack_offset + 2 * g * s.padded * D;
       pack_kv(kc + g * D, vc + g * D, tb + (w / KVH) * max_blocks, block_size, token_stride,
               s.len, s.padded, D, kt, kt + s.padded * D);
     }
@@ -167,9 +169,9 @@ torch::Tensor amx_prefill_attention(torch::Tensor q, torch::Tensor k_cache, torc
     for (int64_t it = 0; it < n_items; ++it) {
       const Item& item = items[it];
       const Sequence& s = seqs[item.seq];
-      const int64_t rows_t = std::min(QB, s.new_tokens - item.first), rows = G * QB;
+      const int64_t rows_t = std::min(QB, s.new_tokens - item.first);
       const int64_t prefix = s.len - s.new_tokens;
-      const bf16* kt = packs.data() + s.pack_offset + 2 * item.kv_head * s.padded * D;
+      const bf16* kt = packs + s.pack_offset + 2 * item.kv_head * s.padded * D;
       const bf16* vp = kt + s.padded * D;
       // the group's query rows, stacked; rows past the item's tokens are zero
       std::fill(qs.begin(), qs.end(), bf16(0.f));
@@ -182,9 +184,9 @@ torch::Tensor amx_prefill_attention(torch::Tensor q, torch::Tensor k_cache, torc
       std::fill(row_sum.begin(), row_sum.end(), 0.f);
       const int64_t last_key = prefix + item.first + rows_t;  // keys [0, last_key) seen by some row
       for (int64_t c0 = 0; c0 < last_key; c0 += KC) {
-        at::native::cpublas::brgemm(rows, KC, D, D, s.padded, KC, /*add_C=*/false, qs.data(),
+        at::native::cpublas::brgemm(R, KC, D, D, s.padded, KC, /*add_C=*/false, qs.data(),
                                     kt + c0 * 2, sc.data());
-        for (int64_t r = 0; r < rows; ++r) {
+        for (int64_t r = 0; r < R; ++r) {
           const int64_t t = r % QB;
           float* srow = sc.data() + r * KC;
           bf16* prow = pb.data() + r * KC;
@@ -219,7 +221,7 @@ torch::Tensor amx_prefill_attention(torch::Tensor q, torch::Tensor k_cache, torc
             for (int64_t d = 0; d < D; d += W) store(orow + d, load(orow + d) * alpha);
           }
         }
-        at::native::cpublas::brgemm(rows, D, KC, KC, D, D, /*add_C=*/true, pb.data(),
+        at::native::cpublas::brgemm(R, D, KC, KC, D, D, /*add_C=*/true, pb.data(),
                                     vp + c0 * D, o.data());
       }
       for (int64_t h = 0; h < G; ++h)
