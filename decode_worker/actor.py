@@ -1,10 +1,11 @@
 """The decode Ray actor: an async actor over a DecodeEngine, whose engine loop
 (engine.core.engine_loop) runs on its own thread, the thread that also built the model.
 
-`generate` is a Ray streaming generator: the gateway iterates it and gets TokenDelta items as
-the engine loop produces them. A Ray streaming generator keeps running when nobody consumes it,
-so the gateway calls the idempotent `abort(request_id)` on client disconnect, or the request
-would hold its blocks until it finished for nobody.
+Each gateway opens one `outputs` stream (a Ray streaming generator) per decode worker and
+`submit`s requests under its subscriber id; the stream yields every step's deltas for that
+gateway's requests as one item (decode_worker.outputs). On client disconnect the gateway calls
+the idempotent `abort(request_id)`, or the request would hold its blocks until it finished for
+nobody.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import AsyncIterator, Literal
 import ray
 
 from decode_worker.engine import DecodeEngine
+from decode_worker.outputs import SubscriberOutputs
 from engine.config import EngineConfig
 from engine.core.engine_loop import EngineLoop
 from engine.faults import check_fault
@@ -89,21 +91,24 @@ class DecodeWorker:
 
         self.loop = EngineLoop(build, "decode-engine")
         self.engine = self.loop.core
+        self._outputs: SubscriberOutputs | None = None  # made on the event loop, at first use
 
-    async def generate(self, request: DecodeRequest) -> AsyncIterator[TokenDelta]:
-        loop = asyncio.get_running_loop()
-        deltas: asyncio.Queue[TokenDelta] = asyncio.Queue()
-        self.engine.add_request(request,
-                                lambda d: loop.call_soon_threadsafe(deltas.put_nowait, d))
-        finished = False
-        try:
-            while not finished:
-                delta = await deltas.get()
-                finished = delta.finish_reason is not None
-                yield delta
-        finally:
-            if not finished:
-                self.engine.abort(request.request_id)
+    async def submit(self, request: DecodeRequest, subscriber: str) -> None:
+        """Queues the request; its TokenDelta items come out of `outputs(subscriber)`."""
+        self.engine.add_request(request, self._subscribers().add(subscriber, request.request_id))
+
+    async def outputs(self, subscriber: str) -> AsyncIterator[list[TokenDelta]]:
+        """Streaming generator of the subscriber's token deltas, a list per engine step
+        (decode_worker.outputs); every request the subscriber submitted ends with a delta that
+        has finish_reason set; deltas emitted before it opens wait for it. Closing it aborts the
+        subscriber's unfinished requests."""
+        async for batch in self._subscribers().stream(subscriber):
+            yield batch
+
+    def _subscribers(self) -> SubscriberOutputs:
+        if self._outputs is None:  # on the actor's event loop, which __init__ does not run on
+            self._outputs = SubscriberOutputs(asyncio.get_running_loop(), self.engine.abort)
+        return self._outputs
 
     async def abort(self, request_id: str) -> None:
         self.engine.abort(request_id)

@@ -2,8 +2,9 @@
 and moves it elsewhere when a worker dies under it.
 
 Yields TokenDelta items: the first carries the prefill's token (output token 0); the rest come
-from the decode actor's streaming generator. If the consumer stops early (client disconnect,
-error), both workers get an idempotent abort so no block stays held.
+from the decode actor, through the gateway's output stream from it (router.decode_outputs).
+If the consumer stops early (client disconnect, error), both workers get an idempotent abort
+so no block stays held.
 
 Migration (Llumnix OSDI'24 migrates live requests the same way, by recompute). When a
 call fails with RayActorError (the worker's process is gone), the instance is marked dead in
@@ -40,6 +41,7 @@ from engine.protocol import (KV_LOAD_FAILED, DecodeRequest, FinishReason, FirstT
 from engine.sampler import draw_seed
 from kvstore.errors import KVLoadError
 from router.conductor import Conductor, Instance, NoInstanceError, RequestRejected, RouteRequest
+from router.decode_outputs import DecodeOutputs
 
 log = logging.getLogger(__name__)
 
@@ -136,6 +138,7 @@ class Pipeline:
         self.conductor = conductor
         self.migration_deadline_s = migration_deadline_s
         self.migrations_total = 0
+        self.outputs = DecodeOutputs()
 
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        sampling: SamplingParams,
@@ -217,7 +220,8 @@ class Pipeline:
         except NoInstanceError as exc:
             raise self._routing_error(run, exc) from exc
         if local:
-            async with aclosing(_decode_only(run, decode, prompt, params)) as deltas:
+            async with aclosing(_decode_only(run, decode, prompt, params,
+                                             self.outputs)) as deltas:
                 async for delta in deltas:
                     yield delta
             return
@@ -244,7 +248,7 @@ class Pipeline:
             result: PrefillResult = await _next_from(stream, prefill)
             handed_to_decode = True  # from here the decode's abort releases what it holds
             request = DecodeRequest(attempt_id, prompt, params, result, run.cache_salt)
-            async with aclosing(_stream_decode(decode, request)) as deltas:
+            async with aclosing(_stream_decode(decode, request, self.outputs)) as deltas:
                 async for delta in deltas:
                     yield delta
         finally:
@@ -275,30 +279,40 @@ class ColocatedPipeline(Pipeline):
             decode = self.conductor.route_decode(self._route_request(run, prompt), run.failed)
         except NoInstanceError as exc:
             raise self._routing_error(run, exc) from exc
-        async with aclosing(_decode_only(run, decode, prompt, params)) as deltas:
+        async with aclosing(_decode_only(run, decode, prompt, params, self.outputs)) as deltas:
             async for delta in deltas:
                 yield delta
 
 
 async def _decode_only(run: _Run, decode: Instance, prompt: tuple[int, ...],
-                       params: SamplingParams) -> AsyncIterator[TokenDelta]:
+                       params: SamplingParams, outputs: DecodeOutputs
+                       ) -> AsyncIterator[TokenDelta]:
     """The attempt on `decode` alone: it prefills the prompt (its own prefix cache serves what
     it holds) and generates, with no KV transfer."""
     request = DecodeRequest(run.attempt_id, prompt, params, cache_salt=run.cache_salt)
-    async with aclosing(_stream_decode(decode, request)) as stream:
+    async with aclosing(_stream_decode(decode, request, outputs)) as stream:
         async for delta in stream:
             yield delta
 
 
-async def _stream_decode(decode: Instance, request: DecodeRequest) -> AsyncIterator[TokenDelta]:
-    """The decode instance's stream; an explicit abort if the consumer stops early (a Ray
-    streaming generator runs on when dropped). Raises _Moved when the worker dies or ends the
-    request with an error."""
+async def _stream_decode(decode: Instance, request: DecodeRequest,
+                         outputs: DecodeOutputs) -> AsyncIterator[TokenDelta]:
+    """The request's deltas from the decode instance (submitted under the gateway's output
+    stream, router.decode_outputs), up to the one that finishes it; an explicit abort if the
+    consumer stops early (the engine runs on otherwise). Raises _Moved when the worker dies or
+    ends the request with an error."""
     finished = False
-    stream = decode.handle.generate.options(num_returns="streaming").remote(request)
+    subscriber, queue = outputs.register(decode, request.request_id)
     try:
-        async for ref in stream:
-            delta: TokenDelta = await ref
+        await decode.handle.submit.remote(request, subscriber)
+        while not finished:
+            delta = await queue.get()
+            if isinstance(delta, BaseException):
+                # the instance's output stream failed; a worker still alive gets the abort
+                if isinstance(delta, (RayTaskError, RayActorError)):
+                    raise _moved(delta, decode) from delta
+                raise _Moved(decode, f"decode worker {decode.worker_id}: {delta}",
+                             dead=True) from delta
             finished = delta.finish_reason is not None
             if delta.finish_reason is FinishReason.ERROR:
                 message = f"decode worker {decode.worker_id} failed: {delta.error}"
@@ -310,6 +324,7 @@ async def _stream_decode(decode: Instance, request: DecodeRequest) -> AsyncItera
         finished = True
         raise _moved(exc, decode) from exc
     finally:
+        outputs.release(decode, request.request_id)
         if not finished:
             _abort(decode, request.request_id)
 

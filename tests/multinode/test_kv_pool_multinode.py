@@ -24,6 +24,9 @@ from kvstore.config import KVStoreConfig
 from kvstore.index import Location, open_index
 from kvstore.pool_config import KVPoolConfig
 from prefill_worker.actor import PrefillWorker
+from router.decode_outputs import DecodeOutputs
+from router.pipeline import _stream_decode
+from router.registry import Instance
 
 pytestmark = pytest.mark.slow
 
@@ -93,10 +96,10 @@ def prefill(worker, request_id: str, prompt: list[int], max_tokens: int = 12):
 def decode(env, result, prompt: list[int], max_tokens: int = 12):
     params = SamplingParams(max_tokens=max_tokens, temperature=0, logprobs=1)
 
-    async def run():
-        stream = env["decode"].generate.options(num_returns="streaming").remote(
-            DecodeRequest(result.request_id, tuple(prompt), params, result))
-        return [await ref async for ref in stream]
+    async def run():  # the gateway's way: its output stream from the decode actor
+        instance = Instance("decode", "decode", env["decode"])
+        request = DecodeRequest(result.request_id, tuple(prompt), params, result)
+        return [d async for d in _stream_decode(instance, request, DecodeOutputs())]
 
     deltas = asyncio.run(run())
     return [result.first_token] + [t for d in deltas for t in d.token_ids], deltas[-1]

@@ -14,6 +14,7 @@ from ray.exceptions import RayTaskError
 from engine.protocol import (KV_LOAD_FAILED, DecodeRequest, FinishReason, SamplingParams,
                              TokenDelta)
 from kvstore.errors import KVLoadError, KVTransferError
+from router.decode_outputs import DecodeOutputs
 from router.pipeline import GenerationError, _Moved, _next_from, _stream_decode
 from router.registry import Instance
 
@@ -54,10 +55,11 @@ class _Method:
 
 
 class _DecodeHandle:
-    """Replays `deltas` as the decode actor's streaming generate."""
+    """Replays `deltas` as one batch of the decode actor's output stream."""
 
     def __init__(self, deltas) -> None:
-        self.generate = _Method(_Stream(deltas))
+        self.outputs = _Method(_Stream([list(deltas)]))
+        self.submit = _Method(_Ref(None))
         self.abort = _Method(None)
 
 
@@ -66,7 +68,7 @@ def _run(deltas) -> list[TokenDelta]:
     request = DecodeRequest("r", (1, 2, 3), SamplingParams(max_tokens=4))
 
     async def consume():
-        return [d async for d in _stream_decode(decode, request)]
+        return [d async for d in _stream_decode(decode, request, DecodeOutputs())]
 
     return asyncio.run(consume())
 
