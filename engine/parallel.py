@@ -250,6 +250,14 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         """The parts of an output [n, sum / k] as views [n, part / k] each."""
         return y.split(self.local_sizes, dim=-1)
 
+    def forward_silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up of a gate | up projection: x [n, in_features] -> [n, part / k].
+        Eager, the tile GEMM applies it as it writes the product (kernels.linear_silu_and_mul);
+        a traced graph leaves the activation to Inductor's fusion."""
+        if self.weight_handle is not None and torch.compiler.is_compiling():
+            return kernels.silu_and_mul(self.gemm(x, self.bias))
+        return kernels.linear_silu_and_mul(x, self.weight, self.bias, self.skinny_weight)
+
 
 class RowParallelLinear(LinearBase):
     """y = all_reduce(x_r W_r^T) + b: this rank's in_features/k inputs (weight columns); the

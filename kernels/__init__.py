@@ -40,6 +40,7 @@ __all__ = [
     "decode_batches_rows",
     "get_backend",
     "linear",
+    "linear_silu_and_mul",
     "linear_by_handle",
     "pack_linear_weight",
     "paged_decode_attention",
@@ -151,6 +152,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     (`cpu_gemm.linear`). Every backend takes the same path: on CPU the GEMM does not depend
     on the attention backend chosen, and a dense weight alone is `F.linear` on any device."""
     return cpu_gemm.linear(x, weight, bias, skinny)
+
+
+def linear_silu_and_mul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                        skinny: torch.Tensor | None = None) -> torch.Tensor:
+    """`silu_and_mul(linear(x, weight, bias, skinny))` for a gate | up weight [2d, in]:
+    x [n, in] -> [n, d]. On the tile GEMM the activation is its epilogue
+    (`cpu_gemm.linear_silu_and_mul`), so the [n, 2d] product is never written out."""
+    fused = cpu_gemm.linear_silu_and_mul(x, weight, bias, skinny)
+    return fused if fused is not None else silu_and_mul(linear(x, weight, bias, skinny))
 
 
 def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:

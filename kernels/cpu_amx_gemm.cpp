@@ -19,6 +19,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #include "cpu_vec.h"
@@ -27,7 +28,10 @@ namespace {
 
 using bf16 = c10::BFloat16;
 using pdc::load;
+using pdc::round_to;
+using pdc::silu;
 using pdc::store;
+using pdc::vf;
 using pdc::W;
 
 constexpr int64_t BN = 64;      // output columns per block: 8 tiles of 16 floats
@@ -85,14 +89,17 @@ torch::Tensor amx_gemm_pack(torch::Tensor weight) {
   return packed;
 }
 
-torch::Tensor amx_gemm(torch::Tensor x, torch::Tensor packed, int64_t out_features,
-                       c10::optional<torch::Tensor> bias) {
+namespace {
+
+// Checks amx_gemm's arguments; returns K and the bias widened to float32 (undefined without).
+std::pair<int64_t, torch::Tensor> check_args(const torch::Tensor& x, const torch::Tensor& packed,
+                                             int64_t N, const c10::optional<torch::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16 && x.stride(1) == 1,
               "amx_gemm: x must be bfloat16 [M, K] with unit column stride");
   TORCH_CHECK(packed.dim() == 1 && packed.scalar_type() == torch::kBFloat16 &&
                   packed.is_contiguous(),
               "amx_gemm: packed must come from amx_gemm_pack");
-  const int64_t M = x.size(0), K = x.size(1), N = out_features, blocks_n = (N + BN - 1) / BN;
+  const int64_t K = x.size(1);
   TORCH_CHECK(K % 2 == 0 && N > 0 && packed.numel() == N * K, "amx_gemm: x has ", K,
               " columns; the packed weight's ", packed.numel(), " elements are not ", N,
               " out_features times that");
@@ -101,32 +108,100 @@ torch::Tensor amx_gemm(torch::Tensor x, torch::Tensor packed, int64_t out_featur
     TORCH_CHECK(bias->numel() == N, "amx_gemm: bias must have out_features elements");
     bias_f = bias->to(torch::kFloat32).contiguous();
   }
+  return {K, bias_f};
+}
+
+// Runs body(m0, rows, nb, acc) for every block of M rows (cut by rows_per_block) by
+// `blocks_n` column blocks, on the threads, which claim blocks one at a time in order: the
+// column blocks of one row block, whose rows stay in the L2. acc: this thread's float32
+// scratch of 2 * BM_MAX * BN (two accumulators, for a fused epilogue).
+template <typename Body>
+void for_each_block(int64_t M, int64_t blocks_n, const Body& body) {
+  const int64_t BM = rows_per_block(M), blocks_m = (M + BM - 1) / BM;
+  const int64_t blocks = blocks_m * blocks_n;
+  const int threads = static_cast<int>(std::min<int64_t>(at::get_num_threads(), blocks));
+#pragma omp parallel num_threads(threads)
+  {
+    thread_local std::vector<float> acc;
+    acc.resize(2 * BM_MAX * BN);
+    // a thread the OS takes off its core for a while leaves its share to the others instead
+    // of stalling them at the end
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < blocks; ++i) {
+      const int64_t mb = i / blocks_n, m0 = mb * BM;
+      body(m0, std::min(BM, M - m0), i % blocks_n, acc.data());
+    }
+    at::native::cpublas::brgemm_release();
+  }
+}
+
+}  // namespace
+
+torch::Tensor amx_gemm(torch::Tensor x, torch::Tensor packed, int64_t out_features,
+                       c10::optional<torch::Tensor> bias) {
+  const auto checked = check_args(x, packed, out_features, bias);
+  const int64_t K = checked.first;
+  const torch::Tensor& bias_f = checked.second;
+  const int64_t M = x.size(0), N = out_features, blocks_n = (N + BN - 1) / BN;
   auto out = torch::empty({M, N}, x.options());
   if (M == 0) return out;
   const bf16* A = x.data_ptr<bf16>();
   const bf16* B = packed.data_ptr<bf16>();
   const float* bias_p = bias.has_value() ? bias_f.data_ptr<float>() : nullptr;
   bf16* C = out.data_ptr<bf16>();
-  const int64_t lda = x.stride(0), BM = rows_per_block(M), blocks_m = (M + BM - 1) / BM;
-  const int64_t blocks = blocks_m * blocks_n;
-  const int threads = static_cast<int>(std::min<int64_t>(at::get_num_threads(), blocks));
-#pragma omp parallel num_threads(threads)
-  {
-    thread_local std::vector<float> acc;
-    acc.resize(BM * BN);
-    // blocks claimed one at a time, in order: a thread the OS takes off its core for a while
-    // leaves its share to the others instead of stalling them at the end
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t i = 0; i < blocks; ++i) {
-      const int64_t mb = i / blocks_n, nb = i % blocks_n;
-      const int64_t m0 = mb * BM, rows = std::min(BM, M - m0), n0 = nb * BN;
-      const int64_t width = std::min(BN, N - n0);
-      at::native::cpublas::brgemm(rows, width, K, lda, width, BN, /*add_C=*/false,
-                                  A + m0 * lda, B + n0 * K, acc.data());
-      store_block(acc.data(), rows, bias_p == nullptr ? nullptr : bias_p + n0,
-                  C + m0 * N + n0, N, width);
+  const int64_t lda = x.stride(0);
+  for_each_block(M, blocks_n, [&](int64_t m0, int64_t rows, int64_t nb, float* acc) {
+    const int64_t n0 = nb * BN, width = std::min(BN, N - n0);
+    at::native::cpublas::brgemm(rows, width, K, lda, width, BN, /*add_C=*/false, A + m0 * lda,
+                                B + n0 * K, acc);
+    store_block(acc, rows, bias_p == nullptr ? nullptr : bias_p + n0, C + m0 * N + n0, N, width);
+  });
+  return out;
+}
+
+bool amx_gemm_fuses_silu(int64_t out_features) {
+  return out_features > 0 && out_features % (2 * BN) == 0;
+}
+
+torch::Tensor amx_gemm_silu_and_mul(torch::Tensor x, torch::Tensor packed, int64_t out_features,
+                                    c10::optional<torch::Tensor> bias) {
+  const int64_t d = out_features / 2;
+  TORCH_CHECK(amx_gemm_fuses_silu(out_features), "amx_gemm_silu_and_mul: gate | up of ",
+              out_features, " features: each half must be a multiple of ", BN);
+  const auto checked = check_args(x, packed, out_features, bias);
+  const int64_t K = checked.first;
+  const torch::Tensor& bias_f = checked.second;
+  const int64_t M = x.size(0);
+  auto out = torch::empty({M, d}, x.options());
+  if (M == 0) return out;
+  const bf16* A = x.data_ptr<bf16>();
+  const bf16* B = packed.data_ptr<bf16>();
+  const float* bias_p = bias.has_value() ? bias_f.data_ptr<float>() : nullptr;
+  bf16* C = out.data_ptr<bf16>();
+  const int64_t lda = x.stride(0);
+  for_each_block(M, d / BN, [&](int64_t m0, int64_t rows, int64_t nb, float* acc) {
+    const int64_t n0 = nb * BN;
+    float* acc_up = acc + BM_MAX * BN;
+    at::native::cpublas::brgemm(rows, BN, K, lda, BN, BN, /*add_C=*/false, A + m0 * lda,
+                                B + n0 * K, acc);
+    at::native::cpublas::brgemm(rows, BN, K, lda, BN, BN, /*add_C=*/false, A + m0 * lda,
+                                B + (d + n0) * K, acc_up);
+    const float* bias_g = bias_p == nullptr ? nullptr : bias_p + n0;
+    const float* bias_u = bias_p == nullptr ? nullptr : bias_p + d + n0;
+    for (int64_t r = 0; r < rows; ++r) {
+      bf16* o = C + (m0 + r) * d + n0;
+      for (int64_t n = 0; n < BN; n += W) {
+        vf g = load(acc + r * BN + n), u = load(acc_up + r * BN + n);
+        if (bias_p != nullptr) {
+          g += load(bias_g + n);
+          u += load(bias_u + n);
+        }
+        // each half rounded as the GEMM's output, silu's result rounded, as the unfused
+        // silu_and_mul computes them
+        g = round_to<bf16>(g);
+        store(o + n, round_to<bf16>(silu(g)) * round_to<bf16>(u));
+      }
     }
-    at::native::cpublas::brgemm_release();
-  }
+  });
   return out;
 }

@@ -55,6 +55,15 @@ torch::Tensor DecodeStack::linear(const torch::Tensor& x, const torch::Tensor& s
   return onednn_linear(x, *packed, bias);
 }
 
+torch::Tensor DecodeStack::linear_silu_and_mul(const torch::Tensor& x,
+                                               const DecodeLayer& layer) const {
+  const int64_t out = 2 * intermediate_size_;
+  if (x.size(0) <= skinny_max_rows_ && layer.gate_up.dim() == 1 && amx_gemm_fuses_silu(out)) {
+    return amx_gemm_silu_and_mul(x, layer.gate_up, out, layer.gate_up_bias);
+  }
+  return silu_and_mul(linear(x, layer.gate_up, layer.gate_up_packed, out, layer.gate_up_bias));
+}
+
 torch::Tensor DecodeStack::forward(torch::Tensor input_ids, torch::Tensor positions,
                                    torch::Tensor cos_sin_cache,
                                    const std::vector<torch::Tensor>& k_caches,
@@ -91,10 +100,8 @@ torch::Tensor DecodeStack::forward(torch::Tensor input_ids, torch::Tensor positi
                     layer.o_bias);
     std::tie(normed, hidden) = fused_add_rms_norm(hidden, layer.post_norm, eps_, residual);
     residual = hidden;
-    torch::Tensor gate_up = linear(normed, layer.gate_up, layer.gate_up_packed,
-                                   2 * intermediate_size_, layer.gate_up_bias);
-    hidden = linear(silu_and_mul(gate_up), layer.down, layer.down_packed, hidden_size_,
-                    layer.down_bias);
+    hidden = linear(linear_silu_and_mul(normed, layer), layer.down, layer.down_packed,
+                    hidden_size_, layer.down_bias);
   }
   return std::get<0>(fused_add_rms_norm(hidden, final_norm_, eps_, residual));
 }

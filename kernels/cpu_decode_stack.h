@@ -42,6 +42,9 @@ class DecodeStack {
   torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& skinny,
                        const c10::optional<torch::Tensor>& packed, int64_t out,
                        const c10::optional<torch::Tensor>& bias) const;
+  // silu_and_mul(linear(x, gate_up)) -> [n, intermediate]: one pass on the tile GEMM where
+  // it takes the batch, as kernels.linear_silu_and_mul chooses.
+  torch::Tensor linear_silu_and_mul(const torch::Tensor& x, const DecodeLayer& layer) const;
 
   torch::Tensor embedding_;
   std::vector<DecodeLayer> layers_;

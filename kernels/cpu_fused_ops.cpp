@@ -28,29 +28,6 @@ constexpr int64_t PARALLEL_ROWS = 16;  // fewer rows run on the calling thread a
 
 inline int threads_for(int64_t rows) { return rows >= PARALLEL_ROWS ? at::get_num_threads() : 1; }
 
-// 1 / d for d in [1, 2]: with AVX-512 the 14-bit estimate and one Newton step (within an ulp
-// or two of float32 division, at a fraction of its cost: a vector divide made silu_and_mul
-// bound by that one instruction), else the division.
-inline vf reciprocal(vf d) {
-#if defined(__AVX512F__)
-  if constexpr (W == 16) {
-    const vf r = reinterpret_cast<vf>(_mm512_rcp14_ps(reinterpret_cast<__m512>(d)));
-    return r * (2.f - d * r);
-  }
-#endif
-  return 1.f / d;
-}
-
-// x * sigmoid(x), with exp only of non-positive arguments (no overflow).
-inline vf silu(vf x) {
-  const vf e = exp_nonpositive(x < 0.f ? x : -x);  // exp(-|x|)
-  const vf r = reciprocal(1.f + e);
-  const vf sig = x < 0.f ? e * r : r;
-  return x * sig;
-}
-
-inline float silu(float x) { return x / (1.f + std::exp(-x)); }
-
 bool supported(const torch::Tensor& t) {
   return t.scalar_type() == torch::kFloat32 || t.scalar_type() == torch::kBFloat16;
 }

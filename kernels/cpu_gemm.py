@@ -156,6 +156,26 @@ def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = No
     return torch.nn.functional.linear(x, packed, bias)
 
 
+def linear_silu_and_mul(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None,
+                        skinny: torch.Tensor | None = None) -> torch.Tensor | None:
+    """silu(gate) * up of `linear`'s output for a gate | up weight [2d, in]: x [..., in] ->
+    [..., d] in one pass of the tile GEMM, where `linear` would run x on it (an AMX copy,
+    `is_amx_copy`, and at most `AMX_MAX_ROWS` rows) and d is a whole number of its column
+    blocks; the same values as the two ops. None elsewhere: the caller runs them."""
+    out_features = packed.shape[0]
+    if (skinny is None or x.dtype != skinny.dtype or not is_amx_copy(skinny)
+            or x.numel() > AMX_MAX_ROWS * x.shape[-1]):
+        return None
+    ext = cpu_extension.module()
+    if not ext.amx_gemm_fuses_silu(out_features):
+        return None
+    flat = x.reshape(-1, x.shape[-1])
+    if flat.stride(-1) != 1:
+        flat = flat.contiguous()
+    out = ext.amx_gemm_silu_and_mul(flat, skinny, out_features, bias)
+    return out.view(*x.shape[:-1], out_features // 2)
+
+
 _handles: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
 _skinny: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
 _next_handle = itertools.count(1)

@@ -38,5 +38,10 @@ bool amx_gemm_supported();
 torch::Tensor amx_gemm_pack(torch::Tensor weight);
 torch::Tensor amx_gemm(torch::Tensor x, torch::Tensor packed, int64_t out_features,
                        c10::optional<torch::Tensor> bias);
+// silu_and_mul(amx_gemm(...)) in one pass, for a gate | up weight whose halves are whole
+// column blocks (amx_gemm_fuses_silu): [M, out_features / 2], the same values.
+bool amx_gemm_fuses_silu(int64_t out_features);
+torch::Tensor amx_gemm_silu_and_mul(torch::Tensor x, torch::Tensor packed, int64_t out_features,
+                                    c10::optional<torch::Tensor> bias);
 
 std::vector<int64_t> bind_omp_threads(const std::vector<int64_t>& cpus);

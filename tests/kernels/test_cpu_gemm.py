@@ -186,6 +186,31 @@ def test_tile_gemm_rounds_an_fp32_sum_once(rows, out_features):
 
 
 @needs_amx_gemm
+@pytest.mark.parametrize("rows", [1, 17, 300, 1024])
+@pytest.mark.parametrize("d, bias", [(64, False), (192, True), (100, True)])
+def test_silu_and_mul_on_the_tile_gemm_matches_torch_s_ops(rows, d, bias):
+    """silu(gate) * up of a gate | up projection: fused into the tile GEMM where both halves
+    are whole column blocks (64, 192), the two ops elsewhere (100). Against torch's silu and
+    product of the bf16-rounded exact projection: silu's result may round to the neighbouring
+    bfloat16 (our silu is within float32 ulps of torch's), so two roundings' worth; and value
+    for value the same as our unfused path."""
+    gen = torch.Generator().manual_seed(rows * d + bias)
+    x = torch.randn(rows, 96, generator=gen).to(torch.bfloat16)
+    weight = (torch.randn(2 * d, 96, generator=gen) / 4).to(torch.bfloat16)
+    b = torch.randn(2 * d, generator=gen).to(torch.bfloat16) if bias else None
+    copy, packed = kernels.pack_skinny_weight(weight), kernels.pack_linear_weight(weight)
+    fused = cpu_gemm.linear_silu_and_mul(x, packed, b, copy)
+    assert (fused is not None) == (d % 64 == 0)
+    out = kernels.linear_silu_and_mul(x, packed, b, copy)
+    exact = x.double() @ weight.double().t() + (0 if b is None else b.double())
+    gate_up = exact.to(torch.bfloat16)
+    expected = torch.nn.functional.silu(gate_up[:, :d]) * gate_up[:, d:]
+    assert out.dtype == torch.bfloat16 and out.shape == (rows, d)
+    torch.testing.assert_close(out.double(), expected.double(), rtol=2**-6, atol=1e-2)
+    assert torch.equal(out, kernels.silu_and_mul(kernels.linear(x, packed, b, copy)))
+
+
+@needs_amx_gemm
 def test_tile_gemm_reads_a_strided_x_and_refuses_a_copy_of_another_shape():
     weight = torch.randn(130, 96, dtype=torch.bfloat16)
     copy = kernels.pack_skinny_weight(weight)
