@@ -19,7 +19,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <utility>
 #include <vector>
 
 #include "cpu_vec.h"
@@ -91,25 +90,40 @@ torch::Tensor amx_gemm_pack(torch::Tensor weight) {
 
 namespace {
 
-// Checks amx_gemm's arguments; returns K and the bias widened to float32 (undefined without).
-std::pair<int64_t, torch::Tensor> check_args(const torch::Tensor& x, const torch::Tensor& packed,
-                                             int64_t N, const c10::optional<torch::Tensor>& bias) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16 && x.stride(1) == 1,
-              "amx_gemm: x must be bfloat16 [M, K] with unit column stride");
-  TORCH_CHECK(packed.dim() == 1 && packed.scalar_type() == torch::kBFloat16 &&
-                  packed.is_contiguous(),
-              "amx_gemm: packed must come from amx_gemm_pack");
-  const int64_t K = x.size(1);
-  TORCH_CHECK(K % 2 == 0 && N > 0 && packed.numel() == N * K, "amx_gemm: x has ", K,
-              " columns; the packed weight's ", packed.numel(), " elements are not ", N,
-              " out_features times that");
+// One call's operands, checked: x [M, K] bfloat16 with unit column stride, a packed weight of
+// N * K elements, the bias widened to float32 (bias == nullptr without one), and the output
+// [M, out_columns] allocated.
+struct Operands {
+  int64_t M, K, lda;
+  const bf16* A;
+  const bf16* B;
   torch::Tensor bias_f;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->numel() == N, "amx_gemm: bias must have out_features elements");
-    bias_f = bias->to(torch::kFloat32).contiguous();
+  const float* bias = nullptr;
+  torch::Tensor out;
+  bf16* C;
+
+  Operands(const torch::Tensor& x, const torch::Tensor& packed, int64_t N,
+           const c10::optional<torch::Tensor>& bias_opt, int64_t out_columns) {
+    TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16 && x.stride(1) == 1,
+                "amx_gemm: x must be bfloat16 [M, K] with unit column stride");
+    TORCH_CHECK(packed.dim() == 1 && packed.scalar_type() == torch::kBFloat16 &&
+                    packed.is_contiguous(),
+                "amx_gemm: packed must come from amx_gemm_pack");
+    M = x.size(0), K = x.size(1), lda = x.stride(0);
+    TORCH_CHECK(K % 2 == 0 && N > 0 && packed.numel() == N * K, "amx_gemm: x has ", K,
+                " columns; the packed weight's ", packed.numel(), " elements are not ", N,
+                " out_features times that");
+    if (bias_opt.has_value()) {
+      TORCH_CHECK(bias_opt->numel() == N, "amx_gemm: bias must have out_features elements");
+      bias_f = bias_opt->to(torch::kFloat32).contiguous();
+      bias = bias_f.data_ptr<float>();
+    }
+    A = x.data_ptr<bf16>();
+    B = packed.data_ptr<bf16>();
+    out = torch::empty({M, out_columns}, x.options());
+    C = out.data_ptr<bf16>();
   }
-  return {K, bias_f};
-}
+};
 
 // Runs body(m0, rows, nb, acc) for every block of M rows (cut by rows_per_block) by
 // `blocks_n` column blocks, on the threads, which claim blocks one at a time in order: the
@@ -117,6 +131,7 @@ std::pair<int64_t, torch::Tensor> check_args(const torch::Tensor& x, const torch
 // scratch of 2 * BM_MAX * BN (two accumulators, for a fused epilogue).
 template <typename Body>
 void for_each_block(int64_t M, int64_t blocks_n, const Body& body) {
+  if (M == 0) return;
   const int64_t BM = rows_per_block(M), blocks_m = (M + BM - 1) / BM;
   const int64_t blocks = blocks_m * blocks_n;
   const int threads = static_cast<int>(std::min<int64_t>(at::get_num_threads(), blocks));
@@ -139,24 +154,16 @@ void for_each_block(int64_t M, int64_t blocks_n, const Body& body) {
 
 torch::Tensor amx_gemm(torch::Tensor x, torch::Tensor packed, int64_t out_features,
                        c10::optional<torch::Tensor> bias) {
-  const auto checked = check_args(x, packed, out_features, bias);
-  const int64_t K = checked.first;
-  const torch::Tensor& bias_f = checked.second;
-  const int64_t M = x.size(0), N = out_features, blocks_n = (N + BN - 1) / BN;
-  auto out = torch::empty({M, N}, x.options());
-  if (M == 0) return out;
-  const bf16* A = x.data_ptr<bf16>();
-  const bf16* B = packed.data_ptr<bf16>();
-  const float* bias_p = bias.has_value() ? bias_f.data_ptr<float>() : nullptr;
-  bf16* C = out.data_ptr<bf16>();
-  const int64_t lda = x.stride(0);
-  for_each_block(M, blocks_n, [&](int64_t m0, int64_t rows, int64_t nb, float* acc) {
+  const Operands op(x, packed, out_features, bias, out_features);
+  const int64_t N = out_features;
+  for_each_block(op.M, (N + BN - 1) / BN, [&](int64_t m0, int64_t rows, int64_t nb, float* acc) {
     const int64_t n0 = nb * BN, width = std::min(BN, N - n0);
-    at::native::cpublas::brgemm(rows, width, K, lda, width, BN, /*add_C=*/false, A + m0 * lda,
-                                B + n0 * K, acc);
-    store_block(acc, rows, bias_p == nullptr ? nullptr : bias_p + n0, C + m0 * N + n0, N, width);
+    at::native::cpublas::brgemm(rows, width, op.K, op.lda, width, BN, /*add_C=*/false,
+                                op.A + m0 * op.lda, op.B + n0 * op.K, acc);
+    store_block(acc, rows, op.bias == nullptr ? nullptr : op.bias + n0, op.C + m0 * N + n0, N,
+                width);
   });
-  return out;
+  return op.out;
 }
 
 bool amx_gemm_fuses_silu(int64_t out_features) {
@@ -168,31 +175,21 @@ torch::Tensor amx_gemm_silu_and_mul(torch::Tensor x, torch::Tensor packed, int64
   const int64_t d = out_features / 2;
   TORCH_CHECK(amx_gemm_fuses_silu(out_features), "amx_gemm_silu_and_mul: gate | up of ",
               out_features, " features: each half must be a multiple of ", BN);
-  const auto checked = check_args(x, packed, out_features, bias);
-  const int64_t K = checked.first;
-  const torch::Tensor& bias_f = checked.second;
-  const int64_t M = x.size(0);
-  auto out = torch::empty({M, d}, x.options());
-  if (M == 0) return out;
-  const bf16* A = x.data_ptr<bf16>();
-  const bf16* B = packed.data_ptr<bf16>();
-  const float* bias_p = bias.has_value() ? bias_f.data_ptr<float>() : nullptr;
-  bf16* C = out.data_ptr<bf16>();
-  const int64_t lda = x.stride(0);
-  for_each_block(M, d / BN, [&](int64_t m0, int64_t rows, int64_t nb, float* acc) {
+  const Operands op(x, packed, out_features, bias, d);
+  for_each_block(op.M, d / BN, [&](int64_t m0, int64_t rows, int64_t nb, float* acc) {
     const int64_t n0 = nb * BN;
     float* acc_up = acc + BM_MAX * BN;
-    at::native::cpublas::brgemm(rows, BN, K, lda, BN, BN, /*add_C=*/false, A + m0 * lda,
-                                B + n0 * K, acc);
-    at::native::cpublas::brgemm(rows, BN, K, lda, BN, BN, /*add_C=*/false, A + m0 * lda,
-                                B + (d + n0) * K, acc_up);
-    const float* bias_g = bias_p == nullptr ? nullptr : bias_p + n0;
-    const float* bias_u = bias_p == nullptr ? nullptr : bias_p + d + n0;
+    at::native::cpublas::brgemm(rows, BN, op.K, op.lda, BN, BN, /*add_C=*/false,
+                                op.A + m0 * op.lda, op.B + n0 * op.K, acc);
+    at::native::cpublas::brgemm(rows, BN, op.K, op.lda, BN, BN, /*add_C=*/false,
+                                op.A + m0 * op.lda, op.B + (d + n0) * op.K, acc_up);
+    const float* bias_g = op.bias == nullptr ? nullptr : op.bias + n0;
+    const float* bias_u = op.bias == nullptr ? nullptr : op.bias + d + n0;
     for (int64_t r = 0; r < rows; ++r) {
-      bf16* o = C + (m0 + r) * d + n0;
+      bf16* o = op.C + (m0 + r) * d + n0;
       for (int64_t n = 0; n < BN; n += W) {
         vf g = load(acc + r * BN + n), u = load(acc_up + r * BN + n);
-        if (bias_p != nullptr) {
+        if (op.bias != nullptr) {
           g += load(bias_g + n);
           u += load(bias_u + n);
         }
@@ -203,5 +200,5 @@ torch::Tensor amx_gemm_silu_and_mul(torch::Tensor x, torch::Tensor packed, int64
       }
     }
   });
-  return out;
+  return op.out;
 }

@@ -14,6 +14,7 @@ from decode_worker.outputs import SubscriberOutputs
 from engine.protocol import FinishReason, TokenDelta
 from router.decode_outputs import DecodeOutputs
 from router.registry import Instance
+from tests.router.ray_stubs import Ref
 
 
 def test_a_burst_of_deltas_is_one_item_in_order_per_subscriber():
@@ -71,17 +72,9 @@ def test_closing_a_stream_aborts_only_its_unfinished_requests():
     asyncio.run(main())
 
 
-class _Ref:
-    def __init__(self, value) -> None:
-        self.value = value
-
-    def __await__(self):
-        yield from asyncio.sleep(0).__await__()
-        return self.value
-
-
 class _FailingStream:
-    """A decode actor's output stream: the batches put into it, until fail()."""
+    """A decode actor's output stream: the batches put into `items`; an exception put there
+    is raised, as a dead worker's stream raises."""
 
     def __init__(self) -> None:
         self.items: asyncio.Queue = asyncio.Queue()
@@ -93,7 +86,7 @@ class _FailingStream:
         item = await self.items.get()
         if isinstance(item, BaseException):
             raise item
-        return _Ref(item)
+        return Ref(item)
 
 
 class _Handle:

@@ -17,50 +17,16 @@ from kvstore.errors import KVLoadError, KVTransferError
 from router.decode_outputs import DecodeOutputs
 from router.pipeline import GenerationError, _Moved, _next_from, _stream_decode
 from router.registry import Instance
-
-
-class _Ref:
-    def __init__(self, value) -> None:
-        self.value = value
-
-    def __await__(self):
-        yield from asyncio.sleep(0).__await__()
-        return self.value
-
-
-class _Stream:
-    def __init__(self, deltas) -> None:
-        self._refs = iter([_Ref(d) for d in deltas])
-
-    def __aiter__(self):
-        return self
-
-    async def __anext__(self):
-        try:
-            return next(self._refs)
-        except StopIteration:
-            raise StopAsyncIteration from None
-
-
-class _Method:
-    def __init__(self, result) -> None:
-        self.result, self.calls = result, []
-
-    def options(self, **_):
-        return self
-
-    def remote(self, *args):
-        self.calls.append(args)
-        return self.result
+from tests.router.ray_stubs import Method, Ref, Stream
 
 
 class _DecodeHandle:
     """Replays `deltas` as one batch of the decode actor's output stream."""
 
     def __init__(self, deltas) -> None:
-        self.outputs = _Method(_Stream([list(deltas)]))
-        self.submit = _Method(_Ref(None))
-        self.abort = _Method(None)
+        self.outputs = Method(Stream([list(deltas)]))
+        self.submit = Method(Ref(None))
+        self.abort = Method(None)
 
 
 def _run(deltas) -> list[TokenDelta]:
