@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/vs_vllm.py [--rounds 2] [--concurrency 32,4] [--num-prompts 64]
         [--modes vllm,colocated,disaggregated] [--dtype float32]
+        [--max-num-batched-tokens 1024]
 
   Modes colocated-compiled and disaggregated-compiled serve with `--no-enforce-eager` (the
   forward through torch.compile; pdcluster's CPU default is eager).
@@ -16,7 +17,8 @@
   libiomp5.
 - pdcluster: colocated `--colocated --torch-threads 2`; disaggregated 1 prefill + 1 decode with
   `--torch-threads 1` each and `--pd-decider always`; both `--num-kv-blocks 2664
-  --max-num-batched-tokens 1024`.
+  --max-num-batched-tokens 1024` (the issue's budget; `--max-num-batched-tokens 2048` serves
+  at vLLM's served default instead, for comparison).
 - Client: `pdcluster bench run --input-len 512 --output-len 128 --temperature 0 --ignore-eos`,
   a fresh `--seed` per point so no prefix cache hits; one short untimed request first.
 - Rounds alternate the order of the servers. Prints, per mode and concurrency, the mean over
@@ -93,9 +95,10 @@ def vllm_command(model: Path, port: int, dtype: str, threads: int) -> tuple[list
 
 
 def pdcluster_command(model: Path, port: int, dtype: str, threads: int,
-                      colocated: bool, compiled: bool = False) -> tuple[list[str], dict]:
+                      colocated: bool, compiled: bool = False,
+                      budget: int = 1024) -> tuple[list[str], dict]:
     args = [str(PDCLUSTER), "serve", "--model", str(model), "--port", str(port),
-            "--num-kv-blocks", "2664", "--max-num-batched-tokens", "1024", "--dtype", dtype,
+            "--num-kv-blocks", "2664", "--max-num-batched-tokens", str(budget), "--dtype", dtype,
             "--log-level", "warning"]
     if compiled:
         args.append("--no-enforce-eager")
@@ -125,7 +128,7 @@ def run_mode(mode: str, model: Path, args, seeds, out_dir: Path) -> dict:
     else:
         command, env = pdcluster_command(model, port, args.dtype, args.threads,
                                          mode.startswith("colocated"),
-                                         mode.endswith("-compiled"))
+                                         mode.endswith("-compiled"), args.max_num_batched_tokens)
     start = time.perf_counter()
     server = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL,
                               stderr=open(out_dir / f"{mode}.log", "ab"), start_new_session=True)
@@ -149,6 +152,8 @@ def main() -> int:
     parser.add_argument("--modes", default="vllm,colocated,disaggregated")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument("--threads", type=int, default=2, help="cores for each server")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=1024,
+                        help="pdcluster's token budget a step (vLLM's served default: 2048)")
     args = parser.parse_args()
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
     modes = args.modes.split(",")
@@ -182,7 +187,8 @@ def report(results: dict[str, list[dict]], args, loads: list[float], roofline: d
     def mean(mode: str, concurrency: int, key: str) -> float:
         return statistics.mean(r[concurrency][key] for r in results[mode])
 
-    print(f"\n{args.dtype}, {args.num_prompts} prompts in=512 out=128, mean of {args.rounds} "
+    print(f"\n{args.dtype}, {args.num_prompts} prompts in=512 out=128, pdcluster's budget "
+          f"{args.max_num_batched_tokens} tokens a step, mean of {args.rounds} "
           f"round(s); load average {min(loads):.2f}-{max(loads):.2f} (1 min) during the runs\n")
     header = "| | " + " | ".join(f"out tok/s c={c} | TPOT p50 c={c} | TTFT p50 c={c}"
                                    for c in args.concurrency) + " | startup |"
