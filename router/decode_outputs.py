@@ -2,9 +2,9 @@
 every request the gateway runs there.
 
 A request registers its id, is submitted under its instance's stream id (DecodeWorker.submit),
-and reads its TokenDelta items from its own queue; one pump task per
-instance reads the instance's `outputs` stream (a list of deltas per engine step,
-decode_worker.outputs) and hands each delta to the queue of its request. When that stream
+and reads its TokenDelta items from its own queue; one pump task per instance reads the
+instance's `outputs` stream (a list of deltas per engine step, decode_worker.outputs) and hands
+each delta to the queue of its request. When that stream
 fails (the worker's process died), every request registered on it gets the exception, and
 the next request on the instance opens a new stream: Ray restarts a dead worker behind the
 same handle.
