@@ -144,12 +144,9 @@ def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = No
     `F.linear` up to the order of float additions."""
     if (skinny is not None and x.dtype == skinny.dtype
             and x.numel() <= skinny_max_rows(x.dtype) * x.shape[-1]):
-        flat = x.reshape(-1, x.shape[-1])
-        if flat.stride(-1) != 1:
-            flat = flat.contiguous()
         ext = cpu_extension.module()
         gemm = ext.amx_gemm if is_amx_copy(skinny) else ext.skinny_gemm
-        out = gemm(flat, skinny, packed.shape[0], bias)
+        out = gemm(_rows(x), skinny, packed.shape[0], bias)
         return out.view(*x.shape[:-1], packed.shape[0])
     if packed.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
@@ -169,11 +166,14 @@ def linear_silu_and_mul(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tenso
     ext = cpu_extension.module()
     if not ext.amx_gemm_fuses_silu(out_features):
         return None
-    flat = x.reshape(-1, x.shape[-1])
-    if flat.stride(-1) != 1:
-        flat = flat.contiguous()
-    out = ext.amx_gemm_silu_and_mul(flat, skinny, out_features, bias)
+    out = ext.amx_gemm_silu_and_mul(_rows(x), skinny, out_features, bias)
     return out.view(*x.shape[:-1], out_features // 2)
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x [..., in] as the C++ GEMMs take it: [rows, in] with unit column stride."""
+    flat = x.reshape(-1, x.shape[-1])
+    return flat if flat.stride(-1) == 1 else flat.contiguous()
 
 
 _handles: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
