@@ -12,14 +12,16 @@
 //   stacks them as rows, so each key chunk is read once for the group). For each chunk of KC
 //   keys up to the item's last visible key: scores = Q K^T on the tiles (float32), then an
 //   online softmax in float32 (bottom-right causal: new token i of L, in a sequence of S,
-//   sees keys 0..S-L+i), the probabilities rounded to bfloat16 as torch's bfloat16 flash
-//   attention rounds them, and O += P V on the tiles after O is rescaled by the new row
-//   maxima. Chunks wholly after a row's last key are never computed, so causal prefill does
-//   half a square's work.
+//   sees keys 0..S-L+i), and O += P V on the tiles after O is rescaled by the new row maxima.
+//   As in torch's bfloat16 flash attention, P is rounded to bfloat16 for the product and the
+//   row sums add the float32 weights. The scale is folded into the exponent (one multiply-add
+//   a score), so the row maximum is taken of the unscaled scores.
+// - Chunks wholly after a row's last key are never computed, so causal prefill does half a
+//   square's work; the item's last chunk stops at its last key rounded up to 32 (one tile's
+//   keys), so the diagonal costs at most a tile of keys past it.
 // torch's own CPU flash attention (the SDPA this replaces) works the same way but takes one
-// sequence per call, after its keys are gathered out of the blocks into new tensors; this
-// kernel measured 0.69-0.84x its time (benchmarks/RESULTS.md, "Prefill attention on AMX
-// tiles").
+// sequence per call, after its keys are gathered out of the blocks into new tensors
+// (benchmarks/RESULTS.md compares the two, "Prefill attention on AMX tiles").
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
@@ -42,7 +44,7 @@ using namespace pdc;
 using bf16 = c10::BFloat16;
 
 constexpr int64_t QB = 32;   // new tokens per work item
-constexpr int64_t KC = 128;  // keys per chunk
+constexpr int64_t KC = 256;  // keys per chunk
 
 // 0, 1, ..., W - 1: a lane's index, to mask the keys past a row's last
 const vf lane = [] {
@@ -51,14 +53,7 @@ const vf lane = [] {
   return v;
 }();
 const vf minus_inf = splat(-std::numeric_limits<float>::infinity());
-
-inline float hmax_tree(vf v) {
-  float m[W];
-  store(m, v);
-  for (int width = W / 2; width > 0; width /= 2)
-    for (int i = 0; i < width; ++i) m[i] = std::max(m[i], m[i + width]);
-  return m[0];
-}
+constexpr float LOG2E = 1.44269504088896341f;
 
 struct Sequence {
   int64_t q_begin, new_tokens, len, padded;  // padded: len rounded up to KC
@@ -184,32 +179,35 @@ torch::Tensor amx_prefill_attention(torch::Tensor q, torch::Tensor k_cache, torc
       std::fill(row_sum.begin(), row_sum.end(), 0.f);
       const int64_t last_key = prefix + item.first + rows_t;  // keys [0, last_key) seen by some row
       for (int64_t c0 = 0; c0 < last_key; c0 += KC) {
-        at::native::cpublas::brgemm(R, KC, D, D, s.padded, KC, /*add_C=*/false, qs.data(),
+        // the last chunk ends at the item's last key, rounded up to a tile's 32 keys
+        const int64_t kw = std::min(KC, (last_key - c0 + 31) / 32 * 32);
+        at::native::cpublas::brgemm(R, kw, D, D, s.padded, KC, /*add_C=*/false, qs.data(),
                                     kt + c0 * 2, sc.data());
         for (int64_t r = 0; r < R; ++r) {
           const int64_t t = r % QB;
-          float* srow = sc.data() + r * KC;
+          const float* srow = sc.data() + r * KC;
           bf16* prow = pb.data() + r * KC;
           // keys this row sees in the chunk: up to its own position (bottom-right causal)
-          const int64_t visible = t < rows_t ? std::min(KC, prefix + item.first + t + 1 - c0) : 0;
+          const int64_t visible = t < rows_t ? std::min(kw, prefix + item.first + t + 1 - c0) : 0;
           if (visible <= 0) {
-            std::fill(prow, prow + KC, bf16(0.f));
+            std::fill(prow, prow + kw, bf16(0.f));
             continue;
           }
-          vf mx = splat(-std::numeric_limits<float>::infinity());
-          for (int64_t j = 0; j < KC; j += W) {
-            vf v = load(srow + j) * fscale;
+          // the maximum of the unscaled scores: the scale is positive
+          vf mx = minus_inf;
+          for (int64_t j = 0; j < kw; j += W) {
+            vf v = load(srow + j);
             if (j + W > visible) v = lane + float(j) < float(visible) ? v : minus_inf;
-            store(srow + j, v);
             mx = mx > v ? mx : v;
           }
-          const float m_old = row_max[r], m_new = std::max(m_old, hmax_tree(mx));
+          const float m_old = row_max[r], m_new = std::max(m_old, hmax(mx) * fscale);
           // exp(m_old - m_new), skipped when the maximum held (most chunks after the first)
           const float alpha = m_new == m_old ? 1.f : std::isinf(m_old) ? 0.f : std::exp(m_old - m_new);
+          // exp(score * scale - m_new) = 2^(score * c - m_new log2 e): one multiply-add
+          const float c = fscale * LOG2E, offset = -m_new * LOG2E;
           vf sum = vf{};
-          for (int64_t j = 0; j < KC; j += W) {
-            vf p = round_to<bf16>(exp_nonpositive(load(srow + j) - m_new));
-            // exp_nonpositive clamps -inf to a tiny weight: masked keys get exactly zero
+          for (int64_t j = 0; j < kw; j += W) {
+            vf p = exp2_nonpositive(load(srow + j) * c + offset);
             if (j + W > visible) p = lane + float(j) < float(visible) ? p : vf{};
             sum += p;
             store(prow + j, p);
@@ -221,7 +219,7 @@ torch::Tensor amx_prefill_attention(torch::Tensor q, torch::Tensor k_cache, torc
             for (int64_t d = 0; d < D; d += W) store(orow + d, load(orow + d) * alpha);
           }
         }
-        at::native::cpublas::brgemm(R, D, KC, KC, D, D, /*add_C=*/true, pb.data(),
+        at::native::cpublas::brgemm(R, D, kw, KC, D, D, /*add_C=*/true, pb.data(),
                                     vp + c0 * D, o.data());
       }
       for (int64_t h = 0; h < G; ++h)

@@ -128,10 +128,24 @@ inline float hsum(vf v) {
   return (b[0] + b[2]) + (b[1] + b[3]);
 }
 
+// The same tree with max: the attention kernels take one maximum per row and key chunk.
 inline float hmax(vf v) {
-  float m = v[0];
-  for (int i = 1; i < W; ++i) m = std::max(m, v[i]);
-  return m;
+  typedef float v4 __attribute__((vector_size(16)));
+  v4 b;
+  if constexpr (W == 16) {
+    typedef float v8 __attribute__((vector_size(32)));
+    const v8 lo = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7);
+    const v8 hi = __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+    const v8 a = lo > hi ? lo : hi;
+    const v4 a0 = __builtin_shufflevector(a, a, 0, 1, 2, 3);
+    const v4 a1 = __builtin_shufflevector(a, a, 4, 5, 6, 7);
+    b = a0 > a1 ? a0 : a1;
+  } else {
+    const v4 a0 = __builtin_shufflevector(v, v, 0, 1, 2, 3);
+    const v4 a1 = __builtin_shufflevector(v, v, 4, 5, 6, 7);
+    b = a0 > a1 ? a0 : a1;
+  }
+  return std::max(std::max(b[0], b[2]), std::max(b[1], b[3]));
 }
 
 // fn(std::integral_constant<int, NV>{}) for a head_dim = NV * W the kernels are specialized
@@ -183,20 +197,47 @@ inline float exp_nonpositive(float x) {
   return p;
 }
 
-// The same on W lanes; n = -floor(0.5 - y) (truncation of a non-negative value), which
-// rounds ties down instead of up: f stays in [-0.5, 0.5] either way.
-inline vf exp_nonpositive(vf x) {
-  x = x < -87.0f ? splat(-87.0f) : x;
-  const vf y = x * 1.44269504088896341f;
-  const vi n = -__builtin_convertvector(0.5f - y, vi);
-  const vf f = y - __builtin_convertvector(n, vf);
+// 2^f on W lanes for f in [-0.5, 0.5], by the polynomial.
+inline vf exp2_poly(vf f) {
   vf p = splat(EXP2_POLY[0]);
   for (int i = 1; i < 7; ++i) p = p * f + EXP2_POLY[i];
+  return p;
+}
+
+// 2^y on W lanes for y in [-126, 0]: 2^n * 2^f, f in [-0.5, 0.5] by the polynomial, 2^n by
+// adding n to the exponent bits; n = -floor(0.5 - y) (truncation of a non-negative value),
+// which rounds ties down instead of up: f stays in [-0.5, 0.5] either way.
+inline vf exp2_in_range(vf y) {
+  const vi n = -__builtin_convertvector(0.5f - y, vi);
+  const vf f = y - __builtin_convertvector(n, vf);
+  vf p = exp2_poly(f);
   vi bits;
   std::memcpy(&bits, &p, sizeof bits);
   bits += n << 23;
   std::memcpy(&p, &bits, sizeof p);
   return p;
+}
+
+// The scalar version's exp on W lanes.
+inline vf exp_nonpositive(vf x) {
+  x = x < -87.0f ? splat(-87.0f) : x;
+  return exp2_in_range(x * 1.44269504088896341f);
+}
+
+// 2^y for y <= 0 on W lanes (a softmax weight with its scale folded into y). With AVX-512, n
+// is one rounding instruction and 2^n one `vscalefps`, which takes any n (2^-200 is 0), so y
+// needs no clamp and four instructions a vector go; elsewhere y is clamped to where the
+// exponent bits hold 2^n.
+inline vf exp2_nonpositive(vf y) {
+#if defined(__AVX512F__)
+  if constexpr (W == 16) {
+    const __m512 yy = reinterpret_cast<__m512>(y);
+    const __m512 n = _mm512_roundscale_ps(yy, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const vf f = reinterpret_cast<vf>(_mm512_sub_ps(yy, n));
+    return reinterpret_cast<vf>(_mm512_scalef_ps(reinterpret_cast<__m512>(exp2_poly(f)), n));
+  }
+#endif
+  return exp2_in_range(y < -125.0f ? splat(-125.0f) : y);
 }
 
 // 1 / d for d in [1, 2]: with AVX-512 the 14-bit estimate and one Newton step (within an ulp
