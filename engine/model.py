@@ -78,12 +78,12 @@ class LlamaAttention(nn.Module):
         rope: tuple[torch.Tensor, torch.Tensor],
     ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
-        q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
+        positions, cos_sin_cache = rope
+        qkv = self.qkv_proj.forward_rope(hidden, positions, cos_sin_cache, self.head_dim)
+        q, k, v = self.qkv_proj.split(qkv)
         q = q.view(num_tokens, self.num_heads, self.head_dim)  # strided views of one output
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        positions, cos_sin_cache = rope
-        kernels.rotary_embedding(positions, q, k, cos_sin_cache)  # in place
         out = unified_attention(q, k, v, self.layer, self.scale)
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
 

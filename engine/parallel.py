@@ -259,6 +259,20 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         return kernels.linear_silu_and_mul(x, self.weight, self.bias, self.skinny_weight)
 
 
+    def forward_rope(self, x: torch.Tensor, positions: torch.Tensor,
+                     cos_sin_cache: torch.Tensor, head_dim: int) -> torch.Tensor:
+        """A q | k | v projection with rotate-half RoPE applied to q and k (the first two
+        parts, heads of `head_dim`) at `positions` [n]: x [n, in_features] -> [n, sum / k].
+        Eager, the tile GEMM rotates as it writes the product (kernels.linear_qk_rope); a
+        traced graph rotates the output in place, which Inductor fuses."""
+        q_size, k_size = self.local_sizes[0], self.local_sizes[1]
+        if self.weight_handle is not None and torch.compiler.is_compiling():
+            return kernels.rotary_embedding_qk(positions, self.gemm(x, self.bias), cos_sin_cache,
+                                               q_size, k_size, head_dim)
+        return kernels.linear_qk_rope(x, self.weight, self.bias, self.skinny_weight, positions,
+                                      cos_sin_cache, q_size, k_size, head_dim)
+
+
 class RowParallelLinear(LinearBase):
     """y = all_reduce(x_r W_r^T) + b: this rank's in_features/k inputs (weight columns); the
     bias (replicated) is added once, after the sum.

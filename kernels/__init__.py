@@ -163,6 +163,32 @@ def linear_silu_and_mul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     return fused if fused is not None else silu_and_mul(linear(x, weight, bias, skinny))
 
 
+def linear_qk_rope(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                   skinny: torch.Tensor | None, positions: torch.Tensor,
+                   cos_sin_cache: torch.Tensor, q_size: int, k_size: int,
+                   head_dim: int) -> torch.Tensor:
+    """A q | k | v projection with RoPE applied: `linear(x, weight, bias, skinny)` [n, out]
+    whose first q_size features (q) and next k_size (k), heads of `head_dim`, are rotated at
+    `positions` [n] as `rotary_embedding` rotates them. On the tile GEMM the rotation is its
+    epilogue (`cpu_gemm.linear_rope`), so q and k are written once."""
+    fused = cpu_gemm.linear_rope(x, weight, bias, skinny, positions, cos_sin_cache,
+                                 q_size + k_size, head_dim)
+    if fused is not None:
+        return fused
+    return rotary_embedding_qk(positions, linear(x, weight, bias, skinny), cos_sin_cache,
+                               q_size, k_size, head_dim)
+
+
+def rotary_embedding_qk(positions: torch.Tensor, qkv: torch.Tensor, cos_sin_cache: torch.Tensor,
+                        q_size: int, k_size: int, head_dim: int) -> torch.Tensor:
+    """`rotary_embedding` of the q (first q_size features) and k (next k_size) of a q | k | v
+    projection's output [n, out], in place; returns qkv."""
+    rows = qkv.shape[0]
+    rotary_embedding(positions, qkv[:, :q_size].view(rows, -1, head_dim),
+                     qkv[:, q_size:q_size + k_size].view(rows, -1, head_dim), cos_sin_cache)
+    return qkv
+
+
 def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
     """The weight [out, in] in the layout `linear` runs fastest on its device: a oneDNN-packed
     copy on CPU in float32 or bfloat16 (`cpu_gemm.pack`; an opaque tensor only `linear` reads),

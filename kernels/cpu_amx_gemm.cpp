@@ -27,6 +27,7 @@ namespace {
 
 using bf16 = c10::BFloat16;
 using pdc::load;
+using pdc::rotate_half;
 using pdc::round_to;
 using pdc::silu;
 using pdc::store;
@@ -43,12 +44,12 @@ int64_t rows_per_block(int64_t M) {
   return (M + blocks - 1) / blocks;
 }
 
-// acc [rows][BN] float32 (+ bias) -> out rows, columns [n0, n0 + nn), rounded to bfloat16.
-void store_block(const float* acc, int64_t rows, const float* bias, bf16* out, int64_t ldo,
-                 int64_t nn) {
+// acc [rows][ldacc] float32 (+ bias) -> out rows, columns [n0, n0 + nn), rounded to bfloat16.
+void store_block(const float* acc, int64_t ldacc, int64_t rows, const float* bias, bf16* out,
+                 int64_t ldo, int64_t nn) {
   const int64_t full = nn / W * W;
   for (int64_t r = 0; r < rows; ++r) {
-    const float* a = acc + r * BN;
+    const float* a = acc + r * ldacc;
     bf16* o = out + r * ldo;
     if (bias != nullptr) {
       for (int64_t n = 0; n < full; n += W) store(o + n, load(a + n) + load(bias + n));
@@ -160,8 +161,8 @@ torch::Tensor amx_gemm(torch::Tensor x, torch::Tensor packed, int64_t out_featur
     const int64_t n0 = nb * BN, width = std::min(BN, N - n0);
     at::native::cpublas::brgemm(rows, width, op.K, op.lda, width, BN, /*add_C=*/false,
                                 op.A + m0 * op.lda, op.B + n0 * op.K, acc);
-    store_block(acc, rows, op.bias == nullptr ? nullptr : op.bias + n0, op.C + m0 * N + n0, N,
-                width);
+    store_block(acc, BN, rows, op.bias == nullptr ? nullptr : op.bias + n0, op.C + m0 * N + n0,
+                N, width);
   });
   return op.out;
 }
@@ -197,6 +198,62 @@ torch::Tensor amx_gemm_silu_and_mul(torch::Tensor x, torch::Tensor packed, int64
         // silu_and_mul computes them
         g = round_to<bf16>(g);
         store(o + n, round_to<bf16>(silu(g)) * round_to<bf16>(u));
+      }
+    }
+  });
+  return op.out;
+}
+
+bool amx_gemm_fuses_rope(int64_t out_features, int64_t rotated, int64_t head_dim) {
+  return head_dim > 0 && head_dim % BN == 0 && head_dim <= 2 * BN && rotated >= 0 &&
+         rotated % head_dim == 0 && rotated <= out_features && out_features % head_dim == 0;
+}
+
+torch::Tensor amx_gemm_rope(torch::Tensor x, torch::Tensor packed, int64_t out_features,
+                            c10::optional<torch::Tensor> bias, torch::Tensor positions,
+                            torch::Tensor cos_sin_cache, int64_t rotated, int64_t head_dim) {
+  TORCH_CHECK(amx_gemm_fuses_rope(out_features, rotated, head_dim), "amx_gemm_rope: ",
+              out_features, " features with the first ", rotated, " in heads of ", head_dim,
+              ": the heads must be whole column blocks of ", BN, ", at most two");
+  TORCH_CHECK(cos_sin_cache.scalar_type() == torch::kFloat32 && cos_sin_cache.dim() == 2 &&
+                  cos_sin_cache.is_contiguous() && cos_sin_cache.size(1) == head_dim,
+              "amx_gemm_rope: cos_sin_cache must be float32 [max_position, head_dim]");
+  const Operands op(x, packed, out_features, bias, out_features);
+  const auto pos = positions.to(torch::kInt64).contiguous();
+  TORCH_CHECK(pos.numel() == op.M, "amx_gemm_rope: one position per row of x");
+  const int64_t* pp = pos.data_ptr<int64_t>();
+  const int64_t max_position = cos_sin_cache.size(0);
+  for (int64_t t = 0; t < op.M; ++t)
+    TORCH_CHECK(pp[t] >= 0 && pp[t] < max_position, "position ", pp[t], " outside the cache");
+  const float* cache = cos_sin_cache.data_ptr<float>();
+  const int64_t N = out_features, half = head_dim / 2;
+  // a block is one head: its halves are in the same accumulator, [rows][head_dim]
+  for_each_block(op.M, N / head_dim, [&](int64_t m0, int64_t rows, int64_t nb, float* acc) {
+    const int64_t n0 = nb * head_dim;
+    for (int64_t j = 0; j < head_dim; j += BN)
+      at::native::cpublas::brgemm(rows, BN, op.K, op.lda, BN, head_dim, /*add_C=*/false,
+                                  op.A + m0 * op.lda, op.B + (n0 + j) * op.K, acc + j);
+    const float* bias_h = op.bias == nullptr ? nullptr : op.bias + n0;
+    if (n0 >= rotated) {
+      store_block(acc, head_dim, rows, bias_h, op.C + m0 * N + n0, N, head_dim);
+      return;
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* a = acc + r * head_dim;
+      const float* cos = cache + pp[m0 + r] * head_dim;
+      bf16* o = op.C + (m0 + r) * N + n0;
+      for (int64_t i = 0; i < half; i += W) {
+        vf x1 = load(a + i), x2 = load(a + half + i);
+        if (bias_h != nullptr) {
+          x1 += load(bias_h + i);
+          x2 += load(bias_h + half + i);
+        }
+        // the projection rounded as the GEMM's output, then rotated as the unfused op does
+        x1 = round_to<bf16>(x1);
+        x2 = round_to<bf16>(x2);
+        rotate_half<bf16>(x1, x2, load(cos + i), load(cos + half + i));
+        store(o + i, x1);
+        store(o + half + i, x2);
       }
     }
   });

@@ -22,6 +22,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("amx_gemm", &amx_gemm, py::call_guard<py::gil_scoped_release>());
   m.def("amx_gemm_fuses_silu", &amx_gemm_fuses_silu);
   m.def("amx_gemm_silu_and_mul", &amx_gemm_silu_and_mul, py::call_guard<py::gil_scoped_release>());
+  m.def("amx_gemm_fuses_rope", &amx_gemm_fuses_rope);
+  m.def("amx_gemm_rope", &amx_gemm_rope, py::call_guard<py::gil_scoped_release>());
   m.def("bind_omp_threads", &bind_omp_threads);
   py::class_<DecodeLayer>(m, "DecodeLayer")
       .def(py::init([](torch::Tensor input_norm, torch::Tensor qkv, torch::Tensor o,

@@ -100,10 +100,10 @@ void rotate_heads(T* x, int64_t heads, int64_t head_stride, int64_t half, const 
     T* x2 = x1 + half;
     int64_t i = 0;
     for (; i + W <= half; i += W) {
-      const vf a = load(x1 + i), b = load(x2 + i);
-      const vf c = round_to<T>(load(cos + i)), s = round_to<T>(load(sin + i));
-      store(x1 + i, round_to<T>(a * c) - round_to<T>(b * s));
-      store(x2 + i, round_to<T>(b * c) + round_to<T>(a * s));
+      vf a = load(x1 + i), b = load(x2 + i);
+      rotate_half<T>(a, b, load(cos + i), load(sin + i));
+      store(x1 + i, a);
+      store(x2 + i, b);
     }
     for (; i < half; ++i) {
       const float a = static_cast<float>(x1[i]), b = static_cast<float>(x2[i]);

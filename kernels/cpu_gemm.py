@@ -170,6 +170,28 @@ def linear_silu_and_mul(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tenso
     return out.view(*x.shape[:-1], out_features // 2)
 
 
+def linear_rope(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
+                skinny: torch.Tensor | None, positions: torch.Tensor,
+                cos_sin_cache: torch.Tensor, rotated: int,
+                head_dim: int) -> torch.Tensor | None:
+    """`linear`'s output [..., out] with rotate-half RoPE applied to its first `rotated`
+    features (heads of `head_dim`, at `positions` [rows], cos_sin_cache float32
+    [max_position, head_dim] = cos | sin halves) in one pass of the tile GEMM, where `linear`
+    would run x on it (as in `linear_silu_and_mul`) and the heads are whole column blocks;
+    the same values as the two ops. None elsewhere: the caller runs them. Raises
+    RuntimeError for a position outside the cache."""
+    out_features = packed.shape[0]
+    if (skinny is None or x.dtype != skinny.dtype or not is_amx_copy(skinny)
+            or x.numel() > AMX_MAX_ROWS * x.shape[-1]):
+        return None
+    ext = cpu_extension.module()
+    if not ext.amx_gemm_fuses_rope(out_features, rotated, head_dim):
+        return None
+    out = ext.amx_gemm_rope(_rows(x), skinny, out_features, bias, positions, cos_sin_cache,
+                            rotated, head_dim)
+    return out.view(*x.shape[:-1], out_features)
+
+
 def _rows(x: torch.Tensor) -> torch.Tensor:
     """x [..., in] as the C++ GEMMs take it: [rows, in] with unit column stride."""
     flat = x.reshape(-1, x.shape[-1])

@@ -43,5 +43,13 @@ torch::Tensor amx_gemm(torch::Tensor x, torch::Tensor packed, int64_t out_featur
 bool amx_gemm_fuses_silu(int64_t out_features);
 torch::Tensor amx_gemm_silu_and_mul(torch::Tensor x, torch::Tensor packed, int64_t out_features,
                                     c10::optional<torch::Tensor> bias);
+// amx_gemm(...) with rotate-half RoPE applied to its first `rotated` features, heads of
+// head_dim at `positions` [M] (cos_sin_cache float32 [max_position, head_dim] = cos | sin), as
+// rotary_embedding applies it to the output: the same values in one pass. For heads that are
+// whole column blocks (amx_gemm_fuses_rope).
+bool amx_gemm_fuses_rope(int64_t out_features, int64_t rotated, int64_t head_dim);
+torch::Tensor amx_gemm_rope(torch::Tensor x, torch::Tensor packed, int64_t out_features,
+                            c10::optional<torch::Tensor> bias, torch::Tensor positions,
+                            torch::Tensor cos_sin_cache, int64_t rotated, int64_t head_dim);
 
 std::vector<int64_t> bind_omp_threads(const std::vector<int64_t>& cpus);

@@ -105,6 +105,16 @@ inline float round_to(float x) {
   return static_cast<float>(static_cast<T>(x));
 }
 
+// Rotate-half RoPE of one vector of a head's halves: (x1, x2) -> (x1 cos - x2 sin,
+// x2 cos + x1 sin), with cos/sin rounded to T first and every product rounded to T, as the
+// reference computes in T; a store to T rounds the sums.
+template <typename T>
+inline void rotate_half(vf& x1, vf& x2, vf cos, vf sin) {
+  const vf a = x1, b = x2, c = round_to<T>(cos), s = round_to<T>(sin);
+  x1 = round_to<T>(a * c) - round_to<T>(b * s);
+  x2 = round_to<T>(b * c) + round_to<T>(a * s);
+}
+
 // Ask for the cache lines of the `n` elements from p on.
 template <typename T>
 inline void prefetch_row(const T* p, int64_t n) {

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import kernels
-from kernels import cpu_extension, cpu_gemm
+from kernels import cpu_extension, cpu_gemm, reference
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(),
                                 reason="torch built without oneDNN")
@@ -208,6 +208,55 @@ def test_silu_and_mul_on_the_tile_gemm_matches_torch_s_ops(rows, d, bias):
     assert out.dtype == torch.bfloat16 and out.shape == (rows, d)
     torch.testing.assert_close(out.double(), expected.double(), rtol=2**-6, atol=1e-2)
     assert torch.equal(out, kernels.silu_and_mul(kernels.linear(x, packed, b, copy)))
+
+
+@needs_amx_gemm
+@pytest.mark.parametrize("rows", [1, 17, 300, 1024])
+@pytest.mark.parametrize("head_dim, heads, bias", [(64, (4, 2, 2), False), (128, (2, 1, 1), True),
+                                                   (80, (2, 1, 1), True)])
+def test_rope_on_the_tile_gemm_matches_torch_s_ops(rows, head_dim, heads, bias):
+    """A q | k | v projection with RoPE on q and k: fused into the tile GEMM where a head is
+    one or two whole column blocks (64, 128), the two ops elsewhere (80). Against torch's
+    rotate-half (kernels.reference) of the bf16-rounded exact projection at scattered
+    positions, within two roundings; and value for value the same as the unfused path."""
+    q_heads, k_heads, v_heads = heads
+    out_features = (q_heads + k_heads + v_heads) * head_dim
+    q_size, k_size = q_heads * head_dim, k_heads * head_dim
+    gen = torch.Generator().manual_seed(rows * head_dim + bias)
+    x = torch.randn(rows, 96, generator=gen).to(torch.bfloat16)
+    weight = (torch.randn(out_features, 96, generator=gen) / 4).to(torch.bfloat16)
+    b = torch.randn(out_features, generator=gen).to(torch.bfloat16) if bias else None
+    positions = torch.randint(0, 4096, (rows,), generator=gen)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    angles = torch.arange(4096, dtype=torch.float64)[:, None] * inv_freq[None, :]
+    cos_sin = torch.cat((angles.cos(), angles.sin()), dim=-1).float()
+    copy, packed = kernels.pack_skinny_weight(weight), kernels.pack_linear_weight(weight)
+    fused = cpu_gemm.linear_rope(x, packed, b, copy, positions, cos_sin, q_size + k_size,
+                                 head_dim)
+    assert (fused is not None) == (head_dim % 64 == 0)
+    out = kernels.linear_qk_rope(x, packed, b, copy, positions, cos_sin, q_size, k_size,
+                                 head_dim)
+    exact = (x.double() @ weight.double().t() + (0 if b is None else b.double()))
+    expected = exact.to(torch.bfloat16)
+    reference.rotary_embedding(positions, expected[:, :q_size].view(rows, -1, head_dim),
+                               expected[:, q_size:q_size + k_size].view(rows, -1, head_dim),
+                               cos_sin)
+    assert out.dtype == torch.bfloat16 and out.shape == (rows, out_features)
+    torch.testing.assert_close(out.double(), expected.double(), rtol=2**-6, atol=3e-2)
+    unfused = kernels.linear(x, packed, b, copy)
+    kernels.rotary_embedding(positions, unfused[:, :q_size].view(rows, -1, head_dim),
+                             unfused[:, q_size:q_size + k_size].view(rows, -1, head_dim), cos_sin)
+    assert torch.equal(out, unfused)
+
+
+@needs_amx_gemm
+def test_rope_on_the_tile_gemm_refuses_a_position_outside_the_cache():
+    weight = torch.randn(192, 96, dtype=torch.bfloat16)
+    copy = kernels.pack_skinny_weight(weight)
+    cos_sin = torch.zeros(16, 64)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        cpu_gemm.linear_rope(torch.randn(2, 96, dtype=torch.bfloat16), weight, None, copy,
+                             torch.tensor([3, 16]), cos_sin, 128, 64)
 
 
 @needs_amx_gemm
