@@ -89,7 +89,7 @@ class DecodeWorker:
                                 transfer.incremental_transfer,
                                 transfer.decode_publish_interval)
 
-        self.loop = EngineLoop(build, "decode-engine")
+        self.loop = EngineLoop(build, "decode-engine", freeze_heap=True)
         self.engine = self.loop.core
         self._outputs: SubscriberOutputs | None = None  # made on the event loop, at first use
 

@@ -94,7 +94,7 @@ class PrefillWorker:
             return PrefillEngine(runner, create_connector(names, ctx), worker_id, os.getpid(),
                                  index, node_id, transfer.load_failure_policy)
 
-        self.loop = EngineLoop(build, "prefill-engine")
+        self.loop = EngineLoop(build, "prefill-engine", freeze_heap=True)
         self.engine = self.loop.core
 
     def prefill(self, request: PrefillRequest) -> Iterator[FirstToken | PrefillResult]:

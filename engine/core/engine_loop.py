@@ -11,6 +11,7 @@ only here, so they need no locks; other threads talk to the engine only through 
 
 from __future__ import annotations
 
+import gc
 import logging
 import queue
 import threading
@@ -83,15 +84,21 @@ class EngineLoop(Generic[_C]):
         build: makes the engine on the loop thread; what it raises is raised here.
         name: the thread's name.
         timeout_s: how long to wait for ``build``; None: no limit.
+        freeze_heap: after ``build``, collect once and freeze every object the process then
+            holds (``gc.freeze``), as vLLM's engine core does after start-up: the model, the
+            engine and the libraries' objects stay for the process's life, and the collector's
+            full passes over them took time from every step. For a process that is the loop's
+            own (a worker actor); objects frozen are never collected.
 
     Attributes:
         core: what ``build`` returned.
         thread: the loop thread.
     """
 
-    def __init__(self, build: Callable[[], _C], name: str, timeout_s: float | None = None
-                 ) -> None:
+    def __init__(self, build: Callable[[], _C], name: str, timeout_s: float | None = None,
+                 freeze_heap: bool = False) -> None:
         built: Future = Future()
+        self._freeze_heap = freeze_heap
         self.thread = threading.Thread(target=self._main, args=(build, built), name=name,
                                        daemon=True)
         self.thread.start()
@@ -110,6 +117,9 @@ class EngineLoop(Generic[_C]):
         except BaseException as exc:  # noqa: BLE001 — re-raised in the constructor
             built.set_exception(exc)
             return
+        if self._freeze_heap:
+            gc.collect()
+            gc.freeze()
         built.set_result(core)
         try:
             run_until_stopped(core)
