@@ -258,7 +258,6 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
             return kernels.silu_and_mul(self.gemm(x, self.bias))
         return kernels.linear_silu_and_mul(x, self.weight, self.bias, self.skinny_weight)
 
-
     def forward_rope(self, x: torch.Tensor, positions: torch.Tensor,
                      cos_sin_cache: torch.Tensor, head_dim: int) -> torch.Tensor:
         """A q | k | v projection with rotate-half RoPE applied to q and k (the first two

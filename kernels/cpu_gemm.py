@@ -160,8 +160,7 @@ def linear_silu_and_mul(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tenso
     `is_amx_copy`, and at most `AMX_MAX_ROWS` rows) and d is a whole number of its column
     blocks; the same values as the two ops. None elsewhere: the caller runs them."""
     out_features = packed.shape[0]
-    if (skinny is None or x.dtype != skinny.dtype or not is_amx_copy(skinny)
-            or x.numel() > AMX_MAX_ROWS * x.shape[-1]):
+    if not _on_tile_gemm(x, skinny):
         return None
     ext = cpu_extension.module()
     if not ext.amx_gemm_fuses_silu(out_features):
@@ -181,8 +180,7 @@ def linear_rope(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
     the same values as the two ops. None elsewhere: the caller runs them. Raises
     RuntimeError for a position outside the cache."""
     out_features = packed.shape[0]
-    if (skinny is None or x.dtype != skinny.dtype or not is_amx_copy(skinny)
-            or x.numel() > AMX_MAX_ROWS * x.shape[-1]):
+    if not _on_tile_gemm(x, skinny):
         return None
     ext = cpu_extension.module()
     if not ext.amx_gemm_fuses_rope(out_features, rotated, head_dim):
@@ -190,6 +188,13 @@ def linear_rope(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
     out = ext.amx_gemm_rope(_rows(x), skinny, out_features, bias, positions, cos_sin_cache,
                             rotated, head_dim)
     return out.view(*x.shape[:-1], out_features)
+
+
+def _on_tile_gemm(x: torch.Tensor, skinny: torch.Tensor | None) -> bool:
+    """Whether `linear` runs x on the tile GEMM: its copy is an AMX one (`is_amx_copy`) in
+    x's dtype and x has at most `AMX_MAX_ROWS` rows."""
+    return (skinny is not None and x.dtype == skinny.dtype and is_amx_copy(skinny)
+            and x.numel() <= AMX_MAX_ROWS * x.shape[-1])
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
