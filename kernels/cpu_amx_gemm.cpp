@@ -21,6 +21,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "cpu_kernels.h"
 #include "cpu_vec.h"
 
 namespace {
@@ -215,16 +216,9 @@ torch::Tensor amx_gemm_rope(torch::Tensor x, torch::Tensor packed, int64_t out_f
   TORCH_CHECK(amx_gemm_fuses_rope(out_features, rotated, head_dim), "amx_gemm_rope: ",
               out_features, " features with the first ", rotated, " in heads of ", head_dim,
               ": the heads must be whole column blocks of ", BN, ", at most two");
-  TORCH_CHECK(cos_sin_cache.scalar_type() == torch::kFloat32 && cos_sin_cache.dim() == 2 &&
-                  cos_sin_cache.is_contiguous() && cos_sin_cache.size(1) == head_dim,
-              "amx_gemm_rope: cos_sin_cache must be float32 [max_position, head_dim]");
   const Operands op(x, packed, out_features, bias, out_features);
-  const auto pos = positions.to(torch::kInt64).contiguous();
-  TORCH_CHECK(pos.numel() == op.M, "amx_gemm_rope: one position per row of x");
+  const auto pos = rope_positions(positions, cos_sin_cache, op.M, head_dim);
   const int64_t* pp = pos.data_ptr<int64_t>();
-  const int64_t max_position = cos_sin_cache.size(0);
-  for (int64_t t = 0; t < op.M; ++t)
-    TORCH_CHECK(pp[t] >= 0 && pp[t] < max_position, "position ", pp[t], " outside the cache");
   const float* cache = cos_sin_cache.data_ptr<float>();
   const int64_t N = out_features, half = head_dim / 2;
   // a block is one head: its halves are in the same accumulator, [rows][head_dim]

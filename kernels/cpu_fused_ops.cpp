@@ -18,6 +18,7 @@
 #include <cstring>
 #include <tuple>
 
+#include "cpu_kernels.h"
 #include "cpu_vec.h"
 
 namespace {
@@ -158,21 +159,28 @@ torch::Tensor silu_and_mul(torch::Tensor x) {
   return out;
 }
 
+torch::Tensor rope_positions(const torch::Tensor& positions, const torch::Tensor& cos_sin_cache,
+                            int64_t tokens, int64_t head_dim) {
+  TORCH_CHECK(cos_sin_cache.scalar_type() == torch::kFloat32 && cos_sin_cache.dim() == 2
+              && cos_sin_cache.is_contiguous() && cos_sin_cache.size(1) == head_dim,
+              "cos_sin_cache: float32 [max_position, head_dim]");
+  auto pos = positions.to(torch::kInt64).contiguous();
+  TORCH_CHECK(pos.numel() == tokens, "positions: one per token");
+  const int64_t max_position = cos_sin_cache.size(0);
+  const int64_t* pp = pos.data_ptr<int64_t>();
+  for (int64_t t = 0; t < tokens; ++t)
+    TORCH_CHECK(pp[t] >= 0 && pp[t] < max_position, "position ", pp[t], " outside the cache");
+  return pos;
+}
+
 void rotary_embedding(torch::Tensor positions, torch::Tensor q, torch::Tensor k,
                       torch::Tensor cos_sin_cache) {
   check_heads(q, "q");
   check_heads(k, "k");
   TORCH_CHECK(k.scalar_type() == q.scalar_type(), "q and k: one dtype");
-  TORCH_CHECK(cos_sin_cache.scalar_type() == torch::kFloat32 && cos_sin_cache.is_contiguous()
-              && cos_sin_cache.size(1) == q.size(2) && k.size(2) == q.size(2),
-              "cos_sin_cache: float32 [max_position, head_dim]");
-  const auto pos = positions.to(torch::kInt64).contiguous();
-  const int64_t tokens = q.size(0);
-  TORCH_CHECK(k.size(0) == tokens && pos.numel() == tokens, "q, k and positions: one row per token");
-  const int64_t max_position = cos_sin_cache.size(0);
+  TORCH_CHECK(k.size(2) == q.size(2) && k.size(0) == q.size(0), "q and k: one row per token, one head_dim");
+  const auto pos = rope_positions(positions, cos_sin_cache, q.size(0), q.size(2));
   const int64_t* pp = pos.data_ptr<int64_t>();
-  for (int64_t t = 0; t < tokens; ++t)
-    TORCH_CHECK(pp[t] >= 0 && pp[t] < max_position, "position ", pp[t], " outside the cache");
   if (q.scalar_type() == torch::kBFloat16)
     rotate_tokens<c10::BFloat16>(pp, q, k, cos_sin_cache.data_ptr<float>());
   else

@@ -26,6 +26,10 @@ std::tuple<torch::Tensor, torch::Tensor> fused_add_rms_norm(torch::Tensor x, tor
 torch::Tensor silu_and_mul(torch::Tensor x);
 void rotary_embedding(torch::Tensor positions, torch::Tensor q, torch::Tensor k,
                       torch::Tensor cos_sin_cache);
+// RoPE's positions as int64 [tokens], checked against cos_sin_cache (float32
+// [max_position, head_dim]): one per token, each inside the cache.
+torch::Tensor rope_positions(const torch::Tensor& positions, const torch::Tensor& cos_sin_cache,
+                            int64_t tokens, int64_t head_dim);
 void store_kv_cache(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
                     torch::Tensor slot_mapping);
 

@@ -122,40 +122,30 @@ inline void prefetch_row(const T* p, int64_t n) {
   for (int64_t b = 0; b < n * int64_t(sizeof(T)); b += 64) __builtin_prefetch(bytes + b);
 }
 
-// A tree of halving adds, where a lane-by-lane loop compiles to ~2 scalar instructions a
-// lane: decode attention finishes one dot product per token and query row.
-inline float hsum(vf v) {
+// A tree of halving steps of `op` (+ or max) over the lanes, where a lane-by-lane loop
+// compiles to ~2 scalar instructions a lane: decode attention finishes one dot product per
+// token and query row, the attention kernels take one maximum per row and key chunk.
+template <typename Op>
+inline float reduce_lanes(vf v, Op op) {
   typedef float v4 __attribute__((vector_size(16)));
   v4 b;
   if constexpr (W == 16) {
     typedef float v8 __attribute__((vector_size(32)));
-    const v8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7)
-                 + __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-    b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+    const v8 a = op(__builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7),
+                    __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15));
+    b = op(__builtin_shufflevector(a, a, 0, 1, 2, 3), __builtin_shufflevector(a, a, 4, 5, 6, 7));
   } else {
-    b = __builtin_shufflevector(v, v, 0, 1, 2, 3) + __builtin_shufflevector(v, v, 4, 5, 6, 7);
+    b = op(__builtin_shufflevector(v, v, 0, 1, 2, 3), __builtin_shufflevector(v, v, 4, 5, 6, 7));
   }
-  return (b[0] + b[2]) + (b[1] + b[3]);
+  return op(op(b[0], b[2]), op(b[1], b[3]));
 }
 
-// The same tree with max: the attention kernels take one maximum per row and key chunk.
+inline float hsum(vf v) {
+  return reduce_lanes(v, [](auto x, auto y) { return x + y; });
+}
+
 inline float hmax(vf v) {
-  typedef float v4 __attribute__((vector_size(16)));
-  v4 b;
-  if constexpr (W == 16) {
-    typedef float v8 __attribute__((vector_size(32)));
-    const v8 lo = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7);
-    const v8 hi = __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-    const v8 a = lo > hi ? lo : hi;
-    const v4 a0 = __builtin_shufflevector(a, a, 0, 1, 2, 3);
-    const v4 a1 = __builtin_shufflevector(a, a, 4, 5, 6, 7);
-    b = a0 > a1 ? a0 : a1;
-  } else {
-    const v4 a0 = __builtin_shufflevector(v, v, 0, 1, 2, 3);
-    const v4 a1 = __builtin_shufflevector(v, v, 4, 5, 6, 7);
-    b = a0 > a1 ? a0 : a1;
-  }
-  return std::max(std::max(b[0], b[2]), std::max(b[1], b[3]));
+  return reduce_lanes(v, [](auto x, auto y) { return x > y ? x : y; });
 }
 
 // fn(std::integral_constant<int, NV>{}) for a head_dim = NV * W the kernels are specialized
