@@ -56,6 +56,9 @@ _SERVE_FLAGS = [
      "(default 256; 0: none; --enforce-eager: none)"),
     ("--max-num-batched-tokens", "engine.max_num_batched_tokens", int,
      "token budget of one forward step; longer prompts prefill in chunks (default 512)"),
+    ("--prefill-compute-bound-tokens", "engine.prefill_compute_bound_tokens", int,
+     "a prefill worker's step takes no further prompt once it holds this many tokens "
+     "(default: 512 on CPU, none on GPU)"),
     ("--ray-num-cpus", "ray_num_cpus", int, "logical CPUs of the local Ray "
                                             "(default: worker actors + 2)"),
     ("--actor-num-cpus", "actor_num_cpus", float, "logical CPUs per worker actor (default 1)"),

@@ -190,6 +190,10 @@ def _sliding_window(raw: dict[str, Any], model_type: str) -> int | None:
     return int(window) if window is not None else None
 
 
+# Rows from which a CPU prefill step is compute-bound (EngineConfig.prefill_compute_bound_tokens).
+CPU_COMPUTE_BOUND_TOKENS = 512
+
+
 class EngineConfig(pydantic.BaseModel):
     """Runtime config of one worker's model engine (frozen).
 
@@ -199,6 +203,9 @@ class EngineConfig(pydantic.BaseModel):
     `enable_prefix_caching`: reuse cached full blocks of a prompt's prefix (vLLM's flag; off for
     A/B runs). `max_num_batched_tokens`: token budget of one forward step; longer prompts are
     prefilled in chunks of at most this many tokens (vLLM's chunked prefill).
+    `prefill_compute_bound_tokens`: a prefill worker's step takes no further prompt once it
+    holds this many tokens (engine.core.scheduler.Scheduler.schedule_chunks); None resolves
+    per device (resolved_prefill_compute_bound_tokens).
     `preemption_mode`: how a decode worker makes room when its cache is full (vLLM's modes).
     `kernel_backend`: "auto" runs Triton kernels on CUDA tensors and torch references
     elsewhere; "triton" forces Triton (on CPU through TRITON_INTERPRET=1); "torch" forces torch.
@@ -234,6 +241,7 @@ class EngineConfig(pydantic.BaseModel):
     torch_threads: int = pydantic.Field(1, gt=0)
     enable_prefix_caching: bool = True
     max_num_batched_tokens: int = pydantic.Field(512, gt=0)
+    prefill_compute_bound_tokens: int | None = pydantic.Field(None, gt=0)
     preemption_mode: Literal["recompute", "swap"] = "recompute"
     kernel_backend: Literal["auto", "triton", "torch"] = "auto"
     tensor_parallel_size: int = pydantic.Field(1, gt=0)
@@ -257,6 +265,22 @@ class EngineConfig(pydantic.BaseModel):
         if self.enforce_eager is not None:
             return self.enforce_eager
         return torch.device(self.device).type != "cuda"
+
+    def resolved_prefill_compute_bound_tokens(self) -> int | None:
+        """`prefill_compute_bound_tokens`, or where it is None, the device's default.
+
+        On CPU that is CPU_COMPUTE_BOUND_TOKENS: a prefill step of that many tokens is
+        compute-bound in fp32 and in bf16, so a second prompt as long in the same step costs
+        as much as a step of its own; with half as many, a bf16 step still gains from a
+        second prompt (benchmarks/RESULTS.md, "One prompt per prefill step").
+        Elsewhere None (no limit beyond `max_num_batched_tokens`): on a GPU the size at which
+        a step is compute-bound depends on the model and the card and has not been measured.
+        """
+        if self.prefill_compute_bound_tokens is not None:
+            return self.prefill_compute_bound_tokens
+        if torch.device(self.device).type == "cpu":
+            return CPU_COMPUTE_BOUND_TOKENS
+        return None
 
     def resolved_max_model_len(self, model_config: ModelConfig) -> int:
         """`max_model_len`, or the model's limit when unset.

@@ -14,10 +14,11 @@ Lifecycle of a request on a prefill worker (statuses: engine.core.request.Reques
                     into its blocks, off the engine loop; other requests compute meanwhile;
 4. RUNNING        — the uncached suffix runs through the model in chunks; each step packs
                     chunks of several requests under max_num_batched_tokens (chunked prefill,
-                    Scheduler.schedule_chunks). The connector sees every layer's forward
-                    (save_kv_layer): with --kv-streaming layer a request runs its chunks in
-                    steps of its own and each layer's KV goes to the decode worker as soon as
-                    that layer ran;
+                    Scheduler.schedule_chunks), and no further request once the step is
+                    compute-bound (prefill_compute_bound_tokens). The connector sees every
+                    layer's forward (save_kv_layer): with --kv-streaming layer a request runs
+                    its chunks in steps of its own and each layer's KV goes to the decode
+                    worker as soon as that layer ran;
 5. FINISHED       — output token 0 is sampled and goes to the caller at once (FirstToken);
                     the connector takes the prompt's blocks (request_finished: copied out),
                     the full ones are cached in G1 (their events go to the global index) and
@@ -143,6 +144,7 @@ class PrefillEngine:
         cfg = runner.engine_config
         self.block_size = cfg.block_size
         self.token_budget = cfg.max_num_batched_tokens
+        self.compute_bound_tokens = cfg.resolved_prefill_compute_bound_tokens()
         self.max_model_len = cfg.resolved_max_model_len(runner.model_config)
         self.model_id = runner.model_config.name
         self.eos_token_ids = frozenset(runner.model_config.eos_token_ids)
@@ -371,7 +373,7 @@ class PrefillEngine:
         if seq is not None:
             return [(seq, min(seq.num_prompt_tokens - seq.num_computed_tokens,
                               self.token_budget))]
-        chunks = self.scheduler.schedule_chunks(self.token_budget)
+        chunks = self.scheduler.schedule_chunks(self.token_budget, self.compute_bound_tokens)
         if len(chunks) == 1 and chunks[0][0].runs_alone:
             self._alone = chunks[0][0]
         return chunks

@@ -118,7 +118,8 @@ class Scheduler(Generic[R]):
                 self._preempt(running.pop())
         return running
 
-    def schedule_chunks(self, token_budget: int) -> list[tuple[R, int]]:
+    def schedule_chunks(self, token_budget: int,
+                        compute_bound_tokens: int | None = None) -> list[tuple[R, int]]:
         """This step's prompt chunks (vLLM's chunked prefill), as (request, tokens to compute).
 
         A request's next chunk is the next ``token_budget`` tokens of its prompt (fewer at its
@@ -128,6 +129,11 @@ class Scheduler(Generic[R]):
         not fit ends the step, so nobody overtakes it. A request whose ``runs_alone`` is set
         (forward hooks that must see it alone) runs in a step of its own, when it is the
         oldest; younger ones go on without it meanwhile.
+
+        ``compute_bound_tokens`` (None: no such limit): a step that already holds this many
+        tokens takes no further request. Past the size where a step's forward is
+        compute-bound, packing another prompt into it gains no throughput and only delays the
+        first token of every prompt already in it (DistServe, OSDI '24, section 3.1).
         """
         pending = sorted((r for r in self.active.values() if r.status is RequestStatus.RUNNING
                           and r.num_computed_tokens < r.num_prompt_tokens),
@@ -140,7 +146,8 @@ class Scheduler(Generic[R]):
                 if not step:
                     return [(request, size)]
                 continue
-            if step and used + size > token_budget:
+            if step and (used + size > token_budget
+                         or (compute_bound_tokens is not None and used >= compute_bound_tokens)):
                 break
             step.append((request, size))
             used += size

@@ -12,7 +12,13 @@ from transformers import LlamaConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-from engine.config import BUNDLED_MODEL, EngineConfig, ModelConfig, ModelConfigError
+from engine.config import (
+    BUNDLED_MODEL,
+    CPU_COMPUTE_BOUND_TOKENS,
+    EngineConfig,
+    ModelConfig,
+    ModelConfigError,
+)
 from engine.loader import CheckpointReader, WeightsNotFoundError
 from engine.rope import compute_inv_freq
 
@@ -124,6 +130,10 @@ def test_engine_config_validation():
         EngineConfig(max_model_len=513).resolved_max_model_len(model_config)
     with pytest.raises(pydantic.ValidationError):
         EngineConfig(block_size=0)
+    assert config.resolved_prefill_compute_bound_tokens() == CPU_COMPUTE_BOUND_TOKENS
+    assert EngineConfig(device="cuda").resolved_prefill_compute_bound_tokens() is None
+    assert EngineConfig(device="cuda", prefill_compute_bound_tokens=64) \
+        .resolved_prefill_compute_bound_tokens() == 64
     with pytest.raises(pydantic.ValidationError):
         EngineConfig(dtype="float64")
     with pytest.raises(pydantic.ValidationError):

@@ -234,6 +234,23 @@ def test_chunks_fill_the_token_budget_whole_oldest_first():
                                                                              ("d", 5)]
 
 
+def test_a_compute_bound_step_takes_no_further_request():
+    kv = KVCacheManager(BlockPool(64, enable_caching=True), BLOCK)
+    scheduler = Scheduler(kv, None, num_lookahead_tokens=0)
+    a, b, c, d = Req("a", 40, 0), Req("b", 40, 0), Req("c", 10, 0), Req("d", 10, 0)
+    running(scheduler, a, b, c, d)
+    # without the limit a and b share the 100-token step; with it a is enough on its own
+    assert [r.request_id for r, _ in scheduler.schedule_chunks(100)] == ["a", "b", "c", "d"]
+    assert [(r.request_id, n) for r, n in scheduler.schedule_chunks(100, 30)] == [("a", 40)]
+    a.num_computed_tokens = 40
+    assert [(r.request_id, n) for r, n in scheduler.schedule_chunks(100, 30)] == [("b", 40)]
+    b.num_computed_tokens = 40
+    # short prompts still share a step until together they reach the limit
+    assert [(r.request_id, n) for r, n in scheduler.schedule_chunks(100, 15)] == [("c", 10),
+                                                                                  ("d", 10)]
+    assert [(r.request_id, n) for r, n in scheduler.schedule_chunks(100, 10)] == [("c", 10)]
+
+
 def test_a_request_that_runs_alone_gets_steps_of_its_own_when_it_is_the_oldest():
     kv = KVCacheManager(BlockPool(64), BLOCK)
     scheduler = Scheduler(kv, None, num_lookahead_tokens=0)

@@ -318,13 +318,17 @@ def test_engine_loop_builds_the_model_and_runs_every_step_on_its_thread(eos_mode
         EngineLoop(lambda: (_ for _ in ()).throw(ValueError("no such model")), "bad")
 
 
-def test_concurrent_prefills_share_steps_and_outputs_are_unchanged(engines, eos_model_dir, hf):
-    """Chunks of several requests run in one forward step under the token budget;
-    each request's first token, logprob and KV equal the request run alone. The test drives
-    the engine's loop body itself, so every request is queued before the first step."""
+@pytest.mark.parametrize("compute_bound_tokens", [512, 100])
+def test_concurrent_prefills_share_steps_and_outputs_are_unchanged(engines, eos_model_dir, hf,
+                                                                   compute_bound_tokens):
+    """Chunks of several requests run in one forward step under the token budget, until the
+    step holds compute_bound_tokens; each request's first token, logprob and KV equal the
+    request run alone. The test drives the engine's loop body itself, so every request is
+    queued before the first step."""
     prefill, _ = engines
     config = EngineConfig(model=str(eos_model_dir), num_kv_blocks=128,
-                          max_num_batched_tokens=512, enable_prefix_caching=False)
+                          max_num_batched_tokens=512, enable_prefix_caching=False,
+                          prefill_compute_bound_tokens=compute_bound_tokens)
     shared = PrefillEngine(ModelRunner(config), grpc_kv(prefill.connector.store_client, prefill.connector.store_address),
                            "batched", 0)
     alone = started(lambda: PrefillEngine(ModelRunner(config),
@@ -346,9 +350,13 @@ def test_concurrent_prefills_share_steps_and_outputs_are_unchanged(engines, eos_
     results = {i: f.result() for i, f in enumerate(futures)}
     stats = shared.stats()
     assert stats["num_prefill_chunks_total"] == len(prompts)  # one chunk each (<= 512 tokens)
-    # 6 chunks of 100..285 tokens under a 512-token budget: at least one step has several
-    assert stats["max_prefill_chunks_per_step"] >= 2
-    assert stats["num_prefill_steps_total"] < stats["num_prefill_chunks_total"]
+    if compute_bound_tokens == 512:
+        # 6 chunks of 100..285 tokens under a 512-token budget: at least one step has several
+        assert stats["max_prefill_chunks_per_step"] >= 2
+        assert stats["num_prefill_steps_total"] < stats["num_prefill_chunks_total"]
+    else:  # each prompt is compute-bound on its own: a step each
+        assert stats["max_prefill_chunks_per_step"] == 1
+        assert stats["num_prefill_steps_total"] == stats["num_prefill_chunks_total"]
     assert stats["num_used_blocks"] == 0
     shared.close()
     for i, prompt in enumerate(prompts):
