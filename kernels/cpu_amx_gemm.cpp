@@ -8,8 +8,10 @@
 // against 2x from about 1100 rows on; benchmarks/RESULTS.md, "Prefill GEMMs on AMX tiles").
 // Here the output is cut into blocks of at most BM_MAX rows by BN columns, which the threads
 // claim one at a time, in order: the column blocks of one row block, whose rows stay in the
-// L2. Each block is one batch-reduce GEMM over the whole K on torch's brgemm (oneDNN's JIT
-// micro-kernel, the one torch's CPU flash attention uses). Accumulation is float32; the
+// L2. Each block runs on torch's brgemm (oneDNN's JIT micro-kernel, the one torch's CPU flash
+// attention uses); a block of many rows takes K in chunks of KC, so that the chunk of its
+// weight columns the micro-kernel reads again for every 32 rows stays in the L1 (over the
+// whole K it is read from the L2, which then sets the pace). Accumulation is float32; the
 // output is rounded once, to nearest even, after the bias, as oneDNN does.
 #include <torch/extension.h>
 
@@ -37,12 +39,26 @@ using pdc::W;
 
 constexpr int64_t BN = 64;      // output columns per block: 8 tiles of 16 floats
 constexpr int64_t BM_MAX = 512;  // output rows per block, at most
+constexpr int64_t KC = 256;      // K per brgemm call in a block of many rows
+// Fewer rows than this read each weight chunk once or twice: one call over the whole K then
+// saves the calls and the accumulator's round trips.
+constexpr int64_t KC_MIN_ROWS = 64;
 
 // Rows per block: M cut into equal blocks of at most BM_MAX rows, so no thread is left with
 // a short last block.
 int64_t rows_per_block(int64_t M) {
   const int64_t blocks = (M + BM_MAX - 1) / BM_MAX;
   return (M + blocks - 1) / blocks;
+}
+
+// acc [rows][ldc] float32 = A [rows, K] (row stride lda) @ the packed block B ([K / 2][width][2])
+// over the whole K, in chunks of KC for a block of many rows.
+void gemm_block(int64_t rows, int64_t width, int64_t K, int64_t lda, const bf16* A,
+                const bf16* B, float* acc, int64_t ldc) {
+  const int64_t kc = rows < KC_MIN_ROWS ? K : KC;
+  for (int64_t k0 = 0; k0 < K; k0 += kc)
+    at::native::cpublas::brgemm(rows, width, std::min(kc, K - k0), lda, width, ldc,
+                                /*add_C=*/k0 > 0, A + k0, B + k0 * width, acc);
 }
 
 // acc [rows][ldacc] float32 (+ bias) -> out rows, columns [n0, n0 + nn), rounded to bfloat16.
@@ -160,8 +176,7 @@ torch::Tensor amx_gemm(torch::Tensor x, torch::Tensor packed, int64_t out_featur
   const int64_t N = out_features;
   for_each_block(op.M, (N + BN - 1) / BN, [&](int64_t m0, int64_t rows, int64_t nb, float* acc) {
     const int64_t n0 = nb * BN, width = std::min(BN, N - n0);
-    at::native::cpublas::brgemm(rows, width, op.K, op.lda, width, BN, /*add_C=*/false,
-                                op.A + m0 * op.lda, op.B + n0 * op.K, acc);
+    gemm_block(rows, width, op.K, op.lda, op.A + m0 * op.lda, op.B + n0 * op.K, acc, BN);
     store_block(acc, BN, rows, op.bias == nullptr ? nullptr : op.bias + n0, op.C + m0 * N + n0,
                 N, width);
   });
@@ -181,10 +196,8 @@ torch::Tensor amx_gemm_silu_and_mul(torch::Tensor x, torch::Tensor packed, int64
   for_each_block(op.M, d / BN, [&](int64_t m0, int64_t rows, int64_t nb, float* acc) {
     const int64_t n0 = nb * BN;
     float* acc_up = acc + BM_MAX * BN;
-    at::native::cpublas::brgemm(rows, BN, op.K, op.lda, BN, BN, /*add_C=*/false,
-                                op.A + m0 * op.lda, op.B + n0 * op.K, acc);
-    at::native::cpublas::brgemm(rows, BN, op.K, op.lda, BN, BN, /*add_C=*/false,
-                                op.A + m0 * op.lda, op.B + (d + n0) * op.K, acc_up);
+    gemm_block(rows, BN, op.K, op.lda, op.A + m0 * op.lda, op.B + n0 * op.K, acc, BN);
+    gemm_block(rows, BN, op.K, op.lda, op.A + m0 * op.lda, op.B + (d + n0) * op.K, acc_up, BN);
     const float* bias_g = op.bias == nullptr ? nullptr : op.bias + n0;
     const float* bias_u = op.bias == nullptr ? nullptr : op.bias + d + n0;
     for (int64_t r = 0; r < rows; ++r) {
@@ -225,8 +238,8 @@ torch::Tensor amx_gemm_rope(torch::Tensor x, torch::Tensor packed, int64_t out_f
   for_each_block(op.M, N / head_dim, [&](int64_t m0, int64_t rows, int64_t nb, float* acc) {
     const int64_t n0 = nb * head_dim;
     for (int64_t j = 0; j < head_dim; j += BN)
-      at::native::cpublas::brgemm(rows, BN, op.K, op.lda, BN, head_dim, /*add_C=*/false,
-                                  op.A + m0 * op.lda, op.B + (n0 + j) * op.K, acc + j);
+      gemm_block(rows, BN, op.K, op.lda, op.A + m0 * op.lda, op.B + (n0 + j) * op.K, acc + j,
+                 head_dim);
     const float* bias_h = op.bias == nullptr ? nullptr : op.bias + n0;
     if (n0 >= rotated) {
       store_block(acc, head_dim, rows, bias_h, op.C + m0 * N + n0, N, head_dim);

@@ -169,13 +169,15 @@ needs_amx_gemm = pytest.mark.skipif(
 @needs_amx_gemm
 @pytest.mark.parametrize("rows", [1, 2, 17, 300, 1024])
 @pytest.mark.parametrize("out_features", [64, 200, 1000])
-def test_tile_gemm_rounds_an_fp32_sum_once(rows, out_features):
+@pytest.mark.parametrize("in_features", [96, 600])
+def test_tile_gemm_rounds_an_fp32_sum_once(rows, out_features, in_features):
     """The tile GEMM's copy, bias and all, at decode and prefill row counts, with output
-    widths that leave a narrower last block (200, 1000) and none (64): within bfloat16's
-    half-ulp of the exact product of the same bfloat16 values."""
-    gen = torch.Generator().manual_seed(rows * out_features)
-    x = torch.randn(rows, 96, generator=gen).to(torch.bfloat16)
-    weight = torch.randn(out_features, 96, generator=gen).to(torch.bfloat16)
+    widths that leave a narrower last block (200, 1000) and none (64), and an input width
+    that a block of many rows takes in several chunks with a shorter last (600): within
+    bfloat16's half-ulp of the exact product of the same bfloat16 values."""
+    gen = torch.Generator().manual_seed(rows * out_features + in_features)
+    x = torch.randn(rows, in_features, generator=gen).to(torch.bfloat16)
+    weight = torch.randn(out_features, in_features, generator=gen).to(torch.bfloat16)
     b = torch.randn(out_features, generator=gen).to(torch.bfloat16)
     copy = kernels.pack_skinny_weight(weight)
     assert cpu_gemm.is_amx_copy(copy) and copy.numel() == weight.numel()
@@ -188,15 +190,16 @@ def test_tile_gemm_rounds_an_fp32_sum_once(rows, out_features):
 @needs_amx_gemm
 @pytest.mark.parametrize("rows", [1, 17, 300, 1024])
 @pytest.mark.parametrize("d, bias", [(64, False), (192, True), (100, True)])
-def test_silu_and_mul_on_the_tile_gemm_matches_torch_s_ops(rows, d, bias):
+@pytest.mark.parametrize("in_features", [96, 600])
+def test_silu_and_mul_on_the_tile_gemm_matches_torch_s_ops(rows, d, bias, in_features):
     """silu(gate) * up of a gate | up projection: fused into the tile GEMM where both halves
     are whole column blocks (64, 192), the two ops elsewhere (100). Against torch's silu and
     product of the bf16-rounded exact projection: silu's result may round to the neighbouring
     bfloat16 (our silu is within float32 ulps of torch's), so two roundings' worth; and value
     for value the same as our unfused path."""
-    gen = torch.Generator().manual_seed(rows * d + bias)
-    x = torch.randn(rows, 96, generator=gen).to(torch.bfloat16)
-    weight = (torch.randn(2 * d, 96, generator=gen) / 4).to(torch.bfloat16)
+    gen = torch.Generator().manual_seed(rows * d + bias + in_features)
+    x = torch.randn(rows, in_features, generator=gen).to(torch.bfloat16)
+    weight = (torch.randn(2 * d, in_features, generator=gen) / 4).to(torch.bfloat16)
     b = torch.randn(2 * d, generator=gen).to(torch.bfloat16) if bias else None
     copy, packed = kernels.pack_skinny_weight(weight), kernels.pack_linear_weight(weight)
     fused = cpu_gemm.linear_silu_and_mul(x, packed, b, copy)
@@ -214,7 +217,8 @@ def test_silu_and_mul_on_the_tile_gemm_matches_torch_s_ops(rows, d, bias):
 @pytest.mark.parametrize("rows", [1, 17, 300, 1024])
 @pytest.mark.parametrize("head_dim, heads, bias", [(64, (4, 2, 2), False), (128, (2, 1, 1), True),
                                                    (80, (2, 1, 1), True)])
-def test_rope_on_the_tile_gemm_matches_torch_s_ops(rows, head_dim, heads, bias):
+@pytest.mark.parametrize("in_features", [96, 600])
+def test_rope_on_the_tile_gemm_matches_torch_s_ops(rows, head_dim, heads, bias, in_features):
     """A q | k | v projection with RoPE on q and k: fused into the tile GEMM where a head is
     one or two whole column blocks (64, 128), the two ops elsewhere (80). Against torch's
     rotate-half (kernels.reference) of the bf16-rounded exact projection at scattered
@@ -222,9 +226,9 @@ def test_rope_on_the_tile_gemm_matches_torch_s_ops(rows, head_dim, heads, bias):
     q_heads, k_heads, v_heads = heads
     out_features = (q_heads + k_heads + v_heads) * head_dim
     q_size, k_size = q_heads * head_dim, k_heads * head_dim
-    gen = torch.Generator().manual_seed(rows * head_dim + bias)
-    x = torch.randn(rows, 96, generator=gen).to(torch.bfloat16)
-    weight = (torch.randn(out_features, 96, generator=gen) / 4).to(torch.bfloat16)
+    gen = torch.Generator().manual_seed(rows * head_dim + bias + in_features)
+    x = torch.randn(rows, in_features, generator=gen).to(torch.bfloat16)
+    weight = (torch.randn(out_features, in_features, generator=gen) / 4).to(torch.bfloat16)
     b = torch.randn(out_features, generator=gen).to(torch.bfloat16) if bias else None
     positions = torch.randint(0, 4096, (rows,), generator=gen)
     inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
