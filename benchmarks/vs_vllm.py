@@ -25,7 +25,9 @@
   rounds of output tok/s (with the ratio to vLLM), TPOT p50 and TTFT p50, the startup time to
   healthy, the load average, and a roofline line: the weight bytes of a decode step over the read
   bandwidth measured now, beside pdcluster's decode step at batch 4 and 32
-  (benchmarks/step_time.py).
+  (benchmarks/step_time.py). Both are measured in a process started as the launcher starts
+  its workers (deploy/preload.py: tcmalloc, and huge pages where the kernel grants them), so
+  the bandwidth's sum reads memory on the same pages as the step's weights.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.append(str(ROOT / "benchmarks"))
 
-from step_time import measure  # noqa: E402
+from deploy.preload import worker_huge_pages, worker_preload  # noqa: E402
 from throughput import FULL, free_port, stop_server, wait_healthy, write_model  # noqa: E402
 
 VLLM_VENV = ROOT / "benchmarks" / ".venv-vllm"
@@ -178,9 +180,26 @@ def main() -> int:
                 print(f"round {round_ + 1}: {mode} ...", flush=True)
                 results[mode].append(run_mode(mode, model, args, seeds, Path(tmp)))
                 loads.append(os.getloadavg()[0])
-    roofline = measure(args.threads, [4, 32], 10)
+    roofline = measure_as_a_worker(args.threads)
     report(results, args, loads, roofline)
     return 0
+
+
+def measure_as_a_worker(threads: int) -> dict:
+    """benchmarks/step_time.py's measure at `threads` for decode batches 4 and 32, in a child
+    process with the worker actors' allocation environment. Returns its result; its decode
+    times are keyed by batch."""
+    env = dict(os.environ, **worker_preload("auto"), **worker_huge_pages("auto"))
+    code = ("import json, sys; sys.path[:0] = [sys.argv[1], sys.argv[1] + '/benchmarks']; "
+            "from step_time import measure; "
+            f"print(json.dumps(measure({threads}, [4, 32], 10)))")
+    out = subprocess.run([sys.executable, "-c", code, str(ROOT)], env=env, check=True,
+                         capture_output=True, text=True).stdout
+    result = json.loads(out.strip().splitlines()[-1])
+    result["decode_ms"] = {mode: {int(b): ms for b, ms in steps.items()}
+                           for mode, steps in result["decode_ms"].items()}
+    result["huge_pages"] = "THP_MEM_ALLOC_ENABLE" in env
+    return result
 
 
 def report(results: dict[str, list[dict]], args, loads: list[float], roofline: dict) -> None:
@@ -209,7 +228,8 @@ def report(results: dict[str, list[dict]], args, loads: list[float], roofline: d
     steps = ", ".join(f"batch {b} {ms:.1f} ms ({ms / bound:.2f}x)"
                       for b, ms in roofline["decode_ms"]["eager"].items())
     print(f"\nroofline: {roofline['weight_bytes'] / 1e6:.0f} MB of weights / "
-          f"{roofline['bandwidth'] / 1e9:.1f} GB/s read ({args.threads} threads) = "
+          f"{roofline['bandwidth'] / 1e9:.1f} GB/s read ({args.threads} threads"
+          f"{', huge pages' if roofline['huge_pages'] else ''}) = "
           f"{bound:.1f} ms per decode step; pdcluster decode step {steps}")
 
 

@@ -69,6 +69,9 @@ _SERVE_FLAGS = [
     ("--worker-preload", "worker_preload", str, "auto | none: start the workers with "
                                                  "tcmalloc preloaded where installed "
                                                  "(default auto)"),
+    ("--worker-huge-pages", "worker_huge_pages", str,
+     "auto | none: start the workers with torch's large CPU tensors on transparent huge "
+     "pages where the kernel grants them (default auto)"),
     ("--placement", "placement", str, "auto | resources | none: place workers by the Ray "
                                       "custom resources prefill/decode (default auto)"),
     ("--kv-bind", "kvstore.host", str, "KV store gRPC bind address (default 127.0.0.1; a "

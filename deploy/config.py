@@ -43,6 +43,9 @@ class ServeConfig(BaseModel):
         engine.cpu_bind.
     worker_preload (``--worker-preload``): "auto" starts the worker actors with tcmalloc
         preloaded where installed (deploy/preload.py); "none" preloads nothing.
+    worker_huge_pages (``--worker-huge-pages``): "auto" starts the worker actors with torch's
+        large CPU tensors on transparent huge pages where the kernel grants them
+        (deploy/preload.py); "none" leaves them on the kernel's default pages.
     colocated: each decode instance also prefills its requests (no prefill actors, no KV
         transfer) — for comparison and one-GPU deployments.
     drain_timeout_s: on SIGTERM the gateway stops admitting (503 + Retry-After, /health 503
@@ -111,6 +114,7 @@ class ServeConfig(BaseModel):
     placement: Literal["auto", "resources", "none"] = "auto"
     cpu_bind: str = "auto"
     worker_preload: Literal["auto", "none"] = "auto"
+    worker_huge_pages: Literal["auto", "none"] = "auto"
     log_level: str = "info"
     drain_timeout_s: float = Field(30.0, ge=0)
     max_inflight_requests: int = Field(256, ge=1)

@@ -18,7 +18,7 @@ from decode_worker.actor import DecodeWorker
 from deploy.config import ServeConfig
 from deploy import placement
 from deploy.local_ray import LocalRay, start_local_ray
-from deploy.preload import worker_preload
+from deploy.preload import worker_huge_pages, worker_preload
 from engine import cpu_binding
 from engine.config import EngineConfig, ModelConfig
 from engine.model import check_tensor_parallel
@@ -106,7 +106,8 @@ class Cluster:
         runtime_env = {"env_vars": {**worker_env_vars(cfg.log_level, cfg.log_format),
                                     **kernels.runtime_env_vars(cfg.engine.kernel_backend,
                                                                cfg.engine.device),
-                                    **worker_preload(cfg.worker_preload)}}
+                                    **worker_preload(cfg.worker_preload),
+                                    **worker_huge_pages(cfg.worker_huge_pages)}}
         for node_id, handle in self.kvstores.items():  # for /metrics: tiers G2/G3 per node
             self.registry.add(Instance(f"kvstore-{node_id[:12]}", "kvstore", handle))
         for i in range(0 if cfg.colocated else cfg.prefill_instances):

@@ -1,5 +1,6 @@
-"""What the worker processes preload: tcmalloc as their allocator, as vLLM's CPU guide
-recommends for its own workers.
+"""How the worker processes allocate memory: tcmalloc preloaded as their allocator, as vLLM's
+CPU guide recommends for its own workers, and torch's large CPU tensors (weights, KV cache) on
+transparent huge pages.
 
 Why: a decode step allocates and frees the same few activation sizes in every layer, which
 tcmalloc's per-thread caches serve without the locks and page faults glibc's malloc takes on
@@ -11,6 +12,13 @@ starts, so it goes on the worker actors' runtime environment; a cluster started 
 Intel's OpenMP runtime (libiomp5, which vLLM also preloads) is not: measured on our engine it
 gained nothing over tcmalloc with pinned threads, and a team of its spin-waiting threads that
 is not pinned lost a third of the throughput (benchmarks/RESULTS.md).
+
+Huge pages: a decode step streams every weight once, and on 4 KiB pages each 4 KiB costs a TLB
+miss, whose page walk is long under a hypervisor's nested paging. torch asks the kernel for
+transparent huge pages on its CPU allocations of 2 MiB or more when THP_MEM_ALLOC_ENABLE=1 is
+in its environment (c10's alloc_cpu, read once per process), which a kernel whose THP mode is
+"madvise" (a common default) grants. Both a plain read of memory and a decode step measured
+faster on them (benchmarks/RESULTS.md, "Weights and KV cache on huge pages").
 """
 
 from __future__ import annotations
@@ -21,6 +29,8 @@ import sys
 
 #: sonames searched in the dynamic linker's cache, in order of preference
 TCMALLOC_SONAMES = ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4")
+#: the kernel's transparent huge page mode: "[always] madvise never" with the current one
+THP_ENABLED = "/sys/kernel/mm/transparent_hugepage/enabled"
 
 
 def find_tcmalloc() -> str | None:
@@ -55,3 +65,28 @@ def worker_preload(mode: str) -> dict[str, str]:
     if found not in paths:
         paths.append(found)
     return {"LD_PRELOAD": ":".join(paths)}
+
+
+def transparent_huge_pages() -> bool:
+    """Whether this kernel grants transparent huge pages to a process that asks (madvise):
+    its mode (THP_ENABLED) is "always" or "madvise", not "never" or absent."""
+    try:
+        modes = open(THP_ENABLED).read()
+    except OSError:
+        return False
+    return "[never]" not in modes and "[" in modes
+
+
+def worker_huge_pages(mode: str) -> dict[str, str]:
+    """Environment variables that put a new worker process's large torch CPU tensors on
+    transparent huge pages.
+
+    mode: "auto" (where the kernel grants them, `transparent_huge_pages`) or "none"
+    (nothing). Returns {"THP_MEM_ALLOC_ENABLE": "1"} or {}. Raises ValueError for another
+    mode.
+    """
+    if mode not in ("auto", "none"):
+        raise ValueError(f"worker huge pages must be 'auto' or 'none', got {mode!r}")
+    if mode == "auto" and sys.platform.startswith("linux") and transparent_huge_pages():
+        return {"THP_MEM_ALLOC_ENABLE": "1"}
+    return {}

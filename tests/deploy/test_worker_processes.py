@@ -56,14 +56,19 @@ def test_each_engine_pins_its_threads_to_cores_no_other_engine_has(serve):  # no
         assert raylet and not _allowed_cpus(raylet[0].pid) & (pinned[0] | pinned[1])
 
 
-@pytest.mark.skipif(preload.find_tcmalloc() is None, reason="no tcmalloc installed")
-def test_engines_run_on_tcmalloc_and_the_gateway_as_started(serve):  # noqa: F811
+@pytest.mark.skipif(preload.find_tcmalloc() is None and not preload.transparent_huge_pages(),
+                    reason="no tcmalloc installed and no transparent huge pages")
+def test_engines_run_on_tcmalloc_and_huge_pages_and_the_gateway_as_started(serve):  # noqa: F811
     """The preload reaches the engine processes Ray starts (their memory maps name the
-    library); the gateway itself is left as it was started."""
+    library), and so does torch's switch to huge pages (their environment has it); the
+    gateway itself is left as it was started."""
     served = serve()
     engines = [p for p in served.tree if p.name().startswith(("ray::PrefillWorker",
                                                                "ray::DecodeWorker"))]
     assert engines
+    tcmalloc, huge_pages = preload.find_tcmalloc() is not None, preload.transparent_huge_pages()
     for engine in engines:
-        assert "libtcmalloc" in open(f"/proc/{engine.pid}/maps").read()
+        assert ("libtcmalloc" in open(f"/proc/{engine.pid}/maps").read()) == tcmalloc
+        assert engine.environ().get("THP_MEM_ALLOC_ENABLE") == ("1" if huge_pages else None)
     assert "libtcmalloc" not in open(f"/proc/{served.proc.pid}/maps").read()
+    assert "THP_MEM_ALLOC_ENABLE" not in psutil.Process(served.proc.pid).environ()
