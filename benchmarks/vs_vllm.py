@@ -47,7 +47,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.append(str(ROOT / "benchmarks"))
 
-from deploy.preload import worker_huge_pages, worker_preload  # noqa: E402
+from deploy.preload import find_tcmalloc, worker_huge_pages, worker_preload  # noqa: E402
 from throughput import FULL, free_port, stop_server, wait_healthy, write_model  # noqa: E402
 
 VLLM_VENV = ROOT / "benchmarks" / ".venv-vllm"
@@ -76,19 +76,11 @@ def setup_vllm() -> Path:
     return wrapper
 
 
-def tcmalloc() -> str | None:
-    found = subprocess.run(["ldconfig", "-p"], capture_output=True, text=True).stdout
-    for line in found.splitlines():
-        if "libtcmalloc_minimal.so.4 " in line:
-            return line.rsplit("=>", 1)[1].strip()
-    return None
-
-
 def vllm_command(model: Path, port: int, dtype: str, threads: int) -> tuple[list[str], dict]:
     wrapper = setup_vllm()
     env = dict(os.environ, VLLM_TARGET_DEVICE="cpu", VLLM_CPU_KVCACHE_SPACE="1",
                VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}")
-    preload = [p for p in (tcmalloc(), str(VLLM_VENV / "lib" / "libiomp5.so"))
+    preload = [p for p in (find_tcmalloc(), str(VLLM_VENV / "lib" / "libiomp5.so"))
                if p and Path(p).exists()]
     if preload:
         env["LD_PRELOAD"] = ":".join(preload)
@@ -165,7 +157,7 @@ def main() -> int:
         if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
             print("bfloat16: skipped (this CPU has neither AVX-512-bf16 nor AMX)")
             return 0
-    if "vllm" in modes and shutil.which("ldconfig") and tcmalloc() is None:
+    if "vllm" in modes and shutil.which("ldconfig") and find_tcmalloc() is None:
         print("note: tcmalloc not found (apt-get install libtcmalloc-minimal4); vLLM runs without")
     results: dict[str, list[dict]] = {mode: [] for mode in modes}
     seeds = iter(range(1000, 100000))
