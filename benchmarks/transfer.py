@@ -1,7 +1,7 @@
 """KV block-transfer throughput: grpc and torch/gloo against a raw TCP socket, over loopback.
 
     .venv/bin/python benchmarks/transfer.py [--sizes 64K,256K,1M,4M,16M,64M] [--block-kib 64]
-        [--floor] [--mooncake]
+        [--floor] [--mooncake [--te-split 4,16]]
 
 Each request moves ``size`` bytes (``size / block`` blocks) from a server process to this
 process into a preallocated buffer, request/response, one request at a time:
@@ -20,12 +20,16 @@ process into a preallocated buffer, request/response, one request at a time:
   client pulls. ``te`` is TE's best pattern, one contiguous read of ``size`` bytes; ``te-blocks``
   reads the same bytes as one batch of ``block``-sized reads from scattered source blocks
   into consecutive destination blocks, the pattern a paged cache gives a connector.
+  ``te-split N`` reads the contiguous bytes as N concurrent reads (``--te-split``; async, each
+  polled without blocking every ``_POLL_S``): TE's TCP transport moves each on its own
+  connection.
   ``pdc-te`` is pdcluster's ``--kv-transfer mooncake`` path: a MooncakeConnector offered the
   request's blocks of a paged cache (8 layers) in a layer-major region, and a
   MooncakeTransferBackend receiver reads it into consecutive blocks of the client's registered
-  paged cache (one piece per layer and K|V) and writes the release word. ``pdc-te scattered``
-  is the same into scattered destination blocks (a cache's free blocks, the usual case): one
-  read into the receiver's registered buffer, then a copy per layer and K|V.
+  paged cache and writes the release word. ``pdc-te scattered`` is the same into scattered
+  destination blocks (a cache's free blocks, the usual case). Over TCP both read the region
+  into the receiver's registered buffer in a few concurrent pieces, then copy per layer and
+  K|V. "best TE" is the fastest of ``te`` and the ``te-split`` rows.
 
 GB/s = 1e9 bytes per second; each cell is the median of ``--rounds`` rounds that interleave the
 backends (the load of a shared machine swings), ``--min-time`` seconds per cell in all.
@@ -35,6 +39,7 @@ The bar the KV pool aims at: grpc >= 0.5x raw at >= 1 MiB. Prints a Markdown tab
 from __future__ import annotations
 
 import argparse
+import functools
 import multiprocessing as mp
 import os
 import socket
@@ -278,8 +283,8 @@ def _receiver_client(backend, address: str, dest: torch.Tensor, keys: list[bytes
     return fetch
 
 
-def _te_clients(segment: str, remote_base: int, dest: torch.Tensor,
-                block_nbytes: int) -> dict[str, Callable[[int], None]]:
+def _te_clients(segment: str, remote_base: int, dest: torch.Tensor, block_nbytes: int,
+                splits: list[int]) -> dict[str, Callable[[int], None]]:
     engine = _te_engine()
     if engine.register_memory(dest.data_ptr(), dest.nbytes) != 0:
         raise RuntimeError("Mooncake register_memory failed")
@@ -299,10 +304,30 @@ def _te_clients(segment: str, remote_base: int, dest: torch.Tensor,
                                            [block_nbytes] * n) != 0:
             raise RuntimeError("Mooncake batch read failed")
 
+    def split(size: int, count: int) -> None:
+        piece = size // count
+        batches = [engine.batch_transfer_async_read(segment, [dest.data_ptr() + i * piece],
+                                                    [remote_base + i * piece], [piece])
+                   for i in range(count)]
+        while batches:
+            statuses = [engine.transfer_check_status(b) for b in batches]
+            if any(s < 0 for s in statuses):
+                raise RuntimeError("Mooncake split read failed")
+            batches = [b for b, s in zip(batches, statuses) if s == 0]
+            if batches:
+                time.sleep(_POLL_S)
+
     blocks(dest.nbytes)  # the bytes land where they should before anything is timed
     if not torch.equal(dest, _blocks(num_blocks, dest.shape[1])[order]):
         raise RuntimeError("Mooncake batch read delivered the wrong bytes")
-    return {"te": contiguous, "te-blocks": blocks}
+    clients = {"te": contiguous, "te-blocks": blocks}
+    for count in splits:
+        dest.zero_()
+        split(dest.nbytes, count)
+        if not torch.equal(dest, _blocks(num_blocks, dest.shape[1])):
+            raise RuntimeError("Mooncake split read delivered the wrong bytes")
+        clients[f"te-split{count}"] = functools.partial(split, count=count)
+    return clients
 
 
 def _measure(fetch: Callable[[int], None], size: int, min_time_s: float) -> float:
@@ -352,7 +377,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--mooncake", action="store_true",
                         help="add Mooncake's Transfer Engine over TCP: one contiguous read, "
                              "and a batch of block reads (pdcluster[mooncake] extra)")
+    parser.add_argument("--te-split", default="4,16",
+                        help="with --mooncake: bare TE reading the contiguous bytes as this "
+                             "many concurrent reads (comma-separated counts)")
     args = parser.parse_args(argv)
+    splits = [int(n) for n in args.te_split.split(",") if n]
 
     from kvstore.transfer.grpc_backend import GrpcTransferBackend
     from kvstore.transfer.torch_dist import TorchTransferBackend
@@ -398,7 +427,7 @@ def main(argv: list[str] | None = None) -> None:
         te_proc, (segment, remote_base) = _spawn(_te_server, num_blocks, block_elems)
         procs.append(te_proc)
         te_dest = torch.zeros(num_blocks, block_elems)  # its own buffer, registered with TE
-        clients |= _te_clients(segment, remote_base, te_dest, block_nbytes)
+        clients |= _te_clients(segment, remote_base, te_dest, block_nbytes, splits)
         pdc_proc, regions = _spawn(_pdc_te_server, sizes, block_nbytes)
         procs.append(pdc_proc)
         clients["pdc-te"] = _pdc_te_client(regions, block_nbytes)
@@ -410,8 +439,11 @@ def main(argv: list[str] | None = None) -> None:
     header = "| size | raw socket GB/s | grpc GB/s | grpc/raw |"
     header += "" if args.no_gloo else " gloo GB/s | gloo/raw |"
     header += " grpc floor GB/s | floor/raw |" if args.floor else ""
-    header += (" TE GB/s | TE/raw | TE blocks GB/s | TE blocks/raw | pdc-te GB/s | "
-               "pdc-te/raw | pdc-te scattered GB/s | scattered/raw |" if args.mooncake else "")
+    if args.mooncake:
+        header += " TE GB/s | TE/raw | TE blocks GB/s | TE blocks/raw |"
+        header += "".join(f" TE split {n} GB/s | TE split {n}/raw |" for n in splits)
+        header += (" pdc-te GB/s | pdc-te/raw | pdc-te scattered GB/s | scattered/raw | "
+                   "pdc-te/best TE | scattered/best TE |")
     print(header)
     print("|" + "---|" * (header.count("|") - 1))
     try:
@@ -423,9 +455,13 @@ def main(argv: list[str] | None = None) -> None:
                 row += f" {gbps['gloo']:.2f} | {gbps['gloo'] / gbps['raw']:.2f} |"
             if "floor" in gbps:
                 row += f" {gbps['floor']:.2f} | {gbps['floor'] / gbps['raw']:.2f} |"
-            for name in ("te", "te-blocks", "pdc-te", "pdc-te-scattered"):
+            te_rows = ["te", "te-blocks", *(f"te-split{n}" for n in splits)]
+            for name in (*te_rows, "pdc-te", "pdc-te-scattered"):
                 if name in gbps:
                     row += f" {gbps[name]:.2f} | {gbps[name] / gbps['raw']:.2f} |"
+            if "te" in gbps:
+                best = max(gbps[name] for name in te_rows if name != "te-blocks")
+                row += (f" {gbps['pdc-te'] / best:.2f} | {gbps['pdc-te-scattered'] / best:.2f} |")
             print(row, flush=True)
     finally:
         grpc_backend.close()

@@ -1,31 +1,36 @@
 """Mooncake Transfer Engine backend (``--kv-transfer mooncake``): the decode side pulls a
-request's KV out of memory the prefill side registered with its Transfer Engine (TE), straight
-into the decode's own registered paged cache. One-sided: the prefill's CPU takes no part once
-the region is published.
+request's KV out of memory the prefill side registered with its Transfer Engine (TE) into its
+own registered memory: its paged cache, or a receive buffer it copies from. One-sided: the
+prefill's CPU takes no part once the region is published.
 
 Flow of one transfer::
 
     prefill: MooncakeConnector copies the prompt's blocks into a leased region of its
              registered staging buffer, layer-major; RemoteRegion --(PrefillResult, Ray)-->
-    decode:  MooncakeKVReceiver.start(FetchRequest(region=...), CacheDest)
-             -> destination blocks consecutive: one TE batch read straight into the cache,
-                one piece per (layer, K|V) (the region holds each (layer, K|V)
+    decode:  MooncakeKVReceiver.start(FetchRequest(region=...), CacheDest) submits the reads:
+             -> destination blocks in a few runs of consecutive blocks: straight into the
+                cache, one read per (layer, K|V) and run (the region holds each (layer, K|V)
                 contiguously, as the cache holds each layer's K or V)
-             -> scattered: one TE read of the whole region into a registered receive
-                buffer, then one local copy per (layer, K|V) into the blocks
-             -> writes the region's generation into its release word (a TE write): the
-                prefill may reuse the region
+             -> scattered: the region into a registered receive buffer as a few concurrent
+                reads; as TE reports each, one local copy per (layer, K|V) it carries
+             MooncakeKVReceiver.poll asks TE whether the reads are done (landing staged ones)
+             and settles; then it writes the region's generation into its release word (a
+             TE write): the prefill may reuse the region
 
 Layout of a region: [layers, 2 (K, V), num_blocks, block_size, kv_heads, head_dim], the wire
 block layout with the block axis moved inside, so that each (layer, K|V) of a request is one
 contiguous span, as each layer's K or V of a paged cache is ([num_blocks, block_size, kv_heads,
 head_dim] per layer).
 
-Why scattered blocks are staged: TE's TCP transport opens a connection per piece (and a
-request's pieces are its (layer, K|V) spans times its runs of consecutive blocks), so a read
-of one piece per block costs a connection per 64 KiB-ish piece, far more than the local copy
-(benchmarks/RESULTS.md). The receive buffers are registered once and reused
-(``KVTransferConfig.receive_buffer_bytes``).
+Why scattered blocks are staged: TE's TCP transport opens a connection per read, and a read
+per block would cost far more than the local copy (benchmarks/RESULTS.md). The receive
+buffers are registered once and reused (``KVTransferConfig.receive_buffer_bytes``).
+
+Why no thread per read: TE's sync calls spin on a core until the read is done, beside TE's
+own I/O threads, and a thread that settles the read must then win the GIL from the engine
+loop. A read is submitted on the caller's thread and checked without blocking; only the first
+read from a peer goes on a thread of its own, as TE's handshake with a silent peer blocks for a
+minute.
 
 Where the decode cache is not host memory this process can hand to TE (a CUDA cache with the
 CPU build, or a tensor-parallel view that scatters heads over ranks), the region is pulled
@@ -34,8 +39,9 @@ whole into a receive buffer the same way and written with ``dest.write_tensor``.
 Quarantine: TE cannot cancel a transfer in flight, so while a read is in flight the receiver
 does not fail at its deadline or on abort: bytes may still land in the destination blocks. It
 settles (SUCCESS, or FAILED with the timeout or the abort that came meanwhile) only once TE
-reported the read done, failed or timed out; the engine does not reuse the blocks before the
-fetch settled. TE's own timeout (``MC_TRANSFER_TIMEOUT``) is set from ``timeout_s``.
+reported the read done, failed or timed out, or TE's own timeout passed
+(``MC_TRANSFER_TIMEOUT``, set from ``timeout_s``, plus a nanosecond per byte: where TE's sync
+reads give up); the engine does not reuse the blocks before the fetch settled.
 
 Leases: the prefill frees a region once the decode wrote its release word, or once its lease
 ran out (``expires_at``, wall clock). A receiver starts only if its whole deadline ends before
@@ -63,7 +69,7 @@ from dataclasses import dataclass
 import torch
 
 from kvstore.config import KVStoreConfig, KVTransferConfig
-from kvstore.errors import BlockLayoutError, KVTransferError, KVTransferTimeout
+from kvstore.errors import BlockLayoutError, KVStoreError, KVTransferError, KVTransferTimeout
 from kvstore.layout import DTYPE_ITEMSIZE
 from kvstore.transfer.base import FetchRequest, KVReceiver, KVTransferBackend, TransferState
 from kvstore.transfer.dest import CacheDest, CallbackDest
@@ -74,6 +80,15 @@ from kvstore.transfer.te_bind import confine_listeners
 LEASE_MARGIN_S = 2.0
 #: TE's own floor for MC_TRANSFER_TIMEOUT (it ignores less).
 _TE_MIN_TIMEOUT_S = 5
+#: A read straight into the cache takes one TE read per (layer, K|V) and run of consecutive
+#: blocks; past this many, the region is staged instead (TE's TCP transport connects per read).
+MAX_DIRECT_READS = 64
+#: A staged read goes as this many concurrent TE reads at most, each this long at least
+#: (a few at once move more than one alone over TE's TCP transport).
+READ_PIECES = 16
+MIN_PIECE_BYTES = 64 << 10
+#: What TE's async submit returns for a batch it did not start (0 now; -1 as unsigned before).
+_TE_NO_BATCH = (0, 2**64 - 1)
 _MISSING = ("--kv-transfer mooncake needs Mooncake's Transfer Engine: pip install "
             "'pdcluster[mooncake]' (or [mooncake-cuda]), and the OS package libibverbs1")
 
@@ -181,7 +196,13 @@ class MooncakeTransferBackend(KVTransferBackend):
         self._engine = None
         self._registered: dict[int, object] = {}  # id(cache) -> cache (kept alive)
         self._release_words: torch.Tensor | None = None
-        self._next_word = 0
+        self._free_words: list[int] = []  # release words no write is reading
+        self._releases: list[tuple[int, int]] = []  # (TE batch, word) of writes under way
+        self._open_sessions: set[str] = set()  # peers TE has handshaken with
+        #: TE's own timeout (MC_TRANSFER_TIMEOUT as new_transfer_engine sets it), seconds
+        self.te_timeout_s = float(max(_TE_MIN_TIMEOUT_S, math.ceil(config.timeout_s)))
+        self._probe_word = torch.zeros(1, dtype=torch.int64)  # where `probe` reads into
+        self._abandoned: list[torch.Tensor] = []  # receive buffers TE may still write
         self._free_buffers: list[torch.Tensor] = []  # kept receive buffers, idle
         self._kept: set[int] = set()  # data_ptr of every kept receive buffer
         self._buffer_bytes = 0  # their bytes, idle or not
@@ -192,8 +213,37 @@ class MooncakeTransferBackend(KVTransferBackend):
             if self._engine is None:
                 self._engine = new_transfer_engine(self.config)
                 self._release_words = torch.zeros(256, dtype=torch.int64)
-                register(self._engine, [self._release_words])
+                self._free_words = list(range(len(self._release_words)))
+                register(self._engine, [self._release_words, self._probe_word])
             return self._engine
+
+    def is_open(self, session: str) -> bool:
+        """Whether a read from ``session`` went out before (TE keeps the handshake)."""
+        with self._lock:
+            return session in self._open_sessions
+
+    def mark_open(self, session: str, is_open: bool) -> None:
+        """Record whether ``session`` answers: after a failed read, the next read from it
+        handshakes again, off the caller's thread (a restarted peer may be silent)."""
+        with self._lock:
+            if is_open:
+                self._open_sessions.add(session)
+            else:
+                self._open_sessions.discard(session)
+
+    def probe(self, region: RemoteRegion) -> bool:
+        """Read ``region``'s release word (8 bytes, blocking): TE's handshake with its source,
+        which blocks for as long as TE's handshake timeout on a peer that does not answer.
+        True when the source answered."""
+        engine = self.engine()
+        return engine.transfer_sync_read(region.session, self._probe_word.data_ptr(),
+                                         region.release_address, 8) == 0
+
+    def abandon(self, buffer: torch.Tensor) -> None:
+        """Keep ``buffer`` from ``take_buffer`` alive and registered but never reuse it: a
+        read TE gave up on may still write into it."""
+        with self._lock:
+            self._abandoned.append(buffer)
 
     def direct_cache(self, dest: CallbackDest):
         """The host paged cache (per-layer ``k`` / ``v`` tensors) ``dest`` lands in, registered
@@ -246,30 +296,63 @@ class MooncakeTransferBackend(KVTransferBackend):
         self.engine().unregister_memory(buffer.data_ptr())
 
     def release(self, region: RemoteRegion) -> None:
-        """Tell the source it may reuse ``region`` (a TE write of its generation into its
-        release word). Best effort: a source that does not hear it frees the region when the
-        lease ends."""
+        """Tell the source it may reuse ``region``: a TE write of its generation into its
+        release word, started and not waited for. Best effort: a source that does not hear it
+        (gone, or every local release word busy) frees the region when the lease ends."""
         engine = self.engine()
         with self._lock:
-            slot = self._next_word % len(self._release_words)
-            self._next_word += 1
-            self._release_words[slot] = region.generation
-        # a non-zero status is a source that went away: its regions went with it
-        engine.transfer_sync_write(region.session, self._release_words[slot:].data_ptr(),
-                                   region.release_address, 8)
+            self._reap_releases(engine)
+            if not self._free_words:
+                return
+            word = self._free_words.pop()
+            self._release_words[word] = region.generation
+        batch = engine.batch_transfer_async_write(
+            region.session, [self._release_words[word:].data_ptr()], [region.release_address],
+            [8])
+        with self._lock:
+            if batch in _TE_NO_BATCH:  # a source that went away: its regions went with it
+                self._free_words.append(word)
+            else:
+                self._releases.append((batch, word))
+
+    def _reap_releases(self, engine) -> None:
+        """Free the release words whose write TE reported (under the lock)."""
+        pending = []
+        for batch, word in self._releases:
+            status = engine.transfer_check_status(batch)
+            if status == 0:
+                pending.append((batch, word))
+            elif status != -2:  # a write TE timed out may still read its word: keep it
+                self._free_words.append(word)
+        self._releases = pending
 
     def create_receiver(self) -> MooncakeKVReceiver:
         return MooncakeKVReceiver(self)
 
 
 class MooncakeKVReceiver(KVReceiver):
-    """One pull of a RemoteRegion into its destination (see the module docstring)."""
+    """One pull of a RemoteRegion into its destination (see the module docstring). No thread
+    of its own: ``start`` submits the reads and ``poll`` asks TE how they stand, so the time
+    from a read landing to the fetch settling is the caller's poll interval."""
 
     def __init__(self, backend: MooncakeTransferBackend):
         super().__init__()
         self._backend = backend
         self._in_flight = False  # a TE read may be writing into the destination
         self._late: KVTransferError | None = None  # timeout or abort seen while in flight
+        self._region: RemoteRegion | None = None
+        self._dest: CallbackDest | None = None
+        self._cache = None  # the registered host cache a staged read is copied into
+        self._runs: list[tuple[int, int, int]] = []  # ... its runs of consecutive blocks
+        self._index: torch.Tensor | None = None  # ... its block ids, where runs are many
+        self._buffer: torch.Tensor | None = None  # the receive buffer of a staged read
+        self._staged: torch.Tensor | None = None  # ... as [layers * 2, num_blocks, *block]
+        self._pieces: list[tuple[int, int]] = []  # ... the spans each read carries
+        # unreported TE batch -> its read (index into the plan); None: not submitted yet
+        self._batches: dict[int, int] | None = None
+        self._refused: bool | Exception = False  # TE refused or failed a read (or raised)
+        self._te_deadline = 0.0  # time.monotonic() when TE's own timeout passes
+        self._connected = False  # the reads are being submitted or were
 
     def start(self, request: FetchRequest, dest: CallbackDest) -> None:
         """Raises BlockLayoutError when ``request.region`` does not match ``dest``."""
@@ -281,27 +364,51 @@ class MooncakeKVReceiver(KVReceiver):
             raise BlockLayoutError(
                 f"region holds {region.num_blocks} x {region.block_shape} {region.dtype}, the "
                 f"destination {dest.num_blocks} x {dest.block_shape} {dest.wire_dtype}")
-        dest = self._accept(request, dest, self._backend.config.timeout_s)
+        self._dest = self._accept(request, dest, self._backend.config.timeout_s)
+        self._region = region
+        try:
+            reads = self._plan(region, dest)
+        except Exception as exc:  # noqa: BLE001 — a typed FAILED, as for a failed read
+            self._fail(exc if isinstance(exc, KVStoreError) else
+                       KVTransferError(f"{self._describe()}: {exc!r}", address=region.session))
+            if self._backend.is_open(region.session):
+                self._guarded(self._backend.release, region)  # it will not be read
+            return
+        connected = self._backend.is_open(region.session)
         with self._lock:
-            self._in_flight = True
-        threading.Thread(target=self._run, args=(region, dest), daemon=True,
-                         name="kv-mooncake-read").start()
+            self._in_flight, self._connected = True, connected
+        if connected:
+            self._submit(reads)
+        else:
+            # TE's first handshake with a peer blocks (a minute on a silent one): made by a
+            # probe on a thread of its own; the reads follow unless the receiver gave up
+            threading.Thread(target=self._connect, args=(reads,), daemon=True,
+                             name="kv-mooncake-connect").start()
 
     def poll(self) -> TransferState:
         """As KVReceiver.poll, except that a read in flight neither times out nor aborts here:
-        it settles when TE returns (see Quarantine in the module docstring)."""
+        it settles when TE reports it (see Quarantine in the module docstring)."""
         with self._lock:
             if self._in_flight:
-                if self._late is None and self._deadline is not None \
-                        and time.monotonic() > self._deadline:
+                now = time.monotonic()
+                if self._late is None and self._deadline is not None and now > self._deadline:
                     self._late = KVTransferTimeout(f"{self._describe()} exceeded its deadline",
                                                    address=self._address())
-                return self._state
-        return super().poll()
+                if self._batches is None:  # no read submitted yet
+                    if self._late is None or self._connected:
+                        return self._state
+                    self._batches = {}  # connecting: give up; `_connect` submits nothing
+                elif not self._reported(now):
+                    return self._state
+                self._in_flight = False
+            else:
+                return super().poll()
+        self._settle()
+        return self._state
 
     def abort(self) -> None:
         """Stop the pull. While a TE read is in flight it returns at once and the receiver
-        settles FAILED when the read returns (bytes may land until then: poll until done)."""
+        settles FAILED once TE reported the read (bytes may land until then: poll until done)."""
         with self._lock:
             if self._in_flight:
                 if self._late is None:
@@ -310,61 +417,149 @@ class MooncakeKVReceiver(KVReceiver):
                 return
         super().abort()
 
-    def _run(self, region: RemoteRegion, dest: CallbackDest) -> None:
-        try:
-            ok = self._guarded(self._pull, region, dest)
-        finally:
-            with self._lock:
-                self._in_flight = False
-                late = self._late
-        if ok and late is not None:
-            self._fail(late)
-        elif ok:
-            self._succeed()
-        # after settling: the request need not wait for the source to hear it
-        self._guarded(self._backend.release, region)
-
-    def _pull(self, region: RemoteRegion, dest: CallbackDest) -> None:
+    def _plan(self, region: RemoteRegion, dest: CallbackDest) -> list[tuple[int, int, int]]:
+        """The reads, (destination address, source address, length): straight into the
+        registered cache where that takes at most MAX_DIRECT_READS, else the region into a
+        receive buffer in a few concurrent pieces, each landed (`_land`) as soon as TE
+        reports it."""
         if time.time() + self._remaining_s() > region.expires_at - LEASE_MARGIN_S:
             raise KVTransferError(f"{self._describe()}: the source's lease ends before this "
                                   f"transfer's deadline", address=region.session)
         backend = self._backend
-        engine = backend.engine()
         cache = backend.direct_cache(dest)
         runs = _runs(dest.block_ids, cache.num_blocks) if cache is not None else []
-        if len(runs) == 1:
-            self._read(engine, region, *_cache_pieces(region, cache, runs))
-        else:
-            self._read_staged(engine, region, dest, cache)
-        self._add_bytes(region.nbytes)
+        if runs and len(runs) * 2 * region.block_shape[0] <= MAX_DIRECT_READS:
+            return list(zip(*_cache_pieces(region, cache, runs)))
+        self._cache, self._runs = cache, runs
+        if len(runs) > 4:
+            self._index = torch.tensor(dest.block_ids, dtype=torch.int64)
+        self._buffer = backend.take_buffer(region.nbytes)
+        layers, kv, *block = region.block_shape
+        self._staged = self._buffer[:region.nbytes].view(dest.dtype).view(
+            layers * kv, region.num_blocks, *block)
+        extent = region.num_blocks * region.span_nbytes
+        self._pieces = _split(layers * kv, extent)
+        base = self._buffer.data_ptr()
+        return [(base + first * extent, region.address + first * extent, (end - first) * extent)
+                for first, end in self._pieces]
 
-    def _read(self, engine, region: RemoteRegion, dst: list[int], src: list[int],
-              lengths: list[int]) -> None:
-        if engine.batch_transfer_sync_read(region.session, dst, src, lengths) != 0:
-            raise KVTransferError(f"{self._describe()}: Transfer Engine read failed or timed "
-                                  f"out", address=region.session)
-
-    def _read_staged(self, engine, region: RemoteRegion, dest: CallbackDest, cache) -> None:
-        """The whole region in one read into a receive buffer, then into the destination:
-        one copy per (layer, K|V) into ``cache``'s blocks, or ``dest.write_tensor``."""
-        backend = self._backend
-        buffer = backend.take_buffer(region.nbytes)
+    def _connect(self, reads: list[tuple[int, int, int]]) -> None:
+        """The first read from a peer: TE's handshake, by an 8-byte probe of the region's
+        release word, then the reads unless the receiver gave up meanwhile (its deadline or
+        an abort: nothing is in flight, so it settles at once)."""
+        region = self._region
         try:
-            self._read(engine, region, [buffer.data_ptr()], [region.address], [region.nbytes])
-            layers, kv, *block = region.block_shape
-            staged = buffer[:region.nbytes].view(dest.dtype).view(
-                layers, kv, region.num_blocks, *block)
-            if cache is not None:
-                index = torch.tensor(dest.block_ids, dtype=torch.int64)
-                for layer in range(layers):
-                    for which, tensors in enumerate((cache.k, cache.v)):
-                        tensors[layer].index_copy_(0, index, staged[layer, which])
-            else:
-                self._write(dest.write_tensor, 0,
-                            staged.permute(2, 0, 1, *range(3, staged.dim())))
+            reached = self._backend.probe(region)
+        except Exception:  # noqa: BLE001 — an unreachable peer, reported by the reads
+            reached = False
+        with self._lock:
+            if self._batches is not None:  # gave up while connecting
+                return
+            if not reached:
+                self._refused, self._batches = True, {}
+                return
+            self._connected = True  # from here poll waits for the reads
+        self._backend.mark_open(region.session, True)
+        self._submit(reads)
+
+    def _submit(self, reads: list[tuple[int, int, int]]) -> None:
+        """Start each read as a TE batch of its own (TE reports a batch's first piece only
+        without blocking)."""
+        region = self._region
+        batches: dict[int, int] = {}
+        refused: bool | Exception = False
+        try:
+            engine = self._backend.engine()
+            for read, (dst, src, length) in enumerate(reads):
+                batch = engine.batch_transfer_async_read(region.session, [dst], [src], [length])
+                if batch in _TE_NO_BATCH:
+                    refused = True
+                    break
+                batches[batch] = read
+        except Exception as exc:  # noqa: BLE001 — a library error is a failed read
+            refused = exc
+        with self._lock:
+            self._refused = refused
+            # as TE's own sync reads give up: its timeout plus a nanosecond per byte
+            self._te_deadline = (time.monotonic() + self._backend.te_timeout_s
+                                 + region.nbytes * 1e-9)
+            self._batches = batches
+
+    def _reported(self, now: float) -> bool:
+        """Whether TE reported every batch; a staged read into the cache is landed as it is
+        reported, while the others are still in flight. Under the lock: a batch is checked
+        until TE reports it, never after (TE frees it then)."""
+        engine = self._backend.engine()
+        pending = {}
+        for batch, read in self._batches.items():
+            status = engine.transfer_check_status(batch)
+            if status == 0:
+                pending[batch] = read
+            elif status < 0:  # failed (TE freed it) or timed out in TE
+                self._refused = True
+            elif self._cache is not None and not self._refused and self._late is None:
+                try:
+                    self._land(*self._pieces[read])
+                except Exception as exc:  # noqa: BLE001 — settles FAILED, as a failed read
+                    self._refused = exc
+        self._batches = pending
+        if pending and now > self._te_deadline:
+            # TE's sync reads would have returned a failure here; its reads may still land
+            # in the receive buffer, which is therefore never reused
+            self._refused = True
+            if self._buffer is not None:
+                self._backend.abandon(self._buffer)
+                self._buffer = self._staged = None
+            return True
+        return not pending
+
+    def _settle(self) -> None:
+        region, late = self._region, self._late
+        try:
+            if self._refused:
+                self._backend.mark_open(region.session, False)
+                cause = f": {self._refused!r}" if isinstance(self._refused, Exception) else ""
+                self._fail(KVTransferError(f"{self._describe()}: Transfer Engine read failed "
+                                           f"or timed out{cause}", address=region.session))
+            elif late is not None:
+                self._fail(late)
+            elif self._buffer is None or self._cache is not None or self._guarded(
+                    self._write, self._dest.write_tensor, 0,
+                    self._staged.unflatten(0, tuple(region.block_shape[:2])).movedim(2, 0)):
+                self._add_bytes(region.nbytes)
+                self._succeed()
         finally:
-            # after the read settled and the copies ended: TE no longer writes into it
-            backend.give_buffer(buffer)
+            if self._buffer is not None:
+                self._backend.give_buffer(self._buffer)  # TE no longer writes into it
+                self._buffer = self._staged = None
+        # after settling: the request need not wait for the source to hear it; a peer never
+        # reached is not written to (TE would handshake again, on this thread)
+        if self._backend.is_open(region.session):
+            self._guarded(self._backend.release, region)
+
+    def _land(self, first: int, end: int) -> None:
+        """Spans ``[first, end)`` of the staged region (one (layer, K|V) each) into the
+        registered cache: a copy per run of consecutive blocks, or one index copy when there
+        are many runs."""
+        cache = self._cache
+        for span in range(first, end):
+            layer, which = divmod(span, 2)
+            target, source = (cache.v if which else cache.k)[layer], self._staged[span]
+            if self._index is not None:
+                target.index_copy_(0, self._index, source)
+                continue
+            for position, block, count in self._runs:
+                target[block:block + count].copy_(source[position:position + count])
+
+
+def _split(spans: int, span_nbytes: int) -> list[tuple[int, int]]:
+    """``spans`` consecutive spans of ``span_nbytes`` as up to READ_PIECES reads of whole
+    spans, each of at least MIN_PIECE_BYTES where there are enough bytes: [(first span, end
+    span)]. TE's TCP transport moves each read on a connection of its own, and a few at once
+    move more than one alone (benchmarks/RESULTS.md)."""
+    count = max(1, min(READ_PIECES, spans, spans * span_nbytes // MIN_PIECE_BYTES))
+    bounds = [spans * i // count for i in range(count + 1)]
+    return list(zip(bounds[:-1], bounds[1:]))
 
 
 def _cache_pieces(region: RemoteRegion, cache, runs: Sequence[tuple[int, int, int]]

@@ -34,6 +34,7 @@ from tests.integration.test_kv_transfer_backends import (  # noqa: F401 — the 
 pytest.importorskip("mooncake.engine", reason="needs pdcluster[mooncake] and libibverbs1")
 
 from kvstore.connector.mooncake import MooncakeConnector, RegionAllocator  # noqa: E402
+from kvstore.transfer import mooncake  # noqa: E402
 from kvstore.transfer.mooncake import MooncakeTransferBackend, RemoteRegion  # noqa: E402
 
 MOONCAKE = KVTransferConfig(backend="mooncake", timeout_s=10, source_buffer_bytes=32 << 20)
@@ -102,8 +103,10 @@ def test_decode_output_depends_on_the_bytes_te_moved(prefill, store, hf):
         stop(decode)
 
 
-@pytest.mark.parametrize("fault", ["dead source", "lease too short"])
-def test_unreachable_region_falls_back_to_the_store(prefill, store, hf, fault):
+@pytest.mark.parametrize("fault", ["dead source", "silent source", "lease too short"])
+def test_unreachable_region_falls_back_to_the_store(prefill, store, hf, fault, request):
+    """A source nobody listens at, one that accepts and never answers (TE's handshake would
+    block for a minute: the fetch gives up at its deadline), a lease that ends too soon."""
     _, client = store
     prompt = hf.encode("The cat sat on the mat. " + STORY)
     params = SamplingParams(max_tokens=12, temperature=0)
@@ -111,9 +114,13 @@ def test_unreachable_region_falls_back_to_the_store(prefill, store, hf, fault):
     try:
         result = prefill.prefill(PrefillRequest(f"fb-{fault}", tuple(prompt), params))
         region = result.kv_region
-        region = (dataclasses.replace(region, session=f"127.0.0.1:{_free_port()}")
-                  if fault == "dead source" else
-                  dataclasses.replace(region, expires_at=time.time() + 3))
+        if fault == "dead source":
+            region = dataclasses.replace(region, session=f"127.0.0.1:{_free_port()}")
+        elif fault == "silent source":
+            region = dataclasses.replace(region,
+                                         session=request.getfixturevalue("stalled_address"))
+        else:
+            region = dataclasses.replace(region, expires_at=time.time() + 3)
         start = time.monotonic()
         tokens, last = run_decode(decode, dataclasses.replace(result, kv_region=region), prompt,
                                   params)
@@ -121,7 +128,8 @@ def test_unreachable_region_falls_back_to_the_store(prefill, store, hf, fault):
         assert time.monotonic() - start < 12
         stats = settled(decode, client)
         assert set(stats["kv_bytes_fetched_by_backend"]) == {"grpc"}
-        assert stats["kv_transfer_errors_by_backend"] == {"mooncake": {"error": 1}}
+        kind = "timeout" if fault == "silent source" else "error"
+        assert stats["kv_transfer_errors_by_backend"] == {"mooncake": {kind: 1}}
         assert stats["num_fetch_retries_total"] == 1
     finally:
         stop(decode)
@@ -176,26 +184,32 @@ def test_aborts_bring_every_block_back(prefill, decode, store, hf):
 
 
 class SlowTE:
-    """A Transfer Engine whose reads return ``delay_s`` late: the read has landed, but TE has
-    not reported it yet, which is when a real read may still be writing."""
+    """A Transfer Engine that reports each read ``delay_s`` after it was submitted: the read
+    has landed, but TE has not said so, which is when a real read may still be writing."""
 
-    def __init__(self, engine, delay_s: float) -> None:
-        self._engine, self.delay_s = engine, delay_s
+    def __init__(self, engine, delay_s: float, submitted: dict[int, float]) -> None:
+        self._engine, self.delay_s, self._submitted = engine, delay_s, submitted
 
     def __getattr__(self, name):
         return getattr(self._engine, name)
 
-    def batch_transfer_sync_read(self, *args):
-        status = self._engine.batch_transfer_sync_read(*args)
-        time.sleep(self.delay_s)
-        return status
+    def batch_transfer_async_read(self, *args):
+        batch = self._engine.batch_transfer_async_read(*args)
+        self._submitted[batch] = time.monotonic()
+        return batch
+
+    def transfer_check_status(self, batch):
+        if time.monotonic() - self._submitted.get(batch, -1e9) < self.delay_s:
+            return 0
+        return self._engine.transfer_check_status(batch)
 
 
 class SlowBackend(MooncakeTransferBackend):
     delay_s = 0.5
+    submitted: dict[int, float] = {}
 
     def engine(self):
-        return SlowTE(super().engine(), self.delay_s)
+        return SlowTE(super().engine(), self.delay_s, self.submitted)
 
 
 def _source(num_blocks: int = 6):
@@ -213,14 +227,19 @@ def _source(num_blocks: int = 6):
     return cache, connector, ids, params["kv_region"]
 
 
-@pytest.mark.parametrize(("direct", "table"), [
-    (True, [3, 4, 5, 11, 0, 19]),  # runs and gaps: one read into a receive buffer, then copies
-    (True, [7, 8, 9, 10, 11, 12]),  # consecutive: read straight into the cache
-    (False, [3, 4, 5, 11, 0, 19]),  # no registered cache: through dest.write_tensor
-], ids=["scattered", "consecutive", "write-callback"])
-def test_region_lands_block_for_block_in_any_table(direct, table):
+@pytest.mark.parametrize(("direct", "table", "max_direct"), [
+    (True, [7, 8, 9, 10, 11, 12], 64),  # consecutive: read straight into the cache
+    (True, [3, 4, 5, 11, 0, 19], 64),  # a few runs: straight in, a read per (layer, K|V) and run
+    (True, [3, 4, 5, 11, 0, 19], 0),  # staged, then a copy per run
+    (True, [3, 9, 5, 11, 0, 19], 0),  # staged, then an index copy (many runs)
+    (False, [3, 4, 5, 11, 0, 19], 64),  # no registered cache: staged, then dest.write_tensor
+], ids=["consecutive", "runs", "staged-runs", "staged-scattered", "write-callback"])
+def test_region_lands_block_for_block_in_any_table(direct, table, max_direct, monkeypatch):
     """Scattered source blocks, destination tables consecutive or with runs and gaps: every
-    block equals its source block, through the registered cache and through host staging."""
+    block equals its source block, read straight into the registered cache or staged in
+    several reads (each landed as TE reports it)."""
+    monkeypatch.setattr(mooncake, "MAX_DIRECT_READS", max_direct)
+    monkeypatch.setattr(mooncake, "MIN_PIECE_BYTES", 1)  # a staged read in four pieces
     cache, connector, ids, region = _source()
     dst = PagedKVCache(2, 20, 4, 2, 8, torch.float32, "cpu")
     backend = MooncakeTransferBackend(MOONCAKE)
@@ -276,6 +295,43 @@ def test_blocks_stay_quarantined_until_te_reports(event):
         time.sleep(0.01)
     assert state is TransferState.FAILED
     fetch_connector.close()
+
+
+def test_a_read_te_never_reports_fails_at_te_timeout_and_its_buffer_is_not_reused(monkeypatch):
+    """TE's own timeout passes with a staged read unreported: the receiver settles FAILED (as
+    TE's sync reads give up), and its receive buffer, which the read may still write, is
+    never handed out again."""
+    monkeypatch.setattr(mooncake, "MAX_DIRECT_READS", 0)
+    cache, connector, ids, region = _source()
+    dst = PagedKVCache(2, 20, 4, 2, 8, torch.float32, "cpu")
+    backend = SlowBackend(MOONCAKE)
+    backend.delay_s = 60.0
+    backend.te_timeout_s = 0.3  # TE's own floor is 5 s
+    table = [3, 9, 5, 11, 0, 19]
+    dest = CacheDest(lambda s, b: None, table, dst, dst.block_shape, dst.dtype)
+    receiver = backend.create_receiver()
+    receiver.start(FetchRequest(region.session, (b"k",) * 5, "tail", 3, region=region), dest)
+    start = time.monotonic()
+    while not (state := receiver.poll()).done:
+        assert time.monotonic() - start < 5
+        time.sleep(0.01)
+    assert state is TransferState.FAILED and time.monotonic() - start >= 0.3
+    assert "timed out" in str(receiver._error)
+    abandoned = backend._abandoned[0].data_ptr()
+    assert backend.take_buffer(region.nbytes).data_ptr() != abandoned
+
+
+@pytest.mark.parametrize("spans", [1, 2, 4, 16, 24, 100])
+@pytest.mark.parametrize("span_nbytes", [4096, 64 << 10, 1 << 20])
+def test_split_covers_every_span_in_order(spans, span_nbytes):
+    pieces = mooncake._split(spans, span_nbytes)
+    assert [p[0] for p in pieces] == [0] + [p[1] for p in pieces[:-1]] and pieces[-1][1] == spans
+    assert len(pieces) <= mooncake.READ_PIECES
+    if spans * span_nbytes >= mooncake.MIN_PIECE_BYTES:
+        assert all((end - first) * span_nbytes >= mooncake.MIN_PIECE_BYTES
+                   for first, end in pieces)
+    assert len(pieces) == min(mooncake.READ_PIECES, spans,
+                              max(1, spans * span_nbytes // mooncake.MIN_PIECE_BYTES))
 
 
 def test_region_allocator_against_an_occupancy_map():

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import queue
-import socket
-import threading
 import time
 
 import pytest
@@ -101,32 +99,6 @@ def prefill(store):
     engine = started(lambda: PrefillEngine(runner, connector, "prefill-f", 0))
     yield engine
     stop(engine)
-
-
-@pytest.fixture
-def stalled_address():
-    """A TCP server that accepts connections and never says a word (a hung KV store)."""
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(16)
-    held: list[socket.socket] = []
-    stop = threading.Event()
-
-    def accept():
-        listener.settimeout(0.1)
-        while not stop.is_set():
-            try:
-                held.append(listener.accept()[0])
-            except OSError:
-                pass
-
-    thread = threading.Thread(target=accept, daemon=True)
-    thread.start()
-    yield f"127.0.0.1:{listener.getsockname()[1]}"
-    stop.set()
-    thread.join()
-    for conn in held + [listener]:
-        conn.close()
 
 
 def decode_engine(backend: KVTransferBackend | None = None,
