@@ -1,0 +1,110 @@
+"""`pdcluster serve --kv-transfer mooncake` as a user runs it, disaggregated over two Ray nodes
+of a `ray.cluster_utils.Cluster` on this machine: the prefill on the node offering the
+``prefill`` resource, the decode on the one offering ``decode`` (``--placement resources``),
+each with its own Transfer Engine; greedy output through the real `openai` client against HF,
+with layer streaming off and on.
+
+The serve process joins the cluster (``--address``); this process never connects to Ray.
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from openai import OpenAI
+
+pytest.importorskip("mooncake.engine", reason="needs pdcluster[mooncake] and libibverbs1")
+
+pytestmark = pytest.mark.slow
+
+MODEL = "stories260K"
+PROMPTS = ("Once upon a time, there was a little girl named Lily. She loved to play outside in "
+           "the park with her friends. One day, she saw a big red ball",
+           "The little dog ran to the tree and")
+MAX_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def ray_nodes():
+    """A head (no role) and two worker nodes: {"prefill": 1} and {"decode": 1}; yields the
+    cluster and {node id: role}."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    assert not ray.is_initialized(), "run tests/multinode in its own pytest process"
+    small = {"object_store_memory": 80 << 20}
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, **small})
+    nodes = {role: cluster.add_node(num_cpus=2, resources={role: 1}, **small)
+             for role in ("prefill", "decode")}
+    cluster.wait_for_nodes()
+    yield cluster, {node.node_id: role for role, node in nodes.items()}
+    cluster.shutdown()
+
+
+def serve(cluster, log: Path, *flags: str) -> tuple[subprocess.Popen, int]:
+    from tests.integration.conftest import free_port
+
+    port = free_port()
+    exe = Path(sys.executable).parent / "pdcluster"
+    with log.open("w") as out:
+        proc = subprocess.Popen(
+            [str(exe), "serve", "--port", str(port), "--address", cluster.address,
+             "--placement", "resources", "--kv-transfer", "mooncake", "--pd-decider", "always",
+             *flags],
+            stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.time() + 240
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"pdcluster serve exited with {proc.returncode}:\n{log.read_text()}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                return proc, port
+        except httpx.HTTPError:
+            time.sleep(0.5)
+    proc.kill()
+    pytest.fail(f"server not healthy in 240 s:\n{log.read_text()}")
+
+
+def transfer_bytes(port: int) -> dict[str, float]:
+    """pdcluster_kv_transfer_bytes_total by backend, from the gateway's /metrics."""
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+    return {backend: float(n) for backend, n in re.findall(
+        r'^pdcluster_kv_transfer_bytes_total\{backend="([^"]+)"\} (\S+)$', text, re.M)}
+
+
+@pytest.mark.parametrize("streaming", ["request", "layer"])
+def test_greedy_output_over_te_across_two_nodes_matches_hf(ray_nodes, hf, tmp_path, streaming):
+    cluster, role_of = ray_nodes
+    log = tmp_path / "serve.log"
+    proc, port = serve(cluster, log, "--kv-streaming", streaming)
+    try:
+        placed = dict(re.findall(r"(prefill|decode)-0 ready: pid \d+ on node (\w+)",
+                                 log.read_text()))
+        assert {role: role_of.get(node) for role, node in placed.items()} == \
+            {"prefill": "prefill", "decode": "decode"}, log.read_text()[-4000:]
+
+        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")
+        for prompt in PROMPTS:
+            prompt_ids = hf.encode(prompt)
+            out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS,
+                                            temperature=0,
+                                            extra_body={"return_token_ids": True})
+            assert out.choices[0].model_extra["token_ids"] == hf.greedy(prompt_ids, MAX_TOKENS)
+
+        moved = transfer_bytes(port)
+        carrier = "mooncake" if streaming == "request" else "layer"
+        assert moved.get(carrier, 0) > 0, moved
+        assert all(n == 0 for backend, n in moved.items() if backend != carrier), moved
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
