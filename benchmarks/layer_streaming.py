@@ -1,12 +1,14 @@
 """How much KV transfer time layer-wise streaming hides.
 
     .venv/bin/python benchmarks/layer_streaming.py [--lengths 256,512,1024] [--reps 3]
-        [--output results.json] [--small]
+        [--kv-transfer grpc|mooncake] [--output results.json] [--small]
 
 For each mode (`--kv-streaming request`, then `layer`) a real local cluster (launcher: Ray,
-one KV store, one prefill and one decode actor, 1 torch thread each) serves the same prompts
-(random token ids, max_tokens 2) one at a time through the Pipeline. Per request, from the
-workers' own timestamps (time.time(), one machine):
+one KV store, one prefill and one decode actor, 1 torch thread each, every request
+disaggregated) serves the same prompts (random token ids, max_tokens 2) one at a time through
+the Pipeline. `--kv-transfer mooncake` moves both modes over Mooncake's Transfer Engine (whole
+regions, or each layer's piece as it is written), `grpc` over the prefill node's store. Per
+request, from the workers' own timestamps (time.time(), one machine):
 
     compute_end  the prefill's last forward ended          (PrefillResult.extra)
     admitted     the decode had the whole KV and admitted the request to run (kv_timings)
@@ -56,11 +58,12 @@ SMALL = dict(MODEL, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
              num_attention_heads=4, num_key_value_heads=4, vocab_size=2000)
 
 
-def run_mode(model_dir: Path, streaming: str, prompts: list[list[int]]) -> list[dict]:
+def run_mode(model_dir: Path, streaming: str, prompts: list[list[int]],
+             backend: str = "grpc") -> list[dict]:
     config = ServeConfig(
-        ray_num_cpus=4, ray_namespace=f"pdc-bench-{streaming}",
+        ray_num_cpus=4, ray_namespace=f"pdc-bench-{streaming}", pd_decider="always",
         engine=EngineConfig(model=str(model_dir), num_kv_blocks=256),
-        transfer=KVTransferConfig(streaming=streaming, timeout_s=60))
+        transfer=KVTransferConfig(backend=backend, streaming=streaming, timeout_s=60))
     rows = []
     with Cluster(config) as cluster:
         decode = cluster.decode[0].handle
@@ -109,6 +112,7 @@ def main() -> int:
     parser.add_argument("--lengths", default="256,512,1024")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--small", action="store_true")
+    parser.add_argument("--kv-transfer", default="grpc", choices=["grpc", "mooncake"])
     parser.add_argument("--output", type=Path)
     args = parser.parse_args()
     shape = SMALL if args.small else MODEL
@@ -119,7 +123,8 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         params = write_model(Path(tmp), shape, seed=0)
         print(f"model: {params / 1e6:.1f}M parameters", flush=True)
-        rows = run_mode(Path(tmp), "request", prompts) + run_mode(Path(tmp), "layer", prompts)
+        rows = (run_mode(Path(tmp), "request", prompts, args.kv_transfer)
+                + run_mode(Path(tmp), "layer", prompts, args.kv_transfer))
     summary = summarize(rows)
     print("medians, ms: exposed (of it after the prefill returned) by mode; hidden")
     for s in summary:

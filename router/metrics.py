@@ -96,7 +96,9 @@ class ClusterStatsCollector:
             hits.add_metric([tier], n)
         transfer = CounterMetricFamily("pdcluster_kv_transfer_bytes",
                                        "KV bytes received by decode workers, by backend "
-                                       "(grpc, torch, arena = same-node shared memory)",
+                                       "(grpc, torch, mooncake; arena = same-node shared "
+                                       "memory; layer / layer-mooncake = layer streams over "
+                                       "the store / TE)",
                                        labels=["backend"])
         by_backend: dict[str, int] = {"grpc": 0}
         for s in stats_d:

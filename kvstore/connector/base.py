@@ -132,6 +132,8 @@ class KVConnectorContext:
     remote: other nodes' stores by node id (kvstore.remote.RemoteStores), or None.
     peers: how to reach decode workers (kvstore.transfer.peers.StreamPeers), or None.
     device: where the paged cache is ("cpu" or "cuda").
+    te_regions: the worker's TE staging buffer (kvstore.connector.mooncake.RegionSource),
+        built by the first connector that needs it and shared by the others.
     """
 
     worker_id: str
@@ -147,6 +149,7 @@ class KVConnectorContext:
     peers: Any = None
     ray_namespace: str | None = None
     device: str = "cpu"
+    te_regions: Any = None
 
 
 class KVConnector(abc.ABC):

@@ -67,6 +67,7 @@ from kvstore.transfer.dest import CacheDest, CallbackDest
 from kvstore.transfer.grpc_backend import GrpcTransferBackend
 from kvstore.transfer.layer_stream import (ALL_LAYERS, LayerPiece, LayerStreamAnnounce,
                                            LayerStreamReceiver)
+from kvstore.transfer.mooncake import MooncakeLayerStreamReceiver
 from kvstore.transfer.registry import create_backend
 
 log = logging.getLogger(__name__)
@@ -246,8 +247,12 @@ class FetchConnector(KVConnector):
             self.grpc.submit(self._release_handles, prefill.kv_address, [prefill.tail_handle])
 
     def _release_pieces(self, announce: LayerStreamAnnounce, start: int = 0) -> None:
-        """Drop a layer stream's pieces ``start..`` from the prefill's store (background)."""
-        if start < len(announce.pieces):
+        """Drop a layer stream's pieces ``start..`` from the prefill's store, or release its
+        TE region (background)."""
+        if announce.region is not None:
+            if self.puller is not None:
+                self.grpc.submit(self.puller.release, announce.region)
+        elif start < len(announce.pieces):
             self.grpc.submit(self._release_handles, announce.address, announce.handles[start:])
 
     def _release_handles(self, address: str, handles: list[str]) -> None:
@@ -387,10 +392,13 @@ class KVFetch:
         connector, prefill = self._connector, self.prefill
         if path == "layer":
             writer = LayerWriter(connector.cache, self._table, connector._perturbed)
-            receiver = self.layer_receiver = LayerStreamReceiver(
-                connector.grpc.client(self.stream.address), self.stream, writer.write,
-                writer.finish, writer.piece_shape, connector.cache.dtype,
-                connector.transfer.timeout_s)
+            args = (self.stream, writer.write, writer.finish, writer.piece_shape,
+                    connector.cache.dtype, connector.transfer.timeout_s)
+            if self.stream.region is not None and connector.puller is not None:
+                receiver = MooncakeLayerStreamReceiver(connector.puller, *args)
+            else:  # without a puller (a misconfigured pair) it times out: the store retry
+                receiver = LayerStreamReceiver(connector.grpc.client(self.stream.address), *args)
+            self.layer_receiver = receiver
             receiver.start()
             return receiver
         if path == "torch":
@@ -478,6 +486,8 @@ def _bytes_by_backend(receiver: KVReceiver, path: str) -> dict[str, int]:
     total = receiver.result()
     if isinstance(receiver, ArenaReceiver):
         return {"arena": receiver.arena_bytes, "grpc": total - receiver.arena_bytes}
+    if isinstance(receiver, MooncakeLayerStreamReceiver):
+        return {"layer-mooncake": total}
     return {path: total}  # "layer": the layer stream's pieces (over gRPC)
 
 

@@ -21,10 +21,17 @@ calls see one request):
 
 Only at TP=1: a rank's cache holds only its KV heads, and a per-layer gather would have to
 interleave with the forward's own collectives (the worker then transfers whole requests).
+
+With ``--kv-transfer mooncake`` the pieces go into a leased region of the worker's
+TE-registered staging buffer (kvstore.connector.mooncake.RegionStreamSender), which the decode
+reads over TE, instead of onto the node's store; a stream that finds the buffer full uses the
+store.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import logging
 import threading
 import time
@@ -38,7 +45,8 @@ import torch
 from kvstore.blocks import num_blocks_for
 from kvstore.connector.base import (KVConnector, KVConnectorContext, KVConnectorRequest,
                                     StepCancelled)
-from kvstore.transfer.layer_stream import (LayerStreamAnnounce, LayerStreamSender,
+from kvstore.connector.mooncake import RegionSource, RegionStreamSender
+from kvstore.transfer.layer_stream import (ALL_LAYERS, LayerStreamAnnounce, LayerStreamSender,
                                            plan_pieces)
 from kvstore.transfer.peers import StreamPeers
 
@@ -74,8 +82,8 @@ class LayerStreamConnector(KVConnector):
     """
 
     def __init__(self, client, address: str, peers: StreamPeers, worker_id: str,
-                 finish_timeout_s: float, token_budget: int) -> None:
-        self.client, self.address = client, address
+                 finish_timeout_s: float, token_budget: int, regions=None) -> None:
+        self.client, self.address, self.regions = client, address, regions
         self.peers, self.worker_id = peers, worker_id
         self.finish_timeout_s, self.token_budget = finish_timeout_s, token_budget
         self._lock = threading.Lock()
@@ -89,8 +97,18 @@ class LayerStreamConnector(KVConnector):
 
     @classmethod
     def from_context(cls, ctx: KVConnectorContext) -> LayerStreamConnector:
+        regions = None
+        if ctx.transfer.backend == "mooncake":
+            regions = RegionSource.of(ctx)
         return cls(ctx.store_client, ctx.store_address, ctx.peers, ctx.worker_id,
-                   ctx.transfer.timeout_s, ctx.token_budget)
+                   ctx.transfer.timeout_s, ctx.token_budget, regions)
+
+    def register_kv_caches(self, cache) -> None:
+        """Starts the worker's TE where streams go over it. Raises KVTransferError when TE is
+        missing or fails to start."""
+        super().register_kv_caches(cache)
+        if self.regions is not None:
+            self.regions.start()
 
     def runs_alone(self, request: KVConnectorRequest) -> bool:
         # max_tokens 1: the decode finishes such a request at admission, fetching nothing
@@ -190,11 +208,26 @@ class LayerStreamConnector(KVConnector):
         request_id, decode_id = request.request_id, request.request.decode_peer
         announce = LayerStreamAnnounce(request_id, self.address, f"layer:{request_id}:", pieces,
                                        num_blocks_for(n, bs), n, layers, self.worker_id)
+        lease = None
+        if self.regions is not None:
+            sizes = [p.num_blocks * cache.block_nbytes // (1 if p.layer == ALL_LAYERS else layers)
+                     for p in pieces]
+            offsets = [0, *itertools.accumulate(sizes)]
+            lease = self.regions.lease(offsets[-1], pinned=True)
+            if lease is not None:
+                announce = dataclasses.replace(
+                    announce, region=self.regions.stream_region(lease, offsets))
         if not self.peers.announce(decode_id, announce):
+            if lease is not None:
+                self.regions.unpin(lease)
+                self.regions.drop(lease)
             return
         blocks = list(request.block_table)
-        stream = LayerStream(announce, decode_id, LayerStreamSender(self.client, announce),
-                             blocks, by_chunk_layer)
+        if lease is not None:
+            sender = RegionStreamSender(self.regions, lease, announce)
+        else:
+            sender = LayerStreamSender(self.client, announce)
+        stream = LayerStream(announce, decode_id, sender, blocks, by_chunk_layer)
         for i in by_chunk_layer.get((-1, -1), []):  # the cached prefix, whole blocks
             piece = pieces[i]
             ids = blocks[piece.block_start: piece.block_start + piece.num_blocks]

@@ -29,6 +29,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -64,6 +65,9 @@ class LayerStreamAnnounce:
     pieces: the stream, in order; num_blocks: request blocks it fills (full ones + tail).
     num_prompt_tokens: prompt length (the decode reserves blocks for it plus one token).
     num_layers: the model's layers; prefill_worker_id: who to tell on an abort.
+    region: over Mooncake's Transfer Engine (kvstore.transfer.mooncake.StreamRegion): the
+        pieces are written into this region of the prefill's registered memory instead of
+        the store, and the decode reads them there; None: the store carries them.
     """
 
     request_id: str
@@ -74,6 +78,7 @@ class LayerStreamAnnounce:
     num_prompt_tokens: int
     num_layers: int
     prefill_worker_id: str
+    region: Any = None
 
     def handle(self, index: int) -> str:
         return f"{self.handle_prefix}{index}"
@@ -135,7 +140,7 @@ class LayerStreamSender:
         with self._lock:
             self.cancelled = True
         self._queue.put(None)
-        threading.Thread(target=self._release_put, daemon=True).start()
+        threading.Thread(target=self._drop, daemon=True).start()
 
     def _run(self) -> None:
         while (item := self._queue.get()) is not None:
@@ -144,20 +149,29 @@ class LayerStreamSender:
                 if self.cancelled or self.error is not None:
                     continue
             try:
-                self.client.put_tail(self.announce.handle(index), piece, 0)
+                self._deliver(index, piece)
             except KVStoreError as exc:
                 log.warning("layer stream of %s stopped at piece %d: %s",
                             self.announce.request_id, index, exc)
                 self.error = exc
                 continue
             with self._lock:
-                self._put.append(self.announce.handle(index))
                 self.bytes_sent += piece.numel() * piece.element_size()
                 late = self.cancelled
             if late:  # cancelled while this put was in flight
-                self._release_put()
+                self._drop()
+        self._stopped()
 
-    def _release_put(self) -> None:
+    def _deliver(self, index: int, piece: torch.Tensor) -> None:
+        """Piece ``index`` onto the store (subclasses: elsewhere). Raises KVStoreError."""
+        self.client.put_tail(self.announce.handle(index), piece, 0)
+        with self._lock:
+            self._put.append(self.announce.handle(index))
+
+    def _stopped(self) -> None:
+        """The sender's thread ends: nothing more will be delivered."""
+
+    def _drop(self) -> None:
         with self._lock:
             handles, self._put = self._put, []
         for handle in handles:

@@ -2,7 +2,7 @@
 of a `ray.cluster_utils.Cluster` on this machine: the prefill on the node offering the
 ``prefill`` resource, the decode on the one offering ``decode`` (``--placement resources``),
 each with its own Transfer Engine; greedy output through the real `openai` client against HF,
-with layer streaming off and on.
+with layer streaming off (whole regions over TE) and on (each layer's piece over TE).
 
 The serve process joins the cluster (``--address``); this process never connects to Ray.
 """
@@ -99,7 +99,7 @@ def test_greedy_output_over_te_across_two_nodes_matches_hf(ray_nodes, hf, tmp_pa
             assert out.choices[0].model_extra["token_ids"] == hf.greedy(prompt_ids, MAX_TOKENS)
 
         moved = transfer_bytes(port)
-        carrier = "mooncake" if streaming == "request" else "layer"
+        carrier = "mooncake" if streaming == "request" else "layer-mooncake"
         assert moved.get(carrier, 0) > 0, moved
         assert all(n == 0 for backend, n in moved.items() if backend != carrier), moved
     finally:
