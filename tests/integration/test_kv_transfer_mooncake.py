@@ -8,7 +8,10 @@ too short, a full staging buffer, aborts, and the quarantine of blocks a read ma
 from __future__ import annotations
 
 import dataclasses
+import multiprocessing
+import os
 import random
+import signal
 import threading
 import time
 
@@ -23,7 +26,7 @@ from kvstore.config import KVTransferConfig
 from kvstore.connector.fetch import FetchConnector, KVFetch
 from kvstore.connector.multi import MultiConnector
 from kvstore.connector.pool import PoolConnector
-from kvstore.errors import BlockLayoutError
+from kvstore.errors import BlockLayoutError, KVTransferError
 from kvstore.transfer.base import FetchRequest, TransferState
 from kvstore.transfer.dest import CacheDest
 from prefill_worker.engine import PrefillEngine
@@ -316,9 +319,58 @@ def test_a_read_te_never_reports_fails_at_te_timeout_and_its_buffer_is_not_reuse
         assert time.monotonic() - start < 5
         time.sleep(0.01)
     assert state is TransferState.FAILED and time.monotonic() - start >= 0.3
-    assert "timed out" in str(receiver._error)
+    with pytest.raises(KVTransferError, match="timed out"):
+        receiver.result()
     abandoned = backend._abandoned[0].data_ptr()
     assert backend.take_buffer(region.nbytes).data_ptr() != abandoned
+
+
+@pytest.mark.parametrize("staged", [False, True], ids=["direct", "staged"])
+def test_a_source_that_stops_answering_fails_the_read_at_te_timeout(staged, monkeypatch):
+    """A real hung transfer: the source process (TE handshake done, one read served) is
+    stopped, so a read's request is sent and nothing ever comes back. Past the fetch's
+    deadline the receiver stays quarantined; it settles FAILED once TE's own timeout passed,
+    and a receive buffer the read may still write is never reused."""
+    from deploy.profile_transfer import _mooncake_source
+
+    monkeypatch.setattr(mooncake, "MAX_DIRECT_READS", 0 if staged else 64)
+    ctx = multiprocessing.get_context("spawn")
+    ready, stop_source = ctx.Queue(), ctx.Event()
+    shape = (2, 2, 4, 2, 8)
+    proc = ctx.Process(target=_mooncake_source,
+                       args=(ready, stop_source, shape, torch.float32, 16, ""), daemon=True)
+    proc.start()
+    backend = MooncakeTransferBackend(MOONCAKE)
+    backend.te_timeout_s = 1.0  # TE's own floor is 5 s
+    dst = PagedKVCache(2, 40, 4, 2, 8, torch.float32, "cpu")
+
+    def read(region, table):
+        dest = CacheDest(lambda s, b: None, table, dst, dst.block_shape, dst.dtype)
+        receiver = backend.create_receiver()
+        receiver.start(FetchRequest(region.session, (b"k",) * region.num_blocks, region=region,
+                                    deadline_s=0.3), dest)
+        start = time.monotonic()
+        while not (state := receiver.poll()).done:
+            assert time.monotonic() - start < 10
+            time.sleep(0.01)
+        return receiver, state, time.monotonic() - start
+
+    try:
+        regions = ready.get(timeout=60)
+        _, state, _ = read(regions[4], [0, 1, 2, 3])  # the handshake, and a read served
+        assert state is TransferState.SUCCESS
+        os.kill(proc.pid, signal.SIGSTOP)
+        receiver, state, elapsed = read(regions[16], list(range(20, 36)))
+        assert state is TransferState.FAILED and elapsed >= 1.0  # not at the 0.3 s deadline
+        with pytest.raises(KVTransferError, match="timed out"):
+            receiver.result()
+        assert len(backend._abandoned) == (1 if staged else 0)
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+        stop_source.set()
+        proc.join(30)
+        if proc.is_alive():
+            proc.kill()
 
 
 @pytest.mark.parametrize("spans", [1, 2, 4, 16, 24, 100])
