@@ -1,7 +1,7 @@
 """KV block-transfer throughput: grpc and torch/gloo against a raw TCP socket, over loopback.
 
     .venv/bin/python benchmarks/transfer.py [--sizes 64K,256K,1M,4M,16M,64M] [--block-kib 64]
-        [--floor] [--mooncake [--te-split 4,16]]
+        [--floor] [--mooncake [--te-split 4,16] [--te-write]]
 
 Each request moves ``size`` bytes (``size / block`` blocks) from a server process to this
 process into a preallocated buffer, request/response, one request at a time:
@@ -22,7 +22,8 @@ process into a preallocated buffer, request/response, one request at a time:
   into consecutive destination blocks, the pattern a paged cache gives a connector.
   ``te-split N`` reads the contiguous bytes as N concurrent reads (``--te-split``; async, each
   polled without blocking every ``_POLL_S``): TE's TCP transport moves each on its own
-  connection.
+  connection. ``--te-write`` adds ``te-write N``: the same bytes pushed (written) into the
+  server's memory as N concurrent async writes, the pattern of a prefill-side write mode.
   ``pdc-te`` is pdcluster's ``--kv-transfer mooncake`` path: a MooncakeConnector offered the
   request's blocks of a paged cache (8 layers) in a layer-major region, and a
   MooncakeTransferBackend receiver reads it into consecutive blocks of the client's registered
@@ -284,7 +285,7 @@ def _receiver_client(backend, address: str, dest: torch.Tensor, keys: list[bytes
 
 
 def _te_clients(segment: str, remote_base: int, dest: torch.Tensor, block_nbytes: int,
-                splits: list[int]) -> dict[str, Callable[[int], None]]:
+                splits: list[int], writes: bool) -> dict[str, Callable[[int], None]]:
     engine = _te_engine()
     if engine.register_memory(dest.data_ptr(), dest.nbytes) != 0:
         raise RuntimeError("Mooncake register_memory failed")
@@ -304,15 +305,15 @@ def _te_clients(segment: str, remote_base: int, dest: torch.Tensor, block_nbytes
                                            [block_nbytes] * n) != 0:
             raise RuntimeError("Mooncake batch read failed")
 
-    def split(size: int, count: int) -> None:
+    def split(size: int, count: int, write: bool = False) -> None:
         piece = size // count
-        batches = [engine.batch_transfer_async_read(segment, [dest.data_ptr() + i * piece],
-                                                    [remote_base + i * piece], [piece])
-                   for i in range(count)]
+        submit = engine.batch_transfer_async_write if write else engine.batch_transfer_async_read
+        batches = [submit(segment, [dest.data_ptr() + i * piece], [remote_base + i * piece],
+                          [piece]) for i in range(count)]
         while batches:
             statuses = [engine.transfer_check_status(b) for b in batches]
             if any(s < 0 for s in statuses):
-                raise RuntimeError("Mooncake split read failed")
+                raise RuntimeError("Mooncake split transfer failed")
             batches = [b for b, s in zip(batches, statuses) if s == 0]
             if batches:
                 time.sleep(_POLL_S)
@@ -327,6 +328,8 @@ def _te_clients(segment: str, remote_base: int, dest: torch.Tensor, block_nbytes
         if not torch.equal(dest, _blocks(num_blocks, dest.shape[1])):
             raise RuntimeError("Mooncake split read delivered the wrong bytes")
         clients[f"te-split{count}"] = functools.partial(split, count=count)
+        if writes:
+            clients[f"te-write{count}"] = functools.partial(split, count=count, write=True)
     return clients
 
 
@@ -380,6 +383,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--te-split", default="4,16",
                         help="with --mooncake: bare TE reading the contiguous bytes as this "
                              "many concurrent reads (comma-separated counts)")
+    parser.add_argument("--te-write", action="store_true",
+                        help="with --mooncake: also bare TE pushing (writing) the same bytes "
+                             "into the server's memory, split as --te-split says")
     args = parser.parse_args(argv)
     splits = [int(n) for n in args.te_split.split(",") if n]
 
@@ -427,7 +433,8 @@ def main(argv: list[str] | None = None) -> None:
         te_proc, (segment, remote_base) = _spawn(_te_server, num_blocks, block_elems)
         procs.append(te_proc)
         te_dest = torch.zeros(num_blocks, block_elems)  # its own buffer, registered with TE
-        clients |= _te_clients(segment, remote_base, te_dest, block_nbytes, splits)
+        clients |= _te_clients(segment, remote_base, te_dest, block_nbytes, splits,
+                               args.te_write)
         pdc_proc, regions = _spawn(_pdc_te_server, sizes, block_nbytes)
         procs.append(pdc_proc)
         clients["pdc-te"] = _pdc_te_client(regions, block_nbytes)
@@ -442,6 +449,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.mooncake:
         header += " TE GB/s | TE/raw | TE blocks GB/s | TE blocks/raw |"
         header += "".join(f" TE split {n} GB/s | TE split {n}/raw |" for n in splits)
+        if args.te_write:
+            header += "".join(f" TE write {n} GB/s | TE write {n}/raw |" for n in splits)
         header += (" pdc-te GB/s | pdc-te/raw | pdc-te scattered GB/s | scattered/raw | "
                    "pdc-te/best TE | scattered/best TE |")
     print(header)
@@ -455,12 +464,14 @@ def main(argv: list[str] | None = None) -> None:
                 row += f" {gbps['gloo']:.2f} | {gbps['gloo'] / gbps['raw']:.2f} |"
             if "floor" in gbps:
                 row += f" {gbps['floor']:.2f} | {gbps['floor'] / gbps['raw']:.2f} |"
-            te_rows = ["te", "te-blocks", *(f"te-split{n}" for n in splits)]
+            te_rows = ["te", "te-blocks", *(f"te-split{n}" for n in splits),
+                       *(f"te-write{n}" for n in splits if args.te_write)]
             for name in (*te_rows, "pdc-te", "pdc-te-scattered"):
                 if name in gbps:
                     row += f" {gbps[name]:.2f} | {gbps[name] / gbps['raw']:.2f} |"
             if "te" in gbps:
-                best = max(gbps[name] for name in te_rows if name != "te-blocks")
+                best = max(gbps[name] for name in te_rows
+                           if name != "te-blocks" and not name.startswith("te-write"))
                 row += (f" {gbps['pdc-te'] / best:.2f} | {gbps['pdc-te-scattered'] / best:.2f} |")
             print(row, flush=True)
     finally:
