@@ -5,12 +5,9 @@ from __future__ import annotations
 
 import socket
 import subprocess
-import sys
 import threading
-import time
 from pathlib import Path
 
-import httpx
 import psutil
 import pytest
 
@@ -19,12 +16,7 @@ from deploy.launcher import Cluster
 from deploy.serve import gateway_app
 from engine.config import EngineConfig
 from tests.background_server import BackgroundServer
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.serve_process import start_serve
 
 
 @pytest.fixture
@@ -81,24 +73,10 @@ def serve_process(tmp_path_factory):
     started: list[subprocess.Popen] = []
 
     def start(*flags: str) -> tuple[subprocess.Popen, int, Path]:
-        port = free_port()
         log = tmp_path_factory.mktemp("serve") / "serve.log"
-        exe = Path(sys.executable).parent / "pdcluster"
-        with log.open("w") as out:
-            proc = subprocess.Popen([str(exe), "serve", "--port", str(port), *flags],
-                                    stdout=out, stderr=subprocess.STDOUT,
-                                    start_new_session=True)
+        proc, port = start_serve(log, *flags)
         started.append(proc)
-        deadline = time.time() + 180
-        while time.time() < deadline:
-            if proc.poll() is not None:
-                pytest.fail(f"pdcluster serve exited with {proc.returncode}:\n{log.read_text()}")
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                    return proc, port, log
-            except httpx.HTTPError:
-                time.sleep(0.5)
-        pytest.fail(f"server not healthy in 180 s:\n{log.read_text()}")
+        return proc, port, log
 
     yield start
     for proc in started:

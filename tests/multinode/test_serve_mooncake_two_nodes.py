@@ -12,13 +12,13 @@ from __future__ import annotations
 import re
 import signal
 import subprocess
-import sys
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 from openai import OpenAI
+
+from tests.serve_process import start_serve
 
 pytest.importorskip("mooncake.engine", reason="needs pdcluster[mooncake] and libibverbs1")
 
@@ -49,27 +49,9 @@ def ray_nodes():
 
 
 def serve(cluster, log: Path, *flags: str) -> tuple[subprocess.Popen, int]:
-    from tests.integration.conftest import free_port
-
-    port = free_port()
-    exe = Path(sys.executable).parent / "pdcluster"
-    with log.open("w") as out:
-        proc = subprocess.Popen(
-            [str(exe), "serve", "--port", str(port), "--address", cluster.address,
-             "--placement", "resources", "--kv-transfer", "mooncake", "--pd-decider", "always",
-             *flags],
-            stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    deadline = time.time() + 240
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            pytest.fail(f"pdcluster serve exited with {proc.returncode}:\n{log.read_text()}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return proc, port
-        except httpx.HTTPError:
-            time.sleep(0.5)
-    proc.kill()
-    pytest.fail(f"server not healthy in 240 s:\n{log.read_text()}")
+    return start_serve(log, "--address", cluster.address, "--placement", "resources",
+                       "--kv-transfer", "mooncake", "--pd-decider", "always", *flags,
+                       timeout_s=240)
 
 
 def transfer_bytes(port: int) -> dict[str, float]:
