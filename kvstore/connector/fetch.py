@@ -67,7 +67,7 @@ from kvstore.transfer.dest import CacheDest, CallbackDest
 from kvstore.transfer.grpc_backend import GrpcTransferBackend
 from kvstore.transfer.layer_stream import (ALL_LAYERS, LayerPiece, LayerStreamAnnounce,
                                            LayerStreamReceiver)
-from kvstore.transfer.mooncake import MooncakeLayerStreamReceiver
+from kvstore.transfer.mooncake_layer_stream import MooncakeLayerStreamReceiver
 from kvstore.transfer.registry import create_backend
 
 log = logging.getLogger(__name__)

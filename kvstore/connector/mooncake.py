@@ -32,8 +32,8 @@ from kvstore.connector.base import BlockCache, KVConnector, KVConnectorContext, 
 from kvstore.transfer.dest import WIRE_DTYPES
 from kvstore.errors import KVTransferError
 from kvstore.transfer.layer_stream import LayerStreamSender
-from kvstore.transfer.mooncake import (RemoteRegion, StreamRegion, new_transfer_engine, register,
-                                       session_of)
+from kvstore.transfer.mooncake import RemoteRegion, new_transfer_engine, register, session_of
+from kvstore.transfer.mooncake_layer_stream import StreamRegion
 
 log = logging.getLogger(__name__)
 
@@ -243,7 +243,6 @@ class MooncakeConnector(KVConnector):
 
     def __init__(self, transfer: KVTransferConfig, lease_s: float,
                  regions: RegionSource | None = None) -> None:
-        self.transfer, self.lease_s = transfer, lease_s
         self.regions = regions if regions is not None else RegionSource(transfer, lease_s)
         self.buffer_full_total = 0
 
@@ -307,8 +306,8 @@ class RegionStreamSender(LayerStreamSender):
     """A layer stream's pieces written into a leased region of the worker's RegionSource
     (``--kv-streaming layer`` with ``--kv-transfer mooncake``) instead of onto the store, in
     order, from the sender's thread; after each, the lease's progress word counts the pieces
-    written. The decode reads them over TE (kvstore.transfer.mooncake
-    .MooncakeLayerStreamReceiver).
+    written. The decode reads them over TE
+    (kvstore.transfer.mooncake_layer_stream.MooncakeLayerStreamReceiver).
 
     The region is pinned (RegionSource.lease) until the sender's thread ends, so a decode that
     gives up early cannot free it under the writes; a cancelled stream's region then stays

@@ -43,10 +43,8 @@ reported the read done, failed or timed out, or TE's own timeout passed
 (``MC_TRANSFER_TIMEOUT``, set from ``timeout_s``, plus a nanosecond per byte: where TE's sync
 reads give up); the engine does not reuse the blocks before the fetch settled.
 
-Layer streams (``--kv-streaming layer``): the prefill writes a stream's pieces into one leased
-region as its layers end and counts them in the region's progress word (StreamRegion);
-MooncakeLayerStreamReceiver reads the progress word, then each written piece, into a receive
-buffer and hands it to the stream's writer, and releases the region at the end.
+Layer streams (``--kv-streaming layer``) over TE read a region the prefill writes piece by
+piece: kvstore.transfer.mooncake_layer_stream, on this backend.
 
 Leases: the prefill frees a region once the decode wrote its release word, or once its lease
 ran out (``expires_at``, wall clock). A receiver starts only if its whole deadline ends before
@@ -76,10 +74,8 @@ import torch
 from kvstore.config import KVStoreConfig, KVTransferConfig
 from kvstore.errors import BlockLayoutError, KVStoreError, KVTransferError, KVTransferTimeout
 from kvstore.layout import DTYPE_ITEMSIZE
-from kvstore.transfer.base import (FetchRequest, KVReceiver, KVTransferBackend, TransferState,
-                                   _Cancelled)
+from kvstore.transfer.base import FetchRequest, KVReceiver, KVTransferBackend, TransferState
 from kvstore.transfer.dest import CacheDest, CallbackDest
-from kvstore.transfer.layer_stream import POLL_MAX_S, POLL_MIN_S, LayerStreamReceiver
 from kvstore.transfer.te_bind import confine_listeners
 
 #: Seconds a region's lease must outlast a receiver's deadline: the two ends read different
@@ -95,7 +91,7 @@ MAX_DIRECT_READS = 64
 READ_PIECES = 16
 MIN_PIECE_BYTES = 64 << 10
 #: What TE's async submit returns for a batch it did not start (0 now; -1 as unsigned before).
-_TE_NO_BATCH = (0, 2**64 - 1)
+TE_NO_BATCH = (0, 2**64 - 1)
 _MISSING = ("--kv-transfer mooncake needs Mooncake's Transfer Engine: pip install "
             "'pdcluster[mooncake]' (or [mooncake-cuda]), and the OS package libibverbs1")
 
@@ -152,13 +148,18 @@ def new_transfer_engine(config: KVTransferConfig):
         raise KVTransferError(_MISSING) from exc
     confine_listeners(config.bind_host)
     # read by TransferEngine's constructor: its sync calls give up after this long
-    os.environ["MC_TRANSFER_TIMEOUT"] = str(max(_TE_MIN_TIMEOUT_S, math.ceil(config.timeout_s)))
+    os.environ["MC_TRANSFER_TIMEOUT"] = str(te_timeout_s(config))
     engine = TransferEngine()
     host = advertised_host(config.bind_host)
     if engine.initialize(host, "P2PHANDSHAKE", config.mooncake_protocol, "") != 0:
         raise KVTransferError(f"Mooncake TransferEngine failed to initialize on {host} over "
                               f"{config.mooncake_protocol}")
     return engine
+
+
+def te_timeout_s(config: KVTransferConfig) -> int:
+    """TE's timeout for ``config``: ``timeout_s`` rounded up, at least TE's own floor."""
+    return max(_TE_MIN_TIMEOUT_S, math.ceil(config.timeout_s))
 
 
 def advertised_host(bind_host: str) -> str:
@@ -207,7 +208,7 @@ class MooncakeTransferBackend(KVTransferBackend):
         self._releases: list[tuple[int, int]] = []  # (TE batch, word) of writes under way
         self._open_sessions: set[str] = set()  # peers TE has handshaken with
         #: TE's own timeout (MC_TRANSFER_TIMEOUT as new_transfer_engine sets it), seconds
-        self.te_timeout_s = float(max(_TE_MIN_TIMEOUT_S, math.ceil(config.timeout_s)))
+        self.te_timeout_s = float(te_timeout_s(config))
         self._probe_word = torch.zeros(1, dtype=torch.int64)  # where `probe` reads into
         self._abandoned: list[torch.Tensor] = []  # receive buffers TE may still write
         self._free_buffers: list[torch.Tensor] = []  # kept receive buffers, idle
@@ -223,6 +224,11 @@ class MooncakeTransferBackend(KVTransferBackend):
                 self._free_words = list(range(len(self._release_words)))
                 register(self._engine, [self._release_words, self._probe_word])
             return self._engine
+
+    def te_deadline(self, nbytes: int) -> float:
+        """When TE's own sync calls would give up on ``nbytes`` started now (time.monotonic()):
+        its timeout plus a nanosecond per byte."""
+        return time.monotonic() + self.te_timeout_s + nbytes * 1e-9
 
     def is_open(self, session: str) -> bool:
         """Whether a read from ``session`` went out before (TE keeps the handshake)."""
@@ -317,7 +323,7 @@ class MooncakeTransferBackend(KVTransferBackend):
             region.session, [self._release_words[word:].data_ptr()], [region.release_address],
             [8])
         with self._lock:
-            if batch in _TE_NO_BATCH:  # a source that went away: its regions went with it
+            if batch in TE_NO_BATCH:  # a source that went away: its regions went with it
                 self._free_words.append(word)
             else:
                 self._releases.append((batch, word))
@@ -479,7 +485,7 @@ class MooncakeKVReceiver(KVReceiver):
             engine = self._backend.engine()
             for read, (dst, src, length) in enumerate(reads):
                 batch = engine.batch_transfer_async_read(region.session, [dst], [src], [length])
-                if batch in _TE_NO_BATCH:
+                if batch in TE_NO_BATCH:
                     refused = True
                     break
                 batches[batch] = read
@@ -487,9 +493,7 @@ class MooncakeKVReceiver(KVReceiver):
             refused = exc
         with self._lock:
             self._refused = refused
-            # as TE's own sync reads give up: its timeout plus a nanosecond per byte
-            self._te_deadline = (time.monotonic() + self._backend.te_timeout_s
-                                 + region.nbytes * 1e-9)
+            self._te_deadline = self._backend.te_deadline(region.nbytes)
             self._batches = batches
 
     def _reported(self, now: float) -> bool:
@@ -597,108 +601,3 @@ def _runs(block_ids: Sequence[int], num_blocks: int) -> list[tuple[int, int, int
         else:
             runs.append((position, block, 1))
     return runs
-
-
-@dataclass(frozen=True)
-class StreamRegion:
-    """A layer stream's pieces in a source's TE-registered memory (``--kv-streaming layer``
-    with ``--kv-transfer mooncake``): piece i at ``address + offsets[i]``; the source writes
-    the number of pieces written so far into the progress word as it goes.
-
-    Attributes:
-        session, release_address, generation, expires_at: as for a RemoteRegion.
-        address: the region's first byte in the source process.
-        offsets: each piece's byte offset in the region, then the region's length.
-        progress_address: an int64 word in the source's registered memory: pieces written.
-    """
-
-    session: str
-    address: int
-    offsets: tuple[int, ...]
-    progress_address: int
-    release_address: int
-    generation: int
-    expires_at: float
-
-
-class MooncakeLayerStreamReceiver(LayerStreamReceiver):
-    """Decode side of a layer stream over TE: takes the pieces in order, as the store-backed
-    LayerStreamReceiver does, reading the source's progress word until a piece is written and
-    then the piece into a registered receive buffer (never into the cache directly: an abort
-    may then end the stream at once). Releases the region once the stream ended.
-
-    Args:
-        backend: the decode's MooncakeTransferBackend (its TE, buffers and release words).
-        Others as LayerStreamReceiver, whose ``client`` is unused here.
-    """
-
-    def __init__(self, backend: MooncakeTransferBackend, announce, write, finish, piece_shape,
-                 dtype: torch.dtype, timeout_s: float) -> None:
-        super().__init__(None, announce, write, finish, piece_shape, dtype, timeout_s)
-        self._backend, self._region = backend, announce.region
-        self._written = 0  # pieces the source said it wrote
-        self._buffer: torch.Tensor | None = None
-
-    def _receive(self) -> None:
-        region = self._region
-        sizes = [b - a for a, b in zip(region.offsets, region.offsets[1:])]
-        self._buffer = self._backend.take_buffer(max(sizes, default=8))
-        try:
-            super()._receive()
-        finally:
-            if self._buffer is not None:  # None: abandoned to a read TE gave up on
-                self._backend.give_buffer(self._buffer)
-            if self._backend.is_open(region.session):
-                self._guarded(self._backend.release, region)
-
-    def _take(self, index: int) -> torch.Tensor:
-        region, wait = self._region, POLL_MIN_S
-        while self._written <= index:
-            if self._cancelled or self.poll().done:
-                raise _Cancelled()
-            self._read(self._buffer.data_ptr(), region.progress_address, 8)
-            self._written = int(self._buffer[:8].view(torch.int64).item())
-            if self._written <= index:
-                time.sleep(wait)  # not written yet
-                wait = min(wait * 2, POLL_MAX_S)
-        start, end = region.offsets[index], region.offsets[index + 1]
-        shape = self._piece_shape(self.announce.pieces[index])
-        if end - start != math.prod(shape) * self._dtype.itemsize:
-            raise BlockLayoutError(f"{self._describe()}: piece {index} holds {end - start} "
-                                   f"bytes, a {self._dtype} {shape} piece here")
-        self._read(self._buffer.data_ptr(), region.address + start, end - start)
-        return self._buffer[:end - start].view(self._dtype).view(shape)
-
-    def _read(self, dst: int, src: int, length: int) -> None:
-        """One TE read into the receive buffer, waited for without spinning a core. Raises
-        KVTransferError (a failed read, a lease about to end, TE's own timeout)."""
-        region, backend = self._region, self._backend
-        if time.time() > region.expires_at - LEASE_MARGIN_S:
-            raise KVTransferError(f"{self._describe()}: the source's lease ends",
-                                  address=region.session)
-        engine = backend.engine()
-        batch = engine.batch_transfer_async_read(region.session, [dst], [src], [length])
-        if batch in _TE_NO_BATCH:
-            backend.mark_open(region.session, False)
-            raise KVTransferError(f"{self._describe()}: Transfer Engine refused the read",
-                                  address=region.session)
-        backend.mark_open(region.session, True)
-        give_up = time.monotonic() + backend.te_timeout_s + length * 1e-9
-        wait = POLL_MIN_S / 5
-        while (status := engine.transfer_check_status(batch)) == 0:
-            if time.monotonic() > give_up:
-                backend.abandon(self._buffer)  # the read may still land in it
-                self._buffer = None
-                raise KVTransferError(f"{self._describe()}: Transfer Engine read timed out",
-                                      address=region.session)
-            time.sleep(wait)
-            wait = min(wait * 2, POLL_MIN_S)
-        if status < 0:
-            raise KVTransferError(f"{self._describe()}: Transfer Engine read failed",
-                                  address=region.session)
-
-    def _describe(self) -> str:
-        return f"layer stream of {self.announce.request_id} over TE from {self._region.session}"
-
-    def _address(self) -> str | None:
-        return self._region.session
