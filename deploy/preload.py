@@ -26,6 +26,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 #: sonames searched in the dynamic linker's cache, in order of preference
 TCMALLOC_SONAMES = ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4")
@@ -71,7 +72,7 @@ def transparent_huge_pages() -> bool:
     """Whether this kernel grants transparent huge pages to a process that asks (madvise):
     its mode (THP_ENABLED) is "always" or "madvise", not "never" or absent."""
     try:
-        modes = open(THP_ENABLED).read()
+        modes = Path(THP_ENABLED).read_text()
     except OSError:
         return False
     return "[never]" not in modes and "[" in modes
