@@ -5,9 +5,11 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh --dev
 # package layers (which may import which): import-linter contracts in pyproject.toml
 .venv/bin/lint-imports
+# progress as it happens, not in a buffer a killed run never prints
+export PYTHONUNBUFFERED=1
 if [ $# -gt 0 ]; then exec .venv/bin/python -m pytest -q -ra "$@"; fi
 # tests/multinode runs its own multi-node Ray cluster: a separate pytest process
-.venv/bin/python -m pytest -q -ra tests
+.venv/bin/python -m pytest -q -ra --durations=25 tests
 .venv/bin/python -m pytest -q -ra tests/multinode
 # tests/chaos kills actors and redis-server under load in a Ray of its own: a separate process too
 .venv/bin/python -m pytest -q -ra tests/chaos

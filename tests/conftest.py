@@ -7,6 +7,8 @@ collection unless named on the command line.
 
 from __future__ import annotations
 
+import faulthandler
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,6 +17,8 @@ import torch
 from engine.config import BUNDLED_MODEL
 
 MULTINODE = Path(__file__).parent / "multinode"
+# Seconds a test process may take to exit once its tests are done (Ray's shutdown included).
+EXIT_GRACE_S = 180
 
 
 def pytest_ignore_collect(collection_path: Path, config) -> bool | None:
@@ -22,6 +26,13 @@ def pytest_ignore_collect(collection_path: Path, config) -> bool | None:
         named = [Path(a.split("::")[0]).resolve() for a in config.args]
         return not any(p == MULTINODE or MULTINODE in p.parents for p in named) or None
     return None
+
+
+def pytest_unconfigure(config) -> None:
+    # A native thread that never returns (a transfer engine's, say) would keep the process
+    # from exiting after its tests, and hold CI to its limit with pytest's output unflushed:
+    # past the grace, every thread's stack goes to stderr and the process exits with 1.
+    faulthandler.dump_traceback_later(EXIT_GRACE_S, exit=True, file=sys.__stderr__)
 
 
 class HFReference:

@@ -182,10 +182,10 @@ def test_padded_decode_batch_gives_the_real_rows_logits_and_stores_only_their_kv
     assert attn.block_tables[2:, 0].tolist() == [0, 0, 0]
     after_padded = slots().clone()
     _, _, unpadded = hidden(None)
-    torch.testing.assert_close(padded[:2], unpadded, rtol=0, atol=1e-5)
+    # equal up to the GEMM's rounding at another row count, relative to the values' size
+    torch.testing.assert_close(padded[:2], unpadded, rtol=1e-5, atol=1e-5)
     # the padded run wrote the real rows' slots only, what the unpadded run writes there
-    # (up to the GEMM's rounding at another row count)
-    torch.testing.assert_close(after_padded, slots(), rtol=0, atol=1e-5)
+    torch.testing.assert_close(after_padded, slots(), rtol=1e-5, atol=1e-5)
     changed = (after_padded != before).any(-1).any(0).nonzero().flatten().tolist()
     assert changed == [tables[0][35 // 16] * 16 + 35 % 16, tables[1][17 // 16] * 16 + 17 % 16]
     with pytest.raises(ValueError, match="one-token chunks"):
