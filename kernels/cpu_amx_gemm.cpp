@@ -13,9 +13,8 @@
 // weight columns the micro-kernel reads again for every 32 rows stays in the L1 (over the
 // whole K it is read from the L2, which then sets the pace). Accumulation is float32; the
 // output is rounded once, to nearest even, after the bias, as oneDNN does.
-#include <torch/extension.h>
+#include "cpu_tensor.h"
 
-#include <ATen/Parallel.h>
 #include <ATen/native/CPUBlas.h>
 #include <c10/util/BFloat16.h>
 
@@ -82,15 +81,15 @@ void store_block(const float* acc, int64_t ldacc, int64_t rows, const float* bia
 
 bool amx_gemm_supported() { return at::native::cpublas::could_pack(at::kBFloat16); }
 
-torch::Tensor amx_gemm_pack(torch::Tensor weight) {
-  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == torch::kBFloat16 &&
+at::Tensor amx_gemm_pack(at::Tensor weight) {
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16 &&
                   weight.device().is_cpu(),
               "amx_gemm_pack: a 2-D bfloat16 CPU weight [out, in]");
   TORCH_CHECK(weight.size(1) % 2 == 0, "amx_gemm_pack: in_features must be even, got ",
               weight.size(1));
   const auto w = weight.contiguous();
   const int64_t N = w.size(0), K = w.size(1), blocks = (N + BN - 1) / BN;
-  auto packed = torch::empty({N * K}, w.options());
+  auto packed = at::empty({N * K}, w.options());
   const bf16* src = w.data_ptr<bf16>();
   bf16* dst = packed.data_ptr<bf16>();
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
@@ -115,16 +114,16 @@ struct Operands {
   int64_t M, K, lda;
   const bf16* A;
   const bf16* B;
-  torch::Tensor bias_f;
+  at::Tensor bias_f;
   const float* bias = nullptr;
-  torch::Tensor out;
+  at::Tensor out;
   bf16* C;
 
-  Operands(const torch::Tensor& x, const torch::Tensor& packed, int64_t N,
-           const c10::optional<torch::Tensor>& bias_opt, int64_t out_columns) {
-    TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16 && x.stride(1) == 1,
+  Operands(const at::Tensor& x, const at::Tensor& packed, int64_t N,
+           const c10::optional<at::Tensor>& bias_opt, int64_t out_columns) {
+    TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1,
                 "amx_gemm: x must be bfloat16 [M, K] with unit column stride");
-    TORCH_CHECK(packed.dim() == 1 && packed.scalar_type() == torch::kBFloat16 &&
+    TORCH_CHECK(packed.dim() == 1 && packed.scalar_type() == at::kBFloat16 &&
                     packed.is_contiguous(),
                 "amx_gemm: packed must come from amx_gemm_pack");
     M = x.size(0), K = x.size(1), lda = x.stride(0);
@@ -133,12 +132,12 @@ struct Operands {
                 " out_features times that");
     if (bias_opt.has_value()) {
       TORCH_CHECK(bias_opt->numel() == N, "amx_gemm: bias must have out_features elements");
-      bias_f = bias_opt->to(torch::kFloat32).contiguous();
+      bias_f = bias_opt->to(at::kFloat).contiguous();
       bias = bias_f.data_ptr<float>();
     }
     A = x.data_ptr<bf16>();
     B = packed.data_ptr<bf16>();
-    out = torch::empty({M, out_columns}, x.options());
+    out = at::empty({M, out_columns}, x.options());
     C = out.data_ptr<bf16>();
   }
 };
@@ -170,8 +169,8 @@ void for_each_block(int64_t M, int64_t blocks_n, const Body& body) {
 
 }  // namespace
 
-torch::Tensor amx_gemm(torch::Tensor x, torch::Tensor packed, int64_t out_features,
-                       c10::optional<torch::Tensor> bias) {
+at::Tensor amx_gemm(at::Tensor x, at::Tensor packed, int64_t out_features,
+                    c10::optional<at::Tensor> bias) {
   const Operands op(x, packed, out_features, bias, out_features);
   const int64_t N = out_features;
   for_each_block(op.M, (N + BN - 1) / BN, [&](int64_t m0, int64_t rows, int64_t nb, float* acc) {
@@ -187,8 +186,8 @@ bool amx_gemm_fuses_silu(int64_t out_features) {
   return out_features > 0 && out_features % (2 * BN) == 0;
 }
 
-torch::Tensor amx_gemm_silu_and_mul(torch::Tensor x, torch::Tensor packed, int64_t out_features,
-                                    c10::optional<torch::Tensor> bias) {
+at::Tensor amx_gemm_silu_and_mul(at::Tensor x, at::Tensor packed, int64_t out_features,
+                                 c10::optional<at::Tensor> bias) {
   const int64_t d = out_features / 2;
   TORCH_CHECK(amx_gemm_fuses_silu(out_features), "amx_gemm_silu_and_mul: gate | up of ",
               out_features, " features: each half must be a multiple of ", BN);
@@ -223,9 +222,9 @@ bool amx_gemm_fuses_rope(int64_t out_features, int64_t rotated, int64_t head_dim
          rotated % head_dim == 0 && rotated <= out_features && out_features % head_dim == 0;
 }
 
-torch::Tensor amx_gemm_rope(torch::Tensor x, torch::Tensor packed, int64_t out_features,
-                            c10::optional<torch::Tensor> bias, torch::Tensor positions,
-                            torch::Tensor cos_sin_cache, int64_t rotated, int64_t head_dim) {
+at::Tensor amx_gemm_rope(at::Tensor x, at::Tensor packed, int64_t out_features,
+                         c10::optional<at::Tensor> bias, at::Tensor positions,
+                         at::Tensor cos_sin_cache, int64_t rotated, int64_t head_dim) {
   TORCH_CHECK(amx_gemm_fuses_rope(out_features, rotated, head_dim), "amx_gemm_rope: ",
               out_features, " features with the first ", rotated, " in heads of ", head_dim,
               ": the heads must be whole column blocks of ", BN, ", at most two");

@@ -22,9 +22,8 @@
 // torch's own CPU flash attention (the SDPA this replaces) works the same way but takes one
 // sequence per call, after its keys are gathered out of the blocks into new tensors
 // (benchmarks/RESULTS.md compares the two, "Prefill attention on AMX tiles").
-#include <torch/extension.h>
+#include "cpu_tensor.h"
 
-#include <ATen/Parallel.h>
 #include <ATen/native/CPUBlas.h>
 #include <c10/util/BFloat16.h>
 
@@ -81,14 +80,14 @@ void pack_kv(const bf16* k_cache, const bf16* v_cache, const int32_t* table, int
 
 }  // namespace
 
-torch::Tensor amx_prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                                    torch::Tensor block_tables, torch::Tensor cu_seqlens_q,
-                                    torch::Tensor seq_lens, double scale) {
-  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kBFloat16 && q.stride(2) == 1,
+at::Tensor amx_prefill_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
+                                 at::Tensor block_tables, at::Tensor cu_seqlens_q,
+                                 at::Tensor seq_lens, double scale) {
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kBFloat16 && q.stride(2) == 1,
               "q: bfloat16 [tokens, heads, head_dim] with contiguous head rows");
-  TORCH_CHECK(k_cache.dim() == 4 && k_cache.scalar_type() == torch::kBFloat16 &&
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.scalar_type() == at::kBFloat16 &&
                   v_cache.sizes() == k_cache.sizes() &&
-                  v_cache.scalar_type() == torch::kBFloat16 && k_cache.is_contiguous() &&
+                  v_cache.scalar_type() == at::kBFloat16 && k_cache.is_contiguous() &&
                   v_cache.is_contiguous(),
               "caches: contiguous bfloat16 [num_blocks, block_size, kv_heads, head_dim]");
   const int64_t H = q.size(1), D = q.size(2), block_size = k_cache.size(1),
@@ -97,9 +96,9 @@ torch::Tensor amx_prefill_attention(torch::Tensor q, torch::Tensor k_cache, torc
               W);
   TORCH_CHECK(KVH > 0 && H % KVH == 0, "num_heads must be a multiple of num_kv_heads");
   const int64_t G = H / KVH, B = seq_lens.size(0);
-  const auto tables = block_tables.to(torch::kInt32).contiguous();
-  const auto starts = cu_seqlens_q.to(torch::kInt64).contiguous();
-  const auto lens = seq_lens.to(torch::kInt64).contiguous();
+  const auto tables = block_tables.to(at::kInt).contiguous();
+  const auto starts = cu_seqlens_q.to(at::kLong).contiguous();
+  const auto lens = seq_lens.to(at::kLong).contiguous();
   TORCH_CHECK(starts.numel() == B + 1 && tables.size(0) == B,
               "cu_seqlens_q has batch + 1 entries and block_tables one row per sequence");
   const int64_t* st = starts.data_ptr<int64_t>();
@@ -123,7 +122,7 @@ torch::Tensor amx_prefill_attention(torch::Tensor q, torch::Tensor k_cache, torc
         for (int64_t first = 0; first < new_tokens; first += QB) items.push_back({i, g, first});
     }
   }
-  auto out = torch::empty_like(q);
+  auto out = at::empty_like(q);
   const int64_t total = st[B];
   if (total < q.size(0)) out.narrow(0, total, q.size(0) - total).zero_();  // padding rows
   if (items.empty()) return out;
@@ -134,7 +133,7 @@ torch::Tensor amx_prefill_attention(torch::Tensor q, torch::Tensor k_cache, torc
     return ka > kb;
   });
   // uninitialized: pack_kv writes every element, the padding zeros included
-  const auto packs_t = torch::empty({pack_elems}, q.options());
+  const auto packs_t = at::empty({pack_elems}, q.options());
   bf16* packs = packs_t.data_ptr<bf16>();
   const bf16* kc = k_cache.data_ptr<bf16>();
   const bf16* vc = v_cache.data_ptr<bf16>();

@@ -7,6 +7,7 @@
 #include "cpu_kernels.h"
 
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/embedding.h>
 
 #include <optional>
 #include <tuple>
@@ -16,8 +17,8 @@ namespace {
 
 // oneDNN's matmul over a weight packed by mkldnn::_reorder_linear_weight: the op
 // kernels.cpu_gemm.linear calls, reached through the dispatcher since it has no C++ API.
-torch::Tensor onednn_linear(const torch::Tensor& x, const torch::Tensor& packed,
-                            const c10::optional<torch::Tensor>& bias) {
+at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& packed,
+                         const c10::optional<at::Tensor>& bias) {
   static const auto op =
       c10::Dispatcher::singleton()
           .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
@@ -30,8 +31,8 @@ torch::Tensor onednn_linear(const torch::Tensor& x, const torch::Tensor& packed,
 
 }  // namespace
 
-DecodeStack::DecodeStack(torch::Tensor embedding, std::vector<DecodeLayer> layers,
-                         torch::Tensor final_norm, double eps, int64_t num_heads,
+DecodeStack::DecodeStack(at::Tensor embedding, std::vector<DecodeLayer> layers,
+                         at::Tensor final_norm, double eps, int64_t num_heads,
                          int64_t num_kv_heads, int64_t head_dim, int64_t intermediate_size,
                          double scale, int64_t skinny_max_rows)
     : embedding_(std::move(embedding)), layers_(std::move(layers)),
@@ -44,9 +45,9 @@ DecodeStack::DecodeStack(torch::Tensor embedding, std::vector<DecodeLayer> layer
               "num_heads must be a multiple of num_kv_heads");
 }
 
-torch::Tensor DecodeStack::linear(const torch::Tensor& x, const torch::Tensor& skinny,
-                                  const c10::optional<torch::Tensor>& packed, int64_t out,
-                                  const c10::optional<torch::Tensor>& bias) const {
+at::Tensor DecodeStack::linear(const at::Tensor& x, const at::Tensor& skinny,
+                               const c10::optional<at::Tensor>& packed, int64_t out,
+                               const c10::optional<at::Tensor>& bias) const {
   if (x.size(0) <= skinny_max_rows_) {
     return skinny.dim() == 1 ? amx_gemm(x, skinny, out, bias) : skinny_gemm(x, skinny, out, bias);
   }
@@ -55,8 +56,8 @@ torch::Tensor DecodeStack::linear(const torch::Tensor& x, const torch::Tensor& s
   return onednn_linear(x, *packed, bias);
 }
 
-torch::Tensor DecodeStack::linear_silu_and_mul(const torch::Tensor& x,
-                                               const DecodeLayer& layer) const {
+at::Tensor DecodeStack::linear_silu_and_mul(const at::Tensor& x,
+                                            const DecodeLayer& layer) const {
   const int64_t out = 2 * intermediate_size_;
   if (x.size(0) <= skinny_max_rows_ && layer.gate_up.dim() == 1 && amx_gemm_fuses_silu(out)) {
     return amx_gemm_silu_and_mul(x, layer.gate_up, out, layer.gate_up_bias);
@@ -64,12 +65,12 @@ torch::Tensor DecodeStack::linear_silu_and_mul(const torch::Tensor& x,
   return silu_and_mul(linear(x, layer.gate_up, layer.gate_up_packed, out, layer.gate_up_bias));
 }
 
-torch::Tensor DecodeStack::forward(torch::Tensor input_ids, torch::Tensor positions,
-                                   torch::Tensor cos_sin_cache,
-                                   const std::vector<torch::Tensor>& k_caches,
-                                   const std::vector<torch::Tensor>& v_caches,
-                                   torch::Tensor slot_mapping, torch::Tensor block_tables,
-                                   torch::Tensor seq_lens) const {
+at::Tensor DecodeStack::forward(at::Tensor input_ids, at::Tensor positions,
+                                at::Tensor cos_sin_cache,
+                                const std::vector<at::Tensor>& k_caches,
+                                const std::vector<at::Tensor>& v_caches,
+                                at::Tensor slot_mapping, at::Tensor block_tables,
+                                at::Tensor seq_lens) const {
   const size_t num_layers = layers_.size();
   TORCH_CHECK(k_caches.size() == num_layers && v_caches.size() == num_layers,
               "one K and one V cache per layer");
@@ -80,22 +81,22 @@ torch::Tensor DecodeStack::forward(torch::Tensor input_ids, torch::Tensor positi
               "block_tables' rows agree");
   const int64_t n = input_ids.size(0);
   const int64_t q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_;
-  torch::Tensor hidden = torch::embedding(embedding_, input_ids);
-  c10::optional<torch::Tensor> residual;
-  torch::Tensor normed;
+  at::Tensor hidden = at::embedding(embedding_, input_ids);
+  c10::optional<at::Tensor> residual;
+  at::Tensor normed;
   for (size_t l = 0; l < num_layers; ++l) {
     const DecodeLayer& layer = layers_[l];
     std::tie(normed, hidden) = fused_add_rms_norm(hidden, layer.input_norm, eps_, residual);
     residual = hidden;
-    torch::Tensor qkv = linear(normed, layer.qkv, layer.qkv_packed, q_size + 2 * kv_size,
-                               layer.qkv_bias);
-    torch::Tensor q = qkv.narrow(1, 0, q_size).view({n, num_heads_, head_dim_});
-    torch::Tensor k = qkv.narrow(1, q_size, kv_size).view({n, num_kv_heads_, head_dim_});
-    torch::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({n, num_kv_heads_, head_dim_});
+    at::Tensor qkv = linear(normed, layer.qkv, layer.qkv_packed, q_size + 2 * kv_size,
+                            layer.qkv_bias);
+    at::Tensor q = qkv.narrow(1, 0, q_size).view({n, num_heads_, head_dim_});
+    at::Tensor k = qkv.narrow(1, q_size, kv_size).view({n, num_kv_heads_, head_dim_});
+    at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({n, num_kv_heads_, head_dim_});
     rotary_embedding(positions, q, k, cos_sin_cache);
     store_kv_cache(k, v, k_caches[l], v_caches[l], slot_mapping);
-    torch::Tensor attn = paged_decode_attention(q, k_caches[l], v_caches[l], block_tables,
-                                                seq_lens, scale_);
+    at::Tensor attn = paged_decode_attention(q, k_caches[l], v_caches[l], block_tables,
+                                             seq_lens, scale_);
     hidden = linear(attn.reshape({n, q_size}), layer.o, layer.o_packed, hidden_size_,
                     layer.o_bias);
     std::tie(normed, hidden) = fused_add_rms_norm(hidden, layer.post_norm, eps_, residual);

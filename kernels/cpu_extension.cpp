@@ -1,6 +1,9 @@
 // Python bindings of the C++ CPU kernels (cpu_kernels.h), of the decode step's layer stack
 // (cpu_decode_stack.h) and of the thread pinning (cpu_threads.cpp), built together as one
-// extension by kernels/cpu_extension.py.
+// extension by kernels/cpu_extension.py. The one file that includes torch's whole extension
+// API (pybind11 and the type casters of at::Tensor and c10::optional).
+#include <torch/extension.h>
+
 #include "cpu_kernels.h"
 #include "cpu_decode_stack.h"
 

@@ -6,8 +6,7 @@
 // temporary between each; here each element is read and written once. Rows are split over
 // OpenMP threads (torch's thread count) once a batch has enough of them to pay for waking the
 // threads.
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "cpu_tensor.h"
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -29,16 +28,16 @@ constexpr int64_t PARALLEL_ROWS = 16;  // fewer rows run on the calling thread a
 
 inline int threads_for(int64_t rows) { return rows >= PARALLEL_ROWS ? at::get_num_threads() : 1; }
 
-bool supported(const torch::Tensor& t) {
-  return t.scalar_type() == torch::kFloat32 || t.scalar_type() == torch::kBFloat16;
+bool supported(const at::Tensor& t) {
+  return t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16;
 }
 
-void check_rows(const torch::Tensor& t, const char* name) {
+void check_rows(const at::Tensor& t, const char* name) {
   TORCH_CHECK(supported(t) && t.dim() == 2 && t.stride(1) == 1,
               name, ": float32 or bfloat16 [rows, n] with contiguous rows");
 }
 
-void check_heads(const torch::Tensor& t, const char* name) {
+void check_heads(const at::Tensor& t, const char* name) {
   TORCH_CHECK(supported(t) && t.dim() == 3 && t.stride(2) == 1,
               name, ": float32 or bfloat16 [tokens, heads, head_dim] with contiguous head rows");
 }
@@ -47,8 +46,8 @@ void check_heads(const torch::Tensor& t, const char* name) {
 // the residual, the normalized value), so bfloat16 results match the reference's to its last
 // rounding.
 template <typename T>
-void rms_norm_rows(const torch::Tensor& x, const T* w, float eps, const torch::Tensor* residual,
-                   torch::Tensor& sum, torch::Tensor& out) {
+void rms_norm_rows(const at::Tensor& x, const T* w, float eps, const at::Tensor* residual,
+                   at::Tensor& sum, at::Tensor& out) {
   const int64_t rows = x.size(0), hidden = x.size(1), full = hidden / W * W;
 #pragma omp parallel for num_threads(threads_for(rows))
   for (int64_t r = 0; r < rows; ++r) {
@@ -78,7 +77,7 @@ void rms_norm_rows(const torch::Tensor& x, const T* w, float eps, const torch::T
 }
 
 template <typename T>
-void silu_and_mul_rows(const torch::Tensor& x, torch::Tensor& out) {
+void silu_and_mul_rows(const at::Tensor& x, at::Tensor& out) {
   const int64_t rows = x.size(0), d = x.size(1) / 2, full = d / W * W;
 #pragma omp parallel for num_threads(threads_for(rows))
   for (int64_t r = 0; r < rows; ++r) {
@@ -116,7 +115,7 @@ void rotate_heads(T* x, int64_t heads, int64_t head_stride, int64_t half, const 
 }
 
 template <typename T>
-void rotate_tokens(const int64_t* pos, torch::Tensor& q, torch::Tensor& k, const float* cache) {
+void rotate_tokens(const int64_t* pos, at::Tensor& q, at::Tensor& k, const float* cache) {
   const int64_t tokens = q.size(0), head_dim = q.size(2), half = head_dim / 2;
 #pragma omp parallel for num_threads(threads_for(tokens))
   for (int64_t t = 0; t < tokens; ++t) {
@@ -128,9 +127,9 @@ void rotate_tokens(const int64_t* pos, torch::Tensor& q, torch::Tensor& k, const
 
 }  // namespace
 
-std::tuple<torch::Tensor, torch::Tensor> fused_add_rms_norm(torch::Tensor x, torch::Tensor weight,
-                                                            double eps,
-                                                            c10::optional<torch::Tensor> residual) {
+std::tuple<at::Tensor, at::Tensor> fused_add_rms_norm(at::Tensor x, at::Tensor weight,
+                                                      double eps,
+                                                      c10::optional<at::Tensor> residual) {
   check_rows(x, "x");
   TORCH_CHECK(weight.scalar_type() == x.scalar_type() && weight.is_contiguous()
               && weight.numel() == x.size(1), "weight: [hidden] in x's dtype");
@@ -138,33 +137,33 @@ std::tuple<torch::Tensor, torch::Tensor> fused_add_rms_norm(torch::Tensor x, tor
   TORCH_CHECK(!residual || (residual->sizes() == x.sizes()
                             && residual->scalar_type() == x.scalar_type()),
               "residual: x's shape and dtype");
-  auto out = torch::empty({x.size(0), x.size(1)}, x.options());
-  auto sum = residual ? torch::empty({x.size(0), x.size(1)}, x.options()) : x;
-  const torch::Tensor* res = residual ? &*residual : nullptr;
-  if (x.scalar_type() == torch::kBFloat16)
+  auto out = at::empty({x.size(0), x.size(1)}, x.options());
+  auto sum = residual ? at::empty({x.size(0), x.size(1)}, x.options()) : x;
+  const at::Tensor* res = residual ? &*residual : nullptr;
+  if (x.scalar_type() == at::kBFloat16)
     rms_norm_rows<c10::BFloat16>(x, weight.data_ptr<c10::BFloat16>(), float(eps), res, sum, out);
   else
     rms_norm_rows<float>(x, weight.data_ptr<float>(), float(eps), res, sum, out);
   return {out, sum};
 }
 
-torch::Tensor silu_and_mul(torch::Tensor x) {
+at::Tensor silu_and_mul(at::Tensor x) {
   check_rows(x, "x");
   TORCH_CHECK(x.size(1) % 2 == 0, "x: gate | up, an even width");
-  auto out = torch::empty({x.size(0), x.size(1) / 2}, x.options());
-  if (x.scalar_type() == torch::kBFloat16)
+  auto out = at::empty({x.size(0), x.size(1) / 2}, x.options());
+  if (x.scalar_type() == at::kBFloat16)
     silu_and_mul_rows<c10::BFloat16>(x, out);
   else
     silu_and_mul_rows<float>(x, out);
   return out;
 }
 
-torch::Tensor rope_positions(const torch::Tensor& positions, const torch::Tensor& cos_sin_cache,
-                            int64_t tokens, int64_t head_dim) {
-  TORCH_CHECK(cos_sin_cache.scalar_type() == torch::kFloat32 && cos_sin_cache.dim() == 2
+at::Tensor rope_positions(const at::Tensor& positions, const at::Tensor& cos_sin_cache,
+                          int64_t tokens, int64_t head_dim) {
+  TORCH_CHECK(cos_sin_cache.scalar_type() == at::kFloat && cos_sin_cache.dim() == 2
               && cos_sin_cache.is_contiguous() && cos_sin_cache.size(1) == head_dim,
               "cos_sin_cache: float32 [max_position, head_dim]");
-  auto pos = positions.to(torch::kInt64).contiguous();
+  auto pos = positions.to(at::kLong).contiguous();
   TORCH_CHECK(pos.numel() == tokens, "positions: one per token");
   const int64_t max_position = cos_sin_cache.size(0);
   const int64_t* pp = pos.data_ptr<int64_t>();
@@ -173,22 +172,22 @@ torch::Tensor rope_positions(const torch::Tensor& positions, const torch::Tensor
   return pos;
 }
 
-void rotary_embedding(torch::Tensor positions, torch::Tensor q, torch::Tensor k,
-                      torch::Tensor cos_sin_cache) {
+void rotary_embedding(at::Tensor positions, at::Tensor q, at::Tensor k,
+                      at::Tensor cos_sin_cache) {
   check_heads(q, "q");
   check_heads(k, "k");
   TORCH_CHECK(k.scalar_type() == q.scalar_type(), "q and k: one dtype");
   TORCH_CHECK(k.size(2) == q.size(2) && k.size(0) == q.size(0), "q and k: one row per token, one head_dim");
   const auto pos = rope_positions(positions, cos_sin_cache, q.size(0), q.size(2));
   const int64_t* pp = pos.data_ptr<int64_t>();
-  if (q.scalar_type() == torch::kBFloat16)
+  if (q.scalar_type() == at::kBFloat16)
     rotate_tokens<c10::BFloat16>(pp, q, k, cos_sin_cache.data_ptr<float>());
   else
     rotate_tokens<float>(pp, q, k, cos_sin_cache.data_ptr<float>());
 }
 
-void store_kv_cache(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
-                    torch::Tensor slot_mapping) {
+void store_kv_cache(at::Tensor k, at::Tensor v, at::Tensor k_cache, at::Tensor v_cache,
+                    at::Tensor slot_mapping) {
   check_heads(k, "k");
   check_heads(v, "v");
   TORCH_CHECK(k_cache.scalar_type() == k.scalar_type() && v_cache.scalar_type() == k.scalar_type()
@@ -197,7 +196,7 @@ void store_kv_cache(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, tor
   const int64_t tokens = k.size(0), heads = k.size(1), head_dim = k.size(2);
   TORCH_CHECK(k_cache.size(2) == heads && k_cache.size(3) == head_dim && v.sizes() == k.sizes(),
               "k/v rows do not match the cache's heads");
-  const auto slots = slot_mapping.to(torch::kInt64).contiguous();
+  const auto slots = slot_mapping.to(at::kLong).contiguous();
   TORCH_CHECK(slots.numel() == tokens, "slot_mapping: one slot per token");
   const int64_t* sp = slots.data_ptr<int64_t>();
   const int64_t num_slots = k_cache.size(0) * k_cache.size(1), row = heads * head_dim;

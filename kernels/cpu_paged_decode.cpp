@@ -10,8 +10,7 @@
 // makes the kernel bound by reading the cache rather than by loads and stores of partial sums.
 // SIMD: cpu_vec.h. Items run on ATen's intra-op thread pool, so the engine's torch thread
 // count applies.
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "cpu_tensor.h"
 
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -253,9 +252,9 @@ bool supports_head_dim(int64_t head_dim) { return head_fn<float>(head_dim) != nu
 namespace {
 
 template <typename T>
-torch::Tensor decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                     torch::Tensor block_tables, torch::Tensor seq_lens, double scale) {
-  TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && seq_lens.scalar_type() == torch::kInt32,
+at::Tensor decode(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
+                  at::Tensor block_tables, at::Tensor seq_lens, double scale) {
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt,
               "block_tables, seq_lens: int32");
   q = q.contiguous();
   block_tables = block_tables.contiguous();
@@ -266,7 +265,7 @@ torch::Tensor decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cac
   TORCH_CHECK(num_heads % num_kv_heads == 0 && k_cache.size(3) == head_dim, "head shapes");
   const HeadFn<T> attend = head_fn<T>(head_dim);
   TORCH_CHECK(attend != nullptr, "head_dim ", head_dim, " unsupported");
-  auto out = torch::empty_like(q);
+  auto out = at::empty_like(q);
   const T* qp = q.data_ptr<T>();
   const T* kp = k_cache.data_ptr<T>();
   const T* vp = v_cache.data_ptr<T>();
@@ -312,16 +311,16 @@ torch::Tensor decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cac
 
 }  // namespace
 
-torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache,
-                                     torch::Tensor v_cache, torch::Tensor block_tables,
-                                     torch::Tensor seq_lens, double scale) {
+at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache,
+                                  at::Tensor v_cache, at::Tensor block_tables,
+                                  at::Tensor seq_lens, double scale) {
   const auto dtype = q.scalar_type();
-  TORCH_CHECK(q.dim() == 3 && (dtype == torch::kFloat32 || dtype == torch::kBFloat16),
+  TORCH_CHECK(q.dim() == 3 && (dtype == at::kFloat || dtype == at::kBFloat16),
               "q: float32 or bfloat16 [S, H, D]");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
   TORCH_CHECK(k_cache.scalar_type() == dtype && v_cache.scalar_type() == dtype,
               "caches: q's dtype");
-  if (dtype == torch::kBFloat16)
+  if (dtype == at::kBFloat16)
     return decode<c10::BFloat16>(q, k_cache, v_cache, block_tables, seq_lens, scale);
   return decode<float>(q, k_cache, v_cache, block_tables, seq_lens, scale);
 }

@@ -15,8 +15,7 @@
 // scores instead of an online softmax: a tile's scores (48 rows of a 32k-token context are
 // 6 MiB) stay in the last-level cache between the passes. All math in float32. Items are claimed dynamically by the threads (OpenMP, at torch's
 // thread count), largest first, since later tiles of a sequence see more keys.
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "cpu_tensor.h"
 
 #include <algorithm>
 #include <cmath>
@@ -159,14 +158,14 @@ struct Item {
 };
 
 template <typename T>
-torch::Tensor prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                      torch::Tensor block_tables, torch::Tensor cu_seqlens_q,
-                      torch::Tensor seq_lens, double scale) {
-  TORCH_CHECK(block_tables.scalar_type() == torch::kInt32, "block_tables: int32");
+at::Tensor prefill(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
+                   at::Tensor block_tables, at::Tensor cu_seqlens_q,
+                   at::Tensor seq_lens, double scale) {
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt, "block_tables: int32");
   q = q.contiguous();
   block_tables = block_tables.contiguous();
-  const auto cu = cu_seqlens_q.to(torch::kInt64).contiguous();
-  const auto lens = seq_lens.to(torch::kInt64).contiguous();
+  const auto cu = cu_seqlens_q.to(at::kLong).contiguous();
+  const auto lens = seq_lens.to(at::kLong).contiguous();
   const int64_t num_heads = q.size(1), head_dim = q.size(2);
   const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
   const int64_t group = num_heads / num_kv_heads, max_blocks = block_tables.size(1);
@@ -187,7 +186,7 @@ torch::Tensor prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_ca
     TORCH_CHECK(lp[s] <= max_blocks * block_size, "seq_len outside its block table");
     spad[s] = num_new > 0 ? (lp[s] + W - 1) / W * W : 0;  // no K copy without new tokens
   }
-  auto out = torch::zeros_like(q);  // padding rows past cu_seqlens_q[-1] stay zero
+  auto out = at::zeros_like(q);  // padding rows past cu_seqlens_q[-1] stay zero
   const T* qp = q.data_ptr<T>();
   const T* kp = k_cache.data_ptr<T>();
   const T* vp = v_cache.data_ptr<T>();
@@ -268,17 +267,17 @@ torch::Tensor prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_ca
 
 }  // namespace
 
-torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache,
-                                      torch::Tensor v_cache, torch::Tensor block_tables,
-                                      torch::Tensor cu_seqlens_q, torch::Tensor seq_lens,
-                                      double scale) {
+at::Tensor paged_prefill_attention(at::Tensor q, at::Tensor k_cache,
+                                   at::Tensor v_cache, at::Tensor block_tables,
+                                   at::Tensor cu_seqlens_q, at::Tensor seq_lens,
+                                   double scale) {
   const auto dtype = q.scalar_type();
-  TORCH_CHECK(q.dim() == 3 && (dtype == torch::kFloat32 || dtype == torch::kBFloat16),
+  TORCH_CHECK(q.dim() == 3 && (dtype == at::kFloat || dtype == at::kBFloat16),
               "q: float32 or bfloat16 [T, H, D]");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
   TORCH_CHECK(k_cache.scalar_type() == dtype && v_cache.scalar_type() == dtype,
               "caches: q's dtype");
-  if (dtype == torch::kBFloat16)
+  if (dtype == at::kBFloat16)
     return prefill<c10::BFloat16>(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens,
                                   scale);
   return prefill<float>(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale);

@@ -12,7 +12,7 @@
 // otherwise 8, 2 per tile row), so the accumulators stay in registers: MR x NT of them, plus
 // NT weight vectors and one broadcast x value. Math in float32; bfloat16 weights and inputs are widened exactly, and
 // a bfloat16 output is rounded once, to nearest even, as oneDNN's bf16 matmul does.
-#include <torch/extension.h>
+#include "cpu_tensor.h"
 
 #include <c10/util/BFloat16.h>
 
@@ -84,8 +84,8 @@ void tile_pass(const T* x, int64_t ldx, const T* tile, int64_t K, const T* bias,
 }
 
 template <typename T>
-void skinny_rows(const torch::Tensor& x, const torch::Tensor& packed, const T* bias,
-                 torch::Tensor& out) {
+void skinny_rows(const at::Tensor& x, const at::Tensor& packed, const T* bias,
+                 at::Tensor& out) {
   const int64_t M = x.size(0), K = x.size(1), N = out.size(1), tiles = packed.size(0);
   const int64_t ldx = x.stride(0);
   const T* xp = x.data_ptr<T>();
@@ -112,19 +112,19 @@ void skinny_rows(const torch::Tensor& x, const torch::Tensor& packed, const T* b
   }
 }
 
-bool supported_dtype(const torch::Tensor& t) {
-  return t.scalar_type() == torch::kFloat32 || t.scalar_type() == torch::kBFloat16;
+bool supported_dtype(const at::Tensor& t) {
+  return t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16;
 }
 
 }  // namespace
 
 int64_t skinny_gemm_tile() { return TILE; }
 
-torch::Tensor skinny_gemm_pack(torch::Tensor weight) {
+at::Tensor skinny_gemm_pack(at::Tensor weight) {
   TORCH_CHECK(supported_dtype(weight) && weight.dim() == 2 && weight.device().is_cpu(),
               "weight: float32 or bfloat16 [out, in] on CPU");
   const int64_t N = weight.size(0), K = weight.size(1), tiles = (N + TILE - 1) / TILE;
-  torch::Tensor packed = torch::zeros({tiles, K, TILE}, weight.options());
+  at::Tensor packed = at::zeros({tiles, K, TILE}, weight.options());
   for (int64_t t = 0; t < tiles; ++t) {
     const int64_t n0 = t * TILE, nn = std::min<int64_t>(TILE, N - n0);
     packed[t].narrow(1, 0, nn).copy_(weight.narrow(0, n0, nn).t());
@@ -132,8 +132,8 @@ torch::Tensor skinny_gemm_pack(torch::Tensor weight) {
   return packed;
 }
 
-torch::Tensor skinny_gemm(torch::Tensor x, torch::Tensor packed, int64_t out_features,
-                          c10::optional<torch::Tensor> bias) {
+at::Tensor skinny_gemm(at::Tensor x, at::Tensor packed, int64_t out_features,
+                       c10::optional<at::Tensor> bias) {
   TORCH_CHECK(supported_dtype(x) && x.dim() == 2 && x.stride(1) == 1,
               "x: float32 or bfloat16 [rows, in] with contiguous rows");
   TORCH_CHECK(packed.scalar_type() == x.scalar_type() && packed.dim() == 3
@@ -144,8 +144,8 @@ torch::Tensor skinny_gemm(torch::Tensor x, torch::Tensor packed, int64_t out_fea
   TORCH_CHECK(!bias || (bias->scalar_type() == x.scalar_type() && bias->dim() == 1
                         && bias->size(0) == out_features && bias->is_contiguous()),
               "bias: [out_features] contiguous, in x's dtype");
-  torch::Tensor out = torch::empty({x.size(0), out_features}, x.options());
-  if (x.scalar_type() == torch::kBFloat16)
+  at::Tensor out = at::empty({x.size(0), out_features}, x.options());
+  if (x.scalar_type() == at::kBFloat16)
     skinny_rows<c10::BFloat16>(x, packed, bias ? bias->data_ptr<c10::BFloat16>() : nullptr, out);
   else
     skinny_rows<float>(x, packed, bias ? bias->data_ptr<float>() : nullptr, out);

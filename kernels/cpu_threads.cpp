@@ -8,7 +8,7 @@
 // only, and the team's threads are not visible from Python.
 #include <omp.h>
 #include <sched.h>
-#include <torch/extension.h>
+#include "cpu_tensor.h"
 
 #include <vector>
 
