@@ -27,6 +27,7 @@ import bisect
 import threading
 from collections import deque
 from dataclasses import replace
+from itertools import accumulate
 
 import numpy as np
 
@@ -135,7 +136,8 @@ class DecodeForecast:
             return started + self._default_decode_s()
         f = self.durations.cdf(now - started)
         u = f + self.confidence * (1.0 - f)
-        q = self.durations.sorted[np.clip(np.ceil(u * n - 1e-9).astype(int) - 1, 0, n - 1)]
+        index = np.ceil(u * n - 1e-9).astype(int) - 1
+        q = self.durations.sorted[np.minimum(np.maximum(index, 0), n - 1)]
         return np.where(f >= 1.0, now, started + q)
 
     def load_at(self, load: DecodeLoad, now: float, at: float) -> DecodeLoad:
@@ -149,16 +151,21 @@ class DecodeForecast:
             kv = np.fromiter((n for _, n in running), float, len(running))
             departs = self._departure_times(started, now)
         step = self.cost.t_step(max(1, load.batch_size), load.context_tokens)
+        # departures in time order with their KV summed: how many have left by t and what
+        # they held are one bisection per checkpoint (KV counts are integers: sums are exact)
+        order = np.argsort(departs, kind="stable")
+        departed = departs[order].tolist()
+        departed_kv = [0.0, *np.cumsum(kv[order]).tolist()]
         joins = [t for t, _ in pending]
-        joined_kv = np.cumsum([0] + [n for _, n in pending])
+        joined_kv = list(accumulate((n for _, n in pending), initial=0))
         later = [t for t in joins if t > at][:_MAX_CHECKPOINTS]
         peak = (0, 0)
         for t in [at] + later:
-            gone = departs <= t if t > now else np.zeros(len(running), bool)
-            stay = len(running) - int(gone.sum())
+            gone = bisect.bisect_right(departed, t) if t > now else 0
+            stay = len(running) - gone
             k = bisect.bisect_right(joins, t)
-            batch = load.batch_size - (len(running) - stay) + k
-            tokens = load.context_tokens - float(kv[gone].sum()) + int(joined_kv[k])
+            batch = load.batch_size - gone + k
+            tokens = load.context_tokens - departed_kv[gone] + joined_kv[k]
             if step > 0:  # the sequences that stay grow by a token per step
                 tokens += stay * int((t - now) / step)
             peak = max(peak, (round(tokens), batch))
