@@ -15,6 +15,7 @@ import signal
 import threading
 import time
 
+import psutil
 import pytest
 import torch
 
@@ -359,7 +360,7 @@ def test_a_source_that_stops_answering_fails_the_read_at_te_timeout(staged, monk
         regions = ready.get(timeout=60)
         _, state, _ = read(regions[4], [0, 1, 2, 3])  # the handshake, and a read served
         assert state is TransferState.SUCCESS
-        os.kill(proc.pid, signal.SIGSTOP)
+        _stop(proc.pid)
         receiver, state, elapsed = read(regions[16], list(range(20, 36)))
         assert state is TransferState.FAILED and elapsed >= 1.0  # not at the 0.3 s deadline
         with pytest.raises(KVTransferError, match="timed out"):
@@ -371,6 +372,20 @@ def test_a_source_that_stops_answering_fails_the_read_at_te_timeout(staged, monk
         proc.join(30)
         if proc.is_alive():
             proc.kill()
+
+
+def _stop(pid: int) -> None:
+    """SIGSTOP ``pid`` and wait until every one of its threads has stopped: the signal is
+    only delivered as each thread is next scheduled, and a TE thread still running could
+    serve one more read on a loaded machine."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        states = [psutil.Process(t.id).status() for t in psutil.Process(pid).threads()]
+        if all(state == psutil.STATUS_STOPPED for state in states):
+            return
+        time.sleep(0.01)
+    pytest.fail(f"process {pid} did not stop: {states}")
 
 
 @pytest.mark.parametrize("spans", [1, 2, 4, 16, 24, 100])
