@@ -22,7 +22,7 @@ from deploy.preload import worker_huge_pages, worker_preload
 from engine import cpu_binding
 from engine.config import EngineConfig, ModelConfig
 from engine.model import check_tensor_parallel
-from kvstore.actor import start_kvstore_actors
+from kvstore.actor import start_kvstore_actors, wait_kvstore_actors
 from kvstore.index import ActorIndex, open_index
 from kvstore.layout import BlockLayout
 from prefill_worker.actor import PrefillWorker
@@ -98,9 +98,11 @@ class Cluster:
         # the driver opens the global index first: an index actor (ray://) lives as long as the
         # process that created it, and a KV store may die (Ray restarts it)
         self._index = open_index(cfg.kvpool.index_url)
+        # the stores start alongside the workers, which find theirs by name
         self.kvstores = start_kvstore_actors(
             cfg.kvstore, cfg.kvpool, block_layout(cfg.engine), cfg.ray_namespace,
-            node_ids=placement.worker_node_ids(ray.nodes(), self._role_demand.values()))
+            node_ids=placement.worker_node_ids(ray.nodes(), self._role_demand.values()),
+            wait=False)
         # Triton on CPU runs interpreted: actors need TRITON_INTERPRET=1 before importing triton
         # and they log like the gateway (level, text|json, request ids): engine.logs
         runtime_env = {"env_vars": {**worker_env_vars(cfg.log_level, cfg.log_format),
@@ -128,6 +130,7 @@ class Cluster:
                 f"decode-{i}", decode_engine, cfg.kvstore, cfg.ray_namespace, decode_transfer,
                 cfg.kvpool)
             self.decode.append(Instance(f"decode-{i}", "decode", handle))
+        wait_kvstore_actors(self.kvstores, cfg.kvstore.rpc_timeout_s * 6)
         infos = ray.get([i.handle.info.remote() for i in self.prefill + self.decode])
         for instance, info in zip(self.prefill + self.decode, infos):
             log.info("%s ready: pid %s on node %s", instance.worker_id, info["pid"],

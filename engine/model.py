@@ -259,5 +259,31 @@ def build_model(config: ModelConfig, dtype: torch.dtype, device: str | torch.dev
     `load_checkpoint` before use."""
     with torch.device("meta"):
         model = LlamaForCausalLM(config, tp)
-    model.to_empty(device=device).to(dtype)
+    _materialize(model, dtype, torch.device(device))
     return model.eval().requires_grad_(False)
+
+
+def _materialize(model: nn.Module, dtype: torch.dtype, device: torch.device) -> None:
+    """Replace every meta parameter and buffer with an uninitialized tensor on `device`,
+    floating ones in `dtype`; a tensor shared between modules stays shared.
+
+    ``Module.to_empty(...).to(dtype)`` would do the same, but it allocates each floating
+    tensor twice where `dtype` is not the default, and its ``empty_like`` of a meta tensor goes
+    through torch's Python references, whose first use imports sympy, a large import that
+    an eager worker does not otherwise need at start."""
+    made: dict[int, torch.Tensor] = {}  # id of a meta tensor -> its replacement
+
+    def replace(t: torch.Tensor, parameter: bool) -> torch.Tensor:
+        if id(t) not in made:
+            new = torch.empty(t.shape, device=device,
+                              dtype=dtype if t.is_floating_point() else t.dtype)
+            made[id(t)] = nn.Parameter(new, requires_grad=False) if parameter else new
+        return made[id(t)]
+
+    for module in model.modules():
+        for name, param in module._parameters.items():
+            if param is not None:
+                module._parameters[name] = replace(param, True)
+        for name, buffer in module._buffers.items():
+            if buffer is not None:
+                module._buffers[name] = replace(buffer, False)

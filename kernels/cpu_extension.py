@@ -8,13 +8,16 @@ ops of a decoder layer (`cpu_fused_ops.cpp`), the linear GEMM for decode batches
 
 `torch.utils.cpp_extension.load` compiles them with the machine's C++ compiler into torch's
 extension cache (~/.cache/torch_extensions, or TORCH_EXTENSIONS_DIR), so later processes load
-it without compiling. Where it cannot be built (no compiler, as in a slim image) `module()` is
-None, with one warning, and callers keep the torch paths (`kernels.torch_attention`,
+it without compiling. The build is named after this directory: ninja rebuilds a build whose
+source paths changed, so two checkouts or installs sharing one name would rebuild each
+other's. Where it cannot be built (no compiler, as in a slim image) `module()` is None, with
+one warning, and callers keep the torch paths (`kernels.torch_attention`,
 `kernels.reference`).
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import shutil
@@ -51,7 +54,8 @@ def module() -> ModuleType | None:
             sources = [os.path.join(here, name) for name in _SOURCES]
             try:
                 _module = cpp_extension.load(
-                    "pdcluster_cpu_kernels", sources,
+                    f"pdcluster_cpu_kernels_{hashlib.sha1(here.encode()).hexdigest()[:8]}",
+                    sources,
                     extra_cflags=["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math",
                                   "-fassociative-math", "-fno-signed-zeros", "-fopenmp"],
                     # ATen's parallel_for is inlined here: without OpenMP it runs on one

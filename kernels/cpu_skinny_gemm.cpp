@@ -124,10 +124,17 @@ at::Tensor skinny_gemm_pack(at::Tensor weight) {
   TORCH_CHECK(supported_dtype(weight) && weight.dim() == 2 && weight.device().is_cpu(),
               "weight: float32 or bfloat16 [out, in] on CPU");
   const int64_t N = weight.size(0), K = weight.size(1), tiles = (N + TILE - 1) / TILE;
-  at::Tensor packed = at::zeros({tiles, K, TILE}, weight.options());
-  for (int64_t t = 0; t < tiles; ++t) {
-    const int64_t n0 = t * TILE, nn = std::min<int64_t>(TILE, N - n0);
-    packed[t].narrow(1, 0, nn).copy_(weight.narrow(0, n0, nn).t());
+  // one transposing copy over the full tiles (ATen runs it on every thread); only a partial
+  // last tile needs its padding columns zeroed
+  at::Tensor packed = at::empty({tiles, K, TILE}, weight.options());
+  const int64_t full = N / TILE;
+  if (full > 0)
+    packed.narrow(0, 0, full).copy_(
+        weight.narrow(0, 0, full * TILE).reshape({full, TILE, K}).transpose(1, 2));
+  if (full < tiles) {
+    at::Tensor last = packed[full];
+    last.zero_();
+    last.narrow(1, 0, N - full * TILE).copy_(weight.narrow(0, full * TILE, N - full * TILE).t());
   }
   return packed;
 }

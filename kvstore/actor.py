@@ -230,9 +230,12 @@ class KVStoreActor:
 
 def start_kvstore_actors(config: KVStoreConfig, pool: KVPoolConfig, layout: BlockLayout,
                          namespace: str | None = None,
-                         node_ids: Iterable[str] | None = None) -> dict[str, ActorHandle]:
+                         node_ids: Iterable[str] | None = None,
+                         wait: bool = True) -> dict[str, ActorHandle]:
     """Start one KV store actor on every ALIVE Ray node (or on each of `node_ids`: the nodes
-    that may run workers, deploy/placement.py) and wait until each serves.
+    that may run workers, deploy/placement.py) and, with `wait`, wait until each serves
+    (`wait_kvstore_actors`). Without it the caller waits later: workers created meanwhile
+    find their store by name and start alongside it.
 
     Each actor is pinned with ``NodeAffinitySchedulingStrategy(node_id, soft=False)`` and named
     ``KVSTORE_ACTOR_PREFIX + node_id`` in ``namespace`` (default: the caller's). Lifetime is
@@ -247,12 +250,19 @@ def start_kvstore_actors(config: KVStoreConfig, pool: KVPoolConfig, layout: Bloc
     actors: dict[str, ActorHandle] = {
         node_id: start_kvstore_actor(node_id, config, pool, layout, namespace)
         for node_id in node_ids}
+    if wait:
+        wait_kvstore_actors(actors, config.rpc_timeout_s * 6)
+    return actors
+
+
+def wait_kvstore_actors(actors: dict[str, ActorHandle], timeout_s: float) -> None:
+    """Wait until each of `actors` (node id -> handle) serves. Raises KVStoreError if one
+    fails to start within `timeout_s` s."""
     refs = [a.address.remote() for a in actors.values()]
     try:
-        ray.get(refs, timeout=config.rpc_timeout_s * 6)
+        ray.get(refs, timeout=timeout_s)
     except (ray.exceptions.GetTimeoutError, ray.exceptions.RayActorError) as exc:
         raise KVStoreError(f"KV store actors failed to start: {exc}") from exc
-    return actors
 
 
 def start_kvstore_actor(node_id: str, config: KVStoreConfig, pool: KVPoolConfig,

@@ -1,0 +1,34 @@
+"""engine.model.build_model: the model is built on the meta device and materialized in the
+requested dtype, without torch's Python references (which import sympy, a large import an
+eager worker does not otherwise need)."""
+
+import subprocess
+import sys
+
+import torch
+
+from engine.config import BUNDLED_MODEL, ModelConfig
+from engine.model import build_model
+
+
+def test_every_tensor_is_materialized_in_the_dtype_and_frozen():
+    config = ModelConfig.from_pretrained(BUNDLED_MODEL)
+    reference = build_model(config, torch.float32, "cpu")
+    model = build_model(config, torch.bfloat16, "cpu")
+    shapes = {name: p.shape for name, p in reference.named_parameters()}
+    assert {name: p.shape for name, p in model.named_parameters()} == shapes
+    for name, param in model.named_parameters():
+        assert param.device.type == "cpu", name
+        assert param.dtype == torch.bfloat16, name
+        assert not param.requires_grad, name
+    assert not model.training
+
+
+def test_building_a_model_imports_no_sympy():
+    code = ("import sys, torch; from engine.config import BUNDLED_MODEL, ModelConfig; "
+            "from engine.model import build_model; "
+            "build_model(ModelConfig.from_pretrained(BUNDLED_MODEL), torch.float32, 'cpu'); "
+            "print('sympy' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.strip() == "False"
