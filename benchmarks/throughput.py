@@ -105,7 +105,9 @@ def run_pdcluster(model_dir: Path, requests: list[BenchRequest], concurrency: in
         server.wait(timeout=60)
 
 
-def wait_healthy(port: int, server: subprocess.Popen) -> None:
+def wait_healthy(port: int, server: subprocess.Popen, poll_s: float = 1.0) -> None:
+    """Return once the server's /health answers, asking every `poll_s` s. Raises RuntimeError
+    if it exits first or is not healthy within 300 s."""
     import urllib.request
 
     deadline = time.time() + 300
@@ -116,7 +118,7 @@ def wait_healthy(port: int, server: subprocess.Popen) -> None:
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
                 return
         except OSError:
-            time.sleep(1)
+            time.sleep(poll_s)
     raise RuntimeError("the server did not become healthy")
 
 
