@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/kernels.py            # on a CUDA GPU: the real shapes
     .venv/bin/python benchmarks/kernels.py --smoke    # anywhere: tiny shapes (interpreted on CPU)
+    .venv/bin/python benchmarks/kernels.py --sweep-prefill   # the prefill kernel's tile configs
 
 On a CUDA GPU every kernel runs through its public `kernels.*` function with the backend forced to
 Triton and is timed with `triton.testing.do_bench` (median of its repetitions). A call whose kernel
@@ -124,6 +125,21 @@ def _contiguous_kv(k_cache, block_tables, s: Shapes, num_seqs: int, length: int)
     return gathered.transpose(1, 2).contiguous()
 
 
+def _prefill_inputs(s: Shapes, device: torch.device):
+    """q, caches, block tables, cu_seqlens_q, seq_lens of the prefill shape, and its causal FLOPs."""
+    n, seqs = s.prefill_len, s.prefill_seqs
+    blocks_per_seq = -(-n // s.block_size)
+    cache_shape = (seqs * blocks_per_seq, s.block_size, s.num_kv_heads, s.head_dim)
+    k_cache = torch.randn(cache_shape, dtype=s.dtype, device=device)
+    v_cache = torch.randn(cache_shape, dtype=s.dtype, device=device)
+    block_tables = torch.randperm(seqs * blocks_per_seq, device=device).to(torch.int32).view(seqs, blocks_per_seq)
+    q = torch.randn(seqs * n, s.num_heads, s.head_dim, dtype=s.dtype, device=device)
+    cu = torch.arange(0, seqs * n + 1, n, dtype=torch.int32, device=device)
+    lens = torch.full((seqs,), n, dtype=torch.int32, device=device)
+    flops = 4 * seqs * s.num_heads * n * n * s.head_dim / 2
+    return q, k_cache, v_cache, block_tables, cu, lens, flops
+
+
 def bench_attention(s: Shapes, device: torch.device, time_ms, smoke: bool) -> list[Row]:
     item = torch.empty((), dtype=s.dtype).element_size()
     scale = s.head_dim**-0.5
@@ -148,17 +164,8 @@ def bench_attention(s: Shapes, device: torch.device, time_ms, smoke: bool) -> li
     rows.append(Row("SDPA decode, contiguous K/V", time_ms(sdpa), kv_bytes + q_out_bytes, "GB/s",
                     "K+V read + q read + out written"))
     # prefill
-    n = s.prefill_len
-    seqs = s.prefill_seqs
-    blocks_per_seq = -(-n // s.block_size)
-    cache_shape = (seqs * blocks_per_seq, s.block_size, s.num_kv_heads, s.head_dim)
-    k_cache = torch.randn(cache_shape, dtype=s.dtype, device=device)
-    v_cache = torch.randn(cache_shape, dtype=s.dtype, device=device)
-    block_tables = torch.randperm(seqs * blocks_per_seq, device=device).to(torch.int32).view(seqs, blocks_per_seq)
-    q = torch.randn(seqs * n, s.num_heads, s.head_dim, dtype=s.dtype, device=device)
-    cu = torch.arange(0, seqs * n + 1, n, dtype=torch.int32, device=device)
-    lens = torch.full((seqs,), n, dtype=torch.int32, device=device)
-    flops = 4 * seqs * s.num_heads * n * n * s.head_dim / 2
+    q, k_cache, v_cache, block_tables, cu, lens, flops = _prefill_inputs(s, device)
+    seqs, n = s.prefill_seqs, s.prefill_len
     prefill = lambda: kernels.paged_prefill_attention(q, k_cache, v_cache, block_tables, cu, lens, scale)  # noqa: E731
     if smoke:
         _check(prefill(), attention_oracle.paged_prefill_attention(q, k_cache, v_cache, block_tables, cu, lens, scale),
@@ -173,6 +180,57 @@ def bench_attention(s: Shapes, device: torch.device, time_ms, smoke: bool) -> li
     )
     rows.append(Row("SDPA prefill, contiguous K/V", time_ms(sdpa), flops, "TFLOP/s", accounting))
     return rows
+
+
+#: tile configs the prefill sweep tries: BLOCK_M, BLOCK_N, num_warps, num_stages
+SWEEP = {"block_m": (64, 128), "block_n": (32, 64, 128), "num_warps": (4, 8), "num_stages": (2, 3, 4)}
+SMOKE_SWEEP = {"block_m": (16,), "block_n": (16, 32), "num_warps": (4,), "num_stages": (1,)}
+
+
+def sweep_prefill(s: Shapes, device: torch.device, time_ms, smoke: bool, matmul_rate: float,
+                  deadline: float) -> None:
+    """Time paged_prefill_attention at every tile config of SWEEP (head_dim s.head_dim, then 64)
+    and print one Markdown row each, checked against SDPA on the same K/V gathered contiguous
+    (a row past the dtype's tolerance is marked WRONG).
+    The launch's warps and stages are set here, not through the launcher's API: they are the
+    knobs under test. Stops at `deadline` (time.monotonic)."""
+    from dataclasses import replace
+    from itertools import product
+
+    from kernels import triton_paged_prefill
+
+    grid = SMOKE_SWEEP if smoke else SWEEP
+    # a 16-bit output is rounded once: its ulp at the outputs' magnitude (|out| < 1 here)
+    tolerance = 1e-3 if s.dtype == torch.float32 else 2e-2
+    print("\n| head_dim | BLOCK_M | BLOCK_N | warps | stages | ms | TFLOP/s | of matmul | max abs err |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for head_dim in dict.fromkeys((s.head_dim, min(s.head_dim, 64))):
+        shape = replace(s, head_dim=head_dim)
+        scale = head_dim**-0.5
+        q, k_cache, v_cache, block_tables, cu, lens, flops = _prefill_inputs(shape, device)
+        seqs, n = shape.prefill_seqs, shape.prefill_len
+        k = _contiguous_kv(k_cache, block_tables, shape, seqs, n)
+        v = _contiguous_kv(v_cache, block_tables, shape, seqs, n)
+        q4 = q.view(seqs, n, shape.num_heads, head_dim).transpose(1, 2)
+        expected = torch.nn.functional.scaled_dot_product_attention(
+            q4, k, v, scale=scale, is_causal=True, enable_gqa=True).transpose(1, 2).reshape(q.shape)
+        for block_m, block_n, warps, stages in product(*grid.values()):
+            if time.monotonic() > deadline:
+                print("(sweep stopped at its deadline)")
+                return
+            launches, out = triton_paged_prefill.plan_paged_prefill_attention(
+                q, k_cache, v_cache, block_tables, cu, lens, scale, block_m=block_m, block_n=block_n)
+            launches = [replace(launch, num_warps=warps, num_stages=stages) for launch in launches]
+            cells = f"| {head_dim} | {block_m} | {block_n} | {warps} | {stages} |"
+            try:
+                ms = time_ms(lambda: [launch.run() for launch in launches])  # noqa: B023
+            except Exception as exc:  # noqa: BLE001 - a config the chip cannot hold is a row too
+                print(f"{cells} failed: {type(exc).__name__} |||")
+                continue
+            err = (out.float() - expected.float()).abs().max().item()
+            wrong = "" if err <= tolerance else " WRONG"
+            print(f"{cells} {ms:.4f} | {flops / (ms * 1e-3) / TFLOP:.0f} | "
+                  f"{flops / (ms * 1e-3) / TFLOP / matmul_rate:.0%} | {err:.3g}{wrong} |")
 
 
 def bench_elementwise(s: Shapes, device: torch.device, time_ms, smoke: bool) -> list[Row]:
@@ -243,6 +301,10 @@ def main() -> None:
     parser.add_argument("--cuda-graph", action="store_true",
                         help="time replays of a captured CUDA graph of each call: the kernels' device "
                              "time without the host's launch cost between calls")
+    parser.add_argument("--sweep-prefill", action="store_true",
+                        help="only time paged_prefill_attention's tile configs (BLOCK_M, BLOCK_N, warps, "
+                             "stages) at head_dim 128 and 64")
+    parser.add_argument("--sweep-seconds", type=float, default=240.0, help="stop the sweep after this long")
     args = parser.parse_args()
     on_gpu = torch.cuda.is_available()
     smoke = args.smoke or not on_gpu
@@ -252,6 +314,12 @@ def main() -> None:
     torch.manual_seed(0)
     time_ms = _timer(smoke or not on_gpu, args.cuda_graph)
     rows = bench_ceilings(shapes, device, time_ms)
+    if args.sweep_prefill:
+        print(f"device: {torch.cuda.get_device_name(device) if on_gpu else 'CPU (Triton interpreter)'}; "
+              f"command: {' '.join([os.path.basename(sys.executable), *sys.argv])}")
+        print(f"ceiling: {rows[1].rate:.0f} TFLOP/s ({rows[1].name})")
+        sweep_prefill(shapes, device, time_ms, smoke, rows[1].rate, time.monotonic() + args.sweep_seconds)
+        return
     rows += bench_attention(shapes, device, time_ms, smoke)
     rows += bench_elementwise(shapes, device, time_ms, smoke)
     cpu_name = f"{platform.processor() or 'CPU'} (Triton interpreter)"

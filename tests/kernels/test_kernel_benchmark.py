@@ -20,3 +20,14 @@ def test_kernel_benchmark_smoke_run():
     for name in ("ceiling: device copy", "paged_decode_attention", "SDPA decode", "paged_prefill_attention",
                  "rms_norm", "silu_and_mul", "rotary_embedding", "store_kv_cache", "of copy bandwidth"):
         assert name in result.stdout, name
+
+
+def test_prefill_sweep_smoke_run():
+    """Every tile config of the smoke sweep gets a row, and each matches SDPA."""
+    root = Path(__file__).resolve().parents[2]
+    result = subprocess.run([sys.executable, "benchmarks/kernels.py", "--sweep-prefill"], cwd=root,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-4000:]
+    rows = [line for line in result.stdout.splitlines() if line.startswith("| 16 |")]
+    assert len(rows) == 2, result.stdout
+    assert not any("WRONG" in row or "failed" in row for row in rows), result.stdout
