@@ -184,8 +184,7 @@ class Conductor:
             prefill = self._prefill_policy.select(ctx)
             join_at = now + prefill.ttft_s
             self.forecast.expire(now)
-            at_join = replace(ctx, decodes=tuple(self.forecast.load_at(d, now, join_at)
-                                                 for d in ctx.decodes))
+            at_join = replace(ctx, decodes=self.forecast.loads_at(ctx.decodes, now, join_at))
             decode = self._decode_policy.select(at_join)
             rejection = self.admission.check(ctx, at_join, prefill, decode)
             if rejection is not None:

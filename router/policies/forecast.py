@@ -26,6 +26,7 @@ from __future__ import annotations
 import bisect
 import threading
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import replace
 from itertools import accumulate
 
@@ -144,28 +145,52 @@ class DecodeForecast:
         """`load` (observed at `now`) as predicted from time `at` >= now on: the peak over `at`
         and the predicted joins of requests routed to the instance that come later (a request
         joining at `at` is still there then, so it must fit next to them too)."""
+        return self.loads_at((load,), now, at)[0]
+
+    def loads_at(self, loads: Sequence[DecodeLoad], now: float, at: float) -> tuple[DecodeLoad, ...]:
+        """`load_at` of each of `loads`, in order. The departure times of every instance's
+        running sequences are computed in one pass, since they depend only on their start."""
         with self._lock:
-            running = list(self._running.get(load.instance_id, {}).values())
-            pending = sorted(self._pending.get(load.instance_id, {}).values())
-            started = np.fromiter((t for t, _ in running), float, len(running))
-            kv = np.fromiter((n for _, n in running), float, len(running))
+            runs = [list(self._running.get(load.instance_id, {}).values()) for load in loads]
+            pendings = [sorted(self._pending.get(load.instance_id, {}).values()) for load in loads]
+            total = sum(map(len, runs))
+            started = np.fromiter((t for run in runs for t, _ in run), float, total)
+            kv = np.fromiter((n for run in runs for _, n in run), float, total)
             departs = self._departure_times(started, now)
-        step = self.cost.t_step(max(1, load.batch_size), load.context_tokens)
-        # departures in time order with their KV summed: how many have left by t and what
-        # they held are one bisection per checkpoint (KV counts are integers: sums are exact)
-        order = np.argsort(departs, kind="stable")
+        # departures in time order within each instance, with their KV summed: how many have
+        # left by t and what they held are one bisection per checkpoint (KV counts are
+        # integers: the sums are exact). Plain lists: a few dozen entries per instance, where
+        # numpy's per-call cost outweighs its loops.
+        instance = np.repeat(np.arange(len(loads)), [len(run) for run in runs])
+        order = np.lexsort((departs, instance))
         departed = departs[order].tolist()
         departed_kv = [0.0, *np.cumsum(kv[order]).tolist()]
+        out, lo = [], 0
+        for load, run, pending in zip(loads, runs, pendings):
+            hi = lo + len(run)
+            out.append(self._peak(load, now, at, departed, departed_kv, lo, hi, pending))
+            lo = hi
+        return tuple(out)
+
+    def _peak(self, load: DecodeLoad, now: float, at: float, departed: list[float],
+              departed_kv: list[float], lo: int, hi: int,
+              pending: list[tuple[float, int]]) -> DecodeLoad:
+        """The peak load over `at` and the later joins; the instance's running sequences are
+        departed[lo:hi] (sorted), and departed_kv[i] - departed_kv[lo] is the KV of those in
+        departed[lo:i]."""
+        step = self.cost.t_step(max(1, load.batch_size), load.context_tokens)
         joins = [t for t, _ in pending]
         joined_kv = list(accumulate((n for _, n in pending), initial=0))
-        later = [t for t in joins if t > at][:_MAX_CHECKPOINTS]
+        first = bisect.bisect_right(joins, at)  # joins are sorted
+        later = joins[first:first + _MAX_CHECKPOINTS]
         peak = (0, 0)
         for t in [at] + later:
-            gone = bisect.bisect_right(departed, t) if t > now else 0
-            stay = len(running) - gone
+            gone = bisect.bisect_right(departed, t, lo, hi) - lo if t > now else 0
+            stay = hi - lo - gone
             k = bisect.bisect_right(joins, t)
             batch = load.batch_size - gone + k
-            tokens = load.context_tokens - departed_kv[gone] + joined_kv[k]
+            tokens = (load.context_tokens - (departed_kv[lo + gone] - departed_kv[lo])
+                      + joined_kv[k])
             if step > 0:  # the sequences that stay grow by a token per step
                 tokens += stay * int((t - now) / step)
             peak = max(peak, (round(tokens), batch))

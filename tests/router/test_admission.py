@@ -70,6 +70,26 @@ def test_forecast_adds_pending_joins_and_removes_confident_departures():
     assert f.load_at(load, 100.0, 100.0).context_tokens == 16_000
 
 
+def test_forecast_of_several_instances_keeps_each_ones_sequences_apart():
+    """loads_at over three instances: each one's departures and joins are its own."""
+    f = DecodeForecast(MOONCAKE_70B)
+    for _ in range(200):
+        f.durations.add(10.0)  # every sequence decodes for 10 s
+    for rid, decode, started, tokens in (("a", "d0", 0.0, 3000), ("b", "d0", 95.0, 4000),
+                                         ("c", "d2", 0.0, 6000), ("d", "d2", 91.0, 500)):
+        f.add(rid, decode, started, tokens)
+        f.joined(rid, started)
+    f.add("e", "d1", join_at=101.0, tokens=7000)
+    loads = (DecodeLoad("d0", 2, 7000), DecodeLoad("d1", 0, 0), DecodeLoad("d2", 2, 6500))
+    d0, d1, d2 = f.loads_at(loads, now=100.0, at=102.0)
+    # by 102: "a" and "c" (age 100 s) have left, and "d" (its 10 s are up at 101); "b" (age
+    # 5 s) stays and grows; "e" has joined d1
+    assert (d0.batch_size, d0.context_tokens) == (1, 4000 + int(2.0 / MOONCAKE_70B.t_step(2, 7000)))
+    assert (d1.batch_size, d1.context_tokens) == (1, 7000)
+    assert (d2.batch_size, d2.context_tokens) == (0, 0)
+    assert [f.load_at(load, 100.0, 102.0) for load in loads] == [d0, d1, d2]
+
+
 def test_forecast_checks_later_joins_too():
     """A request joining at t=1 must still fit when one routed earlier joins at t=5."""
     f = DecodeForecast(MOONCAKE_70B)
