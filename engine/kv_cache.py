@@ -3,11 +3,19 @@
 Per layer, K and V are each [num_blocks, block_size, num_kv_heads, head_dim]. A block's
 transferable unit (to the host tier, SSD or another worker) is one contiguous tensor of
 `block_shape` = (num_layers, 2 (K, V), block_size, num_kv_heads, head_dim).
+
+On the host, the tensors sit on fresh anonymous memory (`host_zeros`): zero by the kernel's
+guarantee and faulted in as blocks are first written, rather than written whole at start-up,
+where two workers zeroing a cache each compete for the same cores. The memory is committed as
+it is touched too, so a cache larger than the host's free memory shows when it fills, not at
+start-up: size `--num-kv-blocks` to the host.
 """
 
 from __future__ import annotations
 
 import math
+import mmap
+import os
 from collections.abc import Sequence
 
 import torch
@@ -40,6 +48,8 @@ class PagedKVCache:
         self.block_nbytes: int = math.prod(self.block_shape) * torch.empty((), dtype=dtype).element_size()
 
     def _zeros(self, shape: tuple[int, ...]) -> torch.Tensor:
+        if self.device.type == "cpu":
+            return host_zeros(shape, self.dtype)
         return torch.zeros(shape, dtype=self.dtype, device=self.device)
 
     def read_blocks(self, block_ids: Sequence[int]) -> torch.Tensor:
@@ -86,3 +96,31 @@ class PagedKVCache:
         if bad:
             raise ValueError(f"block ids {bad[:5]} out of range [0, {self.num_blocks})")
         return torch.tensor(ids, dtype=torch.int64, device=self.device)
+
+
+#: transparent huge pages are 2 MiB on x86-64 and the usual arm64 kernels
+_HUGE_PAGE = 2 << 20
+
+
+def host_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zero CPU tensor of `shape` and `dtype` on its own anonymous mapping (mmap(2): the
+    kernel hands out zeroed pages on first touch), so nothing is written until it is used.
+
+    Like torch's own CPU allocator under THP_MEM_ALLOC_ENABLE=1 (c10's alloc_cpu), the data
+    starts on a 2 MiB boundary and the mapping is advised for transparent huge pages. The
+    mapping lives as long as the tensor (or a view of it). Raises OSError when the mapping
+    cannot be made.
+    """
+    numel = math.prod(shape)
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    if nbytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    huge = os.environ.get("THP_MEM_ALLOC_ENABLE") == "1" and hasattr(mmap, "MADV_HUGEPAGE")
+    pad = _HUGE_PAGE if huge else 0
+    # private: a shared anonymous mapping is shmem, which THP's madvise mode does not cover
+    buffer = mmap.mmap(-1, nbytes + pad, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    flat = torch.frombuffer(buffer, dtype=torch.uint8)
+    start = (-flat.data_ptr()) % _HUGE_PAGE if huge else 0
+    if huge:
+        buffer.madvise(mmap.MADV_HUGEPAGE)
+    return flat[start:start + nbytes].view(dtype).view(shape)

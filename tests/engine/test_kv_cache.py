@@ -1,0 +1,59 @@
+"""engine.kv_cache: the host cache's lazily zeroed memory (host_zeros) and block copies on it."""
+
+from __future__ import annotations
+
+import gc
+import mmap
+import os
+
+import pytest
+import torch
+
+from engine.kv_cache import PagedKVCache, host_zeros
+
+
+@pytest.mark.parametrize("huge", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_host_zeros_is_zero_contiguous_and_writable(monkeypatch, huge, dtype):
+    monkeypatch.setenv("THP_MEM_ALLOC_ENABLE", "1" if huge else "0")
+    t = host_zeros((3, 16, 2, 8), dtype)
+    assert t.shape == (3, 16, 2, 8) and t.dtype == dtype and t.is_contiguous()
+    assert torch.equal(t, torch.zeros_like(t))
+    t[1, 5] = 7.0
+    assert float(t.sum()) == 7.0 * 16
+    if huge and hasattr(mmap, "MADV_HUGEPAGE"):
+        assert t.data_ptr() % (2 << 20) == 0  # where torch's own allocator would start it
+
+
+def test_host_zeros_memory_outlives_the_function_and_the_base_tensor():
+    view = host_zeros((1 << 20,), torch.float32)[10:20]
+    gc.collect()
+    view += 1.5
+    assert torch.equal(view, torch.full((10,), 1.5))
+
+
+def test_host_zeros_of_nothing():
+    assert host_zeros((0, 4), torch.float16).shape == (0, 4)
+
+
+def test_host_zeros_writes_nothing_until_touched():
+    """The point of it: a large cache costs no resident memory at start-up."""
+    def rss() -> int:
+        with open(f"/proc/{os.getpid()}/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    before = rss()
+    t = host_zeros((256 << 20,), torch.uint8)
+    assert rss() - before < (16 << 20)
+    t[: 64 << 20].fill_(1)
+    assert rss() - before >= (64 << 20)
+
+
+def test_cpu_cache_blocks_round_trip_on_host_zeros():
+    cache = PagedKVCache(num_layers=2, num_blocks=5, block_size=4, num_kv_heads=2, head_dim=8,
+                         dtype=torch.float32, device="cpu")
+    assert all(torch.equal(t, torch.zeros_like(t)) for t in cache.k + cache.v)
+    data = torch.randn(2, *cache.block_shape)
+    cache.write_blocks([3, 1], data)
+    assert torch.equal(cache.read_blocks([3, 1]), data)
+    assert torch.equal(cache.read_blocks([0, 2, 4]), torch.zeros(3, *cache.block_shape))
