@@ -35,7 +35,8 @@ import platform
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from itertools import product
 
 import torch
 
@@ -47,7 +48,7 @@ if not torch.cuda.is_available():
 import triton  # noqa: E402
 
 import kernels  # noqa: E402
-from kernels import reference  # noqa: E402
+from kernels import reference, triton_paged_prefill  # noqa: E402
 from tests.kernels import attention_oracle  # noqa: E402
 
 GB, TFLOP = 1e9, 1e12
@@ -194,11 +195,6 @@ def sweep_prefill(s: Shapes, device: torch.device, time_ms, smoke: bool, matmul_
     (a row past the dtype's tolerance is marked WRONG).
     The launch's warps and stages are set here, not through the launcher's API: they are the
     knobs under test. Stops at `deadline` (time.monotonic)."""
-    from dataclasses import replace
-    from itertools import product
-
-    from kernels import triton_paged_prefill
-
     grid = SMOKE_SWEEP if smoke else SWEEP
     # a 16-bit output is rounded once: its ulp at the outputs' magnitude (|out| < 1 here)
     tolerance = 1e-3 if s.dtype == torch.float32 else 2e-2
@@ -313,19 +309,17 @@ def main() -> None:
     kernels.set_backend("triton")
     torch.manual_seed(0)
     time_ms = _timer(smoke or not on_gpu, args.cuda_graph)
+    cpu_name = f"{platform.processor() or 'CPU'} (Triton interpreter)"
+    name = torch.cuda.get_device_name(device) if on_gpu else cpu_name
+    print(f"device: {name}; torch {torch.__version__}, triton {triton.__version__}; dtype {shapes.dtype}")
+    print(f"command: {' '.join([os.path.basename(sys.executable), *sys.argv])}")
     rows = bench_ceilings(shapes, device, time_ms)
     if args.sweep_prefill:
-        print(f"device: {torch.cuda.get_device_name(device) if on_gpu else 'CPU (Triton interpreter)'}; "
-              f"command: {' '.join([os.path.basename(sys.executable), *sys.argv])}")
         print(f"ceiling: {rows[1].rate:.0f} TFLOP/s ({rows[1].name})")
         sweep_prefill(shapes, device, time_ms, smoke, rows[1].rate, time.monotonic() + args.sweep_seconds)
         return
     rows += bench_attention(shapes, device, time_ms, smoke)
     rows += bench_elementwise(shapes, device, time_ms, smoke)
-    cpu_name = f"{platform.processor() or 'CPU'} (Triton interpreter)"
-    name = torch.cuda.get_device_name(device) if on_gpu else cpu_name
-    print(f"device: {name}; torch {torch.__version__}, triton {triton.__version__}; dtype {shapes.dtype}")
-    print(f"command: {' '.join([os.path.basename(sys.executable), *sys.argv])}")
     if smoke:
         print("SMOKE RUN: tiny shapes, wall-clock timing; the numbers are meaningless (results checked vs reference)")
     print("\n| kernel | time (ms, median) | rate | accounting |\n|---|---:|---:|---|")

@@ -111,16 +111,16 @@ def host_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     mapping lives as long as the tensor (or a view of it). Raises OSError when the mapping
     cannot be made.
     """
-    numel = math.prod(shape)
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     if nbytes == 0:
         return torch.zeros(shape, dtype=dtype)
     huge = os.environ.get("THP_MEM_ALLOC_ENABLE") == "1" and hasattr(mmap, "MADV_HUGEPAGE")
-    pad = _HUGE_PAGE if huge else 0
     # private: a shared anonymous mapping is shmem, which THP's madvise mode does not cover
-    buffer = mmap.mmap(-1, nbytes + pad, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    buffer = mmap.mmap(-1, nbytes + (_HUGE_PAGE if huge else 0),
+                       flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     flat = torch.frombuffer(buffer, dtype=torch.uint8)
-    start = (-flat.data_ptr()) % _HUGE_PAGE if huge else 0
+    start = 0
     if huge:
         buffer.madvise(mmap.MADV_HUGEPAGE)
+        start = (-flat.data_ptr()) % _HUGE_PAGE
     return flat[start:start + nbytes].view(dtype).view(shape)

@@ -153,7 +153,8 @@ class DecodeForecast:
         with self._lock:
             runs = [list(self._running.get(load.instance_id, {}).values()) for load in loads]
             pendings = [sorted(self._pending.get(load.instance_id, {}).values()) for load in loads]
-            total = sum(map(len, runs))
+            sizes = [len(run) for run in runs]
+            total = sum(sizes)
             started = np.fromiter((t for run in runs for t, _ in run), float, total)
             kv = np.fromiter((n for run in runs for _, n in run), float, total)
             departs = self._departure_times(started, now)
@@ -161,13 +162,13 @@ class DecodeForecast:
         # left by t and what they held are one bisection per checkpoint (KV counts are
         # integers: the sums are exact). Plain lists: a few dozen entries per instance, where
         # numpy's per-call cost outweighs its loops.
-        instance = np.repeat(np.arange(len(loads)), [len(run) for run in runs])
+        instance = np.repeat(np.arange(len(loads)), sizes)
         order = np.lexsort((departs, instance))
         departed = departs[order].tolist()
         departed_kv = [0.0, *np.cumsum(kv[order]).tolist()]
         out, lo = [], 0
-        for load, run, pending in zip(loads, runs, pendings):
-            hi = lo + len(run)
+        for load, size, pending in zip(loads, sizes, pendings):
+            hi = lo + size
             out.append(self._peak(load, now, at, departed, departed_kv, lo, hi, pending))
             lo = hi
         return tuple(out)
