@@ -14,10 +14,16 @@ one prefill and one decode actor, and needs no other service.
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import os
 import sys
+import threading
 import warnings
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from deploy.config import ServeConfig
 
 log = logging.getLogger(__name__)
 
@@ -212,11 +218,30 @@ def _log_deprecations(caught: list[warnings.WarningMessage]) -> None:
             log.warning("deprecated configuration: %s", w.message)
 
 
+def _serve(config: ServeConfig) -> int:
+    """`pdcluster serve`: Ray starts on this thread while the gateway's imports load on
+    another. Both are seconds of CPU work (Ray's daemons and helper processes; torch and the
+    actor classes), on different cores where the node has two or more."""
+    from deploy.ray_session import RaySession
+
+    gateway_imports = threading.Thread(target=importlib.import_module, args=("deploy.serve",),
+                                       name="gateway-imports", daemon=True)
+    gateway_imports.start()
+    # on the main thread: ray.init sets its SIGTERM handler only there
+    session = RaySession.open(config)
+    try:
+        gateway_imports.join()
+        from deploy.serve import serve  # raises here whatever the thread's import raised
+    except BaseException:
+        session.close()
+        raise
+    return serve(config, session)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "serve":
         from deploy.config import load_config
-        from deploy.serve import serve
 
         overrides = _overrides(args)
         if os.environ.get("PDCLUSTER_API_KEY"):  # env read only here, at the CLI edge
@@ -235,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
 
         configure_logging(config.log_level, config.log_format)
         _log_deprecations(caught)
-        return serve(config)
+        return _serve(config)
     if args.command == "bench":
         from loadtest.cli import run_bench
 

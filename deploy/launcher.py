@@ -6,7 +6,6 @@ Used by `pdcluster serve` and by the integration tests, so both run the same sta
 from __future__ import annotations
 
 import logging
-import os
 import secrets
 
 import ray
@@ -17,9 +16,8 @@ import kernels
 from decode_worker.actor import DecodeWorker
 from deploy.config import ServeConfig
 from deploy import placement
-from deploy.local_ray import LocalRay, start_local_ray
+from deploy.ray_session import RaySession
 from deploy.preload import worker_huge_pages, worker_preload
-from engine import cpu_binding
 from engine.config import EngineConfig, ModelConfig
 from engine.model import check_tensor_parallel
 from kvstore.actor import start_kvstore_actors, wait_kvstore_actors
@@ -50,7 +48,9 @@ def block_layout(engine: EngineConfig) -> BlockLayout:
 class Cluster:
     """The running actors of one deployment. Use as a context manager or call shutdown()."""
 
-    def __init__(self, config: ServeConfig) -> None:
+    def __init__(self, config: ServeConfig, ray_session: RaySession | None = None) -> None:
+        """`ray_session`: the Ray to run on, opened already (this cluster closes it at
+        shutdown); None: :meth:`start` opens one (deploy.ray_session.RaySession.open)."""
         self.config = config
         self.registry = InstanceRegistry()
         # replaced in start() by the live Conductor (global index, load reports, admission)
@@ -62,8 +62,7 @@ class Cluster:
         self.placement_groups: list = []
         self._resources: dict[str, float] = {}  # ray.cluster_resources() at start
         self._role_demand: dict[str, dict[str, float]] = {}
-        self._started_ray = False  # this process called ray.init (started or joined)
-        self._local_ray: LocalRay | None = None  # the Ray it started, None when it joined one
+        self._ray_session = ray_session
         self._stats_poller = None
         self._index = None
 
@@ -74,14 +73,9 @@ class Cluster:
             self.config = self.config.model_copy(update={"kvstore": kvstore})
         cfg = self.config
         transfer = cfg.transfer
-        worker_cpu_bind, ray_cpus = self._cpu_plan()
-        if not ray.is_initialized():
-            if cfg.address is None:  # ours: loopback only, cleaned up if this process dies
-                self._local_ray = start_local_ray(cfg.local_ray_num_cpus(), cfg.ray_namespace,
-                                                  placement.local_node_resources(), ray_cpus)
-            else:  # someone else's cluster: neither bound nor cleaned up by us
-                ray.init(address=cfg.address, namespace=cfg.ray_namespace)
-            self._started_ray = True
+        if self._ray_session is None:
+            self._ray_session = RaySession.open(cfg)
+        worker_cpu_bind = self._ray_session.worker_cpu_bind
         prefill_engine, decode_engine = (
             e.model_copy(update={"cpu_bind": worker_cpu_bind})
             for e in (cfg.prefill_engine(), cfg.decode_engine()))
@@ -146,28 +140,6 @@ class Cluster:
         self.pipeline.conductor = self.conductor
         return self
 
-    def _cpu_plan(self) -> tuple[str, list[int] | None]:
-        """(each worker's engine.cpu_bind, the cores a local Ray's own processes start on, or
-        None for all): ServeConfig.cpu_bind resolved for this node when the deployment is
-        one node, this one."""
-        cfg = self.config
-        if cfg.cpu_bind != cpu_binding.AUTO or cfg.address is not None \
-                or not hasattr(os, "sched_getaffinity"):
-            return cfg.cpu_bind, None
-        cores = sorted(os.sched_getaffinity(0))
-        threads = cfg.local_worker_threads()
-        if threads > len(cores):
-            log.info("cpu binding off: the workers' %d torch threads outnumber the %d cores",
-                     threads, len(cores))
-            return cpu_binding.NONE, None
-        split = cpu_binding.split_node_cores(threads, cores)
-        if split is None:
-            return cpu_binding.format_cpu_list(cores), None
-        workers, rest = split
-        log.info("cores %s for the workers, %s for Ray's own processes",
-                 cpu_binding.format_cpu_list(workers), cpu_binding.format_cpu_list(rest))
-        return cpu_binding.format_cpu_list(workers), rest
-
     def _rank0_options(self, tp: int, role: str) -> dict:
         """Options of a worker actor of `role`: at TP=1 its CPUs, GPUs, role resource and
         restarts (placement.worker_options); at TP=k rank 0 of the instance, in a new
@@ -210,12 +182,9 @@ class Cluster:
             except Exception as exc:  # noqa: BLE001 -- shutting down either way
                 log.warning("global index not cleared: %s", exc)
             self._index = None
-        if self._local_ray is not None:
-            self._local_ray.shutdown()  # and its guardian sweeps whatever Ray left running
-            self._local_ray = None
-        elif self._started_ray:
-            ray.shutdown()
-        self._started_ray = False
+        if self._ray_session is not None:
+            self._ray_session.close()
+            self._ray_session = None
 
     def __enter__(self) -> "Cluster":
         return self.start()

@@ -23,8 +23,6 @@ from typing import Iterable, Literal, Mapping
 
 from ray.util.placement_group import PlacementGroup, placement_group
 
-from engine.tp_instance import bundle_options
-
 PREFILL = "prefill"
 DECODE = "decode"
 ROLES = (PREFILL, DECODE)
@@ -129,4 +127,7 @@ def tp_rank_options(pg: PlacementGroup, rank: int,
     rank 0 restarts (the default) and re-creates its followers, which pass 0, since a rank
     restarted alone would wait for peers that are gone.
     """
+    # imported here: engine.tp_instance loads torch, and a gateway starts Ray before torch
+    from engine.tp_instance import bundle_options
+
     return {**bundle_options(pg, rank), "max_restarts": max_restarts}

@@ -26,6 +26,7 @@ from fastapi import FastAPI
 from deploy.config import ServeConfig
 from deploy.http_protocol import header_timeout_protocol
 from deploy.launcher import Cluster
+from deploy.ray_session import RaySession
 from engine.config import ModelConfig
 from engine.tokenizer import Tokenizer
 from router.auth import APIKeyAuth, load_api_keys
@@ -104,8 +105,10 @@ class DrainingServer(uvicorn.Server):
             self.should_exit = True
 
 
-def serve(config: ServeConfig) -> int:
-    cluster = Cluster(config)
+def serve(config: ServeConfig, ray_session: RaySession | None = None) -> int:
+    """Run the deployment of `config` until SIGINT/SIGTERM; 0 after a graceful stop.
+    `ray_session`: the Ray to run on, opened already (closed at the end); None: opened here."""
+    cluster = Cluster(config, ray_session)
     try:
         cluster.start()
         app = gateway_app(config, cluster)

@@ -11,12 +11,14 @@ from __future__ import annotations
 import json
 import pathlib
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import pydantic
-import torch
 
 from engine import cpu_binding
+
+if TYPE_CHECKING:
+    import torch
 
 BUNDLED_MODEL: pathlib.Path = (pathlib.Path(__file__).parent / "models" / "stories260K").resolve()
 
@@ -257,14 +259,20 @@ class EngineConfig(pydantic.BaseModel):
 
     def torch_dtype(self) -> torch.dtype:
         """The torch dtype named by `dtype`."""
+        import torch  # here, not at the top: the gateway reads this config before torch loads
+
         return getattr(torch, self.dtype)
+
+    def device_type(self) -> str:
+        """The type part of `device` ("cuda" of "cuda:1"), as ``torch.device(device).type``."""
+        return self.device.split(":", 1)[0]
 
     def eager(self) -> bool:
         """Whether the forward runs eager: `enforce_eager`, or where it is None, whether the
         device is not CUDA."""
         if self.enforce_eager is not None:
             return self.enforce_eager
-        return torch.device(self.device).type != "cuda"
+        return self.device_type() != "cuda"
 
     def resolved_prefill_compute_bound_tokens(self) -> int | None:
         """`prefill_compute_bound_tokens`, or where it is None, the device's default.
@@ -278,7 +286,7 @@ class EngineConfig(pydantic.BaseModel):
         """
         if self.prefill_compute_bound_tokens is not None:
             return self.prefill_compute_bound_tokens
-        if torch.device(self.device).type == "cpu":
+        if self.device_type() == "cpu":
             return CPU_COMPUTE_BOUND_TOKENS
         return None
 

@@ -34,8 +34,6 @@ import threading
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-import kernels.cpu_extension as cpu_extension
-
 log = logging.getLogger(__name__)
 
 _CPU_LIST = re.compile(r"^\d+(-\d+)?(,\d+(-\d+)?)*$")
@@ -205,6 +203,8 @@ def bind_threads(cpu_bind: str, threads: int, claims: CoreClaims | None = None) 
                     "worker's threads run unpinned", threads, format_cpu_list(pool))
         return None
     ordered = physical_first(cpus)
+    import kernels.cpu_extension as cpu_extension  # here: config validation needs no torch
+
     extension = cpu_extension.module()
     try:
         if extension is not None:

@@ -149,11 +149,11 @@ def test_new_keys_load_without_warnings(tmp_path):
 
 
 def test_serve_logs_each_deprecated_key_once(tmp_path, monkeypatch, caplog):
-    import deploy.serve
+    import deploy.cli
     import engine.logs
 
     served = []
-    monkeypatch.setattr(deploy.serve, "serve", lambda config: served.append(config) or 0)
+    monkeypatch.setattr(deploy.cli, "_serve", lambda config: served.append(config) or 0)
     monkeypatch.setattr(engine.logs, "configure_logging", lambda *args: None)
     path = tmp_path / "old.yaml"
     path.write_text("kvstore:\n  capacity_bytes: 4096\n")
