@@ -20,11 +20,10 @@ import threading
 from typing import Sequence
 
 from kvstore.arena import ArenaFullError, HostArena
-from kvstore.arena.view import ArenaView
 from kvstore.errors import BlockLayoutError
 from kvstore.index import KVIndex, Location
+from kvstore.index.base import HOST, SSD
 from kvstore.layout import BlockLayout
-from kvstore.node_store_api import HOST, SSD
 from kvstore.ssd_tier import SSDTier
 from kvstore.tail_store import TailStore
 
@@ -59,7 +58,6 @@ class TieredNodeStore(TailStore):
                     if ssd_dir else None)
         self.arena = HostArena(dram_bytes, layout.nbytes, on_evict=self._arena_evicted,
                                node_id=node_id)
-        self._view = ArenaView(self.arena.shm_name, self.arena.num_slots, layout.nbytes)
         self.promotions = 0
 
     # ---- same-node workers: metadata only -------------------------------------------------
@@ -110,7 +108,7 @@ class TieredNodeStore(TailStore):
         if slot is None:
             return  # already stored (content-addressed)
         try:
-            self._view.write(slot, payload)
+            self.arena.write_slot(slot, payload)
         except Exception:
             self.arena.abort([slot])
             raise
@@ -124,7 +122,7 @@ class TieredNodeStore(TailStore):
             [(slot, _)] = self.acquire([key])
             if slot is not None:
                 try:
-                    out.append((bytes(self._view.read(slot).numpy()), self.layout))
+                    out.append((self.arena.read_slot(slot), self.layout))
                 finally:
                     self.release([slot])
                 continue
@@ -204,7 +202,6 @@ class TieredNodeStore(TailStore):
         return out
 
     def close(self) -> None:
-        self._view.close()
         self.arena.close()
         if self.ssd is not None:
             self.ssd.close()
@@ -224,7 +221,7 @@ class TieredNodeStore(TailStore):
                 return [None] * len(keys)
             for (key, payload), slot in zip(found, slots):
                 if slot is not None:
-                    self._view.write(slot, payload)
+                    self.arena.write_slot(slot, payload)
             self.arena.commit([k for k, _ in found], slots)
             self.promotions += sum(s is not None for s in slots)
             self._queue("add", [k for (k, _), s in zip(found, slots) if s is not None], HOST)

@@ -31,13 +31,13 @@ from collections.abc import Sequence
 import torch
 
 from kvstore.errors import BlockLayoutError
-from kvstore.index.base import check_keys
+from kvstore.index.base import HOST, SSD, check_keys  # noqa: F401 (HOST, SSD: get's tiers)
 from kvstore.layout import BlockLayout
 
-#: Tiers ``get`` reports a block came from: the node's host DRAM arena (G2), its SSD (G3;
-#: promoted to G2 on the way), or a store reached over gRPC, whose reply does not say which
-#: of its tiers served the block.
-HOST, SSD, REMOTE = "host", "ssd", "remote"
+#: Tiers ``get`` reports a block came from: the node's host DRAM arena (G2, ``HOST``), its SSD
+#: (G3, ``SSD``; promoted to G2 on the way), or a store reached over gRPC, whose reply does not
+#: say which of its tiers served the block (``REMOTE``).
+REMOTE = "remote"
 
 TORCH_DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,

@@ -3,8 +3,10 @@
 The node's KV store actor owns a :class:`HostArena`: it creates the POSIX shared-memory segment
 and keeps all metadata (key -> slot, LRU order, leases, pins). Workers on the node attach with
 :class:`kvstore.arena.view.ArenaView` and move bytes themselves; only keys and slot numbers cross
-RPC. Evicted blocks are handed to ``on_evict`` so the store
-can demote them to G3 (SSD) before the slot is reused.
+RPC. The owner copies bytes itself only for what arrives or leaves over gRPC and for SSD
+promotions (:meth:`HostArena.read_slot`, :meth:`HostArena.write_slot`), through its own mapping:
+it needs no torch. Evicted blocks are handed to ``on_evict`` so the store can demote them to G3
+(SSD) before the slot is reused.
 
 Segment layout (``num_slots`` fixed-size slots, one KV block each, all layers, raw bytes)::
 
@@ -258,6 +260,36 @@ class HostArena:
                 for _ in range(n):
                     self._end_lease(slot)
 
+    # -- bytes of leased slots: the owner's own copies (puts and gets over gRPC, promotions
+    # from SSD), with no mapping of its own to attach -----------------------------------------
+
+    def read_slot(self, slot: int) -> bytes:
+        """A copy of ``slot``'s ``block_nbytes`` bytes, under a lease from :meth:`acquire`
+        (or :meth:`reserve`).
+
+        Raises:
+            ValueError: ``slot`` is out of range or not leased.
+            ArenaClosedError: the arena is closed.
+        """
+        with self._lock:
+            start = self._leased_offset(slot)
+            return bytes(self._shm.buf[start : start + self._block_nbytes])
+
+    def write_slot(self, slot: int, data: bytes | bytearray | memoryview) -> None:
+        """Copy ``data``, exactly ``block_nbytes`` bytes, into ``slot``, under a lease from
+        :meth:`reserve` (commit it afterwards).
+
+        Raises:
+            ValueError: ``slot`` is out of range or not leased, or ``data`` has another size.
+            ArenaClosedError: the arena is closed.
+        """
+        src = memoryview(data).cast("B")
+        if src.nbytes != self._block_nbytes:
+            raise ValueError(f"block is {src.nbytes} bytes, slots are {self._block_nbytes}")
+        with self._lock:
+            start = self._leased_offset(slot)
+            self._shm.buf[start : start + self._block_nbytes] = src
+
     # -- index -------------------------------------------------------------------------------
 
     def contains(self, key: bytes) -> bool:
@@ -360,6 +392,13 @@ class HostArena:
     def _check_open(self) -> None:
         if self._closed:
             raise ArenaClosedError(f"host arena {self._shm.name} is closed")
+
+    def _leased_offset(self, slot: int) -> int:
+        """Byte offset of a slot a caller may touch now: open arena, slot in range, leased."""
+        self._check_open()
+        if not 0 <= slot < self._num_slots or self._leases[slot] <= 0:
+            raise ValueError(f"slot {slot} is not a leased slot of this arena")
+        return slot * self._block_nbytes
 
     def _is_writing(self, slot: int) -> bool:
         key = self._slot_key[slot] if 0 <= slot < self._num_slots else None

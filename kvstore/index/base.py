@@ -40,6 +40,7 @@ TIERS = ("device", "host", "ssd", "mooncake_store")
 """G1 a worker's paged cache, G2 a node's host-DRAM arena, G3 a node's SSD slabs (fastest
 first); with `--kv-pool mooncake-store`, a Mooncake Store in place of G2/G3, which says whether
 it holds a block but not on which node (kvstore.index.mooncake_store)."""
+DEVICE, HOST, SSD, MOONCAKE_STORE = TIERS
 TIER_RANK = {tier: rank for rank, tier in enumerate(TIERS)}
 DEFAULT_NODE_LEASE_S = 10.0
 """Default ``--node-lease-s``: a node that stops heartbeating drops out of lookups within this."""

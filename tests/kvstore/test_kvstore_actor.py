@@ -2,6 +2,7 @@
 
 import os
 import signal
+import sys
 import time
 
 import pytest
@@ -78,6 +79,9 @@ def test_one_pinned_actor_per_node_reachable_from_workers(ray_cluster):
     assert torch.equal(tail.view(torch.int16), blocks[0].view(torch.int16)) and num_tokens == 3
     stats = ray.get(actors[node_id].stats.remote())
     assert stats["num_blocks"] == 4 and stats["num_tails"] == 0
+    # the store moves bytes only: its process never loads torch (a server starts sooner)
+    assert ray.get(actors[node_id].__ray_call__.remote(
+        lambda self: sorted({"torch", "numpy"} & sys.modules.keys()))) == []
 
     for actor in actors.values():
         ray.get(actor.stop.remote())

@@ -412,3 +412,24 @@ def test_memory_is_preallocated_and_a_too_small_dev_shm_fails_at_creation():
     with pytest.raises(ArenaAllocationError, match="/dev/shm"):
         HostArena(2 * fs.f_blocks * fs.f_frsize, 1 << 20, node_id=NODE)
     assert our_segments() == set()
+
+
+def test_the_owner_copies_bytes_of_leased_slots_only(arena, view):
+    [w] = arena.reserve([key(1)])
+    arena.write_slot(w, block(1))
+    assert bytes(view.read(w).numpy()) == block(1)  # through a worker's own mapping
+    with pytest.raises(ValueError, match="bytes"):
+        arena.write_slot(w, block(1, B - 1))
+    arena.commit([key(1)], [w])
+    with pytest.raises(ValueError, match="not a leased slot"):  # stored, in the LRU
+        arena.read_slot(w)
+    [r] = arena.acquire([key(1)])
+    view.write(r, block(2))  # a leased slot another process wrote
+    assert arena.read_slot(r) == block(2)
+    arena.release([r])
+    for slot in (-1, arena.num_slots):
+        with pytest.raises(ValueError, match="not a leased slot"):
+            arena.write_slot(slot, block(3))
+    arena.close()
+    with pytest.raises(ArenaClosedError):
+        arena.read_slot(r)
