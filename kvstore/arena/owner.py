@@ -260,8 +260,8 @@ class HostArena:
                 for _ in range(n):
                     self._end_lease(slot)
 
-    # -- bytes of leased slots: the owner's own copies (puts and gets over gRPC, promotions
-    # from SSD), with no mapping of its own to attach -----------------------------------------
+    # -- bytes of leased slots, copied by the owner (puts and gets over gRPC, promotions from
+    # SSD); under the lock, since close() unmaps the buffer --------------------------------------
 
     def read_slot(self, slot: int) -> bytes:
         """A copy of ``slot``'s ``block_nbytes`` bytes, under a lease from :meth:`acquire`
