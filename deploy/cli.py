@@ -18,8 +18,8 @@ import importlib
 import logging
 import os
 import sys
-import threading
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -224,14 +224,13 @@ def _serve(config: ServeConfig) -> int:
     actor classes), on different cores where the node has two or more."""
     from deploy.ray_session import RaySession
 
-    gateway_imports = threading.Thread(target=importlib.import_module, args=("deploy.serve",),
-                                       name="gateway-imports", daemon=True)
-    gateway_imports.start()
+    pool = ThreadPoolExecutor(1, thread_name_prefix="gateway-imports")
+    imported = pool.submit(importlib.import_module, "deploy.serve")
+    pool.shutdown(wait=False)  # the import still runs; nothing more is submitted
     # on the main thread: ray.init sets its SIGTERM handler only there
     session = RaySession.open(config)
     try:
-        gateway_imports.join()
-        from deploy.serve import serve  # raises here whatever the thread's import raised
+        serve = imported.result().serve  # raises what the import raised
     except BaseException:
         session.close()
         raise

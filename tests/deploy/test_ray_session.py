@@ -46,3 +46,20 @@ def test_cpu_plan_sets_the_other_cores_aside_for_ray():
     workers, ray_cpus = cpu_plan(ServeConfig())  # two workers, one thread each
     assert len(cpu_binding.parse_cpu_list(workers)) == 2
     assert sorted(cpu_binding.parse_cpu_list(workers) + ray_cpus) == cores
+
+
+def test_serve_closes_its_ray_session_when_the_gateway_cannot_import(monkeypatch):
+    import deploy.cli
+    from deploy.ray_session import RaySession
+
+    class Opened:  # stands in for a started Ray: this test is about the CLI's error path
+        closed = False
+
+        def close(self):
+            Opened.closed = True
+
+    monkeypatch.setattr(RaySession, "open", classmethod(lambda cls, config: Opened()))
+    monkeypatch.setitem(sys.modules, "deploy.serve", None)  # its import now fails
+    with pytest.raises(ImportError, match="deploy.serve"):
+        deploy.cli._serve(ServeConfig())
+    assert Opened.closed
