@@ -31,12 +31,12 @@ from collections.abc import Sequence
 import torch
 
 from kvstore.errors import BlockLayoutError
-from kvstore.index.base import HOST, SSD, check_keys  # noqa: F401 (HOST, SSD: get's tiers)
+from kvstore.index.base import check_keys
 from kvstore.layout import BlockLayout
 
-#: Tiers ``get`` reports a block came from: the node's host DRAM arena (G2, ``HOST``), its SSD
-#: (G3, ``SSD``; promoted to G2 on the way), or a store reached over gRPC, whose reply does not
-#: say which of its tiers served the block (``REMOTE``).
+#: Tiers ``get`` reports a block came from: the node's host DRAM arena (G2) or its SSD (G3;
+#: promoted to G2 on the way), kvstore.index.base's HOST and SSD; or REMOTE, a store reached
+#: over gRPC, whose reply does not say which of its tiers served the block.
 REMOTE = "remote"
 
 TORCH_DTYPES: dict[str, torch.dtype] = {

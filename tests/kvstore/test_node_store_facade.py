@@ -15,7 +15,8 @@ from kvstore.hashing import block_keys, make_namespace
 from kvstore.index import Location, MemoryIndex, open_index
 from kvstore.layout import BlockLayout
 from kvstore.node_store import TieredNodeStore
-from kvstore.node_store_api import HOST, REMOTE, NodeStore
+from kvstore.index.base import HOST
+from kvstore.node_store_api import REMOTE, NodeStore
 
 LAYOUT = BlockLayout("bfloat16", (2, 16, 2, 8))  # 1 KiB blocks
 SLOTS = 8  # G2 holds 8 blocks; no G3, so an evicted block is dropped
