@@ -117,7 +117,8 @@ def measure(threads: int, batches: list[int], repeats: int,
             dtype: str = "float32", profile_batch: int = 0) -> dict:
     """Read bandwidth (bytes/s), weight bytes, the weight-read bound (ms), and per forward
     mode ("compiled" | "eager" | "eager-forward": eager without the C++ decode stack |
-    "eager-onednn": eager-forward without the skinny GEMM) the median
+    "eager-onednn": eager-forward without the skinny GEMM | "eager-cross-layer": eager on a
+    cross-layer KV cache, engine.kv_cache) the median
     execute time (ms) of each decode batch and of a 512-token prefill, at `threads`, of the
     `shape` model on `device` in `dtype`; with `profile_batch`, each mode's profiler table of
     decode steps at that batch. Raises RuntimeError if a compiled runner fell back to eager."""
@@ -132,12 +133,15 @@ def measure(threads: int, batches: list[int], repeats: int,
             started = time.perf_counter()
             runners[mode] = ModelRunner(EngineConfig(
                 model=str(model_dir), num_kv_blocks=2664, torch_threads=threads,
-                device=device, dtype=dtype, enforce_eager=mode != "compiled"))
+                device=device, dtype=dtype, enforce_eager=mode != "compiled",
+                kv_cache_layout="cross-layer" if mode == "eager-cross-layer" else "auto"))
             if mode == "eager-onednn":
                 drop_skinny_weights(runners[mode].model)
                 runners[mode].cpu_decode_stack = None
             elif mode == "eager-forward":
                 runners[mode].cpu_decode_stack = None
+            elif mode == "eager-cross-layer":
+                assert runners[mode].kv_cache.layout == "cross-layer"
             elif runners[mode].forward_mode != mode:
                 raise RuntimeError(f"asked for a {mode} forward, got {runners[mode].forward_mode}")
             graphs = runners[mode].decode_graphs
@@ -213,7 +217,8 @@ def main() -> None:
                         help="forward modes to measure, alternating: compiled, eager, "
                              "eager-forward (eager, decode steps on the module forward, not "
                              "the C++ decode stack), eager-onednn (eager-forward with every "
-                             "linear on oneDNN)")
+                             "linear on oneDNN), eager-cross-layer (eager on a cross-layer "
+                             "KV cache)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--shape", default="100m", choices=sorted(SHAPES))
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))

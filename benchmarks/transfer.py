@@ -1,7 +1,7 @@
 """KV block-transfer throughput: grpc and torch/gloo against a raw TCP socket, over loopback.
 
     .venv/bin/python benchmarks/transfer.py [--sizes 64K,256K,1M,4M,16M,64M] [--block-kib 64]
-        [--floor] [--mooncake [--te-split 4,16] [--te-write]]
+        [--floor] [--mooncake [--te-split 4,16] [--te-write] [--kv-cache-layouts layer,cross-layer]]
 
 Each request moves ``size`` bytes (``size / block`` blocks) from a server process to this
 process into a preallocated buffer, request/response, one request at a time:
@@ -25,12 +25,14 @@ process into a preallocated buffer, request/response, one request at a time:
   connection. ``--te-write`` adds ``te-write N``: the same bytes pushed (written) into the
   server's memory as N concurrent async writes, the pattern of a prefill-side write mode.
   ``pdc-te`` is pdcluster's ``--kv-transfer mooncake`` path: a MooncakeConnector offered the
-  request's blocks of a paged cache (8 layers) in a layer-major region, and a
-  MooncakeTransferBackend receiver reads it into consecutive blocks of the client's registered
-  paged cache and writes the release word. ``pdc-te scattered`` is the same into scattered
-  destination blocks (a cache's free blocks, the usual case). Over TCP both read the region
-  into the receiver's registered buffer in a few concurrent pieces, then copy per layer and
-  K|V. "best TE" is the fastest of ``te`` and the ``te-split`` rows.
+  request's blocks of a paged cache (8 layers), and a MooncakeTransferBackend receiver reads
+  them into consecutive blocks of the client's registered paged cache and writes the release
+  word. ``pdc-te scattered`` is the same into scattered destination blocks (a cache's free
+  blocks, the usual case). Each runs for every cache layout of ``--kv-cache-layouts``
+  (engine.kv_cache), both ends alike: ``layer`` (a layer-major region; a read per layer, K|V
+  and run of blocks, or staged) and ``cross-layer`` (a block-major region; a read per run of
+  blocks). "best TE" is the fastest of ``te`` and the ``te-split`` rows; "best
+  pair" the faster of grpc and gloo.
 
 GB/s = 1e9 bytes per second; each cell is the median of ``--rounds`` rounds that interleave the
 backends (the load of a shared machine swings), ``--min-time`` seconds per cell in all.
@@ -171,22 +173,23 @@ def _te_server(ready: mp.Queue, num_blocks: int, block_elems: int) -> None:
     time.sleep(1e6)
 
 
-def _pdc_cache(num_blocks: int, block_nbytes: int):
+def _pdc_cache(num_blocks: int, block_nbytes: int, layout: str):
     """A float32 paged cache of 8 layers whose wire block is ``block_nbytes``."""
     from engine.kv_cache import PagedKVCache
 
     span = block_nbytes // 16  # one block of one (layer, K|V)
     if span % (16 * 4 * 4):
         raise ValueError("the block size must be a multiple of 4 KiB for pdc-te")
-    return PagedKVCache(8, num_blocks, 16, 4, span // (16 * 4 * 4), torch.float32, "cpu")
+    return PagedKVCache(8, num_blocks, 16, 4, span // (16 * 4 * 4), torch.float32, "cpu",
+                        layout=layout)
 
 
-def _pdc_te_server(ready: mp.Queue, sizes: list[int], block_nbytes: int) -> None:
+def _pdc_te_server(ready: mp.Queue, sizes: list[int], block_nbytes: int, layout: str) -> None:
     from kvstore.connector.mooncake import MooncakeConnector
     from engine.protocol import PrefillRequest, SamplingParams
 
     num_blocks = max(sizes) // block_nbytes
-    cache = _pdc_cache(num_blocks, block_nbytes)
+    cache = _pdc_cache(num_blocks, block_nbytes, layout)
     for tensors in (cache.k, cache.v):
         for t in tensors:
             t.normal_()
@@ -202,14 +205,14 @@ def _pdc_te_server(ready: mp.Queue, sizes: list[int], block_nbytes: int) -> None
     time.sleep(1e6)
 
 
-def _pdc_te_client(regions: dict, block_nbytes: int,
+def _pdc_te_client(regions: dict, block_nbytes: int, layout: str,
                    scattered: bool = False) -> Callable[[int], None]:
     from kvstore.transfer.dest import CacheDest
     from kvstore.transfer.mooncake import MooncakeTransferBackend
 
     backend = MooncakeTransferBackend(KVTransferConfig(backend="mooncake", timeout_s=60.0))
     num_blocks = 2 * max(regions) // block_nbytes
-    cache = _pdc_cache(num_blocks, block_nbytes)
+    cache = _pdc_cache(num_blocks, block_nbytes, layout)
     spread = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(2)).tolist()
 
     def fetch(size: int) -> None:
@@ -386,8 +389,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--te-write", action="store_true",
                         help="with --mooncake: also bare TE pushing (writing) the same bytes "
                              "into the server's memory, split as --te-split says")
+    parser.add_argument("--kv-cache-layouts", default="layer,cross-layer",
+                        help="with --mooncake: the paged cache layouts pdc-te runs with "
+                             "(comma-separated: layer, cross-layer)")
     args = parser.parse_args(argv)
     splits = [int(n) for n in args.te_split.split(",") if n]
+    layouts = [name for name in args.kv_cache_layouts.split(",") if name]
 
     from kvstore.transfer.grpc_backend import GrpcTransferBackend
     from kvstore.transfer.torch_dist import TorchTransferBackend
@@ -435,10 +442,12 @@ def main(argv: list[str] | None = None) -> None:
         te_dest = torch.zeros(num_blocks, block_elems)  # its own buffer, registered with TE
         clients |= _te_clients(segment, remote_base, te_dest, block_nbytes, splits,
                                args.te_write)
-        pdc_proc, regions = _spawn(_pdc_te_server, sizes, block_nbytes)
-        procs.append(pdc_proc)
-        clients["pdc-te"] = _pdc_te_client(regions, block_nbytes)
-        clients["pdc-te-scattered"] = _pdc_te_client(regions, block_nbytes, scattered=True)
+        for layout in layouts:
+            pdc_proc, regions = _spawn(_pdc_te_server, sizes, block_nbytes, layout)
+            procs.append(pdc_proc)
+            clients[f"pdc-te {layout}"] = _pdc_te_client(regions, block_nbytes, layout)
+            clients[f"scattered {layout}"] = _pdc_te_client(regions, block_nbytes, layout,
+                                                            scattered=True)
 
     print(f"block {args.block_kib} KiB, chunk {args.chunk_kib} KiB, grpc streams "
           f"{args.streams} (min {args.min_stream_kib} KiB each), {os.cpu_count()} CPUs, "
@@ -451,8 +460,8 @@ def main(argv: list[str] | None = None) -> None:
         header += "".join(f" TE split {n} GB/s | TE split {n}/raw |" for n in splits)
         if args.te_write:
             header += "".join(f" TE write {n} GB/s | TE write {n}/raw |" for n in splits)
-        header += (" pdc-te GB/s | pdc-te/raw | pdc-te scattered GB/s | scattered/raw | "
-                   "pdc-te/best TE | scattered/best TE |")
+        pdc_rows = [f"{kind} {layout}" for layout in layouts for kind in ("pdc-te", "scattered")]
+        header += "".join(f" {name} GB/s | /best TE | /best pair |" for name in pdc_rows)
     print(header)
     print("|" + "---|" * (header.count("|") - 1))
     try:
@@ -466,13 +475,15 @@ def main(argv: list[str] | None = None) -> None:
                 row += f" {gbps['floor']:.2f} | {gbps['floor'] / gbps['raw']:.2f} |"
             te_rows = ["te", "te-blocks", *(f"te-split{n}" for n in splits),
                        *(f"te-write{n}" for n in splits if args.te_write)]
-            for name in (*te_rows, "pdc-te", "pdc-te-scattered"):
+            for name in te_rows:
                 if name in gbps:
                     row += f" {gbps[name]:.2f} | {gbps[name] / gbps['raw']:.2f} |"
             if "te" in gbps:
                 best = max(gbps[name] for name in te_rows
                            if name != "te-blocks" and not name.startswith("te-write"))
-                row += (f" {gbps['pdc-te'] / best:.2f} | {gbps['pdc-te-scattered'] / best:.2f} |")
+                pair = max(gbps["grpc"], gbps.get("gloo", 0.0))
+                row += "".join(f" {gbps[name]:.2f} | {gbps[name] / best:.2f} | "
+                               f"{gbps[name] / pair:.2f} |" for name in pdc_rows)
             print(row, flush=True)
     finally:
         grpc_backend.close()

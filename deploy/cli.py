@@ -99,6 +99,10 @@ _SERVE_FLAGS = [
     ("--kv-streaming", "transfer.streaming", str, "request (default): decode pulls a request's "
                                                   "KV after prefill | layer: layer by layer, "
                                                   "overlapping prefill compute"),
+    ("--kv-cache-layout", "engine.kv_cache_layout", str,
+     "auto (default: cross-layer with --kv-transfer mooncake and request streaming, else "
+     "layer) | layer: a tensor per layer and K|V | cross-layer: every layer of a block "
+     "together"),
     ("--kv-load-failure-policy", "transfer.load_failure_policy", str,
      "recompute (default): a failed KV load is recomputed, counted and logged | fail: the "
      "request ends with an error"),

@@ -15,7 +15,8 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, m
 
 from engine import cpu_binding
 from engine.config import EngineConfig
-from kvstore.config import KV_PLANE_FIELDS, KVStoreConfig, KVTransferConfig
+from kvstore.config import (KV_PLANE_FIELDS, PREFER_CROSS_LAYER_BLOCKS, KVStoreConfig,
+                            KVTransferConfig)
 from kvstore.pool_config import KVPoolConfig
 
 DEFAULT_MAX_SEQS_PER_REQUEST = 64
@@ -189,18 +190,33 @@ class ServeConfig(BaseModel):
 
     def prefill_engine(self) -> EngineConfig:
         """The engine config of each prefill instance: `engine`, with prefill_tp as its
-        tensor_parallel_size when set."""
+        tensor_parallel_size when set and its kv_cache_layout resolved
+        (`resolved_kv_cache_layout`)."""
         return self._role_engine(self.prefill_tp)
 
     def decode_engine(self) -> EngineConfig:
         """The engine config of each decode instance: `engine`, with decode_tp as its
-        tensor_parallel_size when set."""
+        tensor_parallel_size when set and its kv_cache_layout resolved."""
         return self._role_engine(self.decode_tp)
 
+    def resolved_kv_cache_layout(self) -> str:
+        """`engine.kv_cache_layout`, or for "auto" the layout the KV connector prefers, as
+        vLLM's connectors state theirs (`prefer_cross_layer_blocks`): "cross-layer" for
+        Mooncake's Transfer Engine moving whole requests (`--kv-transfer mooncake`, request
+        streaming: a run of consecutive blocks is then one read instead of one per layer and
+        K|V), else "layer" (layer streams send each layer's K and V as it is computed)."""
+        if self.engine.kv_cache_layout != "auto":
+            return self.engine.kv_cache_layout
+        if (not self.colocated and self.transfer.backend in PREFER_CROSS_LAYER_BLOCKS
+                and self.transfer.streaming == "request"):
+            return "cross-layer"
+        return "layer"
+
     def _role_engine(self, tp: int | None) -> EngineConfig:
-        if tp is None:
-            return self.engine
-        return self.engine.model_copy(update={"tensor_parallel_size": tp})
+        update: dict[str, Any] = {"kv_cache_layout": self.resolved_kv_cache_layout()}
+        if tp is not None:
+            update["tensor_parallel_size"] = tp
+        return self.engine.model_copy(update=update)
 
     def local_worker_threads(self) -> int:
         """Torch threads of every worker actor (every TP rank) of a one-node deployment."""

@@ -32,7 +32,7 @@ from collections.abc import Callable
 import torch
 
 from engine.kv_cache import PagedKVCache
-from kvstore.config import KVStoreConfig, KVTransferConfig
+from kvstore.config import PREFER_CROSS_LAYER_BLOCKS, KVStoreConfig, KVTransferConfig
 from kvstore.hashing import block_keys, make_namespace
 from kvstore.transfer.base import FetchRequest, KVReceiver
 from kvstore.transfer.dest import WIRE_DTYPES, CacheDest
@@ -52,9 +52,10 @@ def _blocks(n: int, block_shape: tuple[int, ...], dtype: torch.dtype) -> torch.T
     return torch.randn(n, *block_shape, generator=torch.Generator().manual_seed(0)).to(dtype)
 
 
-def _source_cache(block_shape: tuple[int, ...], dtype: torch.dtype, n: int) -> PagedKVCache:
+def _source_cache(block_shape: tuple[int, ...], dtype: torch.dtype, n: int,
+                  layout: str) -> PagedKVCache:
     layers, _, block_size, heads, head_dim = block_shape
-    cache = PagedKVCache(layers, n, block_size, heads, head_dim, dtype, "cpu")
+    cache = PagedKVCache(layers, n, block_size, heads, head_dim, dtype, "cpu", layout=layout)
     cache.write_blocks(list(range(n)), _blocks(n, block_shape, dtype))
     return cache
 
@@ -107,7 +108,8 @@ def _mooncake_source(ready: mp.Queue, stop, block_shape, dtype, n: int, token: s
     from engine.protocol import PrefillRequest, SamplingParams
     from kvstore.connector.mooncake import MooncakeConnector
 
-    cache = _source_cache(tuple(block_shape), dtype, n)
+    # both ends cross-layer, as `serve --kv-transfer mooncake` lays out its caches
+    cache = _source_cache(tuple(block_shape), dtype, n, "cross-layer")
     nbytes = sum(BLOCK_COUNTS) * cache.block_nbytes + (1 << 20)
     connector = MooncakeConnector(KVTransferConfig(backend="mooncake",
                                                    source_buffer_bytes=nbytes), 24 * 3600.0)
@@ -208,7 +210,9 @@ def measure_connector(name: str, cache: PagedKVCache, repeats: int = 5
                       ) -> list[tuple[int, float]]:
     """[(bytes, seconds)]: the median time to move n blocks of ``cache``'s layout over the
     connector ``name`` from a source process into ``cache`` (blocks 0..n-1), for each n in
-    BLOCK_COUNTS that the cache holds.
+    BLOCK_COUNTS that the cache holds. A connector that prefers cross-layer blocks
+    (kvstore.config.PREFER_CROSS_LAYER_BLOCKS) moves them between cross-layer caches of the
+    same dimensions, as a deployment with it lays its caches out.
 
     Raises:
         ValueError: an unknown connector name.
@@ -216,6 +220,10 @@ def measure_connector(name: str, cache: PagedKVCache, repeats: int = 5
     """
     if name not in _SOURCES:
         raise ValueError(f"--kv-transfer {name!r}: one of {', '.join(CONNECTORS)}")
+    if name in PREFER_CROSS_LAYER_BLOCKS and cache.layout != "cross-layer":
+        layers, _, block_size, heads, head_dim = cache.block_shape
+        cache = PagedKVCache(layers, min(cache.num_blocks, max(BLOCK_COUNTS)), block_size,
+                             heads, head_dim, cache.dtype, cache.device, layout="cross-layer")
     token = secrets.token_hex(16)
     return _measure(_SOURCES[name], token,
                     lambda source: _fetcher(name, source, cache, token), cache, repeats)

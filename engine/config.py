@@ -228,6 +228,11 @@ class EngineConfig(pydantic.BaseModel):
     decode forward as CUDA graphs for batches of 1, 2, 4, then every 8 sequences up to this
     (engine.cuda_graphs; vLLM's option of this name); larger decode batches and steps with a
     prefill chunk run the forward. 0 captures none.
+    `kv_cache_layout`: how the paged cache holds its layers (engine.kv_cache): "layer" (a
+    tensor per layer and K|V) or "cross-layer" (one tensor, every layer of a block together,
+    so a KV connector moves a run of blocks in one piece). "auto" (the default) is resolved
+    by a deployment from its KV connector, as vLLM's connectors choose
+    (deploy.config.ServeConfig.prefill_engine); an engine built directly takes "layer".
     `fault_injection`: lets the worker actors' `inject_fault` act, for fault tests of a running
     cluster; off (the default) it raises. No CLI flag sets it.
     """
@@ -250,6 +255,7 @@ class EngineConfig(pydantic.BaseModel):
     cpu_bind: str = "none"
     enforce_eager: bool | None = None
     max_cudagraph_capture_size: int = pydantic.Field(256, ge=0)
+    kv_cache_layout: Literal["auto", "layer", "cross-layer"] = "auto"
     fault_injection: bool = False
 
     @pydantic.field_validator("cpu_bind")
@@ -273,6 +279,10 @@ class EngineConfig(pydantic.BaseModel):
         if self.enforce_eager is not None:
             return self.enforce_eager
         return self.device_type() != "cuda"
+
+    def resolved_kv_cache_layout(self) -> str:
+        """`kv_cache_layout`, with "auto" as "layer" (no KV connector prefers otherwise)."""
+        return "layer" if self.kv_cache_layout == "auto" else self.kv_cache_layout
 
     def resolved_prefill_compute_bound_tokens(self) -> int | None:
         """`prefill_compute_bound_tokens`, or where it is None, the device's default.

@@ -4,6 +4,16 @@ Per layer, K and V are each [num_blocks, block_size, num_kv_heads, head_dim]. A 
 transferable unit (to the host tier, SSD or another worker) is one contiguous tensor of
 `block_shape` = (num_layers, 2 (K, V), block_size, num_kv_heads, head_dim).
 
+Two layouts hold them (`KV_CACHE_LAYOUTS`), as vLLM's KV connectors choose between
+(`prefer_cross_layer_blocks`):
+- "layer": a tensor per layer and K|V. Each layer's K (V) of a run of blocks is contiguous,
+  which layer-wise streaming sends piece by piece.
+- "cross-layer": one tensor [num_blocks, *block_shape]: every layer's K and V of a block are
+  contiguous, in the transferable unit's own layout, so a run of consecutive blocks moves as
+  one read and whole-block copies are one gather or scatter. Each layer's K and V are views
+  whose blocks sit num_layers * 2 blocks apart; the kernels read such views (their blocks
+  need not be adjacent, only each block's tokens and heads contiguous).
+
 On the host, the tensors sit on fresh anonymous memory (`host_zeros`): zero by the kernel's
 guarantee and faulted in as blocks are first written, rather than written whole at start-up,
 where two workers zeroing a cache each compete for the same cores. The memory is committed as
@@ -21,8 +31,19 @@ from collections.abc import Sequence
 import torch
 
 
+#: The cache's layouts (see the module docstring).
+KV_CACHE_LAYOUTS = ("layer", "cross-layer")
+
+
 class PagedKVCache:
-    """K/V cache of `num_blocks` blocks for every layer; block ids index dim 0 of each tensor."""
+    """K/V cache of `num_blocks` blocks for every layer; block ids index dim 0 of each tensor.
+
+    Attributes:
+        k, v: per layer, [num_blocks, block_size, num_kv_heads, head_dim] (views of `blocks`
+            in the cross-layer layout).
+        blocks: the cross-layer layout's one tensor [num_blocks, *block_shape]; None in the
+            per-layer layout.
+    """
 
     def __init__(
         self,
@@ -33,19 +54,32 @@ class PagedKVCache:
         head_dim: int,
         dtype: torch.dtype,
         device: str | torch.device,
+        layout: str = "layer",
     ) -> None:
+        """Raises ValueError for a dimension that is not positive or an unknown layout."""
         if min(num_layers, num_blocks, block_size, num_kv_heads, head_dim) <= 0:
             raise ValueError("PagedKVCache dimensions must all be positive")
+        if layout not in KV_CACHE_LAYOUTS:
+            raise ValueError(f"KV cache layout {layout!r}: expected one of {KV_CACHE_LAYOUTS}")
         self.num_layers = num_layers
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.dtype = dtype
         self.device = torch.device(device)
-        shape = (num_blocks, block_size, num_kv_heads, head_dim)
-        self.k: list[torch.Tensor] = [self._zeros(shape) for _ in range(num_layers)]
-        self.v: list[torch.Tensor] = [self._zeros(shape) for _ in range(num_layers)]
+        self.layout = layout
         self.block_shape: tuple[int, ...] = (num_layers, 2, block_size, num_kv_heads, head_dim)
         self.block_nbytes: int = math.prod(self.block_shape) * torch.empty((), dtype=dtype).element_size()
+        self.blocks: torch.Tensor | None = None
+        self.k: list[torch.Tensor]
+        self.v: list[torch.Tensor]
+        if layout == "cross-layer":
+            self.blocks = self._zeros((num_blocks, *self.block_shape))
+            self.k = [self.blocks[:, layer, 0] for layer in range(num_layers)]
+            self.v = [self.blocks[:, layer, 1] for layer in range(num_layers)]
+        else:
+            shape = (num_blocks, block_size, num_kv_heads, head_dim)
+            self.k = [self._zeros(shape) for _ in range(num_layers)]
+            self.v = [self._zeros(shape) for _ in range(num_layers)]
 
     def _zeros(self, shape: tuple[int, ...]) -> torch.Tensor:
         if self.device.type == "cpu":
@@ -57,6 +91,8 @@ class PagedKVCache:
 
         Raises ValueError for a block id outside [0, num_blocks)."""
         index = self.index_of(block_ids)
+        if self.blocks is not None:
+            return self.blocks.index_select(0, index)
         out = torch.empty((len(index), *self.block_shape), dtype=self.dtype, device=self.device)
         for layer in range(self.num_layers):
             out[:, layer, 0] = self.k[layer][index]
@@ -69,6 +105,9 @@ class PagedKVCache:
         Raises ValueError for a shape or dtype mismatch, an out-of-range or repeated block id."""
         index = self.write_index(block_ids, data, self.block_shape)
         data = data.to(self.device)
+        if self.blocks is not None:
+            self.blocks.index_copy_(0, index, data)
+            return
         for layer in range(self.num_layers):
             self.k[layer][index] = data[:, layer, 0]
             self.v[layer][index] = data[:, layer, 1]

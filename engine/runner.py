@@ -119,6 +119,7 @@ class ModelRunner:
             head_dim=self.model_config.head_dim,
             dtype=dtype,
             device=self.device,
+            layout=engine_config.resolved_kv_cache_layout(),
         )
         self.wire_kv = self.kv_cache if self.tp.world_size == 1 else ShardedKVView(self)
         self._lock = threading.Lock() if self.tp.world_size > 1 else contextlib.nullcontext()

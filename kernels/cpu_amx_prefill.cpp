@@ -35,6 +35,7 @@
 #include <limits>
 #include <vector>
 
+#include "cpu_kernels.h"
 #include "cpu_vec.h"
 
 namespace {
@@ -65,11 +66,12 @@ struct Item {
 
 // Copy one (sequence, KV head)'s keys and values from the blocks into the VNNI layouts.
 void pack_kv(const bf16* k_cache, const bf16* v_cache, const int32_t* table, int64_t block_size,
-             int64_t token_stride, int64_t len, int64_t padded, int64_t D, bf16* kt, bf16* vp) {
+             int64_t block_stride, int64_t token_stride, int64_t len, int64_t padded, int64_t D,
+             bf16* kt, bf16* vp) {
   std::fill(kt, kt + padded * D, bf16(0.f));
   std::fill(vp, vp + padded * D, bf16(0.f));
   for (int64_t s = 0; s < len; ++s) {
-    const int64_t at = (int64_t(table[s / block_size]) * block_size + s % block_size) * token_stride;
+    const int64_t at = int64_t(table[s / block_size]) * block_stride + s % block_size * token_stride;
     const bf16* k = k_cache + at;
     const bf16* v = v_cache + at;
     for (int64_t d = 0; d < D; ++d) kt[((d / 2) * padded + s) * 2 + (d % 2)] = k[d];
@@ -87,9 +89,9 @@ at::Tensor amx_prefill_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_
               "q: bfloat16 [tokens, heads, head_dim] with contiguous head rows");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.scalar_type() == at::kBFloat16 &&
                   v_cache.sizes() == k_cache.sizes() &&
-                  v_cache.scalar_type() == at::kBFloat16 && k_cache.is_contiguous() &&
-                  v_cache.is_contiguous(),
-              "caches: contiguous bfloat16 [num_blocks, block_size, kv_heads, head_dim]");
+                  v_cache.scalar_type() == at::kBFloat16,
+              "caches: bfloat16 [num_blocks, block_size, kv_heads, head_dim]");
+  const int64_t block_stride = paged_block_stride(k_cache, v_cache);
   const int64_t H = q.size(1), D = q.size(2), block_size = k_cache.size(1),
                 KVH = k_cache.size(2);
   TORCH_CHECK(k_cache.size(3) == D && D % W == 0, "the caches' head_dim must be q's, a multiple of ",
@@ -145,8 +147,8 @@ at::Tensor amx_prefill_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_
       const int64_t g = w % KVH;
       if (s.new_tokens == 0) continue;
       bf16* kt = packs + s.pack_offset + 2 * g * s.padded * D;
-      pack_kv(kc + g * D, vc + g * D, tb + (w / KVH) * max_blocks, block_size, token_stride,
-              s.len, s.padded, D, kt, kt + s.padded * D);
+      pack_kv(kc + g * D, vc + g * D, tb + (w / KVH) * max_blocks, block_size, block_stride,
+              token_stride, s.len, s.padded, D, kt, kt + s.padded * D);
     }
   });
   const bf16* qp = q.data_ptr<bf16>();

@@ -191,15 +191,16 @@ void store_kv_cache(at::Tensor k, at::Tensor v, at::Tensor k_cache, at::Tensor v
   check_heads(k, "k");
   check_heads(v, "v");
   TORCH_CHECK(k_cache.scalar_type() == k.scalar_type() && v_cache.scalar_type() == k.scalar_type()
-              && v.scalar_type() == k.scalar_type() && k_cache.is_contiguous()
-              && v_cache.is_contiguous(), "caches: contiguous, in k's dtype");
+              && v.scalar_type() == k.scalar_type(), "caches: in k's dtype");
+  const int64_t block_stride = paged_block_stride(k_cache, v_cache);
   const int64_t tokens = k.size(0), heads = k.size(1), head_dim = k.size(2);
   TORCH_CHECK(k_cache.size(2) == heads && k_cache.size(3) == head_dim && v.sizes() == k.sizes(),
               "k/v rows do not match the cache's heads");
   const auto slots = slot_mapping.to(at::kLong).contiguous();
   TORCH_CHECK(slots.numel() == tokens, "slot_mapping: one slot per token");
   const int64_t* sp = slots.data_ptr<int64_t>();
-  const int64_t num_slots = k_cache.size(0) * k_cache.size(1), row = heads * head_dim;
+  const int64_t block_size = k_cache.size(1), num_slots = k_cache.size(0) * block_size;
+  const int64_t row = heads * head_dim;
   for (int64_t t = 0; t < tokens; ++t)
     TORCH_CHECK(sp[t] >= -1 && sp[t] < num_slots, "slot ", sp[t], " outside the cache");
   const int64_t size = k.element_size();
@@ -210,10 +211,11 @@ void store_kv_cache(at::Tensor k, at::Tensor v, at::Tensor k_cache, at::Tensor v
 #pragma omp parallel for num_threads(threads_for(tokens))
   for (int64_t t = 0; t < tokens; ++t) {
     if (sp[t] < 0) continue;  // padding
+    const int64_t at = sp[t] / block_size * block_stride + sp[t] % block_size * row;
     for (int64_t h = 0; h < heads; ++h) {
-      std::memcpy(kc + (sp[t] * row + h * head_dim) * size,
+      std::memcpy(kc + (at + h * head_dim) * size,
                   kp + (t * k.stride(0) + h * k.stride(1)) * size, head_dim * size);
-      std::memcpy(vc + (sp[t] * row + h * head_dim) * size,
+      std::memcpy(vc + (at + h * head_dim) * size,
                   vp + (t * v.stride(0) + h * v.stride(1)) * size, head_dim * size);
     }
   }

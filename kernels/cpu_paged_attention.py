@@ -25,11 +25,22 @@ _DTYPES = (torch.float32, torch.bfloat16)
 
 def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """Whether the C++ kernels take these inputs (CPU tensors, float32 or bfloat16 with the
-    cache in q's dtype, a head_dim they are specialized for: 16, 32, 48, 64, 80, 96, 112, 128,
-    160, 192 or 256) and could be built. Math runs in float32 either way."""
+    cache in q's dtype and `blocks_apart`, a head_dim they are specialized for: 16, 32, 48, 64,
+    80, 96, 112, 128, 160, 192 or 256) and could be built. Math runs in float32 either way."""
     return (q.device.type == "cpu" and q.dtype in _DTYPES and k_cache.dtype == q.dtype
-            and k_cache.is_contiguous() and cpu_extension.available()
+            and blocks_apart(k_cache) and cpu_extension.available()
             and cpu_extension.module().supports_head_dim(q.shape[-1]))
+
+
+def blocks_apart(cache: torch.Tensor) -> bool:
+    """Whether a paged cache [num_blocks, block_size, kv_heads, head_dim] has each block's
+    tokens and heads contiguous, as the C++ kernels read it; the blocks themselves may sit
+    apart (a layer's K or V of a cross-layer cache, engine.kv_cache)."""
+    if cache.dim() != 4:
+        return False
+    _, block_size, heads, head_dim = cache.shape
+    return (cache.stride(3) == 1 and cache.stride(2) == head_dim
+            and cache.stride(1) == heads * head_dim and cache.stride(0) >= block_size * heads * head_dim)
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -20,6 +20,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "cpu_kernels.h"
 #include "cpu_vec.h"
 
 namespace {
@@ -32,6 +33,7 @@ struct Seq {
   const T* v;            // the cache's V, offset to this KV head
   const int32_t* table;  // this sequence's block table
   int64_t len, block_size, row;  // tokens, tokens per block, elements between tokens
+  int64_t block_stride;           // elements between blocks
   int shift;  // log2(block_size) for a power of two, else -1
   // A 64-bit division per token and pass would cost more than the token's multiply-adds:
   // block sizes are powers of two in practice, and take a shift and a mask. Forced inline,
@@ -39,8 +41,8 @@ struct Seq {
   // register is caller-saved, so each call spilled and reloaded the rows' accumulators.
   __attribute__((always_inline)) const T* token(const T* base, int64_t t) const {
     if (shift >= 0)
-      return base + ((int64_t(table[t >> shift]) << shift) + (t & (block_size - 1))) * row;
-    return base + (int64_t(table[t / block_size]) * block_size + t % block_size) * row;
+      return base + int64_t(table[t >> shift]) * block_stride + (t & (block_size - 1)) * row;
+    return base + int64_t(table[t / block_size]) * block_stride + t % block_size * row;
   }
 };
 
@@ -273,6 +275,7 @@ at::Tensor decode(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   T* op = out.data_ptr<T>();
   const int64_t row = num_kv_heads * head_dim;  // elements between consecutive tokens of a block
+  const int64_t block_stride = paged_block_stride(k_cache, v_cache);
   const float fscale = static_cast<float>(scale);
   const int shift = log2_or_minus_one(block_size);
 
@@ -300,7 +303,7 @@ at::Tensor decode(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
       scores.resize(4 * len);
       for (int64_t h = h0; h < h1; ++h) {
         const Seq<T> s{kp + h * head_dim, vp + h * head_dim, tables + seq * max_blocks, len,
-                    block_size, row, shift};
+                    block_size, row, block_stride, shift};
         const int64_t offset = (seq * num_heads + h * group) * head_dim;
         attend(s, qp + offset, op + offset, group, fscale, scores.data());
       }
@@ -317,7 +320,6 @@ at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache,
   const auto dtype = q.scalar_type();
   TORCH_CHECK(q.dim() == 3 && (dtype == at::kFloat || dtype == at::kBFloat16),
               "q: float32 or bfloat16 [S, H, D]");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
   TORCH_CHECK(k_cache.scalar_type() == dtype && v_cache.scalar_type() == dtype,
               "caches: q's dtype");
   if (dtype == at::kBFloat16)

@@ -22,6 +22,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "cpu_kernels.h"
 #include "cpu_vec.h"
 
 namespace {
@@ -39,10 +40,11 @@ struct Tile {
   const T* v;            // the cache's V, offset to this KV head
   const int32_t* table;  // this sequence's block table
   int64_t block_size, row;  // tokens per block, elements between tokens of a block
+  int64_t block_stride;     // elements between blocks
   int64_t first_pos;     // position of the tile's first new token
   int64_t num_pos;       // new tokens in the tile
   int64_t offset(int64_t key) const {  // of a key's row in the cache, in elements
-    return (int64_t(table[key / block_size]) * block_size + key % block_size) * row;
+    return int64_t(table[key / block_size]) * block_stride + key % block_size * row;
   }
 };
 
@@ -193,6 +195,7 @@ at::Tensor prefill(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   T* op = out.data_ptr<T>();
   const int64_t row = num_kv_heads * head_dim;
+  const int64_t block_stride = paged_block_stride(k_cache, v_cache);
   const float fscale = static_cast<float>(scale);
   const int64_t kt_per_key = num_kv_heads * head_dim;
 
@@ -228,7 +231,7 @@ at::Tensor prefill(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
         float* dst = kt.data() + kt_offset[s - first_seq] + h * head_dim * spad[s];
         const int32_t* table = tables + s * max_blocks;
         const auto src_row = [&](int64_t k) {
-          return kp + (int64_t(table[k / block_size]) * block_size + k % block_size) * row
+          return kp + int64_t(table[k / block_size]) * block_stride + k % block_size * row
                  + h * head_dim;
         };
         for (int64_t k = 0; k < lp[s]; ++k) {
@@ -247,7 +250,7 @@ at::Tensor prefill(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
         const int64_t first = it.tile * QT, num_pos = std::min<int64_t>(QT, num_new - first);
         const Tile<T> tile{kt.data() + kt_offset[it.seq - first_seq] + it.head * head_dim * spad[it.seq],
                         spad[it.seq], vp + it.head * head_dim, tables + it.seq * max_blocks,
-                        block_size, row, lp[it.seq] - num_new + first, num_pos};
+                        block_size, row, block_stride, lp[it.seq] - num_new + first, num_pos};
         scratch.q.resize(num_pos * group);
         scratch.out.resize(num_pos * group);
         for (int64_t i = 0; i < num_pos; ++i)
@@ -274,7 +277,6 @@ at::Tensor paged_prefill_attention(at::Tensor q, at::Tensor k_cache,
   const auto dtype = q.scalar_type();
   TORCH_CHECK(q.dim() == 3 && (dtype == at::kFloat || dtype == at::kBFloat16),
               "q: float32 or bfloat16 [T, H, D]");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
   TORCH_CHECK(k_cache.scalar_type() == dtype && v_cache.scalar_type() == dtype,
               "caches: q's dtype");
   if (dtype == at::kBFloat16)

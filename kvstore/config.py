@@ -15,6 +15,11 @@ import pydantic
 
 #: Names of the transfer backends (kvstore.transfer.registry.TRANSFER_BACKENDS has the classes).
 TransferBackendName = Literal["grpc", "torch", "mooncake"]
+#: The transfer backends that move a request's KV fastest out of and into cross-layer caches
+#: (engine.kv_cache), as vLLM's KV connectors state it (`prefer_cross_layer_blocks`): Mooncake's
+#: Transfer Engine reads a run of consecutive blocks as one span there, instead of a read per
+#: layer and K|V (kvstore.transfer.mooncake).
+PREFER_CROSS_LAYER_BLOCKS = frozenset({"mooncake"})
 
 
 def _renamed_keys(model: str, data: Any, renames: dict[str, str]) -> Any:

@@ -3,7 +3,9 @@ request's KV to its decode over Mooncake's Transfer Engine, beside the copy the 
 saves to the KV store (the decode's fallback, and the prefix cache).
 
 The worker registers one host staging buffer with TE once. When a request finishes, its blocks
-are copied into a leased region of that buffer, layer-major (kvstore.transfer.mooncake), and
+are copied into a leased region of that buffer, laid out as the cache holds them: layer-major
+from a cache with a tensor per layer, block-major (one gather) from a cross-layer cache
+(kvstore.transfer.mooncake), and
 the region goes to the decode in PrefillResult.kv_region; the decode reads it over TE and
 writes the lease's generation into the region's release word. A region is reused once
 released or once its lease (the KV plane's tail TTL, as for tail blocks) ran out; the engine's
@@ -32,7 +34,8 @@ from kvstore.connector.base import BlockCache, KVConnector, KVConnectorContext, 
 from kvstore.transfer.dest import WIRE_DTYPES
 from kvstore.errors import KVTransferError
 from kvstore.transfer.layer_stream import LayerStreamSender
-from kvstore.transfer.mooncake import RemoteRegion, new_transfer_engine, register, session_of
+from kvstore.transfer.mooncake import (RemoteRegion, cache_blocks, new_transfer_engine,
+                                       register, session_of)
 from kvstore.transfer.mooncake_layer_stream import StreamRegion
 
 log = logging.getLogger(__name__)
@@ -277,12 +280,17 @@ class MooncakeConnector(KVConnector):
             log.warning("the Mooncake staging buffer is full; %s's decode reads the KV store",
                         request.request_id, extra={"request_id": request.request_id})
             return False, {}
-        region = lease.view.view(cache.dtype).view(layers, kv, len(block_ids), *block)
-        region.copy_(cache.read_blocks(block_ids).permute(1, 2, 0, *range(3, 3 + len(block))))
+        blocks = cache_blocks(cache)
+        if blocks is not None:  # cross-layer: the region in the cache's own layout
+            region = lease.view.view(cache.dtype).view(len(block_ids), *cache.block_shape)
+            torch.index_select(blocks, 0, cache.index_of(block_ids), out=region)
+        else:
+            region = lease.view.view(cache.dtype).view(layers, kv, len(block_ids), *block)
+            region.copy_(cache.read_blocks(block_ids).permute(1, 2, 0, *range(3, 3 + len(block))))
         return False, {"kv_region": RemoteRegion(
             self.regions.session, lease.address, len(block_ids), tuple(cache.block_shape),
             WIRE_DTYPES[cache.dtype], self.regions.release_address(lease.word),
-            lease.generation, lease.expires_at)}
+            lease.generation, lease.expires_at, block_major=blocks is not None)}
 
     def get_finished(self) -> tuple[dict, dict]:
         self.regions.reclaim()

@@ -17,10 +17,17 @@ Flow of one transfer::
              and settles; then it writes the region's generation into its release word (a
              TE write): the prefill may reuse the region
 
-Layout of a region: [layers, 2 (K, V), num_blocks, block_size, kv_heads, head_dim], the wire
-block layout with the block axis moved inside, so that each (layer, K|V) of a request is one
-contiguous span, as each layer's K or V of a paged cache is ([num_blocks, block_size, kv_heads,
-head_dim] per layer).
+Layout of a region, the layout of the source's cache (engine.kv_cache; a cluster's workers
+share it):
+- layer-major, from a cache with a tensor per layer: [layers, 2 (K, V), num_blocks, block_size,
+  kv_heads, head_dim], the wire block layout with the block axis moved inside, so that each
+  (layer, K|V) of a request is one contiguous span, as each layer's K or V of such a cache is;
+  a run of consecutive destination blocks takes a read per (layer, K|V);
+- block-major (``RemoteRegion.block_major``), from a cross-layer cache: [num_blocks, layers,
+  2, block_size, kv_heads, head_dim], the wire layout itself, as a cross-layer cache holds its
+  blocks; a run of consecutive destination blocks is one span of the region and one read.
+A destination whose cache is laid out otherwise than the region takes the staged path and
+``dest.write_tensor``.
 
 Why scattered blocks are staged: TE's TCP transport opens a connection per read, and a read
 per block would cost far more than the local copy (benchmarks/RESULTS.md). The receive
@@ -110,6 +117,8 @@ class RemoteRegion:
             ``generation`` there frees the region.
         generation: this lease's number (a stale release of an earlier lease is ignored).
         expires_at: ``time.time()`` on the source when the lease ends, released or not.
+        block_major: the region is [num_blocks, *block_shape] (from a cross-layer cache), not
+            layer-major [layers, 2, num_blocks, *block_shape[2:]] (see the module docstring).
     """
 
     session: str
@@ -120,6 +129,12 @@ class RemoteRegion:
     release_address: int
     generation: int
     expires_at: float
+    block_major: bool = False
+
+    @property
+    def block_nbytes(self) -> int:
+        """Bytes of one block in the wire layout."""
+        return math.prod(self.block_shape) * DTYPE_ITEMSIZE[self.dtype]
 
     @property
     def span_nbytes(self) -> int:
@@ -259,15 +274,17 @@ class MooncakeTransferBackend(KVTransferBackend):
             self._abandoned.append(buffer)
 
     def direct_cache(self, dest: CallbackDest):
-        """The host paged cache (per-layer ``k`` / ``v`` tensors) ``dest`` lands in, registered
-        with TE; None when the blocks must go through ``dest.write_tensor``."""
+        """The host paged cache (engine.kv_cache.PagedKVCache: per-layer ``k`` / ``v``
+        tensors, or a cross-layer one's ``blocks``) ``dest`` lands in, registered with TE;
+        None when the blocks must go through ``dest.write_tensor``."""
         cache = dest.cache if isinstance(dest, CacheDest) else None
         if cache is None or not hasattr(cache, "k") or cache.device.type != "cpu":
             return None
         engine = self.engine()
         with self._lock:
             if id(cache) not in self._registered:
-                register(engine, [*cache.k, *cache.v])
+                register(engine, [cache.blocks] if cache_blocks(cache) is not None
+                         else [*cache.k, *cache.v])
                 self._registered[id(cache)] = cache
         return cache
 
@@ -359,8 +376,10 @@ class MooncakeKVReceiver(KVReceiver):
         self._runs: list[tuple[int, int, int]] = []  # ... its runs of consecutive blocks
         self._index: torch.Tensor | None = None  # ... its block ids, where runs are many
         self._buffer: torch.Tensor | None = None  # the receive buffer of a staged read
-        self._staged: torch.Tensor | None = None  # ... as [layers * 2, num_blocks, *block]
-        self._pieces: list[tuple[int, int]] = []  # ... the spans each read carries
+        # ... as [layers * 2, num_blocks, *block], or a block-major region's [num_blocks,
+        # *block_shape]
+        self._staged: torch.Tensor | None = None
+        self._pieces: list[tuple[int, int]] = []  # ... the spans (or blocks) each read carries
         # unreported TE batch -> its read (index into the plan); None: not submitted yet
         self._batches: dict[int, int] | None = None
         self._refused: bool | Exception = False  # TE refused or failed a read (or raised)
@@ -440,7 +459,11 @@ class MooncakeKVReceiver(KVReceiver):
                                   f"transfer's deadline", address=region.session)
         backend = self._backend
         cache = backend.direct_cache(dest)
+        if cache is not None and (cache_blocks(cache) is not None) != region.block_major:
+            cache = None  # laid out otherwise than the region: through dest.write_tensor
         runs = _runs(dest.block_ids, cache.num_blocks) if cache is not None else []
+        if region.block_major:
+            return self._plan_block_major(region, dest, cache, runs)
         if runs and len(runs) * 2 * region.block_shape[0] <= MAX_DIRECT_READS:
             return list(zip(*_cache_pieces(region, cache, runs)))
         self._cache, self._runs = cache, runs
@@ -454,6 +477,30 @@ class MooncakeKVReceiver(KVReceiver):
         self._pieces = _split(layers * kv, extent)
         base = self._buffer.data_ptr()
         return [(base + first * extent, region.address + first * extent, (end - first) * extent)
+                for first, end in self._pieces]
+
+    def _plan_block_major(self, region: RemoteRegion, dest: CallbackDest, cache,
+                          runs: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
+        """`_plan` of a block-major region: each run of consecutive destination blocks of a
+        cross-layer cache is one span of the region, read straight into the cache as one read
+        (cutting it into concurrent pieces measured no faster: benchmarks/RESULTS.md), where
+        there are at most MAX_DIRECT_READS runs; otherwise the region
+        goes into a receive buffer in pieces of whole blocks, each landed by one index copy
+        (or, without a cache, written with ``dest.write_tensor`` once all landed)."""
+        block = region.block_nbytes
+        if runs and len(runs) <= MAX_DIRECT_READS:
+            base = cache_blocks(cache).data_ptr()
+            return [(base + first * block, region.address + position * block, count * block)
+                    for position, first, count in runs]
+        self._cache = cache
+        if cache is not None:
+            self._index = torch.tensor(dest.block_ids, dtype=torch.int64)
+        self._buffer = self._backend.take_buffer(region.nbytes)
+        self._staged = self._buffer[:region.nbytes].view(dest.dtype).view(
+            region.num_blocks, *region.block_shape)
+        self._pieces = _split(region.num_blocks, block)
+        base = self._buffer.data_ptr()
+        return [(base + first * block, region.address + first * block, (end - first) * block)
                 for first, end in self._pieces]
 
     def _connect(self, reads: list[tuple[int, int, int]]) -> None:
@@ -535,8 +582,8 @@ class MooncakeKVReceiver(KVReceiver):
             elif late is not None:
                 self._fail(late)
             elif self._buffer is None or self._cache is not None or self._guarded(
-                    self._write, self._dest.write_tensor, 0,
-                    self._staged.unflatten(0, tuple(region.block_shape[:2])).movedim(2, 0)):
+                    self._write, self._dest.write_tensor, 0, self._staged if region.block_major
+                    else self._staged.unflatten(0, tuple(region.block_shape[:2])).movedim(2, 0)):
                 self._add_bytes(region.nbytes)
                 self._succeed()
         finally:
@@ -551,8 +598,11 @@ class MooncakeKVReceiver(KVReceiver):
     def _land(self, first: int, end: int) -> None:
         """Spans ``[first, end)`` of the staged region (one (layer, K|V) each) into the
         registered cache: a copy per run of consecutive blocks, or one index copy when there
-        are many runs."""
+        are many runs. Of a block-major region: blocks ``[first, end)``, by one index copy."""
         cache = self._cache
+        if self._region.block_major:  # blocks [first, end) of the region
+            cache.blocks.index_copy_(0, self._index[first:end], self._staged[first:end])
+            return
         for span in range(first, end):
             layer, which = divmod(span, 2)
             target, source = (cache.v if which else cache.k)[layer], self._staged[span]
@@ -571,6 +621,12 @@ def _split(spans: int, span_nbytes: int) -> list[tuple[int, int]]:
     count = max(1, min(READ_PIECES, spans, spans * span_nbytes // MIN_PIECE_BYTES))
     bounds = [spans * i // count for i in range(count + 1)]
     return list(zip(bounds[:-1], bounds[1:]))
+
+
+def cache_blocks(cache) -> torch.Tensor | None:
+    """A cross-layer cache's one tensor [num_blocks, *block_shape] (engine.kv_cache); None for
+    a cache with a tensor per layer."""
+    return getattr(cache, "blocks", None)
 
 
 def _cache_pieces(region: RemoteRegion, cache, runs: Sequence[tuple[int, int, int]]

@@ -112,6 +112,21 @@ def test_tensor_parallel_size_sets_every_role_and_the_role_flags_override_it():
         _serve("--prefill-tp", "0")
 
 
+@pytest.mark.parametrize(("flags", "layout"), [
+    ((), "layer"),
+    (("--kv-transfer", "mooncake"), "cross-layer"),  # TE prefers whole blocks
+    (("--kv-transfer", "mooncake", "--kv-streaming", "layer"), "layer"),  # streams per layer
+    (("--kv-transfer", "mooncake", "--colocated"), "layer"),  # nothing moves
+    (("--kv-transfer", "torch"), "layer"),
+    (("--kv-transfer", "mooncake", "--kv-cache-layout", "layer"), "layer"),
+    (("--kv-cache-layout", "cross-layer"), "cross-layer"),
+])
+def test_the_kv_cache_layout_follows_the_connector_unless_set(flags, layout):
+    config = _serve(*flags)
+    assert config.prefill_engine().kv_cache_layout == layout
+    assert config.decode_engine().kv_cache_layout == layout
+
+
 def test_kv_flags_set_the_fields_they_name():
     cfg = _serve("--kv-tail-capacity-bytes", "4096", "--kv-token", "t0k3n")
     assert cfg.kvstore.tail_capacity_bytes == 4096

@@ -57,3 +57,24 @@ def test_cpu_cache_blocks_round_trip_on_host_zeros():
     cache.write_blocks([3, 1], data)
     assert torch.equal(cache.read_blocks([3, 1]), data)
     assert torch.equal(cache.read_blocks([0, 2, 4]), torch.zeros(3, *cache.block_shape))
+
+
+def test_a_cross_layer_cache_holds_what_a_per_layer_cache_holds():
+    """The same writes (whole blocks, and a layer's K/V through its view) give the same
+    blocks in both layouts; a cross-layer cache's views share its one tensor, each block's
+    every layer contiguous in the transferable unit's layout."""
+    caches = [PagedKVCache(3, 6, 4, 2, 8, torch.float32, "cpu", layout=layout)
+              for layout in ("layer", "cross-layer")]
+    data = torch.randn(2, *caches[0].block_shape)
+    for cache in caches:
+        cache.write_blocks([4, 1], data)
+        cache.k[2][3, 1] = 7.0
+        cache.v[0][5] = -1.0
+    layered, crossed = caches
+    assert torch.equal(crossed.read_blocks(range(6)), layered.read_blocks(range(6)))
+    assert crossed.blocks.shape == (6, *crossed.block_shape) and crossed.blocks.is_contiguous()
+    assert torch.equal(crossed.blocks[3, 2, 0, 1], torch.full((2, 8), 7.0))
+    assert crossed.k[1].data_ptr() == crossed.blocks[:, 1, 0].data_ptr()
+    assert layered.blocks is None
+    with pytest.raises(ValueError, match="layout"):
+        PagedKVCache(3, 6, 4, 2, 8, torch.float32, "cpu", layout="heads")

@@ -1,6 +1,7 @@
 """Acceptance: paged-engine logits equal transformers' LlamaForCausalLM (fp32, max abs diff <= 1e-4).
 
-Each test runs on the eager forward and on the compiled one (engine.compilation). Two
+Each test runs on the eager forward and on the compiled one (engine.compilation), and eager
+on a cross-layer cache (engine.kv_cache). Two
 checkpoints: the bundled stories260K, and a random 2-layer GQA model with untied embeddings,
 Llama-3 rope scaling (original_max_position_embeddings=64, so the scaling changes every position)
 saved sharded. Block tables are shuffled so blocks are never contiguous; decode steps cross
@@ -68,18 +69,22 @@ def random_llama3_checkpoint(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module", params=[("stories260K", "eager"), ("random_llama3", "eager"),
                                         ("stories260K", "compiled"),
-                                        ("random_llama3", "compiled")],
+                                        ("random_llama3", "compiled"),
+                                        ("stories260K", "eager", "cross-layer"),
+                                        ("random_llama3", "eager", "cross-layer")],
                 ids=lambda p: "-".join(p))
 def case(request) -> Case:
-    name, mode = request.param
+    name, mode, *layout = request.param  # the cache's layout: a tensor per layer by default
     if name == "stories260K":
         path, block_size = str(BUNDLED_MODEL), 16
     else:
         path, block_size = request.getfixturevalue("random_llama3_checkpoint"), 4
     hf = transformers.LlamaForCausalLM.from_pretrained(path, attn_implementation="eager").eval()
     runner = ModelRunner(EngineConfig(model=path, block_size=block_size, num_kv_blocks=NUM_BLOCKS,
-                                      enforce_eager=mode == "eager"))
+                                      enforce_eager=mode == "eager",
+                                      kv_cache_layout=layout[0] if layout else "auto"))
     assert runner.forward_mode == mode
+    assert runner.kv_cache.layout == (layout[0] if layout else "layer")
     return Case(path, block_size, runner, hf)
 
 

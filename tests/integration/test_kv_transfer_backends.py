@@ -59,8 +59,9 @@ def prefill(store):
 
 
 def decode_engine(worker_id: str, transfer: KVTransferConfig, num_kv_blocks: int = 128,
-                  backend=None) -> DecodeEngine:
-    runner = ModelRunner(EngineConfig(num_kv_blocks=num_kv_blocks))
+                  backend=None, kv_cache_layout: str = "auto") -> DecodeEngine:
+    runner = ModelRunner(EngineConfig(num_kv_blocks=num_kv_blocks,
+                                      kv_cache_layout=kv_cache_layout))
     return started(lambda: DecodeEngine(runner, worker_id, 0,
                                         FetchConnector(transfer, backend=backend)))
 

@@ -44,12 +44,13 @@ from kvstore.transfer.mooncake import MooncakeTransferBackend, RemoteRegion  # n
 MOONCAKE = KVTransferConfig(backend="mooncake", timeout_s=10, source_buffer_bytes=32 << 20)
 
 
-def prefill_engine(store, transfer: KVTransferConfig, lease_s: float = 60.0) -> PrefillEngine:
+def prefill_engine(store, transfer: KVTransferConfig, lease_s: float = 60.0,
+                   kv_cache_layout: str = "auto") -> PrefillEngine:
     server, client = store
     connector = MultiConnector([PoolConnector("local-node", client, server.address, client),
                                 MooncakeConnector(transfer, lease_s)])
-    return started(lambda: PrefillEngine(ModelRunner(EngineConfig(num_kv_blocks=128)),
-                                         connector, "prefill-mc", 0))
+    config = EngineConfig(num_kv_blocks=128, kv_cache_layout=kv_cache_layout)
+    return started(lambda: PrefillEngine(ModelRunner(config), connector, "prefill-mc", 0))
 
 
 @pytest.fixture(scope="module")
@@ -89,6 +90,27 @@ def test_te_carries_every_block_into_the_cache_and_output_matches_hf(prefill, de
     num_blocks = -(-len(prompt) // 16)
     assert moved == {"mooncake": num_blocks * decode.runner.kv_cache.block_nbytes}
     assert released(prefill, base + 1)["kv_mooncake_regions_leased"] == 0
+
+
+def test_cross_layer_caches_move_whole_blocks_and_output_matches_hf(store, hf):
+    """Both workers on cross-layer caches (what `serve --kv-transfer mooncake` picks): the
+    region is block-major, read straight into the decode's registered cache, and the decode
+    continues token for token as HF."""
+    _, client = store
+    prefill = prefill_engine(store, MOONCAKE, kv_cache_layout="cross-layer")
+    decode = decode_engine("decode-mc-cross", MOONCAKE, kv_cache_layout="cross-layer")
+    try:
+        prompt = hf.encode(STORY)
+        result, tokens, _ = generate(prefill, decode, "mc-cross", prompt, 24)
+        assert isinstance(result.kv_region, RemoteRegion) and result.kv_region.block_major
+        assert tokens == hf.greedy(prompt, 24)
+        stats = settled(decode, client)
+        assert stats["kv_bytes_fetched_by_backend"] == {
+            "mooncake": -(-len(prompt) // 16) * decode.runner.kv_cache.block_nbytes}
+        assert released(prefill, 1)["kv_mooncake_regions_leased"] == 0
+    finally:
+        stop(decode)
+        stop(prefill)
 
 
 def test_decode_output_depends_on_the_bytes_te_moved(prefill, store, hf):
@@ -216,9 +238,9 @@ class SlowBackend(MooncakeTransferBackend):
         return SlowTE(super().engine(), self.delay_s, self.submitted)
 
 
-def _source(num_blocks: int = 6):
+def _source(num_blocks: int = 6, layout: str = "layer"):
     """A source cache of random blocks, and the MooncakeConnector offering them."""
-    cache = PagedKVCache(2, 16, 4, 2, 8, torch.float32, "cpu")
+    cache = PagedKVCache(2, 16, 4, 2, 8, torch.float32, "cpu", layout=layout)
     for layer in range(2):
         cache.k[layer].normal_()
         cache.v[layer].normal_()
@@ -238,14 +260,19 @@ def _source(num_blocks: int = 6):
     (True, [3, 9, 5, 11, 0, 19], 0),  # staged, then an index copy (many runs)
     (False, [3, 4, 5, 11, 0, 19], 64),  # no registered cache: staged, then dest.write_tensor
 ], ids=["consecutive", "runs", "staged-runs", "staged-scattered", "write-callback"])
-def test_region_lands_block_for_block_in_any_table(direct, table, max_direct, monkeypatch):
-    """Scattered source blocks, destination tables consecutive or with runs and gaps: every
-    block equals its source block, read straight into the registered cache or staged in
-    several reads (each landed as TE reports it)."""
+@pytest.mark.parametrize(("source_layout", "dest_layout"), [
+    ("layer", "layer"), ("cross-layer", "cross-layer"), ("cross-layer", "layer"),
+    ("layer", "cross-layer")])
+def test_region_lands_block_for_block_in_any_table(direct, table, max_direct, source_layout,
+                                                   dest_layout, monkeypatch):
+    """Scattered source blocks, destination tables consecutive or with runs and gaps, either
+    cache layout on either side: every block equals its source block, read straight into the
+    registered cache or staged in several reads (each landed as TE reports it)."""
     monkeypatch.setattr(mooncake, "MAX_DIRECT_READS", max_direct)
     monkeypatch.setattr(mooncake, "MIN_PIECE_BYTES", 1)  # a staged read in four pieces
-    cache, connector, ids, region = _source()
-    dst = PagedKVCache(2, 20, 4, 2, 8, torch.float32, "cpu")
+    cache, connector, ids, region = _source(layout=source_layout)
+    assert region.block_major == (source_layout == "cross-layer")
+    dst = PagedKVCache(2, 20, 4, 2, 8, torch.float32, "cpu", layout=dest_layout)
     backend = MooncakeTransferBackend(MOONCAKE)
     dest = CacheDest(lambda s, b: dst.write_blocks(table[s:s + len(b)], b), table,
                      dst if direct else None, dst.block_shape, dst.dtype)
@@ -255,6 +282,9 @@ def test_region_lands_block_for_block_in_any_table(direct, table, max_direct, mo
         time.sleep(0.005)
     assert receiver.result() == len(ids) * cache.block_nbytes
     assert torch.equal(dst.read_blocks(table), cache.read_blocks(ids))
+    # straight into the cache where it is registered, laid out as the region and few runs
+    staged = not (direct and max_direct and source_layout == dest_layout)
+    assert (backend._buffer_bytes > 0) == staged
     untouched = [b for b in range(20) if b not in table]
     assert not dst.read_blocks(untouched).any()
     with pytest.raises(BlockLayoutError):
@@ -343,7 +373,7 @@ def test_a_source_that_stops_answering_fails_the_read_at_te_timeout(staged, monk
     proc.start()
     backend = MooncakeTransferBackend(MOONCAKE)
     backend.te_timeout_s = 1.0  # TE's own floor is 5 s
-    dst = PagedKVCache(2, 40, 4, 2, 8, torch.float32, "cpu")
+    dst = PagedKVCache(2, 40, 4, 2, 8, torch.float32, "cpu", layout="cross-layer")  # as the source
 
     def read(region, table):
         dest = CacheDest(lambda s, b: None, table, dst, dst.block_shape, dst.dtype)

@@ -8,11 +8,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+import kernels
 from engine.attention import AttentionMetadata, paged_attention
-from kernels import cpu_extension, cpu_paged_attention
+from engine.kv_cache import PagedKVCache
+from kernels import cpu_extension, cpu_paged_attention, reference
 from tests.kernels import attention_oracle
-from tests.kernels.test_torch_attention import (BLOCK_SIZE, HEAD_DIM, NUM_HEADS, NUM_KV_HEADS,
-                                                SCALE, caches, tables)
+from tests.kernels.test_torch_attention import (BLOCK_SIZE, HEAD_DIM, NUM_BLOCKS, NUM_HEADS,
+                                                NUM_KV_HEADS, SCALE, caches, tables)
 
 pytestmark = pytest.mark.skipif(not cpu_extension.available(),
                                 reason="the C++ kernels cannot be built here (no compiler)")
@@ -339,3 +341,56 @@ def test_the_tile_prefill_kernel_refuses_what_the_others_refuse():
         cpu_paged_attention.paged_prefill_attention(
             q[:1], k_cache, v_cache, table[:, :1], torch.tensor([0, 1], dtype=torch.int32),
             torch.tensor([BLOCK_SIZE + 1], dtype=torch.int32), SCALE)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+def test_a_cross_layer_caches_views_store_and_attend_as_the_oracle(dtype, tol):
+    """A layer's K and V of a cross-layer cache (engine.kv_cache: blocks num_layers * 2
+    blocks apart) through the dispatch the engine uses: K/V stored by slot land where the
+    reference puts them in a contiguous copy, other layers untouched; decode and prefill
+    (whichever CPU kernel runs them here) match the oracle over the same views."""
+    gen = torch.Generator().manual_seed(7)
+    cache = PagedKVCache(3, NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, dtype, "cpu",
+                         layout="cross-layer")
+    cache.blocks.copy_(torch.randn(cache.blocks.shape, generator=gen))
+    k_cache, v_cache = cache.k[1], cache.v[1]
+    assert not k_cache.is_contiguous() and cpu_paged_attention.supports(
+        torch.zeros(1, NUM_HEADS, HEAD_DIM, dtype=dtype), k_cache)
+    others = cache.blocks[:, [0, 2]].clone()
+    want_k, want_v = k_cache.contiguous(), v_cache.contiguous()
+    slots = torch.tensor([5, 17, -1, 60, 61, 1599])
+    k = torch.randn(len(slots), NUM_KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
+    v = torch.randn(len(slots), NUM_KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
+    kernels.store_kv_cache(k, v, k_cache, v_cache, slots)
+    reference.store_kv_cache(k, v, want_k, want_v, slots)
+    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+    assert torch.equal(cache.blocks[:, [0, 2]], others)
+
+    seq_lens = [1, 9, 40, 77]
+    table = tables(seq_lens, [False, True, False, True])
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    q = torch.randn(len(seq_lens), NUM_HEADS, HEAD_DIM, generator=gen).to(dtype)
+    torch.testing.assert_close(
+        kernels.paged_decode_attention(q, k_cache, v_cache, table, lens, SCALE).float(),
+        attention_oracle.paged_decode_attention(q, k_cache, v_cache, table, lens, SCALE).float(),
+        atol=tol, rtol=tol)
+    new = [1, 9, 3, 77]
+    cu = torch.tensor([0, *torch.tensor(new).cumsum(0).tolist()], dtype=torch.int32)
+    q = torch.randn(sum(new), NUM_HEADS, HEAD_DIM, generator=gen).to(dtype)
+    torch.testing.assert_close(
+        kernels.paged_prefill_attention(q, k_cache, v_cache, table, cu, lens, SCALE).float(),
+        attention_oracle.paged_prefill_attention(q, k_cache, v_cache, table, cu, lens,
+                                                 SCALE).float(),
+        atol=tol, rtol=tol)
+
+
+def test_a_cache_whose_block_rows_are_not_contiguous_keeps_the_torch_path():
+    """The C++ kernels read each block's tokens and heads as one contiguous run: a cache laid
+    out otherwise (heads before tokens) is not theirs, and they refuse it when called."""
+    k_cache, v_cache = (c.transpose(1, 2).contiguous().transpose(1, 2) for c in caches())
+    q = torch.randn(1, NUM_HEADS, HEAD_DIM)
+    assert not cpu_paged_attention.supports(q, k_cache)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        cpu_paged_attention.paged_decode_attention(
+            q, k_cache, v_cache, torch.zeros(1, 1, dtype=torch.int32),
+            torch.ones(1, dtype=torch.int32), SCALE)

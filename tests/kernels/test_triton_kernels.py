@@ -202,6 +202,55 @@ def test_store_kv_cache(num_kv_heads, head_dim, block_size, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@matrix
+def test_kernels_over_a_cross_layer_caches_views(dtype):
+    """One layer's K and V of a cross-layer cache (engine.kv_cache: views whose blocks sit
+    num_layers * 2 blocks apart): the store writes that layer's slots only, and decode and
+    prefill over the views match the oracle."""
+    from engine.kv_cache import PagedKVCache
+
+    gen = _gen("cross-layer", dtype)
+    num_heads, num_kv_heads, head_dim, block_size = 4, 2, 64, 16
+    seq_lens = [1, block_size + 1, 3 * block_size - 5]
+    counts = [-(-n // block_size) for n in seq_lens]
+    cache = PagedKVCache(3, sum(counts) + 3, block_size, num_kv_heads, head_dim, dtype, DEVICE,
+                         layout="cross-layer")
+    cache.blocks.fill_(GARBAGE)
+    k_cache, v_cache = cache.k[1], cache.v[1]
+    order = torch.randperm(cache.num_blocks, generator=gen).tolist()
+    tables = torch.zeros(len(seq_lens), max(counts), dtype=torch.int32)
+    slots, start = [], 0
+    for row, (seq_len, count) in enumerate(zip(seq_lens, counts)):
+        table = order[start:start + count]
+        start += count
+        tables[row, :count] = torch.tensor(table, dtype=torch.int32)
+        slots += [table[p // block_size] * block_size + p % block_size for p in range(seq_len)]
+    slot_mapping = torch.tensor(slots, dtype=torch.int64, device=DEVICE)
+    k, v = (_randn(gen, len(slots), num_kv_heads, head_dim, dtype=dtype) for _ in range(2))
+    _run(plan_store_kv_cache(k, v, k_cache, v_cache, slot_mapping))
+    expected_k, expected_v = (torch.full_like(c, GARBAGE).contiguous() for c in (k_cache, v_cache))
+    reference.store_kv_cache(k, v, expected_k, expected_v, slot_mapping)
+    _close(k_cache, expected_k, "k_cache")
+    _close(v_cache, expected_v, "v_cache")
+    assert bool((cache.blocks[:, [0, 2]] == GARBAGE).all()), "other layers must stay untouched"
+    tables, lens = tables.to(DEVICE), torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    scale = head_dim**-0.5
+    q = _randn(gen, len(seq_lens), num_heads, head_dim, dtype=dtype)
+    launches, out = plan_paged_decode_attention(q, k_cache, v_cache, tables, lens, scale,
+                                                out=_poison(q), num_splits=3)
+    _run(launches)
+    _close(out, attention_oracle.paged_decode_attention(q, k_cache, v_cache, tables, lens, scale),
+           "decode over cross-layer views")
+    new = [1, 5, 3 * block_size - 5]
+    cu = torch.tensor([0, 1, 6, 6 + new[2]], dtype=torch.int32, device=DEVICE)
+    q = _randn(gen, sum(new), num_heads, head_dim, dtype=dtype)
+    args = (q, k_cache, v_cache, tables, cu, lens, scale)
+    launches, out = plan_paged_prefill_attention(*args, out=_poison(q))
+    _run(launches)
+    _close(out, attention_oracle.paged_prefill_attention(*args), "prefill over cross-layer views")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", [(1, 64), (7, 100), (2, 3, 256)], ids=str)
 @matrix
 def test_rms_norm(shape, dtype):
