@@ -144,6 +144,11 @@ def measure(threads: int, batches: list[int], repeats: int,
                 assert runners[mode].kv_cache.layout == "cross-layer"
             elif runners[mode].forward_mode != mode:
                 raise RuntimeError(f"asked for a {mode} forward, got {runners[mode].forward_mode}")
+            # every block holds data, as a served context does: a block never written is the
+            # kernel's shared zero page on the host cache (engine.kv_cache.host_zeros), whose
+            # reads hit the CPU's caches and would understate what reading K/V costs
+            for tensor in runners[mode].kv_cache.k + runners[mode].kv_cache.v:
+                tensor.normal_()
             graphs = runners[mode].decode_graphs
             print(f"{mode} runner ready in {time.perf_counter() - started:.1f} s"
                   + (f" (CUDA graphs of decode batches up to {graphs.sizes[-1]})" if graphs else ""))
