@@ -36,13 +36,14 @@ void store_kv_cache(at::Tensor k, at::Tensor v, at::Tensor k_cache, at::Tensor v
 // Elements from one block of a paged cache [num_blocks, block_size, kv_heads, head_dim] to the
 // next. A block's tokens and heads are contiguous; the blocks need not be: a layer's K or V of a
 // cross-layer cache (engine.kv_cache) is a view whose blocks sit num_layers * 2 blocks apart.
-// v_cache has k_cache's shape and strides. TORCH_CHECKs that layout.
+// v_cache has k_cache's shape and strides (or both are contiguous). TORCH_CHECKs that layout.
 inline int64_t paged_block_stride(const at::Tensor& k_cache, const at::Tensor& v_cache) {
-  TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes()
-                  && v_cache.strides() == k_cache.strides(),
+  TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
               "caches: [num_blocks, block_size, kv_heads, head_dim], K and V alike");
   const int64_t head_dim = k_cache.size(3), row = k_cache.size(2) * head_dim;
-  TORCH_CHECK(k_cache.stride(3) == 1 && k_cache.stride(2) == head_dim && k_cache.stride(1) == row
+  if (k_cache.is_contiguous() && v_cache.is_contiguous()) return k_cache.size(1) * row;
+  TORCH_CHECK(v_cache.strides() == k_cache.strides() && k_cache.stride(3) == 1
+                  && k_cache.stride(2) == head_dim && k_cache.stride(1) == row
                   && k_cache.stride(0) >= k_cache.size(1) * row,
               "caches: each block's tokens and heads contiguous, blocks apart, got strides ",
               k_cache.strides());

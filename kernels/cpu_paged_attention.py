@@ -38,6 +38,8 @@ def blocks_apart(cache: torch.Tensor) -> bool:
     apart (a layer's K or V of a cross-layer cache, engine.kv_cache)."""
     if cache.dim() != 4:
         return False
+    if cache.is_contiguous():
+        return True
     _, block_size, heads, head_dim = cache.shape
     return (cache.stride(3) == 1 and cache.stride(2) == head_dim
             and cache.stride(1) == heads * head_dim and cache.stride(0) >= block_size * heads * head_dim)
