@@ -90,8 +90,9 @@ from kvstore.transfer.te_bind import confine_listeners
 LEASE_MARGIN_S = 2.0
 #: TE's own floor for MC_TRANSFER_TIMEOUT (it ignores less).
 _TE_MIN_TIMEOUT_S = 5
-#: A read straight into the cache takes one TE read per (layer, K|V) and run of consecutive
-#: blocks; past this many, the region is staged instead (TE's TCP transport connects per read).
+#: A read straight into the cache takes one TE read per run of consecutive blocks (between
+#: cross-layer caches) or per (layer, K|V) and run; past this many, the region is staged
+#: instead (TE's TCP transport connects per read).
 MAX_DIRECT_READS = 64
 #: A staged read goes as this many concurrent TE reads at most, each this long at least
 #: (a few at once move more than one alone over TE's TCP transport).
@@ -484,9 +485,9 @@ class MooncakeKVReceiver(KVReceiver):
         """`_plan` of a block-major region: each run of consecutive destination blocks of a
         cross-layer cache is one span of the region, read straight into the cache as one read
         (cutting it into concurrent pieces measured no faster: benchmarks/RESULTS.md), where
-        there are at most MAX_DIRECT_READS runs; otherwise the region
-        goes into a receive buffer in pieces of whole blocks, each landed by one index copy
-        (or, without a cache, written with ``dest.write_tensor`` once all landed)."""
+        there are at most MAX_DIRECT_READS runs; otherwise the region goes into a receive
+        buffer in pieces of whole blocks, each landed by one index copy (or, without a cache,
+        written with ``dest.write_tensor`` once all landed)."""
         block = region.block_nbytes
         if runs and len(runs) <= MAX_DIRECT_READS:
             base = cache_blocks(cache).data_ptr()
