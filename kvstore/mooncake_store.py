@@ -67,7 +67,7 @@ class MooncakeStoreClient:
             from mooncake.store import MooncakeDistributedStore
         except ImportError as exc:
             raise MooncakeStoreError(_MISSING) from exc
-        from kvstore.transfer.mooncake import advertised_host
+        from kvstore.transfer.te import advertised_host
         from kvstore.transfer.te_bind import confine_listeners
 
         master_host, _, port = master.rpartition(":")

@@ -34,8 +34,8 @@ from kvstore.connector.base import BlockCache, KVConnector, KVConnectorContext, 
 from kvstore.transfer.dest import WIRE_DTYPES
 from kvstore.errors import KVTransferError
 from kvstore.transfer.layer_stream import LayerStreamSender
-from kvstore.transfer.mooncake import (RemoteRegion, cache_blocks, new_transfer_engine,
-                                       register, session_of)
+from kvstore.transfer.mooncake import RemoteRegion, cache_blocks
+from kvstore.transfer.te import new_transfer_engine, register, session_of
 from kvstore.transfer.mooncake_layer_stream import StreamRegion
 
 log = logging.getLogger(__name__)

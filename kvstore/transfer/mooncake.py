@@ -70,7 +70,6 @@ from __future__ import annotations
 
 import importlib.util
 import math
-import os
 import threading
 import time
 from collections.abc import Sequence
@@ -83,13 +82,12 @@ from kvstore.errors import BlockLayoutError, KVStoreError, KVTransferError, KVTr
 from kvstore.layout import DTYPE_ITEMSIZE
 from kvstore.transfer.base import FetchRequest, KVReceiver, KVTransferBackend, TransferState
 from kvstore.transfer.dest import CacheDest, CallbackDest
-from kvstore.transfer.te_bind import confine_listeners
+from kvstore.transfer.te import (TE_MISSING, TE_NO_BATCH, new_transfer_engine, register,
+                                 te_timeout_s)
 
 #: Seconds a region's lease must outlast a receiver's deadline: the two ends read different
 #: clocks (the lease is wall-clock time on the prefill node).
 LEASE_MARGIN_S = 2.0
-#: TE's own floor for MC_TRANSFER_TIMEOUT (it ignores less).
-_TE_MIN_TIMEOUT_S = 5
 #: A read straight into the cache takes one TE read per run of consecutive blocks (between
 #: cross-layer caches) or per (layer, K|V) and run; past this many, the region is staged
 #: instead (TE's TCP transport connects per read).
@@ -98,10 +96,6 @@ MAX_DIRECT_READS = 64
 #: (a few at once move more than one alone over TE's TCP transport).
 READ_PIECES = 16
 MIN_PIECE_BYTES = 64 << 10
-#: What TE's async submit returns for a batch it did not start (0 now; -1 as unsigned before).
-TE_NO_BATCH = (0, 2**64 - 1)
-_MISSING = ("--kv-transfer mooncake needs Mooncake's Transfer Engine: pip install "
-            "'pdcluster[mooncake]' (or [mooncake-cuda]), and the OS package libibverbs1")
 
 
 @dataclass(frozen=True)
@@ -147,59 +141,6 @@ class RemoteRegion:
         return self.num_blocks * math.prod(self.block_shape) * DTYPE_ITEMSIZE[self.dtype]
 
 
-def new_transfer_engine(config: KVTransferConfig):
-    """An initialized TE on ``config.bind_host`` with P2P handshakes (no metadata server), over
-    ``config.mooncake_protocol``; its listeners bind ``config.bind_host`` only
-    (kvstore.transfer.te_bind) and its transfers time out after ``config.timeout_s``.
-
-    Raises:
-        KVTransferError: the ``mooncake`` package is missing (``pdcluster[mooncake]``), the
-            listeners cannot be confined, or TE failed to initialize.
-    """
-    # TE logs through glog at MC_LOG_LEVEL (INFO by default: a line per segment it opens)
-    os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
-    try:
-        from mooncake.engine import TransferEngine
-    except ImportError as exc:  # the optional extra
-        raise KVTransferError(_MISSING) from exc
-    confine_listeners(config.bind_host)
-    # read by TransferEngine's constructor: its sync calls give up after this long
-    os.environ["MC_TRANSFER_TIMEOUT"] = str(te_timeout_s(config))
-    engine = TransferEngine()
-    host = advertised_host(config.bind_host)
-    if engine.initialize(host, "P2PHANDSHAKE", config.mooncake_protocol, "") != 0:
-        raise KVTransferError(f"Mooncake TransferEngine failed to initialize on {host} over "
-                              f"{config.mooncake_protocol}")
-    return engine
-
-
-def te_timeout_s(config: KVTransferConfig) -> int:
-    """TE's timeout for ``config``: ``timeout_s`` rounded up, at least TE's own floor."""
-    return max(_TE_MIN_TIMEOUT_S, math.ceil(config.timeout_s))
-
-
-def advertised_host(bind_host: str) -> str:
-    """The address peers reach a TE bound to ``bind_host`` at: itself, or for a wildcard
-    (0.0.0.0, ::: every interface, as across nodes) this node's Ray IP, as a KV store does."""
-    if bind_host not in ("0.0.0.0", "::", ""):
-        return bind_host
-    import ray.util
-
-    return ray.util.get_node_ip_address()
-
-
-def session_of(engine, bind_host: str) -> str:
-    """The TE session name peers use to reach ``engine``: ``host:rpc_port``."""
-    return f"{advertised_host(bind_host)}:{engine.get_rpc_port()}"
-
-
-def register(engine, tensors: Sequence[torch.Tensor]) -> None:
-    """Register each contiguous tensor's memory with ``engine``. Raises KVTransferError."""
-    for tensor in tensors:
-        if engine.register_memory(tensor.data_ptr(), tensor.numel() * tensor.element_size()):
-            raise KVTransferError("Mooncake register_memory failed")
-
-
 class MooncakeTransferBackend(KVTransferBackend):
     """The pulling side: one TE per worker; each paged cache it writes into registered once.
 
@@ -215,7 +156,7 @@ class MooncakeTransferBackend(KVTransferBackend):
         fails at start, not at its first transfer)."""
         super().__init__(config, kv_config)
         if importlib.util.find_spec("mooncake") is None:
-            raise KVTransferError(_MISSING)
+            raise KVTransferError(TE_MISSING)
         self._lock = threading.Lock()
         self._engine = None
         self._registered: dict[int, object] = {}  # id(cache) -> cache (kept alive)

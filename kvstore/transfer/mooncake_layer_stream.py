@@ -23,7 +23,8 @@ import torch
 from kvstore.errors import BlockLayoutError, KVTransferError
 from kvstore.transfer.base import _Cancelled
 from kvstore.transfer.layer_stream import POLL_MAX_S, POLL_MIN_S, LayerStreamReceiver
-from kvstore.transfer.mooncake import LEASE_MARGIN_S, TE_NO_BATCH, MooncakeTransferBackend
+from kvstore.transfer.mooncake import LEASE_MARGIN_S, MooncakeTransferBackend
+from kvstore.transfer.te import TE_NO_BATCH
 
 
 @dataclass(frozen=True)
