@@ -10,12 +10,14 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Sequence
-
-import torch
+from typing import TYPE_CHECKING
 
 from kvstore.config import KVTransferConfig
 from kvstore.errors import KVTransferError
 from kvstore.transfer.te_bind import confine_listeners
+
+if TYPE_CHECKING:  # registration takes tensors; nothing else here needs torch
+    import torch
 
 #: TE's own floor for MC_TRANSFER_TIMEOUT (it ignores less).
 _TE_MIN_TIMEOUT_S = 5
