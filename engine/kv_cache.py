@@ -66,7 +66,6 @@ class PagedKVCache:
         self.block_size = block_size
         self.dtype = dtype
         self.device = torch.device(device)
-        self.layout = layout
         self.block_shape: tuple[int, ...] = (num_layers, 2, block_size, num_kv_heads, head_dim)
         self.block_nbytes: int = math.prod(self.block_shape) * torch.empty((), dtype=dtype).element_size()
         self.blocks: torch.Tensor | None = None
@@ -80,6 +79,11 @@ class PagedKVCache:
             shape = (num_blocks, block_size, num_kv_heads, head_dim)
             self.k = [self._zeros(shape) for _ in range(num_layers)]
             self.v = [self._zeros(shape) for _ in range(num_layers)]
+
+    @property
+    def layout(self) -> str:
+        """"cross-layer" when the cache is one tensor (`blocks`), else "layer"."""
+        return "layer" if self.blocks is None else "cross-layer"
 
     def _zeros(self, shape: tuple[int, ...]) -> torch.Tensor:
         if self.device.type == "cpu":
