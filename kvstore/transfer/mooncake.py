@@ -11,8 +11,9 @@ Flow of one transfer::
              -> destination blocks in a few runs of consecutive blocks: straight into the
                 cache, one read per (layer, K|V) and run (the region holds each (layer, K|V)
                 contiguously, as the cache holds each layer's K or V)
-             -> scattered: the region into a registered receive buffer as a few concurrent
-                reads; as TE reports each, one local copy per (layer, K|V) it carries
+             -> scattered: the region into a registered receive buffer as one read; once
+                TE reports it, one local copy per (layer, K|V), or one index copy of a
+                block-major region's blocks
              MooncakeKVReceiver.poll asks TE whether the reads are done (landing staged ones)
              and settles; then it writes the region's generation into its release word (a
              TE write): the prefill may reuse the region
@@ -92,10 +93,6 @@ LEASE_MARGIN_S = 2.0
 #: cross-layer caches) or per (layer, K|V) and run; past this many, the region is staged
 #: instead (TE's TCP transport connects per read).
 MAX_DIRECT_READS = 64
-#: A staged read goes as this many concurrent TE reads at most, each this long at least
-#: (a few at once move more than one alone over TE's TCP transport).
-READ_PIECES = 16
-MIN_PIECE_BYTES = 64 << 10
 
 
 @dataclass(frozen=True)
@@ -321,7 +318,7 @@ class MooncakeKVReceiver(KVReceiver):
         # ... as [layers * 2, num_blocks, *block], or a block-major region's [num_blocks,
         # *block_shape]
         self._staged: torch.Tensor | None = None
-        self._pieces: list[tuple[int, int]] = []  # ... the spans (or blocks) each read carries
+        self._pieces: list[tuple[int, int]] = []  # ... the spans (or blocks) the read carries
         # unreported TE batch -> its read (index into the plan); None: not submitted yet
         self._batches: dict[int, int] | None = None
         self._refused: bool | Exception = False  # TE refused or failed a read (or raised)
@@ -394,8 +391,9 @@ class MooncakeKVReceiver(KVReceiver):
     def _plan(self, region: RemoteRegion, dest: CallbackDest) -> list[tuple[int, int, int]]:
         """The reads, (destination address, source address, length): straight into the
         registered cache where that takes at most MAX_DIRECT_READS, else the region into a
-        receive buffer in a few concurrent pieces, each landed (`_land`) as soon as TE
-        reports it."""
+        receive buffer as one read, landed (`_land`) once TE reports it. One read: the same
+        bytes cut into concurrent reads moved slower over TE's TCP transport, at every size
+        from 1 to 64 MiB (benchmarks/RESULTS.md)."""
         if time.time() + self._remaining_s() > region.expires_at - LEASE_MARGIN_S:
             raise KVTransferError(f"{self._describe()}: the source's lease ends before this "
                                   f"transfer's deadline", address=region.session)
@@ -415,11 +413,8 @@ class MooncakeKVReceiver(KVReceiver):
         layers, kv, *block = region.block_shape
         self._staged = self._buffer[:region.nbytes].view(dest.dtype).view(
             layers * kv, region.num_blocks, *block)
-        extent = region.num_blocks * region.span_nbytes
-        self._pieces = _split(layers * kv, extent)
-        base = self._buffer.data_ptr()
-        return [(base + first * extent, region.address + first * extent, (end - first) * extent)
-                for first, end in self._pieces]
+        self._pieces = [(0, layers * kv)]
+        return [(self._buffer.data_ptr(), region.address, region.nbytes)]
 
     def _plan_block_major(self, region: RemoteRegion, dest: CallbackDest, cache,
                           runs: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
@@ -427,8 +422,8 @@ class MooncakeKVReceiver(KVReceiver):
         cross-layer cache is one span of the region, read straight into the cache as one read
         (cutting it into concurrent pieces measured no faster: benchmarks/RESULTS.md), where
         there are at most MAX_DIRECT_READS runs; otherwise the region goes into a receive
-        buffer in pieces of whole blocks, each landed by one index copy (or, without a cache,
-        written with ``dest.write_tensor`` once all landed)."""
+        buffer as one read, landed by one index copy (or, without a cache, written with
+        ``dest.write_tensor``)."""
         block = region.block_nbytes
         if runs and len(runs) <= MAX_DIRECT_READS:
             base = cache_blocks(cache).data_ptr()
@@ -440,10 +435,8 @@ class MooncakeKVReceiver(KVReceiver):
         self._buffer = self._backend.take_buffer(region.nbytes)
         self._staged = self._buffer[:region.nbytes].view(dest.dtype).view(
             region.num_blocks, *region.block_shape)
-        self._pieces = _split(region.num_blocks, block)
-        base = self._buffer.data_ptr()
-        return [(base + first * block, region.address + first * block, (end - first) * block)
-                for first, end in self._pieces]
+        self._pieces = [(0, region.num_blocks)]
+        return [(self._buffer.data_ptr(), region.address, region.nbytes)]
 
     def _connect(self, reads: list[tuple[int, int, int]]) -> None:
         """The first read from a peer: TE's handshake, by an 8-byte probe of the region's
@@ -553,16 +546,6 @@ class MooncakeKVReceiver(KVReceiver):
                 continue
             for position, block, count in self._runs:
                 target[block:block + count].copy_(source[position:position + count])
-
-
-def _split(spans: int, span_nbytes: int) -> list[tuple[int, int]]:
-    """``spans`` consecutive spans of ``span_nbytes`` as up to READ_PIECES reads of whole
-    spans, each of at least MIN_PIECE_BYTES where there are enough bytes: [(first span, end
-    span)]. TE's TCP transport moves each read on a connection of its own, and a few at once
-    move more than one alone (benchmarks/RESULTS.md)."""
-    count = max(1, min(READ_PIECES, spans, spans * span_nbytes // MIN_PIECE_BYTES))
-    bounds = [spans * i // count for i in range(count + 1)]
-    return list(zip(bounds[:-1], bounds[1:]))
 
 
 def cache_blocks(cache) -> torch.Tensor | None:

@@ -267,9 +267,8 @@ def test_region_lands_block_for_block_in_any_table(direct, table, max_direct, so
                                                    dest_layout, monkeypatch):
     """Scattered source blocks, destination tables consecutive or with runs and gaps, either
     cache layout on either side: every block equals its source block, read straight into the
-    registered cache or staged in several reads (each landed as TE reports it)."""
+    registered cache or staged (one read, landed once TE reports it)."""
     monkeypatch.setattr(mooncake, "MAX_DIRECT_READS", max_direct)
-    monkeypatch.setattr(mooncake, "MIN_PIECE_BYTES", 1)  # a staged read in four pieces
     cache, connector, ids, region = _source(layout=source_layout)
     assert region.block_major == (source_layout == "cross-layer")
     dst = PagedKVCache(2, 20, 4, 2, 8, torch.float32, "cpu", layout=dest_layout)
@@ -416,19 +415,6 @@ def _stop(pid: int) -> None:
             return
         time.sleep(0.01)
     pytest.fail(f"process {pid} did not stop: {states}")
-
-
-@pytest.mark.parametrize("spans", [1, 2, 4, 16, 24, 100])
-@pytest.mark.parametrize("span_nbytes", [4096, 64 << 10, 1 << 20])
-def test_split_covers_every_span_in_order(spans, span_nbytes):
-    pieces = mooncake._split(spans, span_nbytes)
-    assert [p[0] for p in pieces] == [0] + [p[1] for p in pieces[:-1]] and pieces[-1][1] == spans
-    assert len(pieces) <= mooncake.READ_PIECES
-    if spans * span_nbytes >= mooncake.MIN_PIECE_BYTES:
-        assert all((end - first) * span_nbytes >= mooncake.MIN_PIECE_BYTES
-                   for first, end in pieces)
-    assert len(pieces) == min(mooncake.READ_PIECES, spans,
-                              max(1, spans * span_nbytes // mooncake.MIN_PIECE_BYTES))
 
 
 def test_region_allocator_against_an_occupancy_map():
