@@ -19,7 +19,9 @@ Mooncake's rule, the least estimated TTFT = queued prefill work + uncached block
 (``kvstore.index.MemoryIndex``) fed with the pools' ``BlockStored`` / ``BlockRemoved`` events.
 With equal queues that is the longest cached prefix, ties round-robin; pure longest-prefix
 routing would send every request to the first instance, as all share block 0. The
-``belady (offline)`` row is the offline optimum under the same rule.
+``belady (offline)`` row is the offline optimum under the same rule. ``lru+runsW`` is the
+BlockPool with run window W (``--block-run-window``: runs of consecutive blocks taken from
+among the W x n least recently freed), to see what that order costs in hits.
 
 Check: the BlockPool LRU hit count equals an independent plain-``OrderedDict`` LRU simulation
 exactly, for the global pool and for every local pool (on the request stream routed to it);
@@ -40,7 +42,7 @@ from typing import Sequence
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: benchmarks.*
 
 from benchmarks.cache_hit_sim import (  # noqa: E402
-    ROUTERS, BlockPoolCache, Request, infinite_cache_hits, replay, trace_requests)
+    ROUTERS, BlockPoolCache, Request, infinite_cache_hits, replay, run_window_of, trace_requests)
 from benchmarks.cache_hit_sweep import (  # noqa: E402
     CellResult, belady_hits, check_lru, ordered_dict_lru_hits, run_sweep, sweep_cells)
 from benchmarks.eviction import DEFAULT_EVICTION, EVICTION_POLICIES  # noqa: E402
@@ -111,7 +113,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="replay only the first N records")
     parser.add_argument("--eviction", default=",".join(EVICTION_POLICIES),
                         help=f"comma-separated policies: {', '.join(EVICTION_POLICIES)} "
-                             f"(default: all; the default policy is {DEFAULT_EVICTION})")
+                             f"(default: all; the default policy is {DEFAULT_EVICTION}), or "
+                             f"lru+runsW: the BlockPool with run window W (the order in which "
+                             f"a cross-layer cache's blocks are taken)")
     parser.add_argument("--capacities", default="0.05,0.1,0.2,0.3,0.5,1.0",
                         help="comma-separated fractions of the unique-block footprint")
     parser.add_argument("--instances", type=int, default=10)
@@ -134,7 +138,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     policies = [p for p in args.eviction.split(",") if p]
     routings = [r for r in args.routing.split(",") if r]
     for p in policies:
-        if p not in EVICTION_POLICIES:
+        if p not in EVICTION_POLICIES and run_window_of(p) is None:
             parser.error(f"unknown eviction policy {p!r}")
     for r in routings:
         if r not in ROUTERS:

@@ -52,10 +52,11 @@ class PrefixCache(Protocol):
 
 
 class BlockPoolCache:
-    """``PolicyCache.serve`` semantics on the real ``BlockPool`` (LRU free queue)."""
+    """``PolicyCache.serve`` semantics on the real ``BlockPool`` (LRU free queue; with
+    ``run_window``, runs of blocks taken from near its head)."""
 
-    def __init__(self, capacity: int) -> None:
-        self.pool = BlockPool(capacity)
+    def __init__(self, capacity: int, run_window: int = 0) -> None:
+        self.pool = BlockPool(capacity, run_window=run_window)
 
     def serve(self, keys: Keys) -> int:
         pool = self.pool
@@ -76,10 +77,20 @@ class BlockPoolCache:
         return self.pool.take_events()
 
 
+def run_window_of(policy: str) -> int | None:
+    """W of a policy named ``lru+runsW`` (the real ``BlockPool`` with that ``run_window``),
+    else None."""
+    prefix = "lru+runs"
+    if policy.startswith(prefix) and policy[len(prefix):].isdigit():
+        return int(policy[len(prefix):])
+    return None
+
+
 def make_cache(policy: str, capacity: int, chain_aware: bool = True) -> PrefixCache:
-    """LRU on the real ``BlockPool``; any other policy on ``PolicyCache``."""
-    if policy == "lru":
-        return BlockPoolCache(capacity)
+    """LRU on the real ``BlockPool`` (``lru``, or ``lru+runsW`` with its run window W); any
+    other policy on ``PolicyCache``."""
+    if policy == "lru" or run_window_of(policy) is not None:
+        return BlockPoolCache(capacity, run_window_of(policy) or 0)
     return PolicyCache(capacity, make_policy(policy, capacity), chain_aware)
 
 

@@ -28,7 +28,10 @@ process into a preallocated buffer, request/response, one request at a time:
   request's blocks of a paged cache (8 layers), and a MooncakeTransferBackend receiver reads
   them into consecutive blocks of the client's registered paged cache and writes the release
   word. ``pdc-te scattered`` is the same into scattered destination blocks (a cache's free
-  blocks, the usual case). Each runs for every cache layout of ``--kv-cache-layouts``
+  blocks under LRU order, the usual case). ``churned`` takes its destination blocks as the
+  decode's block pool hands them out after churn (`_churned_tables`: requests of 8-64 blocks
+  arriving, growing and leaving; kvstore.block_pool.BlockPool with the run window that
+  layout gets by default, engine.config.EngineConfig.resolved_block_run_window). Each runs for every cache layout of ``--kv-cache-layouts``
   (engine.kv_cache), both ends alike: ``layer`` (a layer-major region; a read per layer, K|V
   and run of blocks, or staged) and ``cross-layer`` (a block-major region; a read per run of
   blocks). "best TE" is the fastest of ``te`` and the ``te-split`` rows; "best
@@ -43,8 +46,10 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import multiprocessing as mp
 import os
+import random
 import socket
 import statistics
 import sys
@@ -205,19 +210,69 @@ def _pdc_te_server(ready: mp.Queue, sizes: list[int], block_nbytes: int, layout:
     time.sleep(1e6)
 
 
+def _churned_tables(num_blocks: int, sizes: list[int], run_window: int, seed: int = 3
+                    ) -> dict[int, list[list[int]]]:
+    """Block tables of ``sizes`` blocks (each at most a quarter of the pool), as a BlockPool
+    of ``num_blocks`` with ``run_window`` hands them out once requests of 8-64 blocks (as many
+    as fill two thirds of the pool at 1.5 x 64 blocks each; smaller ones in a small pool) have
+    come, grown a block per 16 decode steps, and gone for a while: 16 tables per size."""
+    from kvstore.block_pool import BlockPool
+
+    rng = random.Random(seed)
+    pool = BlockPool(num_blocks, run_window=run_window)
+    live: list[list] = []  # [block table, steps left, tokens]
+    largest = max(1, min(64, num_blocks // 16))
+    concurrency = max(1, num_blocks * 2 // (3 * largest))
+    tables: dict[int, list[list[int]]] = {n: [] for n in sizes}
+    for step in range(4000):
+        while len(live) < concurrency:
+            tokens = rng.randint(min(8, largest) * 16, largest * 16)
+            if -(-tokens // 16) > pool.num_free_blocks:
+                break
+            live.append([pool.allocate(-(-tokens // 16)), rng.randint(32, 256), tokens])
+        if step >= 2400 and step % 100 == 0:  # the pool in steady state
+            for n in sizes:
+                while n > pool.num_free_blocks:  # the oldest requests end early
+                    pool.free(live.pop(0)[0])
+                table = pool.allocate(n)
+                tables[n].append(table)
+                pool.free(table)
+        for seq in list(live):
+            seq[1] -= 1
+            seq[2] += 1
+            if -(-seq[2] // 16) > len(seq[0]) and pool.num_free_blocks:
+                seq[0] += pool.allocate(1)
+            if seq[1] == 0:
+                pool.free(seq[0])
+                live.remove(seq)
+    return tables
+
+
 def _pdc_te_client(regions: dict, block_nbytes: int, layout: str,
-                   scattered: bool = False) -> Callable[[int], None]:
+                   tables: str = "consecutive") -> Callable[[int], None]:
+    """Fetches into ``tables`` destination blocks: consecutive, scattered (a random
+    permutation), or churned (`_churned_tables`, cycled through)."""
+    from engine.config import EngineConfig
     from kvstore.transfer.dest import CacheDest
     from kvstore.transfer.mooncake import MooncakeTransferBackend
 
     backend = MooncakeTransferBackend(KVTransferConfig(backend="mooncake", timeout_s=60.0))
-    num_blocks = 2 * max(regions) // block_nbytes
+    num_blocks = (4 if tables == "churned" else 2) * max(regions) // block_nbytes
     cache = _pdc_cache(num_blocks, block_nbytes, layout)
     spread = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(2)).tolist()
+    counts = sorted({region.num_blocks for region in regions.values()})
+    if tables == "churned":
+        window = EngineConfig(kv_cache_layout=layout).resolved_block_run_window()
+        churned = {n: itertools.cycle(t) for n, t in
+                   _churned_tables(num_blocks, counts, window).items()}
+    elif tables not in ("consecutive", "scattered"):
+        raise ValueError(f"unknown destination tables {tables!r}")
 
     def fetch(size: int) -> None:
         region = regions[size]
-        table = spread[:region.num_blocks] if scattered else list(range(region.num_blocks))
+        n = region.num_blocks
+        table = (next(churned[n]) if tables == "churned" else spread[:n]
+                 if tables == "scattered" else list(range(n)))
         dest = CacheDest(lambda start, blocks: None, table, cache, cache.block_shape,
                          cache.dtype)
         receiver = backend.create_receiver()
@@ -446,8 +501,9 @@ def main(argv: list[str] | None = None) -> None:
             pdc_proc, regions = _spawn(_pdc_te_server, sizes, block_nbytes, layout)
             procs.append(pdc_proc)
             clients[f"pdc-te {layout}"] = _pdc_te_client(regions, block_nbytes, layout)
-            clients[f"scattered {layout}"] = _pdc_te_client(regions, block_nbytes, layout,
-                                                            scattered=True)
+            for tables in ("scattered", "churned"):
+                clients[f"{tables} {layout}"] = _pdc_te_client(regions, block_nbytes, layout,
+                                                               tables)
 
     print(f"block {args.block_kib} KiB, chunk {args.chunk_kib} KiB, grpc streams "
           f"{args.streams} (min {args.min_stream_kib} KiB each), {os.cpu_count()} CPUs, "
@@ -460,7 +516,8 @@ def main(argv: list[str] | None = None) -> None:
         header += "".join(f" TE split {n} GB/s | TE split {n}/raw |" for n in splits)
         if args.te_write:
             header += "".join(f" TE write {n} GB/s | TE write {n}/raw |" for n in splits)
-        pdc_rows = [f"{kind} {layout}" for layout in layouts for kind in ("pdc-te", "scattered")]
+        pdc_rows = [f"{kind} {layout}" for layout in layouts
+                    for kind in ("pdc-te", "scattered", "churned")]
         header += "".join(f" {name} GB/s | /best TE | /best pair |" for name in pdc_rows)
     print(header)
     print("|" + "---|" * (header.count("|") - 1))

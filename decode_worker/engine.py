@@ -178,7 +178,8 @@ class DecodeEngine:
         self.max_model_len = cfg.resolved_max_model_len(runner.model_config)
         self.max_num_batched_tokens = cfg.max_num_batched_tokens
         self.eos_token_ids = frozenset(runner.model_config.eos_token_ids)
-        self.pool = BlockPool(cfg.num_kv_blocks, enable_caching=cfg.enable_prefix_caching)
+        self.pool = BlockPool(cfg.num_kv_blocks, enable_caching=cfg.enable_prefix_caching,
+                              run_window=cfg.resolved_block_run_window())
         self.incremental_transfer = incremental_transfer
         self.kv = KVCacheManager(self.pool, self.block_size)
         self._index_events = ThreadPoolExecutor(1, thread_name_prefix="decode-events")

@@ -103,6 +103,10 @@ _SERVE_FLAGS = [
      "auto (default: cross-layer with --kv-transfer mooncake and request streaming, else "
      "layer) | layer: a tensor per layer and K|V | cross-layer: every layer of a block "
      "together"),
+    ("--block-run-window", "engine.block_run_window", int,
+     "how a request's KV blocks are picked: 0 in LRU order (vLLM's) | N: the longest runs of "
+     "consecutive blocks among the N x n least recently freed (default: 2 with a cross-layer "
+     "cache, else 0)"),
     ("--kv-load-failure-policy", "transfer.load_failure_policy", str,
      "recompute (default): a failed KV load is recomputed, counted and logged | fail: the "
      "request ends with an error"),

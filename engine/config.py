@@ -194,6 +194,10 @@ def _sliding_window(raw: dict[str, Any], model_type: str) -> int | None:
 
 # Rows from which a CPU prefill step is compute-bound (EngineConfig.prefill_compute_bound_tokens).
 CPU_COMPUTE_BOUND_TOKENS = 512
+# The block pool's run window with a cross-layer cache (EngineConfig.block_run_window): wide
+# enough that a request's blocks come in a few runs under churn, narrow enough that prefix hits
+# at the Mooncake trace's capacity did not move (benchmarks/RESULTS.md).
+CROSS_LAYER_RUN_WINDOW = 2
 
 
 class EngineConfig(pydantic.BaseModel):
@@ -233,6 +237,10 @@ class EngineConfig(pydantic.BaseModel):
     so a KV connector moves a run of blocks in one piece). "auto" (the default) is resolved
     by a deployment from its KV connector, as vLLM's connectors choose
     (deploy.config.ServeConfig.prefill_engine); an engine built directly takes "layer".
+    `block_run_window`: how the block pool picks a request's blocks
+    (kvstore.block_pool.BlockPool's `run_window`): 0 in LRU order, as vLLM; w >= 1 the longest
+    runs of consecutive blocks among the w x n least recently freed. None (the default) is 2
+    with a cross-layer cache (a run of its blocks is one Transfer Engine read) and 0 otherwise.
     `fault_injection`: lets the worker actors' `inject_fault` act, for fault tests of a running
     cluster; off (the default) it raises. No CLI flag sets it.
     """
@@ -256,6 +264,7 @@ class EngineConfig(pydantic.BaseModel):
     enforce_eager: bool | None = None
     max_cudagraph_capture_size: int = pydantic.Field(256, ge=0)
     kv_cache_layout: Literal["auto", "layer", "cross-layer"] = "auto"
+    block_run_window: int | None = pydantic.Field(None, ge=0)
     fault_injection: bool = False
 
     @pydantic.field_validator("cpu_bind")
@@ -283,6 +292,13 @@ class EngineConfig(pydantic.BaseModel):
     def resolved_kv_cache_layout(self) -> str:
         """`kv_cache_layout`, with "auto" as "layer" (no KV connector prefers otherwise)."""
         return "layer" if self.kv_cache_layout == "auto" else self.kv_cache_layout
+
+    def resolved_block_run_window(self) -> int:
+        """`block_run_window`, or where it is None, CROSS_LAYER_RUN_WINDOW with a cross-layer
+        cache and 0 (LRU order) with a tensor per layer."""
+        if self.block_run_window is not None:
+            return self.block_run_window
+        return CROSS_LAYER_RUN_WINDOW if self.resolved_kv_cache_layout() == "cross-layer" else 0
 
     def resolved_prefill_compute_bound_tokens(self) -> int | None:
         """`prefill_compute_bound_tokens`, or where it is None, the device's default.

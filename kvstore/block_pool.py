@@ -22,6 +22,7 @@ Not thread-safe: the owning engine loop is its only user.
 from __future__ import annotations
 
 from collections import Counter
+from itertools import islice
 from typing import Sequence
 
 from kvstore.events import AllCleared, BlockRemoved, BlockStored, KVCacheEvent
@@ -109,16 +110,26 @@ class BlockPool:
         num_blocks: number of blocks (>= 1).
         enable_caching: keep a prefix cache (key -> block) and emit cache events. When ``False``
             lookups always miss, ``cache_full_blocks`` stores nothing and no events are emitted.
+        run_window: 0 takes every allocation from the LRU head, block by block (vLLM v1's
+            order). ``w >= 1``: an allocation of ``n >= 2`` blocks takes the longest runs of
+            consecutive ids among the ``w * n`` least recently freed blocks, so that a
+            request's blocks form a few runs rather than being scattered over the cache: a KV
+            connector moves a run in one read, and attention reads it as one stream. The
+            price is LRU order within that window: a cached block up to ``w * n`` places from
+            the head may be evicted before the head (benchmarks/RESULTS.md has both sides).
 
     The owner must drain ``take_events()`` regularly (once per engine step); events accumulate
     until taken. Not thread-safe: the owning engine loop is its only user.
     """
 
-    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, enable_caching: bool = True, run_window: int = 0) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        if run_window < 0:
+            raise ValueError(f"run_window must be >= 0, got {run_window}")
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
+        self.run_window = run_window
         self._ref_count = [0] * num_blocks
         self._free = FreeBlockQueue(num_blocks)
         self._events: list[KVCacheEvent] = []
@@ -146,7 +157,8 @@ class BlockPool:
         return len(self._cache)
 
     def allocate(self, n: int) -> list[int]:
-        """Take ``n`` blocks from the LRU head of the free queue, each with refcount 1.
+        """Take ``n`` blocks from the LRU head of the free queue, each with refcount 1: in LRU
+        order, or with ``run_window`` as runs from near the head, in ascending id order.
 
         A taken block that held a key loses it (eviction; one ``BlockRemoved`` per call that
         evicted anything). Raises ``NoFreeBlocksError`` if fewer than ``n`` blocks are free, and
@@ -156,11 +168,37 @@ class BlockPool:
             raise ValueError(f"cannot allocate {n} blocks")
         if n > len(self._free):
             raise NoFreeBlocksError(f"asked for {n} blocks, {len(self._free)} free")
-        blocks = [self._free.popleft() for _ in range(n)]
+        if n > 1 and self.run_window:
+            blocks = self._take_runs(n)
+        else:
+            blocks = [self._free.popleft() for _ in range(n)]
         if self.enable_caching:
             self._cache.evict(blocks)
         for b in blocks:
             self._ref_count[b] = 1
+        return blocks
+
+    def _take_runs(self, n: int) -> list[int]:
+        """Unlink ``n`` free blocks: the longest runs of consecutive ids among the
+        ``run_window * n`` least recently freed (of equal runs, the lower ids first; a longer
+        run than needed gives its first blocks), in ascending order."""
+        window = sorted(islice(self._free, self.run_window * n))
+        runs: list[tuple[int, int]] = []  # [start, end) of consecutive ids
+        start = window[0]
+        for prev, b in zip(window, window[1:]):
+            if b != prev + 1:
+                runs.append((start, prev + 1))
+                start = b
+        runs.append((start, window[-1] + 1))
+        runs.sort(key=lambda run: run[0] - run[1])  # longest first; stable, so by id within
+        blocks: list[int] = []
+        for start, end in runs:
+            blocks.extend(range(start, min(end, start + n - len(blocks))))
+            if len(blocks) == n:
+                break
+        blocks.sort()
+        for b in blocks:
+            self._free.remove(b)
         return blocks
 
     def get_cached_block(self, key: bytes) -> int | None:

@@ -148,7 +148,8 @@ class PrefillEngine:
         self.max_model_len = cfg.resolved_max_model_len(runner.model_config)
         self.model_id = runner.model_config.name
         self.eos_token_ids = frozenset(runner.model_config.eos_token_ids)
-        self.pool = BlockPool(cfg.num_kv_blocks, enable_caching=cfg.enable_prefix_caching)
+        self.pool = BlockPool(cfg.num_kv_blocks, enable_caching=cfg.enable_prefix_caching,
+                              run_window=cfg.resolved_block_run_window())
         self.kv_manager = KVCacheManager(self.pool, self.block_size)
         # no preemption: a prefill takes every block it needs on admission
         self.scheduler: Scheduler[PrefillSequence] = Scheduler(

@@ -127,6 +127,20 @@ def test_the_kv_cache_layout_follows_the_connector_unless_set(flags, layout):
     assert config.decode_engine().kv_cache_layout == layout
 
 
+@pytest.mark.parametrize(("flags", "window"), [
+    ((), 0),  # LRU order, as vLLM
+    (("--kv-transfer", "mooncake"), 2),  # a cross-layer cache: runs of blocks, one read each
+    (("--kv-transfer", "mooncake", "--block-run-window", "0"), 0),
+    (("--block-run-window", "8"), 8),
+])
+def test_the_block_run_window_follows_the_cache_layout_unless_set(flags, window):
+    config = _serve(*flags)
+    assert config.prefill_engine().resolved_block_run_window() == window
+    assert config.decode_engine().resolved_block_run_window() == window
+    with pytest.raises(ValidationError):
+        _serve("--block-run-window", "-1")
+
+
 def test_kv_flags_set_the_fields_they_name():
     cfg = _serve("--kv-tail-capacity-bytes", "4096", "--kv-token", "t0k3n")
     assert cfg.kvstore.tail_capacity_bytes == 4096

@@ -45,6 +45,40 @@ def test_blocks_are_freed_tail_first():
     assert pool.allocate(3) == list(reversed(table))
 
 
+def test_run_window_takes_the_longest_runs_among_the_oldest_free_blocks():
+    pool = BlockPool(16, run_window=2)
+    assert pool.allocate(16) == list(range(16))  # the fresh queue is one run
+    for table in ([7], [1, 2, 3], [12], [4, 5], [14, 15]):  # each freed tail-first
+        pool.free(table)
+    assert free_order(pool) == [7, 3, 2, 1, 12, 5, 4, 15, 14]
+    # window 7, 3, 2, 1: the run 1-3 gives two; 4-5 is outside the window (LRU would give 7, 3)
+    assert pool.allocate(2) == [1, 2]
+    # window 7, 3, 12, 5, 4, 15: the run 3-5
+    assert pool.allocate(3) == [3, 4, 5]
+    assert pool.allocate(2) == [14, 15]  # window 7, 12, 15, 14
+    assert pool.allocate(1) == [7]  # a single block comes from the head
+    assert free_order(pool) == [12]
+    with pytest.raises(ValueError, match="run_window"):
+        BlockPool(4, run_window=-1)
+
+
+def test_run_window_evicts_the_cached_blocks_it_takes():
+    pool = BlockPool(8, run_window=2)
+    blocks = pool.allocate(4)
+    pool.cache_full_blocks(blocks, [K("r", i) for i in range(4)])
+    pool.take_events()
+    pool.free(blocks[:1])
+    pool.free(blocks[2:])  # queue: 4..7 (never used), 0, then 3, 2 (tail-first)
+    # window 4, 5, 6, 7, 0, 3: the run 3-7 gives its first three; 3 loses its key
+    assert pool.allocate(3) == [3, 4, 5]
+    assert pool.take_events() == [BlockRemoved((K("r", 3),))]
+    assert pool.allocate(2) == [6, 7]  # window 6, 7, 0, 2: no eviction
+    assert pool.take_events() == []
+    assert pool.allocate(2) == [0, 2]  # two runs of one
+    assert pool.take_events() == [BlockRemoved((K("r", 0), K("r", 2)))]
+    assert pool.get_cached_block(K("r", 1)) == 1
+
+
 def test_free_is_all_or_nothing():
     pool = BlockPool(4)
     a = pool.allocate(2)
@@ -231,15 +265,19 @@ def test_caching_disabled_is_a_plain_allocator():
 class Model:
     """Independent reference: a plain LRU list, refcounts and key dicts, O(n) everywhere."""
 
-    def __init__(self, n, caching):
-        self.n, self.caching = n, caching
+    def __init__(self, n, caching, run_window=0):
+        self.n, self.caching, self.run_window = n, caching, run_window
         self.free = list(range(n))
         self.ref = [0] * n
         self.block_of, self.key_of = {}, {}
         self.events = []
 
     def allocate(self, k):
-        taken, self.free = self.free[:k], self.free[k:]
+        if k > 1 and self.run_window:
+            taken = self.runs_near_head(k)
+            self.free = [b for b in self.free if b not in taken]
+        else:
+            taken, self.free = self.free[:k], self.free[k:]
         removed = [self.key_of.pop(b) for b in taken if b in self.key_of]
         for key in removed:
             del self.block_of[key]
@@ -248,6 +286,23 @@ class Model:
         for b in taken:
             self.ref[b] = 1
         return taken
+
+    def runs_near_head(self, k):
+        """The run window's rule, by brute force: every maximal run of consecutive ids among
+        the run_window * k oldest free blocks, longest first, then by first id."""
+        window = set(self.free[:self.run_window * k])
+        runs = []
+        for b in window:
+            if b - 1 not in window:
+                end = b
+                while end + 1 in window:
+                    end += 1
+                runs.append(list(range(b, end + 1)))
+        runs.sort(key=lambda run: (-len(run), run[0]))
+        taken = []
+        for run in runs:
+            taken += run[:k - len(taken)]
+        return sorted(taken)
 
     def free_blocks(self, blocks):
         for b in reversed(blocks):
@@ -310,11 +365,14 @@ def check_invariants(pool, model):
         assert pool._cache.key_of(b) == key  # reverse map agrees
 
 
-@pytest.mark.parametrize("seed, caching", [(0, True), (1, True), (2, True), (3, False)])
-def test_random_ops_match_model(seed, caching):
+@pytest.mark.parametrize("seed, caching, run_window", [
+    (0, True, 0), (1, True, 0), (2, True, 0), (3, False, 0), (4, True, 2), (5, True, 1),
+    (6, False, 3)])
+def test_random_ops_match_model(seed, caching, run_window):
     rng = random.Random(seed)
     n = 16
-    pool, model = BlockPool(n, enable_caching=caching), Model(n, caching)
+    pool = BlockPool(n, enable_caching=caching, run_window=run_window)
+    model = Model(n, caching, run_window)
     seqs: list[list[int]] = []  # each holds one reference per listed block
 
     def doc_keys(doc, length):
