@@ -7,6 +7,7 @@ tensors (torch).
 
 from __future__ import annotations
 
+import math
 import sys
 import warnings
 from collections.abc import Callable, Sequence
@@ -41,7 +42,7 @@ class CallbackDest:
         self.num_blocks = num_blocks
         self.block_shape = tuple(int(d) for d in block_shape)
         self.dtype = dtype
-        self.block_nbytes = int(np.prod(self.block_shape, dtype=np.int64)) * dtype.itemsize
+        self.block_nbytes = math.prod(self.block_shape) * dtype.itemsize
         if self.block_nbytes == 0:
             raise BlockLayoutError(f"empty block shape {self.block_shape}")
         self._write = write

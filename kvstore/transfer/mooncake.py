@@ -175,6 +175,9 @@ class MooncakeTransferBackend(KVTransferBackend):
             if self._engine is None:
                 self._engine = new_transfer_engine(self.config)
                 self._release_words = torch.zeros(256, dtype=torch.int64)
+                # written per transfer: through numpy and an address, not torch indexing
+                self._release_values = self._release_words.numpy()
+                self._release_base = self._release_words.data_ptr()
                 self._free_words = list(range(len(self._release_words)))
                 register(self._engine, [self._release_words, self._probe_word])
             return self._engine
@@ -274,10 +277,9 @@ class MooncakeTransferBackend(KVTransferBackend):
             if not self._free_words:
                 return
             word = self._free_words.pop()
-            self._release_words[word] = region.generation
+            self._release_values[word] = region.generation
         batch = engine.batch_transfer_async_write(
-            region.session, [self._release_words[word:].data_ptr()], [region.release_address],
-            [8])
+            region.session, [self._release_base + 8 * word], [region.release_address], [8])
         with self._lock:
             if batch in TE_NO_BATCH:  # a source that went away: its regions went with it
                 self._free_words.append(word)
@@ -573,12 +575,10 @@ def _cache_pieces(region: RemoteRegion, cache, runs: Sequence[tuple[int, int, in
 
 def _runs(block_ids: Sequence[int], num_blocks: int) -> list[tuple[int, int, int]]:
     """(request position, first block id, count) of each run of consecutive block ids."""
-    runs: list[tuple[int, int, int]] = []
-    for position, block in enumerate(block_ids):
-        if not 0 <= block < num_blocks:
-            raise BlockLayoutError(f"block id {block} outside the cache's {num_blocks}")
-        if runs and runs[-1][1] + runs[-1][2] == block:
-            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
-        else:
-            runs.append((position, block, 1))
-    return runs
+    if block_ids and not (0 <= min(block_ids) and max(block_ids) < num_blocks):
+        bad = next(b for b in block_ids if not 0 <= b < num_blocks)
+        raise BlockLayoutError(f"block id {bad} outside the cache's {num_blocks}")
+    starts = [position for position in range(len(block_ids))
+              if position == 0 or block_ids[position] != block_ids[position - 1] + 1]
+    ends = starts[1:] + [len(block_ids)]
+    return [(first, block_ids[first], end - first) for first, end in zip(starts, ends)]

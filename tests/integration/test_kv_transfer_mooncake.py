@@ -474,3 +474,14 @@ def test_concurrent_reads_share_one_engine(prefill, decode, store, hf):
         thread.join(60)
     assert all(outputs[i] == hf.greedy(prompts[i], 10) for i in range(3))
     settled(decode, client)
+
+
+def test_runs_of_a_block_table():
+    """(request position, first block, count) per run of consecutive block ids."""
+    assert mooncake._runs([7, 8, 9, 3, 4, 12], 20) == [(0, 7, 3), (3, 3, 2), (5, 12, 1)]
+    assert mooncake._runs([5, 4, 3], 20) == [(0, 5, 1), (1, 4, 1), (2, 3, 1)]  # descending
+    assert mooncake._runs([], 4) == []
+    with pytest.raises(BlockLayoutError, match="block id 20 outside"):
+        mooncake._runs([1, 20], 20)
+    with pytest.raises(BlockLayoutError, match="block id -1 outside"):
+        mooncake._runs([0, -1], 4)
