@@ -31,11 +31,11 @@ process into a preallocated buffer, request/response, one request at a time:
   blocks under LRU order, the usual case). ``churned`` takes its destination blocks as the
   decode's block pool hands them out after churn (`_churned_tables`: requests of 8-64 blocks
   arriving, growing and leaving; kvstore.block_pool.BlockPool with the run window that
-  layout gets by default, engine.config.EngineConfig.resolved_block_run_window). Each runs for every cache layout of ``--kv-cache-layouts``
-  (engine.kv_cache), both ends alike: ``layer`` (a layer-major region; a read per layer, K|V
-  and run of blocks, or staged) and ``cross-layer`` (a block-major region; a read per run of
-  blocks). "best TE" is the fastest of ``te`` and the ``te-split`` rows; "best
-  pair" the faster of grpc and gloo.
+  layout gets by default, engine.config.EngineConfig.resolved_block_run_window). Each runs
+  for every cache layout of ``--kv-cache-layouts`` (engine.kv_cache), both ends alike:
+  ``layer`` (a layer-major region; a read per layer, K|V and run of blocks, or staged) and
+  ``cross-layer`` (a block-major region; a read per run of blocks). "best TE" is the fastest
+  of ``te`` and the ``te-split`` rows; "best pair" the faster of grpc and gloo.
 
 GB/s = 1e9 bytes per second; each cell is the median of ``--rounds`` rounds that interleave the
 backends (the load of a shared machine swings), ``--min-time`` seconds per cell in all.
@@ -214,8 +214,9 @@ def _churned_tables(num_blocks: int, sizes: list[int], run_window: int, seed: in
                     ) -> dict[int, list[list[int]]]:
     """Block tables of ``sizes`` blocks (each at most a quarter of the pool), as a BlockPool
     of ``num_blocks`` with ``run_window`` hands them out once requests of 8-64 blocks (as many
-    as fill two thirds of the pool at 1.5 x 64 blocks each; smaller ones in a small pool) have
-    come, grown a block per 16 decode steps, and gone for a while: 16 tables per size."""
+    at once as 64-block requests would fill two thirds of the pool with; smaller ones in a
+    small pool) have come, grown a block per 16 decode steps, and gone for a while: 16 tables
+    per size."""
     from kvstore.block_pool import BlockPool
 
     rng = random.Random(seed)

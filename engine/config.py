@@ -196,7 +196,7 @@ def _sliding_window(raw: dict[str, Any], model_type: str) -> int | None:
 CPU_COMPUTE_BOUND_TOKENS = 512
 # The block pool's run window with a cross-layer cache (EngineConfig.block_run_window): wide
 # enough that a request's blocks come in a few runs under churn, narrow enough that prefix hits
-# at the Mooncake trace's capacity did not move (benchmarks/RESULTS.md).
+# at the capacity of Mooncake's own trace study barely moved (benchmarks/RESULTS.md).
 CROSS_LAYER_RUN_WINDOW = 2
 
 
