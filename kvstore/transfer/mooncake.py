@@ -14,8 +14,8 @@ Flow of one transfer::
              -> scattered: the region into a registered receive buffer as one read; once
                 TE reports it, one local copy per (layer, K|V), or one index copy of a
                 block-major region's blocks
-             MooncakeKVReceiver.poll asks TE whether the reads are done (landing staged ones)
-             and settles; then it writes the region's generation into its release word (a
+             MooncakeKVReceiver.poll asks TE whether the reads are done and settles (landing a
+             staged read); then it writes the region's generation into its release word (a
              TE write): the prefill may reuse the region
 
 Layout of a region, the layout of the source's cache (engine.kv_cache; a cluster's workers
@@ -320,9 +320,7 @@ class MooncakeKVReceiver(KVReceiver):
         # ... as [layers * 2, num_blocks, *block], or a block-major region's [num_blocks,
         # *block_shape]
         self._staged: torch.Tensor | None = None
-        self._pieces: list[tuple[int, int]] = []  # ... the spans (or blocks) the read carries
-        # unreported TE batch -> its read (index into the plan); None: not submitted yet
-        self._batches: dict[int, int] | None = None
+        self._batches: list[int] | None = None  # unreported TE batches; None: none submitted
         self._refused: bool | Exception = False  # TE refused or failed a read (or raised)
         self._te_deadline = 0.0  # time.monotonic() when TE's own timeout passes
         self._connected = False  # the reads are being submitted or were
@@ -370,7 +368,7 @@ class MooncakeKVReceiver(KVReceiver):
                 if self._batches is None:  # no read submitted yet
                     if self._late is None or self._connected:
                         return self._state
-                    self._batches = {}  # connecting: give up; `_connect` submits nothing
+                    self._batches = []  # connecting: give up; `_connect` submits nothing
                 elif not self._reported(now):
                     return self._state
                 self._in_flight = False
@@ -393,7 +391,7 @@ class MooncakeKVReceiver(KVReceiver):
     def _plan(self, region: RemoteRegion, dest: CallbackDest) -> list[tuple[int, int, int]]:
         """The reads, (destination address, source address, length): straight into the
         registered cache where that takes at most MAX_DIRECT_READS, else the region into a
-        receive buffer as one read, landed (`_land`) once TE reports it. One read: the same
+        receive buffer as one read, landed (`_land`) once it settled. One read: the same
         bytes cut into concurrent reads moved slower over TE's TCP transport, at every size
         from 1 to 64 MiB (benchmarks/RESULTS.md)."""
         if time.time() + self._remaining_s() > region.expires_at - LEASE_MARGIN_S:
@@ -415,7 +413,6 @@ class MooncakeKVReceiver(KVReceiver):
         layers, kv, *block = region.block_shape
         self._staged = self._buffer[:region.nbytes].view(dest.dtype).view(
             layers * kv, region.num_blocks, *block)
-        self._pieces = [(0, layers * kv)]
         return [(self._buffer.data_ptr(), region.address, region.nbytes)]
 
     def _plan_block_major(self, region: RemoteRegion, dest: CallbackDest, cache,
@@ -437,7 +434,6 @@ class MooncakeKVReceiver(KVReceiver):
         self._buffer = self._backend.take_buffer(region.nbytes)
         self._staged = self._buffer[:region.nbytes].view(dest.dtype).view(
             region.num_blocks, *region.block_shape)
-        self._pieces = [(0, region.num_blocks)]
         return [(self._buffer.data_ptr(), region.address, region.nbytes)]
 
     def _connect(self, reads: list[tuple[int, int, int]]) -> None:
@@ -453,7 +449,7 @@ class MooncakeKVReceiver(KVReceiver):
             if self._batches is not None:  # gave up while connecting
                 return
             if not reached:
-                self._refused, self._batches = True, {}
+                self._refused, self._batches = True, []
                 return
             self._connected = True  # from here poll waits for the reads
         self._backend.mark_open(region.session, True)
@@ -463,16 +459,16 @@ class MooncakeKVReceiver(KVReceiver):
         """Start each read as a TE batch of its own (TE reports a batch's first piece only
         without blocking)."""
         region = self._region
-        batches: dict[int, int] = {}
+        batches: list[int] = []
         refused: bool | Exception = False
         try:
             engine = self._backend.engine()
-            for read, (dst, src, length) in enumerate(reads):
+            for dst, src, length in reads:
                 batch = engine.batch_transfer_async_read(region.session, [dst], [src], [length])
                 if batch in TE_NO_BATCH:
                     refused = True
                     break
-                batches[batch] = read
+                batches.append(batch)
         except Exception as exc:  # noqa: BLE001 — a library error is a failed read
             refused = exc
         with self._lock:
@@ -481,22 +477,16 @@ class MooncakeKVReceiver(KVReceiver):
             self._batches = batches
 
     def _reported(self, now: float) -> bool:
-        """Whether TE reported every batch; a staged read into the cache is landed as it is
-        reported, while the others are still in flight. Under the lock: a batch is checked
-        until TE reports it, never after (TE frees it then)."""
+        """Whether TE reported every batch. Under the lock: a batch is checked until TE
+        reports it, never after (TE frees it then)."""
         engine = self._backend.engine()
-        pending = {}
-        for batch, read in self._batches.items():
+        pending = []
+        for batch in self._batches:
             status = engine.transfer_check_status(batch)
             if status == 0:
-                pending[batch] = read
+                pending.append(batch)
             elif status < 0:  # failed (TE freed it) or timed out in TE
                 self._refused = True
-            elif self._cache is not None and not self._refused and self._late is None:
-                try:
-                    self._land(*self._pieces[read])
-                except Exception as exc:  # noqa: BLE001 — settles FAILED, as a failed read
-                    self._refused = exc
         self._batches = pending
         if pending and now > self._te_deadline:
             # TE's sync reads would have returned a failure here; its reads may still land
@@ -518,9 +508,7 @@ class MooncakeKVReceiver(KVReceiver):
                                            f"or timed out{cause}", address=region.session))
             elif late is not None:
                 self._fail(late)
-            elif self._buffer is None or self._cache is not None or self._guarded(
-                    self._write, self._dest.write_tensor, 0, self._staged if region.block_major
-                    else self._staged.unflatten(0, tuple(region.block_shape[:2])).movedim(2, 0)):
+            elif self._buffer is None or self._guarded(self._write, self._land):
                 self._add_bytes(region.nbytes)
                 self._succeed()
         finally:
@@ -532,15 +520,21 @@ class MooncakeKVReceiver(KVReceiver):
         if self._backend.is_open(region.session):
             self._guarded(self._backend.release, region)
 
-    def _land(self, first: int, end: int) -> None:
-        """Spans ``[first, end)`` of the staged region (one (layer, K|V) each) into the
-        registered cache: a copy per run of consecutive blocks, or one index copy when there
-        are many runs. Of a block-major region: blocks ``[first, end)``, by one index copy."""
-        cache = self._cache
-        if self._region.block_major:  # blocks [first, end) of the region
-            cache.blocks.index_copy_(0, self._index[first:end], self._staged[first:end])
+    def _land(self) -> None:
+        """The staged region into its destination. Into the registered cache: a block-major
+        region's blocks by one index copy; a layer-major region's (layer, K|V) spans by a copy
+        per run of consecutive blocks, or one index copy each when there are many runs.
+        Without a cache: ``dest.write_tensor`` of the whole region."""
+        cache, region = self._cache, self._region
+        if cache is None:
+            self._dest.write_tensor(0, self._staged if region.block_major else
+                                    self._staged.unflatten(0, tuple(region.block_shape[:2]))
+                                    .movedim(2, 0))
             return
-        for span in range(first, end):
+        if region.block_major:
+            cache.blocks.index_copy_(0, self._index, self._staged)
+            return
+        for span in range(len(self._staged)):
             layer, which = divmod(span, 2)
             target, source = (cache.v if which else cache.k)[layer], self._staged[span]
             if self._index is not None:
