@@ -2,9 +2,9 @@
 
 Replays the ``hash_ids`` of ``conversation_trace.jsonl`` (12,031 requests, 288,500 blocks of
 512 tokens, 182,790 unique) through the real cache code: each request's hash ids become chained
-32-byte keys with ``kvstore.hashing.block_keys`` (one hash id per "token", block size 1; the ids
+32-byte keys with ``engine.core.hashing.block_keys`` (one hash id per "token", block size 1; the ids
 already name a prefix, the chaining keeps the keys' real form); LRU runs on
-``kvstore.block_pool.BlockPool`` (its O(1) free queue), every other policy on
+``engine.core.block_pool.BlockPool`` (its O(1) free queue), every other policy on
 ``benchmarks.eviction.PolicyCache``. Per request (``PolicyCache.serve``): hits = leading cached
 blocks; then every block of the request is cached, the missing ones evicting; released tail-first.
 Every block of the trace counts, the partial last block of a request too, as in the trace's

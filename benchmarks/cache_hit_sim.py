@@ -10,10 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol, Sequence
 
-from kvstore.block_pool import BlockPool
 from benchmarks.eviction import PolicyCache, make_policy
-from kvstore.events import KVCacheEvent
-from kvstore.hashing import block_keys, make_namespace
+from engine.core.block_pool import BlockPool
+from engine.core.hashing import block_keys, make_namespace
+from engine.core.kv_events import KVCacheEvent
 from kvstore.index import Location, MemoryIndex
 from loadtest.trace import TraceRecord
 

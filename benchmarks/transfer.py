@@ -30,7 +30,7 @@ process into a preallocated buffer, request/response, one request at a time:
   word. ``pdc-te scattered`` is the same into scattered destination blocks (a cache's free
   blocks under LRU order, the usual case). ``churned`` takes its destination blocks as the
   decode's block pool hands them out after churn (`_churned_tables`: requests of 8-64 blocks
-  arriving, growing and leaving; kvstore.block_pool.BlockPool with the run window that
+  arriving, growing and leaving; engine.core.block_pool.BlockPool with the run window that
   layout gets by default, engine.config.EngineConfig.resolved_block_run_window). Each runs
   for every cache layout of ``--kv-cache-layouts`` (engine.kv_cache), both ends alike:
   ``layer`` (a layer-major region; a read per layer, K|V and run of blocks, or staged) and
@@ -60,8 +60,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from engine.core.hashing import block_keys, make_namespace  # noqa: E402
 from kvstore.config import KVStoreConfig, KVTransferConfig  # noqa: E402
-from kvstore.hashing import block_keys, make_namespace  # noqa: E402
 from kvstore.layout import BlockLayout  # noqa: E402
 from kvstore.server import channel_options  # noqa: E402
 from kvstore.tail_store import TailStore  # noqa: E402
@@ -191,7 +191,6 @@ def _pdc_cache(num_blocks: int, block_nbytes: int, layout: str):
 
 def _pdc_te_server(ready: mp.Queue, sizes: list[int], block_nbytes: int, layout: str) -> None:
     from kvstore.connector.mooncake import MooncakeConnector
-    from engine.protocol import PrefillRequest, SamplingParams
 
     num_blocks = max(sizes) // block_nbytes
     cache = _pdc_cache(num_blocks, block_nbytes, layout)
@@ -201,8 +200,8 @@ def _pdc_te_server(ready: mp.Queue, sizes: list[int], block_nbytes: int, layout:
     transfer = KVTransferConfig(backend="mooncake", source_buffer_bytes=sum(sizes) + (1 << 20))
     connector = MooncakeConnector(transfer, lease_s=24 * 3600)
     connector.register_kv_caches(cache)
-    request = type("R", (), {"request_id": "bench", "runs_alone": False,
-                             "request": PrefillRequest("bench", (1,), SamplingParams())})
+    request = type("R", (), {"request_id": "bench", "runs_alone": False, "max_tokens": 16,
+                             "kv_transfer_params": None})
     order = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(1)).tolist()
     regions = {size: connector.request_finished(request, order[:size // block_nbytes])[1]
                ["kv_region"] for size in sizes}
@@ -217,7 +216,7 @@ def _churned_tables(num_blocks: int, sizes: list[int], run_window: int, seed: in
     at once as 64-block requests would fill two thirds of the pool with; smaller ones in a
     small pool) have come, grown a block per 16 decode steps, and gone for a while: 16 tables
     per size."""
-    from kvstore.block_pool import BlockPool
+    from engine.core.block_pool import BlockPool
 
     rng = random.Random(seed)
     pool = BlockPool(num_blocks, run_window=run_window)

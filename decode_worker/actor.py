@@ -28,10 +28,10 @@ from engine.tp_instance import TPInstance
 from kvstore.actor import kvstore_actor
 from kvstore.config import KVStoreConfig, KVTransferConfig
 from kvstore.connector import create_connector
-from kvstore.connector.base import KVConnectorContext
+from kvstore.connector.context import KVConnectorContext
 from kvstore.index import open_index
-from kvstore.pool_config import KVPoolConfig
 from kvstore.node_client import NodeStoreClient
+from kvstore.pool_config import KVPoolConfig
 from kvstore.transfer.layer_stream import LayerStreamAnnounce
 from kvstore.transfer.peers import RayStreamPeers, register_self
 

@@ -69,19 +69,19 @@ from typing import Callable
 import torch
 
 from decode_worker.kv_streams import PendingStreams
+from engine.core.block_pool import BlockPool
 from engine.core.engine_loop import EngineInbox
+from engine.core.hashing import block_keys, make_namespace
 from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.kv_connector import KVConnector, KVLoadFailurePolicy
 from engine.core.preemption import PREEMPTION_MODES
 from engine.core.request import RequestStatus
 from engine.core.scheduler import Scheduler
-from engine.protocol import (KV_LOAD_FAILED, DecodeRequest, FinishReason, TokenDelta,
-                             TokenLogprob)
+from engine.protocol import (KV_LOAD_FAILED, DecodeRequest, FinishReason, KVTransferParams,
+                             TokenDelta, TokenLogprob)
 from engine.runner import ModelRunner, SequenceChunk
 from engine.sampler import SampleInput, draw_seed, sample
-from kvstore.block_pool import BlockPool
-from kvstore.connector.base import KVConnector, KVLoadFailurePolicy
 from kvstore.connector.fetch import FetchConnector, KVFetch
-from kvstore.hashing import block_keys, make_namespace
 from kvstore.index import KVIndex, Location
 from kvstore.index.device_feed import DeviceCacheFeed
 from kvstore.transfer.layer_stream import LayerStreamAnnounce
@@ -107,6 +107,8 @@ class DecodeSequence:
     # num_computed_tokens counts the hits, then the prompt's chunks computed or landed. When
     # the sequence ends normally, block_keys become the keys of all its full KV blocks
     block_keys: tuple[bytes, ...] = ()
+    # the prompt's full-block keys, cached once its KV is all there (empty: no prefix cache)
+    prompt_keys: tuple[bytes, ...] = ()
     num_computed_tokens: int = 0
     runs_alone: bool = False
     # prompt tokens admission found in this worker's cache (not fetched, not computed)
@@ -125,6 +127,16 @@ class DecodeSequence:
     @property
     def num_tokens(self) -> int:
         return len(self.request.prompt_token_ids) + len(self.output_ids)
+
+    @property
+    def max_tokens(self) -> int:
+        return self.request.sampling.max_tokens
+
+    @property
+    def kv_transfer_params(self) -> KVTransferParams | None:
+        """The prefill's hand-off (None: colocated, the prompt is computed here)."""
+        prefill = self.request.prefill
+        return prefill.kv_transfer_params if prefill is not None else None
 
     def kv_token_ids(self) -> list[int]:
         """The tokens whose KV the request holds: all but the last output token (the next
@@ -310,7 +322,11 @@ class DecodeEngine:
             error = (f"request needs up to {self.kv.blocks_for(most)} KV blocks, worker has "
                      f"{self.kv.num_blocks}")
         if finish is None:
-            seq.block_keys = self._prompt_keys(seq)
+            if self.pool.enable_caching:
+                namespace = make_namespace(self.model_id, seq.request.cache_salt)
+                seq.prompt_keys = tuple(block_keys(seq.request.prompt_token_ids,
+                                                   self.block_size, namespace))
+            seq.block_keys = seq.prompt_keys if self._looks_up_prefix(seq) else ()
             self.scheduler.add(seq)
             return
         self.streams.drop(seq.request_id)  # a stream announced for it is not needed
@@ -318,27 +334,18 @@ class DecodeEngine:
         seq.status = RequestStatus.FINISHED
         seq.emit(self._delta(seq, (), finish, error))
 
-    def _prompt_keys(self, seq: DecodeSequence) -> tuple[bytes, ...]:
-        """The prompt's full-block keys to look up at admission: none without a prefix cache,
-        with incremental transfer off, or when the prefill pushes the whole prompt (it sent it
-        before this worker was asked); the prefill's keys when the blocks come by the store
-        path; computed here, as the prefill computes them, for a prompt this worker runs."""
-        prefill = seq.request.prefill
-        if not self.pool.enable_caching:
-            return ()
-        if prefill is None:
-            namespace = make_namespace(self.model_id, seq.request.cache_salt)
-            return tuple(block_keys(seq.request.prompt_token_ids, self.block_size, namespace))
-        if (not self.incremental_transfer or prefill.pair_address is not None
-                or prefill.kv_region is not None or prefill.layer_stream is not None):
-            return ()
-        return prefill.block_keys
+    def _looks_up_prefix(self, seq: DecodeSequence) -> bool:
+        """Whether admission takes the prompt's blocks cached here: always for a prompt this
+        worker computes; for one from a prefill, with incremental transfer on and unless the
+        connector writes the whole prompt anyway (it sent it before this worker was asked)."""
+        if seq.request.prefill is None:
+            return True
+        return self.incremental_transfer and self.connector.allows_local_prefix(seq)
 
     def _cache_prompt(self, seq: DecodeSequence) -> None:
         """The prompt's full blocks, whose KV is now all there, become prefix-cache entries
         (those that were hits already are)."""
-        prefill = seq.request.prefill
-        self._cache(seq, seq.block_keys if prefill is None else prefill.block_keys)
+        self._cache(seq, seq.prompt_keys)
 
     def _cache(self, seq: DecodeSequence, keys: Sequence[bytes]) -> None:
         """The first len(keys) blocks of seq's table become prefix-cache entries under `keys`;
@@ -529,8 +536,9 @@ class DecodeEngine:
         out already)."""
         tokens = seq.kv_token_ids()
         full = len(tokens) // self.block_size
-        prefill = seq.request.prefill
-        out = max(seq.num_published_blocks, len(prefill.block_keys) if prefill else 0)
+        # a prefill published the prompt's full blocks
+        by_prefill = seq.num_prompt_tokens // self.block_size if seq.request.prefill else 0
+        out = max(seq.num_published_blocks, by_prefill)
         if full < out + self.publish_interval:
             return
         namespace = make_namespace(self.model_id, seq.request.cache_salt)

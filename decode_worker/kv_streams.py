@@ -27,6 +27,7 @@ from engine.core.request import RequestStatus
 from engine.core.scheduler import Scheduler
 from engine.protocol import DecodeRequest
 from kvstore.connector.fetch import FetchConnector, KVFetch
+from kvstore.handoff import DecodeHandoff
 from kvstore.transfer.layer_stream import LayerStreamAnnounce
 from kvstore.transfer.peers import StreamPeers
 
@@ -104,7 +105,8 @@ class PendingStreams:
         pending = self._streams.get(request_id)
         if pending is None:
             return None
-        if request.prefill is None or request.prefill.layer_stream is None:
+        if request.prefill is None or \
+                DecodeHandoff.of(request.prefill.kv_transfer_params).layer_stream is None:
             self.drop(request_id)
             return None
         return self._streams.pop(request_id)

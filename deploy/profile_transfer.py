@@ -31,9 +31,9 @@ from collections.abc import Callable
 
 import torch
 
+from engine.core.hashing import block_keys, make_namespace
 from engine.kv_cache import PagedKVCache
 from kvstore.config import PREFER_CROSS_LAYER_BLOCKS, KVStoreConfig, KVTransferConfig
-from kvstore.hashing import block_keys, make_namespace
 from kvstore.transfer.base import FetchRequest, KVReceiver
 from kvstore.transfer.dest import WIRE_DTYPES, CacheDest
 
@@ -105,7 +105,6 @@ def _torch_source(ready: mp.Queue, stop, block_shape, dtype, n: int, token: str)
 
 
 def _mooncake_source(ready: mp.Queue, stop, block_shape, dtype, n: int, token: str) -> None:
-    from engine.protocol import PrefillRequest, SamplingParams
     from kvstore.connector.mooncake import MooncakeConnector
 
     # both ends cross-layer, as `serve --kv-transfer mooncake` lays out its caches
@@ -115,8 +114,7 @@ def _mooncake_source(ready: mp.Queue, stop, block_shape, dtype, n: int, token: s
                                                    source_buffer_bytes=nbytes), 24 * 3600.0)
     connector.register_kv_caches(cache)
     request = type("Profiled", (), {"request_id": "profile", "runs_alone": False,
-                                    "request": PrefillRequest("profile", (1,),
-                                                              SamplingParams())})
+                                    "max_tokens": 16, "kv_transfer_params": None})
     ready.put({count: connector.request_finished(request, list(range(count)))[1]["kv_region"]
                for count in BLOCK_COUNTS if count <= n})
     stop.wait()

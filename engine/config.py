@@ -238,7 +238,7 @@ class EngineConfig(pydantic.BaseModel):
     by a deployment from its KV connector, as vLLM's connectors choose
     (deploy.config.ServeConfig.prefill_engine); an engine built directly takes "layer".
     `block_run_window`: how the block pool picks a request's blocks
-    (kvstore.block_pool.BlockPool's `run_window`): 0 in LRU order, as vLLM; w >= 1 the longest
+    (engine.core.block_pool.BlockPool's `run_window`): 0 in LRU order, as vLLM; w >= 1 the longest
     runs of consecutive blocks among the w x n least recently freed. None (the default) is 2
     with a cross-layer cache (a run of its blocks is one Transfer Engine read) and 0 otherwise.
     `fault_injection`: lets the worker actors' `inject_fault` act, for fault tests of a running

@@ -19,7 +19,7 @@ from engine.kv_cache import PagedKVCache
 
 
 class LayerHooks(Protocol):
-    """The KV connector's per-layer calls (kvstore.connector.base.KVConnectorBase)."""
+    """The KV connector's per-layer calls (engine.core.kv_connector.KVConnector)."""
 
     def wait_for_layer_load(self, layer: int) -> None: ...
 

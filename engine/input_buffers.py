@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from engine.attention import AttentionMetadata
-from kvstore.blocks import num_blocks_for
+from engine.core.blocks import num_blocks_for
 
 
 @dataclass(frozen=True)

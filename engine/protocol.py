@@ -1,22 +1,14 @@
 """Messages between the gateway, the prefill worker and the decode worker.
 
-These travel over Ray's control plane (trusted cluster). They carry handles and deltas — token
-ids, block keys, a KV store address, a pair channel's address — never KV tensors.
-KV bytes go over the data plane: the KV store's gRPC service, the node's shared-memory arena,
-or a torch.distributed pair channel (kvstore.transfer).
+These travel over Ray's control plane (trusted cluster). They carry token ids, sampling
+parameters and the connectors' opaque ``kv_transfer_params`` (handles, never KV tensors); KV
+bytes go over the data plane, through the KV connectors.
 """
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
-
-from kvstore.index import Location
-
-if TYPE_CHECKING:
-    from kvstore.transfer.layer_stream import LayerStreamAnnounce
-    from kvstore.transfer.mooncake import RemoteRegion
 
 
 @dataclass(frozen=True)
@@ -115,23 +107,10 @@ class FinishReason(str, enum.Enum):
     ERROR = "error"
 
 
-@dataclass(frozen=True)
-class PrefixPlan:
-    """The Conductor's plan for a prompt's cached prefix, so the prefill worker need not ask
-    the global index again.
-
-    block_keys: chained keys of the prompt's full blocks, as the Conductor computed them (the
-        worker checks them against its own and ignores a plan whose keys differ).
-    locations: where the index holds each of the prompt's leading blocks (its longest cached
-        prefix), in prompt order.
-    num_load_blocks: how many leading blocks the worker reuses (its own G1, then loads); the
-        rest it recomputes: Mooncake FAST'25 Algorithm 1's pull-or-recompute, decided by the
-        Conductor's prefill policy (router.policies: PrefillPlan.cached_blocks).
-    """
-
-    block_keys: tuple[bytes, ...]
-    locations: tuple[tuple[Location, ...], ...]
-    num_load_blocks: int
+#: The opaque hand-off between KV connectors (vLLM v1's ``kv_transfer_params``): string keys
+#: that the connectors of both ends agree on (kvstore.handoff), values the control
+#: plane carries. The engine passes these dicts along and never reads them.
+KVTransferParams = dict[str, object]
 
 
 @dataclass(frozen=True)
@@ -140,18 +119,15 @@ class PrefillRequest:
 
     prompt_token_ids: the tokenized prompt (BOS included when the tokenizer adds one).
     cache_salt: optional per-tenant salt mixed into block keys.
-    decode_peer: worker id of the decode instance the Conductor picked for the request; with
-        ``--kv-transfer torch`` the prefill pushes the prompt's KV to it over their pair channel.
-        None: no push (the decode pulls from the KV store).
-    kv_plan: the Conductor's prefix plan; None: the worker looks its prefix up itself.
+    kv_transfer_params: what the gateway asks of the prefill's connectors (where to push,
+        which cached prefix to load); None: nothing.
     """
 
     request_id: str
     prompt_token_ids: tuple[int, ...]
     sampling: SamplingParams
     cache_salt: str | None = None
-    decode_peer: str | None = None
-    kv_plan: PrefixPlan | None = None
+    kv_transfer_params: KVTransferParams | None = None
 
 
 @dataclass(frozen=True)
@@ -174,49 +150,25 @@ class FirstToken:
 
 @dataclass(frozen=True)
 class PrefillResult:
-    """What a prefill worker returns: the first token and where the prompt's KV now lives.
+    """What a prefill worker returns: the first token, and what its connectors tell the
+    decode's about where the prompt's KV now lives.
 
-    block_keys: chained sha256 keys of the prompt's full blocks, published on the KV store at
-        kv_address.
-    tail_handle: handle of the partial tail block on that store (None when the prompt length is a
-        multiple of the block size); never keyed or indexed.
-    num_tail_tokens: tokens in the tail block.
-    num_cached_tokens: prompt tokens whose KV came from the prefix cache, not computed.
     first_token: token sampled from the last prompt position (output token 0);
     first_logprob: its logprob entry when the request asked for logprobs.
-    kv_node_id: Ray node id of the store at kv_address (same node: read through its arena).
+    num_cached_tokens: prompt tokens whose KV came from the prefix cache, not computed.
     prefill_worker_id / prefill_pid: which actor and process computed it (for tests and tracing).
-    pair_address: ``--kv-transfer torch``: ``host:port`` of the (prefill, decode_peer) pair
-        channel's store, over which the prefill is pushing every block of the prompt (full blocks,
-        then the tail) under ``pair_tag``; None when nothing was pushed. The blocks are in the
-        KV store as well (the fallback, and the prefix cache).
-    pair_tag: the push's tag on that pair (unique among its in-flight transfers).
-    kv_region: ``--kv-transfer mooncake``: where the prefill's Transfer Engine holds every
-        block of the prompt for the decode to read (kvstore.transfer.mooncake.RemoteRegion);
-        None when the KV was not offered. The blocks are in the KV store as well.
-    layer_stream: ``--kv-streaming layer``: the stream of per-layer pieces the prefill put on
-        its node's store while computing, announced to the decode peer before the compute
-        (kvstore.transfer.layer_stream); None when the KV was not streamed. The blocks are in
-        the KV store as well (keys + tail: the retry path, and the prefix cache).
+    kv_transfer_params: the prefill connectors' hand-off to the decode's connectors.
     extra: diagnostics: ``compute_end_s``, time.time() when the last chunk's forward ended,
         and with layer streaming ``layer_compute_end_s``, when each layer of it did.
     """
 
     request_id: str
     first_token: int
-    kv_address: str
-    block_keys: tuple[bytes, ...]
-    tail_handle: str | None
-    num_tail_tokens: int
     num_cached_tokens: int
     prefill_worker_id: str
     prefill_pid: int
     first_logprob: TokenLogprob | None = None
-    kv_node_id: str | None = None
-    pair_address: str | None = None
-    pair_tag: int = 0
-    kv_region: "RemoteRegion | None" = None
-    layer_stream: "LayerStreamAnnounce | None" = None
+    kv_transfer_params: KVTransferParams = field(default_factory=dict)
     extra: dict = field(default_factory=dict)
 
 

@@ -42,10 +42,10 @@ from collections.abc import Callable, Sequence
 import torch
 
 import kernels
-
 from engine import compilation, cpu_binding, cpu_decode_stack
 from engine.attention import AttentionMetadata
 from engine.config import EngineConfig, ModelConfig
+from engine.core.blocks import num_blocks_for
 from engine.cuda_graphs import DecodeGraphs
 from engine.forward_context import ForwardContext, LayerHooks, set_forward_context
 from engine.input_buffers import InputBuffers, SequenceChunk
@@ -53,7 +53,6 @@ from engine.kv_cache import PagedKVCache
 from engine.loader import CheckpointReader
 from engine.model import build_model, check_tensor_parallel
 from engine.parallel import TPError, TPGroup
-from kvstore.blocks import num_blocks_for
 
 __all__ = ["ModelRunner", "SequenceChunk", "ShardedKVView"]
 

@@ -1,4 +1,5 @@
-"""KV store: block hashing, block pool, tiered node store, gRPC data plane, per-node Ray actor.
+"""KV store: the cluster's KV pool (tiered node store, global index, gRPC data plane, per-node
+Ray actor) and the KV connectors that move blocks between it, the workers and each other.
 
 Importing ``kvstore`` does not import Ray, gRPC or torch (``kvstore.actor`` imports Ray,
 ``kvstore.server``/``kvstore.client`` import gRPC).

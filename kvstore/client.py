@@ -90,7 +90,7 @@ class KVStoreClient(NodeStore):
         return f"KVStoreClient({self.address!r}, auth={'on' if self._metadata else 'off'})"
 
     def put_blocks(self, keys: Sequence[bytes], blocks: torch.Tensor) -> None:
-        """Store full blocks under their chained keys (kvstore.hashing.block_keys).
+        """Store full blocks under their chained keys (engine.core.hashing.block_keys).
 
         Args:
             keys: n keys of 32 bytes.

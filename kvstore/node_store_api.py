@@ -8,7 +8,7 @@ Two implementations, one per way of reaching a node's store:
   RPC to the node's KV store actor, bytes through the shared-memory arena.
 * ``kvstore.client.KVStoreClient``: any node's store over gRPC.
 
-Keys are 32-byte chained sha256 block keys (``kvstore.hashing``). Blocks are full KV blocks of
+Keys are 32-byte chained sha256 block keys (``engine.core.hashing``). Blocks are full KV blocks of
 the cluster's one layout: a tensor ``[n, *block_shape]`` (float32, bfloat16 or float16).
 
 Rules the store keeps whatever the transport:

@@ -33,7 +33,7 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvstore.hashing import KEY_BYTES
+from engine.core.hashing import KEY_BYTES
 from kvstore.ssd.slab import SlabFiles, checksum
 
 _LOCK_NAME = ".ssd-tier.lock"

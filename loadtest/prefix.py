@@ -7,7 +7,7 @@ and `pdcluster_prefix_cache_hit_tokens_total`, which follow vLLM's prefix-cache 
 order; for each prompt of L tokens:
 
     keys    = chained keys of its ⌊L/B⌋ full blocks (block i's key covers blocks 0..i;
-              kvstore.hashing's, as the workers key them, all in one namespace)
+              engine.core.hashing's, as the workers key them, all in one namespace)
     hit     = B · (number of leading keys already seen), capped at B·⌊(L−1)/B⌋ when
               `cap_last_token` (vLLM: the last prompt token is always computed, to get logits,
               so a fully cached prompt that is a whole number of blocks recomputes its last block)
@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from kvstore.hashing import block_keys
+from engine.core.hashing import block_keys
 
 DENOMINATORS = ("prompt", "full_blocks")
 

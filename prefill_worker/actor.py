@@ -27,7 +27,7 @@ from kvstore.actor import kvstore_actor
 from kvstore.client import KVStoreClient
 from kvstore.config import KVStoreConfig, KVTransferConfig
 from kvstore.connector import create_connector, prefill_connector_names
-from kvstore.connector.base import KVConnectorContext
+from kvstore.connector.context import KVConnectorContext
 from kvstore.index import open_index
 from kvstore.node_client import NodeStoreClient
 from kvstore.pool_config import KVPoolConfig

@@ -43,22 +43,23 @@ import threading
 import time
 from collections import Counter, OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from engine.core.block_pool import BlockPool
 from engine.core.engine_loop import EngineInbox
+from engine.core.hashing import block_keys, make_namespace
 from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.kv_connector import (KVConnector, KVLoadFailurePolicy, LoadOutcome, ScheduledChunk,
+                                      StepCancelled)
 from engine.core.request import RequestStatus
 from engine.core.scheduler import Scheduler
-from engine.protocol import FirstToken, PrefillRequest, PrefillResult
+from engine.protocol import FirstToken, KVTransferParams, PrefillRequest, PrefillResult
 from engine.runner import ModelRunner, SequenceChunk
 from engine.sampler import SampleInput, draw_seed, sample
-from kvstore.block_pool import BlockPool
-from kvstore.connector.base import KVConnector, KVLoadFailurePolicy, LoadOutcome, StepCancelled
 from kvstore.errors import KVLoadError
-from kvstore.hashing import block_keys, make_namespace
 from kvstore.index import KVIndex, Location
 from kvstore.index.device_feed import DeviceCacheFeed
 
@@ -114,6 +115,14 @@ class PrefillSequence:
         return len(self.request.prompt_token_ids)
 
     num_tokens = num_prompt_tokens
+
+    @property
+    def max_tokens(self) -> int:
+        return self.request.sampling.max_tokens
+
+    @property
+    def kv_transfer_params(self) -> KVTransferParams | None:
+        return self.request.kv_transfer_params
 
 
 class PrefillEngine:
@@ -287,11 +296,6 @@ class PrefillEngine:
         seed = request.sampling.seed if request.sampling.seed is not None else draw_seed()
         keys = block_keys(request.prompt_token_ids, self.block_size,
                           make_namespace(self.model_id, request.cache_salt))
-        if request.kv_plan is not None and list(request.kv_plan.block_keys) != keys:
-            log.warning("the Conductor's block keys differ from this worker's (model name or "
-                        "block size?); loading the prefix without its plan",
-                        extra={"request_id": request.request_id})
-            request = replace(request, kv_plan=None)
         seq = PrefillSequence(request, first, result, seed, keys, False)
         seq.runs_alone = self.connector.runs_alone(seq)
         self.scheduler.add(seq)
@@ -386,8 +390,8 @@ class PrefillEngine:
         for seq, n in chunks:
             start = seq.num_computed_tokens
             batch.append(SequenceChunk(seq.prompt[start:start + n], start, seq.block_table))
-        self.connector.bind_connector_metadata(
-            [(seq, seq.num_computed_tokens, n) for seq, n in chunks])
+        self.connector.bind_connector_metadata(self.connector.build_connector_meta(
+            [ScheduledChunk(seq, seq.num_computed_tokens, n) for seq, n in chunks]))
         logits = self.runner.execute(batch)
         self.connector.wait_for_save()
         for seq, n in chunks:
@@ -448,7 +452,7 @@ class PrefillEngine:
         self._g1_feed.send()
 
     # ---- off the loop --------------------------------------------------------------------
-    def _deliver(self, seq: PrefillSequence, params: dict | BaseException) -> None:
+    def _deliver(self, seq: PrefillSequence, params: KVTransferParams | BaseException) -> None:
         """The caller's PrefillResult from the connector's KV transfer params."""
         if isinstance(params, BaseException):
             seq.result.set_exception(params)
@@ -457,10 +461,8 @@ class PrefillEngine:
         seq.extra.update(params.pop("extra", {}))
         token, logprob = seq.first_token
         seq.result.set_result(PrefillResult(
-            seq.request_id, token, params.pop("kv_address"), params.pop("block_keys"),
-            params.pop("tail_handle"), params.pop("num_tail_tokens"),
-            self._num_cached_tokens(seq),
-            self.worker_id, self.pid, logprob, extra=seq.extra, **params))
+            seq.request_id, token, self._num_cached_tokens(seq), self.worker_id, self.pid,
+            logprob, kv_transfer_params=params, extra=seq.extra))
 
 def _fail(seq: PrefillSequence, error: BaseException) -> None:
     for future in (seq.first, seq.result):

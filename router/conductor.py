@@ -25,19 +25,18 @@ from collections import Counter
 from dataclasses import dataclass, replace
 from typing import AbstractSet, Callable, NamedTuple, Sequence
 
-from engine.protocol import PrefixPlan
-from kvstore.hashing import block_keys, make_namespace
-from kvstore.index import KVIndex, open_index
+from engine.core.hashing import block_keys, make_namespace
 from kvstore.errors import KVStoreError
+from kvstore.handoff import PrefixPlan
+from kvstore.index import KVIndex, open_index
 from router.admission import SLO, Rejection, make_admission
-from router.registry import Instance, InstanceRegistry  # noqa: F401 — re-exported
 from router.cost_model import DEFAULT_COST_MODEL, CostModel, load_cost_model
 from router.load_source import LoadSource, RouteDecision
 from router.pd_decider import PATHS, PDDecider
-from router.policies import (DEFAULT_POLICY, PrefillCandidate, RouteContext, make_policy,
-                             prefix_hits)
+from router.policies import DEFAULT_POLICY, PrefillCandidate, RouteContext, make_policy, prefix_hits
 from router.policies.forecast import DecodeForecast
 from router.policies.live_loads import LedgerLoads, StatsPoller
+from router.registry import Instance, InstanceRegistry  # noqa: F401 — re-exported
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +86,7 @@ def _without(instances: list[Instance], exclude: AbstractSet[str]) -> list[Insta
 
 
 class PrefixKeyer:
-    """Prompt tokens -> chained block keys, as the workers key them (kvstore.hashing)."""
+    """Prompt tokens -> chained block keys, as the workers key them (engine.core.hashing)."""
 
     def __init__(self, block_size: int, model_name: str) -> None:
         self.block_size = block_size

@@ -12,7 +12,7 @@ from __future__ import annotations
 import abc
 from dataclasses import dataclass
 
-from engine.protocol import PrefixPlan
+from kvstore.handoff import PrefixPlan
 from router.policies.base import DecodeLoad, DecodePlan, PrefillPlan
 
 

@@ -40,6 +40,7 @@ from engine.protocol import (KV_LOAD_FAILED, DecodeRequest, FinishReason, FirstT
                              PrefillRequest, PrefillResult, SamplingParams, TokenDelta)
 from engine.sampler import draw_seed
 from kvstore.errors import KVLoadError
+from kvstore.handoff import PrefillHandoff
 from router.conductor import Conductor, Instance, NoInstanceError, RequestRejected, RouteRequest
 from router.decode_outputs import DecodeOutputs
 
@@ -227,7 +228,8 @@ class Pipeline:
             return
         attempt_id = run.attempt_id
         stream = prefill.handle.prefill.options(num_returns="streaming").remote(
-            PrefillRequest(attempt_id, prompt, params, run.cache_salt, decode.worker_id, kv_plan))
+            PrefillRequest(attempt_id, prompt, params, run.cache_salt,
+                           PrefillHandoff(decode.worker_id, kv_plan).to_params()))
         prefill_done = False
         try:
             first: FirstToken = await _next_from(stream, prefill)

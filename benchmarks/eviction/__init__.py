@@ -1,7 +1,7 @@
 """Pluggable eviction policies for a fixed-capacity cache of chained prefix blocks.
 
 Research code of ``benchmarks/cache_hit.py``: the product's pools keep the O(1) LRU free queue
-of ``kvstore.block_pool.BlockPool``, which none of these beat by enough on the Mooncake trace
+of ``engine.core.block_pool.BlockPool``, which none of these beat by enough on the Mooncake trace
 (benchmarks/RESULTS.md). A policy only *chooses*: its owner (:class:`PolicyCache`) holds the
 data and calls ``victim()`` when it needs room. Calls an owner makes::
 

@@ -1,2 +1,3 @@
-"""The worker core every worker runs: the KV cache manager (tokens to blocks), the scheduler
-(request queues, admission, preemption) and the request states they share."""
+"""The engine core every worker runs: the scheduler (request queues, admission, preemption),
+the KV cache manager over the block pool (free queue, prefix cache, block hashing, KV events)
+and the KV connector interface through which KV moves in and out of the paged cache."""

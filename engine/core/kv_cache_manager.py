@@ -1,7 +1,7 @@
 """KV cache manager: the one place that turns a request's tokens into blocks of a worker's
 paged cache (vLLM v1's `KVCacheManager`: `get_computed_blocks`, `allocate_slots`, `free`).
 
-It sits over the block pool (kvstore.block_pool.BlockPool: refcounts, LRU free queue, prefix
+It sits over the block pool (engine.core.block_pool.BlockPool: refcounts, LRU free queue, prefix
 cache) and owns nothing else; block tables are the callers' lists, grown and emptied in place.
 Not thread-safe: the engine loop that owns the pool is its only user.
 """
@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvstore.block_pool import BlockPool
-from kvstore.blocks import num_blocks_for, num_full_blocks
+from engine.core.block_pool import BlockPool
+from engine.core.blocks import num_blocks_for, num_full_blocks
 
 
 class KVCacheManager:

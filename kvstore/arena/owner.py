@@ -29,7 +29,7 @@ A slot is in the LRU only while stored, unleased and unpinned. ``remove`` of a l
 unindexes it at once, its slot becomes free at its last release; ``remove`` of a pinned key
 does nothing (as Mooncake Store refuses to remove a leased object).
 Eviction takes the least recently committed or released block first (Mooncake FAST'25 §4 uses
-LRU for the DRAM pool); the LRU is ``kvstore.free_queue.FreeBlockQueue`` over slot numbers.
+LRU for the DRAM pool); the LRU is ``engine.core.free_queue.FreeBlockQueue`` over slot numbers.
 
 Thread-safe: one lock around every method. ``on_evict`` runs under that lock and must not call
 back into the arena.
@@ -42,10 +42,10 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from engine.core.free_queue import FreeBlockQueue
 from kvstore.arena.errors import ArenaClosedError, ArenaFullError
 from kvstore.arena.segment import create_segment, reclaim_dead_segments, segment_name
 from kvstore.errors import StoreCapacityError
-from kvstore.free_queue import FreeBlockQueue
 
 #: ``on_evict(key, view)``: ``view`` is the evicted slot's bytes (``block_nbytes`` long), valid only
 #: during the call (copy it to keep it); the slot is reused right after.

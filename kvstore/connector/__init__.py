@@ -1,6 +1,6 @@
 """KV connectors by name: the registry through which a worker builds the connectors it runs.
 
-A new way to move KV is one module with a ``KVConnector`` subclass (``kvstore.connector.base``)
+A new way to move KV is one module with a ``KVConnector`` subclass (``engine.core.kv_connector``)
 and one entry here. Entries name their module, which is imported only when the connector is
 built, so a heavy or optional dependency (a transfer engine's wheel) costs nothing to workers
 that do not use it.
@@ -11,7 +11,8 @@ from __future__ import annotations
 import importlib
 from collections.abc import Sequence
 
-from kvstore.connector.base import KVConnector, KVConnectorContext
+from engine.core.kv_connector import KVConnector
+from kvstore.connector.context import KVConnectorContext
 from kvstore.connector.multi import MultiConnector
 
 #: name -> "module:class"

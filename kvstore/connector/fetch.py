@@ -2,7 +2,8 @@
 prefill side into the request's reserved cache blocks, through the transfer backends of
 kvstore.transfer.
 
-As a connector (FetchConnector): a request that comes with a PrefillResult matches its prompt
+As a connector (FetchConnector): a request that comes with a prefill's KV transfer params
+(kvstore.handoff.DecodeHandoff) matches its prompt
 past the tokens the decode's own prefix cache holds, asynchronously
 (get_num_new_matched_tokens); once it holds its blocks the fetch is planned
 (update_state_after_alloc) and started (start_load_kv), and get_finished reports it settled —
@@ -15,11 +16,11 @@ The path a request's blocks take (KVFetch):
 
 1. pair — with ``--kv-transfer torch`` the prefill pushes every block of the prompt (the full
    ones, then the tail) over its torch.distributed pair channel with this worker
-   (PrefillResult.pair_address, pair_tag). If the pair fails, the fetch falls back, once, to
+   (``pair_address``, ``pair_tag``). If the pair fails, the fetch falls back, once, to
    the store path: the prefill publishes every block to its node's KV store as well (the pool
    is the prefix cache), so a broken pair costs time, not the request.
    With ``--kv-transfer mooncake`` the prefill instead copies them into a region of the memory
-   its Transfer Engine registered (PrefillResult.kv_region) and this worker reads the region
+   its Transfer Engine registered (``kv_region``) and this worker reads the region
    with one TE batch straight into the reserved blocks of its registered cache
    (kvstore.transfer.mooncake); a failed read falls back to the store path the same way.
 2. store — full blocks through this node's shared-memory arena when the prefill ran on this
@@ -52,14 +53,14 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import torch
 
+from engine.core.kv_connector import BlockCache, KVConnector, KVConnectorRequest, LoadOutcome
 from kvstore.config import KVStoreConfig, KVTransferConfig
-from kvstore.connector.base import (BlockCache, KVConnector, KVConnectorContext,
-                                    KVConnectorRequest, LoadOutcome)
+from kvstore.connector.context import KVConnectorContext
 from kvstore.errors import KVStoreError, KVTransferTimeout
+from kvstore.handoff import DecodeHandoff
 from kvstore.node_client import NodeStoreClient
 from kvstore.transfer.arena_receiver import ArenaReceiver
 from kvstore.transfer.base import FetchRequest, KVReceiver, KVTransferBackend, TransferState
@@ -71,11 +72,6 @@ from kvstore.transfer.mooncake_layer_stream import MooncakeLayerStreamReceiver
 from kvstore.transfer.registry import create_backend
 
 log = logging.getLogger(__name__)
-
-#: engine.protocol.PrefillResult, read for its KV transfer params (kv_address, block_keys,
-#: tail_handle, num_tail_tokens, kv_node_id, pair_address, pair_tag, layer_stream, request_id);
-#: kvstore sits below engine, so the type is not imported.
-PrefillResult = Any
 
 #: Paths whose success took the tail block from the prefill node's store.
 _TAKES_STORE_TAIL = frozenset({"grpc", "arena"})
@@ -140,10 +136,15 @@ class FetchConnector(KVConnector):
     def get_num_new_matched_tokens(self, request: KVConnectorRequest,
                                    num_computed_tokens: int) -> tuple[int, bool]:
         """The prompt after the `num_computed_tokens` found cached here (whole blocks),
-        asynchronously, when the request comes with a PrefillResult."""
-        if request.request.prefill is None:
+        asynchronously, when the request comes with a prefill's KV transfer params."""
+        if request.kv_transfer_params is None:
             return 0, False
         return request.num_prompt_tokens - num_computed_tokens, True
+
+    def allows_local_prefix(self, request: KVConnectorRequest) -> bool:
+        """No for a prompt that comes whole by a push (torch pair, TE region, layer stream):
+        it was sent before this worker was asked."""
+        return not DecodeHandoff.of(request.kv_transfer_params).pushed
 
     def update_state_after_alloc(self, request: KVConnectorRequest, block_ids: Sequence[int],
                                  num_external_tokens: int) -> None:
@@ -158,19 +159,19 @@ class FetchConnector(KVConnector):
         from the store where its pieces wait); never blocks."""
         planned, self._planned = self._planned, []
         for request, table, skip in planned:
-            prefill = request.request.prefill
-            self._fetches[request.request_id] = KVFetch(self, table, prefill,
-                                                        prefill.layer_stream, skip)
+            handoff = DecodeHandoff.of(request.kv_transfer_params)
+            self._fetches[request.request_id] = KVFetch(self, request.request_id, table, handoff,
+                                                        handoff.layer_stream, skip)
 
     def start_stream(self, announce: LayerStreamAnnounce, block_table: Sequence[int]) -> KVFetch:
         """A layer stream announced before its request came, taken into blocks reserved for it
         while the prefill computes; never blocks. Once the request comes, adopt() it
         (kvstore's pre-arrival reservation, SGLang's decode "prealloc" queue)."""
-        return KVFetch(self, block_table, None, announce)
+        return KVFetch(self, announce.request_id, block_table, None, announce)
 
     def adopt(self, request: KVConnectorRequest, fetch: KVFetch) -> None:
         """The request of a stream started by start_stream came: report it as its load."""
-        fetch.prefill = request.request.prefill
+        fetch.handoff = DecodeHandoff.of(request.kv_transfer_params)
         self._fetches[request.request_id] = fetch
 
     def get_finished(self) -> tuple[dict, dict[str, LoadOutcome]]:
@@ -187,8 +188,7 @@ class FetchConnector(KVConnector):
             detail = {"paths": list(fetch.paths),
                       "arrivals": list(stream.arrivals) if stream is not None else []}
             if state is TransferState.SUCCESS:
-                num_tokens = fetch.prefill.num_tail_tokens + \
-                    len(fetch.prefill.block_keys) * self.cache.block_size
+                num_tokens = fetch.handoff.num_tokens(self.cache.block_size)
                 loaded[request_id] = LoadOutcome(num_tokens, {fetch.path: num_tokens},
                                                  detail=detail)
             else:
@@ -200,10 +200,10 @@ class FetchConnector(KVConnector):
                          ) -> tuple[bool, None]:
         """The request ended without fetching (aborted while waiting, or finished at
         admission): a pushed transfer is drained and the store tail dropped. Never blocks;
-        nothing to do for a colocated request (no PrefillResult)."""
-        prefill = request.request.prefill
-        if prefill is None:
+        nothing to do for a colocated request (no KV transfer params)."""
+        if request.kv_transfer_params is None:
             return False, None
+        prefill = DecodeHandoff.of(request.kv_transfer_params)
         if prefill.layer_stream is not None:
             self._release_pieces(prefill.layer_stream)
         if self.pair is not None and prefill.pair_address is not None:
@@ -241,7 +241,7 @@ class FetchConnector(KVConnector):
 
     # ---- for KVFetch ----------------------------------------------------------------------
 
-    def _release_tail(self, prefill: PrefillResult | None) -> None:
+    def _release_tail(self, prefill: DecodeHandoff | None) -> None:
         """Drop the tail block on the prefill side (in the background; never blocks)."""
         if prefill is not None and prefill.tail_handle is not None:
             self.grpc.submit(self._release_handles, prefill.kv_address, [prefill.tail_handle])
@@ -263,7 +263,7 @@ class FetchConnector(KVConnector):
             except KVStoreError:
                 pass  # the store's tail TTL reclaims it
 
-    def _store_path(self, prefill: PrefillResult) -> str:
+    def _store_path(self, prefill: DecodeHandoff) -> str:
         if (self.store is self.grpc and self.node_client is not None
                 and prefill.kv_node_id == self.node_id):
             return "arena"
@@ -307,7 +307,7 @@ class KVFetch:
     first k full blocks are cached here already: only keys k.. and the tail are fetched, into
     ``block_table[k:]``, by the store paths (a pushed transfer or a layer stream always brings
     the whole prompt, so it takes none to skip). A fetch started from a layer-stream announce
-    (``prefill`` None) needs the PrefillResult (set ``prefill``) only to retry from the store.
+    (``handoff`` None) needs the prefill's params (set ``handoff``) only to retry from the store.
 
     Attributes:
         paths: the paths tried so far, in order: "layer", "torch", "mooncake", "grpc", "arena"
@@ -318,9 +318,10 @@ class KVFetch:
         error: the error the fetch FAILED with, once it has (then the engine recomputes).
     """
 
-    def __init__(self, connector: FetchConnector, block_table: Sequence[int],
-                 prefill: PrefillResult | None, stream: LayerStreamAnnounce | None = None,
+    def __init__(self, connector: FetchConnector, request_id: str, block_table: Sequence[int],
+                 handoff: DecodeHandoff | None, stream: LayerStreamAnnounce | None = None,
                  skip_blocks: int = 0) -> None:
+        prefill = handoff
         num_blocks = (stream.num_blocks if stream is not None
                       else len(prefill.block_keys) + (prefill.tail_handle is not None))
         pushed = stream is not None or prefill.pair_address is not None \
@@ -330,7 +331,7 @@ class KVFetch:
                              f"{len(prefill.block_keys)} keyed blocks")
         self._skip = skip_blocks
         self._connector, self._table = connector, list(block_table[skip_blocks:num_blocks])
-        self.prefill, self.stream = prefill, stream
+        self.request_id, self.handoff, self.stream = request_id, handoff, stream
         self.started_s = time.time()
         self.paths: list[str] = []
         self.error: KVStoreError | None = None
@@ -353,19 +354,19 @@ class KVFetch:
 
     def poll(self) -> TransferState:
         """The fetch's state; SUCCESS and FAILED are final. A layer stream that failed before
-        its PrefillResult is set stays TRANSFERRING (its retry needs the result)."""
+        its hand-off is set stays TRANSFERRING (its retry needs it)."""
         if self._state.done:
             return self._state
         state = self.receiver.poll()
         if state is TransferState.FAILED and not self._aborted \
                 and len(self.paths) < MAX_ATTEMPTS:
-            if self.prefill is None:
+            if self.handoff is None:
                 return TransferState.TRANSFERRING
             error = _error_of(self.receiver)
             self._connector._count_error(self.path, error)
             log.warning("KV fetch of %s over %s failed, retrying from the KV store: %s",
-                        self.prefill.request_id, self.path, error,
-                        extra={"request_id": self.prefill.request_id})
+                        self.request_id, self.path, error,
+                        extra={"request_id": self.request_id})
             self._leave_path()
             self.receiver = self._start(self._retry_path())
             state = self.receiver.poll()
@@ -389,7 +390,7 @@ class KVFetch:
 
     def _start(self, path: str) -> KVReceiver:
         self.paths.append(path)
-        connector, prefill = self._connector, self.prefill
+        connector, prefill = self._connector, self.handoff
         if path == "layer":
             writer = LayerWriter(connector.cache, self._table, connector._perturbed)
             args = (self.stream, writer.write, writer.finish, writer.piece_shape,
@@ -418,7 +419,7 @@ class KVFetch:
 
     def _retry_path(self) -> str:
         if self.path in ("layer", "torch", "mooncake"):
-            return self._connector._store_path(self.prefill)
+            return self._connector._store_path(self.handoff)
         return "grpc" if self.path == "arena" else self.path
 
     def _leave_path(self) -> None:
@@ -436,7 +437,7 @@ class KVFetch:
                 self._connector._count_error(self.path, self.error)
             self._leave_path()
         if not (state is TransferState.SUCCESS and self.path in _TAKES_STORE_TAIL):
-            self._connector._release_tail(self.prefill)  # not taken: do not wait for its TTL
+            self._connector._release_tail(self.handoff)  # not taken: do not wait for its TTL
 
 
 class LayerWriter:
@@ -477,7 +478,7 @@ class LayerWriter:
             self.cache.write_blocks(self.table, self.staging)
 
 
-def _pair_request(prefill: PrefillResult) -> FetchRequest:
+def _pair_request(prefill: DecodeHandoff) -> FetchRequest:
     return FetchRequest(prefill.pair_address, prefill.block_keys, prefill.tail_handle,
                         prefill.num_tail_tokens, tag=prefill.pair_tag)
 

@@ -38,14 +38,15 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
-from kvstore.blocks import num_blocks_for
-from kvstore.connector.base import (KVConnector, KVConnectorContext, KVConnectorRequest,
-                                    StepCancelled)
+from engine.core.blocks import num_blocks_for
+from engine.core.kv_connector import (KVConnector, KVConnectorMetadata, KVConnectorRequest,
+                                      KVTransferParams, StepCancelled)
+from kvstore.connector.context import KVConnectorContext
 from kvstore.connector.mooncake import RegionSource, RegionStreamSender
+from kvstore.handoff import PrefillHandoff
 from kvstore.transfer.layer_stream import (ALL_LAYERS, LayerStreamAnnounce, LayerStreamSender,
                                            plan_pieces)
 from kvstore.transfer.peers import StreamPeers
@@ -90,7 +91,7 @@ class LayerStreamConnector(KVConnector):
         self._streams: dict[str, LayerStream] = {}
         self._opened: set[str] = set()  # tried, stream or not
         self._active: LayerStream | None = None
-        self._sent: dict[str, Any] = {}
+        self._sent: dict[str, KVTransferParams | BaseException] = {}
         self._finishes = ThreadPoolExecutor(1, thread_name_prefix="layer-stream-finish")
         self.streams_total = 0
         self.bytes_sent_total = 0
@@ -112,14 +113,14 @@ class LayerStreamConnector(KVConnector):
 
     def runs_alone(self, request: KVConnectorRequest) -> bool:
         # max_tokens 1: the decode finishes such a request at admission, fetching nothing
-        return (request.request.decode_peer is not None
-                and request.request.sampling.max_tokens != 1)
+        return (PrefillHandoff.of(request.kv_transfer_params).decode_peer is not None
+                and request.max_tokens != 1)
 
-    def bind_connector_metadata(self, chunks: Sequence[tuple[KVConnectorRequest, int, int]]
-                                ) -> None:
+    def bind_connector_metadata(self, metadata: KVConnectorMetadata) -> None:
         stream = None
-        if len(chunks) == 1 and chunks[0][0].runs_alone:
-            request, start, _ = chunks[0]
+        chunks = metadata.chunks
+        if len(chunks) == 1 and chunks[0].request.runs_alone:
+            request, start = chunks[0].request, chunks[0].start
             if request.request_id not in self._opened:
                 self._opened.add(request.request_id)
                 self._open(request, start)
@@ -162,7 +163,7 @@ class LayerStreamConnector(KVConnector):
         self._finishes.submit(self._finish, stream)
         return False, None
 
-    def get_finished(self) -> tuple[dict[str, Any], dict]:
+    def get_finished(self) -> tuple[dict[str, KVTransferParams | BaseException], dict]:
         with self._lock:
             sent, self._sent = self._sent, {}
         return sent, {}
@@ -205,7 +206,8 @@ class LayerStreamConnector(KVConnector):
                 by_chunk_layer.setdefault((chunk, piece.layer), []).append(index)
                 index += 1
         pieces = tuple(p for segment in segments for p in segment)
-        request_id, decode_id = request.request_id, request.request.decode_peer
+        request_id = request.request_id
+        decode_id = PrefillHandoff.of(request.kv_transfer_params).decode_peer
         announce = LayerStreamAnnounce(request_id, self.address, f"layer:{request_id}:", pieces,
                                        num_blocks_for(n, bs), n, layers, self.worker_id)
         lease = None

@@ -29,14 +29,15 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.core.kv_connector import BlockCache, KVConnector, KVConnectorRequest
 from kvstore.config import KVTransferConfig
-from kvstore.connector.base import BlockCache, KVConnector, KVConnectorContext, KVConnectorRequest
-from kvstore.transfer.dest import WIRE_DTYPES
+from kvstore.connector.context import KVConnectorContext
 from kvstore.errors import KVTransferError
+from kvstore.transfer.dest import WIRE_DTYPES
 from kvstore.transfer.layer_stream import LayerStreamSender
 from kvstore.transfer.mooncake import RemoteRegion, cache_blocks
-from kvstore.transfer.te import new_transfer_engine, register, session_of
 from kvstore.transfer.mooncake_layer_stream import StreamRegion
+from kvstore.transfer.te import new_transfer_engine, register, session_of
 
 log = logging.getLogger(__name__)
 
@@ -269,7 +270,7 @@ class MooncakeConnector(KVConnector):
                          ) -> tuple[bool, dict]:
         """Copies every block of the prompt (full ones, then the tail) into a leased region;
         params ``kv_region`` (a RemoteRegion), or none when the request is not offered."""
-        if request.request.sampling.max_tokens == 1 or request.runs_alone or not block_ids:
+        if request.max_tokens == 1 or request.runs_alone or not block_ids:
             return False, {}
         cache = self.cache
         layers, kv, *block = cache.block_shape

@@ -4,10 +4,12 @@ and torch pair connectors run side by side, and the engine sees one connector.""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
-from kvstore.connector.base import (BlockCache, KVConnector, KVConnectorContext,
-                                    KVConnectorRequest, LoadOutcome)
+import torch
+
+from engine.core.kv_connector import (BlockCache, KVConnector, KVConnectorMetadata,
+                                      KVConnectorRequest, KVTransferParams, LoadOutcome)
+from kvstore.connector.context import KVConnectorContext
 
 
 class MultiConnector(KVConnector):
@@ -20,7 +22,7 @@ class MultiConnector(KVConnector):
         for connector in self.connectors:
             connector.wakeup = lambda: self.wakeup()
         self._loader: dict[str, KVConnector] = {}
-        self._pending: dict[str, tuple[set[int], dict[str, Any]]] = {}
+        self._pending: dict[str, tuple[set[int], dict[str, object]]] = {}
         self._reads: _ReadOnce | None = None
 
     @classmethod
@@ -48,7 +50,7 @@ class MultiConnector(KVConnector):
             loader.update_state_after_alloc(request, block_ids, num_external_tokens)
 
     def request_finished(self, request: KVConnectorRequest, block_ids: Sequence[int]
-                         ) -> tuple[bool, dict[str, Any] | None]:
+                         ) -> tuple[bool, KVTransferParams | None]:
         delay, params, waiting = False, {}, set()
         try:
             for i, connector in enumerate(self.connectors):
@@ -68,9 +70,12 @@ class MultiConnector(KVConnector):
     def runs_alone(self, request: KVConnectorRequest) -> bool:
         return any(c.runs_alone(request) for c in self.connectors)
 
-    def bind_connector_metadata(self, chunks) -> None:
+    def allows_local_prefix(self, request: KVConnectorRequest) -> bool:
+        return all(c.allows_local_prefix(request) for c in self.connectors)
+
+    def bind_connector_metadata(self, metadata: KVConnectorMetadata) -> None:
         for connector in self.connectors:
-            connector.bind_connector_metadata(chunks)
+            connector.bind_connector_metadata(metadata)
 
     def start_load_kv(self) -> None:
         for connector in self.connectors:
@@ -88,8 +93,9 @@ class MultiConnector(KVConnector):
         for connector in self.connectors:
             connector.wait_for_save()
 
-    def get_finished(self) -> tuple[dict[str, Any], dict[str, LoadOutcome]]:
-        sent: dict[str, Any] = {}
+    def get_finished(self) -> tuple[dict[str, KVTransferParams | BaseException],
+                                    dict[str, LoadOutcome]]:
+        sent: dict[str, KVTransferParams | BaseException] = {}
         loaded: dict[str, LoadOutcome] = {}
         for i, connector in enumerate(self.connectors):
             done, loads = connector.get_finished()
@@ -119,7 +125,7 @@ class MultiConnector(KVConnector):
             connector.close()
 
 
-def _merge(params: dict[str, Any], more: dict[str, Any]) -> None:
+def _merge(params: dict[str, object], more: KVTransferParams) -> None:
     extra = {**params.get("extra", {}), **more.get("extra", {})}
     params.update(more)
     if extra:
@@ -132,7 +138,7 @@ class _ReadOnce:
 
     def __init__(self, cache: BlockCache) -> None:
         self._cache = cache
-        self._last: tuple[tuple[int, ...], Any] | None = None
+        self._last: tuple[tuple[int, ...], torch.Tensor] | None = None
 
     def __getattr__(self, name: str):
         return getattr(self._cache, name)

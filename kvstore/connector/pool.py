@@ -3,8 +3,9 @@
 Loads: the part of a prompt's cached prefix that this worker's G1 lacks comes from the
 fastest place in the cluster that holds it. Per block, in order of preference: this node's G2
 arena, this node's G3 SSD (both read through the arena, because the node store promotes SSD
-hits into G2), then another node's G2/G3 over gRPC. The Conductor's plan (PrefixPlan) says how
-many blocks to reuse and where they are; without a plan the global index is asked. Loading
+hits into G2), then another node's G2/G3 over gRPC. The Conductor's plan (PrefixPlan, in the
+request's kv_transfer_params) says how many blocks to reuse and where they are; without a plan,
+or with one whose keys are not this worker's, the global index is asked. Loading
 stops at the first block that cannot be had (a miss, a corrupt SSD block, a failed or
 timed-out transfer): the prefix is cut there and the rest is recomputed, so a fault costs
 compute, never correctness.
@@ -12,8 +13,9 @@ compute, never correctness.
 Saves: once a prompt is computed, its full blocks go to this node's G2 under their keys (the
 store keeps one copy of a key) and its partial tail block to the node's store under a
 per-request handle, never keyed or indexed. Both run off the engine loop, in order. The
-transfer params that come out (``kv_address``, ``block_keys``, ``tail_handle``,
-``num_tail_tokens``, ``kv_node_id``) tell the decode where to pull from.
+transfer params that come out (kvstore.handoff.DecodeHandoff: ``kv_address``,
+``block_keys``, ``tail_handle``, ``num_tail_tokens``, ``kv_node_id``) tell the decode where to
+pull from.
 
 With `--kv-pool mooncake-store` the index is a Mooncake Store (kvstore.index.mooncake_store):
 its blocks are found at the location "mooncake_store" and loaded from the store, hits counted
@@ -28,15 +30,15 @@ import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
 
 import torch
 
-from kvstore.blocks import num_full_blocks
+from engine.core.blocks import num_full_blocks
+from engine.core.kv_connector import KVConnector, KVConnectorRequest, KVTransferParams, LoadOutcome
 from kvstore.client import KVStoreClient
-from kvstore.connector.base import (KVConnector, KVConnectorContext, KVConnectorRequest,
-                                    LoadOutcome)
+from kvstore.connector.context import KVConnectorContext
 from kvstore.errors import KVStoreError
+from kvstore.handoff import PrefillHandoff, PrefixPlan
 from kvstore.index import KVIndex
 from kvstore.node_store_api import NodeStore
 from kvstore.remote import RemoteStores
@@ -74,7 +76,7 @@ class PoolConnector(KVConnector):
         self._planned: list[tuple[str, list[bytes], list[int], Sequence | None]] = []
         self._lock = threading.Lock()
         self._loaded: dict[str, LoadOutcome] = {}
-        self._sent: dict[str, Any] = {}
+        self._sent: dict[str, KVTransferParams | BaseException] = {}
         # tails of finished prefills (bounded), and prefills publishing now whose caller left
         self._tails: OrderedDict[str, str] = OrderedDict()
         self._publishing: dict[str, bool] = {}  # request id -> aborted meanwhile
@@ -96,7 +98,7 @@ class PoolConnector(KVConnector):
         land is known once the load settles."""
         bs = self.cache.block_size
         end = num_full_blocks(request.num_prompt_tokens - 1, bs)
-        plan = request.request.kv_plan
+        plan = _plan_of(request)
         if plan is not None:
             end = min(end, plan.num_load_blocks, len(plan.locations))
         elif self.index is None:
@@ -111,7 +113,7 @@ class PoolConnector(KVConnector):
         bs = self.cache.block_size
         start = request.num_computed_tokens // bs  # after its G1 hits
         end = start + num_external_tokens // bs
-        plan = request.request.kv_plan
+        plan = _plan_of(request)
         locations = plan.locations[start:end] if plan is not None else None
         self._planned.append((request.request_id, list(request.block_keys[start:end]),
                               list(block_ids[start:end]), locations))
@@ -132,7 +134,8 @@ class PoolConnector(KVConnector):
         for request_id, keys, dest, locations in planned:
             self._loads.submit(self._load, request_id, keys, dest, locations)
 
-    def get_finished(self) -> tuple[dict[str, Any], dict[str, LoadOutcome]]:
+    def get_finished(self) -> tuple[dict[str, KVTransferParams | BaseException],
+                                    dict[str, LoadOutcome]]:
         with self._lock:
             sent, self._sent = self._sent, {}
             loaded, self._loaded = self._loaded, {}
@@ -307,6 +310,18 @@ class PoolConnector(KVConnector):
             self.store_client.release_tail(handle)
         except Exception as exc:  # noqa: BLE001 — the store's TTL drops it anyway
             log.warning("tail %s not released: %s", handle, exc)
+
+
+def _plan_of(request: KVConnectorRequest) -> PrefixPlan | None:
+    """The Conductor's plan for the request's prefix, unless its keys are not the ones this
+    worker computes (another model name or block size): then the index is asked instead."""
+    plan = PrefillHandoff.of(request.kv_transfer_params).prefix_plan
+    if plan is not None and tuple(plan.block_keys) != tuple(request.block_keys):
+        log.warning("the Conductor's block keys differ from this worker's (model name or "
+                    "block size?); loading the prefix without its plan",
+                    extra={"request_id": request.request_id})
+        return None
+    return plan
 
 
 def _runs(sources: list[str]) -> list[tuple[str, int, int]]:

@@ -29,7 +29,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from kvstore.connector.base import KVConnector, KVConnectorContext, KVConnectorRequest
+from engine.core.kv_connector import KVConnector, KVConnectorRequest
+from kvstore.connector.context import KVConnectorContext
+from kvstore.handoff import DecodeHandoff
 from kvstore.node_store_api import NodeStore
 
 log = logging.getLogger(__name__)
@@ -83,9 +85,8 @@ class PublishConnector(KVConnector):
               block_ids: Sequence[int]) -> None:
         if len(keys) != len(block_ids):
             raise ValueError(f"{len(keys)} block keys for {len(block_ids)} blocks")
-        prefill = request.request.prefill
-        start = max(len(prefill.block_keys) if prefill is not None else 0,
-                    self._saved.get(request.request_id, 0))
+        published = DecodeHandoff.of(request.kv_transfer_params).block_keys  # by its prefill
+        start = max(len(published), self._saved.get(request.request_id, 0))
         if start >= len(keys):
             return
         data = self.cache.read_blocks(list(block_ids[start:])).cpu()

@@ -11,9 +11,11 @@ from collections.abc import Sequence
 
 from pydantic import SecretStr
 
+from engine.core.kv_connector import KVConnector, KVConnectorRequest
 from kvstore.config import KVTransferConfig
-from kvstore.connector.base import KVConnector, KVConnectorContext, KVConnectorRequest
+from kvstore.connector.context import KVConnectorContext
 from kvstore.errors import KVTransferError
+from kvstore.handoff import PrefillHandoff
 from kvstore.transfer.torch_dist import TorchKVSender
 from kvstore.transfer.torch_pair import TorchPairChannel
 
@@ -63,8 +65,8 @@ class TorchPushConnector(KVConnector):
                          ) -> tuple[bool, dict]:
         """Starts the push of every block of the prompt (full ones, then the tail); params
         ``pair_address`` and ``pair_tag`` (None, 0: nothing pushed, the decode pulls)."""
-        peer = request.request.decode_peer
-        if peer is None or request.request.sampling.max_tokens == 1 or request.runs_alone:
+        peer = PrefillHandoff.of(request.kv_transfer_params).decode_peer
+        if peer is None or request.max_tokens == 1 or request.runs_alone:
             return False, {}
         address, tag = self._push(peer, block_ids)
         return False, {"pair_address": address, "pair_tag": tag} if address else {}

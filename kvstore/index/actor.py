@@ -19,7 +19,7 @@ from typing import Any
 import ray
 from ray.actor import ActorHandle
 
-from kvstore.events import KVCacheEvent
+from engine.core.kv_events import KVCacheEvent
 from kvstore.index.base import (DEFAULT_NODE_LEASE_S, KVIndex, KVIndexUnavailableError, Location,
                                 check_events, check_keys, check_lease)
 from kvstore.index.memory import MemoryIndex

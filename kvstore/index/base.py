@@ -5,7 +5,7 @@ longest cached prefix of a request's block keys).
 
 Semantics shared by every backend (``MemoryIndex``, ``RedisIndex``, ``ActorIndex``):
 
-* **Keys** are the 32-byte chained sha256 block keys of ``kvstore.hashing``. Key i covers the
+* **Keys** are the 32-byte chained sha256 block keys of ``engine.core.hashing``. Key i covers the
   whole prefix up to block i, so a request's cached prefix is the run of leading keys that are
   held somewhere alive (``longest_prefix``).
 * **Locations** are ``Location(node_id, tier, instance_id)``. A key may be held at many.
@@ -18,7 +18,7 @@ Semantics shared by every backend (``MemoryIndex``, ``RedisIndex``, ``ActorIndex
   heartbeat every ``lease_s / 3``. ``heartbeat`` tells whether the lease was still running;
   when it was not, the index may have lost the node's entries too, so the node re-announces
   its blocks (an index restarted empty costs recompute until then, never errors).
-* **Events.** ``apply_events`` replays a pool's ``kvstore.events`` in order:
+* **Events.** ``apply_events`` replays a pool's ``engine.core.kv_events`` in order:
   ``BlockStored`` -> ``add``, ``BlockRemoved`` -> ``remove``, ``AllCleared`` -> ``remove_location``.
   Each location is assumed to have one writer (the pool or store that owns it), which publishes
   its events in order.
@@ -32,9 +32,9 @@ import abc
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from engine.core.hashing import KEY_BYTES
+from engine.core.kv_events import AllCleared, BlockRemoved, BlockStored, KVCacheEvent
 from kvstore.errors import KVStoreError
-from kvstore.events import AllCleared, BlockRemoved, BlockStored, KVCacheEvent
-from kvstore.hashing import KEY_BYTES
 
 TIERS = ("device", "host", "ssd", "mooncake_store")
 """G1 a worker's paged cache, G2 a node's host-DRAM arena, G3 a node's SSD slabs (fastest
@@ -104,7 +104,7 @@ def sorted_locations(locations: Iterable[Location]) -> list[Location]:
 
 
 def check_keys(keys: Sequence[bytes]) -> None:
-    """Raises ``ValueError`` unless every key is ``KEY_BYTES`` bytes (a ``kvstore.hashing`` key)."""
+    """Raises ``ValueError`` unless every key is ``KEY_BYTES`` bytes (engine.core.hashing)."""
     for key in keys:
         if not isinstance(key, bytes) or len(key) != KEY_BYTES:
             raise ValueError(f"block keys are {KEY_BYTES}-byte sha256 digests, got {key!r:.80}")

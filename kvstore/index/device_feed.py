@@ -20,8 +20,8 @@ import logging
 import time
 from concurrent.futures import Executor
 
-from kvstore.block_pool import BlockPool
-from kvstore.events import BlockStored
+from engine.core.block_pool import BlockPool
+from engine.core.kv_events import BlockStored
 from kvstore.index.base import KVIndex, Location
 
 log = logging.getLogger(__name__)

@@ -34,7 +34,7 @@ import redis
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
-from kvstore.events import BlockRemoved, BlockStored, KVCacheEvent
+from engine.core.kv_events import BlockRemoved, BlockStored, KVCacheEvent
 from kvstore.index.base import (DEFAULT_NODE_LEASE_S, KVIndex, KVIndexError,
                                 KVIndexUnavailableError, Location, check_events, check_keys,
                                 check_lease, sorted_locations)

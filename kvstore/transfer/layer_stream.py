@@ -33,11 +33,11 @@ from typing import Any
 
 import torch
 
+from engine.core.blocks import num_blocks_for
 from kvstore.client import KVStoreClient
 from kvstore.errors import BlockLayoutError, BlockNotFoundError, KVStoreError
 from kvstore.transfer.base import KVReceiver, TransferState, _Cancelled
 from kvstore.transfer.dest import WIRE_DTYPES
-from kvstore.blocks import num_blocks_for
 
 log = logging.getLogger(__name__)
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections import Counter
 from typing import Sequence
 
-from kvstore.block_pool import BlockPool
-from kvstore.events import BlockRemoved
+from engine.core.block_pool import BlockPool
+from engine.core.kv_events import BlockRemoved
 from kvstore.index import KVIndex, Location
 
 

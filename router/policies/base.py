@@ -21,8 +21,8 @@ import abc
 from dataclasses import dataclass
 from typing import Sequence
 
+from engine.core.blocks import num_full_blocks
 from kvstore.index import Location
-from kvstore.blocks import num_full_blocks
 from router.cost_model import CostModel
 
 

@@ -19,7 +19,7 @@ from torch._dynamo.utils import counters
 from engine.config import BUNDLED_MODEL, EngineConfig
 from engine.input_buffers import InputBuffers
 from engine.runner import ModelRunner, SequenceChunk
-from kvstore.connector.base import StepCancelled
+from engine.core.kv_connector import StepCancelled
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -11,9 +11,9 @@ from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.preemption import PREEMPTION_MODES, RecomputePreemption, SwapPreemption
 from engine.core.request import RequestStatus
 from engine.core.scheduler import Scheduler
-from kvstore.block_pool import BlockPool
-from kvstore.blocks import num_blocks_for, num_full_blocks
-from kvstore.hashing import block_keys, make_namespace
+from engine.core.block_pool import BlockPool
+from engine.core.blocks import num_blocks_for, num_full_blocks
+from engine.core.hashing import block_keys, make_namespace
 
 BLOCK = 4
 

@@ -17,12 +17,13 @@ from kvstore.client import KVStoreClient
 from kvstore.config import KVStoreConfig, KVTransferConfig
 from kvstore.connector.fetch import FetchConnector
 from kvstore.connector.pool import PoolConnector
-from kvstore.hashing import block_keys, make_namespace
+from engine.core.hashing import block_keys, make_namespace
 from kvstore.index import Location, MemoryIndex
 from prefill_worker.engine import PrefillEngine
 from tests.engine_loops import started, stop
 from tests.integration.test_decode_publish import run_decode
 from tests.kvstore.lru_block_store import lru_server
+from tests.handoffs import handoff
 
 NODE = "node-c"
 BS = 16
@@ -70,7 +71,7 @@ def test_the_next_turn_fetches_only_what_the_decode_does_not_hold(engines, hf):
     first, out = disaggregated(engines, "i1", prompt, 40)
     assert out == hf.greedy(prompt, 40)
     first_bytes = decode.stats()["kv_bytes_fetched_total"] - fetched
-    first_blocks = len(first.block_keys) + (first.tail_handle is not None)
+    first_blocks = handoff(first).num_blocks
     per_block = first_bytes // first_blocks
     assert per_block * first_blocks == first_bytes > 0
     held = keys_of(prompt + out[:-1])  # the KV the finished sequence held, now cached
@@ -87,9 +88,9 @@ def test_the_next_turn_fetches_only_what_the_decode_does_not_hold(engines, hf):
     assert out2 == hf.greedy(follow, 8)
     skipped = decode.stats()["kv_blocks_reused_total"] - reused
     assert skipped == len(held)
-    moved = len(second.block_keys) + (second.tail_handle is not None) - skipped
+    moved = handoff(second).num_blocks - skipped
     assert decode.stats()["kv_bytes_fetched_total"] - fetched == moved * per_block
-    assert 2 * moved < len(second.block_keys) + (second.tail_handle is not None)
+    assert 2 * moved < handoff(second).num_blocks
 
 
 def test_a_prompt_computed_on_the_decode_starts_after_its_cached_blocks(engines, hf):

@@ -12,19 +12,20 @@ import pytest
 
 from decode_worker.engine import DecodeEngine
 from engine.config import BUNDLED_MODEL, EngineConfig
-from engine.protocol import (DecodeRequest, FinishReason, PrefillRequest, PrefixPlan,
-                             SamplingParams)
+from engine.protocol import DecodeRequest, FinishReason, PrefillRequest, SamplingParams
 from engine.runner import ModelRunner
 from kvstore.client import KVStoreClient
 from kvstore.config import KVStoreConfig, KVTransferConfig
 from kvstore.connector.fetch import FetchConnector
+from kvstore.handoff import PrefixPlan
 from kvstore.connector.pool import PoolConnector
 from kvstore.connector.publish import PublishConnector
-from kvstore.hashing import block_keys, make_namespace
+from engine.core.hashing import block_keys, make_namespace
 from kvstore.index import Location
 from prefill_worker.engine import PrefillEngine
 from tests.engine_loops import started, stop
 from tests.kvstore.lru_block_store import lru_server
+from tests.handoffs import handoff
 
 NODE = "node-d"
 BS = 16
@@ -97,12 +98,12 @@ def turn(cluster, request_id: str, prompt: list[int], max_tokens: int, salt: str
     before = offered(publisher)
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     result = prefill.prefill(PrefillRequest(request_id, tuple(prompt), params, salt,
-                                            kv_plan=plan))
+                                            kv_transfer_params={"prefix_plan": plan}))
     deltas = run_decode(decode, DecodeRequest(request_id, tuple(prompt), params, result, salt),
                         abort_after)
     out = [result.first_token] + [t for d in deltas for t in d.token_ids]
     if deltas[-1].finish_reason is not FinishReason.ABORT:
-        new = len(keys_of(prompt + out[:-1], salt)) - len(result.block_keys)
+        new = len(keys_of(prompt + out[:-1], salt)) - len(handoff(result).block_keys)
         wait_offered(publisher, before + new)
     return result, out, deltas[-1]
 
@@ -120,10 +121,10 @@ def test_the_next_turn_loads_the_reply_the_decode_published(cluster, hf):
     assert out == hf.greedy(prompt, 50) and last.finish_reason is FinishReason.LENGTH
     # the KV the sequence holds: prompt and every output token but the last (never fed)
     keys = keys_of(prompt + out[:-1])
-    assert keys[:len(first.block_keys)] == list(first.block_keys)
+    assert keys[:len(handoff(first).block_keys)] == list(handoff(first).block_keys)
     assert client.exists(keys) == [True] * len(keys)
     published = publisher.stats()["kv_blocks_published_total"] - before
-    assert published == len(keys) - len(first.block_keys) > 0
+    assert published == len(keys) - len(handoff(first).block_keys) > 0
     assert decode.stats()["num_free_blocks"] == decode.stats()["num_blocks"]
 
     # turn 2: the prompt is turn 1's prompt, the reply and a new message; the prefill's own
@@ -138,7 +139,7 @@ def test_the_next_turn_loads_the_reply_the_decode_published(cluster, hf):
     assert second.num_cached_tokens == len(keys) * BS
     assert out2 == hf.greedy(follow, 8)
     for result in (first, second):
-        client.release_tail(result.tail_handle)
+        client.release_tail(handoff(result).tail_handle)
 
 
 def test_an_aborted_sequence_publishes_nothing(cluster, hf):
@@ -150,15 +151,15 @@ def test_an_aborted_sequence_publishes_nothing(cluster, hf):
     # a request after it publishes: the engine has passed the aborted one's end by then
     dog = hf.encode("A dog ran in the sun.")
     later, later_out, _ = turn(cluster, "after-abort", dog, 40)
-    later_new = len(keys_of(dog + later_out[:-1])) - len(later.block_keys)
+    later_new = len(keys_of(dog + later_out[:-1])) - len(handoff(later).block_keys)
     assert publisher.stats()["kv_blocks_published_total"] == \
         before["kv_blocks_published_total"] + later_new  # none of the aborted one's
     assert publisher.stats()["kv_publish_failures_total"] == before["kv_publish_failures_total"]
-    produced = keys_of(prompt + out[:-1])[len(result.block_keys):]
+    produced = keys_of(prompt + out[:-1])[len(handoff(result).block_keys):]
     assert not any(client.exists(produced))
     assert decode.stats()["num_free_blocks"] == decode.stats()["num_blocks"]
     for r in (result, later):
-        client.release_tail(r.tail_handle)
+        client.release_tail(handoff(r).tail_handle)
 
 
 def test_published_blocks_carry_the_tenant_s_salt(cluster, hf):
@@ -167,10 +168,10 @@ def test_published_blocks_carry_the_tenant_s_salt(cluster, hf):
     result, out, _ = turn(cluster, "salted", prompt, 40, salt="tenant-a")
     tokens = prompt + out[:-1]
     salted, plain = keys_of(tokens, "tenant-a"), keys_of(tokens)
-    assert len(salted) > len(result.block_keys)
+    assert len(salted) > len(handoff(result).block_keys)
     assert client.exists(salted) == [True] * len(salted)
     assert not any(client.exists(plain))
-    client.release_tail(result.tail_handle)
+    client.release_tail(handoff(result).tail_handle)
 
 
 def test_a_failed_publish_is_counted_and_the_request_is_unharmed(hf):

@@ -22,6 +22,7 @@ from kvstore.connector.pool import PoolConnector
 from prefill_worker.engine import PrefillEngine
 from tests.kvstore.lru_block_store import lru_server
 from tests.engine_loops import started, stop
+from tests.handoffs import handoff
 
 GRPC_5S = KVTransferConfig(timeout_s=5)
 
@@ -129,9 +130,9 @@ def test_cache_salt_isolates_tenants(engines, hf):
     b = prefill.prefill(PrefillRequest("salt-b", tuple(prompt), params, cache_salt="tenant-b"))
     a2 = prefill.prefill(PrefillRequest("salt-a2", tuple(prompt), params, cache_salt="tenant-a"))
     assert a.num_cached_tokens == 0 and b.num_cached_tokens == 0 and a2.num_cached_tokens > 0
-    assert set(a.block_keys).isdisjoint(b.block_keys)
+    assert set(handoff(a).block_keys).isdisjoint(handoff(b).block_keys)
     for r in (a, b, a2):
-        prefill.connector.store_client.release_tail(r.tail_handle)
+        prefill.connector.store_client.release_tail(handoff(r).tail_handle)
 
 
 def test_prefix_caching_switch_off_recomputes(engines, eos_model_dir, hf):
@@ -147,7 +148,7 @@ def test_prefix_caching_switch_off_recomputes(engines, eos_model_dir, hf):
     assert off.stats()["num_prefill_tokens_total"] == 2 * len(prompt)
     assert results[0].first_token == results[1].first_token == hf.greedy(prompt, 1)[0]
     for r in results:
-        off.connector.store_client.release_tail(r.tail_handle)
+        off.connector.store_client.release_tail(handoff(r).tail_handle)
 
 
 def test_chunked_prefill_equals_unchunked(engines, eos_model_dir, hf):
@@ -182,7 +183,7 @@ def test_chunked_prefill_equals_unchunked(engines, eos_model_dir, hf):
         stop(decode)
     assert got == hf.greedy(prompt, 12, eos_token_id=[1, 2])
     for r in (a, b):
-        prefill.connector.store_client.release_tail(r.tail_handle)
+        prefill.connector.store_client.release_tail(handoff(r).tail_handle)
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
@@ -365,7 +366,7 @@ def test_concurrent_prefills_share_steps_and_outputs_are_unchanged(engines, eos_
         assert got.first_token == want.first_token == hf.greedy(prompt, 1)[0]
         assert got.first_logprob.logprob == pytest.approx(want.first_logprob.logprob, abs=1e-5)
         # the last (partial) block's KV depends on every earlier token through every layer
-        (kv_got, n_got), (kv_want, n_want) = (prefill.connector.store_client.take_tail(r.tail_handle)
+        (kv_got, n_got), (kv_want, n_want) = (prefill.connector.store_client.take_tail(handoff(r).tail_handle)
                                               for r in (got, want))
         assert n_got == n_want == len(prompt) % 16
         assert (kv_got - kv_want).abs().max() < 1e-4

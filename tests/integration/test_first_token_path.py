@@ -21,7 +21,7 @@ from engine.protocol import PrefillRequest, SamplingParams
 from engine.runner import ModelRunner
 from kvstore.client import KVStoreClient
 from kvstore.config import KVStoreConfig
-from kvstore.events import BlockStored
+from engine.core.kv_events import BlockStored
 from kvstore.index import Location, MemoryIndex
 from kvstore.connector.pool import PoolConnector
 from prefill_worker.engine import PrefillEngine
@@ -31,6 +31,7 @@ from router.policies import DEFAULT_POLICY
 from router.policies.live_loads import LedgerLoads
 from tests.engine_loops import started, stop
 from tests.kvstore.lru_block_store import lru_server
+from tests.handoffs import handoff
 
 NODE = "node-p"
 ACTOR_CALLS = 1  # PrefillWorker.prefill's first item
@@ -105,8 +106,8 @@ def first_token_calls(world, request_id: str, prompt: list[int]):
         calls.made.clear()
     decision = conductor.decide(RouteRequest(request_id, tuple(prompt)), ["p0"], ["d0"])
     params = SamplingParams(max_tokens=4, temperature=0)
-    first, result = engine.add_request(PrefillRequest(request_id, tuple(prompt), params,
-                                                      kv_plan=decision.kv_plan))
+    first, result = engine.add_request(PrefillRequest(
+        request_id, tuple(prompt), params, kv_transfer_params={"prefix_plan": decision.kv_plan}))
     first_at: list[float] = []
     first.add_done_callback(lambda _: first_at.append(time.monotonic()))
     out = result.result(timeout=60)
@@ -122,7 +123,7 @@ def test_a_cold_request_waits_on_the_index_lookup_and_the_prefill_call_only(worl
     # publishing did happen, after the first token: blocks, tail, G1 events
     assert {"node_store.put", "kv_store.put_tail", "index.apply_events"} <= set(after)
     assert first.token == result.first_token == hf.greedy(prompt, 1)[0]
-    world[3].release_tail(result.tail_handle)
+    world[3].release_tail(handoff(result).tail_handle)
 
 
 def test_a_planned_prefix_load_is_the_third_call(world, hf):
@@ -132,14 +133,14 @@ def test_a_planned_prefix_load_is_the_third_call(world, hf):
     engine, _, index, client, _ = world
     base = hf.encode("One day, a big dog named Max found a red ball in the park. " * 3)
     _, _, warm, _ = first_token_calls(world, "warm-0", base)
-    client.release_tail(warm.tail_handle)
+    client.release_tail(handoff(warm).tail_handle)
     assert engine.reset_prefix_cache()
     time.sleep(0.2)  # its index events, sent off the engine loop
-    index.apply_events(Location(NODE, "host"), [BlockStored(warm.block_keys)])
+    index.apply_events(Location(NODE, "host"), [BlockStored(handoff(warm).block_keys)])
     prompt = base + hf.encode(" Max was happy.", add_special_tokens=False)
     before, _, result, first = first_token_calls(world, "warm-1", prompt)
     assert before == ["index.longest_prefix", "node_store.get"]
     assert len(before) + ACTOR_CALLS <= 3
-    assert result.num_cached_tokens == len(warm.block_keys) * 16 > 0
+    assert result.num_cached_tokens == len(handoff(warm).block_keys) * 16 > 0
     assert first.token == hf.greedy(prompt, 1)[0]
-    client.release_tail(result.tail_handle)
+    client.release_tail(handoff(result).tail_handle)

@@ -15,12 +15,13 @@ pytest.importorskip("mooncake.store", reason="needs pdcluster[mooncake] and libi
 from deploy.cli import _overrides, _parser  # noqa: E402
 from deploy.config import load_config  # noqa: E402
 from engine.config import BUNDLED_MODEL, EngineConfig  # noqa: E402
-from engine.protocol import PrefillRequest, PrefixPlan, SamplingParams  # noqa: E402
+from engine.protocol import PrefillRequest, SamplingParams  # noqa: E402
+from kvstore.handoff import PrefixPlan  # noqa: E402
 from engine.runner import ModelRunner  # noqa: E402
 from kvstore.client import KVStoreClient  # noqa: E402
 from kvstore.config import KVStoreConfig  # noqa: E402
 from kvstore.connector.pool import PoolConnector  # noqa: E402
-from kvstore.hashing import block_keys, make_namespace  # noqa: E402
+from engine.core.hashing import block_keys, make_namespace  # noqa: E402
 from kvstore.index import KVIndexUnavailableError, Location, open_index  # noqa: E402
 from kvstore.index.mooncake_store import POOL_LOCATION, MooncakeStoreIndex  # noqa: E402
 from kvstore.mooncake_store import MooncakeStoreClient, MooncakeStoreError  # noqa: E402
@@ -31,6 +32,7 @@ from tests.kvstore.lru_block_store import lru_server  # noqa: E402
 from tests.kvstore.mooncake_master import MooncakeMaster  # noqa: E402
 
 PARAMS = SamplingParams(max_tokens=2, temperature=0)
+from tests.handoffs import handoff
 SEGMENT = 32 << 20
 
 
@@ -76,7 +78,8 @@ def planned(request_id: str, prompt: list[int], keys: tuple[bytes, ...], index,
     """The request with the plan a Conductor makes from `index`."""
     locations = index.longest_prefix(list(keys))
     plan = PrefixPlan(keys, tuple(tuple(locs) for locs in locations), len(locations))
-    return PrefillRequest(request_id, tuple(prompt), PARAMS, cache_salt=cache_salt, kv_plan=plan)
+    return PrefillRequest(request_id, tuple(prompt), PARAMS, cache_salt=cache_salt,
+                          kv_transfer_params={"prefix_plan": plan})
 
 
 def put_done(node: Node, count: int, timeout_s: float = 10.0) -> None:
@@ -113,7 +116,7 @@ def test_a_prefix_computed_on_one_node_is_reused_on_the_other(nodes, hf):
     a, b = nodes
     prompt = hf.encode("Once upon a time, there was a little girl named Lily. " * 5)
     warm = a.engine.prefill(PrefillRequest("warm", tuple(prompt), PARAMS))
-    keys = warm.block_keys
+    keys = handoff(warm).block_keys
     assert len(keys) >= 3, len(prompt)
     put_done(a, len(keys))
     # the store holds what node a computed, block for block
@@ -131,7 +134,7 @@ def test_a_prefix_computed_on_one_node_is_reused_on_the_other(nodes, hf):
     assert stats["num_prefill_tokens_total"] == len(prompt) - len(keys) * 16
     assert b.engine.kv_manager.num_free_blocks >= free - len(keys)  # G1 keeps the prefix
     for node, result in ((a, warm), (b, reused)):
-        node.client.release_tail(result.tail_handle)
+        node.client.release_tail(handoff(result).tail_handle)
 
 
 def test_a_tenant_never_reuses_another_tenants_blocks(nodes, hf):
@@ -139,20 +142,20 @@ def test_a_tenant_never_reuses_another_tenants_blocks(nodes, hf):
     prompt = hf.encode("Tom had a small boat. He sailed it on the lake with his dad. " * 4)
     before = a.connector.stats()["kv_mooncake_store_puts_total"]
     first = a.engine.prefill(PrefillRequest("t1", tuple(prompt), PARAMS, cache_salt="tenant-1"))
-    put_done(a, before + len(first.block_keys))
-    assert b.index.lookup(list(first.block_keys)) == [[POOL_LOCATION]] * len(first.block_keys)
+    put_done(a, before + len(handoff(first).block_keys))
+    assert b.index.lookup(list(handoff(first).block_keys)) == [[POOL_LOCATION]] * len(handoff(first).block_keys)
     # the Conductor's keys for tenant 2 (the same prompt): none of them is in the store
     salted = tuple(block_keys(prompt, 16, make_namespace(b.engine.model_id, "tenant-2")))
-    assert len(salted) == len(first.block_keys) and set(salted).isdisjoint(first.block_keys)
+    assert len(salted) == len(handoff(first).block_keys) and set(salted).isdisjoint(handoff(first).block_keys)
     assert b.index.longest_prefix(list(salted)) == []
     other = b.engine.prefill(planned("t2", prompt, salted, b.index, cache_salt="tenant-2"))
-    assert other.block_keys == salted
+    assert handoff(other).block_keys == salted
     assert other.num_cached_tokens == 0 and other.first_token == first.first_token
     # tenant 1 on node b does reuse its own blocks
-    again = b.engine.prefill(planned("t1b", prompt, first.block_keys, b.index, "tenant-1"))
-    assert again.num_cached_tokens == len(first.block_keys) * 16
+    again = b.engine.prefill(planned("t1b", prompt, handoff(first).block_keys, b.index, "tenant-1"))
+    assert again.num_cached_tokens == len(handoff(first).block_keys) * 16
     for node, result in ((a, first), (b, other), (b, again)):
-        node.client.release_tail(result.tail_handle)
+        node.client.release_tail(handoff(result).tail_handle)
 
 
 def test_an_unreachable_store_costs_a_recompute(nodes, hf):
@@ -168,10 +171,11 @@ def test_an_unreachable_store_costs_a_recompute(nodes, hf):
     try:
         keys = tuple(bytes([i + 1]) * 32 for i in range(len(prompt) // 16))
         plan = PrefixPlan(keys, tuple((POOL_LOCATION,) for _ in keys), len(keys))
-        result = engine.prefill(PrefillRequest("dead", tuple(prompt), PARAMS, kv_plan=plan))
+        result = engine.prefill(PrefillRequest("dead", tuple(prompt), PARAMS,
+                                               kv_transfer_params={"prefix_plan": plan}))
         assert result.num_cached_tokens == 0 and result.first_token == hf.greedy(prompt, 1)[0]
         assert engine.stats()["kv_load_failures_total"] == {"recompute": 1, "fail": 0}
-        a.client.release_tail(result.tail_handle)
+        a.client.release_tail(handoff(result).tail_handle)
     finally:
         stop(engine)
 

@@ -8,7 +8,6 @@ tests/multinode/test_kv_transfer_torch.py.
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 import time
 
@@ -31,6 +30,8 @@ from tests.kvstore.fake_transfer import FakeTransferBackend
 from prefill_worker.engine import PrefillEngine
 from tests.kvstore.lru_block_store import lru_server
 from tests.engine_loops import started, stop
+from tests.handoffs import handoff, with_handoff
+from kvstore.handoff import DecodeHandoff
 
 TORCH = KVTransferConfig(backend="torch", timeout_s=10)
 STORY = ("Once upon a time, there was a little boy named Tim. Tim had a big red ball. He liked "
@@ -93,7 +94,7 @@ def generate(prefill: PrefillEngine, decode: DecodeEngine, request_id: str, prom
              max_tokens: int = 16, **kwargs):
     params = SamplingParams(max_tokens=max_tokens, temperature=0)
     result = prefill.prefill(PrefillRequest(request_id, tuple(prompt), params,
-                                            decode_peer=decode.worker_id))
+                                            kv_transfer_params={"decode_peer": decode.worker_id}))
     return (result, *run_decode(decode, result, prompt, params, **kwargs))
 
 
@@ -115,7 +116,7 @@ def test_torch_pair_carries_every_block_and_output_matches_hf(prefill, decode_to
     assert len(prompt) > 32 and len(prompt) % 16  # full blocks and a tail
     before = dict(decode_torch.stats()["kv_bytes_fetched_by_backend"])
     result, tokens, last = generate(prefill, decode_torch, "pair-1", prompt, 24)
-    assert result.pair_address is not None and tokens == hf.greedy(prompt, 24)
+    assert handoff(result).pair_address is not None and tokens == hf.greedy(prompt, 24)
     assert last.finish_reason is FinishReason.LENGTH
     stats = settled(decode_torch, client)  # the store's copy of the tail was released
     moved = {k: v - before.get(k, 0) for k, v in stats["kv_bytes_fetched_by_backend"].items()}
@@ -124,7 +125,7 @@ def test_torch_pair_carries_every_block_and_output_matches_hf(prefill, decode_to
     # a second request reuses the pair, under the next tag
     again, tokens, _ = generate(prefill, decode_torch, "pair-2", prompt, 24)
     assert tokens == hf.greedy(prompt, 24)
-    assert (again.pair_address, again.pair_tag) == (result.pair_address, result.pair_tag + 1)
+    assert (handoff(again).pair_address, handoff(again).pair_tag) == (handoff(result).pair_address, handoff(result).pair_tag + 1)
     assert prefill.stats()["kv_pairs_opened_total"] == 1
     settled(decode_torch, client)
 
@@ -136,9 +137,9 @@ def test_broken_pair_falls_back_to_the_store(prefill, store, hf):
     decode = decode_engine("decode-fb", KVTransferConfig(backend="torch", timeout_s=1))
     try:
         result = prefill.prefill(PrefillRequest("fb", tuple(prompt), params))  # no push
-        assert result.pair_address is None
+        assert handoff(result).pair_address is None
         # nobody serves this pair: the torch receive fails within its 1 s setup timeout
-        dead = dataclasses.replace(result, pair_address=f"127.0.0.1:{_free_port()}")
+        dead = with_handoff(result, pair_address=f"127.0.0.1:{_free_port()}")
         start = time.monotonic()
         tokens, last = run_decode(decode, dead, prompt, params)
         assert tokens == hf.greedy(prompt, 12) and last.error is None
@@ -163,7 +164,7 @@ def test_abort_and_unfetched_pushes_keep_the_pair_healthy(prefill, decode_torch,
     small = decode_engine("decode-small", TORCH, num_kv_blocks=4)
     try:
         result, _, last = generate(prefill, small, "too-big", prompt, 40)
-        assert result.pair_address is not None
+        assert handoff(result).pair_address is not None
         assert last.finish_reason is FinishReason.ERROR and "KV blocks" in last.error
         short = hf.encode("The cat")
         _, tokens, _ = generate(prefill, small, "fits", short, 8)
@@ -198,14 +199,14 @@ def test_injected_fetch_failure_retries_then_recomputes(prefill, store, hf):
         assert stats["kv_transfer_errors_by_backend"] == {"fake": {"error": 2}}
 
         second = prefill.prefill(PrefillRequest("fake-2", tuple(prompt), params))
-        blocks = client.get_blocks(list(second.block_keys))
-        fake.blocks.update(zip(second.block_keys, blocks))
-        fake.tails[second.tail_handle] = client.take_tail(second.tail_handle)
+        blocks = client.get_blocks(list(handoff(second).block_keys))
+        fake.blocks.update(zip(handoff(second).block_keys, blocks))
+        fake.tails[handoff(second).tail_handle] = client.take_tail(handoff(second).tail_handle)
         tokens, last = run_decode(decode, second, prompt, params)
         assert tokens == hf.greedy(prompt, 12) and last.error is None
         stats = settled(decode, client)
         # the first request's blocks stayed in the decode's prefix cache: only the tail moves
-        assert stats["kv_blocks_reused_total"] == len(second.block_keys)
+        assert stats["kv_blocks_reused_total"] == len(handoff(second).block_keys)
         assert stats["kv_bytes_fetched_by_backend"] == {
             "fake": 1 * decode.runner.kv_cache.block_nbytes}
         assert fake.calls == 3 and stats["num_fetch_recomputes_total"] == 1
@@ -220,8 +221,8 @@ def test_abort_stops_writes_before_the_blocks_are_freed():
     fake = FakeTransferBackend(blocks={key: torch.ones(cache.block_shape)}, delay_s=0.3)
     connector = FetchConnector(KVTransferConfig(), backend=fake)
     connector.register_kv_caches(cache)
-    result = PrefillResult("r", 0, "127.0.0.1:1", (key,), None, 0, 0, "p", 0)
-    fetch = KVFetch(connector, [3], result)
+    result = DecodeHandoff("127.0.0.1:1", (key,))
+    fetch = KVFetch(connector, "r", [3], result)
     assert fetch.poll() is TransferState.TRANSFERRING
     assert fetch.abort() is True  # nothing more will be written
     time.sleep(0.4)
@@ -229,7 +230,7 @@ def test_abort_stops_writes_before_the_blocks_are_freed():
     assert not cache.read_blocks([3]).any()
     assert connector.stats()["kv_bytes_fetched_total"] == 0
 
-    done = KVFetch(connector, [5], result)
+    done = KVFetch(connector, "r", [5], result)
     time.sleep(0.35)
     assert done.poll() is TransferState.SUCCESS
     assert torch.equal(cache.read_blocks([5])[0], torch.ones(cache.block_shape))

@@ -21,7 +21,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.kv_cache import PagedKVCache
-from engine.protocol import PrefillRequest, PrefillResult, SamplingParams
+from engine.protocol import PrefillRequest, SamplingParams
 from engine.runner import ModelRunner
 from kvstore.config import KVTransferConfig
 from kvstore.connector.fetch import FetchConnector, KVFetch
@@ -34,6 +34,8 @@ from prefill_worker.engine import PrefillEngine
 from tests.engine_loops import started, stop
 from tests.integration.test_kv_transfer_backends import (  # noqa: F401 — the store fixture
     STORY, _free_port, decode_engine, generate, run_decode, settled, store)
+from tests.handoffs import handoff, with_handoff
+from kvstore.handoff import DecodeHandoff
 
 pytest.importorskip("mooncake.engine", reason="needs pdcluster[mooncake] and libibverbs1")
 
@@ -84,7 +86,7 @@ def test_te_carries_every_block_into_the_cache_and_output_matches_hf(prefill, de
     before = dict(decode.stats()["kv_bytes_fetched_by_backend"])
     base = prefill.stats()["kv_mooncake_regions_released_total"]
     result, tokens, _ = generate(prefill, decode, "mc-1", prompt, 24)
-    assert isinstance(result.kv_region, RemoteRegion) and tokens == hf.greedy(prompt, 24)
+    assert isinstance(handoff(result).kv_region, RemoteRegion) and tokens == hf.greedy(prompt, 24)
     stats = settled(decode, client)  # every block back, the store's tail released
     moved = {k: v - before.get(k, 0) for k, v in stats["kv_bytes_fetched_by_backend"].items()}
     num_blocks = -(-len(prompt) // 16)
@@ -102,7 +104,7 @@ def test_cross_layer_caches_move_whole_blocks_and_output_matches_hf(store, hf):
     try:
         prompt = hf.encode(STORY)
         result, tokens, _ = generate(prefill, decode, "mc-cross", prompt, 24)
-        assert isinstance(result.kv_region, RemoteRegion) and result.kv_region.block_major
+        assert isinstance(handoff(result).kv_region, RemoteRegion) and handoff(result).kv_region.block_major
         assert tokens == hf.greedy(prompt, 24)
         stats = settled(decode, client)
         assert stats["kv_bytes_fetched_by_backend"] == {
@@ -139,7 +141,7 @@ def test_unreachable_region_falls_back_to_the_store(prefill, store, hf, fault, r
     decode = decode_engine("decode-mc-fb", KVTransferConfig(backend="mooncake", timeout_s=5))
     try:
         result = prefill.prefill(PrefillRequest(f"fb-{fault}", tuple(prompt), params))
-        region = result.kv_region
+        region = handoff(result).kv_region
         if fault == "dead source":
             region = dataclasses.replace(region, session=f"127.0.0.1:{_free_port()}")
         elif fault == "silent source":
@@ -148,7 +150,7 @@ def test_unreachable_region_falls_back_to_the_store(prefill, store, hf, fault, r
         else:
             region = dataclasses.replace(region, expires_at=time.time() + 3)
         start = time.monotonic()
-        tokens, last = run_decode(decode, dataclasses.replace(result, kv_region=region), prompt,
+        tokens, last = run_decode(decode, with_handoff(result, kv_region=region), prompt,
                                   params)
         assert tokens == hf.greedy(prompt, 12) and last.error is None
         assert time.monotonic() - start < 12
@@ -177,9 +179,9 @@ def test_full_buffer_and_unfetched_regions(store, hf):
     try:
         held = prefill.prefill(PrefillRequest("held", tuple(prompt), params))
         full = prefill.prefill(PrefillRequest("full", tuple(prompt), params))
-        assert held.kv_region is not None and full.kv_region is None
+        assert handoff(held).kv_region is not None and handoff(full).kv_region is None
         assert prefill.stats()["kv_mooncake_buffer_full_total"] == 1
-        client.release_tail(held.tail_handle)  # nobody will read "held"
+        client.release_tail(handoff(held).tail_handle)  # nobody will read "held"
         tokens, _ = run_decode(decode, full, prompt, params)
         assert tokens == hf.greedy(prompt, 8)
         assert set(settled(decode, client)["kv_bytes_fetched_by_backend"]) == {"grpc"}
@@ -190,7 +192,7 @@ def test_full_buffer_and_unfetched_regions(store, hf):
 
         # needs more blocks than the worker has: finished at admission, the region released
         result, _, last = generate(prefill, small, "too-big", prompt, 40)
-        assert result.kv_region is not None and "KV blocks" in last.error
+        assert handoff(result).kv_region is not None and "KV blocks" in last.error
         released(prefill, 1)
         settled(small, client)
     finally:
@@ -246,8 +248,8 @@ def _source(num_blocks: int = 6, layout: str = "layer"):
         cache.v[layer].normal_()
     connector = MooncakeConnector(MOONCAKE, lease_s=60)
     connector.register_kv_caches(cache)
-    request = type("R", (), {"request_id": "r", "runs_alone": False,
-                             "request": PrefillRequest("r", (1,), SamplingParams(max_tokens=4))})
+    request = type("R", (), {"request_id": "r", "runs_alone": False, "max_tokens": 4,
+                             "kv_transfer_params": None})
     ids = random.Random(0).sample(range(16), num_blocks)
     _, params = connector.request_finished(request, ids)
     return cache, connector, ids, params["kv_region"]
@@ -314,9 +316,8 @@ def test_blocks_stay_quarantined_until_te_reports(event):
     backend = SlowBackend(MOONCAKE.model_copy(update={"timeout_s": 0.2}))
     fetch_connector = FetchConnector(MOONCAKE, backend=backend)
     fetch_connector.register_kv_caches(runner_cache)
-    result = PrefillResult("r", 0, "127.0.0.1:1", (b"k",) * 5, "tail", 3, 0, "p", 0,
-                           kv_region=region)
-    fetch = KVFetch(fetch_connector, list(range(6)), result)
+    result = DecodeHandoff("127.0.0.1:1", (b"k",) * 5, "tail", 3, kv_region=region)
+    fetch = KVFetch(fetch_connector, "r", list(range(6)), result)
     assert fetch.path == "mooncake"
     time.sleep(0.3)  # the read is done, TE has not said so; the deadline has passed
     if event == "abort":

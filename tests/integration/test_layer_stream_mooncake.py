@@ -27,6 +27,7 @@ from prefill_worker.engine import PrefillEngine, RequestAborted
 from tests.engine_loops import started, stop
 from tests.integration.test_transfer_faults import store  # noqa: F401 — the store fixture
 from tests.kvstore.local_peers import LocalStreamPeers
+from tests.handoffs import handoff
 
 pytest.importorskip("mooncake.engine", reason="needs pdcluster[mooncake] and libibverbs1")
 
@@ -65,7 +66,7 @@ def generate(prefill, decode, request_id: str, prompt: list[int], abort_after: i
     """Prefill with the decode as its stream's peer, then decode; returns (tokens, last
     delta). ``abort_after``: abort the request once that many tokens came."""
     result = prefill.prefill(PrefillRequest(request_id, tuple(prompt), GREEDY,
-                                            decode_peer="decode-te"))
+                                            kv_transfer_params={"decode_peer": "decode-te"}))
     deltas: queue.SimpleQueue = queue.SimpleQueue()
     decode.add_request(DecodeRequest(request_id, tuple(prompt), GREEDY, result), deltas.put)
     tokens = [result.first_token]
@@ -100,7 +101,7 @@ def test_pieces_go_over_te_as_layers_end_and_output_matches_hf(engines, store, h
     before = decode.stats()["kv_bytes_fetched_by_backend"].get("layer-mooncake", 0)
     result, tokens, last = generate(prefill, decode, "te-ls-1", prompt)
     assert last.error is None and tokens == hf.greedy(prompt, 16)
-    stream = result.layer_stream
+    stream = handoff(result).layer_stream
     assert stream is not None and stream.region is not None and len(stream.pieces) > 10
     timings = decode.kv_timings["te-ls-1"]
     assert timings["paths"] == ["layer"]
@@ -163,7 +164,7 @@ def test_aborts_bring_every_block_and_region_back(engines, store, hf):
     try:
         with pytest.raises(RequestAborted):
             prefill.prefill(PrefillRequest("te-ls-mid", tuple(prompt), GREEDY,
-                                           decode_peer="decode-te"))
+                                           kv_transfer_params={"decode_peer": "decode-te"}))
     finally:
         RegionSource.set_progress = set_progress
     settled(prefill, decode, regions, client)

@@ -154,7 +154,8 @@ def test_prefill_abort_mid_stream_frees_both_sides(layer_cluster, hf):
     ray.get(prefill.inject_fault.remote("layer_delay", 0.01))  # ~1.5 s of compute
     try:
         first, result = prefill.prefill.options(num_returns=2).remote(
-            PrefillRequest("ls-abort", tuple(prompt), params, decode_peer=decode.worker_id))
+            PrefillRequest("ls-abort", tuple(prompt), params,
+                           kv_transfer_params={"decode_peer": decode.worker_id}))
         deadline = time.monotonic() + 10
         while not (timings := kv_timings(layer_cluster, "ls-abort")) \
                 or not timings["num_taken"]:  # announced, reserved, a first piece landed

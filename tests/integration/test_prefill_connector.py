@@ -7,12 +7,13 @@ from __future__ import annotations
 import pytest
 
 from engine.config import BUNDLED_MODEL, EngineConfig
-from engine.protocol import PrefillRequest, PrefixPlan, SamplingParams
+from engine.protocol import PrefillRequest, SamplingParams
+from kvstore.handoff import PrefixPlan
 from engine.runner import ModelRunner
 from kvstore.client import KVStoreClient
 from kvstore.config import KVStoreConfig
 from kvstore.connector import KV_CONNECTORS, connector_class, prefill_connector_names
-from kvstore.connector.base import KVConnector
+from engine.core.kv_connector import KVConnector
 from kvstore.connector.pool import PoolConnector
 from kvstore.errors import KVLoadError, KVTransferError
 from kvstore.index import Location
@@ -20,6 +21,7 @@ from prefill_worker.engine import PrefillEngine
 from tests.engine_loops import started, stop
 from tests.kvstore.faulty_connector import FaultyConnector
 from tests.kvstore.lru_block_store import lru_server
+from tests.handoffs import handoff
 
 NODE = "node-c"
 PARAMS = SamplingParams(max_tokens=2, temperature=0)
@@ -49,7 +51,7 @@ def engine(store):
 def planned(request_id: str, prompt: list[int], keys: tuple[bytes, ...]) -> PrefillRequest:
     """The request with the plan a Conductor makes when this node's G2 holds ``keys``."""
     plan = PrefixPlan(keys, tuple((Location(NODE, "host"),) for _ in keys), len(keys))
-    return PrefillRequest(request_id, tuple(prompt), PARAMS, kv_plan=plan)
+    return PrefillRequest(request_id, tuple(prompt), PARAMS, kv_transfer_params={"prefix_plan": plan})
 
 
 def test_registry_builds_every_connector_by_name():
@@ -69,13 +71,13 @@ def test_a_planned_load_is_reused_and_a_failed_one_is_recomputed(engine, store, 
     assert engine.reset_prefix_cache()  # G1 forgets: the prefix is in the store only
     free = engine.kv_manager.num_free_blocks
 
-    loaded = engine.prefill(planned("loaded", prompt, warm.block_keys))
-    assert loaded.num_cached_tokens == len(warm.block_keys) * 16 > 0
+    loaded = engine.prefill(planned("loaded", prompt, handoff(warm).block_keys))
+    assert loaded.num_cached_tokens == len(handoff(warm).block_keys) * 16 > 0
     assert loaded.first_token == warm.first_token == hf.greedy(prompt, 1)[0]
     assert engine.reset_prefix_cache()
 
     faulty.fail_loads = True
-    recomputed = engine.prefill(planned("recomputed", prompt, warm.block_keys))
+    recomputed = engine.prefill(planned("recomputed", prompt, handoff(warm).block_keys))
     assert recomputed.num_cached_tokens == 0
     assert recomputed.first_token == warm.first_token
     assert engine.stats()["num_prefill_tokens_total"] == 2 * len(prompt) + (
@@ -83,7 +85,7 @@ def test_a_planned_load_is_reused_and_a_failed_one_is_recomputed(engine, store, 
     assert engine.kv_manager.num_free_blocks == free
     assert engine.stats()["kv_load_failures_total"] == {"recompute": 1, "fail": 0}
     for result in (warm, loaded, recomputed):
-        client.release_tail(result.tail_handle)
+        client.release_tail(handoff(result).tail_handle)
 
 
 def test_a_failed_load_ends_the_request_under_the_fail_policy(store, hf):
@@ -99,13 +101,13 @@ def test_a_failed_load_ends_the_request_under_the_fail_policy(store, hf):
         free = engine.kv_manager.num_free_blocks
         faulty.fail_loads = True
         with pytest.raises(KVLoadError, match="injected load failure"):
-            engine.prefill(planned("failed", prompt, warm.block_keys))
+            engine.prefill(planned("failed", prompt, handoff(warm).block_keys))
         assert engine.kv_manager.num_free_blocks == free  # every block back
         assert engine.stats()["kv_load_failures_total"] == {"recompute": 0, "fail": 1}
         faulty.fail_loads = False  # the engine goes on serving
         assert engine.prefill(PrefillRequest("after", tuple(prompt), PARAMS)).first_token == \
             warm.first_token
-        client.release_tail(warm.tail_handle)
+        client.release_tail(handoff(warm).tail_handle)
         client.release_tail("tail:after")
     finally:
         stop(engine)

@@ -10,7 +10,6 @@ receiver never moves (a transfer that hangs until its deadline), as a fake is al
 
 from __future__ import annotations
 
-import dataclasses
 import queue
 import time
 
@@ -33,6 +32,7 @@ from tests.kvstore.local_peers import LocalStreamPeers
 from prefill_worker.engine import PrefillEngine
 from tests.kvstore.lru_block_store import lru_server
 from tests.engine_loops import started, stop
+from tests.handoffs import handoff, with_handoff
 
 TIMEOUT_S = 1.0
 STORY = ("Once upon a time, there was a little boy named Tim. Tim had a big red ball. He liked "
@@ -113,7 +113,7 @@ def decode_engine(backend: KVTransferBackend | None = None,
 def prefill_for(prefill: PrefillEngine, request_id: str, prompt: list[int],
                 params: SamplingParams, stream: bool) -> PrefillResult:
     return prefill.prefill(PrefillRequest(request_id, tuple(prompt), params,
-                                          decode_peer="lost" if stream else None))
+                                          kv_transfer_params={"decode_peer": "lost"} if stream else None))
 
 
 def decode(engine: DecodeEngine, result: PrefillResult, prompt: list[int],
@@ -178,8 +178,8 @@ def test_stalled_store_is_retried_then_the_prompt_recomputed(prefill, store, hf,
             want = decode(engine, prefill_for(prefill, f"ok-{params.temperature}", prompt,
                                               params, False), prompt, params)
             result = prefill_for(prefill, f"stalled-{params.temperature}", prompt, params, False)
-            client.release_tail(result.tail_handle)  # the stalled store is the only holder
-            stalled = dataclasses.replace(result, kv_address=stalled_address)
+            client.release_tail(handoff(result).tail_handle)  # the stalled store is the only holder
+            stalled = with_handoff(result, kv_address=stalled_address)
             assert decode(engine, stalled, prompt, params) == want
             timings = engine.kv_timings[result.request_id]
             assert timings["paths"] == ["grpc", "grpc"] and timings["recomputed"] is True
@@ -206,11 +206,10 @@ def test_under_the_fail_policy_a_failed_fetch_ends_the_request(prefill, store, h
     engine = decode_engine(kv_load_failure_policy="fail")
     try:
         result = prefill_for(prefill, "stalled-fail", prompt, GREEDY, False)
-        client.release_tail(result.tail_handle)  # the stalled store is the only holder
+        client.release_tail(handoff(result).tail_handle)  # the stalled store is the only holder
         deltas: queue.SimpleQueue = queue.SimpleQueue()
         engine.add_request(DecodeRequest(result.request_id, tuple(prompt), GREEDY,
-                                         dataclasses.replace(result,
-                                                             kv_address=stalled_address)),
+                                         with_handoff(result, kv_address=stalled_address)),
                            deltas.put)
         delta = deltas.get(timeout=60)
         assert delta.finish_reason is FinishReason.ERROR and delta.token_ids == ()
@@ -234,7 +233,7 @@ def test_stalled_layer_stream_falls_back_to_the_store(prefill, store, hf):
     engine = decode_engine()
     try:
         result = prefill_for(prefill, "ls-stall", prompt, GREEDY, True)
-        stream = result.layer_stream
+        stream = handoff(result).layer_stream
         assert stream is not None and len(stream.pieces) > 10
         middle = len(stream.pieces) // 2
         assert client.release_tail(stream.handle(middle))

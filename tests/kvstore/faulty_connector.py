@@ -3,7 +3,7 @@ demand: a save that fails for chosen requests, a load that lands nothing."""
 
 from __future__ import annotations
 
-from kvstore.connector.base import KVConnector, LoadOutcome
+from engine.core.kv_connector import KVConnector, LoadOutcome
 from kvstore.errors import KVTransferError
 
 

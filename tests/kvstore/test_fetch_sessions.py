@@ -11,7 +11,7 @@ import torch
 
 from kvstore.client import KVStoreClient
 from kvstore.errors import BlockNotFoundError, KVTransferError
-from kvstore.hashing import block_keys, make_namespace
+from engine.core.hashing import block_keys, make_namespace
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto import kvstore_pb2_grpc as pb_grpc
 from kvstore.transfer.wire import decode_block_data

@@ -9,9 +9,10 @@ import uuid
 import pytest
 import torch
 
-from kvstore.hashing import block_keys, make_namespace
+from engine.core.hashing import block_keys, make_namespace
 from kvstore.index import KVIndex, Location, MemoryIndex, open_index
 from tests.engine_loops import started, stop
+from tests.handoffs import handoff
 
 
 def make_keys(num_blocks: int) -> list[bytes]:
@@ -120,12 +121,12 @@ def test_prefill_worker_reannounces_its_g1_blocks_after_redis_restarts_empty(
     try:
         index.heartbeat("node-x", 30.0)
         first = engine.prefill(PrefillRequest("r1", tuple(range(5, 45)), params))
-        assert all(mine in locs for locs in index.lookup(list(first.block_keys)))
+        assert all(mine in locs for locs in index.lookup(list(handoff(first).block_keys)))
         fresh_redis_server.restart(kill=True)  # back on the same port, empty
         index.heartbeat("node-x", 30.0)
-        assert index.lookup(list(first.block_keys)) == [[], []]
+        assert index.lookup(list(handoff(first).block_keys)) == [[], []]
         engine.prefill(PrefillRequest("r2", tuple(range(100, 120)), params))
-        assert all(mine in locs for locs in index.lookup(list(first.block_keys)))
+        assert all(mine in locs for locs in index.lookup(list(handoff(first).block_keys)))
         assert engine.stats()["g1_reannouncements_total"] == 1
         engine.prefill(PrefillRequest("r3", tuple(range(200, 220)), params))
         assert engine.stats()["g1_reannouncements_total"] == 1  # nothing lost since

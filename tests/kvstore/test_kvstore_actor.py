@@ -15,7 +15,7 @@ from kvstore.actor import (KVSTORE_ACTOR_PREFIX, kvstore_actor,  # noqa: E402
 from kvstore.client import KVStoreClient  # noqa: E402
 from kvstore.config import KVStoreConfig  # noqa: E402
 from kvstore.errors import KVStoreError, KVTransferError  # noqa: E402
-from kvstore.hashing import block_keys, make_namespace  # noqa: E402
+from engine.core.hashing import block_keys, make_namespace  # noqa: E402
 from kvstore.index import Location, open_index  # noqa: E402
 from kvstore.layout import BlockLayout  # noqa: E402
 from kvstore.node_store import HOST  # noqa: E402

@@ -9,7 +9,7 @@ import torch
 from kvstore.client import KVStoreClient
 from kvstore.config import KVStoreConfig
 from kvstore.errors import KVAuthError
-from kvstore.hashing import block_keys, make_namespace
+from engine.core.hashing import block_keys, make_namespace
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto import kvstore_pb2_grpc as pb_grpc
 from tests.kvstore.lru_block_store import lru_server

@@ -11,7 +11,7 @@ from kvstore.client import KVStoreClient
 from kvstore.config import KVStoreConfig
 from kvstore.errors import (BlockLayoutError, BlockNotFoundError, KVTransferError,
                             StoreCapacityError)
-from kvstore.hashing import block_keys, make_namespace
+from engine.core.hashing import block_keys, make_namespace
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto import kvstore_pb2_grpc as pb_grpc
 from kvstore.transfer.runs import budget_runs

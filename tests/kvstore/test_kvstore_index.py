@@ -8,8 +8,8 @@ import uuid
 
 import pytest
 
-from kvstore.events import AllCleared, BlockRemoved, BlockStored
-from kvstore.hashing import block_keys, make_namespace
+from engine.core.kv_events import AllCleared, BlockRemoved, BlockStored
+from engine.core.hashing import block_keys, make_namespace
 from kvstore.index import KVIndex, Location, MemoryIndex, open_index
 
 NODE_A, NODE_B = "node-a", "node-b"

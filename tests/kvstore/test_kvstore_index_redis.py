@@ -9,8 +9,8 @@ import pytest
 redis = pytest.importorskip("redis")
 from redis.connection import AbstractConnection  # noqa: E402
 
-from kvstore.events import BlockStored  # noqa: E402
-from kvstore.hashing import block_keys, make_namespace  # noqa: E402
+from engine.core.kv_events import BlockStored  # noqa: E402
+from engine.core.hashing import block_keys, make_namespace  # noqa: E402
 from kvstore.index import KVIndexUnavailableError, Location  # noqa: E402
 from kvstore.index.redis_index import RedisIndex  # noqa: E402
 

@@ -9,7 +9,7 @@ import torch
 from kvstore.client import KVStoreClient
 from kvstore.config import KVStoreConfig, KVTransferConfig
 from kvstore.errors import (BlockLayoutError, BlockNotFoundError, KVAuthError, KVTransferError)
-from kvstore.hashing import block_keys, make_namespace
+from engine.core.hashing import block_keys, make_namespace
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.transfer.base import FetchRequest, TransferState
 from kvstore.transfer.dest import CallbackDest

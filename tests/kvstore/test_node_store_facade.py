@@ -11,7 +11,7 @@ import torch
 from kvstore.client import KVStoreClient
 from kvstore.config import KVStoreConfig
 from kvstore.errors import BlockLayoutError, StoreCapacityError
-from kvstore.hashing import block_keys, make_namespace
+from engine.core.hashing import block_keys, make_namespace
 from kvstore.index import Location, MemoryIndex, open_index
 from kvstore.layout import BlockLayout
 from kvstore.node_store import TieredNodeStore

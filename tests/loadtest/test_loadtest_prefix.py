@@ -2,7 +2,7 @@
 
 import pytest
 
-from kvstore.hashing import block_keys
+from engine.core.hashing import block_keys
 from loadtest.prefix import offline_prefix_hits
 
 B = 4
@@ -34,7 +34,7 @@ def test_uncapped_and_full_block_denominator():
 
 
 def test_keys_are_chained():
-    """The offline bound keys blocks as the workers do (kvstore.hashing)."""
+    """The offline bound keys blocks as the workers do (engine.core.hashing)."""
     a = block_keys([1, 2, 3, 4, 5, 6, 7, 8], B, b"")
     b = block_keys([5, 6, 7, 8], B, b"")
     assert len(a) == 2 and a[1] != b[0]

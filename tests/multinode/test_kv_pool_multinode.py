@@ -27,6 +27,7 @@ from prefill_worker.actor import PrefillWorker
 from router.decode_outputs import DecodeOutputs
 from router.pipeline import _stream_decode
 from router.registry import Instance
+from tests.handoffs import handoff
 
 pytestmark = pytest.mark.slow
 
@@ -172,7 +173,7 @@ def test_tier_round_trip_through_ssd(nodes, hf):
     prompt = story_prompt(hf, "Round trip.")
     want = hf.greedy(prompt, 12)
     cold = prefill_then_push_to_ssd(env, hf, "rt", prompt)
-    locations = env["index"].lookup(list(cold.block_keys))
+    locations = env["index"].lookup(list(handoff(cold).block_keys))
     assert all(any(loc.tier == "ssd" for loc in locs) for locs in locations[:8])
     assert ray.get(env["prefill_a"].reset_prefix_cache.remote())
     before = hits(env["prefill_a"]).get("ssd", 0)

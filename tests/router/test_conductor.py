@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvstore.hashing import block_keys, make_namespace
+from engine.core.hashing import block_keys, make_namespace
 from kvstore.index import Location, MemoryIndex
 from router.admission import SLO
 from router.conductor import (Conductor, Instance, InstanceRegistry, NoInstanceError,

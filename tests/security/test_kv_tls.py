@@ -17,7 +17,7 @@ from cryptography.x509.oid import NameOID
 from kvstore.client import KVStoreClient
 from kvstore.config import KVStoreConfig, KVTLSConfig
 from kvstore.errors import KVStoreError, KVTransferError
-from kvstore.hashing import block_keys, make_namespace
+from engine.core.hashing import block_keys, make_namespace
 from tests.kvstore.lru_block_store import lru_server
 
 TOKEN = "tls-test-kv-token"

@@ -12,7 +12,8 @@ both halves:
   - ``update_state_after_alloc``: the request now holds its blocks, so plan the load into them;
   - ``request_finished``: the request's compute is done; say what the next hop needs.
 * worker side
-  - ``bind_connector_metadata``: the step about to run (which request's tokens);
+  - ``build_connector_meta`` / ``bind_connector_metadata``: one metadata object per step, the
+    prompt chunks it computes;
   - ``start_load_kv``: start the planned loads, never blocking;
   - ``wait_for_layer_load`` / ``save_kv_layer``: per decoder layer, around its attention
     (inside the forward, compiled or eager);
@@ -22,23 +23,23 @@ both halves:
 Every call comes from the engine loop's thread, except ``abort``, which may come from any
 thread (an abort must reach a forward in progress). A connector's own threads do the moving and
 call ``wakeup`` when something settled, so an idle loop polls ``get_finished`` at once.
-Implementations import this module (``kvstore.connector.base``), never the package, so the
-registry in ``kvstore.connector`` makes no cycle.
+
+What one end's connectors tell the other's travels as an opaque ``kv_transfer_params`` dict
+(engine.protocol.KVTransferParams) that the engine carries and never reads. The transports
+themselves live in ``kvstore.connector``, which builds them by name from what a worker has.
 """
 
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 
-from kvstore.client import KVStoreClient
-from kvstore.config import KVStoreConfig, KVTransferConfig
-from kvstore.index import KVIndex
-from kvstore.node_store_api import NodeStore
+#: engine.protocol.KVTransferParams, as a connector reads it
+KVTransferParams = Mapping[str, object]
 
 
 class KVConnectorRequest(Protocol):
@@ -48,8 +49,9 @@ class KVConnectorRequest(Protocol):
     num_prompt_tokens: the prompt's length in tokens; block_table: the cache blocks it holds,
     in position order; num_computed_tokens: prompt tokens whose KV is in those blocks (when
     the scheduler side is asked: the worker's own prefix hits); runs_alone: its forwards have
-    steps of their own; request: the
-    PrefillRequest, whose ``kv_plan``, ``decode_peer`` and ``sampling`` connectors read.
+    steps of their own; max_tokens: output tokens it may generate (1: it ends at its first
+    token, so nothing goes on to a decode); kv_transfer_params: what the other end's
+    connectors (or the gateway) said for it, None when nothing.
     """
 
     request_id: str
@@ -57,10 +59,15 @@ class KVConnectorRequest(Protocol):
     block_table: list[int]
     num_computed_tokens: int
     runs_alone: bool
-    request: Any
 
     @property
     def num_prompt_tokens(self) -> int: ...
+
+    @property
+    def max_tokens(self) -> int: ...
+
+    @property
+    def kv_transfer_params(self) -> KVTransferParams | None: ...
 
 
 class BlockCache(Protocol):
@@ -76,6 +83,23 @@ class BlockCache(Protocol):
     def read_blocks(self, block_ids: Sequence[int]) -> torch.Tensor: ...
 
     def write_blocks(self, block_ids: Sequence[int], data: torch.Tensor) -> None: ...
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    """Tokens ``start .. start + num_tokens`` of a request's prompt, computed in one step."""
+
+    request: KVConnectorRequest
+    start: int
+    num_tokens: int
+
+
+@dataclass(frozen=True)
+class KVConnectorMetadata:
+    """One step as the worker side sees it (vLLM v1's ``KVConnectorMetadata``): the prompt
+    chunks it computes, in batch order (decode rows are not listed: they save nothing)."""
+
+    chunks: tuple[ScheduledChunk, ...] = ()
 
 
 class StepCancelled(RuntimeError):
@@ -96,7 +120,7 @@ class LoadOutcome:
     num_tokens: int = 0
     tokens_by_tier: dict[str, int] = field(default_factory=dict)
     failures: list[str] = field(default_factory=list)
-    detail: dict[str, Any] = field(default_factory=dict)  # diagnostics (paths tried, timings)
+    detail: dict[str, object] = field(default_factory=dict)  # diagnostics (paths, timings)
 
 
 class KVLoadFailurePolicy:
@@ -116,52 +140,11 @@ class KVLoadFailurePolicy:
         return self.policy == "fail"
 
 
-@dataclass
-class KVConnectorContext:
-    """Everything a connector may be built from (``KVConnector.from_context``), so that the
-    registry builds any of them the same way.
-
-    worker_id / node_id: this worker and its Ray node; ray_namespace: where named actors are.
-    kv_config: the KV plane (token, TLS, timeouts, tail TTL); transfer: ``--kv-transfer``.
-    token_budget: tokens per step (max_num_batched_tokens): a layer stream plans its chunks.
-    index: the global index (None: no cluster-wide reuse).
-    local_store: this node's store as a NodeStore (same node: through its arena); None: the
-        gRPC client serves (a store without Ray, as in single-process setups).
-    store_client / store_address: this node's store over gRPC, which other nodes reach
-        (a prefill worker's; a decode worker reaches stores through its transfer backends).
-    remote: other nodes' stores by node id (kvstore.remote.RemoteStores), or None.
-    peers: how to reach decode workers (kvstore.transfer.peers.StreamPeers), or None.
-    device: where the paged cache is ("cpu" or "cuda").
-    te_regions: the worker's TE staging buffer (kvstore.connector.mooncake.RegionSource),
-        built by the first connector that needs it and shared by the others.
-    """
-
-    worker_id: str
-    node_id: str
-    kv_config: KVStoreConfig
-    transfer: KVTransferConfig
-    token_budget: int = 0
-    store_client: KVStoreClient | None = None
-    store_address: str = ""
-    local_store: NodeStore | None = None
-    index: KVIndex | None = None
-    remote: Any = None
-    peers: Any = None
-    ray_namespace: str | None = None
-    device: str = "cpu"
-    te_regions: Any = None
-
-
 class KVConnector(abc.ABC):
     """Moves one worker's KV for its requests (see the module docstring)."""
 
     cache: BlockCache
     wakeup: Callable[[], None] = staticmethod(lambda: None)
-
-    @classmethod
-    @abc.abstractmethod
-    def from_context(cls, ctx: KVConnectorContext) -> KVConnector:
-        """Build from what a worker has (the registry calls this)."""
 
     def register_kv_caches(self, cache: BlockCache) -> None:
         """The cache this connector moves KV into and out of; called once, before any request."""
@@ -180,9 +163,15 @@ class KVConnector(abc.ABC):
         """The request holds ``block_ids`` (all of its prompt's); the ``num_external_tokens``
         after its computed ones are this connector's to fill."""
 
+    def allows_local_prefix(self, request: KVConnectorRequest) -> bool:
+        """Whether the request's KV may start after the worker's own prefix hits. False when
+        this connector writes the whole prompt whatever the worker holds (a push sent before
+        the worker was asked): the engine then takes no hits for it. By default yes."""
+        return True
+
     @abc.abstractmethod
     def request_finished(self, request: KVConnectorRequest, block_ids: Sequence[int]
-                         ) -> tuple[bool, dict[str, Any] | None]:
+                         ) -> tuple[bool, KVTransferParams | None]:
         """The request's compute is done and its KV is in ``block_ids``. Returns
         (delay_free: its blocks must stay held until get_finished reports it; the KV transfer
         params the next hop needs, or None when they come later from get_finished)."""
@@ -193,9 +182,12 @@ class KVConnector(abc.ABC):
         return False
 
     # ---- worker side ------------------------------------------------------------------------
-    def bind_connector_metadata(self, chunks: Sequence[tuple[KVConnectorRequest, int, int]]
-                                ) -> None:
-        """The step about to run: (request, first position, number of tokens) per chunk."""
+    def build_connector_meta(self, chunks: Sequence[ScheduledChunk]) -> KVConnectorMetadata:
+        """Scheduler side: what the worker side needs of the step about to run."""
+        return KVConnectorMetadata(tuple(chunks))
+
+    def bind_connector_metadata(self, metadata: KVConnectorMetadata) -> None:
+        """Worker side: the step about to run (build_connector_meta's)."""
 
     def start_load_kv(self) -> None:
         """Start every load planned since the last call; never blocks."""
@@ -210,7 +202,8 @@ class KVConnector(abc.ABC):
     def wait_for_save(self) -> None:
         """After a forward: what save_kv_layer began must not block the next one."""
 
-    def get_finished(self) -> tuple[dict[str, Any], dict[str, LoadOutcome]]:
+    def get_finished(self) -> tuple[dict[str, KVTransferParams | BaseException],
+                                    dict[str, LoadOutcome]]:
         """(requests whose sends settled since the last call: request id → their KV transfer
         params, or the exception that failed them; requests whose loads settled: request id →
         how the load went)."""

@@ -25,8 +25,8 @@ from collections import Counter
 from itertools import islice
 from typing import Sequence
 
-from kvstore.events import AllCleared, BlockRemoved, BlockStored, KVCacheEvent
-from kvstore.free_queue import FreeBlockQueue
+from engine.core.kv_events import AllCleared, BlockRemoved, BlockStored, KVCacheEvent
+from engine.core.free_queue import FreeBlockQueue
 
 
 class NoFreeBlocksError(RuntimeError):

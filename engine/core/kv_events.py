@@ -5,7 +5,7 @@ A pool appends events as its prefix cache changes and its owner drains them with
 Replaying a pool's events in order reproduces the set of keys it holds. Same roles as vLLM v1's
 ``BlockStored`` / ``BlockRemoved`` / ``AllBlocksCleared`` (``vllm/distributed/kv_events.py``).
 
-Keys are the 32-byte chained sha256 block keys of ``kvstore.hashing``.
+Keys are the 32-byte chained sha256 block keys of ``engine.core.hashing``.
 """
 
 from __future__ import annotations

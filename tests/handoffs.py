@@ -1,0 +1,27 @@
+"""Reading a PrefillResult's hand-off in tests, as the decode's connectors read it."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from engine.protocol import PrefillResult
+from kvstore.handoff import DecodeHandoff
+
+
+def handoff(result: PrefillResult) -> DecodeHandoff:
+    """The typed view of what the prefill's connectors said for ``result``."""
+    return DecodeHandoff.of(result.kv_transfer_params)
+
+
+def with_handoff(result: PrefillResult, **changes: object) -> PrefillResult:
+    """``result`` with some of its hand-off's fields changed (a fault to inject)."""
+    return dataclasses.replace(result,
+                               kv_transfer_params={**result.kv_transfer_params, **changes})
+
+
+def prefill_result(request_id: str, handoff: DecodeHandoff, first_token: int = 0
+                   ) -> PrefillResult:
+    """A PrefillResult with this hand-off, as a prefill's connectors would have made it."""
+    return PrefillResult(request_id, first_token, 0, "p", 0,
+                         kv_transfer_params={f.name: getattr(handoff, f.name)
+                                             for f in dataclasses.fields(handoff)})
