@@ -15,18 +15,21 @@ Lifecycle of a request on a decode worker:
                     were reserved when the prefill announced the request and its layers land
                     while the prefill computes (kv_streams.py), so this state may be short.
                     The engine loop polls the connector once per iteration, never blocks on
-                    it. A fetch that fails after its one retry is replaced by recomputing the
-                    prompt here, into the same blocks.
+                    it. A fetch that fails after its one retry goes back to the scheduler with
+                    num_computed_tokens at its cached blocks: the rest of its prompt is
+                    computed here, into the same blocks, as a colocated prompt is.
 4. RUNNING        — joins the batch at the next step; each step feeds the last token of every
                     running request (one forward token each), samples the next, streams it.
-                    Colocated, a request skips WAITING_FOR_KV: its prompt runs first, in
+                    A request whose KV is behind catches up first (num_computed_tokens up to
+                    all its tokens but the last): colocated (it skips WAITING_FOR_KV), after
+                    a failed fetch, or resumed after preemption by recompute. It runs in
                     chunks of at most max_num_batched_tokens that share the steps' forwards
-                    with the decoding requests (the scheduler's chunked prefill); the last
-                    chunk samples its output token 0.
+                    with the decoding requests (the scheduler's chunked prefill); a new
+                    prompt's last chunk samples its output token 0.
    PREEMPTED      — when a growing request finds no free block, the newest running request
-                    is preempted (its blocks freed, recomputed or swapped to host memory: the
-                    scheduler's preemption policy, engine.core.preemption) and waits at the
-                    head of the queue to resume, output intact.
+                    is preempted (its blocks freed, then caught up again, or swapped to host
+                    memory: the scheduler's preemption policy, engine.core.preemption) and
+                    waits at the head of the queue to resume, output intact.
 5. FINISHED       — EOS / stop id / max_tokens / max_model_len, abort, or a failed fetch; every
                     block it held goes back to the pool in the same loop iteration (an abort
                     during a fetch: once the connector reports it settled, see KVFetch.abort).
@@ -138,6 +141,11 @@ class DecodeSequence:
         prefill = self.request.prefill
         return prefill.kv_transfer_params if prefill is not None else None
 
+    @property
+    def token_ids(self) -> list[int]:
+        """Prompt and output tokens so far."""
+        return [*self.request.prompt_token_ids, *self.output_ids]
+
     def kv_token_ids(self) -> list[int]:
         """The tokens whose KV the request holds: all but the last output token (the next
         step feeds that one); before its first output token, the prompt's computed chunks."""
@@ -203,8 +211,7 @@ class DecodeEngine:
         # prompts from a prefill: blocks found here, so not fetched
         self.kv_blocks_reused_total = 0
         self.scheduler: Scheduler[DecodeSequence] = Scheduler(
-            self.kv, PREEMPTION_MODES[cfg.preemption_mode](self.kv, self._prefill_locally,
-                                                           runner.wire_kv))
+            self.kv, PREEMPTION_MODES[cfg.preemption_mode](self.kv, runner.wire_kv))
         self.num_fetch_recomputes_total = 0
         self._num_fetch_recomputed_tokens = 0
         self.connector = connector
@@ -298,7 +305,9 @@ class DecodeEngine:
         if not running:
             self._g1_feed.send()  # what a batch interval held back
             return False
-        decoding = [s for s in running if s.num_computed_tokens >= s.num_prompt_tokens]
+        # caught up but for its last output token, which this step feeds
+        decoding = [s for s in running
+                    if s.output_ids and s.num_computed_tokens == s.num_tokens - 1]
         self._step(decoding, self.scheduler.schedule_chunks(self.max_num_batched_tokens))
         self._g1_feed.send()
         return True
@@ -426,59 +435,46 @@ class DecodeEngine:
                 log.warning("KV fetch of %s failed, recomputing the prompt here: %s",
                             seq.request_id, outcome.failures[0],
                             extra={"request_id": seq.request_id})
-                if not self._recompute_prompt(seq):
-                    continue
+                self._reschedule_prompt(seq)
                 timings["recomputed"] = True
-            seq.num_computed_tokens = seq.num_prompt_tokens
+            else:
+                seq.num_computed_tokens = seq.num_prompt_tokens
+                self._cache_prompt(seq)
             seq.status = RequestStatus.RUNNING
-            self._cache_prompt(seq)
             timings["admitted_s"] = time.time()
 
-    def _prefill_locally(self, tokens: Sequence[int], block_table: Sequence[int],
-                         start: int = 0) -> None:
-        """Run tokens through the model from position `start` into block_table (their KV
-        only; the KV before `start` is there already), in chunks of at most
-        max_num_batched_tokens."""
-        for offset in range(0, len(tokens), self.max_num_batched_tokens):
-            chunk = tuple(tokens[offset:offset + self.max_num_batched_tokens])
-            self.runner.execute([SequenceChunk(chunk, start + offset, block_table)])
-
-    def _recompute_prompt(self, seq: DecodeSequence) -> bool:
-        """A KV fetch failed for good (after its retry): compute the prompt's KV into seq's
-        blocks here instead (its output so far is kept: output token 0 came from the prefill).
-        False: the recompute failed too and the request ended with an error."""
-        # the blocks admission found cached hold their KV (and may be shared): start after them
-        start = seq.num_cached_tokens
-        prompt = list(seq.request.prompt_token_ids)[start:]
-        try:
-            self._prefill_locally(prompt, seq.block_table, start)
-        except Exception as exc:  # noqa: BLE001 — this request fails, the engine goes on
-            log.exception("recomputing %s failed", seq.request_id,
-                          extra={"request_id": seq.request_id})
-            self._finish(seq, FinishReason.ERROR, f"KV fetch and recompute failed: {exc}")
-            return False
+    def _reschedule_prompt(self, seq: DecodeSequence) -> None:
+        """A KV fetch failed for good (after its retry): the prompt after the blocks admission
+        found cached here (their KV is there, and they may be shared) is computed here instead,
+        in chunks under the token budget beside the running batch, into the same blocks; its
+        output so far is kept (output token 0 came from the prefill)."""
+        seq.num_computed_tokens = seq.num_cached_tokens
         self.num_fetch_recomputes_total += 1
-        self._num_fetch_recomputed_tokens += len(prompt)
-        return True
+        self._num_fetch_recomputed_tokens += seq.num_prompt_tokens - seq.num_cached_tokens
 
     def _step(self, decoding: list[DecodeSequence],
               prefills: list[tuple[DecodeSequence, int]]) -> None:
-        """One forward: the last token of every decoding request, and this step's prompt
-        chunks (colocated). A prompt's last chunk samples its output token 0."""
+        """One forward: the last token of every decoding request, and this step's chunks of
+        the requests catching up (a colocated prompt, a prompt whose fetch failed, a request
+        resumed after preemption by recompute). A new prompt's last chunk samples its output
+        token 0."""
         chunks = [SequenceChunk((s.output_ids[-1],), s.num_tokens - 1, s.block_table)
                   for s in decoding]
         for seq, n in prefills:
             start = seq.num_computed_tokens
-            chunks.append(SequenceChunk(tuple(seq.request.prompt_token_ids[start:start + n]),
-                                        start, seq.block_table))
+            chunks.append(SequenceChunk(tuple(seq.token_ids[start:start + n]), start,
+                                        seq.block_table))
         logits = self.runner.execute(chunks)
+        for seq in decoding:
+            seq.num_computed_tokens += 1
         for seq, n in prefills:
+            before = seq.num_computed_tokens
             seq.num_computed_tokens += n
-            if seq.num_computed_tokens == seq.num_prompt_tokens:
+            if before < seq.num_prompt_tokens <= seq.num_computed_tokens:
                 self._cache_prompt(seq)
-        # every decoding request, then the prompts this step completed, in chunk order
+        # every decoding request, then the new prompts this step completed, in chunk order
         done = [(row, seq) for row, (seq, _) in enumerate(prefills, len(decoding))
-                if seq.num_computed_tokens == seq.num_prompt_tokens]
+                if seq.num_computed_tokens == seq.num_tokens]
         rows = [*range(len(decoding)), *(row for row, _ in done)]
         sampling = decoding + [seq for _, seq in done]
         inputs = [SampleInput(s.request.sampling, s.seed, s.request.prompt_token_ids,

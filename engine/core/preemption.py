@@ -4,12 +4,13 @@ of the scheduler (vLLM's `--preemption-mode` names).
 The scheduler preempts the newest running request (vLLM's policy: last come, first preempted)
 and resumes preempted requests first, before any new one (first come, first served).
 
-- recompute: drop the request's blocks; on resume, re-prefill prompt + generated tokens on this
-  worker (chunked by max_num_batched_tokens) and continue.
+- recompute: drop the request's blocks; on resume, give it blocks for all its tokens with none
+  computed (``num_computed_tokens`` 0): the scheduler then catches its prompt and output up in
+  chunks under the step's token budget, beside the running batch, as vLLM v1 does.
 - swap: copy the request's blocks to host memory and free them; on resume, copy them back.
 
-Either way the request continues with identical output: its KV is rebuilt bit for bit (same
-kernels, same positions) and sampling draws token t from the (seed, t) stream.
+Either way the request continues with identical output: sampling draws token t from the
+(seed, t) stream.
 """
 
 from __future__ import annotations
@@ -25,19 +26,9 @@ from engine.core.request import SchedulableRequest
 
 
 class PreemptedRequest(SchedulableRequest, Protocol):
-    """What resuming needs beyond scheduling: the tokens whose KV the request holds (prompt
-    plus every output token but the last, which the next step feeds), and a slot for a swap."""
+    """What resuming needs beyond scheduling: a slot for a swap's host copy."""
 
     swapped: torch.Tensor | None
-
-    def kv_token_ids(self) -> list[int]: ...
-
-
-class LocalPrefill(Protocol):
-    """Runs `tokens` through the model from position 0 into `block_table`, in chunks (their
-    KV only)."""
-
-    def __call__(self, tokens: Sequence[int], block_table: Sequence[int]) -> None: ...
 
 
 class BlockCopier(Protocol):
@@ -54,7 +45,8 @@ class PreemptionPolicy(abc.ABC):
     """How a preempted request gives its blocks up and gets its KV back.
 
     Attributes:
-        num_recomputed_tokens_total: tokens run through the model again on resume.
+        num_recomputed_tokens_total: computed tokens whose KV a preemption dropped, so that
+            the scheduler computes them again.
     """
 
     def __init__(self, kv: KVCacheManager) -> None:
@@ -72,20 +64,13 @@ class PreemptionPolicy(abc.ABC):
 
 
 class RecomputePreemption(PreemptionPolicy):
-    def __init__(self, kv: KVCacheManager, prefill: LocalPrefill) -> None:
-        super().__init__(kv)
-        self.prefill = prefill
-
     def preempt(self, request: PreemptedRequest) -> None:
         self.kv.free(request.block_table)
+        self.num_recomputed_tokens_total += request.num_computed_tokens
+        request.num_computed_tokens = 0
 
     def resume(self, request: PreemptedRequest) -> bool:
-        if not self.kv.allocate_slots(request.block_table, request.num_tokens):
-            return False
-        tokens = request.kv_token_ids()
-        self.prefill(tokens, request.block_table)
-        self.num_recomputed_tokens_total += len(tokens)
-        return True
+        return self.kv.allocate_slots(request.block_table, request.num_tokens)
 
 
 class SwapPreemption(PreemptionPolicy):
@@ -109,10 +94,9 @@ class SwapPreemption(PreemptionPolicy):
         return True
 
 
-#: `--preemption-mode` name -> the policy, built from the cache manager, a local prefill and
-#: the cache's block copier (each policy takes what it uses).
-PREEMPTION_MODES: dict[str, Callable[[KVCacheManager, LocalPrefill, BlockCopier],
-                                     PreemptionPolicy]] = {
-    "recompute": lambda kv, prefill, cache: RecomputePreemption(kv, prefill),
-    "swap": lambda kv, prefill, cache: SwapPreemption(kv, cache),
+#: `--preemption-mode` name -> the policy, built from the cache manager and the cache's block
+#: copier (each policy takes what it uses).
+PREEMPTION_MODES: dict[str, Callable[[KVCacheManager, BlockCopier], PreemptionPolicy]] = {
+    "recompute": lambda kv, cache: RecomputePreemption(kv),
+    "swap": lambda kv, cache: SwapPreemption(kv, cache),
 }

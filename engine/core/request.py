@@ -28,8 +28,10 @@ class SchedulableRequest(Protocol):
     block_table: the cache blocks it holds, in position order (grown and emptied in place);
     arrival: set by the scheduler, increasing in arrival order;
     block_keys: prefix-cache keys of the prompt's full blocks (empty: nothing to look up);
-    num_computed_tokens: prompt tokens whose KV is in its blocks (set on admission from the
-    prefix hits; the engine counts the rest as they are computed);
+    num_computed_tokens: tokens whose KV is in its blocks (set on admission from the prefix
+    hits, counted up by the engine as chunks and decode steps run or KV lands; back to what the
+    blocks still hold after a preemption by recompute or a failed load, from where the
+    scheduler catches it up in chunks again);
     runs_alone: its forwards must not share a step with another request's.
     """
 

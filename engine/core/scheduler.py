@@ -10,8 +10,10 @@ large request is never overtaken for ever; an admitted request first takes its p
 blocks (prefix hits), then new ones. A preempted request resumes (through the preemption
 policy) before any new one. `grow()` gives every running request the blocks its next step
 needs, oldest first; when none is free the newest running request is preempted.
-`schedule_chunks()` picks a step's prompt chunks under a token budget (chunked prefill). What a
-newly admitted request does next (load its KV, or compute its prompt) is the engine's business.
+`schedule_chunks()` picks a step's chunks under a token budget (chunked prefill): every running
+request whose ``num_computed_tokens`` is behind catches up in them, whether it is a new prompt,
+one resumed after preemption by recompute, or one whose KV load failed. What a newly admitted
+request does next (load its KV, or compute its prompt) is the engine's business.
 Not thread-safe: the engine loop is its only user.
 """
 
@@ -120,13 +122,15 @@ class Scheduler(Generic[R]):
 
     def schedule_chunks(self, token_budget: int,
                         compute_bound_tokens: int | None = None) -> list[tuple[R, int]]:
-        """This step's prompt chunks (vLLM's chunked prefill), as (request, tokens to compute).
+        """This step's chunks (vLLM's chunked prefill), as (request, tokens to compute).
 
-        A request's next chunk is the next ``token_budget`` tokens of its prompt (fewer at its
-        end), so where its chunks start never depends on what else runs. The running requests
-        whose prompt is not all computed give their next chunk, oldest first, while the
-        chunks fit in ``token_budget`` together (the first always goes); the first that does
-        not fit ends the step, so nobody overtakes it. A request whose ``runs_alone`` is set
+        A request catches up to :func:`chunk_end`: its whole prompt while it has no output
+        (the last chunk's logits give output token 0), else every token but the last output
+        token, which a decode step feeds. Its next chunk is the next ``token_budget`` tokens
+        of that (fewer at its end), so where its chunks start never depends on what else runs.
+        The running requests behind give their next chunk, oldest first, while the chunks fit
+        in ``token_budget`` together (the first always goes); the first that does not fit
+        ends the step, so nobody overtakes it. A request whose ``runs_alone`` is set
         (forward hooks that must see it alone) runs in a step of its own, when it is the
         oldest; younger ones go on without it meanwhile.
 
@@ -136,12 +140,12 @@ class Scheduler(Generic[R]):
         first token of every prompt already in it (DistServe, OSDI '24, section 3.1).
         """
         pending = sorted((r for r in self.active.values() if r.status is RequestStatus.RUNNING
-                          and r.num_computed_tokens < r.num_prompt_tokens),
+                          and r.num_computed_tokens < chunk_end(r)),
                          key=lambda r: r.arrival)
         step: list[tuple[R, int]] = []
         used = 0
         for request in pending:
-            size = min(request.num_prompt_tokens - request.num_computed_tokens, token_budget)
+            size = min(chunk_end(request) - request.num_computed_tokens, token_budget)
             if request.runs_alone:
                 if not step:
                     return [(request, size)]
@@ -170,3 +174,12 @@ class Scheduler(Generic[R]):
         del self.active[request.request_id]
         self.waiting.insert(0, request)
         self.num_preemptions_total += 1
+
+
+def chunk_end(request: SchedulableRequest) -> int:
+    """Where a request's chunks stop: the end of its prompt while it has no output token, else
+    its last output token, which a decode step feeds (so a recomputed request's last token
+    runs as every other decode token does)."""
+    if request.num_tokens == request.num_prompt_tokens:
+        return request.num_prompt_tokens
+    return request.num_tokens - 1

@@ -41,19 +41,6 @@ class Req:
     def num_tokens(self) -> int:
         return self.prompt_len + self.out
 
-    def kv_token_ids(self) -> list[int]:
-        return list(range(self.num_tokens - 1))
-
-
-class Recorder:
-    """A local prefill that records what it was asked to recompute (no model)."""
-
-    def __init__(self) -> None:
-        self.calls: list[tuple[int, tuple[int, ...]]] = []
-
-    def __call__(self, tokens, block_table):
-        self.calls.append((len(tokens), tuple(block_table)))
-        return torch.zeros(1, 8)
 
 
 class HostCache:
@@ -73,8 +60,8 @@ class HostCache:
 
 def make(num_blocks: int, mode: str = "recompute"):
     kv = KVCacheManager(BlockPool(num_blocks, enable_caching=True), BLOCK)
-    recorder, cache = Recorder(), HostCache(num_blocks)
-    return Scheduler(kv, PREEMPTION_MODES[mode](kv, recorder, cache)), recorder, cache
+    cache = HostCache(num_blocks)
+    return Scheduler(kv, PREEMPTION_MODES[mode](kv, cache)), cache
 
 
 def test_block_arithmetic():
@@ -115,14 +102,14 @@ def test_computed_blocks_leave_one_token_to_compute_and_are_referenced():
 
 
 def test_admission_is_first_come_first_served_and_stops_at_the_first_misfit():
-    scheduler, _, _ = make(4)
+    scheduler, _ = make(4)
     big, small = Req("big", prompt_len=20), Req("small", prompt_len=2)  # 6 blocks, 1 block
     scheduler.add(big)
     scheduler.add(small)
     assert list(scheduler.admit()) == []  # big does not fit; small does not overtake it
     assert [r.request_id for r in scheduler.waiting] == ["big", "small"]
     first = Req("a", prompt_len=6)  # 2 blocks for 6 prompt tokens + the first fed token
-    scheduler2, _, _ = make(4)
+    scheduler2, _ = make(4)
     scheduler2.add(first)
     scheduler2.add(Req("b", prompt_len=3))  # 1 block
     scheduler2.add(Req("c", prompt_len=7))  # 2 blocks: only 1 left
@@ -133,17 +120,19 @@ def test_admission_is_first_come_first_served_and_stops_at_the_first_misfit():
 
 
 def test_growth_preempts_the_newest_and_resumes_it_first():
-    scheduler, recorder, _ = make(4)
+    scheduler, _ = make(4)
     old, new = Req("old", prompt_len=3, out=1), Req("new", prompt_len=3, out=1)
     for r in (old, new):
         scheduler.add(r)
     for r in scheduler.admit():
         r.status = RequestStatus.RUNNING  # their KV arrived
+        r.num_computed_tokens = 3
     later = Req("later", prompt_len=1)
     scheduler.add(later)
     assert [r.request_id for r in scheduler.grow()] == ["old", "new"]
     old.out, new.out = 5, 5  # 8 tokens each: 2 blocks each, 4 in all: still fits
     assert [r.request_id for r in scheduler.grow()] == ["old", "new"]
+    new.num_computed_tokens = 7  # every token but the last fed
     old.out = 6  # old needs a third block; none free: the newest (new) is preempted
     assert [r.request_id for r in scheduler.grow()] == ["old"]
     assert new.status is RequestStatus.PREEMPTED and new.block_table == []
@@ -152,12 +141,17 @@ def test_growth_preempts_the_newest_and_resumes_it_first():
     scheduler.finish(old)
     assert list(scheduler.admit()) == [later]  # new resumed first, then later admitted
     assert new.status is RequestStatus.RUNNING and len(new.block_table) == 2
-    assert recorder.calls == [(7, tuple(new.block_table))]  # its KV recomputed into them
-    assert scheduler.preemption.num_recomputed_tokens_total == 7
+    # nothing computed in its new blocks: its 7 tokens are caught up in chunks, then it decodes
+    assert new.num_computed_tokens == 0 and scheduler.preemption.num_recomputed_tokens_total == 7
+    assert [(r.request_id, n) for r, n in scheduler.schedule_chunks(4)] == [("new", 4)]
+    new.num_computed_tokens = 4
+    assert [(r.request_id, n) for r, n in scheduler.schedule_chunks(4)] == [("new", 3)]
+    new.num_computed_tokens = 7
+    assert scheduler.schedule_chunks(4) == []  # caught up but for its last token
 
 
 def test_the_asking_request_is_preempted_when_it_is_the_newest():
-    scheduler, _, _ = make(2)
+    scheduler, _ = make(2)
     only = Req("only", prompt_len=3, out=1)
     scheduler.add(only)
     for r in scheduler.admit():
@@ -168,13 +162,14 @@ def test_the_asking_request_is_preempted_when_it_is_the_newest():
 
 
 def test_swap_keeps_the_blocks_contents_across_preemption():
-    scheduler, recorder, cache = make(4, "swap")
+    scheduler, cache = make(4, "swap")
     assert isinstance(scheduler.preemption, SwapPreemption)
     a, b = Req("a", prompt_len=3, out=1), Req("b", prompt_len=3, out=1)
     for r in (a, b):
         scheduler.add(r)
     for r in scheduler.admit():
         r.status = RequestStatus.RUNNING
+        r.num_computed_tokens = 3
     cache.blocks[b.block_table] = torch.tensor([[7.0, 8.0]])
     a.out = 10  # a needs 4 blocks: b goes
     scheduler.grow()
@@ -183,11 +178,11 @@ def test_swap_keeps_the_blocks_contents_across_preemption():
     list(scheduler.admit())
     assert b.status is RequestStatus.RUNNING and b.swapped is None
     assert torch.equal(cache.blocks[b.block_table], torch.tensor([[7.0, 8.0]]))
-    assert recorder.calls == []  # nothing recomputed
+    assert b.num_computed_tokens == 3 and scheduler.schedule_chunks(4) == []  # nothing to redo
 
 
 def test_finish_frees_and_activate_takes_a_request_out_of_turn():
-    scheduler, _, _ = make(4)
+    scheduler, _ = make(4)
     a, b = Req("a", prompt_len=20), Req("b", prompt_len=2)
     scheduler.add(a)
     scheduler.add(b)
@@ -203,7 +198,7 @@ def test_finish_frees_and_activate_takes_a_request_out_of_turn():
 
 def test_modes_are_registered_by_name():
     kv = KVCacheManager(BlockPool(2), BLOCK)
-    assert isinstance(PREEMPTION_MODES["recompute"](kv, Recorder(), HostCache(2)),
+    assert isinstance(PREEMPTION_MODES["recompute"](kv, HostCache(2)),
                       RecomputePreemption)
     assert set(PREEMPTION_MODES) == {"recompute", "swap"}
 

@@ -1,0 +1,216 @@
+"""The decode engine's requests catch up: every request whose KV is behind (a colocated prompt,
+a prompt whose fetch failed, a request resumed after preemption by recompute) is computed in
+chunks under the step's token budget, in the same forwards as the running decodes. Driven
+step by step on this thread, without Ray or a KV store; the reference is the same request run
+alone on a fresh engine."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import pytest
+
+from decode_worker.engine import DecodeEngine
+from engine.config import BUNDLED_MODEL, EngineConfig
+from engine.core.engine_loop import run_once
+from engine.core.kv_connector import KVConnectorRequest, LoadOutcome
+from engine.core.request import RequestStatus
+from engine.core.scheduler import chunk_end
+from engine.protocol import DecodeRequest, FinishReason, PrefillResult, SamplingParams
+from engine.runner import ModelRunner
+from engine.tokenizer import Tokenizer
+from kvstore.config import KVTransferConfig
+from kvstore.connector.fetch import FetchConnector
+
+BUDGET = 32
+STORY = ("Once upon a time, there was a little girl named Lily. She loved to play outside in "
+         "the park with her friends. One day, she saw a big red ball")
+
+
+class HeldFetches(FetchConnector):
+    """A decode's connector whose fetches settle only when the test says so: landed (the KV is
+    written from a reference engine's cache, as a real fetch writes it) or failed."""
+
+    def __init__(self) -> None:
+        super().__init__(KVTransferConfig())
+        self.pending: dict[str, tuple[KVConnectorRequest, list[int], int]] = {}
+        self.settled: dict[str, LoadOutcome] = {}
+
+    def update_state_after_alloc(self, request, block_ids: Sequence[int],
+                                 num_external_tokens: int) -> None:
+        self.pending[request.request_id] = (request, list(block_ids), num_external_tokens)
+
+    def start_load_kv(self) -> None:
+        pass
+
+    def fail(self, request_id: str) -> None:
+        del self.pending[request_id]
+        self.settled[request_id] = LoadOutcome(failures=["held fetch failed"],
+                                               detail={"paths": ["held"]})
+
+    def get_finished(self):
+        settled, self.settled = self.settled, {}
+        return {}, settled
+
+    def request_finished(self, request, block_ids):
+        return False, None
+
+    def in_flight(self) -> int:
+        return len(self.pending)
+
+
+class Recorded:
+    """The runner's forwards, as (new tokens, first position) per chunk of each step."""
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.steps: list[list[tuple[int, int]]] = []
+        self._execute = runner.execute
+        runner.execute = self
+
+    def __call__(self, chunks, **kwargs):
+        self.steps.append([(len(c.token_ids), c.num_computed_tokens) for c in chunks])
+        return self._execute(chunks, **kwargs)
+
+
+def engine(num_kv_blocks: int = 64, mode: str = "recompute") -> DecodeEngine:
+    config = EngineConfig(model=str(BUNDLED_MODEL), num_kv_blocks=num_kv_blocks,
+                          max_num_batched_tokens=BUDGET, preemption_mode=mode)
+    return DecodeEngine(ModelRunner(config), "decode-t", 0, HeldFetches())
+
+
+def submit(eng: DecodeEngine, request: DecodeRequest) -> list:
+    deltas: list = []
+    eng.add_request(request, deltas.append)
+    return deltas
+
+
+def tokens(deltas: list) -> list[int]:
+    return [t for d in deltas for t in d.token_ids]
+
+
+def run(eng: DecodeEngine, *outputs: list, limit: int = 500) -> None:
+    """Step until every one of ``outputs`` has its last delta."""
+    for _ in range(limit):
+        if all(o and o[-1].finish_reason is not None for o in outputs):
+            return
+        run_once(eng)
+    raise AssertionError("requests did not finish")
+
+
+@pytest.fixture(scope="module")
+def prompt() -> tuple[int, ...]:
+    return tuple(Tokenizer.from_pretrained(BUNDLED_MODEL).encode(STORY))
+
+
+def alone(prompt: tuple[int, ...], params: SamplingParams) -> list[int]:
+    eng = engine()
+    out = submit(eng, DecodeRequest("alone", prompt, params))
+    run(eng, out)
+    eng.close()
+    return tokens(out)
+
+
+def from_prefill(request_id: str, prompt: tuple[int, ...], params: SamplingParams,
+                 first_token: int) -> DecodeRequest:
+    """A request whose prompt a prefill computed: its first token and a hand-off to fetch."""
+    result = PrefillResult(request_id, first_token, 0, "prefill-t", 0,
+                           kv_transfer_params={"kv_address": "held"})
+    return DecodeRequest(request_id, prompt, params, result)
+
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+SEEDED = SamplingParams(max_tokens=12, temperature=0.8, seed=5, ignore_eos=True)
+
+
+def test_one_step_holds_decodes_and_a_colocated_chunk_while_a_request_waits_for_kv(prompt):
+    eng = engine()
+    recorded = Recorded(eng.runner)
+    first = submit(eng, DecodeRequest("decoding", prompt[5:25], GREEDY))  # shares no block
+    for _ in range(3):
+        run_once(eng)  # its prompt (one chunk), then decode steps
+    assert eng.scheduler.active["decoding"].output_ids
+    want_first = alone(prompt, GREEDY)[0]
+    remote = submit(eng, from_prefill("remote", prompt, GREEDY, want_first))
+    local = submit(eng, DecodeRequest("local", prompt, GREEDY))
+    recorded.steps.clear()
+    run_once(eng)
+    assert eng.scheduler.active["remote"].status is RequestStatus.WAITING_FOR_KV
+    # the decoding request's one token and the colocated prompt's first chunk, in one forward
+    [step] = recorded.steps
+    assert step[0][0] == 1 and step[1] == (BUDGET, 0)
+    eng.connector.fail("remote")  # its KV never comes: it is computed here after all
+    run(eng, first, remote, local)
+    assert tokens(local) == alone(prompt, GREEDY)
+    assert [want_first, *tokens(remote)] == alone(prompt, GREEDY)
+    eng.close()
+
+
+@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_a_failed_load_is_rescheduled_from_its_last_good_block(prompt, params):
+    eng = engine()
+    recorded = Recorded(eng.runner)
+    cached = (len(prompt) // 2) // 16 * 16
+    warm = submit(eng, DecodeRequest("warm", prompt[:cached + 1], GREEDY))
+    run(eng, warm)  # its full blocks stay in the decode's prefix cache
+    steady_params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    steady = submit(eng, DecodeRequest("steady", prompt[5:13], steady_params))
+    run_once(eng)
+    want = alone(prompt, params)
+    out = submit(eng, from_prefill("failed", prompt, params, want[0]))
+    run_once(eng)
+    held = eng.scheduler.active["failed"]
+    assert held.num_cached_tokens == cached > 0 and held.status is RequestStatus.WAITING_FOR_KV
+    eng.connector.fail("failed")
+    recorded.steps.clear()
+    run(eng, out, steady)
+    # the prompt after the cached blocks, in chunks of the budget, each in a forward with the
+    # steady request's decode; then decode steps
+    chunks = [(c, step) for step in recorded.steps for c in step if c[0] > 1]
+    assert chunks[0][0][1] == cached
+    assert sum(n for (n, _), _ in chunks) == len(prompt) - cached
+    assert all(n <= BUDGET and any(m == 1 for m, _ in step)
+               for (n, _), step in chunks)
+    assert [want[0], *tokens(out)] == want
+    assert tokens(steady) == alone(prompt[5:13], steady_params)
+    stats = eng.stats()
+    assert stats["num_fetch_recomputes_total"] == 1
+    assert stats["num_recomputed_tokens_total"] == len(prompt) - cached
+    assert out[-1].finish_reason is FinishReason.LENGTH
+    eng.close()
+
+
+@pytest.mark.parametrize("temperature", [0, 0.8], ids=["greedy", "seeded"])
+def test_a_preempted_request_resumes_in_chunks_beside_the_running_batch(prompt, temperature):
+    """Two short requests decode; a long one joins; the short ones' growth preempts it (the
+    newest), and once one of them ends it resumes: its tokens are recomputed in chunks of
+    the budget, in the same steps as the other's decodes."""
+    eng = engine(num_kv_blocks=-(-(len(prompt) + 1) // 16) + 5)
+    recorded = Recorded(eng.runner)
+    params = SamplingParams(max_tokens=24, temperature=temperature, seed=5, ignore_eos=True)
+    steady_params = SamplingParams(max_tokens=100, temperature=0, ignore_eos=True)
+    grower_params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    steady = submit(eng, DecodeRequest("steady", prompt[:8], steady_params))
+    grower = submit(eng, DecodeRequest("grower", prompt[1:9], grower_params))
+    for _ in range(12):
+        run_once(eng)
+    long_ = submit(eng, DecodeRequest("long", prompt, params))
+    preempted, catch_up = False, []
+    while not (steady[-1:] and steady[-1].finish_reason and long_[-1:]
+               and long_[-1].finish_reason):
+        request = eng.scheduler.find_waiting("long") or eng.scheduler.active.get("long")
+        preempted |= request is not None and request.status is RequestStatus.PREEMPTED
+        behind = (preempted and request is not None and request.status is RequestStatus.RUNNING
+                  and request.num_computed_tokens < chunk_end(request))
+        run_once(eng)
+        if behind:
+            catch_up.append(recorded.steps[-1])
+    assert eng.stats()["num_preemptions_total"] > 0 and catch_up
+    # the recompute ran in chunks of at most the budget, sharing forwards with the decodes
+    assert all(n <= BUDGET for step in catch_up for n, _ in step)
+    assert any(any(n > 1 for n, _ in step) and any(n == 1 for n, _ in step)
+               for step in catch_up)
+    assert tokens(long_) == alone(prompt, params)
+    assert tokens(steady) == alone(prompt[:8], steady_params)
+    assert tokens(grower) == alone(prompt[1:9], grower_params)
+    assert eng.pool.num_free_blocks == eng.pool.num_blocks
+    eng.close()
