@@ -33,87 +33,82 @@ def _gib(value: str) -> int:
     return int(float(value) * (1 << 30))
 
 
-# (flag, config path, type, help) — flags follow vLLM's names where vLLM has one.
+# (flag, config path, type, help) — flags follow vLLM's names where vLLM has one. The help
+# never states a default: `pdcluster serve --help` appends ServeConfig's (_ServeHelpFormatter).
 _SERVE_FLAGS = [
-    ("--model", "engine.model", str, "HF model directory (default: bundled stories260K)"),
-    ("--served-model-name", "served_model_name", str, "model id in the API (default: dir name)"),
-    ("--host", "host", str, "gateway bind address (default 127.0.0.1)"),
-    ("--port", "port", int, "gateway port (default 8000)"),
-    ("--prefill-instances", "prefill_instances", int, "prefill actors (default 1)"),
-    ("--decode-instances", "decode_instances", int, "decode actors (default 1)"),
+    ("--model", "engine.model", str, "HF model directory (Llama family: Llama 2/3, Mistral, "
+                                      "Qwen2)"),
+    ("--served-model-name", "served_model_name", str, "model id in the API"),
+    ("--host", "host", str, "gateway bind address"),
+    ("--port", "port", int, "gateway port"),
+    ("--prefill-instances", "prefill_instances", int, "prefill instances"),
+    ("--decode-instances", "decode_instances", int, "decode instances"),
     ("--tensor-parallel-size", "engine.tensor_parallel_size", int,
-     "tensor parallel size of every prefill and decode instance (default 1)"),
-    ("--prefill-tp", "prefill_tp", int, "tensor parallel size of each prefill instance "
-                                        "(default: --tensor-parallel-size)"),
-    ("--decode-tp", "decode_tp", int, "tensor parallel size of each decode instance "
-                                      "(default: --tensor-parallel-size)"),
-    ("--address", "address", str, "join this Ray cluster instead of starting a local one"),
-    ("--block-size", "engine.block_size", int, "tokens per KV block (default 16)"),
-    ("--dtype", "engine.dtype", str, "float32 | bfloat16 | float16 (default float32)"),
-    ("--max-model-len", "engine.max_model_len", int, "context length (default: model's)"),
+     "tensor parallel size of every prefill and decode instance"),
+    ("--prefill-tp", "prefill_tp", int, "tensor parallel size of each prefill instance"),
+    ("--decode-tp", "decode_tp", int, "tensor parallel size of each decode instance"),
+    ("--address", "address", str, "join this Ray cluster (e.g. auto) instead of starting a "
+                                  "local one"),
+    ("--block-size", "engine.block_size", int, "tokens per KV block"),
+    ("--dtype", "engine.dtype", str, "float32 | bfloat16 | float16"),
+    ("--max-model-len", "engine.max_model_len", int, "context length (prompt + max_tokens)"),
     ("--num-kv-blocks", "engine.num_kv_blocks", int, "paged-cache blocks per worker"),
-    ("--torch-threads", "engine.torch_threads", int, "torch threads per actor (default 1)"),
+    ("--torch-threads", "engine.torch_threads", int, "torch threads per worker actor"),
     ("--kernel-backend", "engine.kernel_backend", str,
      "auto (Triton on CUDA, torch elsewhere) | triton (interpreted on CPU) | torch"),
     ("--preemption-mode", "engine.preemption_mode", str,
-     "recompute | swap: how a full decode cache makes room (default recompute)"),
+     "recompute | swap: how a full decode cache makes room"),
     ("--max-cudagraph-capture-size", "engine.max_cudagraph_capture_size", int,
      "on CUDA, capture decode batches up to this many sequences as CUDA graphs "
-     "(default 256; 0: none; --enforce-eager: none)"),
+     "(0: none; --enforce-eager: none)"),
     ("--max-num-batched-tokens", "engine.max_num_batched_tokens", int,
-     "token budget of one forward step; longer prompts prefill in chunks (default 512)"),
+     "token budget of one forward step; longer prompts prefill in chunks"),
     ("--prefill-compute-bound-tokens", "engine.prefill_compute_bound_tokens", int,
-     "a prefill worker's step takes no further prompt once it holds this many tokens "
-     "(default: 512 on CPU, none on GPU)"),
-    ("--ray-num-cpus", "ray_num_cpus", int, "logical CPUs of the local Ray "
-                                            "(default: worker actors + 2)"),
-    ("--actor-num-cpus", "actor_num_cpus", float, "logical CPUs per worker actor (default 1)"),
-    ("--actor-num-gpus", "actor_num_gpus", float,
-     "GPUs per worker actor (default: 1 when engine.device is cuda, else 0)"),
+     "a prefill worker's step takes no further prompt once it holds this many tokens"),
+    ("--ray-num-cpus", "ray_num_cpus", int, "logical CPUs of the local Ray"),
+    ("--actor-num-cpus", "actor_num_cpus", float, "logical CPUs per worker actor"),
+    ("--actor-num-gpus", "actor_num_gpus", float, "GPUs per worker actor"),
     ("--cpu-bind", "cpu_bind", str, "auto | none | a cpu list like 0-7: cores the CPU "
-                                     "workers pin their torch threads to (default auto)"),
+                                     "workers pin their torch threads to"),
     ("--worker-preload", "worker_preload", str, "auto | none: start the workers with "
-                                                 "tcmalloc preloaded where installed "
-                                                 "(default auto)"),
+                                                 "tcmalloc preloaded where installed"),
     ("--worker-huge-pages", "worker_huge_pages", str,
      "auto | none: start the workers with torch's large CPU tensors on transparent huge "
-     "pages where the kernel grants them (default auto)"),
+     "pages where the kernel grants them"),
     ("--placement", "placement", str, "auto | resources | none: place workers by the Ray "
-                                      "custom resources prefill/decode (default auto)"),
-    ("--kv-bind", "kvstore.host", str, "KV store gRPC bind address (default 127.0.0.1; a "
-                                        "node's routable address in a multi-node cluster)"),
-    ("--kv-transfer", "transfer.backend", str, "KV data plane prefill -> decode: grpc (default) "
-                                               "| torch (torch.distributed pairs: gloo/NCCL) "
-                                               "| mooncake (Mooncake's Transfer Engine)"),
+                                      "custom resources prefill/decode"),
+    ("--kv-bind", "kvstore.host", str, "KV store gRPC bind address (a node's routable "
+                                        "address in a multi-node cluster)"),
+    ("--kv-transfer", "transfer.backend", str, "KV data plane prefill -> decode: grpc | torch "
+                                               "(torch.distributed pairs: gloo/NCCL) | "
+                                               "mooncake (Mooncake's Transfer Engine)"),
     ("--kv-transfer-bind", "transfer.bind_host", str, "torch / mooncake transfer: address a "
                                                       "worker's pair store or Transfer Engine "
                                                       "binds (a routable one across nodes)"),
     ("--kv-mooncake-protocol", "transfer.mooncake_protocol", str,
-     "mooncake transfer: TE transport, tcp (default) | rdma"),
+     "mooncake transfer: TE transport, tcp | rdma"),
     ("--kv-transfer-buffer-bytes", "transfer.source_buffer_bytes", int,
      "mooncake transfer: host memory per prefill worker registered with TE for KV waiting "
-     "to be read (default 512 MiB)"),
+     "to be read"),
     ("--kv-receive-buffer-bytes", "transfer.receive_buffer_bytes", int,
      "mooncake transfer: host memory per decode worker kept registered with TE for staged "
-     "reads of scattered blocks (default 256 MiB)"),
-    ("--kv-streaming", "transfer.streaming", str, "request (default): decode pulls a request's "
-                                                  "KV after prefill | layer: layer by layer, "
+     "reads of scattered blocks"),
+    ("--kv-streaming", "transfer.streaming", str, "request: decode pulls a request's KV after "
+                                                  "prefill | layer: layer by layer, "
                                                   "overlapping prefill compute"),
     ("--kv-cache-layout", "engine.kv_cache_layout", str,
-     "auto (default: cross-layer with --kv-transfer mooncake and request streaming, else "
-     "layer) | layer: a tensor per layer and K|V | cross-layer: every layer of a block "
-     "together"),
+     "auto: cross-layer with --kv-transfer mooncake and request streaming, else layer | "
+     "layer: a tensor per layer and K|V | cross-layer: every layer of a block together"),
     ("--block-run-window", "engine.block_run_window", int,
      "how a request's KV blocks are picked: 0 in LRU order (vLLM's) | N: the longest runs of "
-     "consecutive blocks among the N x n least recently freed (default: 2 with a cross-layer "
-     "cache, else 0)"),
+     "consecutive blocks among the N x n least recently freed"),
     ("--kv-load-failure-policy", "transfer.load_failure_policy", str,
-     "recompute (default): a failed KV load is recomputed, counted and logged | fail: the "
-     "request ends with an error"),
+     "recompute: a failed KV load is recomputed, counted and logged | fail: the request "
+     "ends with an error"),
     ("--drain-timeout", "drain_timeout_s", float, "on SIGTERM: stop admitting, let in-flight "
-                                                  "requests finish for this long (default 30 s)"),
+                                                  "requests finish for this many seconds"),
     ("--kv-token", "kvstore.token", str, "shared token of the KV plane: its gRPC calls and "
-                                         "torch pairs (default: random per local cluster)"),
+                                         "torch pairs"),
     ("--kv-tls-cert", "kvstore.tls.cert_file", str, "PEM certificate chain of the KV gRPC "
                                                      "plane (TLS on when given, with the key)"),
     ("--kv-tls-key", "kvstore.tls.key_file", str, "PEM private key of --kv-tls-cert"),
@@ -122,40 +117,41 @@ _SERVE_FLAGS = [
     ("--kv-tail-capacity-bytes", "kvstore.tail_capacity_bytes", int,
      "bytes per node for per-request tail blocks in flight"),
     ("--dram-cache-gb", "kvpool.dram_cache_bytes", _gib, "G2 shared-memory arena per node, GiB"),
-    ("--ssd-cache-dir", "kvpool.ssd_cache_dir", str, "G3 slab directory (default: no G3)"),
+    ("--ssd-cache-dir", "kvpool.ssd_cache_dir", str, "G3 slab directory"),
     ("--ssd-cache-gb", "kvpool.ssd_cache_bytes", _gib, "G3 capacity per node, GiB"),
-    ("--index-url", "kvpool.index_url", str, "global KV index: ray://NAME (default, embedded) "
-                                             "or redis://host:port/db"),
-    ("--node-lease-s", "kvpool.node_lease_s", float, "node liveness lease in the index (<= 10)"),
-    ("--kv-pool", "kvpool.backend", str, "prefix cache and index: pdcluster (default: node "
-                                         "stores, --index-url) | mooncake-store"),
+    ("--index-url", "kvpool.index_url", str, "global KV index: ray://NAME (embedded) or "
+                                             "redis://host:port/db"),
+    ("--node-lease-s", "kvpool.node_lease_s", float, "node liveness lease in the index, "
+                                                     "seconds (<= 10)"),
+    ("--kv-pool", "kvpool.backend", str, "prefix cache and index: pdcluster (node stores, "
+                                         "--index-url) | mooncake-store"),
     ("--mooncake-master", "kvpool.mooncake_master", str,
      "--kv-pool mooncake-store: the mooncake_master's RPC address, HOST:PORT"),
-    ("--policy", "policy", str, "Conductor policy: kvcache_centric (default) | cache_aware | "
+    ("--policy", "policy", str, "Conductor policy: kvcache_centric | cache_aware | "
                                 "least_loaded | round_robin | random"),
     ("--pd-decider", "pd_decider", str,
-     "per request: disaggregate, or prefill on the decode instance: cost (default) | always "
+     "per request: disaggregate, or prefill on the decode instance: cost | always "
      "(disaggregate every request) | never (prefill on the decode) | threshold:N (local when "
      "at most N prompt tokens are not in the decode's cache)"),
     ("--kv-decode-publish-interval", "transfer.decode_publish_interval", int,
      "with --kv-decode-publish: also publish a running sequence's blocks every N full blocks "
-     "(default 0: when it ends)"),
-    ("--admission", "admission", str, "SLO admission: none (default) | arrival | prediction"),
-    ("--slo-ttft-s", "slo_ttft_s", float, "TTFT SLO admission enforces (default 30 s)"),
-    ("--slo-tbt-ms", "slo_tbt_ms", float, "TBT SLO admission enforces (default 100 ms)"),
-    ("--cost-model", "cost_model", str, "Conductor cost model: stories260k-cpu (default) | "
-                                        "mooncake-70b | a `pdcluster profile` file"),
+     "(0: when it ends)"),
+    ("--admission", "admission", str, "SLO admission: none | arrival | prediction"),
+    ("--slo-ttft-s", "slo_ttft_s", float, "TTFT SLO admission enforces, seconds"),
+    ("--slo-tbt-ms", "slo_tbt_ms", float, "TBT SLO admission enforces, milliseconds"),
+    ("--cost-model", "cost_model", str, "Conductor cost model: stories260k-cpu | mooncake-70b "
+                                        "| a `pdcluster profile` file"),
     ("--max-inflight-requests", "max_inflight_requests", int,
-     "sequences in flight through the gateway; more wait in its fair queue (default 256)"),
+     "sequences in flight through the gateway; more wait in its fair queue"),
     ("--max-queued-sequences", "max_queued_sequences", int,
-     "sequences waiting for the gate; past it 503 + Retry-After (default 4 x the gate)"),
+     "sequences waiting for the gate; past it 503 + Retry-After"),
     ("--max-seqs-per-request", "max_seqs_per_request", int,
-     "prompts x n one request may run; over it 400 (default 64, at most half the gate)"),
+     "prompts x n one request may run; over it 400"),
     ("--header-timeout-s", "header_timeout_s", float,
-     "close connections that send no complete request head within this (default 30 s)"),
-    ("--log-level", "log_level", str, "debug | info | warning (default info)"),
-    ("--log-format", "log_format", str, "text (default) | json: one JSON object per line, "
-                                        "with request_id on records about a request"),
+     "close connections that send no complete request head within this many seconds"),
+    ("--log-level", "log_level", str, "debug | info | warning"),
+    ("--log-format", "log_format", str, "text | json: one JSON object per line, with "
+                                        "request_id on records about a request"),
 ]
 
 
@@ -163,30 +159,134 @@ _SERVE_FLAGS = [
 _SERVE_SWITCHES = [
     ("--colocated", "colocated", "prefill and decode in the same worker, no KV transfer"),
     ("--enable-prefix-caching", "engine.enable_prefix_caching",
-     "reuse cached prompt prefixes (default on; --no-enable-prefix-caching for A/B runs)"),
+     "reuse cached prompt prefixes (--no-enable-prefix-caching for A/B runs)"),
     ("--enforce-eager", "engine.enforce_eager",
-     "run the model eager (--no-enforce-eager: compile it with torch.compile; default: "
-     "compiled on CUDA, eager on CPU)"),
+     "run the model eager (--no-enforce-eager: compile it with torch.compile)"),
     ("--kv-decode-publish", "transfer.decode_publish",
      "decode workers publish the full blocks of finished sequences, prompt and reply, to the "
-     "KV pool, for a conversation's next turn (default on)"),
+     "KV pool, for a conversation's next turn"),
     ("--kv-incremental-transfer", "transfer.incremental_transfer",
      "a decode worker holding a prompt's leading blocks in its own cache fetches only the "
-     "rest (default on)"),
+     "rest"),
 ]
+
+# The default `serve --help` shows where ServeConfig's is None (resolved later) or says less
+# than these words; every other flag shows ServeConfig's own (_config_default).
+_DEFAULT_TEXT = {
+    "config": "none",
+    "engine.model": "the bundled stories260K",
+    "served_model_name": "the model directory's name",
+    "prefill_tp": "--tensor-parallel-size",
+    "decode_tp": "--tensor-parallel-size",
+    "address": "none: start a local Ray",
+    "engine.max_model_len": "the model's",
+    "engine.prefill_compute_bound_tokens": "{cpu_compute_bound} on CPU, none on GPU",
+    "ray_num_cpus": "the worker actors' CPUs + 2",
+    "actor_num_gpus": "1 when engine.device is cuda, else 0",
+    "engine.block_run_window": "{cross_layer_run_window} with a cross-layer cache, else 0",
+    "engine.enforce_eager": "eager on CPU, compiled on CUDA",
+    "kvstore.token": "random per gateway start",
+    "kvstore.tls.cert_file": "none: plaintext",
+    "kvstore.tls.key_file": "none",
+    "kvstore.tls.ca_file": "none: the system's roots",
+    "kvpool.ssd_cache_dir": "none: no G3",
+    "kvpool.mooncake_master": "none",
+    "max_queued_sequences": "4 x --max-inflight-requests",
+    "max_seqs_per_request": "{max_seqs}, at most half of --max-inflight-requests",
+    "api_keys": "none",
+    "api_key_file": "none",
+}
+
+
+def _config_default(path: str):
+    """ServeConfig's default of the field at dotted `path` (nested models walked)."""
+    from deploy.config import ServeConfig
+
+    model = ServeConfig
+    *parents, leaf = path.split(".")
+    for name in parents:
+        model = model.model_fields[name].annotation
+    return model.model_fields[leaf].get_default(call_default_factory=True)
+
+
+def _shown_default(path: str, typ=None) -> str:
+    """A serve flag's default as its help shows it."""
+    if path in _DEFAULT_TEXT:
+        from deploy.config import DEFAULT_MAX_SEQS_PER_REQUEST
+        from engine.config import CPU_COMPUTE_BOUND_TOKENS, CROSS_LAYER_RUN_WINDOW
+
+        return _DEFAULT_TEXT[path].format(cpu_compute_bound=CPU_COMPUTE_BOUND_TOKENS,
+                                          cross_layer_run_window=CROSS_LAYER_RUN_WINDOW,
+                                          max_seqs=DEFAULT_MAX_SEQS_PER_REQUEST)
+    value = _config_default(path)
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if typ is _gib:
+        return f"{value / (1 << 30):g}"
+    if isinstance(value, float):
+        return f"{value:g}"
+    if isinstance(value, int) and path.endswith("_bytes") and value >= 1 << 20:
+        unit, size = ("GiB", value / (1 << 30)) if value >= 1 << 30 else \
+            ("MiB", value / (1 << 20))
+        return f"{value} ({size:g} {unit})"
+    return str(value)
+
+
+class _ServeHelpFormatter(argparse.HelpFormatter):
+    """`serve --help`: each flag's text, then its default. The flags default to SUPPRESS (only
+    the flags given override the config), so the default shown is ServeConfig's, looked up
+    when help is printed."""
+
+    _types = {path: typ for _, path, typ, _ in _SERVE_FLAGS}
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if not action.option_strings or action.dest == "help":
+            return text
+        shown = _shown_default(action.dest, self._types.get(action.dest))
+        return f"{text} (default: {shown.replace('%', '%%')})"
+
+
+def _show_defaults(parser: argparse.ArgumentParser) -> None:
+    """Append argparse's `(default: ...)` to every option of `parser` and its subcommands
+    whose help does not already give one (the subcommands other than `serve`)."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for choice in action.choices.values():
+                _show_defaults(choice)
+            continue
+        if (not action.option_strings or action.default in (None, argparse.SUPPRESS)
+                or isinstance(action, (argparse._HelpAction, argparse._StoreConstAction,
+                                       argparse._StoreTrueAction, argparse._StoreFalseAction,
+                                       argparse._CountAction, argparse._VersionAction))):
+            continue
+        text = action.help or ""
+        if text == argparse.SUPPRESS or "default" in text:
+            continue
+        action.help = f"{text} (default: %(default)s)" if text else "default: %(default)s"
+
+
+def _metavar(flag: str) -> str:
+    return flag.lstrip("-").upper().replace("-", "_")
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdcluster", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    serve = sub.add_parser("serve", help="serve a model through the OpenAI API")
-    serve.add_argument("--config", help="YAML file with a ServeConfig (flags override it)")
+    serve = sub.add_parser(
+        "serve", help="serve a model through the OpenAI API", formatter_class=_ServeHelpFormatter,
+        description="Serve a model through the OpenAI API. Defaults are ServeConfig's "
+                    "(deploy/config.py); a --config YAML file sets any of them, flags win.")
+    serve.add_argument("--config", metavar="FILE",
+                       help="YAML file with a ServeConfig (flags override it)")
     for flag, path, typ, help_text in _SERVE_FLAGS:
-        serve.add_argument(flag, dest=path, type=typ, default=argparse.SUPPRESS, help=help_text)
+        serve.add_argument(flag, dest=path, type=typ, default=argparse.SUPPRESS, help=help_text,
+                           metavar=_metavar(flag))
     serve.add_argument("--api-key", dest="api_keys", action="append", default=argparse.SUPPRESS,
+                       metavar="KEY",
                        help="require this key (repeatable); env PDCLUSTER_API_KEY also counts")
     serve.add_argument("--api-key-file", dest="api_key_file", default=argparse.SUPPRESS,
-                       help="file with one API key per line")
+                       metavar="FILE", help="file with one API key per line")
     for flag, path, help_text in _SERVE_SWITCHES:
         serve.add_argument(flag, dest=path, action=argparse.BooleanOptionalAction,
                            default=argparse.SUPPRESS, help=help_text)
@@ -197,6 +297,9 @@ def _parser() -> argparse.ArgumentParser:
     add_bench_parser(sub)
     add_simulate_parser(sub)
     add_profile_parser(sub)
+    for name, choice in sub.choices.items():
+        if name != "serve":
+            _show_defaults(choice)
     return parser
 
 

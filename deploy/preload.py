@@ -18,7 +18,7 @@ miss, whose page walk is long under a hypervisor's nested paging. torch asks the
 transparent huge pages on its CPU allocations of 2 MiB or more when THP_MEM_ALLOC_ENABLE=1 is
 in its environment (c10's alloc_cpu, read once per process), which a kernel whose THP mode is
 "madvise" (a common default) grants. Both a plain read of memory and a decode step measured
-faster on them (benchmarks/RESULTS.md, "Weights and KV cache on huge pages").
+faster on them (docs/notes/cpu-runtime-findings.md, "Weights and KV cache on huge pages").
 """
 
 from __future__ import annotations

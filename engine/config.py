@@ -227,7 +227,7 @@ class EngineConfig(pydantic.BaseModel):
     `enforce_eager`: true runs the model's forward eager, false compiles it with torch.compile
     (engine.compilation; vLLM's `--enforce-eager`); None (the default) compiles on CUDA and
     runs eager on CPU, where the C++ kernels already run each layer's ops and the compiled
-    forward measured no faster (benchmarks/RESULTS.md, "The compiled forward").
+    forward measured no faster (docs/notes/cpu-engine-findings.md, "The compiled forward").
     `max_cudagraph_capture_size`: on CUDA, a runner that is not eager at TP=1 captures its
     decode forward as CUDA graphs for batches of 1, 2, 4, then every 8 sequences up to this
     (engine.cuda_graphs; vLLM's option of this name); larger decode batches and steps with a
@@ -306,7 +306,7 @@ class EngineConfig(pydantic.BaseModel):
         On CPU that is CPU_COMPUTE_BOUND_TOKENS: a prefill step of that many tokens is
         compute-bound in fp32 and in bf16, so a second prompt as long in the same step costs
         as much as a step of its own; with half as many, a bf16 step still gains from a
-        second prompt (benchmarks/RESULTS.md, "One prompt per prefill step").
+        second prompt (docs/notes/cpu-engine-findings.md, "One prompt per prefill step").
         Elsewhere None (no limit beyond `max_num_batched_tokens`): on a GPU the size at which
         a step is compute-bound depends on the model and the card and has not been measured.
         """

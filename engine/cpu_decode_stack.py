@@ -3,10 +3,11 @@ the CPU's counterpart of the decode CUDA graphs (engine.cuda_graphs).
 
 An eager decode step on CPU is its kernels plus Python's dispatch between them: per layer a
 dozen module calls, views and backend checks. On a slow core that dispatch is a sizeable
-share of the step (benchmarks/RESULTS.md, "Decode steps without Python between the kernels").
-The stack holds each layer's weights once (the norms and the GEMMs' packed copies) and
-runs the embedding, every layer and the final norm in C++. It calls the same kernels in the
-same order as the model's eager forward, so its hidden states are the forward's, bit for bit.
+share of the step (docs/notes/cpu-engine-findings.md, "Decode steps without Python between
+the kernels"). The stack holds each layer's weights once (the norms and the GEMMs' packed
+copies) and runs the embedding, every layer and the final norm in C++. It calls the same
+kernels in the same order as the model's eager forward, so its hidden states are the
+forward's, bit for bit.
 
 Each projection runs where `kernels.cpu_gemm.linear` would run it: the skinny GEMM (for
 bfloat16 on AMX, the tile GEMM) up to `skinny_max_rows` rows, oneDNN's matmul over the packed

@@ -243,7 +243,7 @@ class IncrementalDetokenizer:
     decoder replaces a whole run of byte pieces that does not start a character, which would
     not cancel. Decoding the whole sequence for every token made the gateway's CPU time grow
     with the context, and on a small machine it competes with the engine for the cores
-    (benchmarks/RESULTS.md, "The gateway's detokenizer").
+    (docs/notes/cpu-engine-findings.md, "Outputs and the gateway").
     """
 
     #: prompt tokens the first decode starts with: enough context for a decoder (a word's

@@ -5,7 +5,8 @@
 //
 // Why not oneDNN's matmul, which already runs on the tiles: with up to about a thousand rows
 // and two threads, its work split leaves one thread waiting (two threads ran 1.3-1.6x one,
-// against 2x from about 1100 rows on; benchmarks/RESULTS.md, "Prefill GEMMs on AMX tiles").
+// against 2x from about 1100 rows on: docs/notes/cpu-gemm-findings.md, "Prefill GEMMs on AMX
+// tiles").
 // Here the output is cut into blocks of at most BM_MAX rows by BN columns, which the threads
 // claim one at a time, in order: the column blocks of one row block, whose rows stay in the
 // L2. Each block runs on torch's brgemm (oneDNN's JIT micro-kernel, the one torch's CPU flash

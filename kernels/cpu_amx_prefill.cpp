@@ -21,7 +21,7 @@
 //   keys), so the diagonal costs at most a tile of keys past it.
 // torch's own CPU flash attention (the SDPA this replaces) works the same way but takes one
 // sequence per call, after its keys are gathered out of the blocks into new tensors
-// (benchmarks/RESULTS.md compares the two, "Prefill attention on AMX tiles").
+// (docs/notes/cpu-attention-findings.md, "Prefill attention", compares the two).
 #include "cpu_tensor.h"
 
 #include <ATen/native/CPUBlas.h>

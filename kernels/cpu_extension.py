@@ -22,6 +22,7 @@ import logging
 import os
 import shutil
 import threading
+import time
 from types import ModuleType
 
 log = logging.getLogger(__name__)
@@ -52,9 +53,15 @@ def module() -> ModuleType | None:
 
             here = os.path.dirname(__file__)
             sources = [os.path.join(here, name) for name in _SOURCES]
+            name = f"pdcluster_cpu_kernels_{hashlib.sha1(here.encode()).hexdigest()[:8]}"
+            compiling = not _build_cached(cpp_extension, name, here)
+            if compiling:
+                log.warning("compiling pdcluster's C++ CPU kernels, once: about 1-2 minutes on "
+                            "2 cores; later starts reuse the build")
+            started = time.monotonic()
             try:
                 _module = cpp_extension.load(
-                    f"pdcluster_cpu_kernels_{hashlib.sha1(here.encode()).hexdigest()[:8]}",
+                    name,
                     sources,
                     extra_cflags=["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math",
                                   "-fassociative-math", "-fno-signed-zeros", "-fopenmp"],
@@ -62,11 +69,28 @@ def module() -> ModuleType | None:
                     # thread. The library resolves to the libgomp torch has loaded (same
                     # soname), so torch's thread count applies.
                     extra_ldflags=["-fopenmp"], verbose=False)
+                if compiling:
+                    log.warning("compiled the C++ CPU kernels in %.0f s",
+                                time.monotonic() - started)
             except (RuntimeError, OSError, ImportError) as exc:
                 _failed = True
                 log.warning("building the C++ CPU kernels failed (%s): CPU attention and layer "
                             "ops run the slower torch paths", exc)
         return _module
+
+
+def _build_cached(cpp_extension: ModuleType, name: str, here: str) -> bool:
+    """Whether torch's extension cache holds a build of `name` newer than every C++ source
+    and header in `here`, so that `cpp_extension.load` will not compile."""
+    try:  # torch's own lookup of the build directory (private: if it goes, assume cached)
+        built = os.path.join(cpp_extension._get_build_directory(name, False), f"{name}.so")
+        newest = max(os.path.getmtime(os.path.join(here, f)) for f in os.listdir(here)
+                     if f.endswith((".cpp", ".h")))
+        return os.path.getmtime(built) >= newest
+    except FileNotFoundError:
+        return False
+    except Exception:  # only the log message depends on it
+        return True
 
 
 def has_cxx_compiler() -> bool:

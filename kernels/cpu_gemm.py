@@ -6,7 +6,7 @@ re-blocks the weight on every call; at decode batch sizes that traffic, not arit
 the step time, and on some CPUs the BLAS kernel chosen is far from the machine's peak even for
 prefill-sized batches. oneDNN can reorder a weight into its own blocked layout once, and its
 matmul then streams that layout at close to the memory bandwidth for a few rows and near the
-FMA peak for many (benchmarks/RESULTS.md, "oneDNN-packed linear weights"). vLLM's CPU
+FMA peak for many (docs/notes/cpu-gemm-findings.md, "oneDNN-packed linear weights"). vLLM's CPU
 backend packs its linear weights the same way; Inductor's freezing pass does it for bf16.
 
 A packed weight is an opaque mkldnn tensor (`is_mkldnn`), [out, in] in shape only: it is read
@@ -14,17 +14,17 @@ by `linear` here and nothing else, so the embedding table a tied lm_head shares 
 copy.
 
 With few rows a GEMM is a read of the weight, and oneDNN's matmul does not stream its layout
-at the machine's read bandwidth there on every CPU; the skinny GEMM does (benchmarks/RESULTS.md,
-"A skinny GEMM for decode"). Up to `SKINNY_MAX_ROWS` rows `linear` takes the skinny copy where
-one was packed, above it oneDNN: prefill-sized batches are compute-bound, where oneDNN's
-blocking for the caches pays. Both copies are kept, so the linear weights take twice their
-size in memory.
+at the machine's read bandwidth there on every CPU; the skinny GEMM does
+(docs/notes/cpu-gemm-findings.md, "A skinny GEMM for decode"). Up to `SKINNY_MAX_ROWS` rows
+`linear` takes the skinny copy where one was packed, above it oneDNN: prefill-sized batches
+are compute-bound, where oneDNN's blocking for the caches pays. Both copies are kept, so the
+linear weights take twice their size in memory.
 
 bfloat16 on a CPU with AMX is the exception: there the second copy is the tile GEMM's
 (`cpu_amx_gemm.cpp`, on torch's brgemm), which multiplies on the tile unit. It reads a decode
 batch's weights faster than both the skinny GEMM and oneDNN, and up to about a thousand rows
 it splits the work evenly over the threads where oneDNN leaves one waiting
-(benchmarks/RESULTS.md, "Prefill GEMMs on AMX tiles"), so it takes every batch up to
+(docs/notes/cpu-gemm-findings.md, "Prefill GEMMs on AMX tiles"), so it takes every batch up to
 `AMX_MAX_ROWS` rows and oneDNN the larger ones. `pack_skinny` makes that copy, a flat tensor
 the tile GEMM reads (`is_amx_copy`), and `linear` and the C++ decode stack tell the two kinds
 of copy apart by its shape.
@@ -53,7 +53,7 @@ _PACKED_DTYPES = (torch.float32, torch.bfloat16)
 SKINNY_MAX_ROWS = 32
 #: for bfloat16 on a CPU with AMX, the most rows the tile GEMM's copy takes: it beat oneDNN
 #: at every size from 1 row to 1088 but for 192-384 rows; above 1088 rows oneDNN splits its
-#: work differently and won (benchmarks/RESULTS.md, "Prefill GEMMs on AMX tiles"). A
+#: work differently and won (docs/notes/cpu-gemm-findings.md, "Prefill GEMMs on AMX tiles"). A
 #: colocated step of a 1024-token prefill budget plus its decode rows stays below it.
 AMX_MAX_ROWS = 1088
 

@@ -4,11 +4,11 @@
 Prefill on a CPU with AMX takes the tile unit instead. In bfloat16 that is our flash kernel
 on torch's brgemm (`cpu_amx_prefill.cpp`), which multiplies on the tiles where the C++ kernel
 widens to float32 vectors, reads the paged blocks itself, and skips the keys after each
-query block (benchmarks/RESULTS.md, "Prefill attention on AMX tiles"). In float32 it is
+query block (docs/notes/cpu-attention-findings.md, "Prefill attention"). In float32 it is
 torch's SDPA, per sequence over its K/V gathered from the blocks: its oneDNN GEMMs measured
 faster than the C++ kernel on such a (Sapphire Rapids class) core, while on an AMD core the
-C++ kernel was the faster (benchmarks/RESULTS.md, "bfloat16 on AMX"). Decode attention, a
-read of K/V, stays on the C++ kernel everywhere.
+C++ kernel was the faster (docs/notes/cpu-attention-findings.md, "Prefill attention"). Decode
+attention, a read of K/V, stays on the C++ kernel everywhere.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@
 // contiguous run of tiles and reads it front to back, one sequential stream, asking for the
 // lines a few tile rows ahead; each weight vector loaded is multiplied into MR rows at once
 // from registers. oneDNN's matmul reads its blocked layout well below the bandwidth at these
-// sizes on some CPUs (benchmarks/RESULTS.md, "A skinny GEMM for decode").
+// sizes on some CPUs (docs/notes/cpu-gemm-findings.md, "A skinny GEMM for decode").
 //
 // Vectors are cpu_vec.h's, the machine's widest (AVX-512: 16 floats, 4 per tile row;
 // otherwise 8, 2 per tile row), so the accumulators stay in registers: MR x NT of them, plus

@@ -6,7 +6,7 @@
 // lowers each 64-byte vector on an AVX2 CPU to a pair of registers, runs out of its 16 for
 // the rows a kernel keeps in them, and builds every broadcast of a scalar through the stack;
 // decode attention ran at half the speed it does with 8-float vectors there
-// (benchmarks/RESULTS.md, "A skinny GEMM for decode").
+// (docs/notes/cpu-gemm-findings.md, "A skinny GEMM for decode").
 #pragma once
 
 #include <c10/util/BFloat16.h>
@@ -77,7 +77,7 @@ inline vf splat(float x) { return vf{} + x; }
 // How far ahead a kernel streaming K/V token by token asks for the rows it will read. The
 // hardware prefetchers lose the stream at every block boundary (the next block is anywhere in
 // the cache) and keep too few lines in flight per thread; rows requested a few blocks ahead,
-// through the block table, keep the memory system busy (benchmarks/RESULTS.md has the
+// through the block table, keep the memory system busy (docs/notes/cpu-attention-findings.md: the
 // distances tried).
 constexpr int64_t PREFETCH_TOKENS = 48;
 

@@ -5,7 +5,7 @@ h // (num_heads // num_kv_heads) (transformers' repeat_kv). The contracts here a
 the Triton kernels too; the plain oracle both are checked against is
 tests/kernels/attention_oracle.py. What this path saves is memory traffic, which decides CPU
 decode speed (measured: the oracle's padded gather + einsum copies took ~70 % of a 100M-model
-decode step at batch 32; see benchmarks/RESULTS.md, "CPU attention path"):
+decode step at batch 32; see docs/notes/cpu-attention-findings.md, "CPU attention path"):
 
 - a sequence whose block table is a run of consecutive block ids reads its K/V as a *view* of
   the cache (no copy); otherwise `index_select` copies only its own blocks, never a padded

@@ -16,7 +16,7 @@
 # Extra arguments go to `ray start` (head, prefill, decode) or to `pdcluster serve` (serve,
 # gateway). Role resource names are deploy/placement.py's PREFILL and DECODE. Ray ports must
 # be on a trusted network; with Ray's token auth set RAY_AUTH_MODE=token and RAY_AUTH_TOKEN on
-# every node (docs/deploy.md, "Network and security").
+# every node (docs/deployment.md, "Network and security").
 #
 # Core split on prefill/decode nodes (and kuberay pods): RAY_RESERVED_CPUS=N keeps Ray's own
 # processes (raylet, agents, the workers' threads other than the engine's) on N of the

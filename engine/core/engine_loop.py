@@ -3,10 +3,11 @@ repeats drain inbox → step (schedule → execute → sample → postprocess) u
 
 Why one thread for both: with torch's OpenMP runtime (CPU), ops run ~1.8x slower on a thread
 that is not the first of the process to use OpenMP (benchmarks/prefill_thread.py measures it;
-numbers in benchmarks/RESULTS.md, "Throughput"). Building the ModelRunner on the loop thread
-makes the loop that first thread, provided nothing in the process ran torch ops before. One
-thread also means one owner: the scheduler, the KV cache manager and the block pool are touched
-only here, so they need no locks; other threads talk to the engine only through its inbox.
+numbers in docs/notes/cpu-runtime-findings.md, "The OpenMP first-thread penalty"). Building
+the ModelRunner on the loop thread makes the loop that first thread, provided nothing in the
+process ran torch ops before. One thread also means one owner: the scheduler, the KV cache
+manager and the block pool are touched only here, so they need no locks; other threads talk to
+the engine only through its inbox.
 """
 
 from __future__ import annotations
