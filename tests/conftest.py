@@ -15,6 +15,8 @@ import pytest
 import torch
 
 from engine.config import BUNDLED_MODEL
+from tests.markers import mark_starts
+from tests.real_parts import require_real_part
 
 MULTINODE = Path(__file__).parent / "multinode"
 # Seconds a test process may take to exit once its tests are done (Ray's shutdown included).
@@ -26,6 +28,17 @@ def pytest_ignore_collect(collection_path: Path, config) -> bool | None:
         named = [Path(a.split("::")[0]).resolve() for a in config.args]
         return not any(p == MULTINODE or MULTINODE in p.parents for p in named) or None
     return None
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects by them
+def pytest_collection_modifyitems(config, items) -> None:
+    mark_starts(items)  # the ray / server marks of the fixtures each test uses (tests/markers.py)
+
+
+def pytest_runtest_setup(item) -> None:
+    # real_part marks (tests/real_parts.py): skipped here, failed under CI=true
+    for mark in item.iter_markers("real_part"):
+        require_real_part(*mark.args, **mark.kwargs)
 
 
 def pytest_unconfigure(config) -> None:

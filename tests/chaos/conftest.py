@@ -29,6 +29,7 @@ from engine.config import EngineConfig
 from kvstore.config import KVStoreConfig
 from kvstore.pool_config import KVPoolConfig
 from tests.kvstore.conftest import RedisServer, _free_port, _need_redis
+from tests.markers import starts
 
 HERE = Path(__file__).parent
 NUM_REQUESTS = 16
@@ -264,6 +265,7 @@ def running_env(workdir: Path, **overrides) -> Iterator[ChaosEnv]:
 
 
 @pytest.fixture(scope="module")
+@starts("ray", "server")
 def chaos_env(tmp_path_factory) -> Iterator[ChaosEnv]:
     """The disaggregated cluster, for the whole module."""
     with running_env(tmp_path_factory.mktemp("redis")) as env:
@@ -271,6 +273,7 @@ def chaos_env(tmp_path_factory) -> Iterator[ChaosEnv]:
 
 
 @pytest.fixture(scope="module")
+@starts("ray", "server")
 def colocated_env(tmp_path_factory) -> Iterator[ChaosEnv]:
     """Two colocated decode instances (`--colocated`), for the whole module."""
     with running_env(tmp_path_factory.mktemp("redis"), colocated=True) as env:

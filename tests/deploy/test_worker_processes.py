@@ -12,13 +12,18 @@ import pytest
 from deploy import preload
 from engine.cpu_binding import parse_cpu_list
 
-from tests.security.conftest import serve  # noqa: F401  (the fixture)
+from tests.security.conftest import module_serve  # noqa: F401  (the fixture)
 
 pytestmark = pytest.mark.slow
 
 
-def test_engine_workers_run_at_the_gateways_niceness(serve):  # noqa: F811
-    served = serve()
+@pytest.fixture(scope="module")
+def served(module_serve):  # noqa: F811
+    """One `pdcluster serve` (default flags) for the module: its tests only look at it."""
+    return module_serve()
+
+
+def test_engine_workers_run_at_the_gateways_niceness(served):
     gateway = psutil.Process(served.proc.pid)
     engines = [p for p in served.tree if p.name().startswith(("ray::PrefillWorker",
                                                                "ray::DecodeWorker"))]
@@ -34,11 +39,10 @@ def _allowed_cpus(pid: int, tid: int | None = None) -> set[int]:
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores")
-def test_each_engine_pins_its_threads_to_cores_no_other_engine_has(serve):  # noqa: F811
+def test_each_engine_pins_its_threads_to_cores_no_other_engine_has(served):
     """One prefill and one decode engine, one torch thread each: each runs its team on one
     core the kernel allows it alone, and the two cores differ. Where the machine has cores to
     spare, Ray's raylet runs off the engines' cores."""
-    served = serve()
     engines = [p for p in served.tree if p.name().startswith(("ray::PrefillWorker",
                                                                "ray::DecodeWorker"))]
     assert len(engines) == 2, [p.name() for p in served.tree]
@@ -58,11 +62,10 @@ def test_each_engine_pins_its_threads_to_cores_no_other_engine_has(serve):  # no
 
 @pytest.mark.skipif(preload.find_tcmalloc() is None and not preload.transparent_huge_pages(),
                     reason="no tcmalloc installed and no transparent huge pages")
-def test_engines_run_on_tcmalloc_and_huge_pages_and_the_gateway_as_started(serve):  # noqa: F811
+def test_engines_run_on_tcmalloc_and_huge_pages_and_the_gateway_as_started(served):
     """The preload reaches the engine processes Ray starts (their memory maps name the
     library), and so does torch's switch to huge pages (their environment has it); the
     gateway itself is left as it was started."""
-    served = serve()
     engines = [p for p in served.tree if p.name().startswith(("ray::PrefillWorker",
                                                                "ray::DecodeWorker"))]
     assert engines

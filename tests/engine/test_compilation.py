@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from engine.config import BUNDLED_MODEL, EngineConfig
+from engine.config import EngineConfig
 from engine.input_buffers import InputBuffers
 from engine.runner import ModelRunner, SequenceChunk
 from engine.core.kv_connector import StepCancelled

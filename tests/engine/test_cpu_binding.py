@@ -10,7 +10,6 @@ import os
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
@@ -19,6 +18,7 @@ import kernels.cpu_extension as cpu_extension
 from engine import cpu_binding
 from engine.config import EngineConfig
 from engine.cpu_binding import CoreClaims, format_cpu_list, parse_cpu_list
+from tests.real_parts import real_part
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -86,7 +86,7 @@ def test_too_few_free_cores_leave_the_threads_unpinned(tmp_path, caplog):
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores")
-@pytest.mark.skipif(not cpu_extension.available(), reason="no C++ compiler")
+@real_part("the C++ CPU extension", cpu_extension.available(), "no C++ compiler")
 def test_the_openmp_team_runs_one_thread_per_claimed_core(tmp_path):
     """In a fresh process (as a worker is): after bind_threads, torch's ops run on a team whose
     every thread the kernel reports as allowed on exactly one core, a different core each,

@@ -16,6 +16,7 @@ from deploy.launcher import Cluster
 from deploy.serve import gateway_app
 from engine.config import EngineConfig
 from tests.background_server import BackgroundServer
+from tests.markers import starts
 from tests.serve_process import start_serve
 
 
@@ -47,6 +48,7 @@ def stalled_address():
 
 
 @pytest.fixture(scope="session")
+@starts("ray")
 def cluster():
     """Local Ray with one KV store, one prefill and one decode actor (default ServeConfig, with
     the workers' fault injection on for the tests that use it, no core pinning: this
@@ -59,6 +61,7 @@ def cluster():
 
 
 @pytest.fixture(scope="session")
+@starts("server")
 def api_base(cluster) -> str:
     """Base URL (http://127.0.0.1:PORT/v1) of the gateway `pdcluster serve` would run."""
     with BackgroundServer(gateway_app(cluster.config, cluster)) as server:
@@ -66,6 +69,7 @@ def api_base(cluster) -> str:
 
 
 @pytest.fixture(scope="session")
+@starts("ray", "server")
 def serve_process(tmp_path_factory):
     """Factory: `serve_process(*flags)` starts `pdcluster serve --port P *flags` as a real
     subprocess (own session, output in a log file), waits for /health, and returns

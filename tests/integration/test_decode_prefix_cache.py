@@ -24,12 +24,14 @@ from tests.engine_loops import started, stop
 from tests.integration.test_decode_publish import run_decode
 from tests.kvstore.lru_block_store import lru_server
 from tests.handoffs import handoff
+from tests.markers import starts
 
 NODE = "node-c"
 BS = 16
 
 
 @pytest.fixture(scope="module")
+@starts("server")
 def engines():
     server = lru_server(KVStoreConfig())
     server.start()

@@ -26,6 +26,7 @@ from prefill_worker.engine import PrefillEngine
 from tests.engine_loops import started, stop
 from tests.kvstore.lru_block_store import lru_server
 from tests.handoffs import handoff
+from tests.markers import starts
 
 NODE = "node-d"
 BS = 16
@@ -39,6 +40,7 @@ class FailingStore:
 
 
 @pytest.fixture(scope="module")
+@starts("server")
 def cluster():
     server = lru_server(KVStoreConfig())
     server.start()

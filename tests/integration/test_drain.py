@@ -95,8 +95,10 @@ def test_sigterm_drains_then_exits_clean(server):
     proc.send_signal(signal.SIGTERM)
     signalled = time.monotonic()
     health = httpx.get(f"{base}/health", timeout=5)
-    while health.status_code == 200 and time.monotonic() - signalled < DRAIN_TIMEOUT_S:
-        time.sleep(0.02)  # the drain starts on uvicorn's next tick (0.1 s)
+    # the drain starts on uvicorn's next tick (0.1 s) and /health says so until the process
+    # exits (the drain timeout, then the flush): polled until then, not for a fixed window
+    while health.status_code == 200 and time.monotonic() - signalled < 30:
+        time.sleep(0.02)
         health = httpx.get(f"{base}/health", timeout=5)
     assert health.status_code == 503 and health.json() == {"status": "draining"}
     refused = httpx.post(f"{base}/v1/completions", headers=AUTH, timeout=10,
@@ -113,7 +115,10 @@ def test_sigterm_drains_then_exits_clean(server):
         assert s.done, f"{name} stream ended without [DONE]"
         completed = not s.errors and len(s.finish_reasons) == s.body.get("n", 1)
         assert completed or s.errors, f"{name} stream ended with neither a finish nor an error"
-        assert s.ended_at - signalled <= DRAIN_TIMEOUT_S + ABORT_FLUSH_S + 2, \
+        # against a drain that hangs: a generous margin over the configured timeout and flush
+        # (that the drain cut the long streams at its timeout is their service_unavailable
+        # error below, not how soon a loaded machine delivered it)
+        assert s.ended_at - signalled <= DRAIN_TIMEOUT_S + ABORT_FLUSH_S + 30, \
             f"{name} stream ended {s.ended_at - signalled:.1f} s after SIGTERM"
         outcomes[name] = "completed" if completed else f"error: {s.errors[0]['message']}"
     print("drain outcomes:", outcomes)

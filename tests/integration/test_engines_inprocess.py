@@ -23,6 +23,7 @@ from prefill_worker.engine import PrefillEngine
 from tests.kvstore.lru_block_store import lru_server
 from tests.engine_loops import started, stop
 from tests.handoffs import handoff
+from tests.markers import starts
 
 GRPC_5S = KVTransferConfig(timeout_s=5)
 
@@ -39,6 +40,7 @@ def eos_model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+@starts("server")
 def engines(eos_model_dir):
     server = lru_server(KVStoreConfig())
     server.start()

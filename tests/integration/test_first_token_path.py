@@ -32,6 +32,7 @@ from router.policies.live_loads import LedgerLoads
 from tests.engine_loops import started, stop
 from tests.kvstore.lru_block_store import lru_server
 from tests.handoffs import handoff
+from tests.markers import starts
 
 NODE = "node-p"
 ACTOR_CALLS = 1  # PrefillWorker.prefill's first item
@@ -72,6 +73,7 @@ class Counted:
 
 
 @pytest.fixture(scope="module")
+@starts("server")
 def world():
     server = lru_server(KVStoreConfig())
     server.start()

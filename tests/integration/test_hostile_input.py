@@ -87,6 +87,7 @@ class ExplodingTokenizer(Tokenizer):
         raise RuntimeError("a bug in the tokenizer")
 
 
+@pytest.mark.server
 def test_an_unexpected_exception_is_a_500_with_the_openai_body(cluster, caplog):
     model_dir = cluster.config.engine.model
     real = Tokenizer.from_pretrained(model_dir)

@@ -10,7 +10,10 @@ import time
 import pytest
 import torch
 
-pytest.importorskip("mooncake.store", reason="needs pdcluster[mooncake] and libibverbs1")
+from tests.markers import starts
+from tests.real_parts import MOONCAKE_HINT, import_real_part
+
+import_real_part("mooncake.store", "Mooncake Store", MOONCAKE_HINT)
 
 from deploy.cli import _overrides, _parser  # noqa: E402
 from deploy.config import load_config  # noqa: E402
@@ -30,13 +33,14 @@ from router.cost_model import load_cost_model  # noqa: E402
 from tests.engine_loops import started, stop  # noqa: E402
 from tests.kvstore.lru_block_store import lru_server  # noqa: E402
 from tests.kvstore.mooncake_master import MooncakeMaster  # noqa: E402
+from tests.handoffs import handoff
 
 PARAMS = SamplingParams(max_tokens=2, temperature=0)
-from tests.handoffs import handoff
 SEGMENT = 32 << 20
 
 
 @pytest.fixture(scope="module")
+@starts("server")
 def master(tmp_path_factory):
     server = MooncakeMaster(tmp_path_factory.mktemp("mooncake"))
     server.start()

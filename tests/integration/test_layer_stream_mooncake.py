@@ -29,7 +29,9 @@ from tests.integration.test_transfer_faults import store  # noqa: F401 — the s
 from tests.kvstore.local_peers import LocalStreamPeers
 from tests.handoffs import handoff
 
-pytest.importorskip("mooncake.engine", reason="needs pdcluster[mooncake] and libibverbs1")
+from tests.real_parts import MOONCAKE_HINT, import_real_part
+
+import_real_part("mooncake.engine", "Mooncake's Transfer Engine", MOONCAKE_HINT)
 
 from kvstore.connector.mooncake import MooncakeConnector, RegionSource  # noqa: E402
 

@@ -24,6 +24,7 @@ from engine.protocol import PrefillRequest, SamplingParams
 from kvstore.client import KVStoreClient
 from kvstore.config import KVTransferConfig
 from kvstore.pool_config import KVPoolConfig
+from tests.markers import starts
 
 pytestmark = pytest.mark.slow
 
@@ -35,6 +36,7 @@ BUDGET = 16  # tokens per prefill step: a long prompt runs in many chunks
 
 
 @pytest.fixture(scope="module")
+@starts("ray")
 def layer_cluster(cluster):
     """The session cluster first (it owns the session's Ray), then ours beside it."""
     config = ServeConfig(pd_decider="always",

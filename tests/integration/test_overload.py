@@ -26,6 +26,7 @@ from loadtest.client import ClientConfig
 from loadtest.runner import RunConfig, run_benchmark
 from loadtest.workload import BenchRequest, Workload
 from tests.background_server import BackgroundServer
+from tests.markers import starts
 
 pytestmark = pytest.mark.slow
 
@@ -39,6 +40,7 @@ GIB = 1 << 30
 
 
 @pytest.fixture(scope="module")
+@starts("server")
 def overload_gateway(cluster):
     """Base URL of a gateway over the session cluster with max_inflight_requests=MAX_INFLIGHT."""
     config = cluster.config.model_copy(update={"max_inflight_requests": MAX_INFLIGHT})
@@ -164,6 +166,7 @@ def test_three_times_capacity_only_sheds_load(cluster, overload_gateway):
 
 
 @pytest.fixture(scope="module")
+@starts("server")
 def unqueued_gateway(cluster):
     """As overload_gateway, with no queue behind the gate: full gate, full queue."""
     config = cluster.config.model_copy(update={"max_inflight_requests": MAX_INFLIGHT,

@@ -17,11 +17,13 @@ from deploy.launcher import Cluster
 from kvstore.pool_config import KVPoolConfig
 from deploy.serve import gateway_app
 from tests.background_server import BackgroundServer
+from tests.markers import starts
 
 THRESHOLD = 48
 
 
 @pytest.fixture(scope="module")
+@starts("ray", "server")
 def base_url(cluster):
     """The session cluster first (it owns the session's Ray), then ours beside it, in a
     namespace of its own."""

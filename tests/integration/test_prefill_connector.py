@@ -22,12 +22,14 @@ from tests.engine_loops import started, stop
 from tests.kvstore.faulty_connector import FaultyConnector
 from tests.kvstore.lru_block_store import lru_server
 from tests.handoffs import handoff
+from tests.markers import starts
 
 NODE = "node-c"
 PARAMS = SamplingParams(max_tokens=2, temperature=0)
 
 
 @pytest.fixture(scope="module")
+@starts("server")
 def store():
     server = lru_server(KVStoreConfig())
     server.start()

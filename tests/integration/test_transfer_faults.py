@@ -33,6 +33,7 @@ from prefill_worker.engine import PrefillEngine
 from tests.kvstore.lru_block_store import lru_server
 from tests.engine_loops import started, stop
 from tests.handoffs import handoff, with_handoff
+from tests.markers import starts
 
 TIMEOUT_S = 1.0
 STORY = ("Once upon a time, there was a little boy named Tim. Tim had a big red ball. He liked "
@@ -76,6 +77,7 @@ class _HangFirst(KVTransferBackend):
 
 
 @pytest.fixture(scope="module")
+@starts("server")
 def store():
     """A real KV store (gRPC, no auth) and a client of it."""
     server = lru_server(KVStoreConfig(tail_ttl_s=60))

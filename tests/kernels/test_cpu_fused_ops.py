@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from kernels import cpu_extension, cpu_fused_ops, reference
+from tests.real_parts import real_part
 
-pytestmark = pytest.mark.skipif(not cpu_extension.available(),
-                                reason="the C++ kernels cannot be built here (no compiler)")
+pytestmark = real_part("the C++ CPU extension", cpu_extension.available(),
+                       "the C++ kernels cannot be built here (no compiler)")
 
 
 @pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])

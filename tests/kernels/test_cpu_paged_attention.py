@@ -15,9 +15,10 @@ from kernels import cpu_extension, cpu_paged_attention, reference
 from tests.kernels import attention_oracle
 from tests.kernels.test_torch_attention import (BLOCK_SIZE, HEAD_DIM, NUM_BLOCKS, NUM_HEADS,
                                                 NUM_KV_HEADS, SCALE, caches, tables)
+from tests.real_parts import real_part
 
-pytestmark = pytest.mark.skipif(not cpu_extension.available(),
-                                reason="the C++ kernels cannot be built here (no compiler)")
+pytestmark = real_part("the C++ CPU extension", cpu_extension.available(),
+                       "the C++ kernels cannot be built here (no compiler)")
 
 
 def test_decode_matches_oracle_over_scattered_and_consecutive_blocks():

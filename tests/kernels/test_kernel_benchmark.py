@@ -7,9 +7,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 
-pytest.importorskip("triton")
+from tests.real_parts import import_real_part
+
+import_real_part("triton", "Triton", "scripts/setup.sh installs it on Linux")
 
 
 def test_kernel_benchmark_smoke_run():

@@ -11,7 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-pytest.importorskip("triton")
+from tests.real_parts import import_real_part
+
+import_real_part("triton", "Triton", "scripts/setup.sh installs it on Linux")
 
 import kernels  # noqa: E402
 from engine.config import BUNDLED_MODEL, ModelConfig  # noqa: E402

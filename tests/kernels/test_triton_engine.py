@@ -14,9 +14,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 
-pytest.importorskip("triton")
+from tests.real_parts import import_real_part
+
+import_real_part("triton", "Triton", "scripts/setup.sh installs it on Linux")
 
 NUM_TOKENS = 8
 PROMPTS = ["Once upon a time, there was a little girl", "The dog"]

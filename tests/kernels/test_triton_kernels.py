@@ -24,7 +24,9 @@ from pathlib import Path
 import pytest
 import torch
 
-pytest.importorskip("triton")
+from tests.real_parts import import_real_part
+
+import_real_part("triton", "Triton", "scripts/setup.sh installs it on Linux")
 
 import kernels  # noqa: E402
 from kernels import reference  # noqa: E402

@@ -4,7 +4,8 @@ demand) for the index tests.
 
 Started on a free port with persistence off (``--save "" --appendonly no``), bound to 127.0.0.1,
 killed at teardown. Tests needing it are skipped when the ``redis-server`` binary or redis-py
-is missing (``scripts/setup.sh --dev`` installs both).
+is missing (``scripts/setup.sh --dev`` installs both), and fail then under ``CI=true``
+(tests/real_parts.py).
 """
 
 from __future__ import annotations
@@ -16,6 +17,9 @@ import time
 from pathlib import Path
 
 import pytest
+
+from tests.markers import starts
+from tests.real_parts import import_real_part, require_real_part
 
 
 def _free_port() -> int:
@@ -81,12 +85,13 @@ class RedisServer:
 
 
 def _need_redis() -> None:
-    pytest.importorskip("redis")
-    if shutil.which("redis-server") is None:
-        pytest.skip("redis-server not installed (scripts/setup.sh --dev installs it)")
+    import_real_part("redis", "redis-py", "scripts/setup.sh --dev installs it")
+    require_real_part("redis-server", shutil.which("redis-server") is not None,
+                      "not on PATH (scripts/setup.sh --dev installs it)")
 
 
 @pytest.fixture(scope="session")
+@starts("server")
 def redis_server(tmp_path_factory):
     """A server shared by the session; tests isolate themselves with a key namespace."""
     _need_redis()
@@ -97,6 +102,7 @@ def redis_server(tmp_path_factory):
 
 
 @pytest.fixture
+@starts("server")
 def fresh_redis_server(tmp_path):
     """A server of the test's own, for tests that kill or restart it."""
     _need_redis()
@@ -107,6 +113,7 @@ def fresh_redis_server(tmp_path):
 
 
 @pytest.fixture
+@starts("server")
 def make_server():
     """Start real KV store gRPC servers on port 0: ``make(config, store, max_workers)``
     (store: an LRUBlockStore sized by ``config`` unless given); all stopped at teardown."""
@@ -130,9 +137,10 @@ def make_server():
 
 
 @pytest.fixture(scope="module")
+@starts("ray")
 def ray_cluster():
     """A local Ray for the module's actors (or the one a session fixture already runs)."""
-    ray = pytest.importorskip("ray")
+    ray = import_real_part("ray", "Ray")
     if ray.is_initialized():
         yield
         return

@@ -87,29 +87,35 @@ def test_abandoned_or_cancelled_fetch_closes_its_session(make_server):
 
 
 class SlowOnceStore(LRUBlockStore):
-    """Fault injection: the first lookup stalls (a slow node), later ones do not."""
+    """Fault injection: the first lookup stalls (a slow node) until the test opens ``gate``
+    (30 s at most), later ones do not."""
 
     def __init__(self, *args):
         super().__init__(*args)
-        self.stalled = threading.Event()
+        self.stalled, self.gate, self.answered = (threading.Event() for _ in range(3))
 
     def get_many(self, keys):
         if not self.stalled.is_set():
             self.stalled.set()
-            time.sleep(1.0)
+            self.gate.wait(30.0)
+            self.answered.set()
         return super().get_many(keys)
 
 
 def test_deadline_closes_the_session_and_the_next_fetch_opens_a_new_one(make_server):
-    server = make_server(store=SlowOnceStore(1 << 22, 60.0))
+    store = SlowOnceStore(1 << 22, 60.0)
+    server = make_server(store=store)
     keys, data = keys_for(2), blocks(2)
     with KVStoreClient(server.address, timeout_s=0.3) as client:
         client.put_blocks(keys, data)
-        start = time.monotonic()
-        with pytest.raises(KVTransferError, match="deadline"):
-            client.get_blocks(keys)
-        assert time.monotonic() - start < 0.9
-        time.sleep(1.0)  # the stalled lookup ends on the server
+        try:
+            with pytest.raises(KVTransferError, match="deadline"):
+                client.get_blocks(keys)
+            # the client's deadline ended it while the lookup still stalled on the server
+            assert store.stalled.is_set() and not store.answered.is_set()
+        finally:
+            store.gate.set()
+        assert store.answered.wait(10.0)  # the stalled lookup ends on the server
         assert torch.equal(client.get_blocks(keys), data)
         assert client.sessions.opened == 2
 
@@ -124,11 +130,14 @@ def test_idle_sessions_expire_and_free_the_servers_threads(make_server):
     clients = [KVStoreClient(server.address, timeout_s=10.0, session_idle_s=0.5)
                for _ in range(5)]
     try:
-        start = time.monotonic()
-        for client in clients:
+        for client in clients:  # a fetch with no free handler thread would fail at its 10 s
             assert torch.equal(client.get_blocks(keys), data)
-        assert time.monotonic() - start < 8.0
-        time.sleep(1.5)
+        # the 4th and 5th were served on threads freed by expiry: of the four sessions open
+        # before the 5th fetch, at least two were swept (the server holds 3 streams at most)
+        assert sum(not c.sessions._idle for c in clients[:4]) >= 2
+        deadline = time.monotonic() + 10.0  # the sweep runs every 0.25 s
+        while any(c.sessions._idle for c in clients) and time.monotonic() < deadline:
+            time.sleep(0.05)
         assert all(len(c.sessions._idle) == 0 for c in clients)  # swept
     finally:
         for client in clients:

@@ -51,8 +51,11 @@ def test_redis_heartbeat_reports_whether_the_lease_was_running(fresh_redis_serve
 
 
 @pytest.mark.slow
+@pytest.mark.ray
 def test_kv_store_reannounces_its_blocks_after_redis_restarts_empty(fresh_redis_server):
-    ray = pytest.importorskip("ray")
+    from tests.real_parts import import_real_part
+
+    ray = import_real_part("ray", "Ray")
     from kvstore.actor import start_kvstore_actors
     from kvstore.client import KVStoreClient
     from kvstore.config import KVStoreConfig

@@ -7,7 +7,9 @@ import time
 
 import pytest
 
-ray = pytest.importorskip("ray")
+from tests.real_parts import import_real_part
+
+ray = import_real_part("ray", "Ray")
 import torch  # noqa: E402
 
 from kvstore.actor import (KVSTORE_ACTOR_PREFIX, kvstore_actor,  # noqa: E402

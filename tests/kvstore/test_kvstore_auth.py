@@ -13,12 +13,14 @@ from engine.core.hashing import block_keys, make_namespace
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto import kvstore_pb2_grpc as pb_grpc
 from tests.kvstore.lru_block_store import lru_server
+from tests.markers import starts
 
 TOKEN = "s3cret-kv-token-for-tests"
 KEYS = block_keys(list(range(32)), 16, make_namespace("auth-test"))
 
 
 @pytest.fixture
+@starts("server")
 def server():
     server = lru_server(KVStoreConfig(token=TOKEN))
     server.start()
@@ -65,6 +67,7 @@ def test_token_header_alternative(server):
         assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
 
 
+@pytest.mark.server
 def test_no_token_configured_means_no_auth():
     server = lru_server(KVStoreConfig())
     server.start()

@@ -11,6 +11,7 @@ import pytest
 from engine.core.kv_events import AllCleared, BlockRemoved, BlockStored
 from engine.core.hashing import block_keys, make_namespace
 from kvstore.index import KVIndex, Location, MemoryIndex, open_index
+from tests.markers import starts
 
 NODE_A, NODE_B = "node-a", "node-b"
 DEV_A0 = Location(NODE_A, "device", "prefill-0")
@@ -26,8 +27,11 @@ def make_keys(num_blocks: int, salt: str = "") -> list[bytes]:
 
 
 @pytest.fixture(scope="module")
+@starts("ray")
 def ray_cluster():
-    ray = pytest.importorskip("ray")
+    from tests.real_parts import import_real_part
+
+    ray = import_real_part("ray", "Ray")
     if ray.is_initialized():  # the session's cluster fixture already runs a local Ray
         yield ray
         return
@@ -49,7 +53,8 @@ def actor_url(ray_cluster):
     ray_cluster.kill(actor)
 
 
-@pytest.fixture(params=["memory", "redis", pytest.param("actor", marks=pytest.mark.slow)])
+@pytest.fixture(params=["memory", pytest.param("redis", marks=pytest.mark.server),
+                        pytest.param("actor", marks=[pytest.mark.slow, pytest.mark.ray])])
 def index(request) -> KVIndex:
     if request.param == "memory":
         idx: KVIndex = open_index("memory://")

@@ -24,7 +24,7 @@ def payload(i: int) -> bytes:
     return bytes((i * 7 + j) % 251 for j in range(LAYOUT.nbytes))
 
 
-@pytest.fixture(params=["memory", "redis"])
+@pytest.fixture(params=["memory", pytest.param("redis", marks=pytest.mark.server)])
 def store(request, tmp_path):
     if request.param == "redis":
         server = request.getfixturevalue("redis_server")

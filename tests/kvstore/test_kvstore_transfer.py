@@ -168,16 +168,37 @@ class SlowStore(LRUBlockStore):
         return super().get_many(keys)
 
 
+class GatedStore(LRUBlockStore):
+    """Fault injection: lookups stall until the test opens ``gate`` (30 s at most)."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.gate, self.stalled, self.answered = (threading.Event() for _ in range(3))
+
+    def get_many(self, keys):
+        self.stalled.set()
+        self.gate.wait(30.0)
+        try:
+            return super().get_many(keys)
+        finally:
+            self.answered.set()
+
+
 def test_grpc_deadline_fails_with_transfer_error(make_server, make_backend):
-    server = make_server(SlowStore(1 << 20, 60.0))
+    store = GatedStore(1 << 20, 60.0)
+    server = make_server(store=store)
     keys, _ = publish(server, 2)
     receiver = make_backend().create_receiver()
-    start = time.monotonic()
-    receiver.start(FetchRequest(server.address, keys, deadline_s=0.3),
-                   TensorDest(torch.zeros(2, 4)))
-    assert time.monotonic() - start < 0.1  # start never blocks
-    assert wait(receiver, 5.0) is TransferState.FAILED
-    assert time.monotonic() - start < 1.2
+    try:
+        receiver.start(FetchRequest(server.address, keys, deadline_s=1.0),
+                       TensorDest(torch.zeros(2, 4)))
+        # start never blocks: it returned before the transfer's outcome, the 1 s deadline
+        assert not receiver.poll().done
+        assert wait(receiver, 10.0) is TransferState.FAILED
+        # the deadline failed it while the store was still stalled, not its late answer
+        assert store.stalled.is_set() and not store.answered.is_set()
+    finally:
+        store.gate.set()
     with pytest.raises(KVTransferError, match="deadline") as info:
         receiver.result()
     assert info.value.address == server.address

@@ -36,15 +36,16 @@ def bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int16)
 
 
-@pytest.fixture(params=[pytest.param("same-node", marks=pytest.mark.slow), "grpc"])
-def facade(request, make_server):
+@pytest.fixture(params=[pytest.param("same-node", marks=[pytest.mark.slow, pytest.mark.ray]),
+                        pytest.param("grpc", marks=pytest.mark.server)])
+def facade(request):
     """(store as a NodeStore, the index it publishes to, the tier its hits report, node id)."""
     if request.param == "grpc":
         index = MemoryIndex()
         index.heartbeat("node-a", 30)
         store = TieredNodeStore("node-a", LAYOUT, SLOTS * LAYOUT.nbytes, None, 1, index,
                                 tail_capacity_bytes=1 << 20, tail_ttl_s=60)
-        server = make_server(KVStoreConfig(), store)
+        server = request.getfixturevalue("make_server")(KVStoreConfig(), store)
         with KVStoreClient(server.address, timeout_s=10.0) as client:
             yield client, index, REMOTE, "node-a"
         server.stop(grace=0)

@@ -22,6 +22,8 @@ from collections.abc import Callable
 import pytest
 from aiohttp import web
 
+from tests.markers import starts
+
 BLOCK = 16
 
 
@@ -138,6 +140,7 @@ class StubServer:
 
 
 @pytest.fixture
+@starts("server")
 def stub_server():
     server = StubServer().start()
     try:

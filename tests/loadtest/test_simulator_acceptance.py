@@ -23,19 +23,21 @@ pytestmark = [pytest.mark.slow, needs_trace]
 
 
 def run(policy: str, time_scale: float, admission: str = "none") -> tuple[dict, float]:
+    """The summary, and the CPU seconds the simulation took (this thread's: other processes
+    on a loaded machine do not count)."""
     requests = load_requests(TRACE, time_scale)
-    began = time.perf_counter()
+    began = time.thread_time()
     sim = Simulation(SimConfig(MOONCAKE_70B, policy=policy, admission=admission,
                                slo=SLO(30.0, 0.1)), requests).run()
-    return summarize(sim, include_samples=False), time.perf_counter() - began
+    return summarize(sim, include_samples=False), time.thread_time() - began
 
 
 def test_policy_ordering_on_the_full_trace():
     ttft = {}
     for policy in ("kvcache_centric", "cache_aware", "least_loaded", "random"):
-        summary, wall_s = run(policy, 0.6)
+        summary, cpu_s = run(policy, 0.6)
         assert summary["num_requests"] == 12_031
-        assert wall_s < 120, f"{policy}: {wall_s:.0f} s"
+        assert cpu_s < 120, f"{policy}: {cpu_s:.0f} s of CPU"
         ttft[policy] = summary["mean_ttft_ms"]
     assert ttft["kvcache_centric"] < ttft["cache_aware"] < ttft["least_loaded"] < ttft["random"]
     assert ttft["kvcache_centric"] <= 0.9 * ttft["cache_aware"], ttft

@@ -9,9 +9,11 @@ import ray
 
 from deploy.config import ServeConfig
 from deploy.launcher import Cluster
+from tests.markers import starts
 
 
 @pytest.fixture(scope="session")
+@starts("ray")
 def local_cluster():
     """A context manager starting a launcher Cluster for `config` on a local Ray: reuses a Ray
     this process already runs, else starts one and shuts it down afterwards."""

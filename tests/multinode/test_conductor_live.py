@@ -5,7 +5,7 @@ instance, routed by kvcache_centric with the global index and load ledger.
   * a burst of unrelated requests spreads over both instances;
   * under overload, admission answers 429 with Retry-After, counted by reason in /metrics, and
     the requests it admits are those whose predicted TTFT meets the SLO (how well measured TTFT
-    then meets it is a performance figure: benchmarks/RESULTS.md, "Conductor")
+    then meets it is a performance figure: benchmarks/RESULTS.md, "Conductor live admission")
 
 Runs on a local Ray of its own in its own pytest process (see tests/conftest.py); reuses a Ray
 another fixture of tests/multinode already started, and then leaves it running.
@@ -126,6 +126,7 @@ def run(coro):
     return asyncio.run(coro)
 
 
+@pytest.mark.server
 def test_shared_prefix_follows_its_holder_and_a_burst_spreads(cluster):
     conductor, poller, decisions = live(cluster)
     gateway = Gateway(cluster, conductor)
@@ -154,6 +155,7 @@ def test_shared_prefix_follows_its_holder_and_a_burst_spreads(cluster):
         poller.stop()
 
 
+@pytest.mark.server
 def test_overload_gets_429_with_retry_after_and_admits_only_predicted_slo_hits(cluster):
     conductor, poller, decisions = live(cluster)  # admission switched on after calibration
     gateway = Gateway(cluster, conductor)

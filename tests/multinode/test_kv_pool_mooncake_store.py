@@ -22,10 +22,13 @@ from kvstore.config import KVStoreConfig
 from kvstore.pool_config import KVPoolConfig
 from prefill_worker.actor import PrefillWorker
 from tests.kvstore.mooncake_master import MooncakeMaster
+from tests.markers import starts
 from tests.multinode.test_kv_pool_multinode import (check_baseline, decode, hits, story_prompt,
                                                     two_node_cluster)
 
-pytest.importorskip("mooncake.store", reason="needs pdcluster[mooncake] and libibverbs1")
+from tests.real_parts import MOONCAKE_HINT, import_real_part
+
+import_real_part("mooncake.store", "Mooncake Store", MOONCAKE_HINT)
 
 pytestmark = pytest.mark.slow
 
@@ -33,6 +36,7 @@ NS = "pdc-mooncake-store"
 
 
 @pytest.fixture(scope="module")
+@starts("ray", "server")
 def nodes(tmp_path_factory):
     master = MooncakeMaster(tmp_path_factory.mktemp("mooncake"))
     master.start()

@@ -28,6 +28,7 @@ from router.decode_outputs import DecodeOutputs
 from router.pipeline import _stream_decode
 from router.registry import Instance
 from tests.handoffs import handoff
+from tests.markers import starts
 
 pytestmark = pytest.mark.slow
 
@@ -56,6 +57,7 @@ def two_node_cluster(namespace: str):
 
 
 @pytest.fixture(scope="module")
+@starts("ray")
 def nodes(tmp_path_factory):
     cluster, node_of = two_node_cluster(NS)
     engine = EngineConfig(num_kv_blocks=256)
@@ -240,12 +242,14 @@ def test_dead_node_leaves_the_index_within_the_lease(nodes, hf):
     probe, probe_at = [bytes(32)], Location(node_a, "device", "liveness-probe")
     env["index"].add(probe, probe_at)  # looked up while node A's lease runs
     ray.get(env["stores"]["node_a"].inject_fault.remote("stop_heartbeat"))
-    deadline = time.monotonic() + LEASE_S + 3
+    # its 2 s lease ran out, not the default 10 s one: gone before the default would end (a
+    # generous margin over the configured lease, still telling the two apart)
+    deadline = time.monotonic() + KVPoolConfig.model_fields["node_lease_s"].default
     while env["index"].lookup(probe) != [[]]:
         assert time.monotonic() < deadline, "node A still alive in the index past its lease"
         time.sleep(0.2)
     env["index"].remove(probe, probe_at)
     prompt = story_prompt(hf, "Cross node.")  # cached on A by the first test, and on B
     assert all(loc.node_id != node_a for locs in env["index"].lookup(
-        list(prefill(env["prefill_b"], "d-b", prompt).block_keys)) for loc in locs)
+        list(handoff(prefill(env["prefill_b"], "d-b", prompt)).block_keys)) for loc in locs)
     check_baseline(env)

@@ -18,7 +18,9 @@ from tests.multinode.test_kv_transfer_torch import (STORY, check_output_depends_
                                                     run, run_concurrently, settled_decode,
                                                     stats, tokens_of)
 
-pytest.importorskip("mooncake.engine", reason="needs pdcluster[mooncake] and libibverbs1")
+from tests.real_parts import MOONCAKE_HINT, import_real_part
+
+import_real_part("mooncake.engine", "Mooncake's Transfer Engine", MOONCAKE_HINT)
 
 pytestmark = pytest.mark.slow
 

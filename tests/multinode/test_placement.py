@@ -29,7 +29,9 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slow
+# ray: every test here uses `scenario`, which runs this file as a script that starts a
+# multi-node Ray (a script: no tests.* imports at module level)
+pytestmark = [pytest.mark.slow, pytest.mark.ray]
 
 NS = "pdc-placement"
 MAX_TOKENS = 16

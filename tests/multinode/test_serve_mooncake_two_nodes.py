@@ -18,9 +18,12 @@ import httpx
 import pytest
 from openai import OpenAI
 
+from tests.markers import starts
 from tests.serve_process import start_serve
 
-pytest.importorskip("mooncake.engine", reason="needs pdcluster[mooncake] and libibverbs1")
+from tests.real_parts import MOONCAKE_HINT, import_real_part
+
+import_real_part("mooncake.engine", "Mooncake's Transfer Engine", MOONCAKE_HINT)
 
 pytestmark = pytest.mark.slow
 
@@ -32,6 +35,7 @@ MAX_TOKENS = 24
 
 
 @pytest.fixture(scope="module")
+@starts("ray")
 def ray_nodes():
     """A head (no role) and two worker nodes: {"prefill": 1} and {"decode": 1}; yields the
     cluster and {node id: role}."""
@@ -62,6 +66,7 @@ def transfer_bytes(port: int) -> dict[str, float]:
 
 
 @pytest.mark.parametrize("streaming", ["request", "layer"])
+@pytest.mark.server
 def test_greedy_output_over_te_across_two_nodes_matches_hf(ray_nodes, hf, tmp_path, streaming):
     cluster, role_of = ray_nodes
     log = tmp_path / "serve.log"

@@ -13,9 +13,11 @@ import uvicorn
 from fastapi import FastAPI
 
 from router.auth import APIKeyAuth, load_api_keys
+from tests.markers import starts
 
 
 @pytest.fixture(scope="module")
+@starts("server")
 def base_url():
     app = FastAPI()
     app.add_middleware(APIKeyAuth, keys=["key-one", "key-two"])

@@ -87,8 +87,11 @@ def test_min_tokens_and_offset_bounds():
 
 
 @pytest.mark.slow
+@pytest.mark.ray
 def test_registry_marks_a_killed_actor_dead_and_takes_it_back_after_ray_restarts_it():
-    ray = pytest.importorskip("ray")
+    from tests.real_parts import import_real_part
+
+    ray = import_real_part("ray", "Ray")
     from router.registry import Instance, InstanceRegistry
 
     @ray.remote(max_restarts=-1, num_cpus=0)

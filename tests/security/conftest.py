@@ -3,6 +3,7 @@ process tree it starts, and the shared-memory arenas those processes own."""
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import signal
@@ -16,6 +17,8 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
+
+from tests.markers import starts
 
 SHM_DIR = Path("/dev/shm")
 HEALTHY_WITHIN_S = 180
@@ -106,16 +109,15 @@ class Served:
         return self.log.read_text(errors="replace")[-n:]
 
 
-@pytest.fixture
-def serve(tmp_path):
-    """Factory: `serve(*flags)` starts `pdcluster serve --port P *flags`, waits for /health
-    and returns a Served with its process tree recorded. Teardown SIGKILLs whatever of any
+@contextlib.contextmanager
+def serving(workdir: Path):
+    """The factory of `serve` (logs in ``workdir``); on exit SIGKILLs whatever of any
     recorded tree is still running."""
     started: list[Served] = []
 
     def start(*flags: str) -> Served:
         port = free_port()
-        log = tmp_path / f"serve-{len(started)}.log"
+        log = workdir / f"serve-{len(started)}.log"
         exe = Path(sys.executable).parent / "pdcluster"
         with log.open("w") as out:
             proc = subprocess.Popen([str(exe), "serve", "--port", str(port), *flags],
@@ -136,14 +138,34 @@ def serve(tmp_path):
             time.sleep(0.5)
         pytest.fail(f"server not healthy in {HEALTHY_WITHIN_S} s:\n{served.log_tail()}")
 
-    yield start
-    for served in started:
-        if served.proc.poll() is None:
-            served.record_tree()
-            served.proc.send_signal(signal.SIGKILL)
-            served.proc.wait(timeout=10)
-        for p in alive(served.tree):
-            try:
-                p.kill()
-            except psutil.Error:
-                pass
+    try:
+        yield start
+    finally:
+        for served in started:
+            if served.proc.poll() is None:
+                served.record_tree()
+                served.proc.send_signal(signal.SIGKILL)
+                served.proc.wait(timeout=10)
+            for p in alive(served.tree):
+                try:
+                    p.kill()
+                except psutil.Error:
+                    pass
+
+
+@pytest.fixture
+@starts("ray", "server")
+def serve(tmp_path):
+    """Factory: `serve(*flags)` starts `pdcluster serve --port P *flags`, waits for /health
+    and returns a Served with its process tree recorded. Teardown SIGKILLs whatever of any
+    recorded tree is still running."""
+    with serving(tmp_path) as start:
+        yield start
+
+
+@pytest.fixture(scope="module")
+@starts("ray", "server")
+def module_serve(tmp_path_factory):
+    """`serve` for a module whose tests only look at the servers they share."""
+    with serving(tmp_path_factory.mktemp("serve")) as start:
+        yield start

@@ -21,6 +21,7 @@ from deploy.launcher import Cluster
 from deploy.serve import gateway_app
 from engine.config import EngineConfig
 from tests.background_server import BackgroundServer
+from tests.markers import starts
 
 pytestmark = pytest.mark.slow
 
@@ -29,6 +30,7 @@ MODEL = "stories260K"
 
 
 @pytest.fixture(scope="module")
+@starts("ray", "server")
 def fuzz_gateway():
     """(gateway URL, its OpenAPI dict) over a cluster of one prefill and one decode actor."""
     config = ServeConfig(ray_num_cpus=4, actor_num_cpus=0.1, ray_namespace="pdcluster-fuzz",

@@ -17,12 +17,16 @@ import pytest
 from fastapi import FastAPI
 
 from tests.background_server import BackgroundServer
+from tests.markers import starts
 
 pytestmark = pytest.mark.timeout(60)
 
 HEADER_TIMEOUT_S = 1.0
-#: How long after its timeout a connection may still be open: timer and scheduling slack.
-CLOSE_SLACK_S = 2.0
+#: How long after its timeout a connection may still be open: generous, as a loaded machine
+#: needs (the bound is against a connection left open, which nothing else here would close;
+#: that the head timer closed it, not something sooner, is the lower bound of
+#: _assert_partial_head_closed)
+CLOSE_SLACK_S = 15.0
 SLOW_HANDLER_S = 2.0
 PARTIAL_HEAD = b"GET /health HTTP/1.1\r\nHost: x\r\n"
 FULL_HEAD = PARTIAL_HEAD + b"\r\n"
@@ -44,6 +48,7 @@ def _app() -> FastAPI:
 
 
 @pytest.fixture(scope="module")
+@starts("server")
 def url():
     with BackgroundServer(_app(), header_timeout_s=HEADER_TIMEOUT_S) as server:
         yield server.url

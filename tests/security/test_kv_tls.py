@@ -80,6 +80,7 @@ def _roundtrip(client: KVStoreClient) -> None:
 
 
 @pytest.mark.parametrize("mutual", [False, True])
+@pytest.mark.server
 def test_tls_client_works_plaintext_and_untrusting_clients_fail(pki, mutual):
     good, other = pki["good"], pki["other"]
     server = _server(_tls(good, good["ca"] if mutual else None))
@@ -99,6 +100,7 @@ def test_tls_client_works_plaintext_and_untrusting_clients_fail(pki, mutual):
         server.stop(grace=0)
 
 
+@pytest.mark.server
 def test_mutual_tls_refuses_a_client_certificate_from_another_ca(pki):
     good, other = pki["good"], pki["other"]
     server = _server(_tls(good, good["ca"]))
@@ -114,6 +116,7 @@ def test_mutual_tls_refuses_a_client_certificate_from_another_ca(pki):
         server.stop(grace=0)
 
 
+@pytest.mark.server
 def test_unreadable_files_are_a_clear_error(tmp_path, pki):
     missing = KVTLSConfig(cert_file=str(tmp_path / "nope.pem"), key_file=pki["good"]["key"])
     with pytest.raises(KVStoreError, match="nope.pem"):
@@ -128,6 +131,8 @@ def test_tls_config_needs_both_cert_and_key():
 
 
 @pytest.mark.slow
+@pytest.mark.ray
+@pytest.mark.server
 def test_a_cluster_serves_over_mutual_tls_kv_plane(pki):
     """Every KV client in the cluster (prefill, decode, remote stores) gets the TLS settings:
     a request crosses the KV gRPC plane (tail block prefill → decode) and completes."""

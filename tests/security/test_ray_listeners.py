@@ -53,7 +53,9 @@ def test_mooncake_transfer_engine_listens_on_loopback_only(serve):
     """Mooncake's Transfer Engine binds every interface by itself; with `--kv-transfer
     mooncake` both workers' TE listeners (handshake and TCP transport; the decode's start with
     its first read) are on the transfer bind address, 127.0.0.1, like the rest."""
-    pytest.importorskip("mooncake.engine", reason="needs pdcluster[mooncake] and libibverbs1")
+    from tests.real_parts import MOONCAKE_HINT, import_real_part
+
+    import_real_part("mooncake.engine", "Mooncake's Transfer Engine", MOONCAKE_HINT)
     import httpx
 
     served = serve("--kv-transfer", "mooncake", "--pd-decider", "always")
