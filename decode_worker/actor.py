@@ -32,6 +32,7 @@ from kvstore.connector.context import KVConnectorContext
 from kvstore.index import open_index
 from kvstore.node_client import NodeStoreClient
 from kvstore.pool_config import KVPoolConfig
+from kvstore.remote import RemoteStores
 from kvstore.transfer.layer_stream import LayerStreamAnnounce
 from kvstore.transfer.peers import RayStreamPeers, register_self
 
@@ -78,16 +79,19 @@ class DecodeWorker:
         def build() -> DecodeEngine:  # on the engine loop's thread
             runner = ModelRunner(engine_config, tp=self.tp.group)
             self.tp.start(runner)
-            context = KVConnectorContext(worker_id, node_id, kv_config, transfer,
-                                         local_store=node_client,
-                                         device=runner.kv_cache.device.type)
+            context = KVConnectorContext(
+                worker_id, node_id, kv_config, transfer, local_store=node_client, index=index,
+                remote=RemoteStores(ray_namespace, kv_config.token, timeout, kv_config.tls),
+                device=runner.kv_cache.device.type)
             connector = create_connector(["fetch"], context)
             publisher = (create_connector(["publish"], context) if transfer.decode_publish
                          else None)
+            # prompts computed here load their cached prefix from the pool, as a prefill does
+            loader = create_connector(["pool-load"], context) if index is not None else None
             return DecodeEngine(runner, worker_id, os.getpid(), connector, peers,
                                 transfer.load_failure_policy, publisher, index, node_id,
                                 transfer.incremental_transfer,
-                                transfer.decode_publish_interval)
+                                transfer.decode_publish_interval, loader)
 
         self.loop = EngineLoop(build, "decode-engine", freeze_heap=True)
         self.engine = self.loop.core

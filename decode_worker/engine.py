@@ -181,6 +181,10 @@ class DecodeEngine:
         None: the cache works unindexed.
     incremental_transfer: a prompt from a prefill starts after the blocks cached here
         (KVTransferConfig.incremental_transfer); off, it comes whole.
+    prefix_loader: loads the cached prefix of a prompt computed here (colocated, or kept
+        local by the PD decider) from the KV pool after this worker's own hits, as a prefill
+        loads its prompts' (kvstore.connector.pool.PoolLoadConnector); None: only this
+        worker's cache is looked up.
     """
 
     def __init__(self, runner: ModelRunner, worker_id: str, pid: int,
@@ -188,7 +192,7 @@ class DecodeEngine:
                  kv_load_failure_policy: str = "recompute",
                  publisher: KVConnector | None = None, index: KVIndex | None = None,
                  node_id: str = "local-node", incremental_transfer: bool = True,
-                 publish_interval: int = 0) -> None:
+                 publish_interval: int = 0, prefix_loader: KVConnector | None = None) -> None:
         self.kv_load_failures = KVLoadFailurePolicy(kv_load_failure_policy)
         self.runner = runner
         self.worker_id = worker_id
@@ -222,6 +226,10 @@ class DecodeEngine:
             publisher.register_kv_caches(runner.wire_kv)
         self.model_id = runner.model_config.name
         self.inbox = EngineInbox()
+        self.prefix_loader = prefix_loader
+        if prefix_loader is not None:
+            prefix_loader.register_kv_caches(runner.wire_kv)
+            prefix_loader.wakeup = lambda: self.inbox.post("wake")
         self.num_forward_tokens_total = 0
         self.num_steps_total = 0
         self.step_log: deque[tuple[int, tuple[str, ...]]] = deque(maxlen=STEP_LOG_SIZE)
@@ -268,6 +276,7 @@ class DecodeEngine:
             "num_recomputed_tokens_total": self.num_recomputed_tokens_total,
             **self.connector.stats(),
             **(self.publisher.stats() if self.publisher is not None else {}),
+            **(self.prefix_loader.stats() if self.prefix_loader is not None else {}),
             "num_pending_layer_streams": len(self.streams),
             "num_fetch_retries_total": self.num_fetch_retries_total,
             "num_fetch_recomputes_total": self.num_fetch_recomputes_total,
@@ -282,8 +291,9 @@ class DecodeEngine:
     def close(self) -> None:
         self._index_events.shutdown(wait=False)
         self.connector.close()
-        if self.publisher is not None:
-            self.publisher.close()
+        for connector in (self.publisher, self.prefix_loader):
+            if connector is not None:
+                connector.close()
 
     def handle(self, kind: str, item) -> None:
         if kind == "add":
@@ -293,14 +303,16 @@ class DecodeEngine:
         elif kind == "cancel":
             if self.scheduler.find_waiting(item) is None:
                 self.streams.drop(item)
-        else:
+        elif kind == "abort":
             self._abort_now(item)
+        # "wake": a connector settled something; the step polls it
 
     def step(self) -> bool:
         self.streams.poll()
         self.streams.attach_waiting()
         self._admit_waiting()
         self._poll_fetches()
+        self._poll_prefix_loads()
         running = self.scheduler.grow()
         if not running:
             self._g1_feed.send()  # what a batch interval held back
@@ -401,15 +413,61 @@ class DecodeEngine:
         for seq in self.scheduler.admit():
             seq.num_cached_tokens = seq.num_computed_tokens  # the scheduler's prefix hits
             n, _ = self.connector.get_num_new_matched_tokens(seq, seq.num_computed_tokens)
-            if not n:  # colocated: its prompt runs in the next steps' chunks
+            if not n:  # computed here: after what the pool holds, in the next steps' chunks
                 self.prefix_cache_queried_tokens_total += seq.num_prompt_tokens
                 self.prefix_cache_hit_tokens_total["device"] += seq.num_cached_tokens
-                seq.status = RequestStatus.RUNNING
+                seq.status = self._plan_prefix_load(seq)
                 continue
             self.kv_blocks_reused_total += seq.num_cached_tokens // self.block_size
             self.connector.update_state_after_alloc(seq, seq.block_table, n)
             self._start_waiting_for_kv(seq)
         self.connector.start_load_kv()
+        if self.prefix_loader is not None:
+            self.prefix_loader.start_load_kv()
+
+    def _plan_prefix_load(self, seq: DecodeSequence) -> RequestStatus:
+        """A prompt computed here waits for the part of its prefix the pool holds after this
+        worker's hits (RequestStatus.WAITING_FOR_KV), or runs at once."""
+        if self.prefix_loader is None or not self.pool.enable_caching:
+            return RequestStatus.RUNNING
+        n, is_async = self.prefix_loader.get_num_new_matched_tokens(seq,
+                                                                     seq.num_computed_tokens)
+        self.prefix_loader.update_state_after_alloc(seq, seq.block_table, n)
+        if n and not is_async:
+            seq.num_computed_tokens += n
+            seq.num_cached_tokens += n
+            n = 0
+        return RequestStatus.WAITING_FOR_KV if n else RequestStatus.RUNNING
+
+    def _poll_prefix_loads(self) -> None:
+        """Prefixes that landed from the pool: the request runs from what landed (a load cut
+        short leaves the rest to compute here)."""
+        if self.prefix_loader is None:
+            return
+        _, loaded = self.prefix_loader.get_finished()
+        for request_id, outcome in loaded.items():
+            seq = self.scheduler.active.get(request_id)
+            if seq is None:
+                continue
+            if seq.aborted:
+                self._finish(seq, FinishReason.ABORT)
+                continue
+            if outcome.failures:
+                if self.kv_load_failures.record():
+                    log.warning("prefix load cut short, ending the request "
+                                "(--kv-load-failure-policy fail): %s", outcome.failures[0],
+                                extra={"request_id": request_id})
+                    self._finish(seq, FinishReason.ERROR,
+                                 f"KV load failed: {outcome.failures[0]}",
+                                 error_code=KV_LOAD_FAILED)
+                    continue
+                for failure in outcome.failures:
+                    log.warning("prefix load cut short, computing the rest here: %s", failure,
+                                extra={"request_id": request_id})
+            seq.num_computed_tokens += outcome.num_tokens
+            seq.num_cached_tokens += outcome.num_tokens
+            self.prefix_cache_hit_tokens_total.update(outcome.tokens_by_tier)
+            seq.status = RequestStatus.RUNNING
 
     def _poll_fetches(self) -> None:
         _, loaded = self.connector.get_finished()

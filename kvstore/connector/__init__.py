@@ -18,6 +18,7 @@ from kvstore.connector.multi import MultiConnector
 #: name -> "module:class"
 KV_CONNECTORS: dict[str, str] = {
     "pool": "kvstore.connector.pool:PoolConnector",
+    "pool-load": "kvstore.connector.pool:PoolLoadConnector",
     "layer": "kvstore.connector.layer_stream:LayerStreamConnector",
     "torch": "kvstore.connector.torch_push:TorchPushConnector",
     "fetch": "kvstore.connector.fetch:FetchConnector",

@@ -58,7 +58,7 @@ class PoolConnector(KVConnector):
     Args:
         node_id: this worker's node.
         store_client / store_address: this node's store over gRPC (tails; the address decodes
-            pull from).
+            pull from); None for a connector that only loads.
         local_store: this node's store as a kvstore.node_store_api.NodeStore: the arena
             beside a Ray store actor, or the gRPC client itself.
         index: the global index, asked when a request carries no plan (None: no loads
@@ -67,7 +67,7 @@ class PoolConnector(KVConnector):
             node's blocks are loaded).
     """
 
-    def __init__(self, node_id: str, store_client: KVStoreClient, store_address: str,
+    def __init__(self, node_id: str, store_client: KVStoreClient | None, store_address: str,
                  local_store: NodeStore, index: KVIndex | None = None,
                  remote: RemoteStores | None = None) -> None:
         self.node_id = node_id
@@ -333,3 +333,28 @@ def _runs(sources: list[str]) -> list[tuple[str, int, int]]:
         else:
             runs.append((source, i, i + 1))
     return runs
+
+
+class PoolLoadConnector(PoolConnector):
+    """The pool connector of a decode worker (vLLM's ``kv_role`` "kv_consumer"): a prompt the
+    decode computes itself (kept local by the PD decider, or colocated) loads its cached prefix
+    from the pool as a prefill's would: this node's G2/G3, then other nodes'. It saves
+    nothing: a decode's blocks go out through the publish connector. A request that comes with
+    a prefill's hand-off is not its to load."""
+
+    @classmethod
+    def from_context(cls, ctx: KVConnectorContext) -> PoolLoadConnector:
+        return cls(ctx.node_id, None, "", ctx.local_store, ctx.index, ctx.remote)
+
+    def get_num_new_matched_tokens(self, request: KVConnectorRequest,
+                                   num_computed_tokens: int) -> tuple[int, bool]:
+        if request.kv_transfer_params is not None:
+            return 0, False
+        return super().get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def request_finished(self, request: KVConnectorRequest, block_ids: Sequence[int]
+                         ) -> tuple[bool, KVTransferParams]:
+        return False, {}
+
+    def abort(self, request_id: str) -> None:
+        """Nothing was put for the request; a load in flight still settles and is reported."""

@@ -16,8 +16,9 @@ from engine.runner import ModelRunner
 from kvstore.client import KVStoreClient
 from kvstore.config import KVStoreConfig, KVTransferConfig
 from kvstore.connector.fetch import FetchConnector
-from kvstore.connector.pool import PoolConnector
+from kvstore.connector.pool import PoolConnector, PoolLoadConnector
 from engine.core.hashing import block_keys, make_namespace
+from engine.core.kv_events import BlockStored
 from kvstore.index import Location, MemoryIndex
 from prefill_worker.engine import PrefillEngine
 from tests.engine_loops import started, stop
@@ -123,3 +124,39 @@ def test_an_aborted_sequence_leaves_no_reply_blocks_cached(engines, hf):
     prompt_blocks = len(keys_of(prompt))
     reply_keys = keys_of(prompt + out[:-1])[prompt_blocks:]
     assert reply_keys and all(decode.pool.get_cached_block(k) is None for k in reply_keys)
+
+
+@starts("server")
+def test_a_prompt_computed_on_the_decode_loads_its_prefix_from_the_pool(engines, hf):
+    """A decode that never saw the prompt (the PD decider kept the conversation's next turn
+    local on another decode) loads what the pool holds of it, as a prefill would, and
+    computes only the rest; without its pool connector it computes the whole prompt."""
+    prefill, _, index = engines
+    client = prefill.connector.store_client
+    prompt = hf.encode("Lily and her mom went to the park to fly a big blue kite in the wind. "
+                       "The kite went up and up, and Lily laughed and ran after it.")
+    warm = prefill.prefill(PrefillRequest("pool-warm", tuple(prompt), greedy(1)))
+    keys = handoff(warm).block_keys
+    index.apply_events(Location(NODE, "host"), [BlockStored(keys)])  # the store's report
+    config = EngineConfig(model=str(BUNDLED_MODEL), num_kv_blocks=64)
+    loading = started(lambda: DecodeEngine(
+        ModelRunner(config), "d-pool", 0, FetchConnector(KVTransferConfig(timeout_s=5)),
+        prefix_loader=PoolLoadConnector(NODE, None, "", client, index)))
+    alone = started(lambda: DecodeEngine(ModelRunner(config), "d-alone", 0,
+                                         FetchConnector(KVTransferConfig(timeout_s=5))))
+    try:
+        follow = prompt + hf.encode(" They ran.", add_special_tokens=False)
+        got = run_decode(loading, DecodeRequest("pool-local", tuple(follow), greedy(12)))
+        want = run_decode(alone, DecodeRequest("pool-alone", tuple(follow), greedy(12)))
+        assert [t for d in got for t in d.token_ids] == hf.greedy(follow, 12)
+        assert [t for d in want for t in d.token_ids] == hf.greedy(follow, 12)
+        assert got[0].num_cached_tokens == len(keys) * BS > 0 == want[0].num_cached_tokens
+        stats = loading.stats()
+        # by the tier the store reports (over gRPC in this process: "remote")
+        hits = stats["prefix_cache_hit_tokens_total"]
+        assert hits["device"] == 0 and sum(hits.values()) == len(keys) * BS
+        assert stats["num_free_blocks"] == stats["num_blocks"]
+    finally:
+        stop(alone)
+        stop(loading)
+        client.release_tail(handoff(warm).tail_handle)
