@@ -325,7 +325,9 @@ class DecodeEngine:
         return True
 
     def idle_wait_s(self) -> float:
-        fetching = len(self.streams) or self.connector.in_flight()
+        # KV on its way is polled, not awaited (a prefix load from the pool wakes the loop)
+        fetching = len(self.streams) or any(
+            s.status is RequestStatus.WAITING_FOR_KV for s in self.scheduler.active.values())
         return FETCH_POLL_S if fetching else IDLE_WAIT_S
 
     def fail_step(self, exc: Exception) -> None:

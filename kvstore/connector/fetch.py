@@ -223,10 +223,6 @@ class FetchConnector(KVConnector):
         if fetch is not None:
             fetch.abort()
 
-    def in_flight(self) -> int:
-        """Fetches not settled yet."""
-        return len(self._fetches)
-
     def stats(self) -> dict:
         with self._lock:
             by_backend = dict(self.bytes_by_backend)

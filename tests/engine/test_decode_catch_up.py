@@ -55,9 +55,6 @@ class HeldFetches(FetchConnector):
     def request_finished(self, request, block_ids):
         return False, None
 
-    def in_flight(self) -> int:
-        return len(self.pending)
-
 
 class Recorded:
     """The runner's forwards, as (new tokens, first position) per chunk of each step."""
