@@ -455,13 +455,7 @@ class DecodeEngine:
                 self._finish(seq, FinishReason.ABORT)
                 continue
             if outcome.failures:
-                if self.kv_load_failures.record():
-                    log.warning("prefix load cut short, ending the request "
-                                "(--kv-load-failure-policy fail): %s", outcome.failures[0],
-                                extra={"request_id": request_id})
-                    self._finish(seq, FinishReason.ERROR,
-                                 f"KV load failed: {outcome.failures[0]}",
-                                 error_code=KV_LOAD_FAILED)
+                if self._ends_on_failed_load(seq, outcome.failures[0]):
                     continue
                 for failure in outcome.failures:
                     log.warning("prefix load cut short, computing the rest here: %s", failure,
@@ -470,6 +464,18 @@ class DecodeEngine:
             seq.num_cached_tokens += outcome.num_tokens
             self.prefix_cache_hit_tokens_total.update(outcome.tokens_by_tier)
             seq.status = RequestStatus.RUNNING
+
+    def _ends_on_failed_load(self, seq: DecodeSequence, failure: str) -> bool:
+        """A load (a fetch after its retry, or a prefix load) failed: counted; True when the
+        request ended with error_code KV_LOAD_FAILED (--kv-load-failure-policy fail), False
+        when what did not land is computed here."""
+        if not self.kv_load_failures.record():
+            return False
+        log.warning("KV load of %s failed, ending the request (--kv-load-failure-policy fail): "
+                    "%s", seq.request_id, failure, extra={"request_id": seq.request_id})
+        self._finish(seq, FinishReason.ERROR, f"KV load failed: {failure}",
+                     error_code=KV_LOAD_FAILED)
+        return True
 
     def _poll_fetches(self) -> None:
         _, loaded = self.connector.get_finished()
@@ -484,13 +490,7 @@ class DecodeEngine:
                 self._finish(seq, FinishReason.ABORT)
                 continue
             if outcome.failures:
-                if self.kv_load_failures.record():
-                    log.warning("KV fetch of %s failed, ending the request "
-                                "(--kv-load-failure-policy fail): %s", seq.request_id,
-                                outcome.failures[0], extra={"request_id": seq.request_id})
-                    self._finish(seq, FinishReason.ERROR,
-                                 f"KV load failed: {outcome.failures[0]}",
-                                 error_code=KV_LOAD_FAILED)
+                if self._ends_on_failed_load(seq, outcome.failures[0]):
                     continue
                 log.warning("KV fetch of %s failed, recomputing the prompt here: %s",
                             seq.request_id, outcome.failures[0],
