@@ -32,14 +32,13 @@ themselves live in ``kvstore.connector``, which builds them by name from what a 
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 
-#: engine.protocol.KVTransferParams, as a connector reads it
-KVTransferParams = Mapping[str, object]
+from engine.protocol import KVTransferParams
 
 
 class KVConnectorRequest(Protocol):
@@ -47,8 +46,8 @@ class KVConnectorRequest(Protocol):
 
     request_id: unique per attempt; block_keys: chained keys of the prompt's full blocks;
     num_prompt_tokens: the prompt's length in tokens; block_table: the cache blocks it holds,
-    in position order; num_computed_tokens: prompt tokens whose KV is in those blocks (when
-    the scheduler side is asked: the worker's own prefix hits); runs_alone: its forwards have
+    in position order; num_computed_tokens: tokens whose KV is in those blocks (when the
+    scheduler side is asked: the worker's own prefix hits); runs_alone: its forwards have
     steps of their own; max_tokens: output tokens it may generate (1: it ends at its first
     token, so nothing goes on to a decode); kv_transfer_params: what the other end's
     connectors (or the gateway) said for it, None when nothing.
