@@ -389,11 +389,11 @@ def test_a_source_that_stops_answering_fails_the_read_at_te_timeout(staged, monk
     backend.te_timeout_s = 1.0  # TE's own floor is 5 s
     dst = PagedKVCache(2, 40, 4, 2, 8, torch.float32, "cpu", layout="cross-layer")  # as the source
 
-    def read(region, table):
+    def read(region, table, deadline_s):
         dest = CacheDest(lambda s, b: None, table, dst, dst.block_shape, dst.dtype)
         receiver = backend.create_receiver()
         receiver.start(FetchRequest(region.session, (b"k",) * region.num_blocks, region=region,
-                                    deadline_s=0.3), dest)
+                                    deadline_s=deadline_s), dest)
         start = time.monotonic()
         while not (state := receiver.poll()).done:
             # TE's 1 s timeout ends a hung read (a generous 30x; its handshake's minute is more)
@@ -403,10 +403,11 @@ def test_a_source_that_stops_answering_fails_the_read_at_te_timeout(staged, monk
 
     try:
         regions = ready.get(timeout=60)
-        _, state, _ = read(regions[4], [0, 1, 2, 3])  # the handshake, and a read served
+        # the handshake, and a read served (a deadline a loaded machine cannot miss)
+        _, state, _ = read(regions[4], [0, 1, 2, 3], 30.0)
         assert state is TransferState.SUCCESS
         _stop(proc.pid)
-        receiver, state, elapsed = read(regions[16], list(range(20, 36)))
+        receiver, state, elapsed = read(regions[16], list(range(20, 36)), 0.3)
         assert state is TransferState.FAILED and elapsed >= 1.0  # not at the 0.3 s deadline
         with pytest.raises(KVTransferError, match="timed out"):
             receiver.result()
