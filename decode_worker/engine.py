@@ -76,7 +76,7 @@ from engine.core.block_pool import BlockPool
 from engine.core.engine_loop import EngineInbox
 from engine.core.hashing import block_keys, make_namespace
 from engine.core.kv_cache_manager import KVCacheManager
-from engine.core.kv_connector import KVConnector, KVLoadFailurePolicy
+from engine.core.kv_connector import KVConnector, KVLoadFailurePolicy, LoadOutcome
 from engine.core.preemption import PREEMPTION_MODES
 from engine.core.request import RequestStatus
 from engine.core.scheduler import Scheduler
@@ -446,31 +446,34 @@ class DecodeEngine:
         short leaves the rest to compute here)."""
         if self.prefix_loader is None:
             return
-        _, loaded = self.prefix_loader.get_finished()
-        for request_id, outcome in loaded.items():
-            seq = self.scheduler.active.get(request_id)
-            if seq is None:
+        for seq, outcome in self._settled(self.prefix_loader.get_finished()[1]):
+            if self._load_ended(seq, outcome):
                 continue
-            if seq.aborted:
-                self._finish(seq, FinishReason.ABORT)
-                continue
-            if outcome.failures:
-                if self._ends_on_failed_load(seq, outcome.failures[0]):
-                    continue
-                for failure in outcome.failures:
-                    log.warning("prefix load cut short, computing the rest here: %s", failure,
-                                extra={"request_id": request_id})
+            for failure in outcome.failures:
+                log.warning("prefix load cut short, computing the rest here: %s", failure,
+                            extra={"request_id": seq.request_id})
             seq.num_computed_tokens += outcome.num_tokens
             seq.num_cached_tokens += outcome.num_tokens
             self.prefix_cache_hit_tokens_total.update(outcome.tokens_by_tier)
             seq.status = RequestStatus.RUNNING
 
-    def _ends_on_failed_load(self, seq: DecodeSequence, failure: str) -> bool:
-        """A load (a fetch after its retry, or a prefix load) failed: counted; True when the
-        request ended with error_code KV_LOAD_FAILED (--kv-load-failure-policy fail), False
-        when what did not land is computed here."""
-        if not self.kv_load_failures.record():
+    def _settled(self, loaded: dict[str, LoadOutcome]):
+        """(request, outcome) of each settled load whose request is still here."""
+        for request_id, outcome in loaded.items():
+            seq = self.scheduler.active.get(request_id)
+            if seq is not None:
+                yield seq, outcome
+
+    def _load_ended(self, seq: DecodeSequence, outcome: LoadOutcome) -> bool:
+        """Whether the request ends with its settled load: aborted meanwhile, or the load
+        failed under --kv-load-failure-policy fail (error_code KV_LOAD_FAILED); a failure
+        is counted either way, and under "recompute" what did not land is computed here."""
+        if seq.aborted:
+            self._finish(seq, FinishReason.ABORT)
+            return True
+        if not outcome.failures or not self.kv_load_failures.record():
             return False
+        failure = outcome.failures[0]
         log.warning("KV load of %s failed, ending the request (--kv-load-failure-policy fail): "
                     "%s", seq.request_id, failure, extra={"request_id": seq.request_id})
         self._finish(seq, FinishReason.ERROR, f"KV load failed: {failure}",
@@ -478,20 +481,13 @@ class DecodeEngine:
         return True
 
     def _poll_fetches(self) -> None:
-        _, loaded = self.connector.get_finished()
-        for request_id, outcome in loaded.items():
-            seq = self.scheduler.active.get(request_id)
-            if seq is None:
-                continue
+        for seq, outcome in self._settled(self.connector.get_finished()[1]):
             self.num_fetch_retries_total += len(outcome.detail["paths"]) - 1
             timings = self.kv_timings.get(seq.request_id, {})
             timings.update(outcome.detail)
-            if seq.aborted:
-                self._finish(seq, FinishReason.ABORT)
+            if self._load_ended(seq, outcome):
                 continue
             if outcome.failures:
-                if self._ends_on_failed_load(seq, outcome.failures[0]):
-                    continue
                 log.warning("KV fetch of %s failed, recomputing the prompt here: %s",
                             seq.request_id, outcome.failures[0],
                             extra={"request_id": seq.request_id})
