@@ -59,6 +59,7 @@ class Running:
 
 def _one_round(engine, mode: str, prompt: tuple[int, ...], running: Running, port: int,
                round_no: int) -> list[float]:
+    from engine.core.request import Request
     from engine.protocol import DecodeRequest, PrefillResult, SamplingParams
 
     params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
@@ -79,7 +80,7 @@ def _one_round(engine, mode: str, prompt: tuple[int, ...], running: Running, por
             "tail_handle": None, "num_tail_tokens": 0})
         request = DecodeRequest(request_id, prompt, params, result)
     start = time.perf_counter()
-    engine.add_request(request, emit)
+    engine.add_request(Request.of_decode(request, emit))
     if not done.wait(600):
         raise RuntimeError(f"{request_id} produced no token")
     gaps = running.gaps_between(start, seen[0])
@@ -107,9 +108,10 @@ def main() -> None:
 
     import torch
 
-    from decode_worker.engine import DecodeEngine
+    from decode_worker.instance import decode_core
     from engine.config import EngineConfig
     from engine.core.engine_loop import EngineLoop
+    from engine.core.request import Request
     from engine.protocol import DecodeRequest, SamplingParams
     from engine.runner import ModelRunner
     from kvstore.config import KVTransferConfig
@@ -122,16 +124,16 @@ def main() -> None:
         model = Path(tmp) / "random-llama"
         write_model(model, shape, 0)
         config = EngineConfig(model=str(model), num_kv_blocks=2048)
-        loop = EngineLoop(lambda: DecodeEngine(ModelRunner(config), "bench-decode", os.getpid(),
-                                               FetchConnector(KVTransferConfig(timeout_s=2))),
+        loop = EngineLoop(lambda: decode_core(ModelRunner(config), "bench-decode", os.getpid(),
+                                              FetchConnector(KVTransferConfig(timeout_s=2))),
                           "bench-engine", timeout_s=300)
         engine = loop.core
         running = Running()
         steady = SamplingParams(max_tokens=4000, temperature=0, ignore_eos=True)
         for i in range(args.running):
             prompt = tuple(rng.randrange(3, shape["vocab_size"]) for _ in range(64))
-            engine.add_request(DecodeRequest(f"run-{i}", prompt, steady),
-                               running.emit_for(f"run-{i}"))
+            engine.add_request(Request.of_decode(DecodeRequest(f"run-{i}", prompt, steady),
+                                                 running.emit_for(f"run-{i}")))
         time.sleep(5)  # every running sequence decoding
         port = _closed_port()
         gaps: dict[str, list[float]] = {"colocated": [], "recompute": []}

@@ -1,4 +1,5 @@
-"""The decode Ray actor: an async actor over a DecodeEngine, whose engine loop
+"""The decode Ray actor: an async actor over a decode instance's engine core
+(decode_worker.instance), whose engine loop
 (engine.core.engine_loop) runs on its own thread, the thread that also built the model.
 
 Each gateway opens one `outputs` stream (a Ray streaming generator) per decode worker and
@@ -12,14 +13,17 @@ from __future__ import annotations
 
 import asyncio
 import os
+from collections import OrderedDict
 from typing import AsyncIterator, Literal
 
 import ray
 
-from decode_worker.engine import DecodeEngine
+from decode_worker.instance import cancel_layer_stream, decode_core, expect_layer_stream
 from decode_worker.outputs import SubscriberOutputs
 from engine.config import EngineConfig
+from engine.core.engine_core import EngineCore
 from engine.core.engine_loop import EngineLoop
+from engine.core.request import Request
 from engine.faults import check_fault
 from engine.logs import setup_worker_logging
 from engine.protocol import DecodeRequest, TokenDelta
@@ -38,6 +42,7 @@ from kvstore.transfer.peers import RayStreamPeers, register_self
 
 #: Faults DecodeWorker.inject_fault can cause (with EngineConfig.fault_injection on).
 DecodeFault = Literal["perturb_v"]
+MAX_TIMINGS = 4096
 
 
 @ray.remote
@@ -76,30 +81,36 @@ class DecodeWorker:
                                                         transfer.mooncake_protocol))
                  if pool_config is not None and engine_config.enable_prefix_caching else None)
 
-        def build() -> DecodeEngine:  # on the engine loop's thread
+        def build() -> EngineCore:  # on the engine loop's thread
             runner = ModelRunner(engine_config, tp=self.tp.group)
             self.tp.start(runner)
             context = KVConnectorContext(
                 worker_id, node_id, kv_config, transfer, local_store=node_client, index=index,
                 remote=RemoteStores(ray_namespace, kv_config.token, timeout, kv_config.tls),
                 device=runner.kv_cache.device.type)
-            connector = create_connector(["fetch"], context)
+            self.fetch = create_connector(["fetch"], context)
             publisher = (create_connector(["publish"], context) if transfer.decode_publish
                          else None)
             # prompts computed here load their cached prefix from the pool, as a prefill does
             loader = create_connector(["pool-load"], context) if index is not None else None
-            return DecodeEngine(runner, worker_id, os.getpid(), connector, peers,
-                                transfer.load_failure_policy, publisher, index, node_id,
-                                transfer.incremental_transfer,
-                                transfer.decode_publish_interval, loader)
+            return decode_core(runner, worker_id, os.getpid(), self.fetch, loader, publisher,
+                               index, node_id, transfer.load_failure_policy,
+                               transfer.decode_publish_interval, peers,
+                               layer_streams=transfer.streaming == "layer")
 
         self.loop = EngineLoop(build, "decode-engine", freeze_heap=True)
         self.engine = self.loop.core
+        self._prefill_extra: OrderedDict[str, dict] = OrderedDict()  # for kv_timings
         self._outputs: SubscriberOutputs | None = None  # made on the event loop, at first use
 
     async def submit(self, request: DecodeRequest, subscriber: str) -> None:
         """Queues the request; its TokenDelta items come out of `outputs(subscriber)`."""
-        self.engine.add_request(request, self._subscribers().add(subscriber, request.request_id))
+        if request.prefill is not None:
+            self._prefill_extra[request.request_id] = dict(request.prefill.extra)
+            while len(self._prefill_extra) > MAX_TIMINGS:
+                self._prefill_extra.popitem(last=False)
+        emit = self._subscribers().add(subscriber, request.request_id)
+        self.engine.add_request(Request.of_decode(request, emit))
 
     async def outputs(self, subscriber: str) -> AsyncIterator[list[TokenDelta]]:
         """Streaming generator of the subscriber's token deltas, a list per engine step
@@ -119,19 +130,21 @@ class DecodeWorker:
 
     async def expect_layer_stream(self, announce: LayerStreamAnnounce) -> None:
         """A prefill announces a request's layer stream (--kv-streaming layer)."""
-        self.engine.expect_layer_stream(announce)
+        expect_layer_stream(self.engine, announce)
 
     async def cancel_layer_stream(self, request_id: str) -> None:
         """The prefill gave an announced layer stream up."""
-        self.engine.cancel_layer_stream(request_id)
+        cancel_layer_stream(self.engine, request_id)
 
     async def kv_timings(self, request_id: str) -> dict | None:
-        """How the request's KV arrived (DecodeEngine.kv_timings); for a layer stream still
-        waiting for its request, its progress; None if unknown."""
-        timings = self.engine.kv_timings.get(request_id)
+        """How the request's KV arrived (FetchConnector.kv_timings, with the prefill's
+        ``prefill_extra``); for a layer stream still waiting for its request, its progress;
+        None if unknown."""
+        timings = self.fetch.kv_timings.get(request_id)
         if timings is None:
-            return self.engine.streams.progress(request_id)
-        return dict(timings)
+            streams = self.engine.pre_arrival
+            return streams.progress(request_id) if streams is not None else None
+        return {**timings, "prefill_extra": self._prefill_extra.get(request_id, {})}
 
     async def info(self) -> dict:
         return {"worker_id": self.worker_id, "pid": os.getpid(), "role": "decode",
@@ -159,5 +172,5 @@ class DecodeWorker:
             ValueError: an unknown fault.
         """
         check_fault(self._fault_injection, fault, ("perturb_v",))
-        self.engine.connector.v_perturbation = float(value)
+        self.fetch.v_perturbation = float(value)
 

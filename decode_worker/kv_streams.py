@@ -20,12 +20,10 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Callable
 from dataclasses import dataclass
 
-from engine.core.request import RequestStatus
+from engine.core.request import Request, RequestStatus
 from engine.core.scheduler import Scheduler
-from engine.protocol import DecodeRequest
 from kvstore.connector.fetch import FetchConnector, KVFetch
 from kvstore.handoff import DecodeHandoff
 from kvstore.transfer.layer_stream import LayerStreamAnnounce
@@ -45,23 +43,20 @@ class PendingStream:
 
 
 class PendingStreams:
-    """Announced layer streams without their request yet; see the module docstring.
+    """Announced layer streams without their request yet (the engine's
+    engine.core.engine_core.PreArrivalKV); see the module docstring.
 
     Args:
-        scheduler: the engine's scheduler (its KV cache manager and waiting queue); waiting
-            requests are expected to carry `request` (a DecodeRequest) and `block_table`.
-        connector: the engine's fetch connector, which starts the streams' receivers.
-        start_waiting_for_kv: the engine's hook for a request that took its stream, called
-            once the request is active and holds the stream's blocks.
+        scheduler: the engine's scheduler (its KV cache manager and waiting queue).
+        connector: the engine's fetch connector, which starts the streams' receivers and
+            adopts a stream as its request's fetch.
         peers: to tell a prefill its stream is no longer wanted (None: nobody to tell).
         orphan_s: how long a finished stream waits for its request before it is dropped.
     """
 
-    def __init__(self, scheduler: Scheduler, connector: FetchConnector,
-                 start_waiting_for_kv: Callable[[object, KVFetch], None],
+    def __init__(self, scheduler: Scheduler[Request], connector: FetchConnector,
                  peers: StreamPeers | None, orphan_s: float) -> None:
         self.scheduler, self.connector = scheduler, connector
-        self.start_waiting_for_kv = start_waiting_for_kv
         self.peers, self.orphan_s = peers, orphan_s
         self._streams: dict[str, PendingStream] = {}
         self._seen: OrderedDict[str, None] = OrderedDict()  # late announces are ignored
@@ -82,7 +77,7 @@ class PendingStreams:
         return {"pending": True, "num_taken": receiver.num_taken,
                 "num_pieces": len(pending.announce.pieces)}
 
-    def seen(self, request_id: str) -> None:
+    def arrived(self, request_id: str) -> None:
         """The request reached the engine (or ended): a later announce of it is ignored."""
         self._seen[request_id] = None
         while len(self._seen) > MAX_TRACKED_IDS:
@@ -99,21 +94,21 @@ class PendingStreams:
         self._streams[rid] = PendingStream(announce, table,
                                            self.connector.start_stream(announce, table))
 
-    def take(self, request_id: str, request: DecodeRequest) -> PendingStream | None:
+    def take(self, request: Request) -> PendingStream | None:
         """The stream announced for the request, if it may be attached; a stream the request's
-        PrefillResult does not name (the prefill gave it up) is dropped."""
-        pending = self._streams.get(request_id)
+        KV transfer params do not name (the prefill gave it up) is dropped."""
+        pending = self._streams.get(request.request_id)
         if pending is None:
             return None
-        if request.prefill is None or \
-                DecodeHandoff.of(request.prefill.kv_transfer_params).layer_stream is None:
-            self.drop(request_id)
+        if request.kv_transfer_params is None or \
+                DecodeHandoff.of(request.kv_transfer_params).layer_stream is None:
+            self.drop(request.request_id)
             return None
-        return self._streams.pop(request_id)
+        return self._streams.pop(request.request_id)
 
     def drop(self, request_id: str, tell_prefill: bool = False) -> bool:
         """Abort the stream, free its blocks (now: nothing more is written to them)."""
-        self.seen(request_id)
+        self.arrived(request_id)
         pending = self._streams.pop(request_id, None)
         if pending is None:
             return False
@@ -129,11 +124,11 @@ class PendingStreams:
         for seq in list(self.scheduler.waiting):
             if seq.status is RequestStatus.PREEMPTED or seq.request_id not in self._streams:
                 continue
-            pending = self.take(seq.request_id, seq.request)
+            pending = self.take(seq)
             if pending is not None:
                 seq.block_table = pending.block_table
                 self.scheduler.activate(seq, RequestStatus.WAITING_FOR_KV)
-                self.start_waiting_for_kv(seq, pending.fetch)
+                self.connector.adopt(seq, pending.fetch)
 
     def poll(self) -> None:
         """Drop streams whose request never came (orphan_s after the stream ended)."""

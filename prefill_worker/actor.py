@@ -1,4 +1,5 @@
-"""The prefill Ray actor: a thin adapter over a PrefillEngine, whose engine loop
+"""The prefill Ray actor: a thin adapter over a prefill instance's engine core
+(prefill_worker.instance), whose engine loop
 (engine.core.engine_loop) runs on its own thread, the thread that also built the model.
 
 A threaded (not async) actor: `prefill` waits for its result on one of Ray's actor threads
@@ -17,6 +18,7 @@ from typing import Iterator, Literal
 import ray
 
 from engine.config import EngineConfig
+from engine.core.engine_core import EngineCore
 from engine.core.engine_loop import EngineLoop
 from engine.faults import check_fault
 from engine.logs import setup_worker_logging
@@ -33,7 +35,7 @@ from kvstore.node_client import NodeStoreClient
 from kvstore.pool_config import KVPoolConfig
 from kvstore.remote import RemoteStores
 from kvstore.transfer.peers import RayStreamPeers, register_self
-from prefill_worker.engine import PrefillEngine
+from prefill_worker.instance import prefill_core, submit_prefill
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +70,7 @@ class PrefillWorker:
         index = open_index(pool_config.index_url,
                            **pool_config.index_options(transfer.bind_host,
                                                        transfer.mooncake_protocol))
-        self.worker_id = worker_id
+        self.worker_id, self.node_id = worker_id, node_id
         self._fault_injection = engine_config.fault_injection
         self._layer_delay_s, self._delay_hooked = 0.0, False
         names = prefill_connector_names(transfer.backend, transfer.streaming, self.tp.size)
@@ -87,12 +89,12 @@ class PrefillWorker:
             remote=RemoteStores(ray_namespace, kv_config.token, timeout, kv_config.tls),
             peers=RayStreamPeers(ray_namespace, timeout), ray_namespace=ray_namespace)
 
-        def build() -> PrefillEngine:  # on the engine loop's thread
+        def build() -> EngineCore:  # on the engine loop's thread
             runner = ModelRunner(engine_config, tp=self.tp.group)
             self.tp.start(runner)
             ctx.device = runner.kv_cache.device.type
-            return PrefillEngine(runner, create_connector(names, ctx), worker_id, os.getpid(),
-                                 index, node_id, transfer.load_failure_policy)
+            return prefill_core(runner, create_connector(names, ctx), worker_id, os.getpid(),
+                                index, node_id, transfer.load_failure_policy)
 
         self.loop = EngineLoop(build, "prefill-engine", freeze_heap=True)
         self.engine = self.loop.core
@@ -100,8 +102,8 @@ class PrefillWorker:
     def prefill(self, request: PrefillRequest) -> Iterator[FirstToken | PrefillResult]:
         """A Ray streaming generator (``.options(num_returns="streaming")``): the FirstToken
         as soon as it is sampled, then the PrefillResult once the prompt's KV is published.
-        Raises (on the item it concerns) PrefillRejected, RequestAborted or KVStoreError."""
-        first, result = self.engine.add_request(request)
+        Raises (on the item it concerns) RequestRejected, RequestAborted or KVStoreError."""
+        first, result = submit_prefill(self.engine, request)
         yield first.result()
         yield result.result()
 
@@ -112,12 +114,12 @@ class PrefillWorker:
     @ray.method(concurrency_group="control")
     def cancel_layer_stream(self, request_id: str) -> None:
         """The decode peer gave the request up (layer streaming)."""
-        self.engine.cancel_layer_stream(request_id)
+        self.engine.abort(request_id)
 
     @ray.method(concurrency_group="control")
     def info(self) -> dict:
         return {"worker_id": self.worker_id, "pid": os.getpid(), "role": "prefill",
-                "node_id": self.engine.node_id,
+                "node_id": self.node_id,
                 "kv_address": self.kv_address,
                 "tp_size": self.tp.size}
 

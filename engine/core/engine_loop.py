@@ -53,7 +53,7 @@ class EngineInbox:
         self._wakeup.set()
 
 
-class EngineCore(Protocol):
+class LoopedEngine(Protocol):
     """What a worker's engine gives the loop; every method runs on the loop thread."""
 
     inbox: EngineInbox
@@ -75,7 +75,7 @@ class EngineCore(Protocol):
         """The loop ended: let go of what the engine holds (transfers, channels)."""
 
 
-_C = TypeVar("_C", bound=EngineCore)
+_C = TypeVar("_C", bound=LoopedEngine)
 
 
 class EngineLoop(Generic[_C]):
@@ -128,7 +128,7 @@ class EngineLoop(Generic[_C]):
             core.close()
 
 
-def run_once(core: EngineCore) -> bool:
+def run_once(core: LoopedEngine) -> bool:
     """One loop iteration without sleeping: the inbox's messages, then one step. Returns what
     the step returned; a step that raised counts as having run."""
     try:
@@ -141,7 +141,7 @@ def run_once(core: EngineCore) -> bool:
         return True
 
 
-def run_until_stopped(core: EngineCore) -> None:
+def run_until_stopped(core: LoopedEngine) -> None:
     """The loop body, on the calling thread, until ``core.inbox.stop()``."""
     while not core.inbox.stopped.is_set():
         if not run_once(core):

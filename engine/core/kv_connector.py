@@ -144,6 +144,11 @@ class KVConnector(abc.ABC):
 
     cache: BlockCache
     wakeup: Callable[[], None] = staticmethod(lambda: None)
+    #: its layer hooks (wait_for_layer_load / save_kv_layer) must run inside the forward; a
+    #: forward without hooks keeps the fast paths that fuse layers (CUDA graphs, CPU stack)
+    streams_layers: bool = False
+    #: what it loads settles without a wakeup call: the engine polls get_finished meanwhile
+    polled: bool = False
 
     def register_kv_caches(self, cache: BlockCache) -> None:
         """The cache this connector moves KV into and out of; called once, before any request."""
@@ -171,9 +176,13 @@ class KVConnector(abc.ABC):
     @abc.abstractmethod
     def request_finished(self, request: KVConnectorRequest, block_ids: Sequence[int]
                          ) -> tuple[bool, KVTransferParams | None]:
-        """The request's compute is done and its KV is in ``block_ids``. Returns
-        (delay_free: its blocks must stay held until get_finished reports it; the KV transfer
-        params the next hop needs, or None when they come later from get_finished)."""
+        """The request leaves the engine; called once for every request, as vLLM does. When
+        it ended normally its KV is in ``block_ids`` (its whole block table; ``block_keys``
+        then keys every full block of its KV, prompt and output), and what the connector saves
+        it copies now; ``block_ids`` is empty when it ended without a result (aborted, failed,
+        refused, or stopped on arrival), and nothing is saved. Returns (delay_free: its blocks
+        must stay held until get_finished reports it; the KV transfer params the next hop
+        needs, or None when they come later from get_finished)."""
 
     def runs_alone(self, request: KVConnectorRequest) -> bool:
         """Whether the request's forwards must not share a step with another request's (a
@@ -200,6 +209,12 @@ class KVConnector(abc.ABC):
 
     def wait_for_save(self) -> None:
         """After a forward: what save_kv_layer began must not block the next one."""
+
+    def save_progress(self, request: KVConnectorRequest, keys: Sequence[bytes],
+                      block_ids: Sequence[int]) -> None:
+        """A running request's first len(keys) blocks are full and will not change (keys: their
+        chained keys; block_ids: the blocks holding them): a connector that saves may save
+        them now rather than at request_finished. By default nothing."""
 
     def get_finished(self) -> tuple[dict[str, KVTransferParams | BaseException],
                                     dict[str, LoadOutcome]]:

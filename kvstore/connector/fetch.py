@@ -51,12 +51,13 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
 
 import torch
 
-from engine.core.kv_connector import BlockCache, KVConnector, KVConnectorRequest, LoadOutcome
+from engine.core.kv_connector import (BlockCache, KVConnector, KVConnectorRequest,
+                                      KVTransferParams, LoadOutcome)
 from kvstore.config import KVStoreConfig, KVTransferConfig
 from kvstore.connector.context import KVConnectorContext
 from kvstore.errors import KVStoreError, KVTransferTimeout
@@ -77,6 +78,8 @@ log = logging.getLogger(__name__)
 _TAKES_STORE_TAIL = frozenset({"grpc", "arena"})
 #: Attempts of one fetch: the first path, then one retry from another holder.
 MAX_ATTEMPTS = 2
+#: Requests whose kv_timings are kept (the most recent).
+MAX_TIMINGS = 4096
 
 
 class FetchConnector(KVConnector):
@@ -106,7 +109,12 @@ class FetchConnector(KVConnector):
         v_perturbation: a fault to inject (DecodeWorker.inject_fault, only with
             EngineConfig.fault_injection on): when non-zero, added to every received V block
             before it is written to the cache. Always 0 in serving.
+        kv_timings: per request (the last MAX_TIMINGS fetched): when its fetch started
+            (``fetch_start_s``) and settled (``admitted_s``, time.time()), the paths tried, a
+            layer stream's per-piece arrivals, and ``failed`` when nothing landed.
     """
+
+    polled = True
 
     def __init__(self, transfer: KVTransferConfig, node_id: str | None = None,
                  node_client: NodeStoreClient | None = None,
@@ -128,6 +136,9 @@ class FetchConnector(KVConnector):
         self._lock = threading.Lock()
         self._planned: list[tuple[KVConnectorRequest, list[int]]] = []
         self._fetches: dict[str, KVFetch] = {}
+        self._fetched: set[str] = set()  # fetches started whose request has not finished
+        self.kv_timings: OrderedDict[str, dict] = OrderedDict()
+        self.num_fetch_retries_total = 0
 
     @classmethod
     def from_context(cls, ctx: KVConnectorContext) -> FetchConnector:
@@ -142,9 +153,13 @@ class FetchConnector(KVConnector):
         return request.num_prompt_tokens - num_computed_tokens, True
 
     def allows_local_prefix(self, request: KVConnectorRequest) -> bool:
-        """No for a prompt that comes whole by a push (torch pair, TE region, layer stream):
-        it was sent before this worker was asked."""
-        return not DecodeHandoff.of(request.kv_transfer_params).pushed
+        """For a prompt from a prefill: with incremental transfer on
+        (KVTransferConfig.incremental_transfer), unless it comes whole by a push (torch pair,
+        TE region, layer stream), which was sent before this worker was asked."""
+        if request.kv_transfer_params is None:
+            return True
+        return (self.transfer.incremental_transfer
+                and not DecodeHandoff.of(request.kv_transfer_params).pushed)
 
     def update_state_after_alloc(self, request: KVConnectorRequest, block_ids: Sequence[int],
                                  num_external_tokens: int) -> None:
@@ -160,8 +175,8 @@ class FetchConnector(KVConnector):
         planned, self._planned = self._planned, []
         for request, table, skip in planned:
             handoff = DecodeHandoff.of(request.kv_transfer_params)
-            self._fetches[request.request_id] = KVFetch(self, request.request_id, table, handoff,
-                                                        handoff.layer_stream, skip)
+            self._track(KVFetch(self, request.request_id, table, handoff, handoff.layer_stream,
+                                skip))
 
     def start_stream(self, announce: LayerStreamAnnounce, block_table: Sequence[int]) -> KVFetch:
         """A layer stream announced before its request came, taken into blocks reserved for it
@@ -172,12 +187,20 @@ class FetchConnector(KVConnector):
     def adopt(self, request: KVConnectorRequest, fetch: KVFetch) -> None:
         """The request of a stream started by start_stream came: report it as its load."""
         fetch.handoff = DecodeHandoff.of(request.kv_transfer_params)
-        self._fetches[request.request_id] = fetch
+        self._track(fetch)
+
+    def _track(self, fetch: KVFetch) -> None:
+        self._fetches[fetch.request_id] = fetch
+        self._fetched.add(fetch.request_id)
+        self.kv_timings[fetch.request_id] = {"fetch_start_s": fetch.started_s}
+        while len(self.kv_timings) > MAX_TIMINGS:
+            self.kv_timings.popitem(last=False)
 
     def get_finished(self) -> tuple[dict, dict[str, LoadOutcome]]:
-        """Fetches that settled: the prompt landed (num_tokens: the whole prompt), or failed
-        after its retry (failures; nothing landed that counts: recompute). The detail has the
-        retries, the paths tried and a layer stream's arrivals: [(piece, layer, time.time())]."""
+        """Fetches that settled: the prompt landed (num_tokens: the prompt after the blocks
+        cached here), or failed after its retry (failures; nothing landed that counts:
+        recompute). The detail has the paths tried and a layer stream's arrivals:
+        [(piece, layer, time.time())]."""
         loaded: dict[str, LoadOutcome] = {}
         for request_id, fetch in list(self._fetches.items()):
             state = fetch.poll()
@@ -187,22 +210,31 @@ class FetchConnector(KVConnector):
             stream = fetch.layer_receiver
             detail = {"paths": list(fetch.paths),
                       "arrivals": list(stream.arrivals) if stream is not None else []}
+            self.num_fetch_retries_total += len(fetch.paths) - 1
+            timings = self.kv_timings.get(request_id, {})
+            timings.update(detail, admitted_s=time.time())
             if state is TransferState.SUCCESS:
-                num_tokens = fetch.handoff.num_tokens(self.cache.block_size)
+                bs = self.cache.block_size
+                num_tokens = fetch.handoff.num_tokens(bs) - fetch.skip_blocks * bs
                 loaded[request_id] = LoadOutcome(num_tokens, {fetch.path: num_tokens},
                                                  detail=detail)
             else:
                 loaded[request_id] = LoadOutcome(failures=[f"{'→'.join(fetch.paths)}: "
                                                            f"{fetch.error}"], detail=detail)
+                timings["failed"] = True
         return {}, loaded
 
     def request_finished(self, request: KVConnectorRequest, block_ids: Sequence[int]
-                         ) -> tuple[bool, None]:
-        """The request ended without fetching (aborted while waiting, or finished at
-        admission): a pushed transfer is drained and the store tail dropped. Never blocks;
-        nothing to do for a colocated request (no KV transfer params)."""
+                         ) -> tuple[bool, KVTransferParams]:
+        """For a request that ended without fetching (aborted or refused while waiting, or
+        stopped by its first token): a pushed transfer is drained and the store tail dropped.
+        Never blocks; nothing to do for one that fetched, or a colocated one (no KV transfer
+        params)."""
+        if request.request_id in self._fetched:
+            self._fetched.discard(request.request_id)
+            return False, {}
         if request.kv_transfer_params is None:
-            return False, None
+            return False, {}
         prefill = DecodeHandoff.of(request.kv_transfer_params)
         if prefill.layer_stream is not None:
             self._release_pieces(prefill.layer_stream)
@@ -214,7 +246,7 @@ class FetchConnector(KVConnector):
         if self.puller is not None and prefill.kv_region is not None:
             self.grpc.submit(self.puller.release, prefill.kv_region)
         self._release_tail(prefill)
-        return False, None
+        return False, {}
 
     def abort(self, request_id: str) -> None:
         """Its fetch stops; get_finished reports it once nothing more is written into its
@@ -229,7 +261,8 @@ class FetchConnector(KVConnector):
             errors = {path: dict(kinds) for path, kinds in self.errors_by_backend.items()}
         return {"kv_bytes_fetched_total": sum(by_backend.values()),
                 "kv_bytes_fetched_by_backend": by_backend,
-                "kv_transfer_errors_by_backend": errors}
+                "kv_transfer_errors_by_backend": errors,
+                "num_fetch_retries_total": self.num_fetch_retries_total}
 
     def close(self) -> None:
         for backend in {id(b): b for b in (self.backend, self.grpc)}.values():
@@ -325,13 +358,13 @@ class KVFetch:
         if skip_blocks and (pushed or skip_blocks > len(prefill.block_keys)):
             raise ValueError(f"cannot skip {skip_blocks} blocks of a pushed transfer or of "
                              f"{len(prefill.block_keys)} keyed blocks")
-        self._skip = skip_blocks
+        self.skip_blocks = skip_blocks
         self._connector, self._table = connector, list(block_table[skip_blocks:num_blocks])
         self.request_id, self.handoff, self.stream = request_id, handoff, stream
         self.started_s = time.time()
         self.paths: list[str] = []
         self.error: KVStoreError | None = None
-        self._aborted = False
+        self.aborted = False
         self._state = TransferState.TRANSFERRING  # until settled
         self.layer_receiver: LayerStreamReceiver | None = None
         if stream is not None:
@@ -354,7 +387,7 @@ class KVFetch:
         if self._state.done:
             return self._state
         state = self.receiver.poll()
-        if state is TransferState.FAILED and not self._aborted \
+        if state is TransferState.FAILED and not self.aborted \
                 and len(self.paths) < MAX_ATTEMPTS:
             if self.handoff is None:
                 return TransferState.TRANSFERRING
@@ -377,7 +410,7 @@ class KVFetch:
         down, and every other transfer on it, as torch cannot cancel a posted recv; TE cannot
         cancel a read at all. Either way the connector reports the fetch from get_finished once
         it has settled."""
-        self._aborted = True
+        self.aborted = True
         if self.path in ("torch", "mooncake") and not self.poll().done:
             return False
         self.receiver.abort()
@@ -408,7 +441,7 @@ class KVFetch:
         else:
             receiver = (ArenaReceiver(connector.grpc, connector.node_client) if path == "arena"
                         else connector.store.create_receiver())
-            request = FetchRequest(prefill.kv_address, prefill.block_keys[self._skip:],
+            request = FetchRequest(prefill.kv_address, prefill.block_keys[self.skip_blocks:],
                                    prefill.tail_handle, prefill.num_tail_tokens)
         receiver.start(request, connector._dest(self._table))
         return receiver
@@ -429,7 +462,7 @@ class KVFetch:
             self._connector._count(_bytes_by_backend(self.receiver, self.path))
         else:
             self.error = _error_of(self.receiver)
-            if not self._aborted:
+            if not self.aborted:
                 self._connector._count_error(self.path, self.error)
             self._leave_path()
         if not (state is TransferState.SUCCESS and self.path in _TAKES_STORE_TAIL):

@@ -82,6 +82,8 @@ class LayerStreamConnector(KVConnector):
         token_budget: tokens per step; a streamed request's chunks are cut by it.
     """
 
+    streams_layers = True
+
     def __init__(self, client, address: str, peers: StreamPeers, worker_id: str,
                  finish_timeout_s: float, token_budget: int, regions=None) -> None:
         self.client, self.address, self.regions = client, address, regions
@@ -158,7 +160,7 @@ class LayerStreamConnector(KVConnector):
         not be completed; ``extra.layer_compute_end_s``) once every piece is put."""
         self._opened.discard(request.request_id)
         stream = self._streams.get(request.request_id)
-        if stream is None:
+        if stream is None or not block_ids:  # an abort drops a stream that ended early
             return False, {}
         self._finishes.submit(self._finish, stream)
         return False, None

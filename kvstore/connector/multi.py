@@ -1,5 +1,6 @@
-"""Several connectors as one (vLLM's MultiConnector): the prefill worker's pool, layer stream
-and torch pair connectors run side by side, and the engine sees one connector."""
+"""Several connectors as one (vLLM's MultiConnector): a prefill worker's pool, layer stream
+and torch pair connectors, or a decode worker's fetch, pool-load and publish connectors, run
+side by side, and the engine sees one connector."""
 
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ class MultiConnector(KVConnector):
 
     def __init__(self, connectors: Sequence[KVConnector]) -> None:
         self.connectors = list(connectors)
+        self.streams_layers = any(c.streams_layers for c in self.connectors)
+        self.polled = any(c.polled for c in self.connectors)
         for connector in self.connectors:
             connector.wakeup = lambda: self.wakeup()
         self._loader: dict[str, KVConnector] = {}
@@ -92,6 +95,14 @@ class MultiConnector(KVConnector):
     def wait_for_save(self) -> None:
         for connector in self.connectors:
             connector.wait_for_save()
+
+    def save_progress(self, request: KVConnectorRequest, keys: Sequence[bytes],
+                      block_ids: Sequence[int]) -> None:
+        try:
+            for connector in self.connectors:
+                connector.save_progress(request, keys, block_ids)
+        finally:
+            self._reads.forget()
 
     def get_finished(self) -> tuple[dict[str, KVTransferParams | BaseException],
                                     dict[str, LoadOutcome]]:

@@ -121,7 +121,10 @@ class PoolConnector(KVConnector):
     def request_finished(self, request: KVConnectorRequest, block_ids: Sequence[int]
                          ) -> tuple[bool, None]:
         """Copies the prompt's blocks out (the engine frees them next) and saves them off the
-        loop; the params come from get_finished once both are on the store."""
+        loop; the params come from get_finished once both are on the store. Nothing for a
+        request that ended without a result (its tail is dropped by abort)."""
+        if not block_ids:
+            return False, {}
         data = self.cache.read_blocks(block_ids).cpu()
         with self._lock:
             self._publishing[request.request_id] = False

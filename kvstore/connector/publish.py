@@ -3,9 +3,9 @@ the full blocks of its prompt and output that no prefill published go to this no
 under their chained keys, so the next turn of a conversation (its prompt is this one's prompt,
 the reply and a new message) reuses the reply's KV instead of recomputing it.
 
-``request_finished`` does the work. The engine calls it for a sequence that ended normally (a
-stop token, max_tokens or the context limit), never for an aborted or failed one, after the
-last token was emitted. With a publish interval the engine also calls ``save_progress`` while
+``request_finished`` does the work for a sequence that ended normally (a stop token, max_tokens
+or the context limit), after its last token was emitted; an aborted or failed one saves
+nothing more. With a publish interval the engine also calls ``save_progress`` while
 the sequence runs, each time N more of its blocks are full: those blocks are whole (their
 KV never changes again), so they go out at once and a later turn, or another request sharing
 the prefix, need not wait for the end; ``request_finished`` then puts only the rest, and
@@ -29,7 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from engine.core.kv_connector import KVConnector, KVConnectorRequest
+from engine.core.kv_connector import KVConnector, KVConnectorRequest, KVTransferParams
 from kvstore.connector.context import KVConnectorContext
 from kvstore.handoff import DecodeHandoff
 from kvstore.node_store_api import NodeStore
@@ -59,14 +59,18 @@ class PublishConnector(KVConnector):
         return cls(ctx.local_store)
 
     def request_finished(self, request: KVConnectorRequest, block_ids: Sequence[int]
-                         ) -> tuple[bool, None]:
+                         ) -> tuple[bool, KVTransferParams]:
         """request.block_keys: the chained keys of every full block of its KV (prompt and
-        output, in order); block_ids: the cache blocks holding them, the same length. Copies
-        the blocks no prefill published and puts them off the loop; never delays the blocks'
-        release (returns delay_free False). Raises ValueError when the lengths differ."""
-        self._save(request, list(request.block_keys), block_ids)
+        output, in order); block_ids: its block table, whose first len(block_keys) blocks hold
+        them. Copies the blocks no prefill published and puts them off the loop; never delays
+        the blocks' release (returns delay_free False). Nothing for a request that ended
+        without a result (what it put while running stays). Raises ValueError when the
+        table is shorter than the keys."""
+        if block_ids:
+            keys = list(request.block_keys)
+            self._save(request, keys, block_ids[:len(keys)])
         self._saved.pop(request.request_id, None)
-        return False, None
+        return False, {}
 
     def save_progress(self, request: KVConnectorRequest, keys: Sequence[bytes],
                       block_ids: Sequence[int]) -> None:

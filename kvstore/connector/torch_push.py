@@ -66,7 +66,7 @@ class TorchPushConnector(KVConnector):
         """Starts the push of every block of the prompt (full ones, then the tail); params
         ``pair_address`` and ``pair_tag`` (None, 0: nothing pushed, the decode pulls)."""
         peer = PrefillHandoff.of(request.kv_transfer_params).decode_peer
-        if peer is None or request.max_tokens == 1 or request.runs_alone:
+        if peer is None or request.max_tokens == 1 or request.runs_alone or not block_ids:
             return False, {}
         address, tag = self._push(peer, block_ids)
         return False, {"pair_address": address, "pair_tag": tag} if address else {}

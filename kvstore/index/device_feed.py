@@ -76,3 +76,10 @@ class DeviceCacheFeed:
                 self.reannouncements_total += 1
         except Exception as exc:  # noqa: BLE001 — an index outage costs hits, not requests
             log.warning("G1 events of %s not indexed: %s", self.location.instance_id, exc)
+
+
+def device_feed(index: KVIndex | None, location: Location, min_interval_s: float = 0.0):
+    """An engine's kv_events (engine.core.engine_core.KVEventFeedFactory): a DeviceCacheFeed
+    of its block pool to ``index`` under ``location``."""
+    return lambda pool, executor: DeviceCacheFeed(pool, index, location, executor,
+                                                  min_interval_s=min_interval_s)

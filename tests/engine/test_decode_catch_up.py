@@ -10,7 +10,8 @@ from collections.abc import Sequence
 
 import pytest
 
-from decode_worker.engine import DecodeEngine
+from decode_worker.instance import decode_core
+from engine.core.engine_core import EngineCore
 from engine.config import BUNDLED_MODEL, EngineConfig
 from engine.core.engine_loop import run_once
 from engine.core.kv_connector import KVConnectorRequest, LoadOutcome
@@ -21,6 +22,7 @@ from engine.runner import ModelRunner
 from engine.tokenizer import Tokenizer
 from kvstore.config import KVTransferConfig
 from kvstore.connector.fetch import FetchConnector
+from tests.engines import fetch_of, submit_decode
 
 BUDGET = 32
 STORY = ("Once upon a time, there was a little girl named Lily. She loved to play outside in "
@@ -53,7 +55,7 @@ class HeldFetches(FetchConnector):
         return {}, settled
 
     def request_finished(self, request, block_ids):
-        return False, None
+        return False, {}
 
 
 class Recorded:
@@ -69,15 +71,15 @@ class Recorded:
         return self._execute(chunks, **kwargs)
 
 
-def engine(num_kv_blocks: int = 64, mode: str = "recompute") -> DecodeEngine:
+def engine(num_kv_blocks: int = 64, mode: str = "recompute") -> EngineCore:
     config = EngineConfig(model=str(BUNDLED_MODEL), num_kv_blocks=num_kv_blocks,
                           max_num_batched_tokens=BUDGET, preemption_mode=mode)
-    return DecodeEngine(ModelRunner(config), "decode-t", 0, HeldFetches())
+    return decode_core(ModelRunner(config), "decode-t", 0, HeldFetches())
 
 
-def submit(eng: DecodeEngine, request: DecodeRequest) -> list:
+def submit(eng: EngineCore, request: DecodeRequest) -> list:
     deltas: list = []
-    eng.add_request(request, deltas.append)
+    submit_decode(eng, request, deltas.append)
     return deltas
 
 
@@ -85,7 +87,7 @@ def tokens(deltas: list) -> list[int]:
     return [t for d in deltas for t in d.token_ids]
 
 
-def run(eng: DecodeEngine, *outputs: list, limit: int = 500) -> None:
+def run(eng: EngineCore, *outputs: list, limit: int = 500) -> None:
     """Step until every one of ``outputs`` has its last delta."""
     for _ in range(limit):
         if all(o and o[-1].finish_reason is not None for o in outputs):
@@ -135,7 +137,7 @@ def test_one_step_holds_decodes_and_a_colocated_chunk_while_a_request_waits_for_
     # the decoding request's one token and the colocated prompt's first chunk, in one forward
     [step] = recorded.steps
     assert step[0][0] == 1 and step[1] == (BUDGET, 0)
-    eng.connector.fail("remote")  # its KV never comes: it is computed here after all
+    fetch_of(eng).fail("remote")  # its KV never comes: it is computed here after all
     run(eng, first, remote, local)
     assert tokens(local) == alone(prompt, GREEDY)
     assert [want_first, *tokens(remote)] == alone(prompt, GREEDY)
@@ -157,7 +159,7 @@ def test_a_failed_load_is_rescheduled_from_its_last_good_block(prompt, params):
     run_once(eng)
     held = eng.scheduler.active["failed"]
     assert held.num_cached_tokens == cached > 0 and held.status is RequestStatus.WAITING_FOR_KV
-    eng.connector.fail("failed")
+    fetch_of(eng).fail("failed")
     recorded.steps.clear()
     run(eng, out, steady)
     # the prompt after the cached blocks, in chunks of the budget, each in a forward with the

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from decode_worker.engine import DecodeEngine
+from decode_worker.instance import decode_core
 from engine.config import BUNDLED_MODEL, EngineConfig
 from engine.protocol import DecodeRequest, FinishReason, PrefillRequest, SamplingParams
 from engine.runner import ModelRunner
@@ -20,7 +20,7 @@ from kvstore.connector.pool import PoolConnector, PoolLoadConnector
 from engine.core.hashing import block_keys, make_namespace
 from engine.core.kv_events import BlockStored
 from kvstore.index import Location, MemoryIndex
-from prefill_worker.engine import PrefillEngine
+from prefill_worker.instance import prefill as run_prefill, prefill_core
 from tests.engine_loops import started, stop
 from tests.integration.test_decode_publish import run_decode
 from tests.kvstore.lru_block_store import lru_server
@@ -40,9 +40,9 @@ def engines():
     config = EngineConfig(model=str(BUNDLED_MODEL), num_kv_blocks=128)
     index = MemoryIndex()
     index.heartbeat(NODE, 600)
-    prefill = started(lambda: PrefillEngine(
+    prefill = started(lambda: prefill_core(
         ModelRunner(config), PoolConnector(NODE, client, server.address, client), "p", 0))
-    decode = started(lambda: DecodeEngine(ModelRunner(config), "d", 0,
+    decode = started(lambda: decode_core(ModelRunner(config), "d", 0,
                                           FetchConnector(KVTransferConfig(timeout_s=5)),
                                           index=index, node_id=NODE))
     yield prefill, decode, index
@@ -62,7 +62,7 @@ def greedy(n: int) -> SamplingParams:
 
 def disaggregated(engines, request_id: str, prompt: list[int], n: int):
     prefill, decode, _ = engines
-    result = prefill.prefill(PrefillRequest(request_id, tuple(prompt), greedy(n)))
+    result = run_prefill(prefill, PrefillRequest(request_id, tuple(prompt), greedy(n)))
     deltas = run_decode(decode, DecodeRequest(request_id, tuple(prompt), greedy(n), result))
     return result, [result.first_token] + [t for d in deltas for t in d.token_ids]
 
@@ -135,14 +135,14 @@ def test_a_prompt_computed_on_the_decode_loads_its_prefix_from_the_pool(engines,
     client = prefill.connector.store_client
     prompt = hf.encode("Lily and her mom went to the park to fly a big blue kite in the wind. "
                        "The kite went up and up, and Lily laughed and ran after it.")
-    warm = prefill.prefill(PrefillRequest("pool-warm", tuple(prompt), greedy(1)))
+    warm = run_prefill(prefill, PrefillRequest("pool-warm", tuple(prompt), greedy(1)))
     keys = handoff(warm).block_keys
     index.apply_events(Location(NODE, "host"), [BlockStored(keys)])  # the store's report
     config = EngineConfig(model=str(BUNDLED_MODEL), num_kv_blocks=64)
-    loading = started(lambda: DecodeEngine(
+    loading = started(lambda: decode_core(
         ModelRunner(config), "d-pool", 0, FetchConnector(KVTransferConfig(timeout_s=5)),
         prefix_loader=PoolLoadConnector(NODE, None, "", client, index)))
-    alone = started(lambda: DecodeEngine(ModelRunner(config), "d-alone", 0,
+    alone = started(lambda: decode_core(ModelRunner(config), "d-alone", 0,
                                          FetchConnector(KVTransferConfig(timeout_s=5))))
     try:
         follow = prompt + hf.encode(" They ran.", add_special_tokens=False)

@@ -10,7 +10,9 @@ import time
 
 import pytest
 
-from decode_worker.engine import DecodeEngine
+from decode_worker.instance import decode_core
+from engine.core.engine_core import EngineCore
+from tests.engines import submit_decode
 from engine.config import BUNDLED_MODEL, EngineConfig
 from engine.protocol import DecodeRequest, FinishReason, PrefillRequest, SamplingParams
 from engine.runner import ModelRunner
@@ -22,7 +24,7 @@ from kvstore.connector.pool import PoolConnector
 from kvstore.connector.publish import PublishConnector
 from engine.core.hashing import block_keys, make_namespace
 from kvstore.index import Location
-from prefill_worker.engine import PrefillEngine
+from prefill_worker.instance import prefill as run_prefill, prefill_core
 from tests.engine_loops import started, stop
 from tests.kvstore.lru_block_store import lru_server
 from tests.handoffs import handoff
@@ -46,10 +48,10 @@ def cluster():
     server.start()
     client = KVStoreClient(server.address)
     config = EngineConfig(model=str(BUNDLED_MODEL), num_kv_blocks=128)
-    prefill = started(lambda: PrefillEngine(
+    prefill = started(lambda: prefill_core(
         ModelRunner(config), PoolConnector(NODE, client, server.address, client), "p", 0))
     publisher = PublishConnector(client)
-    decode = started(lambda: DecodeEngine(ModelRunner(config), "d", 0,
+    decode = started(lambda: decode_core(ModelRunner(config), "d", 0,
                                           FetchConnector(KVTransferConfig(timeout_s=5)),
                                           publisher=publisher))
     yield prefill, decode, publisher, client
@@ -59,7 +61,7 @@ def cluster():
     server.stop()
 
 
-def run_decode(decode: DecodeEngine, request: DecodeRequest, abort_after: int | None = None
+def run_decode(decode: EngineCore, request: DecodeRequest, abort_after: int | None = None
                ) -> list:
     """The request's TokenDeltas; with abort_after, the request is aborted once that many
     deltas came."""
@@ -72,7 +74,7 @@ def run_decode(decode: DecodeEngine, request: DecodeRequest, abort_after: int | 
         if delta.finish_reason is not None:
             done.set()
 
-    decode.add_request(request, emit)
+    submit_decode(decode, request, emit)
     assert done.wait(60)
     return deltas
 
@@ -99,7 +101,7 @@ def turn(cluster, request_id: str, prompt: list[int], max_tokens: int, salt: str
     prefill, decode, publisher, _ = cluster
     before = offered(publisher)
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-    result = prefill.prefill(PrefillRequest(request_id, tuple(prompt), params, salt,
+    result = run_prefill(prefill, PrefillRequest(request_id, tuple(prompt), params, salt,
                                             kv_transfer_params={"prefix_plan": plan}))
     deltas = run_decode(decode, DecodeRequest(request_id, tuple(prompt), params, result, salt),
                         abort_after)
@@ -179,7 +181,7 @@ def test_published_blocks_carry_the_tenant_s_salt(cluster, hf):
 def test_a_failed_publish_is_counted_and_the_request_is_unharmed(hf):
     publisher = PublishConnector(FailingStore())
     config = EngineConfig(model=str(BUNDLED_MODEL), num_kv_blocks=64)
-    decode = started(lambda: DecodeEngine(ModelRunner(config), "d-fail", 0,
+    decode = started(lambda: decode_core(ModelRunner(config), "d-fail", 0,
                                           FetchConnector(KVTransferConfig(timeout_s=5)),
                                           publisher=publisher))
     try:
@@ -205,7 +207,7 @@ def test_with_an_interval_full_blocks_go_out_while_the_sequence_runs(cluster, hf
     _, _, _, client = cluster
     publisher = PublishConnector(client)
     config = EngineConfig(model=str(BUNDLED_MODEL), num_kv_blocks=64)
-    decode = started(lambda: DecodeEngine(ModelRunner(config), "d-interval", 0,
+    decode = started(lambda: decode_core(ModelRunner(config), "d-interval", 0,
                                           FetchConnector(KVTransferConfig(timeout_s=5)),
                                           publisher=publisher, publish_interval=1))
     try:

@@ -10,7 +10,9 @@ import time
 
 import pytest
 
-from decode_worker.engine import DecodeEngine
+from decode_worker.instance import decode_core
+from engine.core.engine_core import EngineCore
+from tests.engines import submit_decode
 from engine.config import BUNDLED_MODEL, EngineConfig
 from engine.core.engine_loop import EngineLoop, run_once
 from engine.protocol import DecodeRequest, FinishReason, PrefillRequest, SamplingParams
@@ -19,7 +21,7 @@ from kvstore.client import KVStoreClient
 from kvstore.config import KVStoreConfig, KVTransferConfig
 from kvstore.connector.fetch import FetchConnector
 from kvstore.connector.pool import PoolConnector
-from prefill_worker.engine import PrefillEngine
+from prefill_worker.instance import prefill as run_prefill, prefill_core, submit_prefill
 from tests.kvstore.lru_block_store import lru_server
 from tests.engine_loops import started, stop
 from tests.handoffs import handoff
@@ -46,10 +48,10 @@ def engines(eos_model_dir):
     server.start()
     config = EngineConfig(model=str(eos_model_dir), num_kv_blocks=128)
     client = KVStoreClient(server.address)
-    prefill = started(lambda: PrefillEngine(ModelRunner(config), grpc_kv(client, server.address),
+    prefill = started(lambda: prefill_core(ModelRunner(config), grpc_kv(client, server.address),
                                             "prefill-0", 0))
     decode_runner = ModelRunner(config)
-    decode = started(lambda: DecodeEngine(decode_runner, "decode-0", 0,
+    decode = started(lambda: decode_core(decode_runner, "decode-0", 0,
                                           FetchConnector(GRPC_5S)))
     yield prefill, decode
     stop(decode)
@@ -63,7 +65,7 @@ def grpc_kv(client: KVStoreClient, address: str) -> PoolConnector:
     return PoolConnector("local-node", client, address, client)
 
 
-def decode_all(decode: DecodeEngine, request: DecodeRequest) -> list:
+def decode_all(decode: EngineCore, request: DecodeRequest) -> list:
     """Every TokenDelta of `request` on the decode engine, once it finished."""
     deltas, done = [], threading.Event()
 
@@ -72,14 +74,14 @@ def decode_all(decode: DecodeEngine, request: DecodeRequest) -> list:
         if delta.finish_reason is not None:
             done.set()
 
-    decode.add_request(request, emit)
+    submit_decode(decode, request, emit)
     assert done.wait(60)
     return deltas
 
 
 def generate(engines, request_id: str, prompt: list[int], params: SamplingParams):
     prefill, decode = engines
-    result = prefill.prefill(PrefillRequest(request_id, tuple(prompt), params))
+    result = run_prefill(prefill, PrefillRequest(request_id, tuple(prompt), params))
     deltas = decode_all(decode, DecodeRequest(request_id, tuple(prompt), params, result))
     return result, [result.first_token] + [t for d in deltas for t in d.token_ids], deltas[-1]
 
@@ -128,9 +130,9 @@ def test_cache_salt_isolates_tenants(engines, hf):
     prefill, _ = engines
     prompt = hf.encode("Ben had a red car. He drove it to the shop to buy milk and bread.")
     params = SamplingParams(max_tokens=2, temperature=0)
-    a = prefill.prefill(PrefillRequest("salt-a1", tuple(prompt), params, cache_salt="tenant-a"))
-    b = prefill.prefill(PrefillRequest("salt-b", tuple(prompt), params, cache_salt="tenant-b"))
-    a2 = prefill.prefill(PrefillRequest("salt-a2", tuple(prompt), params, cache_salt="tenant-a"))
+    a = run_prefill(prefill, PrefillRequest("salt-a1", tuple(prompt), params, cache_salt="tenant-a"))
+    b = run_prefill(prefill, PrefillRequest("salt-b", tuple(prompt), params, cache_salt="tenant-b"))
+    a2 = run_prefill(prefill, PrefillRequest("salt-a2", tuple(prompt), params, cache_salt="tenant-a"))
     assert a.num_cached_tokens == 0 and b.num_cached_tokens == 0 and a2.num_cached_tokens > 0
     assert set(handoff(a).block_keys).isdisjoint(handoff(b).block_keys)
     for r in (a, b, a2):
@@ -141,11 +143,11 @@ def test_prefix_caching_switch_off_recomputes(engines, eos_model_dir, hf):
     prefill, _ = engines
     config = EngineConfig(model=str(eos_model_dir), num_kv_blocks=64,
                           enable_prefix_caching=False)
-    off = started(lambda: PrefillEngine(ModelRunner(config),
+    off = started(lambda: prefill_core(ModelRunner(config),
                                         grpc_kv(prefill.connector.store_client, prefill.connector.store_address), "off", 0))
     prompt = hf.encode("Once upon a time, there was a girl who liked to read books about cats.")
     params = SamplingParams(max_tokens=2, temperature=0)
-    results = [off.prefill(PrefillRequest(f"off-{i}", tuple(prompt), params)) for i in range(2)]
+    results = [run_prefill(off, PrefillRequest(f"off-{i}", tuple(prompt), params)) for i in range(2)]
     assert [r.num_cached_tokens for r in results] == [0, 0]
     assert off.stats()["num_prefill_tokens_total"] == 2 * len(prompt)
     assert results[0].first_token == results[1].first_token == hf.greedy(prompt, 1)[0]
@@ -162,21 +164,21 @@ def test_chunked_prefill_equals_unchunked(engines, eos_model_dir, hf):
     params = SamplingParams(max_tokens=1, temperature=0, logprobs=3)
     chunked_config = EngineConfig(model=str(eos_model_dir), num_kv_blocks=64,
                                   max_num_batched_tokens=64, enable_prefix_caching=False)
-    chunked = started(lambda: PrefillEngine(ModelRunner(chunked_config),
+    chunked = started(lambda: prefill_core(ModelRunner(chunked_config),
                                             grpc_kv(prefill.connector.store_client, prefill.connector.store_address),
                                             "chunked", 0))
     whole_config = chunked_config.model_copy(update={"max_num_batched_tokens": 512})
-    whole = started(lambda: PrefillEngine(ModelRunner(whole_config),
+    whole = started(lambda: prefill_core(ModelRunner(whole_config),
                                           grpc_kv(prefill.connector.store_client, prefill.connector.store_address),
                                           "whole", 0))
-    a = chunked.prefill(PrefillRequest("chunked", tuple(prompt), params))
-    b = whole.prefill(PrefillRequest("whole", tuple(prompt), params))
+    a = run_prefill(chunked, PrefillRequest("chunked", tuple(prompt), params))
+    b = run_prefill(whole, PrefillRequest("whole", tuple(prompt), params))
     assert a.first_token == b.first_token == hf.greedy(prompt, 1)[0]
     assert a.first_logprob.logprob == pytest.approx(b.first_logprob.logprob, abs=1e-5)
     assert [t for t, _ in a.first_logprob.top] == [t for t, _ in b.first_logprob.top]
     # and the KV the chunks wrote is the KV decode continues from
     decode_runner = ModelRunner(whole_config)
-    decode = started(lambda: DecodeEngine(decode_runner, "d-chunk", 0,
+    decode = started(lambda: decode_core(decode_runner, "d-chunk", 0,
                                           FetchConnector(GRPC_5S)))
     try:
         _, got, _ = generate((chunked, decode), "chunked-2", prompt,
@@ -196,7 +198,7 @@ def test_preemption_keeps_outputs_identical(engines, eos_model_dir, hf, mode):
     config = EngineConfig(model=str(eos_model_dir), num_kv_blocks=12, preemption_mode=mode,
                           max_num_batched_tokens=32)
     runner = ModelRunner(config)
-    small = started(lambda: DecodeEngine(runner, f"small-{mode}", 0,
+    small = started(lambda: decode_core(runner, f"small-{mode}", 0,
                                          FetchConnector(GRPC_5S)))
     texts = ["Once upon a time", "The big dog", "Lily had a cat", "Tom went to the park"]
     prompts = [hf.encode(t + ", and they played all day long in the sun.") for t in texts]
@@ -218,9 +220,9 @@ def test_preemption_keeps_outputs_identical(engines, eos_model_dir, hf, mode):
             return emit
 
         for i, p in enumerate(prompts):
-            result = prefill.prefill(PrefillRequest(f"{mode}-busy-{i}", tuple(p), params[i]))
+            result = run_prefill(prefill, PrefillRequest(f"{mode}-busy-{i}", tuple(p), params[i]))
             outputs[i] = [result.first_token]
-            small.add_request(DecodeRequest(f"{mode}-busy-{i}", tuple(p), params[i], result),
+            submit_decode(small, DecodeRequest(f"{mode}-busy-{i}", tuple(p), params[i], result),
                               collect(i))
         assert done.wait(120)
         stats = small.stats()
@@ -253,7 +255,7 @@ def test_colocated_prompts_run_in_chunks_beside_decoding_requests(eos_model_dir,
     engine's loop body itself, so the steps are counted exactly."""
     config = EngineConfig(model=str(eos_model_dir), num_kv_blocks=64, max_num_batched_tokens=32)
     runner = ModelRunner(config)
-    engine = DecodeEngine(runner, "colocated-chunks", 0,
+    engine = decode_core(runner, "colocated-chunks", 0,
                           FetchConnector(GRPC_5S))
     short = hf.encode("Once upon a time, there was a little boy named Tim.")
     long = (hf.encode("One day, a big dog named Max found a red ball.") +
@@ -276,9 +278,9 @@ def test_colocated_prompts_run_in_chunks_beside_decoding_requests(eos_model_dir,
             assert time.monotonic() < deadline
             run_once(engine)
 
-    engine.add_request(DecodeRequest("short", tuple(short), params), emit_to("short"))
+    submit_decode(engine, DecodeRequest("short", tuple(short), params), emit_to("short"))
     run_until(lambda: len(tokens["short"]) >= 3)
-    engine.add_request(DecodeRequest("long", tuple(long), params), emit_to("long"))
+    submit_decode(engine, DecodeRequest("long", tuple(long), params), emit_to("long"))
     before = len(tokens["short"])
     run_until(lambda: tokens["long"])
     assert len(tokens["short"]) - before == -(-150 // 32)  # one decode token per prompt chunk
@@ -302,7 +304,7 @@ def test_engine_loop_builds_the_model_and_runs_every_step_on_its_thread(eos_mode
         built_on["thread"] = threading.get_ident()
         runner = ModelRunner(EngineConfig(model=str(eos_model_dir), num_kv_blocks=32))
         runner.model.register_forward_hook(lambda *_: forward_threads.add(threading.get_ident()))
-        return DecodeEngine(runner, "own-thread", 0,
+        return decode_core(runner, "own-thread", 0,
                             FetchConnector(GRPC_5S))
 
     loop = EngineLoop(build, "decode-engine", timeout_s=60)
@@ -332,9 +334,9 @@ def test_concurrent_prefills_share_steps_and_outputs_are_unchanged(engines, eos_
     config = EngineConfig(model=str(eos_model_dir), num_kv_blocks=128,
                           max_num_batched_tokens=512, enable_prefix_caching=False,
                           prefill_compute_bound_tokens=compute_bound_tokens)
-    shared = PrefillEngine(ModelRunner(config), grpc_kv(prefill.connector.store_client, prefill.connector.store_address),
+    shared = prefill_core(ModelRunner(config), grpc_kv(prefill.connector.store_client, prefill.connector.store_address),
                            "batched", 0)
-    alone = started(lambda: PrefillEngine(ModelRunner(config),
+    alone = started(lambda: prefill_core(ModelRunner(config),
                                           grpc_kv(prefill.connector.store_client, prefill.connector.store_address),
                                           "alone", 0))
     stories = ["a big dog named Max", "a little cat named Sue", "a red ball in the park",
@@ -343,7 +345,7 @@ def test_concurrent_prefills_share_steps_and_outputs_are_unchanged(engines, eos_
                 hf.encode(f" Every day {s} was happy." * 12, add_special_tokens=False))
                [:100 + 37 * i] for i, s in enumerate(stories)]
     params = SamplingParams(max_tokens=1, temperature=0, logprobs=2)
-    futures = [shared.add_request(PrefillRequest(f"b{i}", tuple(p), params))[1]
+    futures = [submit_prefill(shared, PrefillRequest(f"b{i}", tuple(p), params))[1]
                for i, p in enumerate(prompts)]
     deadline = time.monotonic() + 60
     while not all(f.done() for f in futures):
@@ -363,7 +365,7 @@ def test_concurrent_prefills_share_steps_and_outputs_are_unchanged(engines, eos_
     assert stats["num_used_blocks"] == 0
     shared.close()
     for i, prompt in enumerate(prompts):
-        want = alone.prefill(PrefillRequest(f"a{i}", tuple(prompt), params))
+        want = run_prefill(alone, PrefillRequest(f"a{i}", tuple(prompt), params))
         got = results[i]
         assert got.first_token == want.first_token == hf.greedy(prompt, 1)[0]
         assert got.first_logprob.logprob == pytest.approx(want.first_logprob.logprob, abs=1e-5)

@@ -24,7 +24,7 @@ from kvstore.config import KVStoreConfig
 from engine.core.kv_events import BlockStored
 from kvstore.index import Location, MemoryIndex
 from kvstore.connector.pool import PoolConnector
-from prefill_worker.engine import PrefillEngine
+from prefill_worker.instance import prefill_core, submit_prefill
 from router.conductor import Conductor, PrefixKeyer, RouteRequest
 from router.cost_model import DEFAULT_COST_MODEL, load_cost_model
 from router.policies import DEFAULT_POLICY
@@ -86,7 +86,7 @@ def world():
         runner = ModelRunner(EngineConfig(num_kv_blocks=128))
         pool = PoolConnector(NODE, Counted(client, "kv_store", calls), server.address,
                              Counted(client, "node_store", calls), Counted(index, "index", calls))
-        return PrefillEngine(runner, pool, "p0", 0, Counted(index, "index", calls), NODE)
+        return prefill_core(runner, pool, "p0", 0, Counted(index, "index", calls), NODE)
 
     engine = started(build)
     loads = LedgerLoads(load_cost_model(DEFAULT_COST_MODEL))
@@ -108,7 +108,7 @@ def first_token_calls(world, request_id: str, prompt: list[int]):
         calls.made.clear()
     decision = conductor.decide(RouteRequest(request_id, tuple(prompt)), ["p0"], ["d0"])
     params = SamplingParams(max_tokens=4, temperature=0)
-    first, result = engine.add_request(PrefillRequest(
+    first, result = submit_prefill(engine, PrefillRequest(
         request_id, tuple(prompt), params, kv_transfer_params={"prefix_plan": decision.kv_plan}))
     first_at: list[float] = []
     first.add_done_callback(lambda _: first_at.append(time.monotonic()))

@@ -28,7 +28,7 @@ from engine.core.hashing import block_keys, make_namespace  # noqa: E402
 from kvstore.index import KVIndexUnavailableError, Location, open_index  # noqa: E402
 from kvstore.index.mooncake_store import POOL_LOCATION, MooncakeStoreIndex  # noqa: E402
 from kvstore.mooncake_store import MooncakeStoreClient, MooncakeStoreError  # noqa: E402
-from prefill_worker.engine import PrefillEngine  # noqa: E402
+from prefill_worker.instance import prefill as run_prefill, prefill_core  # noqa: E402
 from router.cost_model import load_cost_model  # noqa: E402
 from tests.engine_loops import started, stop  # noqa: E402
 from tests.kvstore.lru_block_store import lru_server  # noqa: E402
@@ -58,7 +58,7 @@ class Node:
         self.index = open_index(index_url, segment_bytes=SEGMENT, buffer_bytes=8 << 20)
         self.connector = PoolConnector(name, self.client, self.server.address, self.client,
                                        self.index)
-        self.engine = started(lambda: PrefillEngine(
+        self.engine = started(lambda: prefill_core(
             ModelRunner(EngineConfig(model=str(BUNDLED_MODEL), num_kv_blocks=64)),
             self.connector, name, 0, self.index, name))
 
@@ -119,7 +119,7 @@ def test_store_client_round_trip_between_two_clients(master):
 def test_a_prefix_computed_on_one_node_is_reused_on_the_other(nodes, hf):
     a, b = nodes
     prompt = hf.encode("Once upon a time, there was a little girl named Lily. " * 5)
-    warm = a.engine.prefill(PrefillRequest("warm", tuple(prompt), PARAMS))
+    warm = run_prefill(a.engine, PrefillRequest("warm", tuple(prompt), PARAMS))
     keys = handoff(warm).block_keys
     assert len(keys) >= 3, len(prompt)
     put_done(a, len(keys))
@@ -129,14 +129,14 @@ def test_a_prefix_computed_on_one_node_is_reused_on_the_other(nodes, hf):
     assert torch.equal(stored, a.client.get_blocks(list(keys)))
 
     assert b.index.longest_prefix(list(keys)) == [[POOL_LOCATION]] * len(keys)
-    free = b.engine.kv_manager.num_free_blocks
-    reused = b.engine.prefill(planned("reused", prompt, keys, b.index))
+    free = b.engine.kv.num_free_blocks
+    reused = run_prefill(b.engine, planned("reused", prompt, keys, b.index))
     assert reused.num_cached_tokens == len(keys) * 16
     assert reused.first_token == warm.first_token == hf.greedy(prompt, 1)[0]
     stats = b.engine.stats()
     assert stats["prefix_cache_hit_tokens_total"].get("mooncake_store") == len(keys) * 16
     assert stats["num_prefill_tokens_total"] == len(prompt) - len(keys) * 16
-    assert b.engine.kv_manager.num_free_blocks >= free - len(keys)  # G1 keeps the prefix
+    assert b.engine.kv.num_free_blocks >= free - len(keys)  # G1 keeps the prefix
     for node, result in ((a, warm), (b, reused)):
         node.client.release_tail(handoff(result).tail_handle)
 
@@ -145,18 +145,18 @@ def test_a_tenant_never_reuses_another_tenants_blocks(nodes, hf):
     a, b = nodes
     prompt = hf.encode("Tom had a small boat. He sailed it on the lake with his dad. " * 4)
     before = a.connector.stats()["kv_mooncake_store_puts_total"]
-    first = a.engine.prefill(PrefillRequest("t1", tuple(prompt), PARAMS, cache_salt="tenant-1"))
+    first = run_prefill(a.engine, PrefillRequest("t1", tuple(prompt), PARAMS, cache_salt="tenant-1"))
     put_done(a, before + len(handoff(first).block_keys))
     assert b.index.lookup(list(handoff(first).block_keys)) == [[POOL_LOCATION]] * len(handoff(first).block_keys)
     # the Conductor's keys for tenant 2 (the same prompt): none of them is in the store
     salted = tuple(block_keys(prompt, 16, make_namespace(b.engine.model_id, "tenant-2")))
     assert len(salted) == len(handoff(first).block_keys) and set(salted).isdisjoint(handoff(first).block_keys)
     assert b.index.longest_prefix(list(salted)) == []
-    other = b.engine.prefill(planned("t2", prompt, salted, b.index, cache_salt="tenant-2"))
+    other = run_prefill(b.engine, planned("t2", prompt, salted, b.index, cache_salt="tenant-2"))
     assert handoff(other).block_keys == salted
     assert other.num_cached_tokens == 0 and other.first_token == first.first_token
     # tenant 1 on node b does reuse its own blocks
-    again = b.engine.prefill(planned("t1b", prompt, handoff(first).block_keys, b.index, "tenant-1"))
+    again = run_prefill(b.engine, planned("t1b", prompt, handoff(first).block_keys, b.index, "tenant-1"))
     assert again.num_cached_tokens == len(handoff(first).block_keys) * 16
     for node, result in ((a, first), (b, other), (b, again)):
         node.client.release_tail(handoff(result).tail_handle)
@@ -169,13 +169,13 @@ def test_an_unreachable_store_costs_a_recompute(nodes, hf):
     with pytest.raises(KVIndexUnavailableError):
         dead.longest_prefix([b"\x01" * 32])
     # a plan naming the store's blocks, on a node whose store client cannot connect
-    engine = started(lambda: PrefillEngine(
+    engine = started(lambda: prefill_core(
         ModelRunner(EngineConfig(model=str(BUNDLED_MODEL), num_kv_blocks=64)),
         PoolConnector("node-c", a.client, a.server.address, a.client, dead), "c", 0))
     try:
         keys = tuple(bytes([i + 1]) * 32 for i in range(len(prompt) // 16))
         plan = PrefixPlan(keys, tuple((POOL_LOCATION,) for _ in keys), len(keys))
-        result = engine.prefill(PrefillRequest("dead", tuple(prompt), PARAMS,
+        result = run_prefill(engine, PrefillRequest("dead", tuple(prompt), PARAMS,
                                                kv_transfer_params={"prefix_plan": plan}))
         assert result.num_cached_tokens == 0 and result.first_token == hf.greedy(prompt, 1)[0]
         assert engine.stats()["kv_load_failures_total"] == {"recompute": 1, "fail": 0}

@@ -14,7 +14,9 @@ import time
 import pytest
 import torch
 
-from decode_worker.engine import DecodeEngine
+from decode_worker.instance import decode_core
+from engine.core.engine_core import EngineCore
+from tests.engines import submit_decode
 from engine.config import EngineConfig
 from engine.protocol import (DecodeRequest, FinishReason, PrefillRequest, PrefillResult,
                              SamplingParams)
@@ -27,7 +29,7 @@ from kvstore.connector.pool import PoolConnector
 from kvstore.connector.torch_push import TorchPushConnector
 from kvstore.transfer.base import TransferState
 from tests.kvstore.fake_transfer import FakeTransferBackend
-from prefill_worker.engine import PrefillEngine
+from prefill_worker.instance import prefill as run_prefill, prefill_core
 from tests.kvstore.lru_block_store import lru_server
 from tests.engine_loops import started, stop
 from tests.handoffs import handoff, with_handoff
@@ -55,17 +57,17 @@ def prefill(store):
     server, client = store
     connector = MultiConnector([PoolConnector("local-node", client, server.address, client),
                                 TorchPushConnector(TORCH, send_deadline_s=20, device="cpu")])
-    engine = started(lambda: PrefillEngine(ModelRunner(EngineConfig(num_kv_blocks=128)),
+    engine = started(lambda: prefill_core(ModelRunner(EngineConfig(num_kv_blocks=128)),
                                            connector, "prefill-0", 0))
     yield engine
     stop(engine)
 
 
 def decode_engine(worker_id: str, transfer: KVTransferConfig, num_kv_blocks: int = 128,
-                  backend=None, kv_cache_layout: str = "auto") -> DecodeEngine:
+                  backend=None, kv_cache_layout: str = "auto") -> EngineCore:
     runner = ModelRunner(EngineConfig(num_kv_blocks=num_kv_blocks,
                                       kv_cache_layout=kv_cache_layout))
-    return started(lambda: DecodeEngine(runner, worker_id, 0,
+    return started(lambda: decode_core(runner, worker_id, 0,
                                         FetchConnector(transfer, backend=backend)))
 
 
@@ -76,7 +78,7 @@ def decode_torch():
     stop(engine)
 
 
-def run_decode(decode: DecodeEngine, result: PrefillResult, prompt: list[int],
+def run_decode(decode: EngineCore, result: PrefillResult, prompt: list[int],
                params: SamplingParams, abort: bool = False):
     deltas, done = [], threading.Event()
 
@@ -85,22 +87,22 @@ def run_decode(decode: DecodeEngine, result: PrefillResult, prompt: list[int],
         if delta.finish_reason is not None:
             done.set()
 
-    decode.add_request(DecodeRequest(result.request_id, tuple(prompt), params, result), emit)
+    submit_decode(decode, DecodeRequest(result.request_id, tuple(prompt), params, result), emit)
     if abort:
         decode.abort(result.request_id)
     assert done.wait(60)
     return [result.first_token] + [t for d in deltas for t in d.token_ids], deltas[-1]
 
 
-def generate(prefill: PrefillEngine, decode: DecodeEngine, request_id: str, prompt: list[int],
+def generate(prefill: EngineCore, decode: EngineCore, request_id: str, prompt: list[int],
              max_tokens: int = 16, **kwargs):
     params = SamplingParams(max_tokens=max_tokens, temperature=0)
-    result = prefill.prefill(PrefillRequest(request_id, tuple(prompt), params,
+    result = run_prefill(prefill, PrefillRequest(request_id, tuple(prompt), params,
                                             kv_transfer_params={"decode_peer": decode.worker_id}))
     return (result, *run_decode(decode, result, prompt, params, **kwargs))
 
 
-def settled(decode: DecodeEngine, client: KVStoreClient, timeout_s: float = 10.0) -> dict:
+def settled(decode: EngineCore, client: KVStoreClient, timeout_s: float = 10.0) -> dict:
     """The decode's stats once every block is free and the store holds no tail."""
     deadline = time.monotonic() + timeout_s
     while True:
@@ -139,7 +141,7 @@ def test_broken_pair_falls_back_to_the_store(prefill, store, hf):
     transfer = KVTransferConfig(backend="torch", timeout_s=1)
     decode = decode_engine("decode-fb", transfer)
     try:
-        result = prefill.prefill(PrefillRequest("fb", tuple(prompt), params))  # no push
+        result = run_prefill(prefill, PrefillRequest("fb", tuple(prompt), params))  # no push
         assert handoff(result).pair_address is None
         # nobody serves this pair: the torch receive fails within its 1 s setup timeout
         dead = with_handoff(result, pair_address=f"127.0.0.1:{_free_port()}")
@@ -194,7 +196,7 @@ def test_injected_fetch_failure_retries_then_recomputes(prefill, store, hf):
     prompt = hf.encode("One day, a big dog " + STORY)
     params = SamplingParams(max_tokens=12, temperature=0)
     try:
-        first = prefill.prefill(PrefillRequest("fake-1", tuple(prompt), params))
+        first = run_prefill(prefill, PrefillRequest("fake-1", tuple(prompt), params))
         tokens, last = run_decode(decode, first, prompt, params)
         assert tokens == hf.greedy(prompt, 12) and last.error is None
         stats = settled(decode, client)
@@ -203,7 +205,7 @@ def test_injected_fetch_failure_retries_then_recomputes(prefill, store, hf):
         # the injected failure, then the retry's missing blocks: two errors, no timeout
         assert stats["kv_transfer_errors_by_backend"] == {"fake": {"error": 2}}
 
-        second = prefill.prefill(PrefillRequest("fake-2", tuple(prompt), params))
+        second = run_prefill(prefill, PrefillRequest("fake-2", tuple(prompt), params))
         blocks = client.get_blocks(list(handoff(second).block_keys))
         fake.blocks.update(zip(handoff(second).block_keys, blocks))
         fake.tails[handoff(second).tail_handle] = client.take_tail(handoff(second).tail_handle)

@@ -30,8 +30,10 @@ from kvstore.connector.pool import PoolConnector
 from kvstore.errors import BlockLayoutError, KVTransferError
 from kvstore.transfer.base import FetchRequest, TransferState
 from kvstore.transfer.dest import CacheDest
-from prefill_worker.engine import PrefillEngine
+from prefill_worker.instance import prefill as run_prefill, prefill_core
+from engine.core.engine_core import EngineCore
 from tests.engine_loops import started, stop
+from tests.engines import fetch_of
 from tests.integration.test_kv_transfer_backends import (  # noqa: F401 — the store fixture
     STORY, _free_port, decode_engine, generate, run_decode, settled, store)
 from tests.handoffs import handoff, with_handoff
@@ -49,12 +51,12 @@ MOONCAKE = KVTransferConfig(backend="mooncake", timeout_s=10, source_buffer_byte
 
 
 def prefill_engine(store, transfer: KVTransferConfig, lease_s: float = 60.0,
-                   kv_cache_layout: str = "auto") -> PrefillEngine:
+                   kv_cache_layout: str = "auto") -> EngineCore:
     server, client = store
     connector = MultiConnector([PoolConnector("local-node", client, server.address, client),
                                 MooncakeConnector(transfer, lease_s)])
     config = EngineConfig(num_kv_blocks=128, kv_cache_layout=kv_cache_layout)
-    return started(lambda: PrefillEngine(ModelRunner(config), connector, "prefill-mc", 0))
+    return started(lambda: prefill_core(ModelRunner(config), connector, "prefill-mc", 0))
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +73,7 @@ def decode():
     stop(engine)
 
 
-def released(prefill: PrefillEngine, count: int, timeout_s: float = 30.0) -> dict:
+def released(prefill: EngineCore, count: int, timeout_s: float = 30.0) -> dict:
     """The prefill's stats once ``count`` regions were released (its loop reclaims them);
     ``timeout_s`` only against a region never released: generous for a loaded machine."""
     deadline = time.monotonic() + timeout_s
@@ -125,7 +127,7 @@ def test_decode_output_depends_on_the_bytes_te_moved(prefill, store, hf):
     prompt = hf.encode("Lily and Ben went to the park. " + STORY)
     decode = decode_engine("decode-mc-perturbed", MOONCAKE)
     try:
-        decode.connector.v_perturbation = 5.0
+        fetch_of(decode).v_perturbation = 5.0
         _, tokens, _ = generate(prefill, decode, "mc-perturbed", prompt, 12)
         assert tokens != hf.greedy(prompt, 12)
         stats = settled(decode, client)
@@ -144,7 +146,7 @@ def test_unreachable_region_falls_back_to_the_store(prefill, store, hf, fault, r
     transfer = KVTransferConfig(backend="mooncake", timeout_s=5)
     decode = decode_engine("decode-mc-fb", transfer)
     try:
-        result = prefill.prefill(PrefillRequest(f"fb-{fault}", tuple(prompt), params))
+        result = run_prefill(prefill, PrefillRequest(f"fb-{fault}", tuple(prompt), params))
         region = handoff(result).kv_region
         if fault == "dead source":
             region = dataclasses.replace(region, session=f"127.0.0.1:{_free_port()}")
@@ -183,8 +185,8 @@ def test_full_buffer_and_unfetched_regions(store, hf):
     small = decode_engine("decode-mc-small", MOONCAKE, num_kv_blocks=4)
     params = SamplingParams(max_tokens=8, temperature=0)
     try:
-        held = prefill.prefill(PrefillRequest("held", tuple(prompt), params))
-        full = prefill.prefill(PrefillRequest("full", tuple(prompt), params))
+        held = run_prefill(prefill, PrefillRequest("held", tuple(prompt), params))
+        full = run_prefill(prefill, PrefillRequest("full", tuple(prompt), params))
         assert handoff(held).kv_region is not None and handoff(full).kv_region is None
         assert prefill.stats()["kv_mooncake_buffer_full_total"] == 1
         client.release_tail(handoff(held).tail_handle)  # nobody will read "held"

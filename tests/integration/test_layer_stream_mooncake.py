@@ -13,7 +13,8 @@ import time
 
 import pytest
 
-from decode_worker.engine import DecodeEngine
+from decode_worker.instance import decode_core
+from tests.engines import fetch_of, submit_decode
 from engine.config import EngineConfig
 from engine.protocol import DecodeRequest, PrefillRequest, SamplingParams
 from engine.runner import ModelRunner
@@ -23,7 +24,8 @@ from kvstore.connector.fetch import FetchConnector
 from kvstore.connector.layer_stream import LayerStreamConnector
 from kvstore.connector.multi import MultiConnector
 from kvstore.connector.pool import PoolConnector
-from prefill_worker.engine import PrefillEngine, RequestAborted
+from engine.core.request import RequestAborted
+from prefill_worker.instance import prefill as run_prefill, prefill_core
 from tests.engine_loops import started, stop
 from tests.integration.test_transfer_faults import store  # noqa: F401 — the store fixture
 from tests.kvstore.local_peers import LocalStreamPeers
@@ -49,15 +51,16 @@ def engines(store):
     server, client = store
     peers = LocalStreamPeers()
     regions = RegionSource(MOONCAKE, lease_s=60)
-    prefill = started(lambda: PrefillEngine(
+    prefill = started(lambda: prefill_core(
         ModelRunner(EngineConfig(num_kv_blocks=128, max_num_batched_tokens=32)),
         MultiConnector([
             PoolConnector("node-te", client, server.address, client),
             LayerStreamConnector(client, server.address, peers, "prefill-te", 10, 32, regions),
             MooncakeConnector(MOONCAKE, 60, regions)]),
         "prefill-te", 0))
-    decode = started(lambda: DecodeEngine(ModelRunner(EngineConfig(num_kv_blocks=64)),
-                                          "decode-te", 0, FetchConnector(MOONCAKE)))
+    decode = started(lambda: decode_core(ModelRunner(EngineConfig(num_kv_blocks=64)),
+                                          "decode-te", 0, FetchConnector(MOONCAKE),
+                                          peers=peers, layer_streams=True))
     peers.workers.update({"decode-te": decode, "prefill-te": prefill})
     yield prefill, decode, regions
     stop(decode)
@@ -67,10 +70,10 @@ def engines(store):
 def generate(prefill, decode, request_id: str, prompt: list[int], abort_after: int = 0):
     """Prefill with the decode as its stream's peer, then decode; returns (tokens, last
     delta). ``abort_after``: abort the request once that many tokens came."""
-    result = prefill.prefill(PrefillRequest(request_id, tuple(prompt), GREEDY,
+    result = run_prefill(prefill, PrefillRequest(request_id, tuple(prompt), GREEDY,
                                             kv_transfer_params={"decode_peer": "decode-te"}))
     deltas: queue.SimpleQueue = queue.SimpleQueue()
-    decode.add_request(DecodeRequest(request_id, tuple(prompt), GREEDY, result), deltas.put)
+    submit_decode(decode, DecodeRequest(request_id, tuple(prompt), GREEDY, result), deltas.put)
     tokens = [result.first_token]
     while True:
         delta = deltas.get(timeout=60)
@@ -105,7 +108,7 @@ def test_pieces_go_over_te_as_layers_end_and_output_matches_hf(engines, store, h
     assert last.error is None and tokens == hf.greedy(prompt, 16)
     stream = handoff(result).layer_stream
     assert stream is not None and stream.region is not None and len(stream.pieces) > 10
-    timings = decode.kv_timings["te-ls-1"]
+    timings = fetch_of(decode).kv_timings["te-ls-1"]
     assert timings["paths"] == ["layer"]
     assert len(timings["arrivals"]) == len(stream.pieces)
     stats = settled(prefill, decode, regions, client)
@@ -141,7 +144,7 @@ def test_decode_output_depends_on_the_streamed_bytes(engines, store, hf):
     finally:
         RegionSource.lease, RegionSource.set_progress = lease, set_progress
     assert last.error is None and tokens[0] == expected[0] and tokens != expected
-    assert decode.kv_timings["te-ls-zero"]["paths"] == ["layer"]
+    assert fetch_of(decode).kv_timings["te-ls-zero"]["paths"] == ["layer"]
     settled(prefill, decode, regions, client)
 
 
@@ -165,7 +168,7 @@ def test_aborts_bring_every_block_and_region_back(engines, store, hf):
     RegionSource.set_progress = abort_at_second
     try:
         with pytest.raises(RequestAborted):
-            prefill.prefill(PrefillRequest("te-ls-mid", tuple(prompt), GREEDY,
+            run_prefill(prefill, PrefillRequest("te-ls-mid", tuple(prompt), GREEDY,
                                            kv_transfer_params={"decode_peer": "decode-te"}))
     finally:
         RegionSource.set_progress = set_progress

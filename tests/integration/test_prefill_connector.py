@@ -17,7 +17,7 @@ from engine.core.kv_connector import KVConnector
 from kvstore.connector.pool import PoolConnector
 from kvstore.errors import KVLoadError, KVTransferError
 from kvstore.index import Location
-from prefill_worker.engine import PrefillEngine
+from prefill_worker.instance import prefill as run_prefill, prefill_core, submit_prefill
 from tests.engine_loops import started, stop
 from tests.kvstore.faulty_connector import FaultyConnector
 from tests.kvstore.lru_block_store import lru_server
@@ -44,7 +44,7 @@ def engine(store):
     """A prefill engine whose pool connector is wrapped in a FaultyConnector (no fault yet)."""
     server, client = store
     faulty = FaultyConnector(PoolConnector(NODE, client, server.address, client))
-    engine = started(lambda: PrefillEngine(
+    engine = started(lambda: prefill_core(
         ModelRunner(EngineConfig(model=str(BUNDLED_MODEL), num_kv_blocks=64)), faulty, "p", 0))
     yield engine, faulty
     stop(engine)
@@ -69,22 +69,22 @@ def test_a_planned_load_is_reused_and_a_failed_one_is_recomputed(engine, store, 
     engine, faulty = engine
     client = store[1]
     prompt = hf.encode("Once upon a time, there was a little girl named Lily. " * 3)
-    warm = engine.prefill(PrefillRequest("warm", tuple(prompt), PARAMS))
+    warm = run_prefill(engine, PrefillRequest("warm", tuple(prompt), PARAMS))
     assert engine.reset_prefix_cache()  # G1 forgets: the prefix is in the store only
-    free = engine.kv_manager.num_free_blocks
+    free = engine.kv.num_free_blocks
 
-    loaded = engine.prefill(planned("loaded", prompt, handoff(warm).block_keys))
+    loaded = run_prefill(engine, planned("loaded", prompt, handoff(warm).block_keys))
     assert loaded.num_cached_tokens == len(handoff(warm).block_keys) * 16 > 0
     assert loaded.first_token == warm.first_token == hf.greedy(prompt, 1)[0]
     assert engine.reset_prefix_cache()
 
     faulty.fail_loads = True
-    recomputed = engine.prefill(planned("recomputed", prompt, handoff(warm).block_keys))
+    recomputed = run_prefill(engine, planned("recomputed", prompt, handoff(warm).block_keys))
     assert recomputed.num_cached_tokens == 0
     assert recomputed.first_token == warm.first_token
     assert engine.stats()["num_prefill_tokens_total"] == 2 * len(prompt) + (
         len(prompt) - loaded.num_cached_tokens)
-    assert engine.kv_manager.num_free_blocks == free
+    assert engine.kv.num_free_blocks == free
     assert engine.stats()["kv_load_failures_total"] == {"recompute": 1, "fail": 0}
     for result in (warm, loaded, recomputed):
         client.release_tail(handoff(result).tail_handle)
@@ -93,21 +93,21 @@ def test_a_planned_load_is_reused_and_a_failed_one_is_recomputed(engine, store, 
 def test_a_failed_load_ends_the_request_under_the_fail_policy(store, hf):
     server, client = store
     faulty = FaultyConnector(PoolConnector(NODE, client, server.address, client))
-    engine = started(lambda: PrefillEngine(
+    engine = started(lambda: prefill_core(
         ModelRunner(EngineConfig(model=str(BUNDLED_MODEL), num_kv_blocks=64)), faulty, "p", 0,
         kv_load_failure_policy="fail"))
     try:
         prompt = hf.encode("Tom had a small boat. He sailed it on the lake with his dad. " * 3)
-        warm = engine.prefill(PrefillRequest("warm-f", tuple(prompt), PARAMS))
+        warm = run_prefill(engine, PrefillRequest("warm-f", tuple(prompt), PARAMS))
         assert engine.reset_prefix_cache()
-        free = engine.kv_manager.num_free_blocks
+        free = engine.kv.num_free_blocks
         faulty.fail_loads = True
         with pytest.raises(KVLoadError, match="injected load failure"):
-            engine.prefill(planned("failed", prompt, handoff(warm).block_keys))
-        assert engine.kv_manager.num_free_blocks == free  # every block back
+            run_prefill(engine, planned("failed", prompt, handoff(warm).block_keys))
+        assert engine.kv.num_free_blocks == free  # every block back
         assert engine.stats()["kv_load_failures_total"] == {"recompute": 0, "fail": 1}
         faulty.fail_loads = False  # the engine goes on serving
-        assert engine.prefill(PrefillRequest("after", tuple(prompt), PARAMS)).first_token == \
+        assert run_prefill(engine, PrefillRequest("after", tuple(prompt), PARAMS)).first_token == \
             warm.first_token
         client.release_tail(handoff(warm).tail_handle)
         client.release_tail("tail:after")
@@ -118,11 +118,11 @@ def test_a_failed_load_ends_the_request_under_the_fail_policy(store, hf):
 def test_a_failed_save_fails_the_result_after_the_first_token(engine, store, hf):
     engine, faulty = engine
     faulty.fail_saves = {"lost"}
-    free = engine.kv_manager.num_free_blocks
+    free = engine.kv.num_free_blocks
     prompt = hf.encode("One day, a big dog named Max found a red ball in the park.")
-    first, result = engine.add_request(PrefillRequest("lost", tuple(prompt), PARAMS))
+    first, result = submit_prefill(engine, PrefillRequest("lost", tuple(prompt), PARAMS))
     assert first.result(timeout=60).token == hf.greedy(prompt, 1)[0]
     with pytest.raises(KVTransferError, match="injected save failure"):
         result.result(timeout=60)
-    assert engine.kv_manager.num_free_blocks == free
+    assert engine.kv.num_free_blocks == free
     store[1].release_tail("tail:lost")

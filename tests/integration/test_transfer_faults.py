@@ -15,7 +15,9 @@ import time
 
 import pytest
 
-from decode_worker.engine import DecodeEngine
+from decode_worker.instance import decode_core
+from engine.core.engine_core import EngineCore
+from tests.engines import fetch_of, submit_decode
 from engine.config import EngineConfig
 from engine.protocol import (KV_LOAD_FAILED, DecodeRequest, FinishReason, PrefillRequest,
                              PrefillResult, SamplingParams)
@@ -29,7 +31,7 @@ from kvstore.connector.pool import PoolConnector
 from kvstore.transfer.base import KVReceiver, KVTransferBackend
 from kvstore.transfer.grpc_backend import GrpcTransferBackend
 from tests.kvstore.local_peers import LocalStreamPeers
-from prefill_worker.engine import PrefillEngine
+from prefill_worker.instance import prefill as run_prefill, prefill_core
 from tests.kvstore.lru_block_store import lru_server
 from tests.engine_loops import started, stop
 from tests.handoffs import handoff, with_handoff
@@ -98,30 +100,30 @@ def prefill(store):
         PoolConnector("node-f", client, server.address, client),
         LayerStreamConnector(client, server.address, LocalStreamPeers({"lost": _LostAnnounces()}),
                              "prefill-f", 10, 32)])
-    engine = started(lambda: PrefillEngine(runner, connector, "prefill-f", 0))
+    engine = started(lambda: prefill_core(runner, connector, "prefill-f", 0))
     yield engine
     stop(engine)
 
 
 def decode_engine(backend: KVTransferBackend | None = None,
-                  kv_load_failure_policy: str = "recompute") -> DecodeEngine:
+                  kv_load_failure_policy: str = "recompute") -> EngineCore:
     runner = ModelRunner(EngineConfig(num_kv_blocks=64))
     transfer = KVTransferConfig(timeout_s=TIMEOUT_S)
-    return started(lambda: DecodeEngine(runner, "decode-f", 0,
+    return started(lambda: decode_core(runner, "decode-f", 0,
                                         FetchConnector(transfer, backend=backend),
                                         kv_load_failure_policy=kv_load_failure_policy))
 
 
-def prefill_for(prefill: PrefillEngine, request_id: str, prompt: list[int],
+def prefill_for(prefill: EngineCore, request_id: str, prompt: list[int],
                 params: SamplingParams, stream: bool) -> PrefillResult:
-    return prefill.prefill(PrefillRequest(request_id, tuple(prompt), params,
+    return run_prefill(prefill, PrefillRequest(request_id, tuple(prompt), params,
                                           kv_transfer_params={"decode_peer": "lost"} if stream else None))
 
 
-def decode(engine: DecodeEngine, result: PrefillResult, prompt: list[int],
+def decode(engine: EngineCore, result: PrefillResult, prompt: list[int],
            params: SamplingParams) -> list[int]:
     deltas: queue.SimpleQueue = queue.SimpleQueue()
-    engine.add_request(DecodeRequest(result.request_id, tuple(prompt), params, result),
+    submit_decode(engine, DecodeRequest(result.request_id, tuple(prompt), params, result),
                        deltas.put)
     tokens = [result.first_token]
     while True:
@@ -132,7 +134,7 @@ def decode(engine: DecodeEngine, result: PrefillResult, prompt: list[int],
             return tokens
 
 
-def assert_settled(engine: DecodeEngine, prefill: PrefillEngine, client: KVStoreClient) -> dict:
+def assert_settled(engine: EngineCore, prefill: EngineCore, client: KVStoreClient) -> dict:
     deadline = time.monotonic() + 10
     while True:
         stats, pstats = engine.stats(), prefill.stats()
@@ -162,7 +164,7 @@ def test_hung_transfer_times_out_and_the_retry_succeeds(prefill, store, hf, para
             assert got == hf.greedy(prompt, 16)
         stats = assert_settled(engine, prefill, client)
         assert (stats["num_fetch_retries_total"], stats["num_fetch_recomputes_total"]) == (1, 0)
-        assert faulty.calls == 2 and engine.kv_timings["hung"]["paths"] == ["grpc", "grpc"]
+        assert faulty.calls == 2 and fetch_of(engine).kv_timings["hung"]["paths"] == ["grpc", "grpc"]
         assert stats["kv_transfer_errors_by_backend"] == {"grpc": {"timeout": 1}}
         assert assert_settled(clean_engine, prefill, client)["kv_transfer_errors_by_backend"] == {}
     finally:
@@ -183,8 +185,8 @@ def test_stalled_store_is_retried_then_the_prompt_recomputed(prefill, store, hf,
             client.release_tail(handoff(result).tail_handle)  # the stalled store is the only holder
             stalled = with_handoff(result, kv_address=stalled_address)
             assert decode(engine, stalled, prompt, params) == want
-            timings = engine.kv_timings[result.request_id]
-            assert timings["paths"] == ["grpc", "grpc"] and timings["recomputed"] is True
+            timings = fetch_of(engine).kv_timings[result.request_id]
+            assert timings["paths"] == ["grpc", "grpc"] and timings["failed"] is True
             if params is GREEDY:
                 assert want == hf.greedy(prompt, 16)
         stats = assert_settled(engine, prefill, client)
@@ -210,7 +212,7 @@ def test_under_the_fail_policy_a_failed_fetch_ends_the_request(prefill, store, h
         result = prefill_for(prefill, "stalled-fail", prompt, GREEDY, False)
         client.release_tail(handoff(result).tail_handle)  # the stalled store is the only holder
         deltas: queue.SimpleQueue = queue.SimpleQueue()
-        engine.add_request(DecodeRequest(result.request_id, tuple(prompt), GREEDY,
+        submit_decode(engine, DecodeRequest(result.request_id, tuple(prompt), GREEDY,
                                          with_handoff(result, kv_address=stalled_address)),
                            deltas.put)
         delta = deltas.get(timeout=60)
@@ -240,8 +242,8 @@ def test_stalled_layer_stream_falls_back_to_the_store(prefill, store, hf):
         middle = len(stream.pieces) // 2
         assert client.release_tail(stream.handle(middle))
         assert decode(engine, result, prompt, GREEDY) == hf.greedy(prompt, 16)
-        timings = engine.kv_timings["ls-stall"]
-        assert timings["paths"] == ["layer", "grpc"] and "recomputed" not in timings
+        timings = fetch_of(engine).kv_timings["ls-stall"]
+        assert timings["paths"] == ["layer", "grpc"] and "failed" not in timings
         assert len(timings["arrivals"]) == middle  # every piece before the missing one
         stats = assert_settled(engine, prefill, client)  # the pieces after it were dropped
         assert (stats["num_fetch_retries_total"], stats["num_fetch_recomputes_total"]) == (1, 0)

@@ -100,7 +100,7 @@ def test_prefill_worker_reannounces_its_g1_blocks_after_redis_restarts_empty(
         fresh_redis_server, monkeypatch):
     """A prefill worker's G1 (device) entries come back too: the next request after the loss
     finds one cached key missing from the index and announces all of them again."""
-    import prefill_worker.engine as prefill_engine
+    from prefill_worker.instance import prefill as run_prefill, prefill_core
     from kvstore.index import device_feed
     from engine.config import BUNDLED_MODEL, EngineConfig
     from engine.protocol import PrefillRequest, SamplingParams
@@ -116,22 +116,22 @@ def test_prefill_worker_reannounces_its_g1_blocks_after_redis_restarts_empty(
     client = KVStoreClient(server.address)
     index = open_index(fresh_redis_server.url, namespace=f"t-{uuid.uuid4().hex[:8]}")
     pool = PoolConnector("node-x", client, server.address, client)
-    engine = started(lambda: prefill_engine.PrefillEngine(
+    engine = started(lambda: prefill_core(
         ModelRunner(EngineConfig(model=str(BUNDLED_MODEL), num_kv_blocks=64)), pool, "p-0", 0,
         index, "node-x"))
     mine = Location("node-x", "device", "p-0")
     params = SamplingParams(max_tokens=1, temperature=0)
     try:
         index.heartbeat("node-x", 30.0)
-        first = engine.prefill(PrefillRequest("r1", tuple(range(5, 45)), params))
+        first = run_prefill(engine, PrefillRequest("r1", tuple(range(5, 45)), params))
         assert all(mine in locs for locs in index.lookup(list(handoff(first).block_keys)))
         fresh_redis_server.restart(kill=True)  # back on the same port, empty
         index.heartbeat("node-x", 30.0)
         assert index.lookup(list(handoff(first).block_keys)) == [[], []]
-        engine.prefill(PrefillRequest("r2", tuple(range(100, 120)), params))
+        run_prefill(engine, PrefillRequest("r2", tuple(range(100, 120)), params))
         assert all(mine in locs for locs in index.lookup(list(handoff(first).block_keys)))
         assert engine.stats()["g1_reannouncements_total"] == 1
-        engine.prefill(PrefillRequest("r3", tuple(range(200, 220)), params))
+        run_prefill(engine, PrefillRequest("r3", tuple(range(200, 220)), params))
         assert engine.stats()["g1_reannouncements_total"] == 1  # nothing lost since
     finally:
         stop(engine)

@@ -54,6 +54,6 @@ def test_worker_records_are_json_with_request_ids(local_cluster):
             time.sleep(0.2)
         assert mine, path.read_text()[-2000:]
         record = mine[0]
-        assert record["logger"] == "prefill_worker.engine" and record["level"] == "DEBUG"
+        assert record["logger"] == "engine.core.engine_core" and record["level"] == "DEBUG"
         assert "prefill of 4 tokens" in record["message"]
         assert record["timestamp"].endswith("Z")
