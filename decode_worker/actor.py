@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import os
 from collections import OrderedDict
-from typing import AsyncIterator, Literal
+from typing import AsyncIterator
 
 import ray
 
@@ -24,7 +24,6 @@ from engine.config import EngineConfig
 from engine.core.engine_core import EngineCore
 from engine.core.engine_loop import EngineLoop
 from engine.core.request import Request
-from engine.faults import check_fault
 from engine.logs import setup_worker_logging
 from engine.protocol import DecodeRequest, TokenDelta
 from engine.runner import ModelRunner
@@ -33,6 +32,7 @@ from kvstore.actor import kvstore_actor
 from kvstore.config import KVStoreConfig, KVTransferConfig
 from kvstore.connector import create_connector
 from kvstore.connector.context import KVConnectorContext
+from kvstore.connector.fetch import FetchConnector
 from kvstore.index import open_index
 from kvstore.node_client import NodeStoreClient
 from kvstore.pool_config import KVPoolConfig
@@ -40,12 +40,9 @@ from kvstore.remote import RemoteStores
 from kvstore.transfer.layer_stream import LayerStreamAnnounce
 from kvstore.transfer.peers import RayStreamPeers, register_self
 
-#: Faults DecodeWorker.inject_fault can cause (with EngineConfig.fault_injection on).
-DecodeFault = Literal["perturb_v"]
 MAX_TIMINGS = 4096
 
 
-@ray.remote
 class DecodeWorker:
     """One decode instance; with engine_config.tensor_parallel_size k > 1 this actor is its
     rank 0 (the scheduler; it creates ranks 1..k-1, engine.tp_instance) and must be created in
@@ -75,7 +72,6 @@ class DecodeWorker:
             self._peer_entry = register_self(worker_id, ray_namespace)
             peers = RayStreamPeers(ray_namespace, timeout)
         self.worker_id = worker_id
-        self._fault_injection = engine_config.fault_injection
         index = (open_index(pool_config.index_url,
                             **pool_config.index_options(transfer.bind_host,
                                                         transfer.mooncake_protocol))
@@ -88,7 +84,7 @@ class DecodeWorker:
                 worker_id, node_id, kv_config, transfer, local_store=node_client, index=index,
                 remote=RemoteStores(ray_namespace, kv_config.token, timeout, kv_config.tls),
                 device=runner.kv_cache.device.type)
-            self.fetch = create_connector(["fetch"], context)
+            self.fetch = self._fetch_connector(context)
             publisher = (create_connector(["publish"], context) if transfer.decode_publish
                          else None)
             # prompts computed here load their cached prefix from the pool, as a prefill does
@@ -161,16 +157,12 @@ class DecodeWorker:
         """(step number, request ids in that step's batch) for the most recent steps."""
         return list(self.engine.step_log)
 
-    async def inject_fault(self, fault: DecodeFault, value: float) -> None:
-        """Break this worker on purpose, for fault tests of a running cluster.
+    def _fetch_connector(self, context: KVConnectorContext) -> FetchConnector:
+        """The connector that takes each request's KV from its prefill (a subclass's to
+        override: tests perturb what arrives)."""
+        return FetchConnector.from_context(context)
 
-        ``"perturb_v"``: add ``value`` to every V element of the KV blocks received from now on
-        (0: off), so a test can prove the output depends on the KV that came over the wire.
 
-        Raises:
-            RuntimeError: the engine config has ``fault_injection`` off (the default).
-            ValueError: an unknown fault.
-        """
-        check_fault(self._fault_injection, fault, ("perturb_v",))
-        self.fetch.v_perturbation = float(value)
-
+def decode_actor(cls: type[DecodeWorker] = DecodeWorker):
+    """The Ray actor class of ``cls`` (DecodeWorker or a subclass)."""
+    return ray.remote(cls)

@@ -7,23 +7,24 @@ from __future__ import annotations
 
 import logging
 import secrets
+from dataclasses import dataclass
 
 import ray
 from pydantic import SecretStr
 
 import kernels
 
-from decode_worker.actor import DecodeWorker
+from decode_worker.actor import DecodeWorker, decode_actor
 from deploy.config import ServeConfig
 from deploy import placement
 from deploy.ray_session import RaySession
 from deploy.preload import worker_huge_pages, worker_preload
 from engine.config import EngineConfig, ModelConfig
 from engine.model import check_tensor_parallel
-from kvstore.actor import start_kvstore_actors, wait_kvstore_actors
+from kvstore.actor import KVStoreActor, start_kvstore_actors, wait_kvstore_actors
 from kvstore.index import ActorIndex, open_index
 from kvstore.layout import BlockLayout
-from prefill_worker.actor import PrefillWorker
+from prefill_worker.actor import PrefillWorker, prefill_actor
 from router.admission import SLO
 from router.conductor import Conductor, Instance, InstanceRegistry, build_live_conductor
 from router.cost_model import load_cost_model
@@ -45,13 +46,26 @@ def block_layout(engine: EngineConfig) -> BlockLayout:
                                       model.num_key_value_heads, model.head_dim))
 
 
+@dataclass(frozen=True)
+class ActorClasses:
+    """The classes a cluster's actors run: the serving ones, or subclasses (tests break theirs
+    on purpose: tests/faults.py)."""
+
+    prefill: type[PrefillWorker] = PrefillWorker
+    decode: type[DecodeWorker] = DecodeWorker
+    kvstore: type[KVStoreActor] = KVStoreActor
+
+
 class Cluster:
     """The running actors of one deployment. Use as a context manager or call shutdown()."""
 
-    def __init__(self, config: ServeConfig, ray_session: RaySession | None = None) -> None:
+    def __init__(self, config: ServeConfig, ray_session: RaySession | None = None,
+                 actors: ActorClasses = ActorClasses()) -> None:
         """`ray_session`: the Ray to run on, opened already (this cluster closes it at
-        shutdown); None: :meth:`start` opens one (deploy.ray_session.RaySession.open)."""
+        shutdown); None: :meth:`start` opens one (deploy.ray_session.RaySession.open).
+        `actors`: the classes its actors run."""
         self.config = config
+        self.actors = actors
         self.registry = InstanceRegistry()
         # replaced in start() by the live Conductor (global index, load reports, admission)
         self.conductor = Conductor(self.registry, config.policy)
@@ -96,7 +110,7 @@ class Cluster:
         self.kvstores = start_kvstore_actors(
             cfg.kvstore, cfg.kvpool, block_layout(cfg.engine), cfg.ray_namespace,
             node_ids=placement.worker_node_ids(ray.nodes(), self._role_demand.values()),
-            wait=False)
+            wait=False, actor_cls=self.actors.kvstore)
         # Triton on CPU runs interpreted: actors need TRITON_INTERPRET=1 before importing triton
         # and they log like the gateway (level, text|json, request ids): engine.logs
         runtime_env = {"env_vars": {**worker_env_vars(cfg.log_level, cfg.log_format),
@@ -107,7 +121,7 @@ class Cluster:
         for node_id, handle in self.kvstores.items():  # for /metrics: tiers G2/G3 per node
             self.registry.add(Instance(f"kvstore-{node_id[:12]}", "kvstore", handle))
         for i in range(0 if cfg.colocated else cfg.prefill_instances):
-            handle = PrefillWorker.options(
+            handle = prefill_actor(self.actors.prefill).options(
                 max_concurrency=PREFILL_MAX_CONCURRENCY, runtime_env=runtime_env,
                 **self._rank0_options(prefill_tp, placement.PREFILL),
             ).remote(f"prefill-{i}", prefill_engine, cfg.kvstore, cfg.kvpool, cfg.ray_namespace,
@@ -118,9 +132,9 @@ class Cluster:
         decode_transfer = (transfer.model_copy(update={"decode_publish": False})
                            if cfg.colocated else transfer)
         for i in range(cfg.decode_instances):
-            handle = DecodeWorker.options(runtime_env=runtime_env,
-                                          **self._rank0_options(decode_tp,
-                                                                placement.DECODE)).remote(
+            handle = decode_actor(self.actors.decode).options(
+                runtime_env=runtime_env, **self._rank0_options(decode_tp, placement.DECODE)
+            ).remote(
                 f"decode-{i}", decode_engine, cfg.kvstore, cfg.ray_namespace, decode_transfer,
                 cfg.kvpool)
             self.decode.append(Instance(f"decode-{i}", "decode", handle))

@@ -241,8 +241,6 @@ class EngineConfig(pydantic.BaseModel):
     (engine.core.block_pool.BlockPool's `run_window`): 0 in LRU order, as vLLM; w >= 1 the longest
     runs of consecutive blocks among the w x n least recently freed. None (the default) is 2
     with a cross-layer cache (a run of its blocks is one Transfer Engine read) and 0 otherwise.
-    `fault_injection`: lets the worker actors' `inject_fault` act, for fault tests of a running
-    cluster; off (the default) it raises. No CLI flag sets it.
     """
 
     model_config = pydantic.ConfigDict(frozen=True, extra="forbid", protected_namespaces=())
@@ -265,7 +263,6 @@ class EngineConfig(pydantic.BaseModel):
     max_cudagraph_capture_size: int = pydantic.Field(256, ge=0)
     kv_cache_layout: Literal["auto", "layer", "cross-layer"] = "auto"
     block_run_window: int | None = pydantic.Field(None, ge=0)
-    fault_injection: bool = False
 
     @pydantic.field_validator("cpu_bind")
     @classmethod

@@ -26,7 +26,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Iterable, Literal
+from typing import Iterable
 
 import ray
 from ray.actor import ActorHandle
@@ -46,11 +46,6 @@ KVSTORE_ACTOR_PREFIX = "pdcluster-kvstore-"
 _WILDCARD_HOSTS = {"0.0.0.0", "::", "[::]", ""}
 _REANNOUNCE_BATCH = 1000  # keys per index call when re-announcing a node's blocks
 
-#: Faults KVStoreActor.inject_fault can cause (with KVStoreConfig.fault_injection on).
-StoreFault = Literal["stop_serving", "stop_heartbeat"]
-
-
-@ray.remote(num_cpus=0, max_concurrency=8)  # TieredNodeStore is thread-safe
 class KVStoreActor:
     """Owns one node's TieredNodeStore and the KVStoreServer (gRPC thread pool) serving it.
 
@@ -161,27 +156,6 @@ class KVStoreActor:
     def pin(self, keys: list[bytes], pinned: bool = True) -> list[bool]:
         return self.store.pin(keys, pinned)
 
-    def inject_fault(self, fault: StoreFault) -> None:
-        """Break this store on purpose, for fault-tolerance tests of a running cluster.
-
-        ``"stop_serving"``: the gRPC data plane goes down while the node keeps heartbeating,
-        as a wedged or firewalled store's would: its blocks stay listed but cannot be fetched.
-        ``"stop_heartbeat"``: the node lease is no longer renewed, as a hung or partitioned
-        node's is not; its locations drop out of lookups within ``node_lease_s``.
-
-        Raises:
-            RuntimeError: the store's config has ``fault_injection`` off (the default).
-            ValueError: an unknown fault.
-        """
-        if not self._config.fault_injection:
-            raise RuntimeError("fault injection is off in this KV store's config "
-                               "(KVStoreConfig.fault_injection)")
-        faults = {"stop_serving": lambda: self._server.stop(grace=0),
-                  "stop_heartbeat": self._stop.set}
-        if fault not in faults:
-            raise ValueError(f"unknown fault {fault!r}; known: {', '.join(faults)}")
-        faults[fault]()
-
     def stop(self) -> None:
         """Stop heartbeating and serving, free the arena (the actor stays until killed)."""
         self._stop.set()
@@ -231,7 +205,8 @@ class KVStoreActor:
 def start_kvstore_actors(config: KVStoreConfig, pool: KVPoolConfig, layout: BlockLayout,
                          namespace: str | None = None,
                          node_ids: Iterable[str] | None = None,
-                         wait: bool = True) -> dict[str, ActorHandle]:
+                         wait: bool = True,
+                         actor_cls: type[KVStoreActor] = KVStoreActor) -> dict[str, ActorHandle]:
     """Start one KV store actor on every ALIVE Ray node (or on each of `node_ids`: the nodes
     that may run workers, deploy/placement.py) and, with `wait`, wait until each serves
     (`wait_kvstore_actors`). Without it the caller waits later: workers created meanwhile
@@ -240,7 +215,7 @@ def start_kvstore_actors(config: KVStoreConfig, pool: KVPoolConfig, layout: Bloc
     Each actor is pinned with ``NodeAffinitySchedulingStrategy(node_id, soft=False)`` and named
     ``KVSTORE_ACTOR_PREFIX + node_id`` in ``namespace`` (default: the caller's). Lifetime is
     Ray's default: they die with the driver. An actor already running under that name is
-    reused (its config is not changed).
+    reused (its config is not changed). ``actor_cls``: KVStoreActor or a subclass.
 
     Returns node id (hex) -> actor handle. Raises KVStoreError if one fails to start within
     ``config.rpc_timeout_s * 6`` s.
@@ -248,7 +223,7 @@ def start_kvstore_actors(config: KVStoreConfig, pool: KVPoolConfig, layout: Bloc
     if node_ids is None:
         node_ids = [node["NodeID"] for node in ray.nodes() if node.get("Alive")]
     actors: dict[str, ActorHandle] = {
-        node_id: start_kvstore_actor(node_id, config, pool, layout, namespace)
+        node_id: start_kvstore_actor(node_id, config, pool, layout, namespace, actor_cls)
         for node_id in node_ids}
     if wait:
         wait_kvstore_actors(actors, config.rpc_timeout_s * 6)
@@ -265,10 +240,17 @@ def wait_kvstore_actors(actors: dict[str, ActorHandle], timeout_s: float) -> Non
         raise KVStoreError(f"KV store actors failed to start: {exc}") from exc
 
 
+def kvstore_actor_class(cls: type[KVStoreActor] = KVStoreActor):
+    """The Ray actor class of ``cls`` (KVStoreActor or a subclass): threaded, as the tiered
+    store is thread-safe."""
+    return ray.remote(num_cpus=0, max_concurrency=8)(cls)
+
+
 def start_kvstore_actor(node_id: str, config: KVStoreConfig, pool: KVPoolConfig,
-                        layout: BlockLayout, namespace: str | None = None) -> ActorHandle:
+                        layout: BlockLayout, namespace: str | None = None,
+                        actor_cls: type[KVStoreActor] = KVStoreActor) -> ActorHandle:
     """The KV store actor of one node (created, or the running one of that name)."""
-    return KVStoreActor.options(
+    return kvstore_actor_class(actor_cls).options(
         name=KVSTORE_ACTOR_PREFIX + node_id, namespace=namespace, get_if_exists=True,
         max_restarts=-1,
         scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node_id, soft=False),

@@ -96,10 +96,6 @@ class KVStoreConfig(pydantic.BaseModel):
             launcher always sets one). A ``SecretStr``, so it never shows in a repr or a log.
         tls: TLS of the gRPC server and its clients; ``None``: plaintext (the token still
             guards every call, but crosses the network in the clear).
-        fault_injection: lets callers break the store actor on purpose
-            (:meth:`kvstore.actor.KVStoreActor.inject_fault`: stop serving gRPC, stop
-            heartbeating), as fault-tolerance tests do to a running cluster. Off by default,
-            and no CLI flag sets it; with it off, injecting raises.
 
     The deprecated names are accepted as keywords (and readable as attributes) with a
     DeprecationWarning; an old name given with its new one is ignored.
@@ -115,7 +111,6 @@ class KVStoreConfig(pydantic.BaseModel):
     max_message_bytes: int = pydantic.Field(default=64 << 20, gt=0)
     token: pydantic.SecretStr | None = None
     tls: KVTLSConfig | None = None
-    fault_injection: bool = False
 
     @pydantic.model_validator(mode="before")
     @classmethod

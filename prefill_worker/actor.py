@@ -12,15 +12,13 @@ from __future__ import annotations
 
 import logging
 import os
-import time
-from typing import Iterator, Literal
+from typing import Iterator
 
 import ray
 
 from engine.config import EngineConfig
 from engine.core.engine_core import EngineCore
 from engine.core.engine_loop import EngineLoop
-from engine.faults import check_fault
 from engine.logs import setup_worker_logging
 from engine.protocol import FirstToken, PrefillRequest, PrefillResult
 from engine.runner import ModelRunner
@@ -39,11 +37,6 @@ from prefill_worker.instance import prefill_core, submit_prefill
 
 log = logging.getLogger(__name__)
 
-#: Faults PrefillWorker.inject_fault can cause (with EngineConfig.fault_injection on).
-PrefillFault = Literal["layer_delay"]
-
-
-@ray.remote(concurrency_groups={"control": 2})
 class PrefillWorker:
     """One prefill instance, using its node's KV store actor. With
     engine_config.tensor_parallel_size k > 1 this actor is rank 0 of the TP instance (see
@@ -71,8 +64,6 @@ class PrefillWorker:
                            **pool_config.index_options(transfer.bind_host,
                                                        transfer.mooncake_protocol))
         self.worker_id, self.node_id = worker_id, node_id
-        self._fault_injection = engine_config.fault_injection
-        self._layer_delay_s, self._delay_hooked = 0.0, False
         names = prefill_connector_names(transfer.backend, transfer.streaming, self.tp.size)
         if transfer.streaming == "layer" and "layer" not in names:
             log.warning("--kv-streaming layer needs --prefill-tp 1; %s transfers whole "
@@ -133,43 +124,13 @@ class PrefillWorker:
         return self.engine.stats()
 
     @ray.method(concurrency_group="control")
-    def inject_fault(self, fault: PrefillFault, value: float) -> None:
-        """Slow this worker down on purpose, for fault tests of a running cluster.
-
-        ``"layer_delay"``: sleep ``value`` seconds after every decoder layer's forward (0: off),
-        so a test can act while a prefill is mid-way (e.g. abort a layer stream).
-
-        Raises:
-            RuntimeError: the engine config has ``fault_injection`` off (the default).
-            ValueError: an unknown fault.
-        """
-        check_fault(self._fault_injection, fault, ("layer_delay",))
-        self._layer_delay_s = float(value)
-        if not self._delay_hooked:
-            self._delay_hooked = True
-            runner = self.engine.runner
-            runner.layer_hooks = _DelayedLayerHooks(runner.layer_hooks,
-                                                    lambda: self._layer_delay_s)
-
-    @ray.method(concurrency_group="control")
     def reset_prefix_cache(self) -> bool:
         """Drop this worker's G1 prefix cache (vLLM's reset_prefix_cache); False, changing
         nothing, while a prefill holds blocks."""
         return self.engine.reset_prefix_cache()
 
 
-class _DelayedLayerHooks:
-    """The connector's layer hooks with a sleep after each layer's save (the layer_delay
-    fault), in the forward context, where compiled and eager forwards both run them."""
-
-    def __init__(self, inner, delay_s) -> None:
-        self._inner, self._delay_s = inner, delay_s
-
-    def wait_for_layer_load(self, layer: int) -> None:
-        if self._inner is not None:
-            self._inner.wait_for_layer_load(layer)
-
-    def save_kv_layer(self, layer: int) -> None:
-        if self._inner is not None:
-            self._inner.save_kv_layer(layer)
-        time.sleep(self._delay_s())
+def prefill_actor(cls: type[PrefillWorker] = PrefillWorker):
+    """The Ray actor class of ``cls`` (PrefillWorker or a subclass): its control methods in a
+    concurrency group of their own, so aborts and stats are answered while prefills wait."""
+    return ray.remote(concurrency_groups={"control": 2})(cls)

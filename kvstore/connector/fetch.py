@@ -52,7 +52,7 @@ import logging
 import threading
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -106,9 +106,6 @@ class FetchConnector(KVConnector):
             ("torch", "mooncake", "grpc", "arena", or a given backend's name).
         errors_by_backend: failed attempts by path and kind: "timeout" (KVTransferTimeout, a
             deadline passed) or "error"; attempts of aborted fetches are not counted.
-        v_perturbation: a fault to inject (DecodeWorker.inject_fault, only with
-            EngineConfig.fault_injection on): when non-zero, added to every received V block
-            before it is written to the cache. Always 0 in serving.
         kv_timings: per request (the last MAX_TIMINGS fetched): when its fetch started
             (``fetch_start_s``) and settled (``admitted_s``, time.time()), the paths tried, a
             layer stream's per-piece arrivals, and ``failed`` when nothing landed.
@@ -125,10 +122,9 @@ class FetchConnector(KVConnector):
         # the store path, tails and releases always go over gRPC (releases on its threads)
         self.grpc = (self.backend if isinstance(self.backend, GrpcTransferBackend)
                      else GrpcTransferBackend(transfer, kv_config))
-        self.pair = self.backend if self.backend.name == "torch" else None
-        self.puller = self.backend if self.backend.name == "mooncake" else None
-        self.store = self.grpc if self.backend.name in ("torch", "mooncake") else self.backend
-        self.v_perturbation = 0.0
+        self.pair = self.backend if self.backend.handoff == "push" else None
+        self.puller = self.backend if self.backend.handoff == "region" else None
+        self.store = self.backend if self.backend.handoff == "store" else self.grpc
         self.bytes_by_backend: Counter[str] = Counter()
         #: failed attempts by path and kind ("timeout": past a deadline, "error": the rest);
         #: an aborted fetch's attempt is neither
@@ -299,23 +295,13 @@ class FetchConnector(KVConnector):
         return self.store.name
 
     def _dest(self, table: list[int]) -> CacheDest:
-        """The blocks ``table`` of the cache; a fault to inject (v_perturbation) keeps every
-        backend on ``write``, where it applies."""
+        """The blocks ``table`` of the cache: written by ``_write``, or straight into the
+        cache by a backend that can."""
         return CacheDest(lambda start, blocks: self._write(table, start, blocks), table,
-                         None if self.v_perturbation else self.cache, self.cache.block_shape,
-                         self.cache.dtype)
+                         self.cache, self.cache.block_shape, self.cache.dtype)
 
     def _write(self, table: list[int], start: int, blocks: torch.Tensor) -> None:
-        self.cache.write_blocks(table[start:start + blocks.shape[0]], self._perturbed(blocks, 2))
-
-    def _perturbed(self, blocks: torch.Tensor, kv_dim: int) -> torch.Tensor:
-        """v_perturbation added to V (index 1 of dim ``kv_dim``: 2 for blocks [n, layers,
-        k|v, ...], 1 for one layer's [n, k|v, ...])."""
-        if not self.v_perturbation:
-            return blocks
-        blocks = blocks.clone()  # the backend's blocks are read-only views
-        blocks.select(kv_dim, 1).add_(self.v_perturbation)
-        return blocks
+        self.cache.write_blocks(table[start:start + blocks.shape[0]], blocks)
 
     def _count(self, by_backend: dict[str, int]) -> None:
         with self._lock:
@@ -421,7 +407,7 @@ class KVFetch:
         self.paths.append(path)
         connector, prefill = self._connector, self.handoff
         if path == "layer":
-            writer = LayerWriter(connector.cache, self._table, connector._perturbed)
+            writer = LayerWriter(connector.cache, self._table)
             args = (self.stream, writer.write, writer.finish, writer.piece_shape,
                     connector.cache.dtype, connector.transfer.timeout_s)
             if self.stream.region is not None and connector.puller is not None:
@@ -474,9 +460,8 @@ class LayerWriter:
     (TP=1), else into a staging copy written whole at the end, each rank keeping its KV heads
     (the ShardedKVView writes only whole blocks)."""
 
-    def __init__(self, cache: BlockCache, table: list[int],
-                 perturbed: Callable[[torch.Tensor, int], torch.Tensor]) -> None:
-        self.table, self.cache, self._perturbed = table, cache, perturbed
+    def __init__(self, cache: BlockCache, table: list[int]) -> None:
+        self.table, self.cache = table, cache
         self.direct = hasattr(cache, "k")  # the paged cache itself (TP=1), not a sharded view
         self.staging = None if self.direct else torch.zeros(
             (len(table), *self.cache.block_shape), dtype=self.cache.dtype)
@@ -487,7 +472,6 @@ class LayerWriter:
 
     def write(self, piece: LayerPiece, data: torch.Tensor) -> None:
         whole = piece.layer == ALL_LAYERS
-        data = self._perturbed(data, 2 if whole else 1)
         lo, hi = piece.block_start, piece.block_start + piece.num_blocks
         if not self.direct:
             if whole:

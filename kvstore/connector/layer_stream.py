@@ -50,6 +50,7 @@ from kvstore.handoff import PrefillHandoff
 from kvstore.transfer.layer_stream import (ALL_LAYERS, LayerStreamAnnounce, LayerStreamSender,
                                            plan_pieces)
 from kvstore.transfer.peers import StreamPeers
+from kvstore.transfer.registry import handoff_of
 
 log = logging.getLogger(__name__)
 
@@ -100,9 +101,8 @@ class LayerStreamConnector(KVConnector):
 
     @classmethod
     def from_context(cls, ctx: KVConnectorContext) -> LayerStreamConnector:
-        regions = None
-        if ctx.transfer.backend == "mooncake":
-            regions = RegionSource.of(ctx)
+        # pieces go into registered memory when the decode reads regions over TE
+        regions = RegionSource.of(ctx) if handoff_of(ctx.transfer) == "region" else None
         return cls(ctx.store_client, ctx.store_address, ctx.peers, ctx.worker_id,
                    ctx.transfer.timeout_s, ctx.token_budget, regions)
 

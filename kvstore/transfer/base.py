@@ -278,6 +278,11 @@ class KVTransferBackend(ABC):
     """
 
     name: str = ""
+    #: how the prefill hands a request's KV over on this backend: "store" (the decode pulls
+    #: the keyed blocks and the tail from the prefill node's store), "push" (the prefill sends
+    #: every block over a pair channel: the hand-off's ``pair_address``) or "region" (the
+    #: decode reads a region of the prefill's registered memory: ``kv_region``)
+    handoff: str = "store"
 
     def __init__(self, config: KVTransferConfig, kv_config: KVStoreConfig | None = None):
         self.config = config

@@ -147,6 +147,7 @@ class MooncakeTransferBackend(KVTransferBackend):
     """
 
     name = "mooncake"
+    handoff = "region"
 
     def __init__(self, config: KVTransferConfig, kv_config: KVStoreConfig | None = None):
         """Raises KVTransferError when the ``mooncake`` package is missing (a worker then

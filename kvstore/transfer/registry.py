@@ -18,3 +18,8 @@ def create_backend(config: KVTransferConfig,
     """The backend ``config.backend`` names, built from ``config`` and the KV plane's token,
     TLS and gRPC message size in ``kv_config`` (None: see KVTransferBackend)."""
     return TRANSFER_BACKENDS[config.backend](config, kv_config)
+
+
+def handoff_of(config: KVTransferConfig) -> str:
+    """How the prefill hands KV over on ``config.backend`` (KVTransferBackend.handoff)."""
+    return TRANSFER_BACKENDS[config.backend].handoff

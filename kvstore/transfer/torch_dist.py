@@ -91,6 +91,7 @@ class TorchTransferBackend(KVTransferBackend):
     """
 
     name = "torch"
+    handoff = "push"
 
     def __init__(self, config: KVTransferConfig, kv_config: KVStoreConfig | None = None):
         super().__init__(config, kv_config)

@@ -14,8 +14,8 @@ import pytest
 from deploy.config import ServeConfig
 from deploy.launcher import Cluster
 from deploy.serve import gateway_app
-from engine.config import EngineConfig
 from tests.background_server import BackgroundServer
+from tests.faults import FAULTY
 from tests.markers import starts
 from tests.serve_process import start_serve
 
@@ -55,8 +55,8 @@ def cluster():
     cluster lives for the whole session, and its claims would leave no core to the served
     clusters of tests/deploy that check pinning; and every request disaggregated, as the
     tests of the transfer path need: tests/integration/test_pd_decider.py runs the others)."""
-    with Cluster(ServeConfig(ray_num_cpus=4, cpu_bind="none", pd_decider="always",
-                             engine=EngineConfig(fault_injection=True))) as c:
+    with Cluster(ServeConfig(ray_num_cpus=4, cpu_bind="none", pd_decider="always"),
+                 actors=FAULTY) as c:
         yield c
 
 

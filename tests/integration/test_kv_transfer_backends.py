@@ -64,11 +64,11 @@ def prefill(store):
 
 
 def decode_engine(worker_id: str, transfer: KVTransferConfig, num_kv_blocks: int = 128,
-                  backend=None, kv_cache_layout: str = "auto") -> EngineCore:
+                  backend=None, kv_cache_layout: str = "auto",
+                  fetch: type[FetchConnector] = FetchConnector) -> EngineCore:
     runner = ModelRunner(EngineConfig(num_kv_blocks=num_kv_blocks,
                                       kv_cache_layout=kv_cache_layout))
-    return started(lambda: decode_core(runner, worker_id, 0,
-                                        FetchConnector(transfer, backend=backend)))
+    return started(lambda: decode_core(runner, worker_id, 0, fetch(transfer, backend=backend)))
 
 
 @pytest.fixture(scope="module")

@@ -34,6 +34,7 @@ from prefill_worker.instance import prefill as run_prefill, prefill_core
 from engine.core.engine_core import EngineCore
 from tests.engine_loops import started, stop
 from tests.engines import fetch_of
+from tests.faults import PerturbingFetch
 from tests.integration.test_kv_transfer_backends import (  # noqa: F401 — the store fixture
     STORY, _free_port, decode_engine, generate, run_decode, settled, store)
 from tests.handoffs import handoff, with_handoff
@@ -125,7 +126,7 @@ def test_decode_output_depends_on_the_bytes_te_moved(prefill, store, hf):
     (the fault hook keeps the blocks on the staged path, where it applies) they change."""
     _, client = store
     prompt = hf.encode("Lily and Ben went to the park. " + STORY)
-    decode = decode_engine("decode-mc-perturbed", MOONCAKE)
+    decode = decode_engine("decode-mc-perturbed", MOONCAKE, fetch=PerturbingFetch)
     try:
         fetch_of(decode).v_perturbation = 5.0
         _, tokens, _ = generate(prefill, decode, "mc-perturbed", prompt, 12)

@@ -24,6 +24,7 @@ from engine.protocol import PrefillRequest, SamplingParams
 from kvstore.client import KVStoreClient
 from kvstore.config import KVTransferConfig
 from kvstore.pool_config import KVPoolConfig
+from tests.faults import FAULTY
 from tests.markers import starts
 
 pytestmark = pytest.mark.slow
@@ -44,9 +45,8 @@ def layer_cluster(cluster):
                          # an index of its own: the session cluster's is on the same node
                          kvpool=KVPoolConfig(index_url=f"ray://pdc-layer-index-{os.getpid()}"),
                          transfer=KVTransferConfig(streaming="layer", timeout_s=10),
-                         engine=EngineConfig(max_num_batched_tokens=BUDGET,
-                                                             fault_injection=True))
-    with Cluster(config) as c:
+                         engine=EngineConfig(max_num_batched_tokens=BUDGET))
+    with Cluster(config, actors=FAULTY) as c:
         yield c
 
 

@@ -96,9 +96,9 @@ def test_local_address_without_actor_times_out(ray_cluster):
 
 
 def test_wildcard_bind_advertises_node_ip(ray_cluster):
-    from kvstore.actor import KVStoreActor
+    from kvstore.actor import kvstore_actor_class
 
-    actor = KVStoreActor.remote(KVStoreConfig(host="0.0.0.0"), POOL, LAYOUT)
+    actor = kvstore_actor_class().remote(KVStoreConfig(host="0.0.0.0"), POOL, LAYOUT)
     try:
         host, _, port = ray.get(actor.address.remote()).rpartition(":")
         assert host == ray.util.get_node_ip_address() and int(port) > 0
@@ -107,25 +107,28 @@ def test_wildcard_bind_advertises_node_ip(ray_cluster):
         ray.kill(actor)
 
 
-def test_faults_are_injected_only_when_the_config_enables_them(ray_cluster):
-    from kvstore.actor import KVStoreActor
+def test_faults_are_injected_only_into_the_test_subclass(ray_cluster):
+    """The serving store has no inject_fault; tests/faults.py's subclass stops serving on
+    demand, and refuses a fault it does not know."""
+    from kvstore.actor import kvstore_actor_class
+    from tests.faults import FaultyKVStoreActor
 
-    off = KVStoreActor.remote(KVStoreConfig(), POOL, LAYOUT)
-    on = KVStoreActor.remote(KVStoreConfig(fault_injection=True), POOL, LAYOUT)
+    serving = kvstore_actor_class().remote(KVStoreConfig(), POOL, LAYOUT)
+    faulty = kvstore_actor_class(FaultyKVStoreActor).remote(KVStoreConfig(), POOL, LAYOUT)
     try:
-        with pytest.raises(RuntimeError, match="fault injection is off"):
-            ray.get(off.inject_fault.remote("stop_serving"))
-        with KVStoreClient(ray.get(off.address.remote()), timeout_s=5) as client:
-            assert client.stats()["num_blocks"] == 0  # still serving
+        with pytest.raises(AttributeError):
+            serving.inject_fault
+        with KVStoreClient(ray.get(serving.address.remote()), timeout_s=5) as client:
+            assert client.stats()["num_blocks"] == 0  # serving
         with pytest.raises(ValueError, match="unknown fault"):
-            ray.get(on.inject_fault.remote("reboot"))
-        address = ray.get(on.address.remote())
-        ray.get(on.inject_fault.remote("stop_serving"))
+            ray.get(faulty.inject_fault.remote("reboot"))
+        address = ray.get(faulty.address.remote())
+        ray.get(faulty.inject_fault.remote("stop_serving"))
         with KVStoreClient(address, timeout_s=2) as client:
             with pytest.raises(KVTransferError):
                 client.stats()
     finally:
-        for actor in (off, on):
+        for actor in (serving, faulty):
             ray.get(actor.stop.remote())
             ray.kill(actor)
 

@@ -8,7 +8,7 @@ import pytest
 import ray
 
 from deploy.config import ServeConfig
-from deploy.launcher import Cluster
+from deploy.launcher import ActorClasses, Cluster
 from tests.markers import starts
 
 
@@ -19,13 +19,13 @@ def local_cluster():
     this process already runs, else starts one and shuts it down afterwards."""
 
     @contextlib.contextmanager
-    def start(config: ServeConfig):
+    def start(config: ServeConfig, actors: ActorClasses = ActorClasses()):
         started = not ray.is_initialized()
         if started:
             ray.init(address="local", num_cpus=config.local_ray_num_cpus(),
                      namespace=config.ray_namespace, include_dashboard=False)
         try:
-            with Cluster(config) as c:
+            with Cluster(config, actors=actors) as c:
                 yield c
         finally:
             if started:

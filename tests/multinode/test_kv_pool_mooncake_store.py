@@ -13,14 +13,14 @@ import pytest
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from decode_worker.actor import DecodeWorker
+from decode_worker.actor import decode_actor
 from deploy.launcher import block_layout
 from engine.config import EngineConfig
 from engine.protocol import PrefillRequest, SamplingParams
 from kvstore.actor import start_kvstore_actor
 from kvstore.config import KVStoreConfig
 from kvstore.pool_config import KVPoolConfig
-from prefill_worker.actor import PrefillWorker
+from prefill_worker.actor import prefill_actor
 from tests.kvstore.mooncake_master import MooncakeMaster
 from tests.markers import starts
 from tests.multinode.test_kv_pool_multinode import (check_baseline, decode, hits, story_prompt,
@@ -54,9 +54,9 @@ def nodes(tmp_path_factory):
             node_of[resource], soft=False), num_cpus=1, **opts).remote(*args)
 
     env = {"stores": stores,
-           "prefill_a": pinned(PrefillWorker, "node_a", "prefill-a", engine, kv, pool, NS),
-           "prefill_b": pinned(PrefillWorker, "node_b", "prefill-b", engine, kv, pool, NS),
-           "decode": pinned(DecodeWorker, "node_b", "decode-b", engine, kv, NS)}
+           "prefill_a": pinned(prefill_actor(), "node_a", "prefill-a", engine, kv, pool, NS),
+           "prefill_b": pinned(prefill_actor(), "node_b", "prefill-b", engine, kv, pool, NS),
+           "decode": pinned(decode_actor(), "node_b", "decode-b", engine, kv, NS)}
     ray.get([env[k].stats.remote() for k in ("prefill_a", "prefill_b", "decode")])
     yield env
     ray.shutdown()

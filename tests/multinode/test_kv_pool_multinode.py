@@ -15,7 +15,7 @@ import pytest
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from decode_worker.actor import DecodeWorker
+from decode_worker.actor import decode_actor
 from deploy.launcher import block_layout
 from engine.config import EngineConfig
 from engine.protocol import DecodeRequest, FinishReason, PrefillRequest, SamplingParams
@@ -23,10 +23,11 @@ from kvstore.actor import start_kvstore_actor
 from kvstore.config import KVStoreConfig
 from kvstore.index import Location, open_index
 from kvstore.pool_config import KVPoolConfig
-from prefill_worker.actor import PrefillWorker
+from prefill_worker.actor import prefill_actor
 from router.decode_outputs import DecodeOutputs
 from router.pipeline import _stream_decode
 from router.registry import Instance
+from tests.faults import FaultyKVStoreActor
 from tests.handoffs import handoff
 from tests.markers import starts
 
@@ -61,13 +62,14 @@ def two_node_cluster(namespace: str):
 def nodes(tmp_path_factory):
     cluster, node_of = two_node_cluster(NS)
     engine = EngineConfig(num_kv_blocks=256)
-    # fault_injection: the fault tests below stop a store's gRPC plane and its heartbeat
-    kv = KVStoreConfig(token="multinode-test-token", rpc_timeout_s=3, fault_injection=True)
+    kv = KVStoreConfig(token="multinode-test-token", rpc_timeout_s=3)
     pool = KVPoolConfig(dram_cache_bytes=16 * 20480, node_lease_s=LEASE_S,
                         ssd_cache_dir=str(tmp_path_factory.mktemp("ssd")),
                         ssd_cache_bytes=256 * 20480)
     layout = block_layout(engine)
-    stores = {r: start_kvstore_actor(n, kv, pool, layout, NS) for r, n in node_of.items()}
+    # stores that take faults: the tests below stop one's gRPC plane and its heartbeat
+    stores = {r: start_kvstore_actor(n, kv, pool, layout, NS, FaultyKVStoreActor)
+              for r, n in node_of.items()}
     ray.get([s.address.remote() for s in stores.values()])
 
     def pinned(actor_cls, resource, *args, **opts):
@@ -76,11 +78,11 @@ def nodes(tmp_path_factory):
 
     env = {
         "node_of": node_of, "stores": stores, "pool": pool, "engine": engine,
-        "prefill_a": pinned(PrefillWorker, "node_a", "prefill-a", engine, kv, pool, NS,
+        "prefill_a": pinned(prefill_actor(), "node_a", "prefill-a", engine, kv, pool, NS,
                             max_concurrency=4),
-        "prefill_b": pinned(PrefillWorker, "node_b", "prefill-b", engine, kv, pool, NS,
+        "prefill_b": pinned(prefill_actor(), "node_b", "prefill-b", engine, kv, pool, NS,
                             max_concurrency=4),
-        "decode": pinned(DecodeWorker, "node_b", "decode-b", engine, kv, NS),
+        "decode": pinned(decode_actor(), "node_b", "decode-b", engine, kv, NS),
         "index": open_index(pool.index_url),
     }
     ray.get([env[k].stats.remote() for k in ("prefill_a", "prefill_b", "decode")])

@@ -12,12 +12,12 @@ from __future__ import annotations
 import pytest
 
 from deploy.config import ServeConfig
-from engine.config import EngineConfig
 from kvstore.config import KVTransferConfig
 from tests.multinode.test_kv_transfer_torch import (STORY, check_output_depends_on_received_kv,
                                                     run, run_concurrently, settled_decode,
                                                     stats, tokens_of)
 
+from tests.faults import FAULTY
 from tests.real_parts import MOONCAKE_HINT, import_real_part
 
 import_real_part("mooncake.engine", "Mooncake's Transfer Engine", MOONCAKE_HINT)
@@ -29,9 +29,8 @@ pytestmark = pytest.mark.slow
 def cluster(local_cluster):
     config = ServeConfig(pd_decider="always",
                          transfer=KVTransferConfig(backend="mooncake"), ray_num_cpus=4,
-                         ray_namespace="pdc-kv-mooncake",
-                         engine=EngineConfig(fault_injection=True))
-    with local_cluster(config) as c:
+                         ray_namespace="pdc-kv-mooncake")
+    with local_cluster(config, FAULTY) as c:
         yield c
 
 

@@ -18,9 +18,9 @@ import ray
 
 from deploy.config import ServeConfig
 from deploy.launcher import Cluster
-from engine.config import EngineConfig
 from engine.protocol import FinishReason, SamplingParams
 from kvstore.config import KVTransferConfig
+from tests.faults import FAULTY
 
 pytestmark = pytest.mark.slow
 
@@ -32,8 +32,8 @@ STORY = ("Once upon a time, there was a little boy named Tim. Tim had a big red 
 def cluster(local_cluster):
     config = ServeConfig(pd_decider="always",
                          transfer=KVTransferConfig(backend="torch"), ray_num_cpus=4,
-                         ray_namespace="pdc-kv-torch", engine=EngineConfig(fault_injection=True))
-    with local_cluster(config) as c:
+                         ray_namespace="pdc-kv-torch")
+    with local_cluster(config, FAULTY) as c:
         yield c
 
 

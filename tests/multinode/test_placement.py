@@ -80,7 +80,7 @@ def run_scenario(prompts: list[list[int]]) -> dict:
     from ray.cluster_utils import Cluster
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    from decode_worker.actor import DecodeWorker
+    from decode_worker.actor import decode_actor
     from deploy import placement
     from deploy.launcher import block_layout
     from engine.config import EngineConfig
@@ -88,7 +88,7 @@ def run_scenario(prompts: list[list[int]]) -> dict:
     from kvstore.config import KVStoreConfig
     from kvstore.index.actor import DEFAULT_INDEX_ACTOR_NAME, IndexActor
     from kvstore.pool_config import KVPoolConfig
-    from prefill_worker.actor import PrefillWorker
+    from prefill_worker.actor import prefill_actor
     from router.conductor import Conductor, Instance, InstanceRegistry
     from router.pipeline import Pipeline
 
@@ -133,10 +133,10 @@ def run_scenario(prompts: list[list[int]]) -> dict:
         ray.get([s.address.remote() for s in stores.values()], timeout=60)
 
         # what deploy/launcher.py does for each worker, with placement "resources"
-        prefill = PrefillWorker.options(
+        prefill = prefill_actor().options(
             max_concurrency=4, **placement.worker_options("prefill", "resources", resources, 1)
         ).remote("prefill-0", engine, kv, pool, NS)
-        decode = DecodeWorker.options(
+        decode = decode_actor().options(
             **placement.worker_options("decode", "resources", resources, 1)
         ).remote("decode-0", engine, kv, NS)
         pg = placement.tp_placement_group(2, "decode", 1, name="decode-tp")

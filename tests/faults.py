@@ -1,0 +1,106 @@
+"""Actors that break on purpose, for fault tests of a running cluster: the serving classes, each
+with an ``inject_fault`` the serving ones do not have. A test cluster runs them through
+``deploy.launcher.ActorClasses`` (``Cluster(config, actors=FAULTY)``)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Literal
+
+import ray
+
+from decode_worker.actor import DecodeWorker
+from deploy.launcher import ActorClasses
+from kvstore.actor import KVStoreActor
+from kvstore.connector.context import KVConnectorContext
+from kvstore.connector.fetch import FetchConnector
+from kvstore.transfer.dest import CacheDest
+from prefill_worker.actor import PrefillWorker
+
+
+class PerturbingFetch(FetchConnector):
+    """The fetch connector, adding ``v_perturbation`` to every V element of the blocks it
+    receives from now on (0: off), so a test can prove the output depends on the KV that came
+    over the wire. A perturbation keeps every backend on the staged path, where it applies."""
+
+    v_perturbation = 0.0
+
+    def _dest(self, table: list[int]) -> CacheDest:
+        if not self.v_perturbation:
+            return super()._dest(table)
+        return CacheDest(lambda start, blocks: self._write(table, start, blocks), table, None,
+                         self.cache.block_shape, self.cache.dtype)
+
+    def _write(self, table: list[int], start: int, blocks) -> None:
+        if self.v_perturbation:
+            blocks = blocks.clone()  # the backend's blocks are read-only views
+            blocks.select(2, 1).add_(self.v_perturbation)  # [n, layers, k|v, ...]
+        super()._write(table, start, blocks)
+
+
+class FaultyDecodeWorker(DecodeWorker):
+    def _fetch_connector(self, context: KVConnectorContext) -> FetchConnector:
+        return PerturbingFetch.from_context(context)
+
+    async def inject_fault(self, fault: Literal["perturb_v"], value: float) -> None:
+        """``"perturb_v"``: PerturbingFetch.v_perturbation = ``value``. Raises ValueError for
+        another fault."""
+        _known(fault, "perturb_v")
+        self.fetch.v_perturbation = float(value)
+
+
+class FaultyPrefillWorker(PrefillWorker):
+    @ray.method(concurrency_group="control")
+    def inject_fault(self, fault: Literal["layer_delay"], value: float) -> None:
+        """``"layer_delay"``: sleep ``value`` seconds after every decoder layer's forward (0:
+        off), so a test can act while a prefill is mid-way (e.g. abort a layer stream). Raises
+        ValueError for another fault."""
+        _known(fault, "layer_delay")
+        self._layer_delay_s = float(value)
+        if not getattr(self, "_delay_hooked", False):
+            self._delay_hooked = True
+            runner = self.engine.runner
+            runner.layer_hooks = _DelayedLayerHooks(runner.layer_hooks,
+                                                    lambda: self._layer_delay_s)
+
+
+class FaultyKVStoreActor(KVStoreActor):
+    def inject_fault(self, fault: Literal["stop_serving", "stop_heartbeat"]) -> None:
+        """``"stop_serving"``: the gRPC data plane goes down while the node keeps heartbeating,
+        as a wedged or firewalled store's would: its blocks stay listed but cannot be fetched.
+        ``"stop_heartbeat"``: the node lease is no longer renewed, as a hung or partitioned
+        node's is not; its locations drop out of lookups within ``node_lease_s``. Raises
+        ValueError for another fault."""
+        _known(fault, "stop_serving", "stop_heartbeat")
+        if fault == "stop_serving":
+            self._server.stop(grace=0)
+        else:
+            self._stop.set()
+
+
+#: A cluster whose actors take faults.
+FAULTY = ActorClasses(prefill=FaultyPrefillWorker, decode=FaultyDecodeWorker,
+                      kvstore=FaultyKVStoreActor)
+
+
+class _DelayedLayerHooks:
+    """The connector's layer hooks with a sleep after each layer's save, in the forward
+    context, where compiled and eager forwards both run them."""
+
+    def __init__(self, inner, delay_s: Callable[[], float]) -> None:
+        self._inner, self._delay_s = inner, delay_s
+
+    def wait_for_layer_load(self, layer: int) -> None:
+        if self._inner is not None:
+            self._inner.wait_for_layer_load(layer)
+
+    def save_kv_layer(self, layer: int) -> None:
+        if self._inner is not None:
+            self._inner.save_kv_layer(layer)
+        time.sleep(self._delay_s())
+
+
+def _known(fault: str, *known: str) -> None:
+    if fault not in known:
+        raise ValueError(f"unknown fault {fault!r}; known: {', '.join(known)}")
