@@ -66,18 +66,22 @@ class DecodeWorker:
         node_id = ray.get_runtime_context().get_node_id()
         timeout = kv_config.rpc_timeout_s
         transfer = transfer or KVTransferConfig(timeout_s=timeout)
-        node_client = NodeStoreClient(kvstore_actor(node_id, ray_namespace), timeout)
-        peers, self._peer_entry = None, None
-        if transfer.streaming == "layer":
-            self._peer_entry = register_self(worker_id, ray_namespace)
-            peers = RayStreamPeers(ray_namespace, timeout)
         self.worker_id = worker_id
-        index = (open_index(pool_config.index_url,
-                            **pool_config.index_options(transfer.bind_host,
-                                                        transfer.mooncake_protocol))
-                 if pool_config is not None and engine_config.enable_prefix_caching else None)
+        self._peer_entry = None
 
-        def build() -> EngineCore:  # on the engine loop's thread
+        def build() -> EngineCore:
+            # on the engine loop's thread: what waits on other actors (Ray calls) never runs
+            # on this async actor's event loop
+            node_client = NodeStoreClient(kvstore_actor(node_id, ray_namespace), timeout)
+            peers = None
+            if transfer.streaming == "layer":
+                self._peer_entry = register_self(worker_id, ray_namespace)
+                peers = RayStreamPeers(ray_namespace, timeout)
+            index = (open_index(pool_config.index_url,
+                                **pool_config.index_options(transfer.bind_host,
+                                                            transfer.mooncake_protocol))
+                     if pool_config is not None and engine_config.enable_prefix_caching
+                     else None)
             runner = ModelRunner(engine_config, tp=self.tp.group)
             self.tp.start(runner)
             context = KVConnectorContext(

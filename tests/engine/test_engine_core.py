@@ -1,8 +1,11 @@
-"""The decode engine's requests catch up: every request whose KV is behind (a colocated prompt,
-a prompt whose fetch failed, a request resumed after preemption by recompute) is computed in
-chunks under the step's token budget, in the same forwards as the running decodes. Driven
-step by step on this thread, without Ray or a KV store; the reference is the same request run
-alone on a fresh engine."""
+"""The one engine core, driven step by step on this thread, without Ray or a KV store; the
+reference is the same request run alone on a fresh engine.
+
+On a decode instance every request whose KV is behind (a colocated prompt, a prompt whose
+fetch failed, a request resumed after preemption by recompute) is computed in chunks under the
+step's token budget, in the same forwards as the running decodes. On a prefill instance the
+same engine ends each request after its first token and hands its blocks to the connector
+that saves them."""
 
 from __future__ import annotations
 
@@ -14,14 +17,16 @@ from decode_worker.instance import decode_core
 from engine.core.engine_core import EngineCore
 from engine.config import BUNDLED_MODEL, EngineConfig
 from engine.core.engine_loop import run_once
-from engine.core.kv_connector import KVConnectorRequest, LoadOutcome
+from engine.core.kv_connector import KVConnector, KVConnectorRequest, LoadOutcome
 from engine.core.request import RequestStatus
 from engine.core.scheduler import chunk_end
-from engine.protocol import DecodeRequest, FinishReason, PrefillResult, SamplingParams
+from engine.protocol import (DecodeRequest, FinishReason, PrefillRequest, PrefillResult,
+                             SamplingParams)
 from engine.runner import ModelRunner
 from engine.tokenizer import Tokenizer
 from kvstore.config import KVTransferConfig
 from kvstore.connector.fetch import FetchConnector
+from prefill_worker.instance import prefill_core, submit_prefill
 from tests.engines import fetch_of, submit_decode
 
 BUDGET = 32
@@ -211,5 +216,53 @@ def test_a_preempted_request_resumes_in_chunks_beside_the_running_batch(prompt, 
     assert tokens(long_) == alone(prompt, params)
     assert tokens(steady) == alone(prompt[:8], steady_params)
     assert tokens(grower) == alone(prompt[1:9], grower_params)
+    assert eng.pool.num_free_blocks == eng.pool.num_blocks
+    eng.close()
+
+
+class SavedBlocks(KVConnector):
+    """A prefill's saving connector: copies each finished prompt's full blocks and gives
+    their count back as the request's KV transfer params once the loop asks again."""
+
+    def __init__(self) -> None:
+        self.saved: dict[str, object] = {}
+        self._settled: dict[str, dict] = {}
+
+    def request_finished(self, request, block_ids):
+        if block_ids:
+            self.saved[request.request_id] = self.cache.read_blocks(
+                block_ids[:len(request.block_keys)]).clone()
+            self._settled[request.request_id] = {"num_saved": len(request.block_keys)}
+        return False, None  # the params come from get_finished
+
+    def get_finished(self):
+        settled, self._settled = self._settled, {}
+        return settled, {}
+
+
+def test_a_prefill_instance_ends_each_request_at_its_first_token_and_saves_its_blocks(prompt):
+    """The prefill role of the same engine: token 0 equals a colocated request's, the
+    connector gets the prompt's full blocks once they are computed, the result carries its
+    params, and every block is back in the pool (cached)."""
+    config = EngineConfig(model=str(BUNDLED_MODEL), num_kv_blocks=64,
+                          max_num_batched_tokens=BUDGET)
+    saver = SavedBlocks()
+    eng = prefill_core(ModelRunner(config), saver, "prefill-t", 0)
+    recorded = Recorded(eng.runner)
+    first, result = submit_prefill(eng, PrefillRequest("p", prompt, GREEDY))
+    for _ in range(50):
+        if result.done():
+            break
+        run_once(eng)
+    eng._events.submit(lambda: None).result(timeout=10)  # the events thread delivered
+    got = result.result(timeout=10)
+    assert first.result().token == got.first_token == alone(prompt, GREEDY)[0]
+    assert got.kv_transfer_params == {"num_saved": len(prompt) // 16}
+    assert saver.saved["p"].shape[0] == len(prompt) // 16
+    # the prompt in chunks of the budget, nothing else
+    assert [n for step in recorded.steps for n, _ in step] == \
+        [min(BUDGET, len(prompt) - s) for s in range(0, len(prompt), BUDGET)]
+    stats = eng.stats()
+    assert stats["num_requests_total"] == 1 and stats["num_steps_total"] == 0
     assert eng.pool.num_free_blocks == eng.pool.num_blocks
     eng.close()
