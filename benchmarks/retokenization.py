@@ -1,6 +1,6 @@
 """How often a chat reply, rendered into the next turn's prompt and tokenized again, gives back
 the token ids the model generated: the condition for the next turn to reuse the reply's KV
-blocks that the decode worker published (kvstore.connector.publish).
+blocks that the decode worker published (kvstore.transport.pool.publish).
 
     .venv/bin/python benchmarks/retokenization.py [--conversations 32] [--turns 4]
         [--max-tokens 64] [--temperature 0.8]

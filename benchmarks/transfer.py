@@ -143,8 +143,8 @@ def _floor_server(ready: mp.Queue, sizes: list[int]) -> None:
 
 
 def _gloo_server(ready: mp.Queue, num_blocks: int, block_elems: int, chunk_bytes: int) -> None:
-    from kvstore.transfer.torch_dist import TorchKVSender
-    from kvstore.transfer.torch_pair import TorchPairChannel
+    from kvstore.transport.torch_pair.backend import TorchKVSender
+    from kvstore.transport.torch_pair.channel import TorchPairChannel
 
     blocks = _blocks(num_blocks, block_elems)
     channel = TorchPairChannel(0, "127.0.0.1", 0, timeout_s=60.0, token=TOKEN,
@@ -190,7 +190,7 @@ def _pdc_cache(num_blocks: int, block_nbytes: int, layout: str):
 
 
 def _pdc_te_server(ready: mp.Queue, sizes: list[int], block_nbytes: int, layout: str) -> None:
-    from kvstore.connector.mooncake import MooncakeConnector
+    from kvstore.transport.mooncake.connector import MooncakeConnector
 
     num_blocks = max(sizes) // block_nbytes
     cache = _pdc_cache(num_blocks, block_nbytes, layout)
@@ -254,7 +254,7 @@ def _pdc_te_client(regions: dict, block_nbytes: int, layout: str,
     permutation), or churned (`_churned_tables`, cycled through)."""
     from engine.config import EngineConfig
     from kvstore.transfer.dest import CacheDest
-    from kvstore.transfer.mooncake import MooncakeTransferBackend
+    from kvstore.transport.mooncake.backend import MooncakeTransferBackend
 
     backend = MooncakeTransferBackend(KVTransferConfig(backend="mooncake", timeout_s=60.0))
     num_blocks = (4 if tables == "churned" else 2) * max(regions) // block_nbytes
@@ -451,8 +451,8 @@ def main(argv: list[str] | None = None) -> None:
     splits = [int(n) for n in args.te_split.split(",") if n]
     layouts = [name for name in args.kv_cache_layouts.split(",") if name]
 
-    from kvstore.transfer.grpc_backend import GrpcTransferBackend
-    from kvstore.transfer.torch_dist import TorchTransferBackend
+    from kvstore.transport.pool.grpc_backend import GrpcTransferBackend
+    from kvstore.transport.torch_pair.backend import TorchTransferBackend
 
     sizes = [_parse_size(s) for s in args.sizes.split(",")]
     block_nbytes = args.block_kib << 10

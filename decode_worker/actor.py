@@ -37,8 +37,8 @@ from kvstore.index import open_index
 from kvstore.node_client import NodeStoreClient
 from kvstore.pool_config import KVPoolConfig
 from kvstore.remote import RemoteStores
-from kvstore.transfer.layer_stream import LayerStreamAnnounce
 from kvstore.transfer.peers import RayStreamPeers, register_self
+from kvstore.transport.layer_stream.stream import LayerStreamAnnounce
 
 MAX_TIMINGS = 4096
 

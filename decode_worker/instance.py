@@ -6,10 +6,10 @@ Its connectors, as one MultiConnector, in the order a request is matched:
 1. fetch (kvstore.connector.fetch): a request from a prefill pulls its prompt's KV (after the
    blocks cached here, where the path allows) over the transport the prefill offered, and
    computes it here if the fetch fails;
-2. pool-load (kvstore.connector.pool, with an index): a prompt computed here loads its cached
-   prefix from the pool after this worker's own hits, as a prefill's would, so where a request
-   runs never changes what it can reuse;
-3. publish (kvstore.connector.publish, with ``--kv-decode-publish``): a normally finished
+2. pool-load (kvstore.transport.pool.connector, with an index): a prompt computed here loads
+   its cached prefix from the pool after this worker's own hits, as a prefill's would, so where
+   a request runs never changes what it can reuse;
+3. publish (kvstore.transport.pool.publish, with ``--kv-decode-publish``): a normally finished
    sequence's new full blocks go to the pool, so the next turn reuses the reply.
 
 With layer streaming, streams announced before their request comes land in blocks reserved
@@ -26,8 +26,8 @@ from kvstore.connector.fetch import FetchConnector
 from kvstore.connector.multi import MultiConnector
 from kvstore.index import KVIndex, Location
 from kvstore.index.device_feed import device_feed
-from kvstore.transfer.layer_stream import LayerStreamAnnounce
 from kvstore.transfer.peers import StreamPeers
+from kvstore.transport.layer_stream.stream import LayerStreamAnnounce
 
 #: The prefix cache's events go to the index at most this often (a decode's allocations evict
 #: cached blocks at nearly every step).

@@ -26,8 +26,8 @@ from engine.core.request import Request, RequestStatus
 from engine.core.scheduler import Scheduler
 from kvstore.connector.fetch import FetchConnector, KVFetch
 from kvstore.handoff import DecodeHandoff
-from kvstore.transfer.layer_stream import LayerStreamAnnounce
 from kvstore.transfer.peers import StreamPeers
+from kvstore.transport.layer_stream.stream import LayerStreamAnnounce
 
 log = logging.getLogger(__name__)
 

@@ -85,8 +85,8 @@ def _grpc_source(ready: mp.Queue, stop, block_shape, dtype, n: int, token: str) 
 
 
 def _torch_source(ready: mp.Queue, stop, block_shape, dtype, n: int, token: str) -> None:
-    from kvstore.transfer.torch_dist import TorchKVSender
-    from kvstore.transfer.torch_pair import TorchPairChannel
+    from kvstore.transport.torch_pair.backend import TorchKVSender
+    from kvstore.transport.torch_pair.channel import TorchPairChannel
 
     blocks = _blocks(n, block_shape, dtype)
     channel = TorchPairChannel(0, "127.0.0.1", 0, timeout_s=60.0, token=token)
@@ -105,7 +105,7 @@ def _torch_source(ready: mp.Queue, stop, block_shape, dtype, n: int, token: str)
 
 
 def _mooncake_source(ready: mp.Queue, stop, block_shape, dtype, n: int, token: str) -> None:
-    from kvstore.connector.mooncake import MooncakeConnector
+    from kvstore.transport.mooncake.connector import MooncakeConnector
 
     # both ends cross-layer, as `serve --kv-transfer mooncake` lays out its caches
     cache = _source_cache(tuple(block_shape), dtype, n, "cross-layer")

@@ -18,7 +18,7 @@ TransferBackendName = Literal["grpc", "torch", "mooncake"]
 #: The transfer backends that move a request's KV fastest out of and into cross-layer caches
 #: (engine.kv_cache), as vLLM's KV connectors state it (`prefer_cross_layer_blocks`): Mooncake's
 #: Transfer Engine reads a run of consecutive blocks as one span there, instead of a read per
-#: layer and K|V (kvstore.transfer.mooncake).
+#: layer and K|V (kvstore.transport.mooncake.backend).
 PREFER_CROSS_LAYER_BLOCKS = frozenset({"mooncake"})
 
 
@@ -145,7 +145,7 @@ class KVTransferConfig(pydantic.BaseModel):
         backend: ``grpc`` (pull from a node's KV store), ``torch`` (torch.distributed
             point-to-point over a pair group: gloo on CPU, NCCL on CUDA), ``mooncake``
             (Mooncake's Transfer Engine: the decode reads the prefill's registered memory;
-            kvstore.transfer.mooncake).
+            kvstore.transport.mooncake.backend).
         timeout_s: default deadline in seconds of one whole transfer (FetchRequest.deadline_s
             wins), and the limit of a torch pair's setup; each call to a KV store has its own
             KVStoreConfig.rpc_timeout_s.
@@ -177,7 +177,7 @@ class KVTransferConfig(pydantic.BaseModel):
             ``kv_load_failure_policy``, whose default became ``fail``.
         decode_publish: a decode worker puts the full blocks of a sequence that ended
             normally (prompt and output; the blocks no prefill published) into its node's KV
-            store and so the index (kvstore.connector.publish), so a conversation's next turn
+            store and so the index (kvstore.transport.pool.publish), so a conversation's next turn
             reuses the reply's KV.
         decode_publish_interval: with decode_publish, a running sequence's blocks also go out
             every this many full blocks, not only when it ends (0: at the end only).

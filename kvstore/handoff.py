@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING
 from kvstore.index.base import Location
 
 if TYPE_CHECKING:
-    from kvstore.transfer.layer_stream import LayerStreamAnnounce
-    from kvstore.transfer.mooncake import RemoteRegion
+    from kvstore.transport.layer_stream.stream import LayerStreamAnnounce
+    from kvstore.transport.mooncake.backend import RemoteRegion
 
 
 @dataclass(frozen=True)

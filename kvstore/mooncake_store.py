@@ -47,8 +47,9 @@ def store_key(key: bytes) -> str:
 class MooncakeStoreClient:
     """One client of the Mooncake Store whose master is at `master` ("host:port").
 
-    bind_host: where this client's Transfer Engine listens (kvstore.transfer.te_bind confines
-        it there); a wildcard advertises this node's Ray IP. protocol: "tcp" | "rdma".
+    bind_host: where this client's Transfer Engine listens
+        (kvstore.transport.mooncake.te_bind confines it there); a wildcard advertises this
+        node's Ray IP. protocol: "tcp" | "rdma".
     segment_bytes: memory this client mounts into the store (0: none, a pure client).
     buffer_bytes: the registered staging buffer; a batch moves in rounds of at most this.
 
@@ -67,8 +68,8 @@ class MooncakeStoreClient:
             from mooncake.store import MooncakeDistributedStore
         except ImportError as exc:
             raise MooncakeStoreError(_MISSING) from exc
-        from kvstore.transfer.te import advertised_host
-        from kvstore.transfer.te_bind import confine_listeners
+        from kvstore.transport.mooncake.te import advertised_host
+        from kvstore.transport.mooncake.te_bind import confine_listeners
 
         master_host, _, port = master.rpartition(":")
         try:

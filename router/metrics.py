@@ -127,8 +127,8 @@ class ClusterStatsCollector:
                     s.get("kv_load_failures_total", {}).get(action, 0) for s in stats))
         published = CounterMetricFamily(
             "pdcluster_kv_published_blocks", "Full KV blocks decode workers offered the KV pool "
-            "from finished sequences (kvstore.connector.publish), by outcome: stored, or failed "
-            "(a later turn recomputes them)", labels=["role", "outcome"])
+            "from finished sequences (kvstore.transport.pool.publish), by outcome: stored, or "
+            "failed (a later turn recomputes them)", labels=["role", "outcome"])
         published.add_metric(["decode", "stored"], sum(
             s.get("kv_blocks_published_total", 0) for s in stats_d))
         published.add_metric(["decode", "failed"], sum(

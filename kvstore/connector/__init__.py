@@ -1,7 +1,8 @@
 """KV connectors by name: the registry through which a worker builds the connectors it runs.
 
-A new way to move KV is one module with a ``KVConnector`` subclass (``engine.core.kv_connector``)
-and one entry here. Entries name their module, which is imported only when the connector is
+A new way to move KV is one module with a ``KVConnector`` subclass (``engine.core.kv_connector``),
+in its transport's package under ``kvstore.transport`` beside the receiving half, and one entry
+here. Entries name their module, which is imported only when the connector is
 built, so a heavy or optional dependency (a transfer engine's wheel) costs nothing to workers
 that do not use it.
 """
@@ -17,13 +18,13 @@ from kvstore.connector.multi import MultiConnector
 
 #: name -> "module:class"
 KV_CONNECTORS: dict[str, str] = {
-    "pool": "kvstore.connector.pool:PoolConnector",
-    "pool-load": "kvstore.connector.pool:PoolLoadConnector",
-    "layer": "kvstore.connector.layer_stream:LayerStreamConnector",
-    "torch": "kvstore.connector.torch_push:TorchPushConnector",
+    "pool": "kvstore.transport.pool.connector:PoolConnector",
+    "pool-load": "kvstore.transport.pool.connector:PoolLoadConnector",
+    "layer": "kvstore.transport.layer_stream.connector:LayerStreamConnector",
+    "torch": "kvstore.transport.torch_pair.push:TorchPushConnector",
     "fetch": "kvstore.connector.fetch:FetchConnector",
-    "mooncake": "kvstore.connector.mooncake:MooncakeConnector",
-    "publish": "kvstore.connector.publish:PublishConnector",
+    "mooncake": "kvstore.transport.mooncake.connector:MooncakeConnector",
+    "publish": "kvstore.transport.pool.publish:PublishConnector",
 }
 
 

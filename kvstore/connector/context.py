@@ -31,9 +31,10 @@ class KVConnectorContext:
     remote: other nodes' stores by node id, or None.
     peers: how to reach decode workers, or None.
     device: where the paged cache is ("cpu" or "cuda").
-    te_regions: the worker's TE staging buffer (kvstore.connector.mooncake.RegionSource, whose
-        ``of`` builds it for the first connector that needs it and shares it with the others;
-        not named here, as that module builds on this one).
+    te_regions: the worker's TE staging buffer
+        (kvstore.transport.mooncake.connector.RegionSource, whose ``of`` builds it for the
+        first connector that needs it and shares it with the others; not named here, as that
+        module builds on this one).
     """
 
     worker_id: str

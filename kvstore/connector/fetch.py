@@ -22,7 +22,7 @@ The path a request's blocks take (KVFetch):
    With ``--kv-transfer mooncake`` the prefill instead copies them into a region of the memory
    its Transfer Engine registered (``kv_region``) and this worker reads the region
    with one TE batch straight into the reserved blocks of its registered cache
-   (kvstore.transfer.mooncake); a failed read falls back to the store path the same way.
+   (kvstore.transport.mooncake.backend); a failed read falls back to the store path the same way.
 2. store — full blocks through this node's shared-memory arena when the prefill ran on this
    node, else by key over gRPC streams; the tail by its one-shot handle over gRPC
    (tests may give the connector a fake backend for this path).
@@ -63,14 +63,14 @@ from kvstore.connector.context import KVConnectorContext
 from kvstore.errors import KVStoreError, KVTransferTimeout
 from kvstore.handoff import DecodeHandoff
 from kvstore.node_client import NodeStoreClient
-from kvstore.transfer.arena_receiver import ArenaReceiver
 from kvstore.transfer.base import FetchRequest, KVReceiver, KVTransferBackend, TransferState
 from kvstore.transfer.dest import CacheDest, CallbackDest
-from kvstore.transfer.grpc_backend import GrpcTransferBackend
-from kvstore.transfer.layer_stream import (ALL_LAYERS, LayerPiece, LayerStreamAnnounce,
-                                           LayerStreamReceiver)
-from kvstore.transfer.mooncake_layer_stream import MooncakeLayerStreamReceiver
 from kvstore.transfer.registry import create_backend
+from kvstore.transport.layer_stream.stream import (ALL_LAYERS, LayerPiece, LayerStreamAnnounce,
+                                                   LayerStreamReceiver)
+from kvstore.transport.mooncake.layer_stream import MooncakeLayerStreamReceiver
+from kvstore.transport.pool.arena_receiver import ArenaReceiver
+from kvstore.transport.pool.grpc_backend import GrpcTransferBackend
 
 log = logging.getLogger(__name__)
 

@@ -6,8 +6,8 @@ found is at the one location ``Location(POOL_NODE, "mooncake_store")``, which no
 counts as its own node's (the Conductor prices loading it at the pool's measured cost, the
 ``remote`` path unless `pdcluster profile` measured ``pool:mooncake_store``). Publishing
 (`add`, `remove`, events) and node leases are no-ops: a block is published by putting it into
-the store (kvstore.connector.pool), and the store's own leases and eviction say how long it
-stays.
+the store (kvstore.transport.pool.connector), and the store's own leases and eviction say how
+long it stays.
 
 The client connects on first use, so a process that only publishes never opens one.
 """

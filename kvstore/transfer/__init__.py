@@ -2,8 +2,10 @@
 
 A transfer has a deadline and ends in success or a typed error; on
 failure the receiver frees what it pre-allocated. One small abstract base
-(:mod:`kvstore.transfer.base`), one module per backend and a registry dict
-(:mod:`kvstore.transfer.registry`); modelled on SGLang's ``disaggregation/base/conn.py``.
+(:mod:`kvstore.transfer.base`) and a registry dict (:mod:`kvstore.transfer.registry`); modelled
+on SGLang's ``disaggregation/base/conn.py``. The backends themselves live with their senders,
+one package per transport under :mod:`kvstore.transport`; this package keeps what they share:
+base, dest, wire, runs, peers and the registry.
 
 Lifecycle of one transfer on the receiving (decode) side, polled once per scheduler step::
 

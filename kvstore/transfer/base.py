@@ -64,7 +64,7 @@ class FetchRequest:
         tag: torch only: the transfer's tag, agreed with the sender over the control plane
             (unique among the pair's in-flight transfers, 0 <= tag < 2**31).
         region: mooncake only: where the source registered the blocks
-            (kvstore.transfer.mooncake.RemoteRegion).
+            (kvstore.transport.mooncake.backend.RemoteRegion).
     """
 
     address: str

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from kvstore.config import KVStoreConfig, KVTransferConfig
 from kvstore.transfer.base import KVTransferBackend
-from kvstore.transfer.grpc_backend import GrpcTransferBackend
-from kvstore.transfer.mooncake import MooncakeTransferBackend
-from kvstore.transfer.torch_dist import TorchTransferBackend
+from kvstore.transport.mooncake.backend import MooncakeTransferBackend
+from kvstore.transport.pool.grpc_backend import GrpcTransferBackend
+from kvstore.transport.torch_pair.backend import TorchTransferBackend
 
 TRANSFER_BACKENDS: dict[str, type[KVTransferBackend]] = {
     cls.name: cls for cls in (GrpcTransferBackend, TorchTransferBackend, MooncakeTransferBackend)

@@ -16,7 +16,7 @@ from engine.runner import ModelRunner
 from kvstore.client import KVStoreClient
 from kvstore.config import KVStoreConfig, KVTransferConfig
 from kvstore.connector.fetch import FetchConnector
-from kvstore.connector.pool import PoolConnector, PoolLoadConnector
+from kvstore.transport.pool.connector import PoolConnector, PoolLoadConnector
 from engine.core.hashing import block_keys, make_namespace
 from engine.core.kv_events import BlockStored
 from kvstore.index import Location, MemoryIndex

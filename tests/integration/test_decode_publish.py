@@ -1,4 +1,4 @@
-"""Decode-side publish (kvstore.connector.publish): a finished sequence's reply blocks reach
+"""Decode-side publish (kvstore.transport.pool.publish): a finished sequence's reply blocks reach
 the KV store under the keys a prefill computes for the next turn, which then loads them instead
 of recomputing them. Prefill engine → gRPC KV store → decode engine in one process (no Ray);
 outputs against transformers' greedy generate, blocks against the store and the counters."""
@@ -20,8 +20,8 @@ from kvstore.client import KVStoreClient
 from kvstore.config import KVStoreConfig, KVTransferConfig
 from kvstore.connector.fetch import FetchConnector
 from kvstore.handoff import PrefixPlan
-from kvstore.connector.pool import PoolConnector
-from kvstore.connector.publish import PublishConnector
+from kvstore.transport.pool.connector import PoolConnector
+from kvstore.transport.pool.publish import PublishConnector
 from engine.core.hashing import block_keys, make_namespace
 from kvstore.index import Location
 from prefill_worker.instance import prefill as run_prefill, prefill_core

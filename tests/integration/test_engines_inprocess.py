@@ -20,7 +20,7 @@ from engine.runner import ModelRunner
 from kvstore.client import KVStoreClient
 from kvstore.config import KVStoreConfig, KVTransferConfig
 from kvstore.connector.fetch import FetchConnector
-from kvstore.connector.pool import PoolConnector
+from kvstore.transport.pool.connector import PoolConnector
 from prefill_worker.instance import prefill as run_prefill, prefill_core, submit_prefill
 from tests.kvstore.lru_block_store import lru_server
 from tests.engine_loops import started, stop

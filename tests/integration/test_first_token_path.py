@@ -23,7 +23,7 @@ from kvstore.client import KVStoreClient
 from kvstore.config import KVStoreConfig
 from engine.core.kv_events import BlockStored
 from kvstore.index import Location, MemoryIndex
-from kvstore.connector.pool import PoolConnector
+from kvstore.transport.pool.connector import PoolConnector
 from prefill_worker.instance import prefill_core, submit_prefill
 from router.conductor import Conductor, PrefixKeyer, RouteRequest
 from router.cost_model import DEFAULT_COST_MODEL, load_cost_model

@@ -23,7 +23,7 @@ from kvstore.handoff import PrefixPlan  # noqa: E402
 from engine.runner import ModelRunner  # noqa: E402
 from kvstore.client import KVStoreClient  # noqa: E402
 from kvstore.config import KVStoreConfig  # noqa: E402
-from kvstore.connector.pool import PoolConnector  # noqa: E402
+from kvstore.transport.pool.connector import PoolConnector  # noqa: E402
 from engine.core.hashing import block_keys, make_namespace  # noqa: E402
 from kvstore.index import KVIndexUnavailableError, Location, open_index  # noqa: E402
 from kvstore.index.mooncake_store import POOL_LOCATION, MooncakeStoreIndex  # noqa: E402

@@ -25,8 +25,8 @@ from kvstore.client import KVStoreClient
 from kvstore.connector.fetch import FetchConnector, KVFetch
 from kvstore.config import KVStoreConfig, KVTransferConfig
 from kvstore.connector.multi import MultiConnector
-from kvstore.connector.pool import PoolConnector
-from kvstore.connector.torch_push import TorchPushConnector
+from kvstore.transport.pool.connector import PoolConnector
+from kvstore.transport.torch_pair.push import TorchPushConnector
 from kvstore.transfer.base import TransferState
 from tests.kvstore.fake_transfer import FakeTransferBackend
 from prefill_worker.instance import prefill as run_prefill, prefill_core

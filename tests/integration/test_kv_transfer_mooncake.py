@@ -26,10 +26,10 @@ from engine.runner import ModelRunner
 from kvstore.config import KVTransferConfig
 from kvstore.connector.fetch import FetchConnector, KVFetch
 from kvstore.connector.multi import MultiConnector
-from kvstore.connector.pool import PoolConnector
 from kvstore.errors import BlockLayoutError, KVTransferError
 from kvstore.transfer.base import FetchRequest, TransferState
 from kvstore.transfer.dest import CacheDest
+from kvstore.transport.pool.connector import PoolConnector
 from prefill_worker.instance import prefill as run_prefill, prefill_core
 from engine.core.engine_core import EngineCore
 from tests.engine_loops import started, stop
@@ -44,9 +44,9 @@ from tests.real_parts import MOONCAKE_HINT, import_real_part
 
 import_real_part("mooncake.engine", "Mooncake's Transfer Engine", MOONCAKE_HINT)
 
-from kvstore.connector.mooncake import MooncakeConnector, RegionAllocator  # noqa: E402
-from kvstore.transfer import mooncake  # noqa: E402
-from kvstore.transfer.mooncake import MooncakeTransferBackend, RemoteRegion  # noqa: E402
+from kvstore.transport.mooncake import backend as mooncake  # noqa: E402
+from kvstore.transport.mooncake.backend import MooncakeTransferBackend, RemoteRegion  # noqa: E402
+from kvstore.transport.mooncake.connector import MooncakeConnector, RegionAllocator  # noqa: E402
 
 MOONCAKE = KVTransferConfig(backend="mooncake", timeout_s=10, source_buffer_bytes=32 << 20)
 

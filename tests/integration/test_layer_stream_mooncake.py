@@ -21,9 +21,9 @@ from engine.runner import ModelRunner
 from kvstore.client import KVStoreClient
 from kvstore.config import KVTransferConfig
 from kvstore.connector.fetch import FetchConnector
-from kvstore.connector.layer_stream import LayerStreamConnector
 from kvstore.connector.multi import MultiConnector
-from kvstore.connector.pool import PoolConnector
+from kvstore.transport.layer_stream.connector import LayerStreamConnector
+from kvstore.transport.pool.connector import PoolConnector
 from engine.core.request import RequestAborted
 from prefill_worker.instance import prefill as run_prefill, prefill_core
 from tests.engine_loops import started, stop
@@ -35,7 +35,7 @@ from tests.real_parts import MOONCAKE_HINT, import_real_part
 
 import_real_part("mooncake.engine", "Mooncake's Transfer Engine", MOONCAKE_HINT)
 
-from kvstore.connector.mooncake import MooncakeConnector, RegionSource  # noqa: E402
+from kvstore.transport.mooncake.connector import MooncakeConnector, RegionSource  # noqa: E402
 
 MOONCAKE = KVTransferConfig(backend="mooncake", streaming="layer", timeout_s=10,
                             source_buffer_bytes=32 << 20)

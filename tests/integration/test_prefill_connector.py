@@ -14,9 +14,9 @@ from kvstore.client import KVStoreClient
 from kvstore.config import KVStoreConfig
 from kvstore.connector import KV_CONNECTORS, connector_class, prefill_connector_names
 from engine.core.kv_connector import KVConnector
-from kvstore.connector.pool import PoolConnector
 from kvstore.errors import KVLoadError, KVTransferError
 from kvstore.index import Location
+from kvstore.transport.pool.connector import PoolConnector
 from prefill_worker.instance import prefill as run_prefill, prefill_core, submit_prefill
 from tests.engine_loops import started, stop
 from tests.kvstore.faulty_connector import FaultyConnector

@@ -25,11 +25,11 @@ from engine.runner import ModelRunner
 from kvstore.client import KVStoreClient
 from kvstore.connector.fetch import FetchConnector
 from kvstore.config import KVStoreConfig, KVTransferConfig
-from kvstore.connector.layer_stream import LayerStreamConnector
+from kvstore.transport.layer_stream.connector import LayerStreamConnector
 from kvstore.connector.multi import MultiConnector
-from kvstore.connector.pool import PoolConnector
+from kvstore.transport.pool.connector import PoolConnector
 from kvstore.transfer.base import KVReceiver, KVTransferBackend
-from kvstore.transfer.grpc_backend import GrpcTransferBackend
+from kvstore.transport.pool.grpc_backend import GrpcTransferBackend
 from tests.kvstore.local_peers import LocalStreamPeers
 from prefill_worker.instance import prefill as run_prefill, prefill_core
 from tests.kvstore.lru_block_store import lru_server

@@ -107,7 +107,7 @@ def test_prefill_worker_reannounces_its_g1_blocks_after_redis_restarts_empty(
     from engine.runner import ModelRunner
     from kvstore.client import KVStoreClient
     from kvstore.config import KVStoreConfig
-    from kvstore.connector.pool import PoolConnector
+    from kvstore.transport.pool.connector import PoolConnector
     from tests.kvstore.lru_block_store import lru_server
 
     monkeypatch.setattr(device_feed, "INDEX_CHECK_S", 0.0)

@@ -8,9 +8,9 @@ import warnings
 import pytest
 
 from kvstore.config import KVStoreConfig, KVTLSConfig, KVTransferConfig, kv_plane_of
-from kvstore.transfer.grpc_backend import GrpcTransferBackend
 from kvstore.transfer.registry import create_backend
-from kvstore.transfer.torch_dist import TorchTransferBackend
+from kvstore.transport.pool.grpc_backend import GrpcTransferBackend
+from kvstore.transport.torch_pair.backend import TorchTransferBackend
 
 TLS = KVTLSConfig(cert_file="c.pem", key_file="k.pem")
 

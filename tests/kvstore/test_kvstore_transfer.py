@@ -13,10 +13,10 @@ from engine.core.hashing import block_keys, make_namespace
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.transfer.base import FetchRequest, TransferState
 from kvstore.transfer.dest import CallbackDest
-from kvstore.transfer.grpc_backend import GrpcTransferBackend
 from kvstore.transfer.registry import TRANSFER_BACKENDS, create_backend
-from kvstore.transfer.torch_dist import TorchTransferBackend
 from kvstore.transfer.wire import decode_block_data, encode_block_data
+from kvstore.transport.pool.grpc_backend import GrpcTransferBackend
+from kvstore.transport.torch_pair.backend import TorchTransferBackend
 from tests.kvstore.fake_transfer import FakeTransferBackend
 from tests.kvstore.lru_block_store import LRUBlockStore
 from tests.kvstore.tensor_dest import BlockRun, TensorDest, coalesce_runs, wait

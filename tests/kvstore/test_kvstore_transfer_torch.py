@@ -1,4 +1,4 @@
-"""torch.distributed pair channels (kvstore.transfer.torch_dist): gloo between two real
+"""torch.distributed pair channels (kvstore.transport.torch_pair.backend): gloo between two real
 processes on 127.0.0.1, never the default group; timeouts end in typed errors."""
 
 import multiprocessing as mp
@@ -13,8 +13,8 @@ import torch.distributed as dist
 from kvstore.config import KVStoreConfig, KVTransferConfig
 from kvstore.errors import KVAuthError, KVTransferError
 from kvstore.transfer.base import FetchRequest, TransferState
-from kvstore.transfer.torch_dist import TorchKVSender, TorchTransferBackend
-from kvstore.transfer.torch_pair import TorchPairChannel
+from kvstore.transport.torch_pair.backend import TorchKVSender, TorchTransferBackend
+from kvstore.transport.torch_pair.channel import TorchPairChannel
 from tests.kvstore.tensor_dest import TensorDest, wait
 
 TOKEN = "pair-test-token"

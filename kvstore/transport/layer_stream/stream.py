@@ -65,9 +65,10 @@ class LayerStreamAnnounce:
     pieces: the stream, in order; num_blocks: request blocks it fills (full ones + tail).
     num_prompt_tokens: prompt length (the decode reserves blocks for it plus one token).
     num_layers: the model's layers; prefill_worker_id: who to tell on an abort.
-    region: over Mooncake's Transfer Engine (kvstore.transfer.mooncake_layer_stream.StreamRegion): the
-        pieces are written into this region of the prefill's registered memory instead of
-        the store, and the decode reads them there; None: the store carries them.
+    region: over Mooncake's Transfer Engine
+        (kvstore.transport.mooncake.layer_stream.StreamRegion): the pieces are written into
+        this region of the prefill's registered memory instead of the store, and the decode
+        reads them there; None: the store carries them.
     """
 
     request_id: str

@@ -1,7 +1,8 @@
 """Layer streams over Mooncake's Transfer Engine (``--kv-streaming layer`` with
 ``--kv-transfer mooncake``): the decode side of a stream whose pieces the prefill writes into
-one leased region of its TE-registered memory (kvstore.connector.mooncake.RegionStreamSender)
-as its layers end, counting them in the region's progress word.
+one leased region of its TE-registered memory
+(kvstore.transport.mooncake.connector.RegionStreamSender) as its layers end, counting them in
+the region's progress word.
 
 MooncakeLayerStreamReceiver takes the pieces in order, as the store-backed LayerStreamReceiver
 does: it reads the progress word until a piece is written, then the piece, into a registered
@@ -9,7 +10,7 @@ receive buffer of the decode's MooncakeTransferBackend, hands it to the stream's
 releases the region at the end (the prefill keeps it pinned while its writer may still write).
 Reads go into the receive buffer, never into the cache, so an abort ends the stream at once;
 leases, TE's timeout and the abandoned buffer work as for whole regions
-(kvstore.transfer.mooncake).
+(kvstore.transport.mooncake.backend).
 """
 
 from __future__ import annotations
@@ -22,9 +23,9 @@ import torch
 
 from kvstore.errors import BlockLayoutError, KVTransferError
 from kvstore.transfer.base import _Cancelled
-from kvstore.transfer.layer_stream import POLL_MAX_S, POLL_MIN_S, LayerStreamReceiver
-from kvstore.transfer.mooncake import LEASE_MARGIN_S, MooncakeTransferBackend
-from kvstore.transfer.te import TE_NO_BATCH
+from kvstore.transport.layer_stream.stream import POLL_MAX_S, POLL_MIN_S, LayerStreamReceiver
+from kvstore.transport.mooncake.backend import LEASE_MARGIN_S, MooncakeTransferBackend
+from kvstore.transport.mooncake.te import TE_NO_BATCH
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ Per request (it runs alone: the engine gives its chunks steps of their own, so t
 calls see one request):
 
 1. open      — right before its first chunk (bind_connector_metadata), the cached prefix in
-               its blocks: plan the pieces (kvstore.transfer.layer_stream.plan_pieces),
+               its blocks: plan the pieces (kvstore.transport.layer_stream.stream.plan_pieces),
                announce the stream to the decode peer (Ray, kvstore.transfer.peers), queue the
                cached prefix's blocks;
 2. compute   — after every decoder layer (save_kv_layer), copy that layer's K/V of the blocks
@@ -23,9 +23,9 @@ Only at TP=1: a rank's cache holds only its KV heads, and a per-layer gather wou
 interleave with the forward's own collectives (the worker then transfers whole requests).
 
 With ``--kv-transfer mooncake`` the pieces go into a leased region of the worker's
-TE-registered staging buffer (kvstore.connector.mooncake.RegionStreamSender), which the decode
-reads over TE, instead of onto the node's store; a stream that finds the buffer full uses the
-store.
+TE-registered staging buffer (kvstore.transport.mooncake.connector.RegionStreamSender), which
+the decode reads over TE, instead of onto the node's store; a stream that finds the buffer full
+uses the store.
 """
 
 from __future__ import annotations
@@ -45,12 +45,12 @@ from engine.core.blocks import num_blocks_for
 from engine.core.kv_connector import (KVConnector, KVConnectorMetadata, KVConnectorRequest,
                                       KVTransferParams, StepCancelled)
 from kvstore.connector.context import KVConnectorContext
-from kvstore.connector.mooncake import RegionSource, RegionStreamSender
 from kvstore.handoff import PrefillHandoff
-from kvstore.transfer.layer_stream import (ALL_LAYERS, LayerStreamAnnounce, LayerStreamSender,
-                                           plan_pieces)
 from kvstore.transfer.peers import StreamPeers
 from kvstore.transfer.registry import handoff_of
+from kvstore.transport.layer_stream.stream import (ALL_LAYERS, LayerStreamAnnounce,
+                                                   LayerStreamSender, plan_pieces)
+from kvstore.transport.mooncake.connector import RegionSource, RegionStreamSender
 
 log = logging.getLogger(__name__)
 

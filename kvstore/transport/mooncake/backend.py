@@ -52,7 +52,7 @@ reported the read done, failed or timed out, or TE's own timeout passed
 reads give up); the engine does not reuse the blocks before the fetch settled.
 
 Layer streams (``--kv-streaming layer``) over TE read a region the prefill writes piece by
-piece: kvstore.transfer.mooncake_layer_stream, on this backend.
+piece: kvstore.transport.mooncake.layer_stream, on this backend.
 
 Leases: the prefill frees a region once the decode wrote its release word, or once its lease
 ran out (``expires_at``, wall clock). A receiver starts only if its whole deadline ends before
@@ -61,10 +61,10 @@ once and the fetch takes the store path.
 
 Security: TE's data plane has no authentication: any peer that reaches its ports can read and
 write every registered region. Its listeners (handshake and TCP transport) bind ``bind_host``
-only, though TE itself binds every interface (kvstore.transfer.te_bind). Run it on a trusted
-network; the Kubernetes NetworkPolicy limits its ports to the cluster's pods. What crosses it
-is raw KV bytes, never pickles; the control messages (the RemoteRegion) travel on the Ray
-plane.
+only, though TE itself binds every interface (kvstore.transport.mooncake.te_bind). Run it on a
+trusted network; the Kubernetes NetworkPolicy limits its ports to the cluster's pods. What
+crosses it is raw KV bytes, never pickles; the control messages (the RemoteRegion) travel on
+the Ray plane.
 """
 
 from __future__ import annotations
@@ -83,8 +83,8 @@ from kvstore.errors import BlockLayoutError, KVStoreError, KVTransferError, KVTr
 from kvstore.layout import DTYPE_ITEMSIZE
 from kvstore.transfer.base import FetchRequest, KVReceiver, KVTransferBackend, TransferState
 from kvstore.transfer.dest import CacheDest, CallbackDest
-from kvstore.transfer.te import (TE_MISSING, TE_NO_BATCH, new_transfer_engine, register,
-                                 te_timeout_s)
+from kvstore.transport.mooncake.te import (TE_MISSING, TE_NO_BATCH, new_transfer_engine, register,
+                                           te_timeout_s)
 
 #: Seconds a region's lease must outlast a receiver's deadline: the two ends read different
 #: clocks (the lease is wall-clock time on the prefill node).

@@ -7,7 +7,7 @@ import torch
 
 from kvstore.errors import BlockNotFoundError
 from kvstore.node_client import NodeStoreClient
-from kvstore.transfer.grpc_backend import GrpcKVReceiver, GrpcTransferBackend
+from kvstore.transport.pool.grpc_backend import GrpcKVReceiver, GrpcTransferBackend
 
 
 class ArenaReceiver(GrpcKVReceiver):

@@ -1,6 +1,6 @@
 """torch.distributed transfer backend: point-to-point between one prefill and one decode worker.
 
-Bytes move as raw tensors over a :class:`~kvstore.transfer.torch_pair.TorchPairChannel`
+Bytes move as raw tensors over a :class:`~kvstore.transport.torch_pair.channel.TorchPairChannel`
 (gloo on CPU, NCCL on CUDA; never the default group; no pickle). Flow of one transfer::
 
     prefill: ch = TorchPairChannel(0, bind_host, 0, timeout_s, token=...)   # binds a free port
@@ -32,7 +32,7 @@ from kvstore.transfer.base import (FetchRequest, KVReceiver, KVTransferBackend, 
                                    _TransferBase)
 from kvstore.transfer.dest import CallbackDest
 from kvstore.transfer.runs import budget_runs
-from kvstore.transfer.torch_pair import TorchPairChannel
+from kvstore.transport.torch_pair.channel import TorchPairChannel
 
 
 class TorchKVSender(_TransferBase):

@@ -1,7 +1,7 @@
 """Mooncake's Transfer Engine (TE) as pdcluster runs it, for both ends of
 ``--kv-transfer mooncake`` and the Mooncake Store client: one initialized engine per process
 with P2P handshakes (no metadata server), its listeners confined to the configured address
-(kvstore.transfer.te_bind), its timeout, the session name peers reach it at, and memory
+(kvstore.transport.mooncake.te_bind), its timeout, the session name peers reach it at, and memory
 registration.
 """
 
@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from kvstore.config import KVTransferConfig
 from kvstore.errors import KVTransferError
-from kvstore.transfer.te_bind import confine_listeners
+from kvstore.transport.mooncake.te_bind import confine_listeners
 
 if TYPE_CHECKING:  # registration takes tensors; nothing else here needs torch
     import torch
@@ -31,7 +31,7 @@ TE_MISSING = ("--kv-transfer mooncake needs Mooncake's Transfer Engine: pip inst
 def new_transfer_engine(config: KVTransferConfig):
     """An initialized TE on ``config.bind_host`` with P2P handshakes (no metadata server), over
     ``config.mooncake_protocol``; its listeners bind ``config.bind_host`` only
-    (kvstore.transfer.te_bind) and its transfers time out after ``config.timeout_s``.
+    (kvstore.transport.mooncake.te_bind) and its transfers time out after ``config.timeout_s``.
 
     Raises:
         KVTransferError: the ``mooncake`` package is missing (``pdcluster[mooncake]``), the

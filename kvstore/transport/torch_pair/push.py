@@ -16,17 +16,17 @@ from kvstore.config import KVTransferConfig
 from kvstore.connector.context import KVConnectorContext
 from kvstore.errors import KVTransferError
 from kvstore.handoff import PrefillHandoff
-from kvstore.transfer.torch_dist import TorchKVSender
-from kvstore.transfer.torch_pair import TorchPairChannel
+from kvstore.transport.torch_pair.backend import TorchKVSender
+from kvstore.transport.torch_pair.channel import TorchPairChannel
 
 log = logging.getLogger(__name__)
 
 
 class TorchPushConnector(KVConnector):
     """Prefill side: one pair channel (rank 0) per decode peer, and one TorchKVSender per
-    request (kvstore.transfer.torch_dist). A request without a decode peer, with max_tokens 1
-    (the decode finishes it at admission, fetching nothing) or streamed layer by layer (its
-    KV went already) is not pushed.
+    request (kvstore.transport.torch_pair.backend). A request without a decode peer, with
+    max_tokens 1 (the decode finishes it at admission, fetching nothing) or streamed layer by
+    layer (its KV went already) is not pushed.
 
     Pair bootstrap: a peer's channel is opened — its own TCPStore bound on a free port of
     ``transfer.bind_host``, which is quick and never waits for the peer — on the peer's first

@@ -5,14 +5,14 @@ saves to the KV store (the decode's fallback, and the prefix cache).
 The worker registers one host staging buffer with TE once. When a request finishes, its blocks
 are copied into a leased region of that buffer, laid out as the cache holds them: layer-major
 from a cache with a tensor per layer, block-major (one gather) from a cross-layer cache
-(kvstore.transfer.mooncake), and
+(kvstore.transport.mooncake.backend), and
 the region goes to the decode in PrefillResult.kv_region; the decode reads it over TE and
 writes the lease's generation into the region's release word. A region is reused once
 released or once its lease (the KV plane's tail TTL, as for tail blocks) ran out; the engine's
 own blocks are free as soon as the request finished, as with every other connector.
 
 The buffer, its leases and the worker's TE are a RegionSource, which layer streams over TE
-(kvstore.connector.layer_stream) share: a stream leases one region for all its pieces and
+(kvstore.transport.layer_stream.connector) share: a stream leases one region for all its pieces and
 writes them into it as the layers end (RegionStreamSender).
 """
 
@@ -34,10 +34,10 @@ from kvstore.config import KVTransferConfig
 from kvstore.connector.context import KVConnectorContext
 from kvstore.errors import KVTransferError
 from kvstore.transfer.dest import WIRE_DTYPES
-from kvstore.transfer.layer_stream import LayerStreamSender
-from kvstore.transfer.mooncake import RemoteRegion, cache_blocks
-from kvstore.transfer.mooncake_layer_stream import StreamRegion
-from kvstore.transfer.te import new_transfer_engine, register, session_of
+from kvstore.transport.layer_stream.stream import LayerStreamSender
+from kvstore.transport.mooncake.backend import RemoteRegion, cache_blocks
+from kvstore.transport.mooncake.layer_stream import StreamRegion
+from kvstore.transport.mooncake.te import new_transfer_engine, register, session_of
 
 log = logging.getLogger(__name__)
 
@@ -106,9 +106,9 @@ class Lease:
 
 class RegionSource:
     """One prefill worker's TE-registered staging buffer, whose regions are leased to decodes
-    that read them (kvstore.transfer.mooncake): by the Mooncake connector (whole requests) and
-    by layer streams over TE (one region per stream, written piece by piece). Built once per
-    worker (``of``); thread-safe.
+    that read them (kvstore.transport.mooncake.backend): by the Mooncake connector (whole
+    requests) and by layer streams over TE (one region per stream, written piece by piece).
+    Built once per worker (``of``); thread-safe.
 
     Each lease has a release word (its reader writes the lease's generation there to free it)
     and a progress word (a layer stream's writer counts the pieces written there).
@@ -316,7 +316,7 @@ class RegionStreamSender(LayerStreamSender):
     (``--kv-streaming layer`` with ``--kv-transfer mooncake``) instead of onto the store, in
     order, from the sender's thread; after each, the lease's progress word counts the pieces
     written. The decode reads them over TE
-    (kvstore.transfer.mooncake_layer_stream.MooncakeLayerStreamReceiver).
+    (kvstore.transport.mooncake.layer_stream.MooncakeLayerStreamReceiver).
 
     The region is pinned (RegionSource.lease) until the sender's thread ends, so a decode that
     gives up early cannot free it under the writes; a cancelled stream's region then stays
