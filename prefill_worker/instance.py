@@ -34,7 +34,9 @@ def prefill_core(runner: ModelRunner, connector: KVConnector, worker_id: str, pi
     the step finished."""
     return EngineCore(runner, connector, worker_id, pid,
                       device_feed(index, Location(node_id, "device", worker_id)),
-                      kv_load_failure_policy, num_lookahead_tokens=0)
+                      kv_load_failure_policy, num_lookahead_tokens=0,
+                      compute_bound_tokens=runner.engine_config
+                      .resolved_prefill_compute_bound_tokens())
 
 
 def submit_prefill(core: EngineCore, request: PrefillRequest) -> tuple[Future, Future]:

@@ -116,6 +116,9 @@ class EngineCore:
             need not wait for the end (KVTransferConfig.decode_publish_interval).
         num_lookahead_tokens: slots admission reserves beyond the prompt: 1 where requests go
             on to decode (their first fed token), 0 on a prefill instance.
+        compute_bound_tokens: a step holding this many prompt tokens takes no further prompt
+            (Scheduler.schedule_chunks; a prefill instance's, where every step is prompts);
+            None: only the token budget bounds a step.
 
     Attributes:
         step_log: (step number, request ids of its decode rows) of the last STEP_LOG_SIZE
@@ -126,14 +129,15 @@ class EngineCore:
     def __init__(self, runner: ModelRunner, connector: KVConnector, worker_id: str, pid: int,
                  kv_events: KVEventFeedFactory | None = None,
                  kv_load_failure_policy: str = "recompute", publish_interval: int = 0,
-                 num_lookahead_tokens: int = 1) -> None:
+                 num_lookahead_tokens: int = 1, compute_bound_tokens: int | None = None
+                 ) -> None:
         self.kv_load_failures = KVLoadFailurePolicy(kv_load_failure_policy)
         self.runner, self.connector = runner, connector
         self.worker_id, self.pid = worker_id, pid
         cfg = runner.engine_config
         self.block_size = cfg.block_size
         self.token_budget = cfg.max_num_batched_tokens
-        self.compute_bound_tokens = cfg.resolved_prefill_compute_bound_tokens()
+        self.compute_bound_tokens = compute_bound_tokens
         self.max_model_len = cfg.resolved_max_model_len(runner.model_config)
         self.model_id = runner.model_config.name
         self.eos_token_ids = frozenset(runner.model_config.eos_token_ids)
