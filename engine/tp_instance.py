@@ -28,6 +28,7 @@ import ray
 from ray.util.placement_group import PlacementGroup
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from engine import ray_calls
 from engine.config import EngineConfig
 from engine.parallel import TPError, TPGroup, create_master_store, init_tp_group
 from engine.runner import ModelRunner
@@ -136,7 +137,7 @@ class TPInstance:
         """{"ranks": (pid, rank, node, KV heads) of rank 0 then of each follower,
         "num_all_reduces": the all-reduces rank 0 has issued}. Call after `start`; blocks on
         the followers' answers."""
-        followers = ray.get([f.info.remote() for f in self.followers])
+        followers = ray_calls.results([f.info.remote() for f in self.followers])
         return {"ranks": [_rank_info(self._runner)] + followers,
                 "num_all_reduces": self._runner.tp.num_all_reduces}
 
@@ -148,7 +149,7 @@ class TPInstance:
     def _monitor(self, refs: list) -> None:
         ready, _ = ray.wait(refs, num_returns=1, timeout=None)
         try:
-            ray.get(ready[0])
+            ray_calls.result(ready[0])
             reason = "a follower stopped"
         except Exception as exc:  # noqa: BLE001 — RayActorError and the like
             reason = f"a follower died: {exc}"

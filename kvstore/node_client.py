@@ -17,6 +17,7 @@ from typing import Callable, Sequence, TypeVar
 import ray
 import torch
 
+from engine import ray_calls
 from kvstore.arena.view import ArenaView
 from kvstore.errors import BlockLayoutError, KVStoreError, StaleArenaError
 from kvstore.index.base import check_keys
@@ -48,7 +49,7 @@ class NodeStoreClient(NodeStore):
         self._attach()
 
     def _attach(self) -> None:
-        info = ray.get(self.actor.arena_info.remote(), timeout=self.timeout_s)
+        info = ray_calls.result(self.actor.arena_info.remote(), self.timeout_s)
         # the old view is not closed: a batch in another thread may still copy through it
         # (it unmaps once unreferenced). The view is replaced before the name, so a batch
         # never pairs the new name (slots the store hands out now) with the old view.
@@ -86,15 +87,15 @@ class NodeStoreClient(NodeStore):
 
     def _put_batch(self, keys: Sequence[bytes], blocks: torch.Tensor) -> None:
         def batch(view: ArenaView, arena: str) -> None:
-            slots = ray.get(self.actor.reserve.remote(list(keys), arena), timeout=self.timeout_s)
+            slots = ray_calls.result(self.actor.reserve.remote(list(keys), arena), self.timeout_s)
             new = [i for i, s in enumerate(slots) if s is not None]
             try:
                 if new:
                     view.write_from([slots[i] for i in new], blocks[new].contiguous())
             except BaseException:
-                ray.get(self.actor.abort.remote(slots), timeout=self.timeout_s)
+                ray_calls.result(self.actor.abort.remote(slots), self.timeout_s)
                 raise
-            ray.get(self.actor.commit.remote(list(keys), slots), timeout=self.timeout_s)
+            ray_calls.result(self.actor.commit.remote(list(keys), slots), self.timeout_s)
         self._with_arena(batch)
 
     def get(self, keys: Sequence[bytes], out: torch.Tensor) -> list[str | None]:
@@ -112,7 +113,7 @@ class NodeStoreClient(NodeStore):
 
     def _get_batch(self, keys: Sequence[bytes], out: torch.Tensor) -> list[str | None]:
         def batch(view: ArenaView, arena: str) -> list[str | None]:
-            found = ray.get(self.actor.acquire.remote(list(keys), arena), timeout=self.timeout_s)
+            found = ray_calls.result(self.actor.acquire.remote(list(keys), arena), self.timeout_s)
             slots = [slot for slot, _ in found]
             run = next((i for i, s in enumerate(slots) if s is None), len(slots))
             try:
@@ -121,7 +122,7 @@ class NodeStoreClient(NodeStore):
                     view.read_into(slots[:run], buf)
                     out[:run] = buf
             finally:
-                ray.get(self.actor.release.remote(slots), timeout=self.timeout_s)
+                ray_calls.result(self.actor.release.remote(slots), self.timeout_s)
             return [tier for _, tier in found[:run]] + [None] * (len(keys) - run)
         return self._with_arena(batch)
 
@@ -142,7 +143,7 @@ class NodeStoreClient(NodeStore):
         check_keys(keys)
         remote = getattr(self.actor, method).remote
         return self._with_arena(
-            lambda _view, _arena: ray.get(remote(list(keys), *args), timeout=self.timeout_s))
+            lambda _view, _arena: ray_calls.result(remote(list(keys), *args), self.timeout_s))
 
     def _check_layout(self, keys: Sequence[bytes], blocks: torch.Tensor) -> None:
         layout = blocks_layout(keys, blocks)

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import threading
 
-import ray
-
+from engine import ray_calls
 from kvstore.actor import kvstore_actor
 from kvstore.client import KVStoreClient
 from kvstore.config import KVTLSConfig
@@ -35,7 +34,7 @@ class RemoteStores:
             return client
         try:
             actor = kvstore_actor(node_id, self.namespace, timeout_s=self.timeout_s)
-            address = ray.get(actor.address.remote(), timeout=self.timeout_s)
+            address = ray_calls.result(actor.address.remote(), self.timeout_s)
         except Exception as exc:  # noqa: BLE001 — dead node, missing actor, Ray timeout
             raise KVTransferError(f"no KV store reachable on node {node_id}: {exc}") from exc
         client = KVStoreClient(address, timeout_s=self.timeout_s, token=self.token,

@@ -19,6 +19,7 @@ from typing import Any
 import ray
 from ray.actor import ActorHandle
 
+from engine import ray_calls
 from engine.core.kv_events import KVCacheEvent
 from kvstore.index.base import (DEFAULT_NODE_LEASE_S, KVIndex, KVIndexUnavailableError, Location,
                                 check_events, check_keys, check_lease)
@@ -58,7 +59,7 @@ class ActorIndex(KVIndex):
 
     def _call(self, method: str, *args: Any) -> Any:
         try:
-            return ray.get(getattr(self._actor, method).remote(*args), timeout=self._timeout_s)
+            return ray_calls.result(getattr(self._actor, method).remote(*args), self._timeout_s)
         except (ray.exceptions.GetTimeoutError, ray.exceptions.RayActorError) as exc:
             raise KVIndexUnavailableError(f"index actor unavailable: {exc}") from exc
 

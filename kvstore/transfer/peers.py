@@ -17,6 +17,8 @@ from typing import Any
 
 import ray
 
+from engine import ray_calls
+
 log = logging.getLogger(__name__)
 
 ENTRY_PREFIX = "pdcluster-peer:"
@@ -62,7 +64,7 @@ def register_self(worker_id: str, namespace: str | None, timeout_s: float = 10.0
             pass  # none
         try:
             entry = _PeerEntry.options(name=name, namespace=namespace).remote(me)
-            ray.get(entry.handle.remote(), timeout=timeout_s)
+            ray_calls.result(entry.handle.remote(), timeout_s)
             return entry
         except ValueError:  # the old entry's name is not free yet
             if time.monotonic() > deadline:
@@ -84,7 +86,7 @@ class RayStreamPeers(StreamPeers):
         if handle is None:
             try:
                 entry = ray.get_actor(ENTRY_PREFIX + worker_id, namespace=self.namespace)
-                handle = ray.get(entry.handle.remote(), timeout=self.timeout_s)
+                handle = ray_calls.result(entry.handle.remote(), self.timeout_s)
             except Exception as exc:  # noqa: BLE001 — unknown, dead or slow: no streaming
                 log.warning("layer-stream peer %s not found: %s", worker_id, exc)
                 return None

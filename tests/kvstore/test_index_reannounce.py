@@ -3,6 +3,7 @@ node's KV store re-announces its blocks when it did not (a Redis restarted empty
 
 from __future__ import annotations
 
+import threading
 import time
 import uuid
 
@@ -98,8 +99,9 @@ def test_kv_store_reannounces_its_blocks_after_redis_restarts_empty(fresh_redis_
 
 def test_prefill_worker_reannounces_its_g1_blocks_after_redis_restarts_empty(
         fresh_redis_server, monkeypatch):
-    """A prefill worker's G1 (device) entries come back too: the next request after the loss
-    finds one cached key missing from the index and announces all of them again."""
+    """A prefill worker's G1 (device) entries come back too: the engine's next check after the
+    loss (a step, busy or idle) finds one cached key missing from the index and announces all
+    of them again, once."""
     from prefill_worker.instance import prefill as run_prefill, prefill_core
     from kvstore.index import device_feed
     from engine.config import BUNDLED_MODEL, EngineConfig
@@ -125,9 +127,14 @@ def test_prefill_worker_reannounces_its_g1_blocks_after_redis_restarts_empty(
         index.heartbeat("node-x", 30.0)
         first = run_prefill(engine, PrefillRequest("r1", tuple(range(5, 45)), params))
         assert all(mine in locs for locs in index.lookup(list(handoff(first).block_keys)))
+        # the engine loop held while Redis restarts: an idle loop checks the index too
+        held, release = threading.Event(), threading.Event()
+        engine.call_soon(lambda: (held.set(), release.wait(60)))
+        assert held.wait(30)
         fresh_redis_server.restart(kill=True)  # back on the same port, empty
         index.heartbeat("node-x", 30.0)
         assert index.lookup(list(handoff(first).block_keys)) == [[], []]
+        release.set()
         run_prefill(engine, PrefillRequest("r2", tuple(range(100, 120)), params))
         assert all(mine in locs for locs in index.lookup(list(handoff(first).block_keys)))
         assert engine.stats()["g1_reannouncements_total"] == 1
