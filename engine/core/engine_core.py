@@ -34,7 +34,6 @@ thread-safe and talk to the loop through its inbox; every other method runs on t
 from __future__ import annotations
 
 import logging
-import threading
 from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
@@ -162,9 +161,9 @@ class EngineCore:
         self._sending: dict[str, Request] = {}  # finished, KV params to come from the connector
         self._ready: list[tuple[Request, Any]] = []  # params known at request_finished
         self._in_step: list[Request] = []
-        # ids aborted before they arrived; bounded, as aborts may name finished requests
+        # ids aborted before they arrived (loop thread only); bounded, as aborts may name
+        # finished requests
         self._aborted: OrderedDict[str, None] = OrderedDict()
-        self._abort_lock = threading.Lock()
         self.step_log: deque[tuple[int, tuple[str, ...]]] = deque(maxlen=STEP_LOG_SIZE)
         self.num_steps_total = 0  # steps with decode rows
         self.num_forward_tokens_total = 0  # decode rows
@@ -323,9 +322,8 @@ class EngineCore:
         self.scheduler.add(request)
 
     def _refusal(self, request: Request) -> Exception | None:
-        with self._abort_lock:
-            if self._aborted.pop(request.request_id, False) is None:
-                return RequestAborted(request.request_id)
+        if self._aborted.pop(request.request_id, False) is None:
+            return RequestAborted(request.request_id)
         n = request.num_prompt_tokens
         if n == 0:
             return RequestRejected("prompt is empty")
@@ -408,10 +406,9 @@ class EngineCore:
         request = self.scheduler.find_waiting(request_id) or self.scheduler.active.get(request_id)
         if request is None:  # not arrived yet (refused when it comes), or finished
             self.connector.abort(request_id)
-            with self._abort_lock:
-                self._aborted[request_id] = None
-                while len(self._aborted) > MAX_TRACKED_ABORTS:
-                    self._aborted.popitem(last=False)
+            self._aborted[request_id] = None
+            while len(self._aborted) > MAX_TRACKED_ABORTS:
+                self._aborted.popitem(last=False)
         elif request.status is RequestStatus.WAITING_FOR_KV:
             request.aborted = True  # ended once its load settles: it may write its blocks
             self.connector.abort(request_id)
