@@ -36,8 +36,8 @@ def _gib(value: str) -> int:
 # (flag, config path, type, help) — flags follow vLLM's names where vLLM has one. The help
 # never states a default: `pdcluster serve --help` appends ServeConfig's (_ServeHelpFormatter).
 _SERVE_FLAGS = [
-    ("--model", "engine.model", str, "HF model directory (Llama family: Llama 2/3, Mistral, "
-                                      "Qwen2)"),
+    ("--model", "engine.model", str, "HF model directory whose config.json names a served "
+                                      "architecture (README's model table)"),
     ("--served-model-name", "served_model_name", str, "model id in the API"),
     ("--host", "host", str, "gateway bind address"),
     ("--port", "port", int, "gateway port"),

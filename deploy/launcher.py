@@ -20,7 +20,7 @@ from deploy import placement
 from deploy.ray_session import RaySession
 from deploy.preload import worker_huge_pages, worker_preload
 from engine.config import EngineConfig, ModelConfig
-from engine.model import check_tensor_parallel
+from engine.models.base import check_tensor_parallel
 from kvstore.actor import KVStoreActor, start_kvstore_actors, wait_kvstore_actors
 from kvstore.index import ActorIndex, open_index
 from kvstore.layout import BlockLayout

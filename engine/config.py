@@ -1,6 +1,7 @@
 """Model and engine configuration.
 
-`ModelConfig` is parsed from a Hugging Face `config.json` (Llama, Mistral, Qwen2) and accepts both
+`ModelConfig` is parsed from a Hugging Face `config.json` of a served architecture
+(engine.models.registry) and accepts both
 the transformers<5 keys (`rope_theta`, `rope_scaling` with `type` or `rope_type`) and the
 transformers 5 `rope_parameters` dict. `EngineConfig` is the validated, frozen runtime config of
 one worker's engine (paged cache geometry, dtype, device).
@@ -16,13 +17,18 @@ from typing import TYPE_CHECKING, Any, Literal
 import pydantic
 
 from engine import cpu_binding
+from engine.models.registry import UnsupportedArchitectureError, resolve_architecture
 
 if TYPE_CHECKING:
     import torch
 
 BUNDLED_MODEL: pathlib.Path = (pathlib.Path(__file__).parent / "models" / "stories260K").resolve()
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+#: model_type -> architecture, for a config.json without `architectures` (as transformers'
+#: AutoModelForCausalLM falls back to its model type)
+_ARCHITECTURE_OF_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                               "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                               "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 # Fields each scaled rope type needs (transformers' _validate_*_rope_parameters).
 _REQUIRED_ROPE_FIELDS = {
@@ -39,7 +45,10 @@ class ModelConfigError(ValueError):
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Architecture of a Llama-family checkpoint, parsed from its HF `config.json`.
+    """What the engine needs of a checkpoint's HF `config.json`: the fields every decoder
+    here shares; a family's own fields (experts, norms) its module reads from `hf_config`.
+
+    `architecture` is the served entry of `architectures` (engine.models.registry).
 
     `rope_scaling` is None for plain RoPE, else a dict holding `rope_type` ("linear" | "llama3")
     and that type's fields (`factor`, ...); `rope_theta` is never inside it.
@@ -69,21 +78,26 @@ class ModelConfig:
     o_bias: bool = False
     mlp_bias: bool = False
     sliding_window: int | None = field(default=None)
+    architecture: str = "LlamaForCausalLM"
+    #: the whole config.json, for the family module's own fields
+    hf_config: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def from_pretrained(cls, path: str | pathlib.Path) -> "ModelConfig":
         """Parse `<path>/config.json` (+ extra EOS ids from `generation_config.json`, as vLLM does).
 
-        Raises ModelConfigError for a missing/invalid file, an unsupported `model_type` or
-        `hidden_act`, an unsupported rope type, or missing rope scaling fields.
+        Raises ModelConfigError for a missing/invalid file, an architecture not served (the
+        message names the supported ones), an unsupported `hidden_act` or rope type, or
+        missing rope scaling fields.
         """
         directory = pathlib.Path(path)
         raw = _read_json(directory / "config.json", required=True)
         model_type = raw.get("model_type")
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ModelConfigError(
-                f"{directory}: unsupported model_type {model_type!r}; supported: {SUPPORTED_MODEL_TYPES}"
-            )
+        try:
+            architecture = resolve_architecture(
+                raw.get("architectures") or [_ARCHITECTURE_OF_MODEL_TYPE.get(model_type, model_type)])
+        except UnsupportedArchitectureError as exc:
+            raise ModelConfigError(f"{directory}: {exc}") from None
         act = raw.get("hidden_act", "silu")
         if act != "silu":
             raise ModelConfigError(f"{directory}: unsupported hidden_act {act!r}; only 'silu' (SwiGLU)")
@@ -114,6 +128,8 @@ class ModelConfig:
                 o_bias=False if model_type == "qwen2" else attention_bias,
                 mlp_bias=bool(raw.get("mlp_bias", False)),
                 sliding_window=_sliding_window(raw, model_type),
+                architecture=architecture,
+                hf_config=raw,
             )
         except KeyError as exc:
             raise ModelConfigError(f"{directory}/config.json: missing field {exc.args[0]!r}") from None
@@ -183,9 +199,9 @@ def _eos_ids(*values: Any) -> tuple[int, ...]:
 
 
 def _sliding_window(raw: dict[str, Any], model_type: str) -> int | None:
-    if model_type == "mistral":
+    if model_type in ("mistral", "mixtral"):
         window = raw.get("sliding_window")
-    elif model_type == "qwen2" and raw.get("use_sliding_window", False):
+    elif model_type in ("qwen2", "qwen3", "qwen3_moe") and raw.get("use_sliding_window", False):
         window = raw.get("sliding_window")
     else:
         window = None

@@ -30,19 +30,21 @@ import kernels
 import kernels.cpu_extension as cpu_extension
 from engine.attention import AttentionMetadata
 from engine.kv_cache import PagedKVCache
-from engine.model import LlamaForCausalLM
+from engine.models.base import DecoderForCausalLM
 from kernels.cpu_gemm import skinny_max_rows
 
 _DTYPES = (torch.float32, torch.bfloat16)
 
 
-def build(model: LlamaForCausalLM, kv_cache: PagedKVCache) -> CPUDecodeStack | None:
+def build(model: DecoderForCausalLM, kv_cache: PagedKVCache) -> CPUDecodeStack | None:
     """The stack for `model` (eager, after `process_weights_after_loading`) over `kv_cache`,
-    or None where it does not apply: not on CPU, TP > 1, no C++ extension, a kernel backend
+    or None where it does not apply: a family whose layers are not Llama's
+    (`runs_cpu_decode_stack`), not on CPU, TP > 1, no C++ extension, a kernel backend
     other than "auto", a dtype other than float32 / bfloat16, a head size the attention kernel
     has no specialization for, or a linear without its skinny copy."""
     dtype = model.model.embed_tokens.weight.dtype
-    if (kv_cache.device.type != "cpu" or model.tp.world_size != 1 or dtype not in _DTYPES
+    if (not model.runs_cpu_decode_stack or kv_cache.device.type != "cpu"
+            or model.tp.world_size != 1 or dtype not in _DTYPES
             or kv_cache.dtype != dtype or kernels.get_backend() != "auto"
             or not cpu_extension.available()
             or not cpu_extension.module().supports_head_dim(model.config.head_dim)):
@@ -53,7 +55,7 @@ def build(model: LlamaForCausalLM, kv_cache: PagedKVCache) -> CPUDecodeStack | N
     return CPUDecodeStack(model, kv_cache)
 
 
-def _projections(model: LlamaForCausalLM) -> list[Any]:
+def _projections(model: DecoderForCausalLM) -> list[Any]:
     """Every layer's four linears the stack runs: q|k|v, o, gate|up, down."""
     return [linear for layer in model.model.layers
             for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
@@ -64,7 +66,7 @@ class CPUDecodeStack:
     """The model's decoder layers for decode batches (one new token per sequence) of the
     sizes `takes` accepts; `forward` runs them."""
 
-    def __init__(self, model: LlamaForCausalLM, kv_cache: PagedKVCache) -> None:
+    def __init__(self, model: DecoderForCausalLM, kv_cache: PagedKVCache) -> None:
         ext = cpu_extension.module()
         config = model.config
         #: the most rows a projection runs on its second copy (the skinny or the tile GEMM),

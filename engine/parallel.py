@@ -160,7 +160,7 @@ def replicated_weight_loader(param: nn.Parameter, loaded: Any, name: str = "") -
     _copy(param, loaded[:], name)
 
 
-def _load_shard(param: nn.Parameter, loaded: Any, name: str, dim: int, tp: TPGroup) -> None:
+def load_shard(param: nn.Parameter, loaded: Any, name: str, dim: int, tp: TPGroup) -> None:
     """This rank's equal part of `loaded` along `dim` (0: rows, 1: columns) into `param`."""
     full = tuple(loaded.get_shape())
     if len(full) <= dim or full[dim] != param.shape[dim] * tp.world_size:
@@ -217,7 +217,7 @@ class ColumnParallelLinear(LinearBase):
 
     def weight_loader(self, param: nn.Parameter, loaded: Any, name: str = "") -> None:
         """Rows [r*n/k, (r+1)*n/k) of the full weight or bias."""
-        _load_shard(param, loaded, name, 0, self.tp)
+        load_shard(param, loaded, name, 0, self.tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.gemm(x, self.bias)
@@ -229,22 +229,36 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     once. Rank r holds its rows of each part, back to back: [sum(part sizes) / k, in_features].
 
     x [n, in_features] replicated -> [n, sum(part_sizes) / k]; `split` cuts the output into
-    the parts. Raises ValueError if k does not divide every part size.
+    the parts. `sources`: the checkpoint's sibling modules whose weights the parts are, in
+    order (("q_proj", "k_proj", "v_proj")). Raises ValueError if k does not divide every part
+    size, or sources and part sizes differ in number.
     """
 
     def __init__(self, in_features: int, part_sizes: Sequence[int], bias: bool,
-                 tp: TPGroup) -> None:
+                 tp: TPGroup, sources: Sequence[str]) -> None:
+        if len(sources) != len(part_sizes):
+            raise ValueError(f"{len(part_sizes)} parts named by {len(sources)} sources")
         local_sizes = [end - start for start, end in (tp.shard(size, "output size")
                                                       for size in part_sizes)]
         super().__init__(in_features, sum(part_sizes), bias, tp)
         self.local_sizes = local_sizes
+        self.sources = tuple(sources)
+
+    def checkpoint_tensors(self, module_name: str) -> dict[str, Callable[[Any], None]]:
+        """`<parent>.<source>.<weight|bias>` of each part -> its loader (engine.models.base)."""
+        parent = module_name.rsplit(".", 1)[0]
+        return {f"{parent}.{source}.{param_name}":
+                (lambda loaded, param=param, part=part, name=f"{parent}.{source}.{param_name}":
+                 self.weight_loader(param, loaded, name, part))
+                for param_name, param in self.named_parameters(recurse=False)
+                for part, source in enumerate(self.sources)}
 
     def weight_loader(self, param: nn.Parameter, loaded: Any, name: str = "",
                       part: int = 0) -> None:
         """Rows [r*n/k, (r+1)*n/k) of part `part`'s full weight or bias (n: that part's size)
         into that part's rows of `param`."""
         offset = sum(self.local_sizes[:part])
-        _load_shard(param.narrow(0, offset, self.local_sizes[part]), loaded, name, 0, self.tp)
+        load_shard(param.narrow(0, offset, self.local_sizes[part]), loaded, name, 0, self.tp)
 
     def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The parts of an output [n, sum / k] as views [n, part / k] each."""
@@ -290,7 +304,7 @@ class RowParallelLinear(LinearBase):
     def weight_loader(self, param: nn.Parameter, loaded: Any, name: str = "") -> None:
         """Columns [r*n/k, (r+1)*n/k) of the full weight; the whole bias."""
         if param is self.weight:
-            _load_shard(param, loaded, name, 1, self.tp)
+            load_shard(param, loaded, name, 1, self.tp)
         else:
             replicated_weight_loader(param, loaded, name)
 

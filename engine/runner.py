@@ -51,7 +51,7 @@ from engine.forward_context import ForwardContext, LayerHooks, set_forward_conte
 from engine.input_buffers import InputBuffers, SequenceChunk
 from engine.kv_cache import PagedKVCache
 from engine.loader import CheckpointReader
-from engine.model import build_model, check_tensor_parallel
+from engine.models.base import build_model, check_tensor_parallel
 from engine.parallel import TPError, TPGroup
 
 __all__ = ["ModelRunner", "SequenceChunk", "ShardedKVView"]

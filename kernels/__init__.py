@@ -38,6 +38,7 @@ from kernels import (cpu_extension, cpu_fused_ops, cpu_gemm, cpu_paged_attention
 __all__ = [
     "BACKENDS",
     "decode_batches_rows",
+    "fused_moe",
     "get_backend",
     "linear",
     "linear_silu_and_mul",
@@ -308,3 +309,11 @@ def rotary_embedding(
     cos_sin_cache [max_position, D] = cos | sin halves. See `reference.rotary_embedding`."""
     impl = _elementwise("triton_rotary", q, k)
     return impl.rotary_embedding(positions, q, k, cos_sin_cache)
+
+
+def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor) -> torch.Tensor:
+    """A MoE layer's experts, grouped by expert -> [T, H] (kernels.triton_fused_moe on the
+    Triton path). See `reference.fused_moe`."""
+    impl = _triton("triton_fused_moe") if _use_triton(x) else reference
+    return impl.fused_moe(x, w13, w2, topk_weights, topk_ids)

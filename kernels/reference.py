@@ -77,3 +77,33 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     sin = sin.to(x.dtype)[:, None, :]
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor) -> torch.Tensor:
+    """Routing-weighted sum of SwiGLU experts, grouped by expert.
+
+    x [T, H]; w13 [E, 2I, H] (each expert's gate rows, then up rows); w2 [E, H, I];
+    topk_weights float [T, k]; topk_ids int [T, k] (experts in [0, E)). Returns [T, H] in x's
+    dtype: sum_j topk_weights[t, j] * w2[e] @ silu_and_mul(w13[e] @ x[t]) with e =
+    topk_ids[t, j]. The T*k (token, slot) rows are sorted by expert (stable) and each expert
+    with rows runs one GEMM over them; products are weighted in float32 and summed over the
+    slots in float32, then cast.
+    """
+    num_tokens, top_k = topk_ids.shape
+    flat = topk_ids.reshape(-1).to(torch.int64)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()
+    rows = x[order // top_k]
+    out = torch.empty(rows.shape[0], w2.shape[1], dtype=x.dtype, device=x.device)
+    start = 0
+    for expert, count in enumerate(counts):
+        if count:
+            end = start + count
+            hidden = silu_and_mul(torch.nn.functional.linear(rows[start:end], w13[expert]))
+            out[start:end] = torch.nn.functional.linear(hidden, w2[expert])
+            start = end
+    by_slot = torch.empty_like(out)
+    by_slot[order] = out
+    weighted = by_slot.view(num_tokens, top_k, -1).to(torch.float32) * topk_weights[..., None]
+    return weighted.sum(dim=1).to(x.dtype)

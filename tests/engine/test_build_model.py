@@ -1,4 +1,4 @@
-"""engine.model.build_model: the model is built on the meta device and materialized in the
+"""engine.models.base.build_model: the model is built on the meta device and materialized in the
 requested dtype, without torch's Python references (which import sympy, a large import an
 eager worker does not otherwise need)."""
 
@@ -8,7 +8,8 @@ import sys
 import torch
 
 from engine.config import BUNDLED_MODEL, ModelConfig
-from engine.model import LlamaForCausalLM, build_model
+from engine.models.base import build_model
+from engine.models.llama import LlamaForCausalLM
 
 
 def test_every_tensor_is_materialized_in_the_dtype_and_frozen():
@@ -27,7 +28,7 @@ def test_every_tensor_is_materialized_in_the_dtype_and_frozen():
 
 def test_building_a_model_imports_no_sympy():
     code = ("import sys, torch; from engine.config import BUNDLED_MODEL, ModelConfig; "
-            "from engine.model import LlamaForCausalLM, build_model; "
+            "from engine.models.base import build_model; "
             "build_model(ModelConfig.from_pretrained(BUNDLED_MODEL), torch.float32, 'cpu'); "
             "print('sympy' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

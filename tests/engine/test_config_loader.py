@@ -61,7 +61,8 @@ def test_old_and_new_rope_keys_parse_identically(tmp_path):
     parsed = [ModelConfig.from_pretrained(d) for d in (new, old_type, old_rope_type)]
     assert parsed[0].rope_scaling == {"rope_type": "llama3", **scaling} and parsed[0].rope_theta == 5e5
     for other in parsed[1:]:
-        assert {**vars(other), "name": ""} == {**vars(parsed[0]), "name": ""}
+        assert ({**vars(other), "name": "", "hf_config": {}}
+                == {**vars(parsed[0]), "name": "", "hf_config": {}})
     plain_dir = _write_config(tmp_path / "plain", rope_theta=1e6, rope_scaling=None)
     plain_old = ModelConfig.from_pretrained(plain_dir)
     assert plain_old.rope_theta == 1e6 and plain_old.rope_scaling is None
@@ -91,7 +92,8 @@ def test_qwen2_and_mistral_variants(tmp_path):
 @pytest.mark.parametrize(
     ("fields", "message"),
     [
-        ({"model_type": "gpt2"}, "unsupported model_type"),
+        ({"model_type": "gpt2"}, "unsupported architecture"),
+        ({"architectures": ["GPT2LMHeadModel"]}, "supported: LlamaForCausalLM, "),
         ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "unsupported rope type"),
         ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, "unsupported rope type"),
         ({"rope_scaling": {"type": "linear"}}, "needs fields"),

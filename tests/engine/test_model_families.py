@@ -1,61 +1,83 @@
-"""Llama-family architectures that differ from Llama in config only, against transformers: a
-tiny random Qwen2 (biases on q, k and v) and a tiny random Mistral (no sliding window within
-these lengths), each saved as safetensors and loaded by the engine like any checkpoint. Paged
-logits of a chunked prefill and of decode steps across block boundaries equal the reference's
-(fp32, max abs diff <= 1e-4)."""
+"""Every served family against transformers, on its tiny random checkpoint
+(tests/models/factory.py): paged logits of a chunked prefill then 32 decode steps across block
+boundaries, and of a prompt that reuses another's cached prefix blocks, equal the reference's
+(fp32, max abs diff <= 1e-4); bf16 logits stay within the Llama bf16 test's bound.
+"""
 
 from __future__ import annotations
 
 import pytest
 import torch
-import transformers
 
 from engine.config import EngineConfig
 from engine.runner import ModelRunner, SequenceChunk
 from tests.engine.test_paged_logits import ATOL, _max_diff, _prompt, _shuffled_tables
+from tests.models.factory import BASE, build
 
 BLOCK = 4
-SHAPE = dict(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-             initializer_range=0.2, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
-
-FAMILIES = {
-    "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, {}),
-    "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM,
-                {"sliding_window": None, "head_dim": 16}),
+NUM_DECODES = 32
+#: id -> (family, config overrides): each family, plus the edge cases of the factory
+CASES = {
+    "llama": ("llama", {}),
+    "qwen2": ("qwen2", {}),
+    "mistral": ("mistral", {}),
+    "qwen3": ("qwen3", {}),
+    "qwen3-tied": ("qwen3", {"tie_word_embeddings": True}),
+    "mixtral": ("mixtral", {}),
+    "qwen3_moe": ("qwen3_moe", {}),
 }
 
 
-@pytest.fixture(scope="module", params=sorted(FAMILIES))
+@pytest.fixture(scope="module", params=sorted(CASES))
 def family(request, tmp_path_factory):
-    config_cls, model_cls, extra = FAMILIES[request.param]
-    torch.manual_seed(0)
-    model = model_cls(config_cls(**SHAPE, **extra)).eval()
-    if request.param == "qwen2":  # random biases: transformers initialises them at zero
-        with torch.no_grad():
-            for layer in model.model.layers:
-                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj,
-                             layer.self_attn.v_proj):
-                    proj.bias.normal_(0, 0.2)
+    name, overrides = CASES[request.param]
     path = tmp_path_factory.mktemp(request.param)
-    model.save_pretrained(path)
+    hf = build(name, path, **overrides)
     runner = ModelRunner(EngineConfig(model=str(path), block_size=BLOCK, num_kv_blocks=64,
                                       enforce_eager=True))
-    return model, runner
+    return request.param, path, hf, runner
+
+
+def _reference(hf, tokens: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return hf(torch.tensor([tokens])).logits[0].float()
 
 
 def test_chunked_prefill_then_decode_matches_transformers(family):
-    hf, runner = family
-    tokens = _prompt(11, 13, SHAPE["vocab_size"])
-    num_decodes = 2 * BLOCK + 3
-    (table,) = _shuffled_tables(1, -(-(len(tokens) + num_decodes) // BLOCK))
+    name, _, hf, runner = family
+    tokens = _prompt(11, 13, BASE["vocab_size"])
+    (table,) = _shuffled_tables(1, -(-(len(tokens) + NUM_DECODES) // BLOCK))
     steps = [runner.execute([SequenceChunk(tokens[:6], 0, table)], all_logits=True),
              runner.execute([SequenceChunk(tokens[6:], 6, table)], all_logits=True)]
-    for _ in range(num_decodes):
+    for _ in range(NUM_DECODES):
         tokens.append(int(steps[-1][-1].argmax()))
         steps.append(runner.execute([SequenceChunk(tokens[-1:], len(tokens) - 1, table)]))
-    with torch.no_grad():
-        expected = hf(torch.tensor([tokens])).logits[0].float()
-    diff = _max_diff(torch.cat(steps), expected)
-    print(f"{type(hf).__name__}: prefill + {num_decodes} decodes, max abs diff {diff:.2e}")
+    diff = _max_diff(torch.cat(steps), _reference(hf, tokens))
+    print(f"{name}: prefill + {NUM_DECODES} decodes, max abs diff {diff:.2e}")
     assert diff <= ATOL
+
+
+def test_prefix_hit_matches_transformers(family):
+    """B's first 3 blocks are A's, already in the cache; only B's tail is computed."""
+    name, _, hf, runner = family
+    a = _prompt(31, 3 * BLOCK + 2, BASE["vocab_size"])
+    b = a[:3 * BLOCK] + _prompt(32, 7, BASE["vocab_size"])[1:]
+    table_a, tail = _shuffled_tables(3, -(-len(a) // BLOCK), 2)
+    runner.execute([SequenceChunk(a, 0, table_a)])
+    table_b = table_a[:3] + tail
+    got = runner.execute([SequenceChunk(b[3 * BLOCK:], 3 * BLOCK, table_b)], all_logits=True)
+    diff = _max_diff(got, _reference(hf, b)[3 * BLOCK:])
+    print(f"{name}: prefix hit of {3 * BLOCK} tokens, max abs diff {diff:.2e}")
+    assert diff <= ATOL
+
+
+def test_bfloat16_close_to_transformers(family):
+    name, path, hf, _ = family
+    tokens = _prompt(41, 19, BASE["vocab_size"])
+    (table,) = _shuffled_tables(4, -(-len(tokens) // BLOCK))
+    bf16 = ModelRunner(EngineConfig(model=str(path), block_size=BLOCK, num_kv_blocks=64,
+                                    enforce_eager=True, dtype="bfloat16"))
+    got = bf16.execute([SequenceChunk(tokens, 0, table)], all_logits=True)
+    expected = _reference(hf, tokens)
+    assert got.dtype == torch.float32 and torch.isfinite(got).all()
+    assert (got - expected).abs().max() < 0.1 * expected.abs().max()

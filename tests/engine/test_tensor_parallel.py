@@ -1,8 +1,9 @@
 """Acceptance: tensor parallelism on CPU (gloo) equals TP=1.
 
-Two models: the bundled stories260K (8 heads, 4 KV heads, tied embeddings) and a random GQA
+Four models: the bundled stories260K (8 heads, 4 KV heads, tied embeddings), a random GQA
 checkpoint written here (8 heads, 4 KV heads, biases on q/k/v/o and the MLP, untied, saved in
-several safetensors shards). Each runs as TP=1 and as a real 2-process TP instance
+several safetensors shards), and the factory's Mixtral and Qwen3-MoE (tests/models/factory.py:
+each expert's intermediate dimension split over the ranks). Each runs as TP=1 and as a real 2-process TP instance
 (_tp_child.py): chunked + batched prefill, batched greedy decode, then the prompt's blocks read
 in the KV pool's layout (gathered from the ranks, as a TP prefill publishes them) and written
 into other blocks (scattered, as a TP decode receives them) and decoded again. Checked: greedy
@@ -24,8 +25,9 @@ import torch
 import transformers
 
 from engine.config import BUNDLED_MODEL, ModelConfig
-from engine.model import check_tensor_parallel
+from engine.models.base import check_tensor_parallel
 from engine.parallel import TPGroup
+from tests.models.factory import build
 
 CHILD = Path(__file__).with_name("_tp_child.py")
 ROOT = Path(__file__).resolve().parents[2]
@@ -72,10 +74,15 @@ def _start_tp2(model: str, block_size: int, out: Path, mode: str) -> list[subpro
     return [rank0, _spawn(1, 2, model, block_size, out, mode, int((out / "port").read_text()))]
 
 
-@pytest.mark.parametrize("model", ["stories260K", "random_gqa"])
+@pytest.mark.parametrize("model", ["stories260K", "random_gqa", "mixtral", "qwen3_moe"])
 def test_tp2_matches_tp1(model, request, tmp_path):
-    path, block_size = ((str(BUNDLED_MODEL), 16) if model == "stories260K"
-                        else (request.getfixturevalue("random_gqa_checkpoint"), 4))
+    if model == "stories260K":
+        path, block_size = str(BUNDLED_MODEL), 16
+    elif model == "random_gqa":
+        path, block_size = request.getfixturevalue("random_gqa_checkpoint"), 4
+    else:
+        build(model, tmp_path / "checkpoint")
+        path, block_size = str(tmp_path / "checkpoint"), 4
     config = ModelConfig.from_pretrained(path)
     tp1_out, tp2_out = tmp_path / "tp1", tmp_path / "tp2"
     procs = [_spawn(0, 1, path, block_size, tp1_out, "serve"),

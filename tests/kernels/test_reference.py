@@ -7,6 +7,7 @@ import torch
 
 from kernels import reference
 from tests.kernels import attention_oracle
+from tests.kernels.routing import skewed_routing
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 32
@@ -130,3 +131,22 @@ def test_rotary_is_in_place():
     cos_sin_cache = torch.randn(5, 8)
     q_out, k_out = reference.rotary_embedding(torch.tensor([1, 2]), q, k, cos_sin_cache)
     assert q_out is q and k_out is k
+
+
+def test_fused_moe_equals_each_token_through_its_experts():
+    """The grouped reference against the definition, one (token, slot) at a time, on a batch
+    where expert 0 takes most tokens and the last expert none."""
+    gen = torch.Generator().manual_seed(5)
+    num_tokens, num_experts, top_k, hidden, inter = 29, 6, 2, 16, 24
+    x = torch.randn(num_tokens, hidden, generator=gen)
+    w13 = torch.randn(num_experts, 2 * inter, hidden, generator=gen)
+    w2 = torch.randn(num_experts, hidden, inter, generator=gen)
+    weights, ids = skewed_routing(gen, num_tokens, num_experts, top_k)
+    expected = torch.zeros(num_tokens, hidden)
+    for t in range(num_tokens):
+        for j in range(top_k):
+            e = int(ids[t, j])
+            gate, up = (w13[e] @ x[t]).chunk(2)
+            expected[t] += weights[t, j] * (w2[e] @ (torch.nn.functional.silu(gate) * up))
+    torch.testing.assert_close(reference.fused_moe(x, w13, w2, weights, ids), expected,
+                               atol=1e-4, rtol=1e-5)

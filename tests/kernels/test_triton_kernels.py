@@ -32,12 +32,14 @@ import kernels  # noqa: E402
 from kernels import reference  # noqa: E402
 from kernels._triton_common import KernelInputError  # noqa: E402
 from kernels.triton_activation import plan_silu_and_mul  # noqa: E402
+from kernels.triton_fused_moe import align_block_size, fused_moe  # noqa: E402
 from kernels.triton_kv_cache import plan_store_kv_cache  # noqa: E402
 from kernels.triton_paged_decode import choose_num_splits, plan_paged_decode_attention  # noqa: E402
 from kernels.triton_paged_prefill import plan_paged_prefill_attention  # noqa: E402
 from kernels.triton_rms_norm import plan_rms_norm  # noqa: E402
 from kernels.triton_rotary import plan_rotary_embedding  # noqa: E402
 from tests.kernels import attention_oracle  # noqa: E402
+from tests.kernels.routing import skewed_routing  # noqa: E402
 
 ON_CUDA = torch.cuda.is_available()
 INTERPRETED = kernels.triton_interpreted()
@@ -300,6 +302,33 @@ def test_rotary_embedding(num_heads, num_kv_heads, head_dim, dtype):
     _run(plan_rotary_embedding(positions, q, k, cos_sin_cache))
     _close(q, expected_q, "rotary q")
     _close(k, expected_k, "rotary k")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("num_tokens,num_experts,top_k,hidden,inter",
+                         [(1, 4, 2, 64, 48), (37, 8, 2, 64, 48), (70, 4, 1, 32, 96)])
+@matrix
+def test_fused_moe(num_tokens, num_experts, top_k, hidden, inter, dtype):
+    gen = _gen("moe", num_tokens, num_experts, top_k, dtype)
+    x = _randn(gen, num_tokens, hidden, dtype=dtype)
+    w13 = _randn(gen, num_experts, 2 * inter, hidden, dtype=dtype) * hidden**-0.5
+    w2 = _randn(gen, num_experts, hidden, inter, dtype=dtype) * inter**-0.5
+    weights, ids = (t.to(DEVICE) for t in skewed_routing(gen, num_tokens, num_experts, top_k))
+    counts = torch.bincount(ids.flatten().cpu(), minlength=num_experts)
+    assert counts[-1] == 0 and (num_tokens < 4 or counts[0] >= num_tokens * 3 // 4)
+    got = fused_moe(x, w13, w2, weights, ids)
+    expected = reference.fused_moe(x, w13, w2, weights, ids)
+    atol, rtol = TOLERANCE[dtype]
+    torch.testing.assert_close(got, expected, atol=4 * atol, rtol=4 * rtol)
+
+
+def test_align_block_size_groups_slots_by_expert():
+    ids = torch.tensor([[2, 0], [2, 1], [0, 2], [2, 2]])
+    sorted_ids, block_expert = align_block_size(ids, 4, 4)
+    # slots of expert 0: 1, 4; of 1: 3; of 2: 0, 2, 5, 6, 7 (two tiles); expert 3: none
+    assert block_expert.tolist()[:4] == [0, 1, 2, 2] and set(block_expert.tolist()[4:]) <= {-1}
+    tiles = sorted_ids.view(-1, 4).tolist()
+    assert tiles[:4] == [[1, 4, 8, 8], [3, 8, 8, 8], [0, 2, 5, 6], [7, 8, 8, 8]]
 
 
 @matrix

@@ -1,45 +1,33 @@
-"""Llama-family decoder (Llama 2/3, Mistral, Qwen2) over a paged KV cache, in plain torch.
+"""What every decoder here shares: the decoder stack over the paged cache, checkpoint loading,
+weight repacking, logits, and building a model on the meta device.
 
 Tokens arrive flattened ([num_tokens], several sequences packed; see engine.attention), so every
-module works on [num_tokens, ...] tensors. Module and parameter names mirror transformers'
-LlamaForCausalLM, except that q/k/v_proj load into one qkv_proj and gate/up_proj into one
-gate_up_proj (vLLM's stacked parameters), so each reads its input once in one GEMM.
+module works on [num_tokens, ...] tensors. Module and parameter names mirror transformers', so
+a checkpoint's tensor names find their parameters; where a module stacks several of the
+checkpoint's (q|k|v into qkv_proj, gate|up into gate_up_proj, every expert of a layer into one
+tensor), the module says which names it reads (`checkpoint_tensors`), as vLLM's stacked
+parameter mappings do.
 
-Tensor parallel (engine.parallel; TP=1 is the same code with no communication): q/k/v and
-gate/up are column-parallel, o/down row-parallel (an all-reduce each), so a rank holds
-num_heads/k query heads, num_kv_heads/k KV heads (its slice of the paged cache) and
-intermediate_size/k of the MLP; embeddings, norms and lm_head are replicated.
+A family (engine.models.<family>) subclasses `DecoderForCausalLM` and builds each layer's
+attention and MLP; norms, embeddings and lm_head are these.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
 
 import kernels
-from engine.attention_layer import unified_attention
 from engine.config import ModelConfig
 from engine.loader import CheckpointReader, WeightLoadError
-from engine.parallel import (LinearBase, MergedColumnParallelLinear, RowParallelLinear,
-                             TPGroup, replicated_weight_loader)
+from engine.parallel import LinearBase, TPGroup, replicated_weight_loader
 from engine.rope import RotaryEmbedding
 
-
-#: Merged module -> the HF modules whose weights it stacks, in order (vLLM's
-#: stacked_params_mapping).
-_STACKED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
-
-
-def check_tensor_parallel(config: ModelConfig, tp_size: int) -> None:
-    """Raise ValueError unless `tp_size` divides the heads, KV heads and intermediate size."""
-    if tp_size < 1:
-        raise ValueError(f"tensor parallel size must be >= 1, got {tp_size}")
-    for what, size in (("num_attention_heads", config.num_attention_heads),
-                       ("num_key_value_heads", config.num_key_value_heads),
-                       ("intermediate_size", config.intermediate_size)):
-        if size % tp_size:
-            raise ValueError(f"tensor parallel size {tp_size} does not divide the model's {what} "
-                             f"{size} ({config.name}); KV heads are never replicated across ranks")
+#: checkpoint tensor name -> a call that copies the tensor's slice into its parameter
+Sources = dict[str, Callable[[Any], None]]
 
 
 class RMSNorm(nn.Module):
@@ -56,60 +44,16 @@ class RMSNorm(nn.Module):
         return kernels.rms_norm(x, self.weight, self.eps, residual)
 
 
-class LlamaAttention(nn.Module):
-    """GQA self-attention with RoPE; K/V go to the layer's paged cache before attending."""
+class DecoderLayer(nn.Module):
+    """Pre-norm block; the residual stream is carried separately (vLLM's fused add+norm style).
+    `self_attn(hidden, rope)` and `mlp(hidden)` are the family's."""
 
-    def __init__(self, config: ModelConfig, tp: TPGroup, layer: int) -> None:
-        super().__init__()
-        self.layer = layer  # its cache in the forward context's PagedKVCache
-        self.num_heads = config.num_attention_heads // tp.world_size  # this rank's heads
-        self.num_kv_heads = config.num_key_value_heads // tp.world_size
-        self.head_dim = config.head_dim
-        self.scale = self.head_dim**-0.5
-        q_size = config.num_attention_heads * self.head_dim
-        kv_size = config.num_key_value_heads * self.head_dim
-        hidden, bias = config.hidden_size, config.qkv_bias
-        self.qkv_proj = MergedColumnParallelLinear(hidden, (q_size, kv_size, kv_size), bias, tp)
-        self.o_proj = RowParallelLinear(q_size, hidden, config.o_bias, tp)
-
-    def forward(
-        self,
-        hidden: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor],
-    ) -> torch.Tensor:
-        num_tokens = hidden.shape[0]
-        positions, cos_sin_cache = rope
-        qkv = self.qkv_proj.forward_rope(hidden, positions, cos_sin_cache, self.head_dim)
-        q, k, v = self.qkv_proj.split(qkv)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)  # strided views of one output
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        out = unified_attention(q, k, v, self.layer, self.scale)
-        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
-
-
-class LlamaMLP(nn.Module):
-    """SwiGLU MLP: down(silu(gate(x)) * up(x))."""
-
-    def __init__(self, config: ModelConfig, tp: TPGroup) -> None:
-        super().__init__()
-        hidden, inter, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
-        self.gate_up_proj = MergedColumnParallelLinear(hidden, (inter, inter), bias, tp)
-        self.down_proj = RowParallelLinear(inter, hidden, bias, tp)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.gate_up_proj.forward_silu_and_mul(x))
-
-
-class LlamaDecoderLayer(nn.Module):
-    """Pre-norm block; the residual stream is carried separately (vLLM's fused add+norm style)."""
-
-    def __init__(self, config: ModelConfig, tp: TPGroup, layer: int) -> None:
+    def __init__(self, config: ModelConfig, self_attn: nn.Module, mlp: nn.Module) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config, tp, layer)
+        self.self_attn = self_attn
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = LlamaMLP(config, tp)
+        self.mlp = mlp
 
     def forward(
         self,
@@ -123,17 +67,16 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(hidden), residual
 
 
-class LlamaModel(nn.Module):
+class DecoderModel(nn.Module):
     """Embedding, decoder layers and final norm (HF prefix `model.`)."""
 
-    def __init__(self, config: ModelConfig, tp: TPGroup) -> None:
+    def __init__(self, config: ModelConfig, layers: list[DecoderLayer]) -> None:
         super().__init__()
         # _weight: no random init (build_model loads every parameter; init on the meta device
         # would cost seconds of one-time imports per process)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size,
                                          _weight=torch.empty(config.vocab_size, config.hidden_size))
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, tp, layer)
-                                    for layer in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
@@ -145,17 +88,29 @@ class LMHead(nn.Module):
         self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size))
 
 
-class LlamaForCausalLM(nn.Module):
-    """The whole model (this rank's shard of it). forward -> final hidden states (replicated);
-    compute_logits -> float32 logits. Raises ValueError if tp's size does not divide the heads,
-    KV heads and intermediate size."""
+class DecoderForCausalLM(nn.Module):
+    """A decoder-only LM (this rank's shard of it). forward -> final hidden states
+    (replicated); compute_logits -> float32 logits. A family overrides `build_attention` and
+    `build_mlp`, and `tp_split_sizes` for what else tensor parallel splits.
+
+    Raises ValueError if tp's size does not divide what the family splits across ranks."""
+
+    #: whether engine.cpu_decode_stack may run this family's decode steps (its C++ layers are
+    #: Llama's)
+    runs_cpu_decode_stack = False
+    #: checkpoint name fragment -> this module's (vLLM's WeightsMapper), for families whose
+    #: HF layer names differ from their modules'
+    checkpoint_renames: dict[str, str] = {}
 
     def __init__(self, config: ModelConfig, tp: TPGroup | None = None) -> None:
         super().__init__()
         self.tp = tp or TPGroup()
-        check_tensor_parallel(config, self.tp.world_size)
+        type(self).check_tensor_parallel(config, self.tp.world_size)
         self.config = config
-        self.model = LlamaModel(config, self.tp)
+        self.model = DecoderModel(config, [
+            DecoderLayer(config, self.build_attention(config, self.tp, layer),
+                         self.build_mlp(config, self.tp, layer))
+            for layer in range(config.num_hidden_layers)])
         self.lm_head: LMHead | None = None
         if not config.tie_word_embeddings:
             self.lm_head = LMHead(config.hidden_size, config.vocab_size)
@@ -166,6 +121,31 @@ class LlamaForCausalLM(nn.Module):
         self.logits_weight: torch.Tensor | None = None
         #: its skinny copy for decode batches on CPU (kernels.pack_skinny_weight), or None
         self.logits_skinny: torch.Tensor | None = None
+
+    def build_attention(self, config: ModelConfig, tp: TPGroup, layer: int) -> nn.Module:
+        raise NotImplementedError
+
+    def build_mlp(self, config: ModelConfig, tp: TPGroup, layer: int) -> nn.Module:
+        raise NotImplementedError
+
+    @classmethod
+    def tp_split_sizes(cls, config: ModelConfig) -> dict[str, int]:
+        """What tensor parallel splits across ranks, by name: heads, KV heads (never
+        replicated) and the MLP's intermediate size."""
+        return {"num_attention_heads": config.num_attention_heads,
+                "num_key_value_heads": config.num_key_value_heads,
+                "intermediate_size": config.intermediate_size}
+
+    @classmethod
+    def check_tensor_parallel(cls, config: ModelConfig, tp_size: int) -> None:
+        """Raise ValueError unless `tp_size` divides every size in `tp_split_sizes`."""
+        if tp_size < 1:
+            raise ValueError(f"tensor parallel size must be >= 1, got {tp_size}")
+        for what, size in cls.tp_split_sizes(config).items():
+            if size % tp_size:
+                raise ValueError(f"tensor parallel size {tp_size} does not divide the model's "
+                                 f"{what} {size} ({config.name}); KV heads are never replicated "
+                                 "across ranks")
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """input_ids, positions: int64 [num_tokens] -> final-normed hidden [num_tokens, hidden].
@@ -208,13 +188,13 @@ class LlamaForCausalLM(nn.Module):
         """Copy HF-named tensors (`model.layers.N.self_attn.q_proj.weight`, ...) from lazy
         safetensors slices into the parameters: each parameter's weight_loader reads only this
         rank's rows or columns from disk (engine.parallel), cast to the parameter's dtype and
-        device; q/k/v and gate/up land in their part of the merged qkv_proj and gate_up_proj.
+        device; a stacking module's parts land where it says (`checkpoint_tensors`).
         `lm_head.weight` is ignored when embeddings are tied; rotary `inv_freq` buffers some
         checkpoints carry are ignored.
         Raises WeightLoadError for a missing parameter, a shape mismatch or an unexpected name.
         """
-        sources = self._checkpoint_sources()
-        names = set(reader.names())
+        sources = self.checkpoint_sources()
+        names = {self._renamed(name): name for name in reader.names()}
         unexpected = sorted(
             name
             for name in names
@@ -227,38 +207,49 @@ class LlamaForCausalLM(nn.Module):
         missing = sorted(name for name in sources if name not in names)
         if missing:
             raise WeightLoadError(f"checkpoint lacks tensors: {missing[:5]} ({len(missing)} in all)")
-        for name, (module, param, part) in sources.items():
-            if part is not None:
-                module.weight_loader(param, reader.slice(name), name, part)
-            else:
-                loader = getattr(module, "weight_loader", replicated_weight_loader)
-                loader(param, reader.slice(name), name)
+        for name, load in sources.items():
+            load(reader.slice(names[name]))
 
-    def _checkpoint_sources(self) -> dict[str, tuple[nn.Module, nn.Parameter, int | None]]:
-        """Checkpoint tensor name -> (module, parameter, part of a merged parameter or None)."""
-        sources: dict[str, tuple[nn.Module, nn.Parameter, int | None]] = {}
+    def _renamed(self, name: str) -> str:
+        for old, new in self.checkpoint_renames.items():
+            name = name.replace(old, new)
+        return name
+
+    def checkpoint_sources(self) -> Sources:
+        """Checkpoint tensor name (after `checkpoint_renames`) -> the call loading it."""
+        sources: Sources = {}
         for module_name, module in self.named_modules():
-            merged = _STACKED.get(module_name.rsplit(".", 1)[-1])
+            own = getattr(module, "checkpoint_tensors", None)
+            if own is not None:
+                sources.update(own(module_name))
+                continue
+            loader = getattr(module, "weight_loader", replicated_weight_loader)
             for param_name, param in module.named_parameters(recurse=False):
-                if merged is None:
-                    sources[f"{module_name}.{param_name}" if module_name else param_name] = (
-                        module, param, None)
-                    continue
-                prefix = module_name.rsplit(".", 1)[0]
-                for part, source in enumerate(merged):
-                    sources[f"{prefix}.{source}.{param_name}"] = (module, param, part)
+                name = f"{module_name}.{param_name}" if module_name else param_name
+                sources[name] = (lambda loaded, param=param, name=name, loader=loader:
+                                 loader(param, loaded, name))
         return sources
 
 
+def check_tensor_parallel(config: ModelConfig, tp_size: int) -> None:
+    """Raise ValueError unless `tp_size` divides what the model's family splits across ranks
+    (its class's `check_tensor_parallel`)."""
+    from engine.models.registry import model_class
+
+    model_class(config.architecture).check_tensor_parallel(config, tp_size)
+
+
 def build_model(config: ModelConfig, dtype: torch.dtype, device: str | torch.device,
-                tp: TPGroup | None = None) -> LlamaForCausalLM:
-    """An uninitialized model (this rank's shard, with `tp`) with parameters allocated in
-    `dtype` on `device`, in eval mode.
+                tp: TPGroup | None = None) -> DecoderForCausalLM:
+    """An uninitialized model of the config's architecture (this rank's shard, with `tp`) with
+    parameters allocated in `dtype` on `device`, in eval mode.
 
     Built on the meta device then materialized, so no time goes into random init; call
     `load_checkpoint` before use."""
+    from engine.models.registry import model_class
+
     with torch.device("meta"):
-        model = LlamaForCausalLM(config, tp)
+        model = model_class(config.architecture)(config, tp)
     _materialize(model, dtype, torch.device(device))
     return model.eval().requires_grad_(False)
 
