@@ -77,8 +77,10 @@ def paged_attention(
     v_cache: torch.Tensor,
     attn: AttentionMetadata,
     scale: float,
+    sliding_window: int = 0,
 ) -> torch.Tensor:
     """Store k/v, then attend. q [T, H, D], k/v [T, Hkv, D]; caches [blocks, block_size, Hkv, D].
+    `sliding_window` W > 0: each query sees the last W positions only (kernels).
 
     Uses the decode kernel when every sequence has exactly one new token (T == num_seqs), the
     varlen prefill kernel otherwise; where the decode kernel batches the rows
@@ -88,11 +90,13 @@ def paged_attention(
     kernels.store_kv_cache(k, v, k_cache, v_cache, attn.slot_mapping)
     if q.shape[0] == attn.num_seqs:
         return kernels.paged_decode_attention(q, k_cache, v_cache, attn.block_tables,
-                                              attn.seq_lens, scale)
-    mixed = attn.mixed_rows if kernels.decode_batches_rows(q, k_cache) else None
+                                              attn.seq_lens, scale, sliding_window)
+    mixed = (attn.mixed_rows if sliding_window <= 0 and kernels.decode_batches_rows(q, k_cache)
+             else None)
     if mixed is None:
         return kernels.paged_prefill_attention(q, k_cache, v_cache, attn.block_tables,
-                                               attn.query_start_loc, attn.seq_lens, scale)
+                                               attn.query_start_loc, attn.seq_lens, scale,
+                                               sliding_window)
     out = torch.zeros_like(q, memory_format=torch.contiguous_format)  # padding rows stay 0
     out[mixed.decode_rows] = kernels.paged_decode_attention(
         q[mixed.decode_rows], k_cache, v_cache, attn.block_tables[mixed.decoding],

@@ -19,23 +19,24 @@ from engine.forward_context import get_forward_context
 
 
 def unified_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
-                      scale: float) -> torch.Tensor:
+                      scale: float, sliding_window: int = 0) -> torch.Tensor:
     """q [T, H, D], k/v [T, Hkv, D] of decoder layer `layer` -> attention output [T, H, D]
-    over the forward context's cache (see engine.attention.paged_attention). Eager calls run
-    the op's body directly; a traced graph records the custom op.
-    Raises RuntimeError outside a forward context."""
+    over the forward context's cache (see engine.attention.paged_attention; `sliding_window`
+    W > 0: the layer's window in tokens). Eager calls run the op's body directly; a traced
+    graph records the custom op. Raises RuntimeError outside a forward context."""
     if torch.compiler.is_compiling():
-        return torch.ops.pdcluster.unified_attention(q, k, v, layer, scale)
-    return _attend(q, k, v, layer, scale)
+        return torch.ops.pdcluster.unified_attention(q, k, v, layer, scale, sliding_window)
+    return _attend(q, k, v, layer, scale, sliding_window)
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
-            scale: float) -> torch.Tensor:
+            scale: float, sliding_window: int) -> torch.Tensor:
     context = get_forward_context()
     hooks, cache = context.layer_hooks, context.kv_cache
     if hooks is not None:
         hooks.wait_for_layer_load(layer)
-    out = paged_attention(q, k, v, cache.k[layer], cache.v[layer], context.attn, scale)
+    out = paged_attention(q, k, v, cache.k[layer], cache.v[layer], context.attn, scale,
+                          sliding_window)
     if hooks is not None:
         hooks.save_kv_layer(layer)
     return out
@@ -43,11 +44,11 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
 
 @torch.library.custom_op("pdcluster::unified_attention", mutates_args=())
 def _unified_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
-                          scale: float) -> torch.Tensor:
-    return _attend(q, k, v, layer, scale)
+                          scale: float, sliding_window: int) -> torch.Tensor:
+    return _attend(q, k, v, layer, scale, sliding_window)
 
 
 @_unified_attention_op.register_fake
 def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
-      scale: float) -> torch.Tensor:
+      scale: float, sliding_window: int) -> torch.Tensor:
     return torch.empty_like(q, memory_format=torch.contiguous_format)

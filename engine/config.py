@@ -53,9 +53,9 @@ class ModelConfig:
     `rope_scaling` is None for plain RoPE, else a dict holding `rope_type` ("linear" | "llama3")
     and that type's fields (`factor`, ...); `rope_theta` is never inside it.
     `qkv_bias`/`o_bias`/`mlp_bias`: which linears carry a bias (Qwen2: q/k/v always; Llama:
-    `attention_bias` means q/k/v/o, `mlp_bias` gate/up/down). `sliding_window` is the attention
-    window in tokens when the checkpoint uses one (Mistral v0.1, Qwen2 with use_sliding_window),
-    else None; the engine does not implement windowed attention, so it caps max_model_len.
+    `attention_bias` means q/k/v/o, `mlp_bias` gate/up/down). `layer_windows`: each layer's
+    attention window in tokens where the checkpoint uses one (Mistral v0.1, Qwen2 with
+    use_sliding_window), else 0.
     """
 
     hidden_size: int
@@ -77,7 +77,8 @@ class ModelConfig:
     qkv_bias: bool = False
     o_bias: bool = False
     mlp_bias: bool = False
-    sliding_window: int | None = field(default=None)
+    #: each layer's sliding window in tokens, 0 where it attends to everything (empty: none)
+    layer_windows: tuple[int, ...] = ()
     architecture: str = "LlamaForCausalLM"
     #: the whole config.json, for the family module's own fields
     hf_config: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
@@ -127,7 +128,7 @@ class ModelConfig:
                 qkv_bias=True if model_type == "qwen2" else attention_bias,
                 o_bias=False if model_type == "qwen2" else attention_bias,
                 mlp_bias=bool(raw.get("mlp_bias", False)),
-                sliding_window=_sliding_window(raw, model_type),
+                layer_windows=_layer_windows(raw, model_type, int(raw["num_hidden_layers"])),
                 architecture=architecture,
                 hf_config=raw,
             )
@@ -137,6 +138,18 @@ class ModelConfig:
             if isinstance(exc, ModelConfigError):
                 raise
             raise ModelConfigError(f"{directory}/config.json: invalid value: {exc}") from exc
+
+    @property
+    def sliding_window(self) -> int | None:
+        """The window of the layers that have one (every such layer has the same), or None."""
+        return max(self.layer_windows, default=0) or None
+
+    def kv_window(self) -> int | None:
+        """The window every layer has, so that blocks wholly before it are needed by none:
+        the KV cache manager's window. None when any layer attends to everything."""
+        if not self.layer_windows or min(self.layer_windows) == 0:
+            return None
+        return max(self.layer_windows)
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads:
@@ -198,14 +211,24 @@ def _eos_ids(*values: Any) -> tuple[int, ...]:
     return tuple(ids)
 
 
-def _sliding_window(raw: dict[str, Any], model_type: str) -> int | None:
-    if model_type in ("mistral", "mixtral"):
-        window = raw.get("sliding_window")
-    elif model_type in ("qwen2", "qwen3", "qwen3_moe") and raw.get("use_sliding_window", False):
-        window = raw.get("sliding_window")
-    else:
+def _layer_windows(raw: dict[str, Any], model_type: str, num_layers: int) -> tuple[int, ...]:
+    """Each layer's sliding window in tokens, 0 for full attention: `layer_types` where the
+    config lists them ("sliding_attention"), else Mistral's and Mixtral's `sliding_window` on
+    every layer, or Qwen's on layers >= `max_window_layers` when `use_sliding_window`
+    (transformers' Qwen2Config)."""
+    window = raw.get("sliding_window")
+    if model_type in ("qwen2", "qwen3", "qwen3_moe") and not raw.get("use_sliding_window", False):
         window = None
-    return int(window) if window is not None else None
+    if window is None:
+        return (0,) * num_layers
+    window = int(window)
+    types = raw.get("layer_types")
+    if isinstance(types, list) and len(types) == num_layers:
+        return tuple(window if kind == "sliding_attention" else 0 for kind in types)
+    if model_type in ("qwen2", "qwen3", "qwen3_moe"):
+        first = int(raw.get("max_window_layers", 0))
+        return tuple(window if layer >= first else 0 for layer in range(num_layers))
+    return (window,) * num_layers
 
 
 # Rows from which a CPU prefill step is compute-bound (EngineConfig.prefill_compute_bound_tokens).
@@ -330,21 +353,16 @@ class EngineConfig(pydantic.BaseModel):
         return None
 
     def resolved_max_model_len(self, model_config: ModelConfig) -> int:
-        """`max_model_len`, or the model's limit when unset.
-
-        The limit is `max_position_embeddings`, lowered to `sliding_window` when the model has one
-        (windowed attention is not implemented, so longer sequences would be wrong).
+        """`max_model_len`, or the model's limit (`max_position_embeddings`) when unset; a
+        sliding window does not lower it (windowed attention keeps the last window's keys).
         Raises ValueError if `max_model_len` exceeds that limit.
         """
         limit = model_config.max_position_embeddings
-        if model_config.sliding_window is not None:
-            limit = min(limit, model_config.sliding_window)
         if self.max_model_len is None:
             return limit
         if self.max_model_len > limit:
             raise ValueError(
                 f"max_model_len={self.max_model_len} exceeds the model's limit {limit} "
-                f"(max_position_embeddings={model_config.max_position_embeddings}, "
-                f"sliding_window={model_config.sliding_window})"
+                f"(max_position_embeddings={model_config.max_position_embeddings})"
             )
         return self.max_model_len

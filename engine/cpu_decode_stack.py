@@ -39,11 +39,12 @@ _DTYPES = (torch.float32, torch.bfloat16)
 def build(model: DecoderForCausalLM, kv_cache: PagedKVCache) -> CPUDecodeStack | None:
     """The stack for `model` (eager, after `process_weights_after_loading`) over `kv_cache`,
     or None where it does not apply: a family whose layers are not Llama's
-    (`runs_cpu_decode_stack`), not on CPU, TP > 1, no C++ extension, a kernel backend
+    (`runs_cpu_decode_stack`) or a sliding window (its attention has none), not on CPU, TP > 1, no C++ extension, a kernel backend
     other than "auto", a dtype other than float32 / bfloat16, a head size the attention kernel
     has no specialization for, or a linear without its skinny copy."""
     dtype = model.model.embed_tokens.weight.dtype
-    if (not model.runs_cpu_decode_stack or kv_cache.device.type != "cpu"
+    if (not model.runs_cpu_decode_stack or model.config.sliding_window is not None
+            or kv_cache.device.type != "cpu"
             or model.tp.world_size != 1 or dtype not in _DTYPES
             or kv_cache.dtype != dtype or kernels.get_backend() != "auto"
             or not cpu_extension.available()

@@ -115,6 +115,10 @@ class InputBuffers:
             seq_len, end = start + num_new, t + num_new
             num_blocks = num_blocks_for(seq_len, block_size)
             tables[row, :num_blocks] = chunk.block_table[:num_blocks]
+            if num_blocks and chunk.block_table[0] < 0:
+                # released blocks (NULL_BLOCK, a prefix of the table: outside a sliding window)
+                # read block 0, whose keys the window masks, as vLLM's null block
+                np.maximum(tables[row, :num_blocks], 0, out=tables[row, :num_blocks])
             ids[t:end] = chunk.token_ids
             chunk_positions = positions[t:end]
             chunk_positions[:] = self._arange[start:seq_len]

@@ -46,6 +46,7 @@ from engine import compilation, cpu_binding, cpu_decode_stack
 from engine.attention import AttentionMetadata
 from engine.config import EngineConfig, ModelConfig
 from engine.core.blocks import num_blocks_for
+from engine.core.kv_cache_manager import NULL_BLOCK
 from engine.cuda_graphs import DecodeGraphs
 from engine.forward_context import ForwardContext, LayerHooks, set_forward_context
 from engine.input_buffers import InputBuffers, SequenceChunk
@@ -344,7 +345,8 @@ class ModelRunner:
                 f"chunk {index}: block_table has {len(chunk.block_table)} blocks, {seq_len} tokens "
                 f"need {needed} (block_size {block_size})"
             )
-        bad = [b for b in chunk.block_table[:needed] if not 0 <= b < num_blocks]
+        bad = [b for b in chunk.block_table[:needed] if not 0 <= b < num_blocks
+               and b != NULL_BLOCK]
         if bad:
             raise ValueError(f"chunk {index}: block ids {bad[:5]} outside the cache's [0, {num_blocks})")
         vocab = self.model_config.vocab_size

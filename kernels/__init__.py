@@ -240,17 +240,19 @@ def paged_prefill_attention(
     cu_seqlens_q: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    sliding_window: int = 0,
 ) -> torch.Tensor:
-    """Varlen causal attention of packed new tokens over paged K/V -> [total_q, num_heads, head_dim].
-
-    See `torch_attention.paged_prefill_attention`."""
+    """Varlen causal attention of packed new tokens over paged K/V -> [total_q, num_heads, head_dim];
+    `sliding_window` W > 0 limits each query to the last W keys (the C++ CPU kernels have no
+    window: such calls on CPU run torch). See `torch_attention.paged_prefill_attention`."""
     if _use_triton(q):
-        impl = _triton("triton_paged_prefill")
-    elif _cpu_kernel(q, k_cache):
-        impl = cpu_paged_attention
-    else:
-        impl = torch_attention
-    return impl.paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale)
+        return _triton("triton_paged_prefill").paged_prefill_attention(
+            q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, sliding_window)
+    if sliding_window <= 0 and _cpu_kernel(q, k_cache):
+        return cpu_paged_attention.paged_prefill_attention(q, k_cache, v_cache, block_tables,
+                                                           cu_seqlens_q, seq_lens, scale)
+    return torch_attention.paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q,
+                                                   seq_lens, scale, sliding_window)
 
 
 def _cpu_kernel(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
@@ -272,17 +274,20 @@ def paged_decode_attention(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    sliding_window: int = 0,
 ) -> torch.Tensor:
-    """One-token-per-sequence attention over paged K/V -> [num_seqs, num_heads, head_dim].
+    """One-token-per-sequence attention over paged K/V -> [num_seqs, num_heads, head_dim];
+    `sliding_window` as in `paged_prefill_attention`.
 
     Split-K (flash-decoding) on the Triton path. See `torch_attention.paged_decode_attention`."""
     if _use_triton(q):
-        impl = _triton("triton_paged_decode")
-    elif _cpu_kernel(q, k_cache):
-        impl = cpu_paged_attention
-    else:
-        impl = torch_attention
-    return impl.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale)
+        return _triton("triton_paged_decode").paged_decode_attention(
+            q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window)
+    if sliding_window <= 0 and _cpu_kernel(q, k_cache):
+        return cpu_paged_attention.paged_decode_attention(q, k_cache, v_cache, block_tables,
+                                                          seq_lens, scale)
+    return torch_attention.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens,
+                                                  scale, sliding_window)
 
 
 def rms_norm(

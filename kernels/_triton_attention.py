@@ -25,11 +25,13 @@ MAX_HEAD_DIM = 256
 @triton.jit
 def attend_tile(
     q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, table_row, kv_head_offset, n_start, q_pos, last_pos, qk_scale,
-    stride_c_block, stride_c_slot, d, d_mask,
+    stride_c_block, stride_c_slot, d, d_mask, window,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """One K/V tile of the online softmax -> (acc, m_i, l_i). MASKED: keys past `last_pos`
-    are not read and query row r sees keys <= q_pos[r] (causal mask and the sequence end)."""
+    are not read and query row r sees keys <= q_pos[r] (causal mask and the sequence end),
+    and with `window` W > 0 only keys > q_pos[r] - W (a sliding window). A row that has seen
+    no key yet and sees none in this tile stays empty (no NaN)."""
     n = n_start + tl.arange(0, BLOCK_N)
     if MASKED:
         n_mask = n <= last_pos
@@ -43,10 +45,13 @@ def attend_tile(
     k = tl.load(k_cache_ptr + kv_ptrs, mask=kv_mask, other=0.0)
     scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
     if MASKED:
-        scores = tl.where(n[None, :] <= q_pos[:, None], scores, float("-inf"))
+        visible = n[None, :] <= q_pos[:, None]
+        visible = visible & ((window <= 0) | (n[None, :] > q_pos[:, None] - window))
+        scores = tl.where(visible, scores, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(scores - m_new[:, None])
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_ref)
+    p = tl.exp2(scores - m_ref[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
     v = tl.load(v_cache_ptr + kv_ptrs, mask=kv_mask, other=0.0)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)

@@ -27,19 +27,24 @@ import torch
 import torch.nn.functional as F
 
 
-def sequence_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
-    """The first `seq_len` tokens of one sequence from a paged cache [num_blocks, block_size,
-    num_kv_heads, head_dim]: [seq_len, num_kv_heads, head_dim], float32; a view of the cache
-    when its blocks are consecutive ids in a float32 cache, else a copy of its blocks only."""
+def sequence_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int,
+                start: int = 0) -> torch.Tensor:
+    """Tokens [start, seq_len) of one sequence from a paged cache [num_blocks, block_size,
+    num_kv_heads, head_dim]: [seq_len - start, num_kv_heads, head_dim], float32; a view of the
+    cache when its blocks are consecutive ids in a float32 cache, else a copy of those blocks
+    only (blocks before `start`'s are never read)."""
     block_size = cache.shape[1]
-    num_blocks = -(-seq_len // block_size)
-    table = block_table[:num_blocks].to(torch.int64)
+    first_block = start // block_size
+    table = block_table[first_block:-(-seq_len // block_size)].to(torch.int64)
+    num_blocks = table.shape[0]
     first = int(table[0])
     if num_blocks == 1 or bool((table[1:] - table[:-1] == 1).all()):
         blocks = cache[first:first + num_blocks]
     else:
         blocks = cache.index_select(0, table)
-    return blocks.reshape(-1, *cache.shape[2:])[:seq_len].to(torch.float32)
+    offset = start - first_block * block_size
+    return blocks.reshape(-1, *cache.shape[2:])[offset:seq_len - first_block * block_size].to(
+        torch.float32)
 
 
 def paged_decode_attention(
@@ -49,13 +54,16 @@ def paged_decode_attention(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    sliding_window: int = 0,
 ) -> torch.Tensor:
     """Attention of one new token per sequence over its paged K/V (vLLM's paged_attention_v1).
 
     q: [num_seqs, num_heads, head_dim]; block_tables: int32 [num_seqs, max_blocks];
     seq_lens: int32 [num_seqs] including the new token (already stored). The new token is the last
-    position, so it attends to all seq_len cached tokens. Returns [num_seqs, num_heads, head_dim]
-    in q's dtype.
+    position, so it attends to all seq_len cached tokens, or with `sliding_window` W > 0 to the
+    last W of them (Mistral's window: a query at p sees keys p - W < k <= p, as transformers'
+    sliding-window mask and FlashAttention's window_size=(W - 1, 0)); blocks wholly before the
+    window are not read. Returns [num_seqs, num_heads, head_dim] in q's dtype.
     """
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
@@ -64,8 +72,9 @@ def paged_decode_attention(
     out = torch.empty(num_seqs, num_kv_heads, group, head_dim, dtype=torch.float32,
                       device=q.device)
     for seq, seq_len in enumerate(seq_lens.tolist()):
-        k = sequence_kv(k_cache, block_tables[seq], seq_len)  # [S, N, D]
-        v = sequence_kv(v_cache, block_tables[seq], seq_len)
+        start = max(0, seq_len - sliding_window) if sliding_window > 0 else 0
+        k = sequence_kv(k_cache, block_tables[seq], seq_len, start)  # [S, N, D]
+        v = sequence_kv(v_cache, block_tables[seq], seq_len, start)
         scores = torch.bmm(qg[seq], k.permute(1, 2, 0)).mul_(scale)  # [N, G, S]
         torch.bmm(scores.softmax(dim=-1), v.transpose(0, 1), out=out[seq])  # [N, G, D]
     return out.view(num_seqs, num_heads, head_dim).to(q.dtype)
@@ -79,6 +88,7 @@ def paged_prefill_attention(
     cu_seqlens_q: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    sliding_window: int = 0,
 ) -> torch.Tensor:
     """Causal attention of packed new tokens over each sequence's whole paged K/V.
 
@@ -88,8 +98,9 @@ def paged_prefill_attention(
     New token i of a sequence with L new tokens and length S sits at position S - L + i and
     attends to positions 0..S-L+i: FlashAttention's `flash_attn_varlen_func(causal=True)` with
     seqlen_k >= seqlen_q (bottom-right aligned mask) and a paged K/V (vLLM's
-    `flash_attn_varlen_func(block_table=...)`). Returns [total_q, num_heads, head_dim] in q's dtype;
-    rows past cu_seqlens_q[-1] (padding) are zero.
+    `flash_attn_varlen_func(block_table=...)`). With `sliding_window` W > 0 a token at p attends
+    to positions p - W < k <= p only (as in `paged_decode_attention`). Returns [total_q,
+    num_heads, head_dim] in q's dtype; rows past cu_seqlens_q[-1] (padding) are zero.
     """
     out = torch.zeros_like(q)
     starts = cu_seqlens_q.tolist()
@@ -98,15 +109,19 @@ def paged_prefill_attention(
         num_new = end - start
         if num_new == 0:
             continue
-        k = sequence_kv(k_cache, block_tables[seq], seq_len).transpose(0, 1)  # [N, S, D]
-        v = sequence_kv(v_cache, block_tables[seq], seq_len).transpose(0, 1)
+        # the first key any new token sees
+        first_key = max(0, seq_len - num_new - sliding_window + 1) if sliding_window > 0 else 0
+        k = sequence_kv(k_cache, block_tables[seq], seq_len, first_key).transpose(0, 1)  # [N, S, D]
+        v = sequence_kv(v_cache, block_tables[seq], seq_len, first_key).transpose(0, 1)
         qs = q[start:end].to(torch.float32).transpose(0, 1)  # [H, L, D]
-        if num_new == seq_len:
+        if num_new == seq_len and sliding_window <= 0:
             mask, causal = None, True
         else:  # bottom-right aligned: new token i sits at position seq_len - num_new + i
-            key_pos = torch.arange(seq_len, device=q.device)
-            query_pos = key_pos[seq_len - num_new:]
+            key_pos = torch.arange(first_key, seq_len, device=q.device)
+            query_pos = torch.arange(seq_len - num_new, seq_len, device=q.device)
             mask, causal = key_pos[None, :] <= query_pos[:, None], False
+            if sliding_window > 0:
+                mask &= key_pos[None, :] > query_pos[:, None] - sliding_window
         # 4-D inputs: CPU SDPA takes its fused (flash) kernel with a mask only with a batch dim
         o = F.scaled_dot_product_attention(qs[None], k[None], v[None], attn_mask=mask,
                                            is_causal=causal, scale=scale, enable_gqa=True)

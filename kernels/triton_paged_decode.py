@@ -53,6 +53,7 @@ def _decode_kernel(
     stride_c_head,
     stride_bt,
     num_splits,
+    window,
     NUM_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -67,8 +68,10 @@ def _decode_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
-    split_size = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-    start = split * split_size
+    # a sliding window's first key; the splits cover [lo, seq_len)
+    lo = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)
+    split_size = tl.cdiv(tl.cdiv(seq_len - lo, num_splits), BLOCK_N) * BLOCK_N
+    start = lo + split * split_size
     end = tl.minimum(start + split_size, seq_len)
 
     g = tl.arange(0, BLOCK_G)
@@ -92,7 +95,7 @@ def _decode_kernel(
     for n_start in range(start, end, BLOCK_N):
         acc, m_i, l_i = attend_tile(
             q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, table_row, head_offset, n_start, q_pos, last_pos, qk_scale,
-            stride_c_block, stride_c_slot, d, d_mask, BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION,
+            stride_c_block, stride_c_slot, d, d_mask, window, BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION,
         )
 
     if SPLIT:
@@ -188,6 +191,7 @@ def plan_paged_decode_attention(
     out: torch.Tensor | None = None,
     num_splits: int | None = None,
     target: str | None = None,
+    sliding_window: int = 0,
 ) -> tuple[list[Launch], torch.Tensor]:
     """Check inputs, allocate `out` and split workspaces -> (launches, out).
 
@@ -196,6 +200,7 @@ def plan_paged_decode_attention(
     contiguous; seq_lens int32 [num_seqs], contiguous, each in [1, max_blocks * block_size] (not
     checked: needs a sync). `num_splits`: None = heuristic (uses max_blocks * block_size as the
     longest context, no sync). `target`: "gpu" / "interpreter" tile configs (default: by device).
+    `sliding_window` W > 0: each query sees its sequence's last W keys only.
     """
     device = check_same_device(q=q, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables, seq_lens=seq_lens)
     check_paged_attention(q, k_cache, v_cache, "[num_seqs, num_heads, head_dim]")
@@ -232,6 +237,7 @@ def plan_paged_decode_attention(
                 "partial_max_ptr": partial_max,
                 "partial_sum_ptr": partial_sum,
                 "num_splits": num_splits,
+                "window": sliding_window,
             },
             constexprs={
                 **paged_attention_constexprs(q, k_cache, block_n, block_d),
@@ -274,8 +280,10 @@ def paged_decode_attention(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    sliding_window: int = 0,
 ) -> torch.Tensor:
     """-> out [num_seqs, num_heads, head_dim] in q's dtype."""
-    launches, out = plan_paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale)
+    launches, out = plan_paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale,
+                                                sliding_window=sliding_window)
     run_all(launches)
     return out

@@ -46,6 +46,7 @@ def _prefill_kernel(
     stride_c_slot,
     stride_c_head,
     stride_bt,
+    window,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
@@ -95,18 +96,20 @@ def _prefill_kernel(
             acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
             table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
             kv_head_offset = (head // GROUP).to(tl.int64) * stride_c_head
-            # Keys [0, unmasked_end) precede every query of the tile: no mask.
-            unmasked_end = (first_pos + 1) // BLOCK_N * BLOCK_N
-            for n_start in range(0, unmasked_end, BLOCK_N):
+            # Keys [0, unmasked_end) precede every query of the tile: no mask. With a sliding
+            # window every tile is masked, from the tile holding the first query's first key.
+            n_lo = tl.where(window > 0, tl.maximum(first_pos - window + 1, 0) // BLOCK_N * BLOCK_N, 0)
+            unmasked_end = tl.where(window > 0, n_lo, (first_pos + 1) // BLOCK_N * BLOCK_N)
+            for n_start in range(n_lo, unmasked_end, BLOCK_N):
                 acc, m_i, l_i = attend_tile(
                     q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, table_row, kv_head_offset, n_start, q_pos,
-                    last_pos, qk_scale, stride_c_block, stride_c_slot, d, d_mask,
+                    last_pos, qk_scale, stride_c_block, stride_c_slot, d, d_mask, window,
                     BLOCK_SIZE, BLOCK_N, False, DOT_PRECISION,
                 )
             for n_start in range(unmasked_end, last_pos + 1, BLOCK_N):
                 acc, m_i, l_i = attend_tile(
                     q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, table_row, kv_head_offset, n_start, q_pos,
-                    last_pos, qk_scale, stride_c_block, stride_c_slot, d, d_mask,
+                    last_pos, qk_scale, stride_c_block, stride_c_slot, d, d_mask, window,
                     BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION,
                 )
             out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
@@ -137,6 +140,7 @@ def plan_paged_prefill_attention(
     target: str | None = None,
     block_m: int | None = None,
     block_n: int | None = None,
+    sliding_window: int = 0,
 ) -> tuple[list[Launch], torch.Tensor]:
     """Check inputs, allocate `out` -> (launches, out).
 
@@ -145,7 +149,8 @@ def plan_paged_prefill_attention(
     contiguous; cu_seqlens_q int32 [num_seqs + 1] and seq_lens int32 [num_seqs], contiguous;
     cu_seqlens_q non-decreasing from 0, each seq_len >= its new tokens (not checked: needs a sync).
     `target`: "gpu" / "interpreter" tile configs (default: by device); block_m / block_n
-    override the tile sizes (powers of two >= 16)."""
+    override the tile sizes (powers of two >= 16). `sliding_window` W > 0: a query at p sees
+    keys p - W < k <= p only."""
     device = check_same_device(
         q=q, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables, cu_seqlens_q=cu_seqlens_q, seq_lens=seq_lens
     )
@@ -173,6 +178,7 @@ def plan_paged_prefill_attention(
             "cu_seqlens_q_ptr": cu_seqlens_q,
             "total_q": total_q,
             "num_seqs": num_seqs,
+            "window": sliding_window,
         },
         constexprs={**paged_attention_constexprs(q, k_cache, block_n, block_d), "BLOCK_M": block_m},
         device=device,
@@ -190,8 +196,10 @@ def paged_prefill_attention(
     cu_seqlens_q: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    sliding_window: int = 0,
 ) -> torch.Tensor:
     """-> out [total_q, num_heads, head_dim] in q's dtype; rows past cu_seqlens_q[-1] are zero."""
-    launches, out = plan_paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale)
+    launches, out = plan_paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale,
+                                                 sliding_window=sliding_window)
     run_all(launches)
     return out

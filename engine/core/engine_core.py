@@ -43,7 +43,7 @@ from typing import Any, Protocol
 from engine.core.block_pool import BlockPool
 from engine.core.engine_loop import EngineInbox
 from engine.core.hashing import block_keys, make_namespace
-from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.kv_cache_manager import NULL_BLOCK, KVCacheManager
 from engine.core.kv_connector import (KVConnector, KVLoadFailurePolicy, LoadOutcome,
                                       ScheduledChunk, StepCancelled)
 from engine.core.preemption import PREEMPTION_MODES
@@ -142,7 +142,7 @@ class EngineCore:
         self.eos_token_ids = frozenset(runner.model_config.eos_token_ids)
         self.pool = BlockPool(cfg.num_kv_blocks, enable_caching=cfg.enable_prefix_caching,
                               run_window=cfg.resolved_block_run_window())
-        self.kv = KVCacheManager(self.pool, self.block_size)
+        self.kv = KVCacheManager(self.pool, self.block_size, runner.model_config.kv_window())
         self.scheduler: Scheduler[Request] = Scheduler(
             self.kv, PREEMPTION_MODES[cfg.preemption_mode](self.kv, runner.wire_kv),
             num_lookahead_tokens)
@@ -455,6 +455,9 @@ class EngineCore:
             if request.num_computed_tokens == request.num_tokens:  # samples token 0
                 done.append((row, request))
         self._count(decoding, chunks)
+        for request in (*decoding, *(r for r, _ in chunks)):
+            if not request.prefill_only:  # a prefill's whole prompt goes to the connector
+                self.kv.release_outside_window(request.block_table, request.num_computed_tokens)
         sampling = decoding + [r for _, r in done]
         rows = [*range(len(decoding)), *(row for row, _ in done)]
         inputs = [SampleInput(r.sampling, r.seed, r.prompt_token_ids, r.output_ids)
@@ -517,9 +520,11 @@ class EngineCore:
         if error is not None:
             self._notify_error(request, error)
         try:
-            # the blocks keep their bytes until this thread allocates again
+            # the blocks keep their bytes until this thread allocates again; a table with
+            # released blocks (sliding window) no longer holds its prefix, so nothing is saved
+            whole = normal and NULL_BLOCK not in request.block_table
             _, params = self.connector.request_finished(
-                request, request.block_table if normal else ())
+                request, request.block_table if whole else ())
         except Exception as exc:  # noqa: BLE001 — a prefill's caller gets it; a decode's
             log.exception("the connector failed to take the blocks of %s", request.request_id,
                           extra={"request_id": request.request_id})  # ended well already
@@ -544,8 +549,12 @@ class EngineCore:
         request."""
         if not (self.pool.enable_caching and keys):
             return
+        blocks = request.block_table[:len(keys)]
+        # released blocks (sliding window) are a prefix of the table: cache the held rest
+        held = next((i for i, b in enumerate(blocks) if b != NULL_BLOCK), len(blocks))
         try:
-            self.pool.cache_full_blocks(request.block_table[:len(keys)], keys)
+            self.pool.cache_full_blocks(blocks[held:], keys[held:],
+                                        keys[held - 1] if held else None)
         except ValueError:
             log.exception("caching the blocks of %s failed", request.request_id,
                           extra={"request_id": request.request_id})
@@ -556,7 +565,8 @@ class EngineCore:
         tokens = request.kv_token_ids()
         full = len(tokens) // self.block_size
         by_prefill = request.num_prompt_tokens // self.block_size if request.remote_prefill else 0
-        if full < max(request.num_published_blocks, by_prefill) + self.publish_interval:
+        if (full < max(request.num_published_blocks, by_prefill) + self.publish_interval
+                or NULL_BLOCK in request.block_table):  # released: no longer a prefix
             return
         keys = block_keys(tokens, self.block_size,
                           make_namespace(self.model_id, request.cache_salt))

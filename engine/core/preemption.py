@@ -21,7 +21,7 @@ from typing import Protocol
 
 import torch
 
-from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.kv_cache_manager import NULL_BLOCK, KVCacheManager
 from engine.core.request import SchedulableRequest
 
 
@@ -79,11 +79,16 @@ class SwapPreemption(PreemptionPolicy):
         self.cache = cache
 
     def preempt(self, request: PreemptedRequest) -> None:
+        if NULL_BLOCK in request.block_table:  # released blocks (sliding window): recompute
+            RecomputePreemption.preempt(self, request)
+            return
         request.swapped = self.cache.read_blocks(request.block_table).cpu()
         self.kv.free(request.block_table)
 
     def resume(self, request: PreemptedRequest) -> bool:
         swapped = request.swapped
+        if swapped is None:
+            return RecomputePreemption.resume(self, request)
         needed = max(self.kv.blocks_for(request.num_tokens), swapped.shape[0])
         if needed > self.kv.num_free_blocks:
             return False

@@ -1,5 +1,6 @@
 """Llama-family decoder (Llama 2/3, Mistral, Qwen2 / Qwen2.5) over a paged KV cache, in plain
-torch; the families differ in config only (q/k/v biases, head_dim, tied embeddings).
+torch; the families differ in config only (q/k/v biases, head_dim, tied embeddings, each
+layer's sliding window: `ModelConfig.layer_windows`).
 
 q/k/v_proj load into one qkv_proj and gate/up_proj into one gate_up_proj (vLLM's stacked
 parameters), so each reads its input once in one GEMM, and RoPE is applied as the q|k|v GEMM
@@ -35,6 +36,8 @@ class LlamaAttention(nn.Module):
         self.num_kv_heads = config.num_key_value_heads // tp.world_size
         self.head_dim = config.head_dim
         self.scale = self.head_dim**-0.5
+        #: this layer's sliding window in tokens, 0: it attends to every earlier position
+        self.sliding_window = config.layer_windows[layer] if config.layer_windows else 0
         q_size = config.num_attention_heads * self.head_dim
         kv_size = config.num_key_value_heads * self.head_dim
         hidden, bias = config.hidden_size, config.qkv_bias
@@ -58,7 +61,7 @@ class LlamaAttention(nn.Module):
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Paged attention of q [T, H, D], k/v [T, Hkv, D] (RoPE applied), then o_proj."""
-        out = unified_attention(q, k, v, self.layer, self.scale)
+        out = unified_attention(q, k, v, self.layer, self.scale, self.sliding_window)
         return self.o_proj(out.reshape(q.shape[0], self.num_heads * self.head_dim))
 
 

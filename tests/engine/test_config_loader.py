@@ -85,8 +85,20 @@ def test_qwen2_and_mistral_variants(tmp_path):
     assert biased.qkv_bias and biased.o_bias and biased.mlp_bias
     mistral_dir = _write_config(tmp_path / "m", model_type="mistral", sliding_window=128)
     mistral = ModelConfig.from_pretrained(mistral_dir)
-    assert mistral.sliding_window == 128
-    assert EngineConfig().resolved_max_model_len(mistral) == 128
+    assert mistral.sliding_window == 128 and mistral.kv_window() == 128
+    assert set(mistral.layer_windows) == {128}
+    # the window does not cap the context: windowed attention keeps the window's keys
+    assert EngineConfig().resolved_max_model_len(mistral) == mistral.max_position_embeddings
+    # Qwen2: the window applies from max_window_layers on (transformers' Qwen2Config)
+    layers = BASE["num_hidden_layers"]
+    qwen_sw = ModelConfig.from_pretrained(_write_config(
+        tmp_path / "qs", model_type="qwen2", use_sliding_window=True, sliding_window=64,
+        max_window_layers=1))
+    assert qwen_sw.layer_windows == (0,) + (64,) * (layers - 1) and qwen_sw.kv_window() is None
+    listed = ModelConfig.from_pretrained(_write_config(
+        tmp_path / "qt", model_type="qwen3", use_sliding_window=True, sliding_window=32,
+        layer_types=["sliding_attention"] * layers))
+    assert listed.kv_window() == 32
 
 
 @pytest.mark.parametrize(

@@ -1,7 +1,8 @@
 """Every served family against transformers, on its tiny random checkpoint
 (tests/models/factory.py): paged logits of a chunked prefill then 32 decode steps across block
 boundaries, and of a prompt that reuses another's cached prefix blocks, equal the reference's
-(fp32, max abs diff <= 1e-4); bf16 logits stay within the Llama bf16 test's bound.
+(fp32, max abs diff <= 1e-4); bf16 logits stay within the Llama bf16 test's bound. The
+sliding-window cases run prompts of several windows, in chunks, and decode past the window.
 """
 
 from __future__ import annotations
@@ -21,6 +22,11 @@ CASES = {
     "llama": ("llama", {}),
     "qwen2": ("qwen2", {}),
     "mistral": ("mistral", {}),
+    # a window of 2 blocks: every prompt and decode here runs past it
+    "mistral-window": ("mistral", {"sliding_window": 2 * BLOCK}),
+    # the window on layer 1 only (max_window_layers)
+    "qwen2-window": ("qwen2", {"use_sliding_window": True, "sliding_window": 2 * BLOCK,
+                               "max_window_layers": 1}),
     "qwen3": ("qwen3", {}),
     "qwen3-tied": ("qwen3", {"tie_word_embeddings": True}),
     "mixtral": ("mixtral", {}),
@@ -81,3 +87,16 @@ def test_bfloat16_close_to_transformers(family):
     expected = _reference(hf, tokens)
     assert got.dtype == torch.float32 and torch.isfinite(got).all()
     assert (got - expected).abs().max() < 0.1 * expected.abs().max()
+
+
+@pytest.mark.parametrize("family", ["mistral-window"], indirect=True)
+def test_prompt_of_four_windows_in_chunks(family):
+    name, _, hf, runner = family
+    window = runner.model_config.sliding_window
+    tokens = _prompt(51, 4 * window + 3, BASE["vocab_size"])
+    (table,) = _shuffled_tables(5, -(-len(tokens) // BLOCK))
+    steps = [runner.execute([SequenceChunk(tokens[start:start + 5], start, table)], all_logits=True)
+             for start in range(0, len(tokens), 5)]
+    diff = _max_diff(torch.cat(steps), _reference(hf, tokens))
+    print(f"{name}: {len(tokens)}-token prompt in 5-token chunks, max abs diff {diff:.2e}")
+    assert diff <= ATOL

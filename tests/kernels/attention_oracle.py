@@ -28,10 +28,12 @@ def paged_prefill_attention(
     cu_seqlens_q: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    sliding_window: int = 0,
 ) -> torch.Tensor:
     """Causal attention of packed new tokens over each sequence's whole paged K/V (the
     contract: `kernels.torch_attention.paged_prefill_attention`), one sequence at a time with
-    an explicit bottom-right mask."""
+    an explicit bottom-right mask; with `sliding_window` W > 0 keys at or before p - W are
+    masked too."""
     out = torch.zeros_like(q)
     num_heads = q.shape[1]
     starts = cu_seqlens_q.tolist()
@@ -49,6 +51,8 @@ def paged_prefill_attention(
         query_pos = torch.arange(seq_len - num_new, seq_len, device=q.device)
         key_pos = torch.arange(seq_len, device=q.device)
         future = key_pos[None, :] > query_pos[:, None]  # [L, S]
+        if sliding_window > 0:
+            future |= key_pos[None, :] <= query_pos[:, None] - sliding_window
         scores.masked_fill_(future[None], float("-inf"))
         probs = scores.softmax(dim=-1)
         out[start:end] = torch.einsum("hqk,khd->qhd", probs, v).to(q.dtype)
@@ -62,10 +66,11 @@ def paged_decode_attention(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    sliding_window: int = 0,
 ) -> torch.Tensor:
     """Attention of one new token per sequence over its paged K/V (the contract:
     `kernels.torch_attention.paged_decode_attention`). Batched: gathers max_blocks blocks per
-    sequence and masks the tail."""
+    sequence and masks the tail, and with `sliding_window` W > 0 the keys before the last W."""
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -76,6 +81,8 @@ def paged_decode_attention(
     scores = torch.einsum("bngd,btnd->bngt", qg, k) * scale
     key_pos = torch.arange(k.shape[1], device=q.device)
     beyond = key_pos[None, :] >= seq_lens.to(torch.int64)[:, None]  # [B, T]
+    if sliding_window > 0:
+        beyond |= key_pos[None, :] < seq_lens.to(torch.int64)[:, None] - sliding_window
     scores.masked_fill_(beyond[:, None, None, :], float("-inf"))
     probs = scores.softmax(dim=-1)
     out = torch.einsum("bngt,btnd->bngd", probs, v)

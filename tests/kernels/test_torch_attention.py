@@ -91,3 +91,36 @@ def test_cpu_backends_dispatch_attention_to_the_torch_path(monkeypatch):
     finally:
         kernels.set_backend(previous)
     assert calls == ["decode"]
+
+
+def poison_before_windows(cache: torch.Tensor, table: torch.Tensor, first_keys: list[int]) -> None:
+    """NaN into each sequence's blocks wholly before its first visible key, in place: a
+    windowed kernel must never read them (a KV cache manager may have given them away)."""
+    for row, first in enumerate(first_keys):
+        for block in table[row, :first // BLOCK_SIZE].tolist():
+            cache[block] = float("nan")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sliding_window_matches_oracle_without_reading_older_blocks(dtype):
+    window = 13  # not a multiple of the block: a block straddles the window's start
+    k_cache, v_cache = caches(dtype)
+    seq_lens = [5, 13, 14, 40, 77]
+    table = tables(seq_lens, [False, True, False, True, True])
+    q = torch.randn(len(seq_lens), NUM_HEADS, HEAD_DIM).to(dtype)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    want_decode = attention_oracle.paged_decode_attention(q, k_cache, v_cache, table, lens, SCALE,
+                                                          window)
+    num_new = [5, 1, 3, 20, 7]
+    cu = torch.tensor([0] + torch.cumsum(torch.tensor(num_new), 0).tolist(), dtype=torch.int32)
+    qp = torch.randn(int(cu[-1]), NUM_HEADS, HEAD_DIM).to(dtype)
+    want_prefill = attention_oracle.paged_prefill_attention(qp, k_cache, v_cache, table, cu, lens,
+                                                            SCALE, window)
+    firsts = [max(0, n - new - window + 1) for n, new in zip(seq_lens, num_new)]
+    for cache in (k_cache, v_cache):
+        poison_before_windows(cache, table, firsts)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    got = torch_attention.paged_decode_attention(q, k_cache, v_cache, table, lens, SCALE, window)
+    torch.testing.assert_close(got, want_decode, atol=tol, rtol=tol)
+    got = kernels.paged_prefill_attention(qp, k_cache, v_cache, table, cu, lens, SCALE, window)
+    torch.testing.assert_close(got, want_prefill, atol=tol, rtol=tol)

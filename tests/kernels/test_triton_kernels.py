@@ -138,6 +138,35 @@ def test_paged_decode_attention(group, head_dim, block_size, dtype):
         _close(out, expected, f"decode, {num_splits} splits")
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("window", [1, 13, 40])
+@matrix
+def test_paged_attention_sliding_window(window, dtype):
+    """Both kernels against the oracle's window mask: decode with 1 and 3 splits, and prefill
+    chunks whose first query's window starts inside a key tile and past the first."""
+    group, head_dim, block_size = 2, 64, 16
+    gen = _gen("window", window, dtype)
+    num_heads, num_kv_heads = _heads(group)
+    seq_lens = [1, 14, 40, 8 * block_size + 3]
+    k_cache, v_cache, block_tables = _paged_cache(gen, seq_lens, block_size, num_kv_heads, head_dim, dtype)
+    q = _randn(gen, len(seq_lens), num_heads, head_dim, dtype=dtype)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    scale = head_dim**-0.5
+    expected = attention_oracle.paged_decode_attention(q, k_cache, v_cache, block_tables, lens, scale, window)
+    for num_splits in (1, 3):
+        launches, out = plan_paged_decode_attention(q, k_cache, v_cache, block_tables, lens, scale,
+                                                    out=_poison(q), num_splits=num_splits,
+                                                    sliding_window=window)
+        _run(launches)
+        _close(out, expected, f"windowed decode, {num_splits} splits")
+    shapes = [(0, 1), (0, 14), (17, 23), (3 * block_size + 1, 5 * block_size)]
+    args = _prefill_case(gen, group, head_dim, block_size, dtype, shapes, padding_rows=2)
+    expected = attention_oracle.paged_prefill_attention(*args, sliding_window=window)
+    launches, out = plan_paged_prefill_attention(*args, out=_poison(args[0]), sliding_window=window)
+    _run(launches)
+    _close(out, expected, "windowed prefill")
+
+
 def _prefill_case(gen, group, head_dim, block_size, dtype, shapes, padding_rows):
     """shapes: (cached prefix, new tokens) per sequence -> inputs of paged_prefill_attention."""
     num_heads, num_kv_heads = _heads(group)
