@@ -2,11 +2,15 @@
 
 Models (`--shape`): `100m`, throughput.py's shape (hidden 768, 12 layers, 12 heads, 4 KV heads,
 intermediate 2048, vocab 32000); `1b`, TinyLlama-1.1B's (hidden 2048, 22 layers, 32 heads, 4 KV
-heads, intermediate 5632). The checkpoint is written here with safetensors alone, so the
-script runs where only torch (and Triton, on CUDA) is installed.
+heads, intermediate 5632); `mixtral-100m`, the 100m shape with Mixtral's MoE (8 experts of
+intermediate 1024, top 2: ~100M parameters active per token, ~270M in all). The checkpoint is
+written here with safetensors alone, so the script runs where only torch (and Triton, on CUDA)
+is installed.
 
 Prints the read bandwidth (a sum over 1 GiB on the device at the engine's thread count, bytes
-read per second), the weight-read bound of a decode step (weight bytes / bandwidth), and the measured
+read per second), the read bound of a decode step (the bytes it must read / bandwidth: every
+weight of a dense model; of a MoE, the weights outside the experts plus the experts the batch's
+tokens are routed to, counted in each step, plus the K/V of the batch's contexts), and the measured
 ModelRunner.execute time of decode batches (context 600 tokens each) and of a 512-token
 prefill, median of repeated runs, for each forward mode asked for (the compiled forward,
 engine.compilation, and the eager one; measurements of the modes alternate).
@@ -41,12 +45,15 @@ SHAPES = {
                  num_attention_heads=12, num_key_value_heads=4, vocab_size=32000),
     "1b": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
                num_attention_heads=32, num_key_value_heads=4, vocab_size=32000),
+    "mixtral-100m": dict(hidden_size=768, intermediate_size=1024, num_hidden_layers=12,
+                         num_attention_heads=12, num_key_value_heads=4, vocab_size=32000,
+                         num_local_experts=8, num_experts_per_tok=2),
 }
 
 
 def write_random_llama(path: Path, shape: dict, dtype: torch.dtype, seed: int = 0) -> None:
     """A Llama checkpoint (config.json + model.safetensors, tied embeddings) with normal(0,
-    0.02) weights and unit norms, in `dtype`."""
+    0.02) weights and unit norms, in `dtype`; a Mixtral one where `shape` has experts."""
     from safetensors.torch import save_file
 
     gen = torch.Generator().manual_seed(seed)
@@ -65,15 +72,26 @@ def write_random_llama(path: Path, shape: dict, dtype: torch.dtype, seed: int = 
                     prefix + "self_attn.k_proj.weight": normal(kv, hidden),
                     prefix + "self_attn.v_proj.weight": normal(kv, hidden),
                     prefix + "self_attn.o_proj.weight": normal(hidden, hidden),
-                    prefix + "mlp.gate_proj.weight": normal(inter, hidden),
-                    prefix + "mlp.up_proj.weight": normal(inter, hidden),
-                    prefix + "mlp.down_proj.weight": normal(hidden, inter),
                     prefix + "input_layernorm.weight": torch.ones(hidden, dtype=dtype),
                     prefix + "post_attention_layernorm.weight": torch.ones(hidden, dtype=dtype)}
+        experts = shape.get("num_local_experts", 0)
+        if experts:
+            moe = prefix + "block_sparse_moe."
+            tensors[moe + "gate.weight"] = normal(experts, hidden)
+            for e in range(experts):
+                tensors |= {f"{moe}experts.{e}.w1.weight": normal(inter, hidden),
+                            f"{moe}experts.{e}.w3.weight": normal(inter, hidden),
+                            f"{moe}experts.{e}.w2.weight": normal(hidden, inter)}
+        else:
+            tensors |= {prefix + "mlp.gate_proj.weight": normal(inter, hidden),
+                        prefix + "mlp.up_proj.weight": normal(inter, hidden),
+                        prefix + "mlp.down_proj.weight": normal(hidden, inter)}
     path.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(path / "model.safetensors"))
+    arch, model_type = (("MixtralForCausalLM", "mixtral") if shape.get("num_local_experts")
+                        else ("LlamaForCausalLM", "llama"))
     (path / "config.json").write_text(json.dumps({
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", **shape,
+        "architectures": [arch], "model_type": model_type, **shape,
         "max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
         "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2,
         "torch_dtype": str(dtype).removeprefix("torch.")}))
@@ -156,8 +174,10 @@ def measure(threads: int, batches: list[int], repeats: int,
     # packed CPU weights are opaque: count the bytes of their shape
     weight_bytes = sum(p.numel() * p.element_size() for p in first.model.parameters())
     decode: dict[str, dict[int, float]] = {mode: {} for mode in modes}
+    step_bytes: dict[int, int] = {}
     for batch in batches:
         chunks = decode_chunks(batch)
+        step_bytes[batch] = bytes_read(first, chunks)
         for mode, runner in runners.items():
             decode[mode][batch] = median_ms(lambda: runner.execute(chunks), repeats, dev)
     prompt = [SequenceChunk(list(range(3, 515)), 0, list(range(2000, 2032)))]
@@ -173,7 +193,36 @@ def measure(threads: int, batches: list[int], repeats: int,
                 profiles[mode] += "\n" + graph_step_phases(runner, chunks, repeats)
     return {"bandwidth": bandwidth, "weight_bytes": weight_bytes,
             "bound_ms": weight_bytes / bandwidth * 1000, "decode_ms": decode,
+            "step_bytes": step_bytes,
+            "step_bound_ms": {b: n / bandwidth * 1000 for b, n in step_bytes.items()},
             "prefill_ms": prefill, "profiles": profiles}
+
+
+def bytes_read(runner: ModelRunner, chunks: list[SequenceChunk]) -> int:
+    """The bytes one decode step of `chunks` must read: every weight outside the experts,
+    the weights of each MoE layer's experts the step's tokens are routed to (counted in one
+    step, through the layer's routing), and the K/V of every row's context."""
+    from engine.models.fused_moe import FusedMoE
+
+    model, cache = runner.model, runner.kv_cache
+    experts = [m for m in model.modules() if isinstance(m, FusedMoE)]
+    dense = sum(p.numel() * p.element_size() for p in model.parameters()) - sum(
+        p.numel() * p.element_size() for m in experts for p in m.parameters())
+    routed: list[int] = []
+
+    def count(module, args, _output) -> None:
+        per_expert = sum(p[0].numel() * p.element_size() for p in module.parameters())
+        routed.append(len(set(args[2].flatten().tolist())) * per_expert)
+
+    hooks = [m.register_forward_hook(count) for m in experts]
+    try:
+        runner.execute(chunks)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    per_token = cache.block_nbytes // cache.block_size
+    kv = sum(c.num_computed_tokens + len(c.token_ids) for c in chunks) * per_token
+    return dense + sum(routed) + kv
 
 
 def decode_chunks(batch: int) -> list[SequenceChunk]:
@@ -239,9 +288,13 @@ def main() -> None:
     print(f"{args.shape} model, {args.dtype}, on {args.device}")
     print(f"read bandwidth {result['bandwidth'] / 1e9:.1f} GB/s ({args.threads} threads); "
           f"weights {result['weight_bytes'] / 1e6:.0f} MB -> decode step bound {bound:.1f} ms")
+    for batch, nbytes in result["step_bytes"].items():
+        print(f"decode batch {batch:3d} must read {nbytes / 1e6:.0f} MB (weights it uses + K/V) "
+              f"-> bound {result['step_bound_ms'][batch]:.1f} ms")
     for mode in modes:
         for batch, ms in result["decode_ms"][mode].items():
-            print(f"{mode:12s} decode batch {batch:3d}: {ms:7.1f} ms  ({ms / bound:.2f}x the bound)")
+            print(f"{mode:12s} decode batch {batch:3d}: {ms:7.1f} ms  ({ms / bound:.2f}x the "
+                  f"weight bound, {ms / result['step_bound_ms'][batch]:.2f}x the step's)")
         print(f"{mode:12s} prefill 512 tokens: {result['prefill_ms'][mode]:.1f} ms")
 
 
