@@ -40,10 +40,13 @@ TP_PLACEMENT_TIMEOUT_S = 120
 
 
 def block_layout(engine: EngineConfig) -> BlockLayout:
-    """The one KV block layout of this deployment: [layers, K|V, block_size, kv_heads, head_dim]."""
+    """The one KV block layout of this deployment: [layers, K|V, block_size, kv_heads, head_dim]
+    (every KV head, as at TP=1), or an MLA model's [layers, 1, block_size, 1, latent dims]
+    (ModelConfig.kv_cache_dims): the bytes per token the model really caches."""
     model = ModelConfig.from_pretrained(engine.model)
-    return BlockLayout(engine.dtype, (model.num_hidden_layers, 2, engine.block_size,
-                                      model.num_key_value_heads, model.head_dim))
+    parts, heads, dim = model.kv_cache_dims()
+    return BlockLayout(engine.dtype, (model.num_hidden_layers, parts, engine.block_size, heads,
+                                      dim))
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+import kernels
 from engine.attention import paged_attention
 from engine.forward_context import get_forward_context
 
@@ -52,3 +53,40 @@ def _unified_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lay
 def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
       scale: float, sliding_window: int) -> torch.Tensor:
     return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+
+def unified_mla_attention(q: torch.Tensor, latent: torch.Tensor, layer: int, scale: float,
+                          v_dim: int) -> torch.Tensor:
+    """MLA's counterpart of `unified_attention`: q [T, H, D] (absorbed, D = v_dim + rope
+    dims), latent [T, 1, D] this step's cache entries -> [T, H, v_dim] in the latent space,
+    over the forward context's latent cache (engine.kv_cache with kv_parts 1;
+    kernels.paged_mla_attention). Raises RuntimeError outside a forward context."""
+    if torch.compiler.is_compiling():
+        return torch.ops.pdcluster.unified_mla_attention(q, latent, layer, scale, v_dim)
+    return _attend_latent(q, latent, layer, scale, v_dim)
+
+
+def _attend_latent(q: torch.Tensor, latent: torch.Tensor, layer: int, scale: float,
+                   v_dim: int) -> torch.Tensor:
+    context = get_forward_context()
+    hooks, cache, attn = context.layer_hooks, context.kv_cache.k[layer], context.attn
+    if hooks is not None:
+        hooks.wait_for_layer_load(layer)
+    kernels.store_kv_cache(latent, latent, cache, cache, attn.slot_mapping)
+    out = kernels.paged_mla_attention(q, cache, attn.block_tables, attn.query_start_loc,
+                                      attn.seq_lens, scale, v_dim)
+    if hooks is not None:
+        hooks.save_kv_layer(layer)
+    return out
+
+
+@torch.library.custom_op("pdcluster::unified_mla_attention", mutates_args=())
+def _unified_mla_attention_op(q: torch.Tensor, latent: torch.Tensor, layer: int, scale: float,
+                              v_dim: int) -> torch.Tensor:
+    return _attend_latent(q, latent, layer, scale, v_dim)
+
+
+@_unified_mla_attention_op.register_fake
+def _(q: torch.Tensor, latent: torch.Tensor, layer: int, scale: float,
+      v_dim: int) -> torch.Tensor:
+    return q.new_empty((*q.shape[:2], v_dim))

@@ -28,7 +28,8 @@ BUNDLED_MODEL: pathlib.Path = (pathlib.Path(__file__).parent / "models" / "stori
 #: AutoModelForCausalLM falls back to its model type)
 _ARCHITECTURE_OF_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                                "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                               "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+                               "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+                               "deepseek_v2": "DeepseekV2ForCausalLM"}
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 # Fields each scaled rope type needs (transformers' _validate_*_rope_parameters).
 _REQUIRED_ROPE_FIELDS = {
@@ -80,6 +81,9 @@ class ModelConfig:
     #: each layer's sliding window in tokens, 0 where it attends to everything (empty: none)
     layer_windows: tuple[int, ...] = ()
     architecture: str = "LlamaForCausalLM"
+    #: MLA (DeepSeek-V2, §2.1): a token's cached entry, the compressed latent (`kv_lora_rank`)
+    #: and the decoupled RoPE key (`qk_rope_head_dim`), in place of K and V per head; 0: none
+    kv_latent_dim: int = 0
     #: the whole config.json, for the family module's own fields
     hf_config: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
@@ -130,6 +134,8 @@ class ModelConfig:
                 mlp_bias=bool(raw.get("mlp_bias", False)),
                 layer_windows=_layer_windows(raw, model_type, int(raw["num_hidden_layers"])),
                 architecture=architecture,
+                kv_latent_dim=(int(raw["kv_lora_rank"]) + int(raw["qk_rope_head_dim"])
+                               if raw.get("kv_lora_rank") else 0),
                 hf_config=raw,
             )
         except KeyError as exc:
@@ -138,6 +144,14 @@ class ModelConfig:
             if isinstance(exc, ModelConfigError):
                 raise
             raise ModelConfigError(f"{directory}/config.json: invalid value: {exc}") from exc
+
+    def kv_cache_dims(self, tp_size: int = 1) -> tuple[int, int, int]:
+        """(parts, heads, head dim) of one token's cache entry on one of `tp_size` ranks:
+        (2, num_key_value_heads / tp_size, head_dim), K and V of the rank's KV heads; with
+        MLA (1, 1, kv_latent_dim): one latent every rank holds whole (all heads read it)."""
+        if self.kv_latent_dim:
+            return 1, 1, self.kv_latent_dim
+        return 2, self.num_key_value_heads // tp_size, self.head_dim
 
     @property
     def sliding_window(self) -> int | None:

@@ -2,7 +2,9 @@
 
 Per layer, K and V are each [num_blocks, block_size, num_kv_heads, head_dim]. A block's
 transferable unit (to the host tier, SSD or another worker) is one contiguous tensor of
-`block_shape` = (num_layers, 2 (K, V), block_size, num_kv_heads, head_dim).
+`block_shape` = (num_layers, 2 (K, V), block_size, num_kv_heads, head_dim). A latent cache
+(MLA, `kv_parts` 1) holds one entry per token instead of K and V: `v` is empty and the
+block is (num_layers, 1, block_size, 1, latent + rope dims).
 
 Two layouts hold them (`KV_CACHE_LAYOUTS`), as vLLM's KV connectors choose between
 (`prefer_cross_layer_blocks`):
@@ -55,10 +57,14 @@ class PagedKVCache:
         dtype: torch.dtype,
         device: str | torch.device,
         layout: str = "layer",
+        kv_parts: int = 2,
     ) -> None:
-        """Raises ValueError for a dimension that is not positive or an unknown layout."""
+        """`kv_parts`: 2 (K and V) or 1 (one latent entry per token, MLA). Raises ValueError
+        for a dimension that is not positive, an unknown layout or a part count not 1 or 2."""
         if min(num_layers, num_blocks, block_size, num_kv_heads, head_dim) <= 0:
             raise ValueError("PagedKVCache dimensions must all be positive")
+        if kv_parts not in (1, 2):
+            raise ValueError(f"kv_parts must be 1 (latent) or 2 (K and V), got {kv_parts}")
         if layout not in KV_CACHE_LAYOUTS:
             raise ValueError(f"KV cache layout {layout!r}: expected one of {KV_CACHE_LAYOUTS}")
         self.num_layers = num_layers
@@ -66,7 +72,9 @@ class PagedKVCache:
         self.block_size = block_size
         self.dtype = dtype
         self.device = torch.device(device)
-        self.block_shape: tuple[int, ...] = (num_layers, 2, block_size, num_kv_heads, head_dim)
+        self.kv_parts = kv_parts
+        self.block_shape: tuple[int, ...] = (num_layers, kv_parts, block_size, num_kv_heads,
+                                             head_dim)
         self.block_nbytes: int = math.prod(self.block_shape) * torch.empty((), dtype=dtype).element_size()
         self.blocks: torch.Tensor | None = None
         self.k: list[torch.Tensor]
@@ -74,11 +82,15 @@ class PagedKVCache:
         if layout == "cross-layer":
             self.blocks = self._zeros((num_blocks, *self.block_shape))
             self.k = [self.blocks[:, layer, 0] for layer in range(num_layers)]
-            self.v = [self.blocks[:, layer, 1] for layer in range(num_layers)]
+            self.v = [self.blocks[:, layer, 1] for layer in range(num_layers)] if kv_parts == 2 else []
         else:
             shape = (num_blocks, block_size, num_kv_heads, head_dim)
             self.k = [self._zeros(shape) for _ in range(num_layers)]
-            self.v = [self._zeros(shape) for _ in range(num_layers)]
+            self.v = [self._zeros(shape) for _ in range(num_layers)] if kv_parts == 2 else []
+
+    def parts(self, layer: int) -> list[torch.Tensor]:
+        """The layer's cache tensors: [K, V], or [latent]."""
+        return [self.k[layer], self.v[layer]] if self.kv_parts == 2 else [self.k[layer]]
 
     @property
     def layout(self) -> str:
@@ -99,8 +111,8 @@ class PagedKVCache:
             return self.blocks.index_select(0, index)
         out = torch.empty((len(index), *self.block_shape), dtype=self.dtype, device=self.device)
         for layer in range(self.num_layers):
-            out[:, layer, 0] = self.k[layer][index]
-            out[:, layer, 1] = self.v[layer][index]
+            for part, tensor in enumerate(self.parts(layer)):
+                out[:, layer, part] = tensor[index]
         return out
 
     def write_blocks(self, block_ids: Sequence[int], data: torch.Tensor) -> None:
@@ -113,8 +125,8 @@ class PagedKVCache:
             self.blocks.index_copy_(0, index, data)
             return
         for layer in range(self.num_layers):
-            self.k[layer][index] = data[:, layer, 0]
-            self.v[layer][index] = data[:, layer, 1]
+            for part, tensor in enumerate(self.parts(layer)):
+                tensor[index] = data[:, layer, part]
 
     def write_index(self, block_ids: Sequence[int], data: torch.Tensor,
                     block_shape: tuple[int, ...]) -> torch.Tensor:

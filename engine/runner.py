@@ -111,15 +111,17 @@ class ModelRunner:
         with CheckpointReader(engine_config.model) as reader:
             self.model.load_checkpoint(reader)
         self.model.process_weights_after_loading()
+        kv_parts, kv_heads, kv_dim = self.model_config.kv_cache_dims(self.tp.world_size)
         self.kv_cache = PagedKVCache(
             num_layers=self.model_config.num_hidden_layers,
             num_blocks=engine_config.num_kv_blocks,
             block_size=engine_config.block_size,
-            num_kv_heads=self.model_config.num_key_value_heads // self.tp.world_size,
-            head_dim=self.model_config.head_dim,
+            num_kv_heads=kv_heads,
+            head_dim=kv_dim,
             dtype=dtype,
             device=self.device,
             layout=engine_config.resolved_kv_cache_layout(),
+            kv_parts=kv_parts,
         )
         self.wire_kv = self.kv_cache if self.tp.world_size == 1 else ShardedKVView(self)
         self._lock = threading.Lock() if self.tp.world_size > 1 else contextlib.nullcontext()

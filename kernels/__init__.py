@@ -45,6 +45,7 @@ __all__ = [
     "linear_by_handle",
     "pack_linear_weight",
     "paged_decode_attention",
+    "paged_mla_attention",
     "paged_prefill_attention",
     "prepare",
     "rms_norm",
@@ -322,3 +323,16 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     Triton path). See `reference.fused_moe`."""
     impl = _triton("triton_fused_moe") if _use_triton(x) else reference
     return impl.fused_moe(x, w13, w2, topk_weights, topk_ids)
+
+
+def paged_mla_attention(q: torch.Tensor, latent_cache: torch.Tensor, block_tables: torch.Tensor,
+                        cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                        v_dim: int) -> torch.Tensor:
+    """MLA over a paged latent cache, in the latent space -> [total_q, num_heads, v_dim]:
+    the Triton paged MLA decode kernel for an all-decode batch of CUDA tensors, torch
+    otherwise. See `torch_attention.paged_mla_attention`."""
+    if _use_triton(q) and q.shape[0] == seq_lens.shape[0]:
+        return _triton("triton_mla_decode").paged_mla_decode(q, latent_cache, block_tables,
+                                                             seq_lens, scale, v_dim)
+    return torch_attention.paged_mla_attention(q, latent_cache, block_tables, cu_seqlens_q,
+                                               seq_lens, scale, v_dim)

@@ -102,7 +102,7 @@ def paged_prefill_attention(
     to positions p - W < k <= p only (as in `paged_decode_attention`). Returns [total_q,
     num_heads, head_dim] in q's dtype; rows past cu_seqlens_q[-1] (padding) are zero.
     """
-    out = torch.zeros_like(q)
+    out = q.new_zeros((*q.shape[:2], v_cache.shape[-1]))
     starts = cu_seqlens_q.tolist()
     for seq, seq_len in enumerate(seq_lens.tolist()):
         start, end = starts[seq], starts[seq + 1]
@@ -126,4 +126,27 @@ def paged_prefill_attention(
         o = F.scaled_dot_product_attention(qs[None], k[None], v[None], attn_mask=mask,
                                            is_causal=causal, scale=scale, enable_gqa=True)
         out[start:end] = o[0].transpose(0, 1).to(q.dtype)  # [H, L, D] -> [L, H, D]
+    return out
+
+
+def paged_mla_attention(
+    q: torch.Tensor,
+    latent_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    v_dim: int,
+) -> torch.Tensor:
+    """Multi-head latent attention over a paged latent cache, in the latent space (the
+    up-projections absorbed into the query and the output: DeepSeek-V2 §2.1, vLLM's MLA
+    backend): one cached entry per token, [c | k_rope], serves every query head as its key,
+    and its first `v_dim` features (c) as its value.
+
+    q: [total_q, num_heads, D] (the absorbed q_nope | q_rope, D = v_dim + rope dims);
+    latent_cache: [num_blocks, block_size, 1, D]; the rest as `paged_prefill_attention`
+    (a decode row is a one-token chunk). Returns [total_q, num_heads, v_dim] in q's dtype.
+    """
+    out = paged_prefill_attention(q, latent_cache, latent_cache[..., :v_dim], block_tables,
+                                  cu_seqlens_q, seq_lens, scale)
     return out

@@ -467,7 +467,7 @@ class LayerWriter:
             (len(table), *self.cache.block_shape), dtype=self.cache.dtype)
 
     def piece_shape(self, piece: LayerPiece) -> tuple[int, ...]:
-        shape = self.cache.block_shape  # (layers, 2, block_size, kv_heads, head_dim)
+        shape = self.cache.block_shape  # (layers, K|V or latent, block_size, kv_heads, head_dim)
         return (piece.num_blocks, *(shape if piece.layer == ALL_LAYERS else shape[1:]))
 
     def write(self, piece: LayerPiece, data: torch.Tensor) -> None:
@@ -483,8 +483,8 @@ class LayerWriter:
         else:
             index = torch.tensor(self.table[lo:hi], device=self.cache.device)
             data = data.to(self.cache.device)
-            self.cache.k[piece.layer][index] = data[:, 0]
-            self.cache.v[piece.layer][index] = data[:, 1]
+            for part, tensor in enumerate(self.cache.parts(piece.layer)):
+                tensor[index] = data[:, part]
 
     def finish(self) -> None:
         if self.staging is not None:

@@ -7,6 +7,8 @@ sliding-window cases run prompts of several windows, in chunks, and decode past 
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -31,6 +33,8 @@ CASES = {
     "qwen3-tied": ("qwen3", {"tie_word_embeddings": True}),
     "mixtral": ("mixtral", {}),
     "qwen3_moe": ("qwen3_moe", {}),
+    "deepseek_v2": ("deepseek_v2", {}),
+    "deepseek_v2-q_lora": ("deepseek_v2", {"q_lora_rank": 24}),
 }
 
 
@@ -78,15 +82,20 @@ def test_prefix_hit_matches_transformers(family):
 
 
 def test_bfloat16_close_to_transformers(family):
+    """Against transformers in bf16 too: a MoE's routing may pick other experts in bf16 than
+    in fp32 (transformers' own bf16 run differs from its fp32 one as much), so the reference
+    runs in the engine's dtype; the bound is the Llama bf16 test's."""
     name, path, hf, _ = family
     tokens = _prompt(41, 19, BASE["vocab_size"])
     (table,) = _shuffled_tables(4, -(-len(tokens) // BLOCK))
     bf16 = ModelRunner(EngineConfig(model=str(path), block_size=BLOCK, num_kv_blocks=64,
                                     enforce_eager=True, dtype="bfloat16"))
     got = bf16.execute([SequenceChunk(tokens, 0, table)], all_logits=True)
-    expected = _reference(hf, tokens)
+    expected = _reference(copy.deepcopy(hf).to(torch.bfloat16), tokens)
+    diff = (got - expected).abs().max()
+    print(f"{name}: bf16 max abs diff {diff:.3f} (bound {0.1 * expected.abs().max():.3f})")
     assert got.dtype == torch.float32 and torch.isfinite(got).all()
-    assert (got - expected).abs().max() < 0.1 * expected.abs().max()
+    assert diff < 0.1 * expected.abs().max()
 
 
 @pytest.mark.parametrize("family", ["mistral-window"], indirect=True)

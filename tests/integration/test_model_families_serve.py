@@ -1,8 +1,8 @@
 """`pdcluster serve --model DIR` on the factory's tiny random checkpoints
 (tests/models/factory.py) through the real openai client: greedy tokens equal transformers'
 on the same weights, for each family beyond Llama, over a different path each: disaggregated
-on every KV transfer (grpc, torch, mooncake), colocated, and tensor parallel (TP=2 prefill and
-decode). The paths themselves carry no model-specific code; what differs per family is the
+on every KV transfer (grpc, torch, mooncake), colocated, tensor parallel (TP=2 prefill and
+decode), and for MLA's latent blocks the pool and layer streaming. The paths themselves carry no model-specific code; what differs per family is the
 model module, the block's bytes and the kernels each family's layers pick."""
 
 from __future__ import annotations
@@ -27,6 +27,10 @@ CASES = {
     "qwen3-mooncake": ("qwen3", {}, ["--pd-decider", "always", "--kv-transfer", "mooncake"]),
     "mixtral-colocated": ("mixtral", {}, ["--colocated"]),
     "qwen3_moe-tp2": ("qwen3_moe", {}, ["--pd-decider", "always", "--tensor-parallel-size", "2"]),
+    # MLA: latent blocks ([layers, 1, block, 1, latent + rope]) through the KV pool, and
+    # streamed layer by layer
+    "deepseek_v2-grpc": ("deepseek_v2", {}, ["--pd-decider", "always"]),
+    "deepseek_v2-layer": ("deepseek_v2", {}, ["--pd-decider", "always", "--kv-streaming", "layer"]),
 }
 
 

@@ -29,10 +29,11 @@ from tests.real_parts import import_real_part
 import_real_part("triton", "Triton", "scripts/setup.sh installs it on Linux")
 
 import kernels  # noqa: E402
-from kernels import reference  # noqa: E402
+from kernels import reference, torch_attention  # noqa: E402
 from kernels._triton_common import KernelInputError  # noqa: E402
 from kernels.triton_activation import plan_silu_and_mul  # noqa: E402
 from kernels.triton_fused_moe import align_block_size, fused_moe  # noqa: E402
+from kernels.triton_mla_decode import paged_mla_decode  # noqa: E402
 from kernels.triton_kv_cache import plan_store_kv_cache  # noqa: E402
 from kernels.triton_paged_decode import choose_num_splits, plan_paged_decode_attention  # noqa: E402
 from kernels.triton_paged_prefill import plan_paged_prefill_attention  # noqa: E402
@@ -349,6 +350,24 @@ def test_fused_moe(num_tokens, num_experts, top_k, hidden, inter, dtype):
     expected = reference.fused_moe(x, w13, w2, weights, ids)
     atol, rtol = TOLERANCE[dtype]
     torch.testing.assert_close(got, expected, atol=4 * atol, rtol=4 * rtol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("num_heads,latent,rope,block_size", [(4, 32, 8, 4), (20, 64, 16, 16)])
+@matrix
+def test_paged_mla_decode(num_heads, latent, rope, block_size, dtype):
+    """The latent-space decode kernel against the torch MLA path (whose attention is checked
+    against the oracle), over scattered blocks and ragged lengths, heads not a multiple of
+    the kernel's head tile."""
+    gen = _gen("mla", num_heads, latent, rope, block_size, dtype)
+    seq_lens = [1, block_size, 3 * block_size + 5, 40]
+    cache, _, tables = _paged_cache(gen, seq_lens, block_size, 1, latent + rope, dtype)
+    q = _randn(gen, len(seq_lens), num_heads, latent + rope, dtype=dtype)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    cu = torch.arange(len(seq_lens) + 1, dtype=torch.int32, device=DEVICE)
+    scale = (latent + rope) ** -0.5
+    expected = torch_attention.paged_mla_attention(q, cache, tables, cu, lens, scale, latent)
+    _close(paged_mla_decode(q, cache, tables, lens, scale, latent), expected, "mla decode")
 
 
 def test_align_block_size_groups_slots_by_expert():

@@ -52,6 +52,16 @@ FAMILIES: dict[str, Family] = {
     "qwen3_moe": Family(transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM,
                         {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
                          "norm_topk_prob": True, "mlp_only_layers": [1], "head_dim": 16}),
+    # MLA (latent 32 + rope 8) and DeepSeekMoE: layer 0 dense, then 8 routed experts in 4
+    # groups (top 2 from the best 2 groups) and a shared one
+    "deepseek_v2": Family(transformers.DeepseekV2Config, transformers.DeepseekV2ForCausalLM,
+                          {"num_key_value_heads": 4, "kv_lora_rank": 32, "q_lora_rank": None,
+                           "qk_rope_head_dim": 8, "qk_nope_head_dim": 16, "v_head_dim": 16,
+                           "n_routed_experts": 8, "num_experts_per_tok": 2,
+                           "n_shared_experts": 1, "moe_intermediate_size": 32,
+                           "first_k_dense_replace": 1, "n_group": 4, "topk_group": 2,
+                           "topk_method": "group_limited_greedy",
+                           "routed_scaling_factor": 1.5}),
 }
 
 

@@ -147,7 +147,7 @@ class LayerStreamConnector(KVConnector):
             ids = torch.tensor(stream.blocks[piece.block_start:
                                              piece.block_start + piece.num_blocks],
                                device=cache.device)
-            data = torch.stack((cache.k[layer][ids], cache.v[layer][ids]), dim=1)
+            data = torch.stack([part[ids] for part in cache.parts(layer)], dim=1)
             stream.sender.put(i, data.cpu())
 
     def wait_for_save(self) -> None:
