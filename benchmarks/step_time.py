@@ -3,7 +3,9 @@
 Models (`--shape`): `100m`, throughput.py's shape (hidden 768, 12 layers, 12 heads, 4 KV heads,
 intermediate 2048, vocab 32000); `1b`, TinyLlama-1.1B's (hidden 2048, 22 layers, 32 heads, 4 KV
 heads, intermediate 5632); `mixtral-100m`, the 100m shape with Mixtral's MoE (8 experts of
-intermediate 1024, top 2: ~100M parameters active per token, ~270M in all). The checkpoint is
+intermediate 1024, top 2: ~100M parameters active per token, ~270M in all); `deepseek-100m`,
+the 100m shape with DeepSeek-V2's MLA (latent 256 + rope 32) and MoE (layer 0 dense, then 8
+routed experts of 512, top 2, and one shared: ~90M active, ~180M in all). The checkpoint is
 written here with safetensors alone, so the script runs where only torch (and Triton, on CUDA)
 is installed.
 
@@ -48,50 +50,81 @@ SHAPES = {
     "mixtral-100m": dict(hidden_size=768, intermediate_size=1024, num_hidden_layers=12,
                          num_attention_heads=12, num_key_value_heads=4, vocab_size=32000,
                          num_local_experts=8, num_experts_per_tok=2),
+    "deepseek-100m": dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
+                          num_attention_heads=12, num_key_value_heads=12, vocab_size=32000,
+                          kv_lora_rank=256, qk_rope_head_dim=32, qk_nope_head_dim=64,
+                          v_head_dim=64, n_routed_experts=8, num_experts_per_tok=2,
+                          n_shared_experts=1, moe_intermediate_size=512,
+                          first_k_dense_replace=1, topk_method="greedy"),
 }
 
 
 def write_random_llama(path: Path, shape: dict, dtype: torch.dtype, seed: int = 0) -> None:
     """A Llama checkpoint (config.json + model.safetensors, tied embeddings) with normal(0,
-    0.02) weights and unit norms, in `dtype`; a Mixtral one where `shape` has experts."""
+    0.02) weights and unit norms, in `dtype`; a Mixtral one where `shape` has
+    `num_local_experts`, a DeepSeek-V2 one where it has `kv_lora_rank`."""
     from safetensors.torch import save_file
 
     gen = torch.Generator().manual_seed(seed)
     hidden, inter = shape["hidden_size"], shape["intermediate_size"]
-    head_dim = hidden // shape["num_attention_heads"]
+    heads = shape["num_attention_heads"]
+    head_dim = hidden // heads
     kv = shape["num_key_value_heads"] * head_dim
 
     def normal(*size: int) -> torch.Tensor:
         return (torch.randn(*size, generator=gen) * 0.02).to(dtype)
 
+    def ones(size: int) -> torch.Tensor:
+        return torch.ones(size, dtype=dtype)
+
+    def swiglu(prefix: str, size: int, names=("gate_proj", "up_proj", "down_proj")) -> dict:
+        gate, up, down = names
+        return {f"{prefix}{gate}.weight": normal(size, hidden),
+                f"{prefix}{up}.weight": normal(size, hidden),
+                f"{prefix}{down}.weight": normal(hidden, size)}
+
     tensors = {"model.embed_tokens.weight": normal(shape["vocab_size"], hidden),
-               "model.norm.weight": torch.ones(hidden, dtype=dtype)}
+               "model.norm.weight": ones(hidden)}
+    mla = shape.get("kv_lora_rank", 0)
     for i in range(shape["num_hidden_layers"]):
         prefix = f"model.layers.{i}."
-        tensors |= {prefix + "self_attn.q_proj.weight": normal(hidden, hidden),
-                    prefix + "self_attn.k_proj.weight": normal(kv, hidden),
-                    prefix + "self_attn.v_proj.weight": normal(kv, hidden),
-                    prefix + "self_attn.o_proj.weight": normal(hidden, hidden),
-                    prefix + "input_layernorm.weight": torch.ones(hidden, dtype=dtype),
-                    prefix + "post_attention_layernorm.weight": torch.ones(hidden, dtype=dtype)}
-        experts = shape.get("num_local_experts", 0)
-        if experts:
-            moe = prefix + "block_sparse_moe."
-            tensors[moe + "gate.weight"] = normal(experts, hidden)
-            for e in range(experts):
-                tensors |= {f"{moe}experts.{e}.w1.weight": normal(inter, hidden),
-                            f"{moe}experts.{e}.w3.weight": normal(inter, hidden),
-                            f"{moe}experts.{e}.w2.weight": normal(hidden, inter)}
+        tensors |= {prefix + "input_layernorm.weight": ones(hidden),
+                    prefix + "post_attention_layernorm.weight": ones(hidden)}
+        attn = prefix + "self_attn."
+        if mla:
+            nope, rope, v = (shape["qk_nope_head_dim"], shape["qk_rope_head_dim"],
+                             shape["v_head_dim"])
+            tensors |= {attn + "q_proj.weight": normal(heads * (nope + rope), hidden),
+                        attn + "kv_a_proj_with_mqa.weight": normal(mla + rope, hidden),
+                        attn + "kv_a_layernorm.weight": ones(mla),
+                        attn + "kv_b_proj.weight": normal(heads * (nope + v), mla),
+                        attn + "o_proj.weight": normal(hidden, heads * v)}
         else:
-            tensors |= {prefix + "mlp.gate_proj.weight": normal(inter, hidden),
-                        prefix + "mlp.up_proj.weight": normal(inter, hidden),
-                        prefix + "mlp.down_proj.weight": normal(hidden, inter)}
+            tensors |= {attn + "q_proj.weight": normal(hidden, hidden),
+                        attn + "k_proj.weight": normal(kv, hidden),
+                        attn + "v_proj.weight": normal(kv, hidden),
+                        attn + "o_proj.weight": normal(hidden, hidden)}
+        if shape.get("num_local_experts"):
+            moe = prefix + "block_sparse_moe."
+            tensors[moe + "gate.weight"] = normal(shape["num_local_experts"], hidden)
+            for e in range(shape["num_local_experts"]):
+                tensors |= swiglu(f"{moe}experts.{e}.", inter, ("w1", "w3", "w2"))
+        elif mla and i >= shape["first_k_dense_replace"]:
+            moe, size = prefix + "mlp.", shape["moe_intermediate_size"]
+            tensors[moe + "gate.weight"] = normal(shape["n_routed_experts"], hidden)
+            for e in range(shape["n_routed_experts"]):
+                tensors |= swiglu(f"{moe}experts.{e}.", size)
+            tensors |= swiglu(moe + "shared_experts.", size * shape["n_shared_experts"])
+        else:
+            tensors |= swiglu(prefix + "mlp.", inter)
     path.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(path / "model.safetensors"))
     arch, model_type = (("MixtralForCausalLM", "mixtral") if shape.get("num_local_experts")
+                        else ("DeepseekV2ForCausalLM", "deepseek_v2") if mla
                         else ("LlamaForCausalLM", "llama"))
+    extra = {"head_dim": shape["qk_rope_head_dim"], "q_lora_rank": None} if mla else {}
     (path / "config.json").write_text(json.dumps({
-        "architectures": [arch], "model_type": model_type, **shape,
+        "architectures": [arch], "model_type": model_type, **shape, **extra,
         "max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
         "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2,
         "torch_dtype": str(dtype).removeprefix("torch.")}))

@@ -43,7 +43,7 @@ from typing import Any, Protocol
 from engine.core.block_pool import BlockPool
 from engine.core.engine_loop import EngineInbox
 from engine.core.hashing import block_keys, make_namespace
-from engine.core.kv_cache_manager import NULL_BLOCK, KVCacheManager
+from engine.core.kv_cache_manager import NULL_BLOCK, KVCacheManager, has_released
 from engine.core.kv_connector import (KVConnector, KVLoadFailurePolicy, LoadOutcome,
                                       ScheduledChunk, StepCancelled)
 from engine.core.preemption import PREEMPTION_MODES
@@ -522,7 +522,7 @@ class EngineCore:
         try:
             # the blocks keep their bytes until this thread allocates again; a table with
             # released blocks (sliding window) no longer holds its prefix, so nothing is saved
-            whole = normal and NULL_BLOCK not in request.block_table
+            whole = normal and not has_released(request.block_table)
             _, params = self.connector.request_finished(
                 request, request.block_table if whole else ())
         except Exception as exc:  # noqa: BLE001 — a prefill's caller gets it; a decode's
@@ -566,7 +566,7 @@ class EngineCore:
         full = len(tokens) // self.block_size
         by_prefill = request.num_prompt_tokens // self.block_size if request.remote_prefill else 0
         if (full < max(request.num_published_blocks, by_prefill) + self.publish_interval
-                or NULL_BLOCK in request.block_table):  # released: no longer a prefix
+                or has_released(request.block_table)):  # no longer a prefix
             return
         keys = block_keys(tokens, self.block_size,
                           make_namespace(self.model_id, request.cache_salt))

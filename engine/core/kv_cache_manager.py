@@ -25,6 +25,11 @@ from engine.core.blocks import num_blocks_for, num_full_blocks
 NULL_BLOCK = -1
 
 
+def has_released(block_table: list[int]) -> bool:
+    """Whether the table gave blocks back (they are a prefix of it, so the first tells)."""
+    return bool(block_table) and block_table[0] == NULL_BLOCK
+
+
 class KVCacheManager:
     """Allocates and frees one worker's cache blocks for requests.
 

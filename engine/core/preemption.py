@@ -21,7 +21,7 @@ from typing import Protocol
 
 import torch
 
-from engine.core.kv_cache_manager import NULL_BLOCK, KVCacheManager
+from engine.core.kv_cache_manager import KVCacheManager, has_released
 from engine.core.request import SchedulableRequest
 
 
@@ -79,7 +79,7 @@ class SwapPreemption(PreemptionPolicy):
         self.cache = cache
 
     def preempt(self, request: PreemptedRequest) -> None:
-        if NULL_BLOCK in request.block_table:  # released blocks (sliding window): recompute
+        if has_released(request.block_table):  # a sliding window's: recompute
             RecomputePreemption.preempt(self, request)
             return
         request.swapped = self.cache.read_blocks(request.block_table).cpu()
