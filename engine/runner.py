@@ -15,9 +15,11 @@ never `broadcast_object_list` (it pickles):
            query_start_loc[S+1]; every rank runs the forward (2 all-reduces per layer),
            rank 0 alone computes logits (lm_head is replicated)
     WRITE  header [2, n]; block ids[n]; then a scatter: rank r gets its KV-head slice of the
-           n full blocks rank 0 holds (the KV pool's layout has every head, as at TP=1)
+           n full blocks rank 0 holds (the KV pool's layout has every head, as at TP=1); a
+           latent cache (MLA), which every rank holds whole, gets the blocks broadcast
     READ   header [3, n]; block ids[n]; then a gather: rank 0 gets every rank's head slice
-           and concatenates them into full blocks
+           and concatenates them into full blocks (a latent cache: rank 0 reads its own, no
+           command)
     STOP   header [4]: follow() returns
 
 Each step's inputs are written into persistent buffers (engine.input_buffers) and the forward
@@ -123,6 +125,8 @@ class ModelRunner:
             layout=engine_config.resolved_kv_cache_layout(),
             kv_parts=kv_parts,
         )
+        #: a latent cache (MLA): whole on every rank, not split by heads
+        self._latent = self.kv_cache.kv_parts == 1
         self.wire_kv = self.kv_cache if self.tp.world_size == 1 else ShardedKVView(self)
         self._lock = threading.Lock() if self.tp.world_size > 1 else contextlib.nullcontext()
         self._broken: TPError | None = None
@@ -239,6 +243,8 @@ class ModelRunner:
         from every rank (rank 0 only). Raises ValueError for a bad block id, TPError."""
         index = self.kv_cache.index_of(block_ids)
         with self._command():
+            if self._latent:  # every rank holds the same latent blocks
+                return self.kv_cache.read_blocks(index.tolist())
             if self.tp.world_size > 1:
                 self._send_header(_READ, len(index))
                 self.tp.broadcast(index)
@@ -253,6 +259,10 @@ class ModelRunner:
             if self.tp.world_size > 1:
                 self._send_header(_WRITE, len(index))
                 self.tp.broadcast(index)
+            if self._latent:
+                whole = data.to(self.device, copy=True).contiguous()
+                self.kv_cache.write_blocks(index.tolist(), self.tp.broadcast(whole))
+                return
             chunks = [c.contiguous() for c in data.to(self.device).chunk(self.tp.world_size, dim=4)]
             local = torch.empty((len(index), *self.kv_cache.block_shape), dtype=self.kv_cache.dtype,
                                 device=self.device)
@@ -283,7 +293,8 @@ class ModelRunner:
             local = torch.empty((args[0], *self.kv_cache.block_shape), dtype=self.kv_cache.dtype,
                                 device=self.device)
             if command == _WRITE:
-                self.kv_cache.write_blocks(index.tolist(), self.tp.scatter(local, None))
+                received = self.tp.broadcast(local) if self._latent else self.tp.scatter(local, None)
+                self.kv_cache.write_blocks(index.tolist(), received)
             elif command == _READ:
                 self.tp.gather(self.kv_cache.read_blocks(index.tolist()))
             else:
@@ -366,6 +377,8 @@ class ShardedKVView:
                                                              cache.block_size)
         self.dtype, self.device = cache.dtype, cache.device
         layers, kv, block_size, heads, head_dim = cache.block_shape
+        if runner._latent:  # the latent is not split: every rank's blocks are the whole
+            k = 1
         self.block_shape: tuple[int, ...] = (layers, kv, block_size, heads * k, head_dim)
         self.block_nbytes: int = cache.block_nbytes * k
 

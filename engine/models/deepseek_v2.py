@@ -18,8 +18,12 @@ MLP of n_shared x moe_intermediate_size). Routing: softmax over the experts in f
 `n_group` whose best expert scores highest, §2.2.2), times `routed_scaling_factor`, not
 renormalized. The earlier layers have a dense MLP of `intermediate_size`.
 
-Tensor parallel: only TP=1 so far (check_tensor_parallel says so); heads would split, the
-latent stay whole on every rank.
+Tensor parallel: the heads split (q_proj, kv_b_proj column-parallel, o_proj row-parallel),
+the experts' intermediate dimension splits (engine.models.fused_moe), and the latent stays
+whole: kv_a_proj_with_mqa is replicated, so every rank computes and caches the same latent
+entries, and a block in the KV pool's layout is any rank's (engine.runner: a latent cache's
+wire reads are rank 0's own, its writes broadcast), so a prefill of any TP size serves a
+decode of any other.
 """
 
 from __future__ import annotations
@@ -181,7 +185,8 @@ class DeepseekV2ForCausalLM(DecoderForCausalLM):
         return DeepseekV2MoE(config, tp)
 
     @classmethod
-    def check_tensor_parallel(cls, config: ModelConfig, tp_size: int) -> None:
-        if tp_size != 1:
-            raise ValueError(f"{config.name}: DeepSeek-V2 (MLA) runs at tensor parallel size 1 "
-                             f"so far, not {tp_size}")
+    def tp_split_sizes(cls, config: ModelConfig) -> dict[str, int]:
+        """Heads, the dense MLP and the experts split; the latent never does."""
+        return {"num_attention_heads": config.num_attention_heads,
+                "intermediate_size": config.intermediate_size,
+                "moe_intermediate_size": int(config.hf_config["moe_intermediate_size"])}

@@ -137,3 +137,29 @@ def test_tp1_group_is_a_no_op_and_tp_sizes_are_checked():
         check_tensor_parallel(config, 8)
     with pytest.raises(ValueError, match="num_attention_heads 8"):
         check_tensor_parallel(config, 3)
+
+
+def test_mla_tp2_matches_tp1_with_the_latent_whole_on_every_rank(tmp_path):
+    """DeepSeek-V2 (tests/models/factory.py): heads and experts split, the latent cache not.
+    Greedy tokens, first logits and the pool-layout blocks equal TP=1's; each rank holds the
+    whole latent (one cache entry of latent + rope per token) and half the heads."""
+    build("deepseek_v2", tmp_path / "checkpoint")
+    path = str(tmp_path / "checkpoint")
+    config = ModelConfig.from_pretrained(path)
+    tp1_out, tp2_out = tmp_path / "tp1", tmp_path / "tp2"
+    procs = [_spawn(0, 1, path, 4, tp1_out, "serve"), *_start_tp2(path, 4, tp2_out, "serve")]
+    _wait(procs)
+    tp1 = json.loads((tp1_out / "result.json").read_text())
+    tp2 = json.loads((tp2_out / "result.json").read_text())
+    assert tp2["outputs"] == tp1["outputs"]
+    assert tp2["migrated"] == tp1["migrated"] == tp1["outputs"][0][:len(tp1["migrated"])]
+    torch.testing.assert_close(torch.tensor(tp2["first_logits"]),
+                               torch.tensor(tp1["first_logits"]), atol=1e-4, rtol=0)
+    assert tp2["wire_shape"] == tp1["wire_shape"]
+    assert tp1["wire_shape"][1:] == [1, 4, 1, config.kv_latent_dim]
+    torch.testing.assert_close(torch.load(tp2_out / "wire.pt"), torch.load(tp1_out / "wire.pt"),
+                               atol=1e-5, rtol=1e-5)
+    for rank in (0, 1):
+        shard = json.loads((tp2_out / f"rank{rank}.json").read_text())
+        assert shard["kv_heads"] == 1
+        assert shard["num_attention_heads"] == config.num_attention_heads // 2
