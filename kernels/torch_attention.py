@@ -146,7 +146,24 @@ def paged_mla_attention(
     q: [total_q, num_heads, D] (the absorbed q_nope | q_rope, D = v_dim + rope dims);
     latent_cache: [num_blocks, block_size, 1, D]; the rest as `paged_prefill_attention`
     (a decode row is a one-token chunk). Returns [total_q, num_heads, v_dim] in q's dtype.
+    An all-decode batch runs as one batched product over each sequence's gathered latents
+    (a single read of them serves as key and value); chunks run per sequence.
     """
-    out = paged_prefill_attention(q, latent_cache, latent_cache[..., :v_dim], block_tables,
-                                  cu_seqlens_q, seq_lens, scale)
-    return out
+    if q.shape[0] == seq_lens.shape[0]:
+        return _mla_decode(q, latent_cache, block_tables, seq_lens, scale, v_dim)
+    return paged_prefill_attention(q, latent_cache, latent_cache[..., :v_dim], block_tables,
+                                   cu_seqlens_q, seq_lens, scale)
+
+
+def _mla_decode(q: torch.Tensor, latent_cache: torch.Tensor, block_tables: torch.Tensor,
+                seq_lens: torch.Tensor, scale: float, v_dim: int) -> torch.Tensor:
+    block_size, dim = latent_cache.shape[1], latent_cache.shape[3]
+    lens = seq_lens.to(torch.int64)
+    positions = torch.arange(int(lens.max()), device=q.device)
+    slots = (block_tables[:, positions // block_size].to(torch.int64) * block_size
+             + positions % block_size)  # [S, max_len]
+    latents = latent_cache.reshape(-1, dim)[slots].to(torch.float32)  # [S, max_len, D]
+    scores = torch.bmm(q.to(torch.float32), latents.transpose(1, 2)).mul_(scale)  # [S, H, T]
+    scores.masked_fill_((positions[None, :] >= lens[:, None])[:, None, :], float("-inf"))
+    out = torch.bmm(scores.softmax(dim=-1), latents[..., :v_dim])  # [S, H, v_dim]
+    return out.to(q.dtype)
