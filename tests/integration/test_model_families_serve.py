@@ -1,8 +1,10 @@
 """`pdcluster serve --model DIR` on the factory's tiny random checkpoints
 (tests/models/factory.py) through the real openai client: greedy tokens equal transformers'
-on the same weights, for each family beyond Llama, over a different path each: disaggregated
-on every KV transfer (grpc, torch, mooncake), colocated, tensor parallel (TP=2 prefill and
-decode), and for MLA's latent blocks the pool and layer streaming. The paths themselves carry no model-specific code; what differs per family is the
+on the same weights, for each family beyond Llama's module (Qwen2 is Llama's module with
+biases, checked against transformers in tests/engine/test_model_families.py), over a different
+path each: disaggregated on every KV transfer (torch, mooncake; grpc below), colocated, tensor
+parallel (TP=2 prefill and decode), and for MLA's latent blocks the pool (grpc) and layer
+streaming. The paths themselves carry no model-specific code; what differs per family is the
 model module, the block's bytes and the kernels each family's layers pick."""
 
 from __future__ import annotations
@@ -21,7 +23,6 @@ pytestmark = pytest.mark.slow
 NEW_TOKENS = 24
 #: id -> (family, config overrides, serve flags)
 CASES = {
-    "qwen2-grpc": ("qwen2", {}, ["--pd-decider", "always"]),
     "mistral-window-torch": ("mistral", {"sliding_window": 16},
                              ["--pd-decider", "always", "--kv-transfer", "torch"]),
     "qwen3-mooncake": ("qwen3", {}, ["--pd-decider", "always", "--kv-transfer", "mooncake"]),
