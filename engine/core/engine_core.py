@@ -455,9 +455,11 @@ class EngineCore:
             if request.num_computed_tokens == request.num_tokens:  # samples token 0
                 done.append((row, request))
         self._count(decoding, chunks)
-        for request in (*decoding, *(r for r, _ in chunks)):
-            if not request.prefill_only:  # a prefill's whole prompt goes to the connector
-                self.kv.release_outside_window(request.block_table, request.num_computed_tokens)
+        if self.kv.sliding_window is not None:
+            for request in (*decoding, *(r for r, _ in chunks)):
+                if not request.prefill_only:  # a prefill's whole prompt goes to the connector
+                    self.kv.release_outside_window(request.block_table,
+                                                   request.num_computed_tokens)
         sampling = decoding + [r for _, r in done]
         rows = [*range(len(decoding)), *(row for row, _ in done)]
         inputs = [SampleInput(r.sampling, r.seed, r.prompt_token_ids, r.output_ids)

@@ -9,7 +9,6 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 
 from decode_worker.instance import decode_core
 from engine.config import EngineConfig
@@ -18,7 +17,7 @@ from engine.core.kv_cache_manager import NULL_BLOCK
 from engine.protocol import DecodeRequest, SamplingParams
 from engine.runner import ModelRunner
 from tests.engine.test_engine_core import HeldFetches, submit, tokens
-from tests.models.factory import build
+from tests.models.factory import build, reference_greedy
 
 BLOCK, WINDOW, NEW_TOKENS = 4, 8, 40
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
@@ -28,14 +27,6 @@ GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
 def model(tmp_path_factory):
     path = tmp_path_factory.mktemp("mistral-window")
     return path, build("mistral", path, sliding_window=WINDOW)
-
-
-def reference_greedy(hf, prompt: list[int], n: int) -> list[int]:
-    ids = list(prompt)
-    with torch.no_grad():
-        for _ in range(n):
-            ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[len(prompt):]
 
 
 def engine(path):

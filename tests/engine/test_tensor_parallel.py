@@ -75,6 +75,27 @@ def _start_tp2(model: str, block_size: int, out: Path, mode: str) -> list[subpro
     return [rank0, _spawn(1, 2, model, block_size, out, mode, int((out / "port").read_text()))]
 
 
+def _tp1_and_tp2_agree(path: str, block_size: int, tmp_path: Path) -> tuple[dict, dict, Path]:
+    """Run the model as TP=1 and as a 2-process TP instance; assert greedy tokens (prefill's
+    first, batched decode, migrated decode), first logits, and the KV pool's block layout and
+    blocks equal. Returns (TP=1 result, TP=2 result, TP=2 output directory)."""
+    tp1_out, tp2_out = tmp_path / "tp1", tmp_path / "tp2"
+    procs = [_spawn(0, 1, path, block_size, tp1_out, "serve"),
+             *_start_tp2(path, block_size, tp2_out, "serve")]
+    _wait(procs)
+    tp1 = json.loads((tp1_out / "result.json").read_text())
+    tp2 = json.loads((tp2_out / "result.json").read_text())
+    assert tp2["outputs"] == tp1["outputs"]
+    assert tp2["migrated"] == tp1["migrated"] == tp1["outputs"][0][:len(tp1["migrated"])]
+    torch.testing.assert_close(torch.tensor(tp2["first_logits"]),
+                               torch.tensor(tp1["first_logits"]), atol=1e-4, rtol=0)
+    assert tp2["wire_shape"] == tp1["wire_shape"]
+    # (fp32 sums in another order: K/V values reach ~25, so a relative tolerance too)
+    torch.testing.assert_close(torch.load(tp2_out / "wire.pt"), torch.load(tp1_out / "wire.pt"),
+                               atol=1e-5, rtol=1e-5)
+    return tp1, tp2, tp2_out
+
+
 @pytest.mark.parametrize("model", ["stories260K", "random_gqa", "qwen3_moe"])
 def test_tp2_matches_tp1(model, request, tmp_path):
     if model == "stories260K":
@@ -85,31 +106,16 @@ def test_tp2_matches_tp1(model, request, tmp_path):
         build(model, tmp_path / "checkpoint")
         path, block_size = str(tmp_path / "checkpoint"), 4
     config = ModelConfig.from_pretrained(path)
-    tp1_out, tp2_out = tmp_path / "tp1", tmp_path / "tp2"
-    procs = [_spawn(0, 1, path, block_size, tp1_out, "serve"),
-             *_start_tp2(path, block_size, tp2_out, "serve")]
-    _wait(procs)
-    tp1 = json.loads((tp1_out / "result.json").read_text())
-    tp2 = json.loads((tp2_out / "result.json").read_text())
-
-    # greedy output token-identical: prefill's first token, batched decode, migrated decode
-    assert tp2["outputs"] == tp1["outputs"]
-    assert tp2["migrated"] == tp1["migrated"] == tp1["outputs"][0][:len(tp1["migrated"])]
-    torch.testing.assert_close(torch.tensor(tp2["first_logits"]),
-                               torch.tensor(tp1["first_logits"]), atol=1e-4, rtol=0)
-    # the KV pool's block layout is the same at TP=1 and TP=2 (every KV head)
-    assert tp2["wire_shape"] == tp1["wire_shape"]
+    tp1, tp2, tp2_out = _tp1_and_tp2_agree(path, block_size, tmp_path)
+    # the KV pool's block layout has every KV head
     assert tp1["wire_shape"][3] == config.num_key_value_heads
-    # (fp32 sums in another order: K/V values reach ~25, so a relative tolerance too)
-    torch.testing.assert_close(torch.load(tp2_out / "wire.pt"), torch.load(tp1_out / "wire.pt"),
-                               atol=1e-5, rtol=1e-5)
     # a forward issues 2 all-reduces per layer (after o_proj, after down_proj); none at TP=1
     layers = config.num_hidden_layers
     assert tp2["prefill_all_reduces"] == 2 * layers
     assert tp2["step_all_reduces"] == [2 * layers] * len(tp2["step_all_reduces"])
     assert tp1["prefill_all_reduces"] == 0 and set(tp1["step_all_reduces"]) == {0}
     # each rank holds ~1/2 of the layer weights (norms and the row-parallel biases replicated)
-    full = json.loads((tp1_out / "rank0.json").read_text())
+    full = json.loads((tp2_out.parent / "tp1" / "rank0.json").read_text())
     for rank in (0, 1):
         shard = json.loads((tp2_out / f"rank{rank}.json").read_text())
         assert abs(shard["layer_param_bytes"] / full["layer_param_bytes"] - 0.5) < 0.02
@@ -147,19 +153,8 @@ def test_mla_tp2_matches_tp1_with_the_latent_whole_on_every_rank(tmp_path):
     build("deepseek_v2", tmp_path / "checkpoint")
     path = str(tmp_path / "checkpoint")
     config = ModelConfig.from_pretrained(path)
-    tp1_out, tp2_out = tmp_path / "tp1", tmp_path / "tp2"
-    procs = [_spawn(0, 1, path, 4, tp1_out, "serve"), *_start_tp2(path, 4, tp2_out, "serve")]
-    _wait(procs)
-    tp1 = json.loads((tp1_out / "result.json").read_text())
-    tp2 = json.loads((tp2_out / "result.json").read_text())
-    assert tp2["outputs"] == tp1["outputs"]
-    assert tp2["migrated"] == tp1["migrated"] == tp1["outputs"][0][:len(tp1["migrated"])]
-    torch.testing.assert_close(torch.tensor(tp2["first_logits"]),
-                               torch.tensor(tp1["first_logits"]), atol=1e-4, rtol=0)
-    assert tp2["wire_shape"] == tp1["wire_shape"]
+    tp1, _, tp2_out = _tp1_and_tp2_agree(path, 4, tmp_path)
     assert tp1["wire_shape"][1:] == [1, 4, 1, config.kv_latent_dim]
-    torch.testing.assert_close(torch.load(tp2_out / "wire.pt"), torch.load(tp1_out / "wire.pt"),
-                               atol=1e-5, rtol=1e-5)
     for rank in (0, 1):
         shard = json.loads((tp2_out / f"rank{rank}.json").read_text())
         assert shard["kv_heads"] == 1

@@ -13,10 +13,9 @@ import random
 import signal
 
 import pytest
-import torch
 from openai import OpenAI
 
-from tests.models.factory import build
+from tests.models.factory import build, reference_greedy
 
 pytestmark = pytest.mark.slow
 
@@ -33,14 +32,6 @@ CASES = {
     "deepseek_v2-grpc": ("deepseek_v2", {}, ["--pd-decider", "always"]),
     "deepseek_v2-layer": ("deepseek_v2", {}, ["--pd-decider", "always", "--kv-streaming", "layer"]),
 }
-
-
-def reference_greedy(hf, prompt: list[int], n: int) -> list[int]:
-    ids = list(prompt)
-    with torch.no_grad():
-        for _ in range(n):
-            ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[len(prompt):]
 
 
 @pytest.mark.parametrize("case", sorted(CASES))

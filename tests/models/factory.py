@@ -85,3 +85,13 @@ def build(family: str, directory: Path, seed: int | None = None, **overrides) ->
         if (BUNDLED_MODEL / name).exists() and not (directory / name).exists():
             shutil.copy(BUNDLED_MODEL / name, directory / name)
     return model
+
+
+def reference_greedy(hf: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
+    """transformers' greedy continuation of `prompt`, `n` tokens, EOS ignored: each token the
+    argmax of a full forward over the sequence so far."""
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt):]
