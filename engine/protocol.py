@@ -12,6 +12,31 @@ from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
+class StructuredOutputSpec:
+    """A grammar the output must match (vLLM's ``StructuredOutputsParams``, one kind each).
+
+    kind: "json" (spec: a JSON schema, as JSON text), "regex", "choice" (a JSON list of
+    strings), "grammar" (Lark or GBNF/EBNF, as llguidance reads them) or "structural_tag"
+    (vLLM's: a JSON object with "structures" and "triggers").
+    whitespace_pattern: for "json", a regex of the whitespace allowed between tokens (vLLM's
+        field); None: none (compact JSON).
+    Raises ValueError on an unknown kind.
+    """
+
+    kind: str
+    spec: str
+    whitespace_pattern: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in STRUCTURED_OUTPUT_KINDS:
+            raise ValueError(f"structured output kind must be one of {STRUCTURED_OUTPUT_KINDS}, "
+                             f"got {self.kind!r}")
+
+
+STRUCTURED_OUTPUT_KINDS = ("json", "regex", "choice", "grammar", "structural_tag")
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     """Per-request sampling parameters, with vLLM's meanings and order of application:
     penalties → min_tokens masking → temperature → min_p → top_k → top_p → draw.
@@ -35,6 +60,8 @@ class SamplingParams:
         sampler draws this request's token t from the (seed, output_offset + t) stream and counts
         those tokens as output for presence/frequency penalties; max_tokens and min_tokens then
         count only the tokens still to generate. 0 for every request that did not move.
+    structured_output: the grammar every output token is sampled under (None: free text);
+        the request stops when the grammar is complete.
     Raises ValueError on out-of-range values.
     """
 
@@ -52,6 +79,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logprobs: int | None = None
     output_offset: int = 0
+    structured_output: StructuredOutputSpec | None = None
 
     def __post_init__(self) -> None:
         checks = [

@@ -63,6 +63,10 @@ class Tokenizer:
         return cls(tok, token_id("bos_token"), token_id("eos_token"),
                    bool(cfg.get("add_bos_token", False)))
 
+    def to_json(self) -> str:
+        """The tokenizer as tokenizer.json text (what grammar libraries load)."""
+        return self._tok.to_str()
+
     @property
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
@@ -83,6 +87,15 @@ class Tokenizer:
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+    def pieces(self, token_ids: Sequence[int]) -> list[str]:
+        """Each id's vocabulary entry (transformers' convert_ids_to_tokens). Raises
+        TokenizerError for an id outside the vocabulary."""
+        pieces = [self._tok.id_to_token(t) for t in token_ids]
+        if None in pieces:
+            raise TokenizerError(f"token id {token_ids[pieces.index(None)]} is not in the "
+                                 f"vocabulary [0, {self.vocab_size})")
+        return pieces
 
     def is_special(self, token_id: int) -> bool:
         """True for a special token: decode() leaves it out of the text by default."""

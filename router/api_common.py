@@ -14,6 +14,8 @@ from typing import AsyncIterator, Awaitable, Callable, Sequence
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from engine.core.structured_output import GrammarError
+from engine.protocol import StructuredOutputSpec
 from engine.sampler import draw_seed
 from engine.tokenizer import Tokenizer, TokenizerError
 from router.conductor import RequestRejected
@@ -21,6 +23,7 @@ from router.inflight import Overloaded
 from router.pipeline import GenerationError
 from router.schemas import SamplingFields, StreamOptions
 from router.serving import ChoiceDelta, ChoiceSpec, GenerationService
+from router.structured_outputs import GrammarCheck
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +59,19 @@ class ServingContext:
     served_model_name: str
     max_model_len: int
     max_seqs_per_request: int | None = None
+    grammars: GrammarCheck | None = None  # None: compiled only by the workers
+
+    def structured_output(self, body: SamplingFields) -> StructuredOutputSpec | None:
+        """The request's grammar, compiled once here. Raises APIError(400) naming what is
+        wrong with it."""
+        param = "response_format" if body.response_format is not None else "structured_outputs"
+        try:
+            spec = body.structured_output()
+            if spec is not None and self.grammars is not None:
+                self.grammars.check(spec)
+        except (GrammarError, ValueError) as exc:
+            raise APIError(400, str(exc), param) from exc
+        return spec
 
     def check_model(self, model: str) -> None:
         if model != self.served_model_name:
@@ -98,7 +114,8 @@ class ServingContext:
 
 
 def build_specs(body: SamplingFields, prompts: list[list[int]], max_tokens: list[int],
-                logprobs: int | None) -> list[ChoiceSpec]:
+                logprobs: int | None, structured_output: StructuredOutputSpec | None = None
+                ) -> list[ChoiceSpec]:
     """n choices per prompt, index = prompt × n + i. With a seed, choice k uses seed + k, so
     choice 0 of n equals the single choice of the same request with n = 1."""
     specs = []
@@ -107,7 +124,7 @@ def build_specs(body: SamplingFields, prompts: list[list[int]], max_tokens: list
             index = p * body.n + i
             seed = (body.seed + index) % 2**63 if body.seed is not None else draw_seed()
             try:
-                params = body.sampling_params(max_tokens[p], logprobs, seed)
+                params = body.sampling_params(max_tokens[p], logprobs, seed, structured_output)
             except ValueError as exc:
                 raise APIError(400, str(exc)) from exc
             specs.append(ChoiceSpec(index, prompt, params, body.stop_strings()))

@@ -28,7 +28,7 @@ async def create_chat_completion(body: ChatCompletionRequest, ctx: ServingContex
     param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
     max_tokens = ctx.max_tokens_for(prompt, requested, param)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    specs = build_specs(body, [prompt], [max_tokens], logprobs)
+    specs = build_specs(body, [prompt], [max_tokens], logprobs, ctx.structured_output(body))
     started: set[int] = set()
     return await respond(ctx, body, request_id, [prompt], specs, "chat.completion",
                          "chat.completion.chunk",

@@ -59,11 +59,12 @@ class ChatTemplate:
         return cls(source or PLAIN_CHAT_TEMPLATE, _token(config, "bos_token"),
                    _token(config, "eos_token"))
 
-    def render(self, messages: list[dict]) -> str:
+    def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         """messages: [{"role", "content"}] with text content. Raises ChatTemplateError."""
         try:
             return self._template.render(messages=messages, bos_token=self._bos,
-                                         eos_token=self._eos, add_generation_prompt=True)
+                                         eos_token=self._eos,
+                                         add_generation_prompt=add_generation_prompt)
         except TemplateError as exc:
             raise ChatTemplateError(f"chat template failed: {exc}") from exc
 

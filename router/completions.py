@@ -17,7 +17,7 @@ async def create_completion(body: CompletionRequest, ctx: ServingContext):
     ctx.check_num_sequences(body.num_prompts(), body.n)
     prompts = _prompts(body, ctx)
     max_tokens = [ctx.max_tokens_for(p, body.max_tokens, "max_tokens") for p in prompts]
-    specs = build_specs(body, prompts, max_tokens, body.logprobs)
+    specs = build_specs(body, prompts, max_tokens, body.logprobs, ctx.structured_output(body))
     offsets = [TextOffsets() for _ in specs]  # per choice, carried across its stream chunks
     return await respond(ctx, body, request_id, prompts, specs, "text_completion",
                          "text_completion",

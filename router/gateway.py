@@ -38,6 +38,8 @@ from router.metrics import ClusterStatsCollector, GatewayMetrics, exposition
 from router.pipeline import Pipeline
 from router.schemas import ChatCompletionRequest, CompletionRequest
 from router.serving import GenerationService
+from router.structured_outputs import GrammarCheck
+from router.tokenize import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +63,7 @@ def build_app(pipeline: Pipeline, tokenizer: Tokenizer, served_model_name: str,
     cluster_stats = ClusterStatsCollector(pipeline.conductor.registry, service.gate,
                                           lambda: pipeline.conductor.pd_decisions)
     ctx = ServingContext(service, tokenizer, served_model_name, max_model_len,
-                         max_seqs_per_request)
+                         max_seqs_per_request, GrammarCheck(tokenizer))
     app = FastAPI(title="pdcluster", docs_url=None, redoc_url=None)
     app.state.service = service
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
@@ -125,6 +127,14 @@ def build_app(pipeline: Pipeline, tokenizer: Tokenizer, served_model_name: str,
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         return await until_disconnected(request, create_chat_completion(body, ctx,
                                                                         chat_template))
+
+    @app.post("/tokenize")
+    async def tokenize_endpoint(body: TokenizeRequest) -> dict:
+        return tokenize(body, ctx, chat_template)
+
+    @app.post("/detokenize")
+    async def detokenize_endpoint(body: DetokenizeRequest) -> dict:
+        return detokenize(body, ctx)
 
     return app
 

@@ -17,7 +17,8 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
 
-from engine.protocol import MAX_LOGPROBS, SamplingParams
+from engine.protocol import MAX_LOGPROBS, SamplingParams, StructuredOutputSpec
+from router.structured_outputs import ResponseFormat, StructuredOutputsParams, spec_of
 from router.unsupported_fields import (CHAT_FIELDS, COMPLETION_FIELDS, MESSAGE_FIELDS,
                                        TEXT_PART_TYPES, drop_neutral)
 
@@ -66,12 +67,20 @@ class SamplingFields(BaseModel):
     user: str | None = None
     cache_salt: str | None = Field(None, min_length=1, max_length=256)
     return_token_ids: bool = False
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsParams | None = None
+
+    def structured_output(self) -> StructuredOutputSpec | None:
+        """The grammar the request asks for (router.structured_outputs); raises ValueError
+        when it asks for more than one."""
+        return spec_of(self.response_format, self.structured_outputs)
 
     def stop_strings(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return [s for s in stops if s]
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None, seed: int | None) -> SamplingParams:
+    def sampling_params(self, max_tokens: int, logprobs: int | None, seed: int | None,
+                        structured_output: StructuredOutputSpec | None = None) -> SamplingParams:
         """Raises ValueError for combinations pydantic's per-field checks cannot see."""
         temperature = 0.0 if self.temperature < SAMPLING_EPS else self.temperature
         # a top_p this small keeps only the most likely token either way; smaller ones
@@ -83,7 +92,8 @@ class SamplingFields(BaseModel):
             stop_token_ids=tuple(self.stop_token_ids), ignore_eos=self.ignore_eos,
             min_tokens=self.min_tokens, presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
-            repetition_penalty=self.repetition_penalty, logprobs=logprobs)
+            repetition_penalty=self.repetition_penalty, logprobs=logprobs,
+            structured_output=structured_output)
 
 
 _PROMPT_FORMS = "a string, a list of strings, a list of token ids or a list of token-id lists"

@@ -32,8 +32,6 @@ _COMMON: dict[str, tuple[tuple, str]] = {
     "bad_words": ((None, []), "bad_words"),
     "truncate_prompt_tokens": ((None,), "prompt truncation"),
     "truncation_side": ((None,), "prompt truncation"),
-    "response_format": ((None, {"type": "text"}), "structured output (response_format)"),
-    "structured_outputs": ((None,), "structured output"),
     "repetition_detection": ((None,), "repetition detection"),
     "thinking_token_budget": ((None, -1), "a thinking-token budget"),
     "watermarking": ((None, False), "watermarking"),

@@ -50,9 +50,11 @@ from engine.core.preemption import PREEMPTION_MODES
 from engine.core.request import (Request, RequestAborted, RequestFailed, RequestRejected,
                                  RequestStatus)
 from engine.core.scheduler import Scheduler
+from engine.core.structured_output import GrammarError, StructuredOutputManager, apply_bitmask
 from engine.protocol import KV_LOAD_FAILED, FinishReason, TokenDelta, TokenLogprob
 from engine.runner import ModelRunner, SequenceChunk
 from engine.sampler import SampleInput, sample
+from engine.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -161,6 +163,9 @@ class EngineCore:
         self._sending: dict[str, Request] = {}  # finished, KV params to come from the connector
         self._ready: list[tuple[Request, Any]] = []  # params known at request_finished
         self._in_step: list[Request] = []
+        self._structured: StructuredOutputManager | None = None  # made by the first grammar
+        # requests whose grammar compiles off the loop, by id, with its future matcher
+        self._compiling: dict[str, tuple[Request, Future]] = {}
         # ids aborted before they arrived (loop thread only); bounded, as aborts may name
         # finished requests
         self._aborted: OrderedDict[str, None] = OrderedDict()
@@ -212,7 +217,7 @@ class EngineCore:
 
     def stats(self) -> dict:
         return {"worker_id": self.worker_id, "pid": self.pid,
-                "num_waiting": len(self.scheduler.waiting),
+                "num_waiting": len(self.scheduler.waiting) + len(self._compiling),
                 "num_active": len(self.scheduler.active),
                 **self.pool.stats(),
                 "num_steps_total": self.num_steps_total,
@@ -249,6 +254,8 @@ class EngineCore:
         # "wake": the connector settled something; the step polls it
 
     def step(self) -> bool:
+        if self._compiling:
+            self._take_compiled()
         if self.pre_arrival is not None:
             self.pre_arrival.poll()
             self.pre_arrival.attach_waiting()
@@ -293,27 +300,68 @@ class EngineCore:
 
     def close(self) -> None:
         for request in (*self.scheduler.waiting, *self.scheduler.active.values(),
-                        *self._sending.values()):
+                        *self._sending.values(), *(r for r, _ in self._compiling.values())):
             self._notify_error(request, RequestAborted(f"{request.request_id}: engine stopped"))
         self._events.shutdown(wait=False)
+        if self._structured is not None:
+            self._structured.close()
         self.connector.close()
 
     # ---- arrival and admission -----------------------------------------------------------
     def _arrive(self, request: Request) -> None:
-        """Queue a new request, unless it ends here and now: refused, aborted before it came,
-        or stopped already by the first token it came with."""
+        """Queue a new request once its grammar (if any) compiled, unless it ends here and
+        now: refused, aborted before it came, or stopped already by the first token it came
+        with."""
         if self.pre_arrival is not None:
             self.pre_arrival.arrived(request.request_id)
         error = self._refusal(request)
-        if error is None and request.output_ids:
-            finish = self._check_stop(request)
-            if finish is not None:
-                self._finish(request, finish)
-                return
         if error is not None:
             self._finish(request, FinishReason.ABORT if isinstance(error, RequestAborted)
                          else FinishReason.ERROR, error)
             return
+        spec = request.sampling.structured_output
+        if spec is not None:
+            future = self._structured_output().compile(spec)
+            self._compiling[request.request_id] = (request, future)
+            future.add_done_callback(lambda _: self.inbox.post("wake"))
+            return
+        self._queue(request)
+
+    def _structured_output(self) -> StructuredOutputManager:
+        if self._structured is None:
+            tokenizer = Tokenizer.from_pretrained(self.runner.engine_config.model)
+            self._structured = StructuredOutputManager(
+                tokenizer, self.runner.model_config.vocab_size,
+                self.runner.model_config.eos_token_ids)
+        return self._structured
+
+    def _take_compiled(self) -> None:
+        """Requests whose grammar compiled are queued, their matcher advanced over the output
+        they came with (the prefill's token 0, the output before a migration)."""
+        for request_id, (request, future) in list(self._compiling.items()):
+            if not future.done():
+                continue
+            del self._compiling[request_id]
+            try:
+                matcher = future.result()
+            except GrammarError as exc:
+                self._finish(request, FinishReason.ERROR, RequestRejected(str(exc)))
+                continue
+            k = request.sampling.output_offset
+            earlier = request.prompt_token_ids[len(request.prompt_token_ids) - k:] if k else ()
+            if not matcher.consume_tokens([*earlier, *request.output_ids]):
+                self._finish(request, FinishReason.ERROR, RequestFailed(
+                    f"the output so far does not match the grammar: {matcher.get_error()}"))
+                continue
+            request.grammar = matcher
+            self._queue(request)
+
+    def _queue(self, request: Request) -> None:
+        if request.output_ids:
+            finish = self._check_stop(request)
+            if finish is not None:
+                self._finish(request, finish)
+                return
         request.prompt_keys = tuple(block_keys(request.prompt_token_ids, self.block_size,
                                                make_namespace(self.model_id, request.cache_salt)))
         request.block_keys = (request.prompt_keys if self.connector.allows_local_prefix(request)
@@ -403,7 +451,9 @@ class EngineCore:
     def _abort_now(self, request_id: str) -> None:
         if self.pre_arrival is not None:
             self.pre_arrival.drop(request_id, tell_prefill=True)
-        request = self.scheduler.find_waiting(request_id) or self.scheduler.active.get(request_id)
+        compiling = self._compiling.pop(request_id, None)
+        request = (compiling[0] if compiling else self.scheduler.find_waiting(request_id)
+                   or self.scheduler.active.get(request_id))
         if request is None:  # not arrived yet (refused when it comes), or finished
             self.connector.abort(request_id)
             self._aborted[request_id] = None
@@ -464,11 +514,18 @@ class EngineCore:
         rows = [*range(len(decoding)), *(row for row, _ in done)]
         inputs = [SampleInput(r.sampling, r.seed, r.prompt_token_ids, r.output_ids)
                   for r in sampling]
-        sampled = sample(logits[rows], inputs, self.eos_token_ids) if sampling else []
+        sampled = sample(self._constrained(logits[rows], sampling), inputs,
+                         self.eos_token_ids) if sampling else []
         for request, (token, logprob) in zip(sampling, sampled):
             if request is self._alone:
                 self._alone = None
             request.output_ids.append(token)
+            grammar = request.grammar
+            if grammar is not None and not grammar.consume_token(token):
+                self._finish(request, FinishReason.ERROR, RequestFailed(
+                    f"sampled token {token} outside the grammar: {grammar.get_error()}"),
+                    new_tokens=(token,), logprob=logprob)
+                continue
             finish = self._check_stop(request)
             if finish is not None:
                 self._finish(request, finish, new_tokens=(token,), logprob=logprob)
@@ -476,6 +533,14 @@ class EngineCore:
             request.emit(self._delta(request, (token,), None, logprob=logprob))
             if self.publish_interval:
                 self._save_progress(request)
+
+    def _constrained(self, logits, requests: list[Request]):
+        """``logits`` [rows, vocab] (a copy) with each grammar's disallowed tokens at -inf."""
+        if self._structured is not None and any(r.grammar is not None for r in requests):
+            mask = self._structured.bitmask([r.grammar for r in requests])
+            if mask is not None:
+                apply_bitmask(logits, mask)
+        return logits
 
     def _count(self, decoding: list[Request], chunks: list[tuple[Request, int]]) -> None:
         if decoding:
@@ -495,6 +560,8 @@ class EngineCore:
         last = request.output_ids[-1]
         if (not params.ignore_eos and last in self.eos_token_ids) or last in params.stop_token_ids:
             return FinishReason.STOP
+        if request.grammar is not None and request.grammar.is_stopped():
+            return FinishReason.STOP  # the grammar is complete: only EOS could follow
         if len(request.output_ids) >= params.max_tokens or \
                 request.num_tokens >= self.max_model_len:
             return FinishReason.LENGTH

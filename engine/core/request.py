@@ -16,7 +16,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -127,6 +127,9 @@ class Request:
     runs_alone: bool = False
     aborted: bool = False
     swapped: torch.Tensor | None = None  # host copy of its KV while preempted by swap
+    #: the llguidance matcher of its structured output, advanced by every output token
+    #: (engine.core.structured_output); None: free text
+    grammar: Any = None
 
     @classmethod
     def of_prefill(cls, request: PrefillRequest, emit: Callable[[TokenDelta], None],

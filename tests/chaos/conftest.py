@@ -37,6 +37,11 @@ MAX_TOKENS = 64
 REQUEST_DEADLINE_S = 120.0  # a request with no final event by then is lost
 SETTLE_DEADLINE_S = 60.0
 TAIL_TTL_S = 5.0  # tails a dead decode never took are reclaimed after this
+#: what the structured half of the load must produce (a grammar that survives the fault)
+SCHEMA = {"type": "object", "properties": {
+    "kind": {"enum": ["cat", "dog", "bird"]},
+    "toys": {"type": "array", "items": {"type": "string", "maxLength": 6}, "maxItems": 2}},
+    "required": ["kind", "toys"], "additionalProperties": False}
 
 
 def pytest_ignore_collect(collection_path: Path, config) -> bool | None:
@@ -53,15 +58,18 @@ class RequestSpec:
     prompt: str
     temperature: float
     seed: int
+    structured: bool = False  # constrained to SCHEMA
 
 
 def request_specs() -> list[RequestSpec]:
-    """Half greedy, half seeded sampling; every prompt different."""
+    """Half greedy, half seeded sampling; every prompt different; one in four seeded ones
+    under a JSON schema."""
     subjects = ["a cat", "a dog", "a little girl", "a boy", "a bird", "a big tree", "a red ball",
                 "a fish", "a king", "a frog", "a small car", "a bear", "a cake", "a star",
                 "a boat", "a bunny"]
     return [RequestSpec(i, f"Once upon a time, there was {subjects[i]} who",
-                        0.0 if i % 2 == 0 else 1.0, 1000 + i) for i in range(NUM_REQUESTS)]
+                        0.0 if i % 2 == 0 else 1.0, 1000 + i, i % 4 == 3)
+            for i in range(NUM_REQUESTS)]
 
 
 @dataclass
@@ -112,7 +120,9 @@ async def _one(client, model: str, spec: RequestSpec, out: Outcome) -> None:
     try:
         stream = await client.completions.create(
             model=model, prompt=spec.prompt, max_tokens=MAX_TOKENS, temperature=spec.temperature,
-            seed=spec.seed, stream=True, extra_body={"ignore_eos": True, "return_token_ids": True})
+            seed=spec.seed, stream=True, extra_body={
+                "ignore_eos": True, "return_token_ids": True,
+                **({"structured_outputs": {"json": SCHEMA}} if spec.structured else {})})
         async for chunk in stream:
             choice = chunk.choices[0]
             out.chunks += 1

@@ -14,14 +14,16 @@ holds one, no tail is left behind).
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
 
+import jsonschema
 import pytest
 import ray
 
-from tests.chaos.conftest import NUM_REQUESTS, ChaosEnv, Report
+from tests.chaos.conftest import NUM_REQUESTS, SCHEMA, ChaosEnv, Report, request_specs
 
 pytestmark = pytest.mark.slow
 
@@ -39,10 +41,15 @@ def no_fault(chaos_env: ChaosEnv) -> Report:
 
 
 def assert_same_outputs(report: Report, no_fault: Report) -> None:
+    """Each output equals the fault-free one; the structured ones are JSON valid under SCHEMA
+    (a moved request resumed its grammar)."""
     for i, (got, want) in enumerate(zip(report.outcomes, no_fault.outcomes)):
         assert len(want.token_ids) == want.chunks  # one token per chunk: ids are comparable
         assert (got.token_ids, got.text, got.finish_reason) == \
             (want.token_ids, want.text, want.finish_reason), f"request {i}"
+    for spec in request_specs():
+        if spec.structured:
+            jsonschema.validate(json.loads(report.outcomes[spec.index].text), SCHEMA)
 
 
 @pytest.mark.parametrize("role, trigger_chunks", [("prefill", 1), ("decode", NUM_REQUESTS * 8)])

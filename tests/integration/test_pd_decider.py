@@ -17,6 +17,7 @@ from deploy.launcher import Cluster
 from kvstore.pool_config import KVPoolConfig
 from deploy.serve import gateway_app
 from tests.background_server import BackgroundServer
+from tests.integration.test_structured_outputs import NUM_REQUESTS, run_all_kinds
 from tests.markers import starts
 
 THRESHOLD = 48
@@ -112,3 +113,15 @@ def test_logprobs_agree_on_either_path(base_url, api_base, hf):
     mine, theirs = here["logprobs"]["token_logprobs"], there["logprobs"]["token_logprobs"]
     assert len(mine) == 16
     assert max(abs(a - b) for a, b in zip(mine, theirs)) < 1e-4
+
+
+def test_structured_outputs_validate_when_the_decode_prefills_them(base_url):
+    """tests/integration/test_structured_outputs.py's checks, on the decode-local path: every
+    one of these short chat prompts is prefilled on its decode (the --pd-decider never path)."""
+    base, _ = base_url
+    before = metric(base, "pdcluster_pd_decisions_total")
+    run_all_kinds(f"{base}/v1")
+    after = metric(base, "pdcluster_pd_decisions_total")
+    local = (("path", "local"),)
+    assert after[local] - before.get(local, 0) == 3 * NUM_REQUESTS
+    assert after.get((("path", "disaggregated"),), 0) == before.get((("path", "disaggregated"),), 0)
