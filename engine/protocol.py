@@ -62,6 +62,9 @@ class SamplingParams:
         count only the tokens still to generate. 0 for every request that did not move.
     structured_output: the grammar every output token is sampled under (None: free text);
         the request stops when the grammar is complete.
+    prompt_logprobs: None = none; k >= 0 = each prompt token's logprob (after the first) plus
+        the top k, from the raw logits of the forward that computes the prompt (vLLM's); the
+        prompt is then computed whole, never served by the prefix cache.
     Raises ValueError on out-of-range values.
     """
 
@@ -80,6 +83,7 @@ class SamplingParams:
     logprobs: int | None = None
     output_offset: int = 0
     structured_output: StructuredOutputSpec | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         checks = [
@@ -99,6 +103,8 @@ class SamplingParams:
             (self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
              f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}"),
             (self.output_offset >= 0, f"output_offset must be >= 0, got {self.output_offset}"),
+            (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
+             f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}"),
         ]
         for ok, message in checks:
             if not ok:
@@ -119,11 +125,13 @@ class TokenLogprob:
     """Logprob of a generated token under the raw model distribution, and the top entries.
 
     top: (token_id, logprob) pairs, most likely first; len = the request's `logprobs`.
+    rank: 1 + how many tokens were more likely (prompt logprobs; None where not computed).
     """
 
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()
+    rank: int | None = None
 
 
 class FinishReason(str, enum.Enum):
@@ -166,6 +174,8 @@ class FirstToken:
     logprob: its logprob entry when the request asked for logprobs.
     num_cached_tokens: prompt tokens whose KV came from the prefix cache (any tier), not
         computed; what OpenAI's `usage.prompt_tokens_details.cached_tokens` reports.
+    prompt_logprobs: with SamplingParams.prompt_logprobs, one entry per prompt token after the
+        first.
     """
 
     request_id: str
@@ -174,6 +184,7 @@ class FirstToken:
     prefill_worker_id: str
     prefill_pid: int
     num_cached_tokens: int = 0
+    prompt_logprobs: tuple[TokenLogprob, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -229,6 +240,8 @@ class TokenDelta:
     request's KV load failed under the ``fail`` policy, which no retry should paper over).
     num_cached_tokens: on the first item of a request, the prompt tokens the prefix cache
     served (FirstToken.num_cached_tokens); None on the others.
+    prompt_logprobs: on the first item of a request that asked for them, one entry per prompt
+    token after the first (SamplingParams.prompt_logprobs); None on the others.
     """
 
     request_id: str
@@ -242,3 +255,4 @@ class TokenDelta:
     extra: dict = field(default_factory=dict)
     error_code: str | None = None
     num_cached_tokens: int | None = None
+    prompt_logprobs: tuple[TokenLogprob, ...] | None = None

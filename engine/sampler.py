@@ -208,6 +208,26 @@ def filter_probs(probs: torch.Tensor, params: Sequence[SamplingParams]) -> torch
     return probs / probs.sum(dim=-1, keepdim=True)
 
 
+def prompt_logprobs(raw_logits: torch.Tensor, targets: Sequence[int], top: int
+                    ) -> list[TokenLogprob]:
+    """Each target token's logprob, its rank and the `top` most likely, from the raw logits of
+    the position before it (vLLM's prompt_logprobs).
+
+    raw_logits: [len(targets), vocab], any float dtype; row i is the distribution target i was
+    drawn from. rank: 1 + the number of tokens more likely than the target.
+    """
+    logprobs = torch.log_softmax(raw_logits.float(), dim=-1)
+    ids = torch.tensor(list(targets), dtype=torch.int64, device=logprobs.device)
+    chosen = logprobs.gather(1, ids[:, None])
+    ranks = (logprobs > chosen).sum(dim=-1).add_(1).tolist()
+    tops: list[tuple[tuple[int, float], ...]] = [()] * len(targets)
+    if top > 0:
+        values, top_ids = torch.topk(logprobs, top)
+        tops = [tuple(zip(i, v)) for i, v in zip(top_ids.tolist(), values.tolist())]
+    return [TokenLogprob(t, lp, entries, rank)
+            for t, lp, entries, rank in zip(targets, chosen[:, 0].tolist(), tops, ranks)]
+
+
 def token_logprob(raw_logits: torch.Tensor, token: int, top: int) -> TokenLogprob:
     """The sampled token's logprob and the `top` most likely, from raw [vocab] logits."""
     logprobs = torch.log_softmax(raw_logits.float(), dim=-1)

@@ -51,7 +51,8 @@ def submit_prefill(core: EngineCore, request: PrefillRequest) -> tuple[Future, F
             extra["compute_end_s"] = time.time()
             first.set_result(FirstToken(
                 delta.request_id, delta.token_ids[0], delta.logprobs[0] if delta.logprobs else None,
-                delta.decode_worker_id, delta.decode_pid, delta.num_cached_tokens or 0))
+                delta.decode_worker_id, delta.decode_pid, delta.num_cached_tokens or 0,
+                delta.prompt_logprobs))
 
     def settled(params: KVTransferParams | BaseException) -> None:  # the events thread
         if isinstance(params, BaseException):

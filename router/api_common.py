@@ -124,21 +124,25 @@ def build_specs(body: SamplingFields, prompts: list[list[int]], max_tokens: list
             index = p * body.n + i
             seed = (body.seed + index) % 2**63 if body.seed is not None else draw_seed()
             try:
-                params = body.sampling_params(max_tokens[p], logprobs, seed, structured_output)
+                # max_tokens 0 (prompt only) runs one token, which the choice drops
+                params = body.sampling_params(max(1, max_tokens[p]), logprobs, seed,
+                                              structured_output)
             except ValueError as exc:
                 raise APIError(400, str(exc)) from exc
-            specs.append(ChoiceSpec(index, prompt, params, body.stop_strings()))
+            specs.append(ChoiceSpec(index, prompt, params, body.stop_strings(),
+                                    prompt_only=max_tokens[p] == 0))
     return specs
 
 
 async def respond(ctx: ServingContext, body: SamplingFields, request_id: str,
                   prompts: list[list[int]], specs: list[ChoiceSpec], obj: str, chunk_obj: str,
-                  choice: Callable[[ChoiceDelta], dict]) -> Response:
+                  choice: Callable[[ChoiceDelta], dict],
+                  whole: Callable[[list[ChoiceDelta]], dict] | None = None) -> Response:
     """Runs `specs` and answers: with body.stream, SSE chunks of object `chunk_obj`, each with
     the one choice `choice(delta)` (see sse); else one `obj` with `choice(folded delta)` per
     choice in index order, the usage and, with return_token_ids, the prompt's ids (a list of
-    them for several prompts). Raises APIError as start_stream does and, unstreamed, as
-    collect does."""
+    them for several prompts), and the fields `whole(choices)` adds. Raises APIError as
+    start_stream does and, unstreamed, as collect does."""
     first, rest = await start_stream(ctx, request_id, specs, body.cache_salt)
     head = envelope(request_id, chunk_obj if body.stream else obj, body.model)
     num_prompt_tokens = sum(len(p) for p in prompts)
@@ -153,6 +157,8 @@ async def respond(ctx: ServingContext, body: SamplingFields, request_id: str,
                                cached_tokens(cached, body.n))}
     if body.return_token_ids:
         response["prompt_token_ids"] = prompts if len(prompts) > 1 else prompts[0]
+    if whole is not None:
+        response.update(whole(choices))
     return JSONResponse(response)
 
 
@@ -208,6 +214,8 @@ async def collect(first: ChoiceDelta, rest: AsyncIterator[ChoiceDelta],
             acc.finish_reason = delta.finish_reason or acc.finish_reason
             if acc.num_cached_tokens is None:
                 acc.num_cached_tokens = delta.num_cached_tokens
+            if acc.prompt_logprobs is None:
+                acc.prompt_logprobs = delta.prompt_logprobs
     except GenerationError as exc:
         log.warning("request failed: %s", exc)
         raise APIError(exc.status, str(exc)) from exc
@@ -359,6 +367,8 @@ def validation_error(errors: Sequence[dict]) -> APIError:
         got = type(first.get("input")).__name__
         return APIError(400, f"{param}: expected {' or '.join(alternatives)} "
                         f"(got {_JSON_TYPE_NAMES.get(got, got)})", param)
+    if first.get("type") == "max_tokens_zero":
+        return APIError(400, first["msg"], "max_tokens")
     if first.get("type") == "prompt_invalid":
         return APIError(400, first["msg"], param)
     return APIError(400, f"{param or 'body'}: {first.get('msg', 'invalid request')}", param)

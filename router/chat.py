@@ -6,7 +6,7 @@ from engine.tokenizer import Tokenizer
 from router.api_common import APIError, ServingContext, build_specs, respond
 from router.chat_template import ChatTemplate, ChatTemplateError
 from engine.logs import bind_request_id
-from router.logprobs import chat_logprob_entry
+from router.logprobs import chat_logprob_entry, vllm_prompt_logprobs
 from router.schemas import ChatCompletionRequest, new_request_id
 from router.serving import ChoiceDelta
 
@@ -30,9 +30,15 @@ async def create_chat_completion(body: ChatCompletionRequest, ctx: ServingContex
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     specs = build_specs(body, [prompt], [max_tokens], logprobs, ctx.structured_output(body))
     started: set[int] = set()
+    whole = None
+    if body.prompt_logprobs is not None:  # vLLM's: beside the choices, not in them
+        def whole(choices: list[ChoiceDelta]) -> dict:
+            return {"prompt_logprobs": vllm_prompt_logprobs(choices[0].prompt_logprobs or [],
+                                                            body.prompt_logprobs,
+                                                            ctx.tokenizer)}
     return await respond(ctx, body, request_id, [prompt], specs, "chat.completion",
                          "chat.completion.chunk",
-                         lambda delta: _choice(delta, body, ctx.tokenizer, started))
+                         lambda delta: _choice(delta, body, ctx.tokenizer, started), whole)
 
 
 def _choice(delta: ChoiceDelta, body: ChatCompletionRequest, tokenizer: Tokenizer,

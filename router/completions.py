@@ -5,7 +5,7 @@ from __future__ import annotations
 from engine.tokenizer import Tokenizer
 from router.api_common import APIError, ServingContext, build_specs, respond
 from engine.logs import bind_request_id
-from router.logprobs import TextOffsets, completion_logprobs
+from router.logprobs import TextOffsets, completion_logprobs, echo_logprobs, vllm_prompt_logprobs
 from router.schemas import CompletionRequest, new_request_id
 from router.serving import ChoiceDelta
 
@@ -19,9 +19,23 @@ async def create_completion(body: CompletionRequest, ctx: ServingContext):
     max_tokens = [ctx.max_tokens_for(p, body.max_tokens, "max_tokens") for p in prompts]
     specs = build_specs(body, prompts, max_tokens, body.logprobs, ctx.structured_output(body))
     offsets = [TextOffsets() for _ in specs]  # per choice, carried across its stream chunks
+    echoed: set[int] = set()  # choices whose prompt went out (echo)
+    texts = _prompt_texts(body, prompts, ctx.tokenizer)
     return await respond(ctx, body, request_id, prompts, specs, "text_completion",
                          "text_completion",
-                         lambda delta: _choice(delta, body, ctx.tokenizer, offsets[delta.index]))
+                         lambda delta: _choice(delta, body, ctx.tokenizer, offsets[delta.index],
+                                               prompts[delta.index // body.n],
+                                               texts[delta.index // body.n], echoed))
+
+
+def _prompt_texts(body: CompletionRequest, prompts: list[list[int]],
+                  tokenizer: Tokenizer) -> list[str]:
+    """What echo shows of each prompt: the text sent, or the ids decoded."""
+    if isinstance(body.prompt, str):
+        return [body.prompt]
+    if isinstance(body.prompt[0], str):
+        return list(body.prompt)
+    return [tokenizer.decode(p) for p in prompts]
 
 
 def _prompts(body: CompletionRequest, ctx: ServingContext) -> list[list[int]]:
@@ -51,11 +65,28 @@ def _prompts(body: CompletionRequest, ctx: ServingContext) -> list[list[int]]:
 
 
 def _choice(delta: ChoiceDelta, body: CompletionRequest, tokenizer: Tokenizer,
-            offsets: TextOffsets) -> dict:
-    choice = {"index": delta.index, "text": delta.text,
-              "logprobs": completion_logprobs(delta.logprobs, tokenizer, offsets)
-              if body.logprobs is not None else None,
-              "finish_reason": delta.finish_reason}
+            offsets: TextOffsets, prompt: list[int], prompt_text: str, echoed: set[int]
+            ) -> dict:
+    """A choice (or stream chunk); the choice's first carries the echoed prompt and the
+    prompt's logprobs."""
+    first = delta.index not in echoed
+    echoed.add(delta.index)
+    echo = body.echo and first
+    logprobs = None
+    if body.logprobs is not None:
+        logprobs = completion_logprobs(delta.logprobs, tokenizer, offsets) if not echo else \
+            _joined(echo_logprobs(prompt, delta.prompt_logprobs or [], body.logprobs, tokenizer,
+                                  offsets),
+                    completion_logprobs(delta.logprobs, tokenizer, offsets))
+    choice = {"index": delta.index, "text": prompt_text + delta.text if echo else delta.text,
+              "logprobs": logprobs, "finish_reason": delta.finish_reason}
+    if body.prompt_logprobs is not None and first:
+        choice["prompt_logprobs"] = vllm_prompt_logprobs(delta.prompt_logprobs or [],
+                                                         body.prompt_logprobs, tokenizer)
     if body.return_token_ids:
         choice["token_ids"] = delta.token_ids
     return choice
+
+
+def _joined(a: dict, b: dict) -> dict:
+    return {key: a[key] + b[key] for key in a}

@@ -73,3 +73,40 @@ def chat_logprob_entry(entry: TokenLogprob, tokenizer: Tokenizer) -> dict:
     """One chat `logprobs.content` item with its `top_logprobs`."""
     return {**chat_logprob(entry.token_id, entry.logprob, tokenizer),
             "top_logprobs": [chat_logprob(t, lp, tokenizer) for t, lp in entry.top]}
+
+
+def echo_logprobs(prompt_ids: list[int], entries: list[TokenLogprob], top: int,
+                  tokenizer: Tokenizer, offsets: TextOffsets) -> dict:
+    """The completions `logprobs` object of an echoed prompt: `entries` hold the prompt's
+    tokens after the first (engine prompt logprobs), whose logprob and top entries are null,
+    as vLLM and OpenAI show it; `top` caps the top entries shown."""
+    tokens, text_offset = [], []
+    for t in prompt_ids:
+        data = tokenizer.token_bytes(t)
+        tokens.append(token_string(data))
+        text_offset.append(offsets.take(b"" if tokenizer.is_special(t) else data))
+    return {
+        "tokens": tokens,
+        "token_logprobs": [None, *(e.logprob for e in entries)],
+        "top_logprobs": [None, *({token_string(tokenizer.token_bytes(t)): lp
+                                  for t, lp in e.top[:top]} for e in entries)],
+        "text_offset": text_offset,
+    }
+
+
+def vllm_prompt_logprobs(entries: list[TokenLogprob], top: int,
+                         tokenizer: Tokenizer) -> list[dict | None]:
+    """vLLM's `prompt_logprobs`: null for the first prompt token, then per token a map from
+    token id (a string) to {logprob, rank, decoded_token} holding the token itself and the
+    `top` most likely."""
+    def entry(token_id: int, logprob: float, rank: int | None) -> dict:
+        return {"logprob": logprob, "rank": rank,
+                "decoded_token": token_string(tokenizer.token_bytes(token_id))}
+
+    out: list[dict | None] = [None]
+    for e in entries:
+        position = {str(e.token_id): entry(e.token_id, e.logprob, e.rank)}
+        for rank, (t, lp) in enumerate(e.top[:top], 1):
+            position.setdefault(str(t), entry(t, lp, rank))
+        out.append(position)
+    return out

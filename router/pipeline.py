@@ -85,9 +85,10 @@ def resumed_request(prompt: tuple[int, ...], sampling: SamplingParams,
     k = len(generated)
     if not k:
         return prompt, sampling
+    # the prompt's logprobs went out with the first token
     return prompt + tuple(generated), replace(
         sampling, max_tokens=sampling.max_tokens - k,
-        min_tokens=max(0, sampling.min_tokens - k), output_offset=k)
+        min_tokens=max(0, sampling.min_tokens - k), output_offset=k, prompt_logprobs=None)
 
 
 @dataclass
@@ -245,7 +246,8 @@ class Pipeline:
                              logprobs=None if first.logprob is None else (first.logprob,),
                              extra={"prefill_worker_id": first.prefill_worker_id,
                                     "prefill_pid": first.prefill_pid},
-                             num_cached_tokens=first.num_cached_tokens)
+                             num_cached_tokens=first.num_cached_tokens,
+                             prompt_logprobs=first.prompt_logprobs)
             # the first token went out while the prefill published the KV the decode needs
             result: PrefillResult = await _next_from(stream, prefill)
             handed_to_decode = True  # from here the decode's abort releases what it holds

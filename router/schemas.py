@@ -69,6 +69,7 @@ class SamplingFields(BaseModel):
     return_token_ids: bool = False
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
     def structured_output(self) -> StructuredOutputSpec | None:
         """The grammar the request asks for (router.structured_outputs); raises ValueError
@@ -78,6 +79,10 @@ class SamplingFields(BaseModel):
     def stop_strings(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return [s for s in stops if s]
+
+    def prompt_logprobs_k(self) -> int | None:
+        """How many top entries each prompt token's logprob carries (None: none computed)."""
+        return self.prompt_logprobs
 
     def sampling_params(self, max_tokens: int, logprobs: int | None, seed: int | None,
                         structured_output: StructuredOutputSpec | None = None) -> SamplingParams:
@@ -93,7 +98,7 @@ class SamplingFields(BaseModel):
             min_tokens=self.min_tokens, presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty, logprobs=logprobs,
-            structured_output=structured_output)
+            structured_output=structured_output, prompt_logprobs=self.prompt_logprobs_k())
 
 
 _PROMPT_FORMS = "a string, a list of strings, a list of token ids or a list of token-id lists"
@@ -154,12 +159,28 @@ Prompt = Annotated[str | list[str] | list[int] | list[list[int]], BeforeValidato
 class CompletionRequest(SamplingFields):
     """Body of POST /v1/completions. `prompt`: a string, a list of strings, a token-id list,
     or a list of token-id lists, none empty; each prompt gets `n` choices
-    (index = prompt × n + i)."""
+    (index = prompt × n + i). `echo`: the choice's text (and logprobs) start with the prompt's;
+    `max_tokens: 0` with echo or prompt_logprobs scores the prompt and generates nothing (what
+    evaluation harnesses send for loglikelihoods)."""
 
     prompt: Prompt
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int | None = Field(16, ge=0)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_special_tokens: bool = True
+    echo: bool = False
+
+    @model_validator(mode="after")
+    def _prompt_only(self) -> "CompletionRequest":
+        if self.max_tokens == 0 and not (self.echo or self.prompt_logprobs is not None):
+            raise PydanticCustomError("max_tokens_zero", "max_tokens: 0 generates nothing; it "
+                                      "needs echo or prompt_logprobs (to score the prompt)")
+        return self
+
+    def prompt_logprobs_k(self) -> int | None:
+        """echo with logprobs scores the prompt too, with as many top entries."""
+        if self.echo and self.logprobs is not None:
+            return max(self.logprobs, self.prompt_logprobs or 0)
+        return self.prompt_logprobs
 
     @model_validator(mode="before")
     @classmethod

@@ -25,19 +25,22 @@ from router.stop import StopStringMatcher
 
 @dataclass(frozen=True)
 class ChoiceSpec:
-    """One choice to generate: `index` is its position in the response's choices."""
+    """One choice to generate: `index` is its position in the response's choices;
+    prompt_only: it reports the prompt's logprobs and no output (max_tokens 0)."""
 
     index: int
     prompt_ids: list[int]
     params: SamplingParams
     stops: Sequence[str] = ()
+    prompt_only: bool = False
 
 
 @dataclass
 class ChoiceDelta:
     """New output of one choice. finish_reason: None, "stop" or "length" (OpenAI's values).
     num_cached_tokens: on the choice's first delta, the prompt tokens the prefix cache
-    served; None on the others."""
+    served; None on the others. prompt_logprobs: on the first delta, with the params'
+    prompt_logprobs, one entry per prompt token after the first."""
 
     index: int
     text: str
@@ -45,6 +48,7 @@ class ChoiceDelta:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
     num_cached_tokens: int | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 _DONE = object()
@@ -138,12 +142,19 @@ class GenerationService:
                 num_tokens += len(delta.token_ids)
                 if delta.finish_reason is FinishReason.ERROR:
                     raise GenerationError(delta.error or "generation failed")
+                scores = list(delta.prompt_logprobs) if delta.prompt_logprobs is not None \
+                    else None
+                if spec.prompt_only:  # the one token it ran is not part of the answer
+                    yield ChoiceDelta(spec.index, "", [], [], "length", cached, scores)
+                    self.metrics.observe_request(first_token_at - start,
+                                                 time.perf_counter() - start, 0)
+                    return
                 final = delta.finish_reason is not None
                 detok.add(delta.token_ids, final=final)
                 text = stops.update(detok.text, final)
                 reason = "stop" if stops.stopped else _finish_text(delta.finish_reason)
                 yield ChoiceDelta(spec.index, text, list(delta.token_ids),
-                                  list(delta.logprobs or ()), reason, cached)
+                                  list(delta.logprobs or ()), reason, cached, scores)
                 if reason is not None:
                     self.metrics.observe_request(first_token_at - start,
                                                  time.perf_counter() - start, num_tokens)

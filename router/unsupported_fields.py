@@ -19,9 +19,7 @@ from pydantic_core import PydanticCustomError
 _ANY = object()  # every value asks for nothing (an id or a hint this server has no use for)
 
 _COMMON: dict[str, tuple[tuple, str]] = {
-    "echo": ((False, None), "echoing the prompt"),
     "logit_bias": ((None, {}), "logit_bias"),
-    "prompt_logprobs": ((None,), "prompt logprobs"),
     "logprob_token_ids": ((None, []), "logprobs of chosen token ids"),
     "use_beam_search": ((False, None), "beam search"),
     "length_penalty": ((1.0, None), "beam-search length penalty"),
@@ -62,6 +60,7 @@ COMPLETION_FIELDS: dict[str, tuple[tuple, str]] = {
 
 CHAT_FIELDS: dict[str, tuple[tuple, str]] = {
     **_COMMON,
+    "echo": ((False, None), "echoing the last message"),
     "add_generation_prompt": ((True, None), "add_generation_prompt=false"),
     "continue_final_message": ((False, None), "continue_final_message"),
     "chat_template": ((None,), "a per-request chat template"),

@@ -39,6 +39,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from typing import Any, Protocol
 
+import torch
 
 from engine.core.block_pool import BlockPool
 from engine.core.engine_loop import EngineInbox
@@ -53,7 +54,7 @@ from engine.core.scheduler import Scheduler
 from engine.core.structured_output import GrammarError, StructuredOutputManager, apply_bitmask
 from engine.protocol import KV_LOAD_FAILED, FinishReason, TokenDelta, TokenLogprob
 from engine.runner import ModelRunner, SequenceChunk
-from engine.sampler import SampleInput, sample
+from engine.sampler import SampleInput, prompt_logprobs, sample
 from engine.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -364,8 +365,9 @@ class EngineCore:
                 return
         request.prompt_keys = tuple(block_keys(request.prompt_token_ids, self.block_size,
                                                make_namespace(self.model_id, request.cache_salt)))
+        # prompt logprobs need the logits of every prompt position: nothing cached is reused
         request.block_keys = (request.prompt_keys if self.connector.allows_local_prefix(request)
-                              else ())
+                              and not request.wants_prompt_logprobs else ())
         request.runs_alone = self.connector.runs_alone(request)
         self.scheduler.add(request)
 
@@ -395,7 +397,8 @@ class EngineCore:
             self.prefix_cache_queried_tokens_total += request.num_prompt_tokens
             self.prefix_cache_hit_tokens_total["device"] += request.num_cached_tokens
         n = 0
-        if request.remote_prefill or self.pool.enable_caching:
+        if request.remote_prefill or (self.pool.enable_caching
+                                      and not request.wants_prompt_logprobs):
             n, is_async = self.connector.get_num_new_matched_tokens(
                 request, request.num_computed_tokens)
             self.connector.update_state_after_alloc(request, request.block_table, n)
@@ -488,7 +491,13 @@ class EngineCore:
                                        request.block_table))
         self.connector.bind_connector_metadata(self.connector.build_connector_meta(
             [ScheduledChunk(r, r.num_computed_tokens, n) for r, n in chunks]))
-        logits = self.runner.execute(batch)
+        scored = [(row, r, n) for row, (r, n) in enumerate(chunks, len(decoding))
+                  if r.wants_prompt_logprobs]
+        if scored:
+            logits = self._score_prompts(self.runner.execute(batch, all_logits=True), batch,
+                                         scored)
+        else:
+            logits = self.runner.execute(batch)
         self.connector.wait_for_save()
         for request in decoding:
             request.num_computed_tokens += 1
@@ -533,6 +542,22 @@ class EngineCore:
             request.emit(self._delta(request, (token,), None, logprob=logprob))
             if self.publish_interval:
                 self._save_progress(request)
+
+    def _score_prompts(self, logits, batch: list[SequenceChunk],
+                       scored: list[tuple[int, Request, int]]):
+        """From every position's logits [tokens, vocab] of the step: the prompt logprobs of
+        each scored chunk (row i of a chunk predicts its token i + 1), and the last
+        position's logits of each chunk, as a plain step returns them."""
+        ends = torch.tensor([len(c.token_ids) for c in batch]).cumsum(0)
+        for row, request, n in scored:
+            start = request.num_computed_tokens
+            first = int(ends[row]) - n
+            targets = request.prompt_token_ids[start + 1:min(start + n + 1,
+                                                             request.num_prompt_tokens)]
+            if targets:
+                request.prompt_logprobs += prompt_logprobs(
+                    logits[first:first + len(targets)], targets, request.sampling.prompt_logprobs)
+        return logits[ends - 1]
 
     def _constrained(self, logits, requests: list[Request]):
         """``logits`` [rows, vocab] (a copy) with each grammar's disallowed tokens at -inf."""
@@ -663,4 +688,6 @@ class EngineCore:
                           self.worker_id, self.pid, None if error is None else str(error),
                           logprobs=None if logprob is None else (logprob,),
                           error_code=getattr(error, "error_code", None),
-                          num_cached_tokens=request.num_cached_tokens if first else None)
+                          num_cached_tokens=request.num_cached_tokens if first else None,
+                          prompt_logprobs=tuple(request.prompt_logprobs)
+                          if first and request.wants_prompt_logprobs else None)

@@ -130,6 +130,8 @@ class Request:
     #: the llguidance matcher of its structured output, advanced by every output token
     #: (engine.core.structured_output); None: free text
     grammar: Any = None
+    #: with SamplingParams.prompt_logprobs: the entries of the prompt tokens computed so far
+    prompt_logprobs: list = field(default_factory=list)
 
     @classmethod
     def of_prefill(cls, request: PrefillRequest, emit: Callable[[TokenDelta], None],
@@ -149,6 +151,11 @@ class Request:
                    _seed(request.sampling), request.cache_salt,
                    output_ids=[prefill.first_token] if prefill is not None else [],
                    kv_transfer_params=prefill.kv_transfer_params if prefill else None)
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """It computes its prompt here and reports the prompt's logprobs."""
+        return self.sampling.prompt_logprobs is not None and not self.remote_prefill
 
     @property
     def remote_prefill(self) -> bool:

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import pytest
+import torch
 
 from decode_worker.instance import decode_core
 from engine.core.engine_core import EngineCore
@@ -265,4 +266,21 @@ def test_a_prefill_instance_ends_each_request_at_its_first_token_and_saves_its_b
     stats = eng.stats()
     assert stats["num_requests_total"] == 1 and stats["num_steps_total"] == 0
     assert eng.pool.num_free_blocks == eng.pool.num_blocks
+    eng.close()
+
+
+def test_prompt_logprobs_span_the_chunks_of_a_prompt_and_skip_the_prefix_cache(prompt, hf):
+    eng = engine()
+    assert len(prompt) > BUDGET  # two chunks
+    run(eng, submit(eng, DecodeRequest("warm", prompt, GREEDY)))  # the prompt is cached now
+    scored = submit(eng, DecodeRequest("scored", prompt, SamplingParams(
+        max_tokens=1, temperature=0, prompt_logprobs=2)))
+    run(eng, scored)
+    entries = scored[0].prompt_logprobs
+    assert scored[0].num_cached_tokens == 0 and len(entries) == len(prompt) - 1
+    logprobs = torch.log_softmax(hf.logits(list(prompt)), dim=-1)
+    for i, e in enumerate(entries):
+        assert e.token_id == prompt[i + 1]
+        assert abs(e.logprob - float(logprobs[i, e.token_id])) < 1e-4
+        assert [t for t, _ in e.top] == torch.topk(logprobs[i], 2).indices.tolist()
     eng.close()

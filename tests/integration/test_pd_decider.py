@@ -17,6 +17,7 @@ from deploy.launcher import Cluster
 from kvstore.pool_config import KVPoolConfig
 from deploy.serve import gateway_app
 from tests.background_server import BackgroundServer
+from tests.integration.test_scoring import PROMPTS, check_scores, score
 from tests.integration.test_structured_outputs import NUM_REQUESTS, run_all_kinds
 from tests.markers import starts
 
@@ -125,3 +126,13 @@ def test_structured_outputs_validate_when_the_decode_prefills_them(base_url):
     local = (("path", "local"),)
     assert after[local] - before.get(local, 0) == 3 * NUM_REQUESTS
     assert after.get((("path", "disaggregated"),), 0) == before.get((("path", "disaggregated"),), 0)
+
+
+def test_prompt_scores_are_the_same_when_the_decode_prefills_them(base_url, hf):
+    """tests/integration/test_scoring.py's check, on the decode-local path."""
+    base, _ = base_url
+    before = metric(base, "pdcluster_pd_decisions_total").get((("path", "local"),), 0)
+    for prompt in PROMPTS[:4]:
+        assert len(hf.encode(prompt)) <= THRESHOLD
+        check_scores(score(f"{base}/v1", prompt), prompt, hf)
+    assert metric(base, "pdcluster_pd_decisions_total")[(("path", "local"),)] - before == 4
