@@ -114,14 +114,16 @@ class ServingContext:
 
 
 def build_specs(body: SamplingFields, prompts: list[list[int]], max_tokens: list[int],
-                logprobs: int | None, structured_output: StructuredOutputSpec | None = None
-                ) -> list[ChoiceSpec]:
-    """n choices per prompt, index = prompt × n + i. With a seed, choice k uses seed + k, so
-    choice 0 of n equals the single choice of the same request with n = 1."""
+                logprobs: int | None, structured_output: StructuredOutputSpec | None = None,
+                per_prompt: int | None = None) -> list[ChoiceSpec]:
+    """`per_prompt` (default n) choices per prompt, index = prompt × per_prompt + i. With a
+    seed, choice k uses seed + k, so choice 0 of n equals the single choice of the same request
+    with n = 1."""
     specs = []
+    per_prompt = per_prompt or body.n
     for p, prompt in enumerate(prompts):
-        for i in range(body.n):
-            index = p * body.n + i
+        for i in range(per_prompt):
+            index = p * per_prompt + i
             seed = (body.seed + index) % 2**63 if body.seed is not None else draw_seed()
             try:
                 # max_tokens 0 (prompt only) runs one token, which the choice drops
@@ -137,11 +139,14 @@ def build_specs(body: SamplingFields, prompts: list[list[int]], max_tokens: list
 async def respond(ctx: ServingContext, body: SamplingFields, request_id: str,
                   prompts: list[list[int]], specs: list[ChoiceSpec], obj: str, chunk_obj: str,
                   choice: Callable[[ChoiceDelta], dict],
-                  whole: Callable[[list[ChoiceDelta]], dict] | None = None) -> Response:
+                  whole: Callable[[list[ChoiceDelta]], dict] | None = None,
+                  select: Callable[[list[ChoiceDelta]], list[ChoiceDelta]] | None = None
+                  ) -> Response:
     """Runs `specs` and answers: with body.stream, SSE chunks of object `chunk_obj`, each with
     the one choice `choice(delta)` (see sse); else one `obj` with `choice(folded delta)` per
     choice in index order, the usage and, with return_token_ids, the prompt's ids (a list of
-    them for several prompts), and the fields `whole(choices)` adds. Raises APIError as
+    them for several prompts), and the fields `whole(choices)` adds; `select` picks the
+    choices shown from all that ran (unstreamed only; usage counts all). Raises APIError as
     start_stream does and, unstreamed, as collect does."""
     first, rest = await start_stream(ctx, request_id, specs, body.cache_salt)
     head = envelope(request_id, chunk_obj if body.stream else obj, body.model)
@@ -152,9 +157,10 @@ async def respond(ctx: ServingContext, body: SamplingFields, request_id: str,
                                  media_type="text/event-stream")
     choices = await collect(first, rest, len(specs))
     cached = {c.index: c.num_cached_tokens for c in choices}
-    response = {**head, "choices": [choice(c) for c in choices],
+    shown = select(choices) if select is not None else choices
+    response = {**head, "choices": [choice(c) for c in shown],
                 "usage": usage(num_prompt_tokens, sum(len(c.token_ids) for c in choices),
-                               cached_tokens(cached, body.n))}
+                               cached_tokens(cached, len(choices) // len(prompts)))}
     if body.return_token_ids:
         response["prompt_token_ids"] = prompts if len(prompts) > 1 else prompts[0]
     if whole is not None:
@@ -367,8 +373,9 @@ def validation_error(errors: Sequence[dict]) -> APIError:
         got = type(first.get("input")).__name__
         return APIError(400, f"{param}: expected {' or '.join(alternatives)} "
                         f"(got {_JSON_TYPE_NAMES.get(got, got)})", param)
-    if first.get("type") == "max_tokens_zero":
-        return APIError(400, first["msg"], "max_tokens")
+    if first.get("type") in ("max_tokens_zero", "best_of"):
+        return APIError(400, first["msg"], "max_tokens" if first["type"] == "max_tokens_zero"
+                        else "best_of")
     if first.get("type") == "prompt_invalid":
         return APIError(400, first["msg"], param)
     return APIError(400, f"{param or 'body'}: {first.get('msg', 'invalid request')}", param)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from engine.tokenizer import Tokenizer
 from router.api_common import APIError, ServingContext, build_specs, respond
 from engine.logs import bind_request_id
@@ -14,10 +16,14 @@ async def create_completion(body: CompletionRequest, ctx: ServingContext):
     request_id = new_request_id("cmpl")
     bind_request_id(request_id)
     ctx.check_model(body.model)
-    ctx.check_num_sequences(body.num_prompts(), body.n)
+    candidates = body.candidates()
+    ctx.check_num_sequences(body.num_prompts(), candidates)
     prompts = _prompts(body, ctx)
     max_tokens = [ctx.max_tokens_for(p, body.max_tokens, "max_tokens") for p in prompts]
-    specs = build_specs(body, prompts, max_tokens, body.logprobs, ctx.structured_output(body))
+    # best_of ranks candidates by their tokens' logprobs: computed whether shown or not
+    logprobs = body.logprobs if candidates == body.n or body.logprobs is not None else 0
+    specs = build_specs(body, prompts, max_tokens, logprobs, ctx.structured_output(body),
+                        candidates)
     offsets = [TextOffsets() for _ in specs]  # per choice, carried across its stream chunks
     echoed: set[int] = set()  # choices whose prompt went out (echo)
     texts = _prompt_texts(body, prompts, ctx.tokenizer)
@@ -25,7 +31,21 @@ async def create_completion(body: CompletionRequest, ctx: ServingContext):
                          "text_completion",
                          lambda delta: _choice(delta, body, ctx.tokenizer, offsets[delta.index],
                                                prompts[delta.index // body.n],
-                                               texts[delta.index // body.n], echoed))
+                                               texts[delta.index // body.n], echoed),
+                         select=lambda choices: _best(choices, candidates, body.n))
+
+
+def _best(choices: list[ChoiceDelta], candidates: int, n: int) -> list[ChoiceDelta]:
+    """Of each prompt's `candidates` choices, the n with the highest cumulative logprob (vLLM's
+    best_of), most likely first, renumbered prompt × n + j."""
+    if candidates == n:
+        return choices
+    best = []
+    for p in range(len(choices) // candidates):
+        group = choices[p * candidates:(p + 1) * candidates]
+        group.sort(key=lambda c: sum(e.logprob for e in c.logprobs), reverse=True)
+        best += [replace(c, index=p * n + j) for j, c in enumerate(group[:n])]
+    return best
 
 
 def _prompt_texts(body: CompletionRequest, prompts: list[list[int]],

@@ -168,13 +168,26 @@ class CompletionRequest(SamplingFields):
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_special_tokens: bool = True
     echo: bool = False
+    #: vLLM's (and OpenAI's legacy) best_of: this many candidates per prompt, the n with the
+    #: highest cumulative logprob returned; not streamed
+    best_of: int | None = Field(None, ge=1, le=MAX_N)
 
     @model_validator(mode="after")
     def _prompt_only(self) -> "CompletionRequest":
         if self.max_tokens == 0 and not (self.echo or self.prompt_logprobs is not None):
             raise PydanticCustomError("max_tokens_zero", "max_tokens: 0 generates nothing; it "
                                       "needs echo or prompt_logprobs (to score the prompt)")
+        if self.best_of is not None and self.best_of < self.n:
+            raise PydanticCustomError("best_of", f"best_of ({self.best_of}) must be at least "
+                                      f"n ({self.n})")
+        if self.stream and self.candidates() > self.n:
+            raise PydanticCustomError("best_of", "best_of > n cannot be streamed: the best "
+                                      "are known only once all have finished")
         return self
+
+    def candidates(self) -> int:
+        """Sequences generated per prompt."""
+        return self.best_of or self.n
 
     def prompt_logprobs_k(self) -> int | None:
         """echo with logprobs scores the prompt too, with as many top entries."""

@@ -55,7 +55,6 @@ COMPLETION_FIELDS: dict[str, tuple[tuple, str]] = {
     **_COMMON,
     "suffix": ((None, ""), "suffix (insertion)"),
     "prompt_embeds": ((None,), "prompt embeddings"),
-    "best_of": ((None, 1), "best_of"),
 }
 
 CHAT_FIELDS: dict[str, tuple[tuple, str]] = {

@@ -1,7 +1,7 @@
 """Scoring a prompt as evaluation harnesses do (`echo: true, logprobs: 1, max_tokens: 0` on
 /v1/completions) and vLLM's `prompt_logprobs` on both endpoints: each prompt token's logprob
 equals transformers' log-softmax of the position before it, also when the prompt's prefix is
-already cached."""
+already cached; best_of keeps the candidates with the highest cumulative logprob."""
 
 from __future__ import annotations
 
@@ -96,6 +96,8 @@ def test_echo_with_generated_tokens_and_streaming(api_base, hf):
 
 @pytest.mark.parametrize("body, param", [
     ({"max_tokens": 0}, "max_tokens"),
+    ({"n": 3, "best_of": 2}, "best_of"),
+    ({"n": 1, "best_of": 2, "stream": True}, "best_of"),
     ({"prompt_logprobs": 21}, "prompt_logprobs"),
     ({"prompt_logprobs": -1}, "prompt_logprobs"),
 ])
@@ -104,3 +106,21 @@ def test_bad_scoring_requests_are_400s(api_base, body, param):
         "model": MODEL, "prompt": "Hi", **body})
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == param
+
+
+def test_best_of_returns_the_n_candidates_with_the_highest_cumulative_logprob(api_base):
+    body = {"model": MODEL, "prompt": ["Once upon a time", "The dog"], "max_tokens": 6,
+            "temperature": 1.0, "seed": 11, "logprobs": 0}
+    every = httpx.post(f"{api_base}/completions", timeout=60, json={**body, "n": 4}).json()
+    best = httpx.post(f"{api_base}/completions", timeout=60,
+                      json={**body, "n": 2, "best_of": 4}).json()
+    assert best["usage"]["completion_tokens"] == every["usage"]["completion_tokens"] == 48
+    for p in range(2):  # the same seeds draw the same candidates: the best two of the four
+        ranked = sorted(every["choices"][4 * p:4 * p + 4],
+                        key=lambda c: sum(c["logprobs"]["token_logprobs"]), reverse=True)
+        assert [c["text"] for c in best["choices"][2 * p:2 * p + 2]] == \
+            [c["text"] for c in ranked[:2]]
+        assert [c["index"] for c in best["choices"][2 * p:2 * p + 2]] == [2 * p, 2 * p + 1]
+    hidden = httpx.post(f"{api_base}/completions", timeout=60, json={
+        **{k: v for k, v in body.items() if k != "logprobs"}, "best_of": 3}).json()
+    assert len(hidden["choices"]) == 2 and hidden["choices"][0]["logprobs"] is None
