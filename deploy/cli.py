@@ -152,6 +152,8 @@ _SERVE_FLAGS = [
     ("--log-level", "log_level", str, "debug | info | warning"),
     ("--log-format", "log_format", str, "text | json: one JSON object per line, with "
                                         "request_id on records about a request"),
+    ("--tool-call-parser", "tool_call_parser", str,
+     "how tool calls are read out of the model's text: hermes | llama3_json"),
 ]
 
 
@@ -165,6 +167,8 @@ _SERVE_SWITCHES = [
     ("--kv-decode-publish", "transfer.decode_publish",
      "decode workers publish the full blocks of finished sequences, prompt and reply, to the "
      "KV pool, for a conversation's next turn"),
+    ("--enable-auto-tool-choice", "enable_auto_tool_choice",
+     'serve tool_choice "auto" (the model decides; needs --tool-call-parser)'),
     ("--kv-incremental-transfer", "transfer.incremental_transfer",
      "a decode worker holding a prompt's leading blocks in its own cache fetches only the "
      "rest"),
@@ -195,6 +199,7 @@ _DEFAULT_TEXT = {
     "max_seqs_per_request": "{max_seqs}, at most half of --max-inflight-requests",
     "api_keys": "none",
     "api_key_file": "none",
+    "tool_call_parser": "none",
 }
 
 

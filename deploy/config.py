@@ -66,6 +66,9 @@ class ServeConfig(BaseModel):
         message and, for a record about a request, request_id; engine/logs.py).
     api_keys / api_key_file: when any key is set, every request but /health needs
         `Authorization: Bearer <key>` (keys are never logged).
+    tool_call_parser / enable_auto_tool_choice: vLLM's flags: how calls are read out of a
+        model's text (router.tool_parsers), and whether tool_choice "auto" is served (it
+        needs a parser).
     transfer: how KV gets from prefill to decode (``--kv-transfer grpc|torch``). The KV
         plane's token, TLS and gRPC message size are `kvstore`'s (``--kv-token``,
         ``--kv-tls-*``), for stores and transfers alike; the deprecated keys
@@ -126,6 +129,8 @@ class ServeConfig(BaseModel):
     max_request_body_bytes: int = Field(4 << 20, ge=1024)
     api_keys: list[SecretStr] = Field(default_factory=list)
     api_key_file: str | None = None
+    tool_call_parser: Literal["hermes", "llama3_json"] | None = None
+    enable_auto_tool_choice: bool = False
 
     @field_validator("cpu_bind")
     @classmethod
@@ -176,6 +181,8 @@ class ServeConfig(BaseModel):
             raise ValueError(
                 f"max_seqs_per_request ({self.max_seqs_per_request}) must be at most half of "
                 f"max_inflight_requests ({self.max_inflight_requests})")
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("enable_auto_tool_choice needs a tool_call_parser (vLLM's rule)")
         return self
 
     def resolved_max_seqs_per_request(self) -> int:

@@ -34,6 +34,7 @@ from router.chat_template import ChatTemplate
 from router.gateway import build_app
 from router.inflight import InflightGate
 from router.serving import GenerationService
+from router.tool_calls import ToolCalling
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +53,8 @@ def gateway_app(config: ServeConfig, cluster: Cluster) -> FastAPI:
                     config.max_request_body_bytes,
                     InflightGate(config.max_inflight_requests,
                                  config.resolved_max_queued_sequences()),
-                    config.resolved_max_seqs_per_request())
+                    config.resolved_max_seqs_per_request(),
+                    ToolCalling(config.tool_call_parser, config.enable_auto_tool_choice))
     keys = load_api_keys([k.get_secret_value() for k in config.api_keys], config.api_key_file)
     if keys:
         app.add_middleware(APIKeyAuth, keys=keys)

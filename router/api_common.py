@@ -24,6 +24,7 @@ from router.pipeline import GenerationError
 from router.schemas import SamplingFields, StreamOptions
 from router.serving import ChoiceDelta, ChoiceSpec, GenerationService
 from router.structured_outputs import GrammarCheck
+from router.tool_calls import ToolCalling
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +61,7 @@ class ServingContext:
     max_model_len: int
     max_seqs_per_request: int | None = None
     grammars: GrammarCheck | None = None  # None: compiled only by the workers
+    tool_calling: ToolCalling = ToolCalling()
 
     def structured_output(self, body: SamplingFields) -> StructuredOutputSpec | None:
         """The request's grammar, compiled once here. Raises APIError(400) naming what is
@@ -67,11 +69,19 @@ class ServingContext:
         param = "response_format" if body.response_format is not None else "structured_outputs"
         try:
             spec = body.structured_output()
-            if spec is not None and self.grammars is not None:
-                self.grammars.check(spec)
-        except (GrammarError, ValueError) as exc:
+        except ValueError as exc:
             raise APIError(400, str(exc), param) from exc
+        if spec is not None:
+            self.check_grammar(spec, param)
         return spec
+
+    def check_grammar(self, spec: StructuredOutputSpec, param: str) -> None:
+        """Raises APIError(400) naming `param` when `spec` does not compile."""
+        try:
+            if self.grammars is not None:
+                self.grammars.check(spec)
+        except GrammarError as exc:
+            raise APIError(400, f"{param}: {exc}", param) from exc
 
     def check_model(self, model: str) -> None:
         if model != self.served_model_name:

@@ -1,14 +1,20 @@
-"""POST /v1/chat/completions (OpenAI chat completions)."""
+"""POST /v1/chat/completions (OpenAI chat completions), with tool calling
+(router.tool_calls)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
+from engine.logs import bind_request_id
 from engine.tokenizer import Tokenizer
 from router.api_common import APIError, ServingContext, build_specs, respond
 from router.chat_template import ChatTemplate, ChatTemplateError
-from engine.logs import bind_request_id
 from router.logprobs import chat_logprob_entry, vllm_prompt_logprobs
-from router.schemas import ChatCompletionRequest, new_request_id
+from router.schemas import ChatCompletionRequest, ChatMessage, new_request_id
 from router.serving import ChoiceDelta
+from router.tool_calls import (ToolChoiceError, ToolPlan, new_call_id, plan, template_tool_calls,
+                               template_tools, tool_specs)
+from router.tool_parsers import CallArguments, CallStart, Content, Event, ToolCallStream
 
 
 async def create_chat_completion(body: ChatCompletionRequest, ctx: ServingContext,
@@ -20,7 +26,21 @@ async def create_chat_completion(body: ChatCompletionRequest, ctx: ServingContex
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "top_logprobs requires logprobs to be true", "top_logprobs")
     try:
-        text = template.render([{"role": m.role, "content": m.text()} for m in body.messages])
+        tools = plan(body.tools, body.tool_choice, body.parallel_tool_calls, ctx.tool_calling)
+    except ToolChoiceError as exc:
+        raise APIError(400, str(exc), exc.param) from exc
+    for param, spec in tool_specs(body.tools):
+        ctx.check_grammar(spec, param)
+    grammar = ctx.structured_output(body)
+    if tools is not None and tools.grammar is not None:
+        if grammar is not None:
+            raise APIError(400, f"tool_choice {tools.mode} already constrains the output; "
+                           "send it without response_format or structured_outputs",
+                           "tool_choice")
+        grammar = tools.grammar
+    try:
+        text = template.render([template_message(m) for m in body.messages],
+                               tools=template_tools(body.tools))
     except ChatTemplateError as exc:
         raise APIError(400, str(exc), "messages") from exc
     prompt = ctx.encode(text, "messages", add_special_tokens=body.add_special_tokens)
@@ -28,8 +48,8 @@ async def create_chat_completion(body: ChatCompletionRequest, ctx: ServingContex
     param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
     max_tokens = ctx.max_tokens_for(prompt, requested, param)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    specs = build_specs(body, [prompt], [max_tokens], logprobs, ctx.structured_output(body))
-    started: set[int] = set()
+    specs = build_specs(body, [prompt], [max_tokens], logprobs, grammar)
+    states = [_ChoiceState(tools) for _ in specs]
     whole = None
     if body.prompt_logprobs is not None:  # vLLM's: beside the choices, not in them
         def whole(choices: list[ChoiceDelta]) -> dict:
@@ -38,22 +58,91 @@ async def create_chat_completion(body: ChatCompletionRequest, ctx: ServingContex
                                                             ctx.tokenizer)}
     return await respond(ctx, body, request_id, [prompt], specs, "chat.completion",
                          "chat.completion.chunk",
-                         lambda delta: _choice(delta, body, ctx.tokenizer, started), whole)
+                         lambda delta: _choice(delta, body, ctx.tokenizer, states[delta.index]),
+                         whole)
+
+
+def template_message(message: ChatMessage) -> dict:
+    """A history message as a chat template reads it (transformers' and vLLM's shape)."""
+    out: dict = {"role": message.role, "content": message.text()}
+    if message.name is not None:
+        out["name"] = message.name
+    if message.tool_calls:
+        out["tool_calls"] = template_tool_calls(message.tool_calls)
+    if message.tool_call_id is not None:
+        out["tool_call_id"] = message.tool_call_id
+    return out
+
+
+@dataclass
+class _ChoiceState:
+    """One choice across its stream chunks: whether its role went out, and its tool calls."""
+
+    tools: ToolPlan | None
+    started: bool = False
+    calls: ToolCallStream | None = None
+    call_ids: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.tools is not None:
+            self.calls = self.tools.stream()
+
+    def read(self, text: str, final: bool) -> list[Event]:
+        events = self.calls.feed(text)
+        return events + self.calls.finish() if final else events
+
+    def call_id(self, index: int) -> str:
+        while len(self.call_ids) <= index:
+            self.call_ids.append(new_call_id())
+        return self.call_ids[index]
 
 
 def _choice(delta: ChoiceDelta, body: ChatCompletionRequest, tokenizer: Tokenizer,
-            started: set[int]) -> dict:
-    """A stream chunk's choice ("delta") or a whole one ("message"). The first of an index
-    (not yet in `started`, the indexes seen) carries the role: the first chunk of a streamed
-    choice, and every whole one."""
-    message = {"content": delta.text}
-    if delta.index not in started:
-        started.add(delta.index)
+            state: _ChoiceState) -> dict:
+    """A stream chunk's choice ("delta") or a whole one ("message"). The first of a choice
+    carries the role: the first chunk of a streamed choice, and every whole one."""
+    message: dict = {"content": delta.text}
+    finish = delta.finish_reason
+    if state.calls is not None:
+        events = state.read(delta.text, finish is not None)
+        content = "".join(e.text for e in events if isinstance(e, Content))
+        calls = _stream_calls(events, state) if body.stream else _whole_calls(events, state)
+        message = {"content": content or None}
+        if calls:
+            message["tool_calls"] = calls
+        if finish == "stop" and state.calls.num_calls:
+            finish = state.tools.finish_reason
+    if not state.started:
+        state.started = True
         message = {"role": "assistant", **message}
     choice = {"index": delta.index, "delta" if body.stream else "message": message,
               "logprobs": {"content": [chat_logprob_entry(e, tokenizer) for e in delta.logprobs]}
               if body.logprobs else None,
-              "finish_reason": delta.finish_reason}
+              "finish_reason": finish}
     if body.return_token_ids:
         choice["token_ids"] = delta.token_ids
     return choice
+
+
+def _stream_calls(events: list[Event], state: _ChoiceState) -> list[dict]:
+    """OpenAI's streamed tool-call deltas: a call's id and name first, then its arguments
+    in fragments."""
+    out = []
+    for e in events:
+        if isinstance(e, CallStart):
+            out.append({"index": e.index, "id": state.call_id(e.index), "type": "function",
+                        "function": {"name": e.name, "arguments": ""}})
+        elif isinstance(e, CallArguments):
+            out.append({"index": e.index, "function": {"arguments": e.fragment}})
+    return out
+
+
+def _whole_calls(events: list[Event], state: _ChoiceState) -> list[dict]:
+    calls: dict[int, dict] = {}
+    for e in events:
+        if isinstance(e, CallStart):
+            calls[e.index] = {"id": state.call_id(e.index), "type": "function",
+                              "function": {"name": e.name, "arguments": ""}}
+        elif isinstance(e, CallArguments):
+            calls[e.index]["function"]["arguments"] += e.fragment
+    return [calls[i] for i in sorted(calls)]

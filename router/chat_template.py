@@ -12,6 +12,10 @@ PLAIN_CHAT_TEMPLATE, for models without one (the bundled stories260K), renders
     User: {content}\\n               (each user message; other roles likewise, capitalized)
     Assistant: {content}\\n
     Assistant:                     (the generation prompt)
+
+with the tools' names, when a request has tools, as a `Tools: a, b` line first (a small
+model's context has no room for their schemas), and an assistant's calls as
+`<tool_call>{"name", "arguments"}</tool_call>` after its content.
 """
 
 from __future__ import annotations
@@ -24,9 +28,13 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 PLAIN_CHAT_TEMPLATE = (
     "{{ bos_token }}"
+    "{% if tools %}Tools: {{ tools | map(attribute='function.name') | join(', ') }}"
+    "{{ '\\n\\n' }}{% endif %}"
     "{% for m in messages %}"
     "{% if m.role in ['system', 'developer'] %}{{ m.content }}\n\n"
-    "{% else %}{{ m.role | capitalize }}: {{ m.content }}\n{% endif %}"
+    "{% else %}{{ m.role | capitalize }}: {{ m.content }}"
+    "{% for call in m.tool_calls or [] %}<tool_call>{{ call.function | tojson }}</tool_call>"
+    "{% endfor %}{{ '\\n' }}{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}Assistant:{% endif %}"
 )
@@ -40,6 +48,7 @@ class ChatTemplate:
     def __init__(self, source: str, bos_token: str, eos_token: str) -> None:
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         env.globals["raise_exception"] = _raise
+        env.filters["tojson"] = _tojson  # transformers': no HTML escaping, as templates expect
         self._template = env.from_string(source)
         self._bos, self._eos = bos_token, eos_token
 
@@ -59,11 +68,14 @@ class ChatTemplate:
         return cls(source or PLAIN_CHAT_TEMPLATE, _token(config, "bos_token"),
                    _token(config, "eos_token"))
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """messages: [{"role", "content"}] with text content. Raises ChatTemplateError."""
+    def render(self, messages: list[dict], add_generation_prompt: bool = True,
+               tools: list[dict] | None = None) -> str:
+        """messages: [{"role", "content"}] with text content (an assistant's may hold
+        `tool_calls`, a tool's `tool_call_id`); tools: OpenAI function tools, as transformers
+        passes them. Raises ChatTemplateError."""
         try:
             return self._template.render(messages=messages, bos_token=self._bos,
-                                         eos_token=self._eos,
+                                         eos_token=self._eos, tools=tools,
                                          add_generation_prompt=add_generation_prompt)
         except TemplateError as exc:
             raise ChatTemplateError(f"chat template failed: {exc}") from exc
@@ -76,3 +88,9 @@ def _token(config: dict, name: str) -> str:
 
 def _raise(message: str) -> None:
     raise TemplateError(message)
+
+
+def _tojson(value, ensure_ascii: bool = False, indent: int | None = None,
+            separators=None, sort_keys: bool = False) -> str:
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                      sort_keys=sort_keys)

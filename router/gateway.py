@@ -39,6 +39,7 @@ from router.pipeline import Pipeline
 from router.schemas import ChatCompletionRequest, CompletionRequest
 from router.serving import GenerationService
 from router.structured_outputs import GrammarCheck
+from router.tool_calls import ToolCalling
 from router.tokenize import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
 
 log = logging.getLogger(__name__)
@@ -52,18 +53,20 @@ def build_app(pipeline: Pipeline, tokenizer: Tokenizer, served_model_name: str,
               max_model_len: int, chat_template: ChatTemplate,
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
               gate: InflightGate | None = None,
-              max_seqs_per_request: int | None = None) -> FastAPI:
+              max_seqs_per_request: int | None = None,
+              tool_calling: ToolCalling = ToolCalling()) -> FastAPI:
     """The gateway app. max_model_len bounds prompt + max_tokens; max_body_bytes bounds a
     request body (larger ones get 413 before they are read whole); gate bounds and queues the
     sequences in flight (default: unbounded); max_seqs_per_request caps prompts × n of one
-    request (400 over it; default: no cap). `app.state.service` (a GenerationService, with
+    request (400 over it; default: no cap); tool_calling: --tool-call-parser and
+    --enable-auto-tool-choice. `app.state.service` (a GenerationService, with
     its gate) is what a drain (deploy/serve.py) acts on."""
     metrics = GatewayMetrics()
     service = GenerationService(pipeline, tokenizer, metrics, gate)
     cluster_stats = ClusterStatsCollector(pipeline.conductor.registry, service.gate,
                                           lambda: pipeline.conductor.pd_decisions)
     ctx = ServingContext(service, tokenizer, served_model_name, max_model_len,
-                         max_seqs_per_request, GrammarCheck(tokenizer))
+                         max_seqs_per_request, GrammarCheck(tokenizer), tool_calling)
     app = FastAPI(title="pdcluster", docs_url=None, redoc_url=None)
     app.state.service = service
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)

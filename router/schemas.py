@@ -19,6 +19,7 @@ from pydantic_core import PydanticCustomError
 
 from engine.protocol import MAX_LOGPROBS, SamplingParams, StructuredOutputSpec
 from router.structured_outputs import ResponseFormat, StructuredOutputsParams, spec_of
+from router.tool_calls import MessageToolCall, Tool, ToolChoice
 from router.unsupported_fields import (CHAT_FIELDS, COMPLETION_FIELDS, MESSAGE_FIELDS,
                                        TEXT_PART_TYPES, drop_neutral)
 
@@ -231,6 +232,8 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None  # an assistant's calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
     @model_validator(mode="before")
     @classmethod
@@ -254,6 +257,9 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     # vLLM's default for chat: the template already places the special tokens
     add_special_tokens: bool = False
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
     @model_validator(mode="before")
     @classmethod

@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from engine.tokenizer import TokenizerError
 from router.api_common import APIError, ServingContext
+from router.chat import template_message
 from router.chat_template import ChatTemplate, ChatTemplateError
 from router.schemas import ChatMessage
 
@@ -47,7 +48,7 @@ def tokenize(body: TokenizeRequest, ctx: ServingContext, template: ChatTemplate)
         ctx.check_model(body.model)
     if body.messages is not None:
         try:
-            text = template.render([{"role": m.role, "content": m.text()} for m in body.messages],
+            text = template.render([template_message(m) for m in body.messages],
                                    body.add_generation_prompt)
         except ChatTemplateError as exc:
             raise APIError(400, str(exc), "messages") from exc

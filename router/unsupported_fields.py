@@ -70,9 +70,6 @@ CHAT_FIELDS: dict[str, tuple[tuple, str]] = {
     "media_io_kwargs": ((None, {}), "multimodal inputs"),
     "mm_processor_kwargs": ((None, {}), "multimodal inputs"),
     "return_prompt_text": ((None, False), "return_prompt_text"),
-    "tools": ((None, []), "tool calling"),
-    "tool_choice": ((None, "none", "auto"), "tool calling"),
-    "parallel_tool_calls": (_ANY, ""),  # vacuous without tools
     "functions": ((None, []), "function calling"),
     "function_call": ((None, "none", "auto"), "function calling"),
     "modalities": ((None, ["text"]), "output modalities other than text"),
@@ -83,8 +80,6 @@ CHAT_FIELDS: dict[str, tuple[tuple, str]] = {
 
 #: Keys of a chat message this server does not use, and the values that ask for nothing.
 MESSAGE_FIELDS: dict[str, tuple[tuple, str]] = {
-    "tool_calls": ((None, []), "tool calls in messages"),
-    "tool_call_id": ((None,), "tool results in messages"),
     "function_call": ((None,), "function calls in messages"),
     "reasoning": (_ANY, ""),  # earlier turns' reasoning: templates drop it
     "reasoning_content": (_ANY, ""),

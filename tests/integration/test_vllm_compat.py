@@ -65,12 +65,15 @@ def http(api_base):
 
 
 def check_served_or_named(response: httpx.Response, field: str) -> None:
+    """Served, refused as a feature this server lacks, or refused for its value (a 400 whose
+    param is the field: tools need --enable-auto-tool-choice, tool_choice needs tools)."""
     if response.status_code == 200:
         return
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert "Extra inputs" not in error["message"], (field, error)
-    assert error["code"] == "unsupported_feature" and f"`{field}`" in error["message"], \
+    assert error["param"] == field or (
+        error["code"] == "unsupported_feature" and f"`{field}`" in error["message"]), \
         (field, error)
 
 
