@@ -91,11 +91,11 @@ class Tokenizer:
     def pieces(self, token_ids: Sequence[int]) -> list[str]:
         """Each id's vocabulary entry (transformers' convert_ids_to_tokens). Raises
         TokenizerError for an id outside the vocabulary."""
-        pieces = [self._tok.id_to_token(t) for t in token_ids]
-        if None in pieces:
-            raise TokenizerError(f"token id {token_ids[pieces.index(None)]} is not in the "
-                                 f"vocabulary [0, {self.vocab_size})")
-        return pieces
+        outside = [t for t in token_ids if not 0 <= t < self.vocab_size]
+        if outside:
+            raise TokenizerError(f"token id {outside[0]} is not in the vocabulary "
+                                 f"[0, {self.vocab_size})")
+        return [self._tok.id_to_token(t) for t in token_ids]
 
     def is_special(self, token_id: int) -> bool:
         """True for a special token: decode() leaves it out of the text by default."""

@@ -171,10 +171,11 @@ class ChaosEnv:
     model: str
 
     def run(self, kind: str, fault: Callable[[], None] | None = None,
-            trigger_chunks: int = 0) -> Report:
-        """The 16 requests, with `fault` run once `trigger_chunks` chunks have streamed."""
+            trigger_chunks: int = 0, specs: list[RequestSpec] | None = None) -> Report:
+        """The requests (default: the 16 of request_specs), with `fault` run once
+        `trigger_chunks` chunks have streamed."""
         before = self.cluster.pipeline.migrations_total
-        outcomes = asyncio.run(_load(self.api_base, self.model, request_specs(), fault,
+        outcomes = asyncio.run(_load(self.api_base, self.model, specs or request_specs(), fault,
                                      trigger_chunks))
         report = Report(kind, outcomes, self.cluster.pipeline.migrations_total - before)
         print(report)

@@ -57,6 +57,7 @@ def test_chat_messages_are_tokenized_as_a_chat_completion_would_be(http, api_bas
      "exactly one"),
     ("/tokenize", {"model": "other", "prompt": "a"}, 404, "other"),
     ("/detokenize", {"model": MODEL, "tokens": [1, 99999]}, 400, "99999"),
+    ("/detokenize", {"model": MODEL, "tokens": [4294967296]}, 400, "4294967296"),
     ("/detokenize", {"model": MODEL, "tokens": [-1]}, 400, "tokens"),
 ])
 def test_bad_inputs_get_an_openai_error_body(http, path, body, status, words):
