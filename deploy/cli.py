@@ -152,6 +152,9 @@ _SERVE_FLAGS = [
     ("--log-level", "log_level", str, "debug | info | warning"),
     ("--log-format", "log_format", str, "text | json: one JSON object per line, with "
                                         "request_id on records about a request"),
+    ("--worker-stall-timeout", "worker_stall_timeout_s", float,
+     "seconds a worker running requests may take no step before it is restarted and its "
+     "requests migrate (0: off)"),
     ("--tool-call-parser", "tool_call_parser", str,
      "how tool calls are read out of the model's text: hermes | llama3_json"),
 ]

@@ -69,6 +69,9 @@ class ServeConfig(BaseModel):
     tool_call_parser / enable_auto_tool_choice: vLLM's flags: how calls are read out of a
         model's text (router.tool_parsers), and whether tool_choice "auto" is served (it
         needs a parser).
+    worker_stall_timeout_s: a worker running requests whose engine takes no step for this
+        many seconds (or that stops answering) is declared hung, restarted, and its requests
+        migrate (router.stall_watch); 0: not watched.
     transfer: how KV gets from prefill to decode (``--kv-transfer grpc|torch``). The KV
         plane's token, TLS and gRPC message size are `kvstore`'s (``--kv-token``,
         ``--kv-tls-*``), for stores and transfers alike; the deprecated keys
@@ -131,6 +134,7 @@ class ServeConfig(BaseModel):
     api_key_file: str | None = None
     tool_call_parser: Literal["hermes", "llama3_json"] | None = None
     enable_auto_tool_choice: bool = False
+    worker_stall_timeout_s: float = Field(30.0, ge=0)
 
     @field_validator("cpu_bind")
     @classmethod

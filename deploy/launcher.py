@@ -30,6 +30,7 @@ from router.conductor import Conductor, Instance, InstanceRegistry, build_live_c
 from router.cost_model import load_cost_model
 from engine.logs import worker_env_vars
 from router.pipeline import ColocatedPipeline, Pipeline
+from router.stall_watch import StallWatch
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +82,7 @@ class Cluster:
         self._role_demand: dict[str, dict[str, float]] = {}
         self._ray_session = ray_session
         self._stats_poller = None
+        self.stall_watch: StallWatch | None = None
         self._index = None
 
     def start(self) -> "Cluster":
@@ -155,7 +157,17 @@ class Cluster:
             block_size=cfg.engine.block_size, model_name=cfg.model_name(),
             index_url=cfg.kvpool.index_url, pd_decider=cfg.pd_decider)
         self.pipeline.conductor = self.conductor
+        if cfg.worker_stall_timeout_s:
+            self.stall_watch = StallWatch(self.registry, cfg.worker_stall_timeout_s).start()
         return self
+
+    def worker_health(self) -> dict:
+        """What /health says of the workers: those marked dead and not back, and the last
+        ones declared hung (router.stall_watch)."""
+        hung = self.stall_watch.hung if self.stall_watch is not None else []
+        return {"dead_workers": self.registry.dead(),
+                "hung_workers": [{"worker_id": h.worker_id, "role": h.role,
+                                  "reason": h.reason, "at": h.at} for h in hung]}
 
     def _rank0_options(self, tp: int, role: str) -> dict:
         """Options of a worker actor of `role`: at TP=1 its CPUs, GPUs, role resource and
@@ -175,6 +187,9 @@ class Cluster:
         return placement.tp_rank_options(pg, 0)
 
     def shutdown(self) -> None:
+        if self.stall_watch is not None:
+            self.stall_watch.stop()
+            self.stall_watch = None
         if self._stats_poller is not None:
             self._stats_poller.stop()
             self._stats_poller = None

@@ -54,7 +54,8 @@ def gateway_app(config: ServeConfig, cluster: Cluster) -> FastAPI:
                     InflightGate(config.max_inflight_requests,
                                  config.resolved_max_queued_sequences()),
                     config.resolved_max_seqs_per_request(),
-                    ToolCalling(config.tool_call_parser, config.enable_auto_tool_choice))
+                    ToolCalling(config.tool_call_parser, config.enable_auto_tool_choice),
+                    cluster.worker_health)
     keys = load_api_keys([k.get_secret_value() for k in config.api_keys], config.api_key_file)
     if keys:
         app.add_middleware(APIKeyAuth, keys=keys)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -54,12 +55,15 @@ def build_app(pipeline: Pipeline, tokenizer: Tokenizer, served_model_name: str,
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
               gate: InflightGate | None = None,
               max_seqs_per_request: int | None = None,
-              tool_calling: ToolCalling = ToolCalling()) -> FastAPI:
+              tool_calling: ToolCalling = ToolCalling(),
+              worker_health: Callable[[], dict] | None = None) -> FastAPI:
     """The gateway app. max_model_len bounds prompt + max_tokens; max_body_bytes bounds a
     request body (larger ones get 413 before they are read whole); gate bounds and queues the
     sequences in flight (default: unbounded); max_seqs_per_request caps prompts × n of one
     request (400 over it; default: no cap); tool_calling: --tool-call-parser and
-    --enable-auto-tool-choice. `app.state.service` (a GenerationService, with
+    --enable-auto-tool-choice; worker_health: what /health says of the workers (dead and
+    hung ones; a worker marked dead makes the status "degraded", still 200: the gateway
+    serves, and a liveness probe must not restart it for a worker). `app.state.service` (a GenerationService, with
     its gate) is what a drain (deploy/serve.py) acts on."""
     metrics = GatewayMetrics()
     service = GenerationService(pipeline, tokenizer, metrics, gate)
@@ -103,7 +107,9 @@ def build_app(pipeline: Pipeline, tokenizer: Tokenizer, served_model_name: str,
     async def health() -> JSONResponse:
         if service.gate.draining:
             return JSONResponse({"status": "draining"}, status_code=503)
-        return JSONResponse({"status": "ok"})
+        workers = worker_health() if worker_health is not None else {}
+        status = "degraded" if workers.get("dead_workers") else "ok"
+        return JSONResponse({"status": status, **{k: v for k, v in workers.items() if v}})
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:

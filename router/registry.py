@@ -68,6 +68,11 @@ class InstanceRegistry:
             return [i for i in self._instances.values()
                     if i.role == role and i.worker_id not in self._dead]
 
+    def dead(self) -> list[str]:
+        """The ids of instances marked dead and not back yet."""
+        with self._lock:
+            return sorted(self._dead)
+
     def count(self, role: str) -> int:
         """Instances of `role`, dead ones included (those may come back)."""
         with self._lock:

@@ -220,6 +220,8 @@ class EngineCore:
         return {"worker_id": self.worker_id, "pid": self.pid,
                 "num_waiting": len(self.scheduler.waiting) + len(self._compiling),
                 "num_active": len(self.scheduler.active),
+                "num_running": sum(r.status is RequestStatus.RUNNING
+                                   for r in list(self.scheduler.active.values())),
                 **self.pool.stats(),
                 "num_steps_total": self.num_steps_total,
                 "num_forward_tokens_total": self.num_forward_tokens_total,

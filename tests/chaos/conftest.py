@@ -37,6 +37,7 @@ MAX_TOKENS = 64
 REQUEST_DEADLINE_S = 120.0  # a request with no final event by then is lost
 SETTLE_DEADLINE_S = 60.0
 TAIL_TTL_S = 5.0  # tails a dead decode never took are reclaimed after this
+STALL_TIMEOUT_S = 5.0  # a worker running requests without a step this long is restarted
 #: what the structured half of the load must produce (a grammar that survives the fault)
 SCHEMA = {"type": "object", "properties": {
     "kind": {"enum": ["cat", "dog", "bird"]},
@@ -188,10 +189,11 @@ class ChaosEnv:
             return ray.get(instance.handle.pid.remote(), timeout=30)
         return ray.get(instance.handle.info.remote(), timeout=30)["pid"]
 
-    def kill_busiest(self, role: str) -> tuple[Callable[[], None], dict]:
-        """A fault that kill -9s the live `role` instance running the most requests at the
-        moment it runs (routing may leave one idle), and the record it fills in: the
-        victim's worker_id and pid."""
+    def kill_busiest(self, role: str, sig: int = signal.SIGKILL
+                     ) -> tuple[Callable[[], None], dict]:
+        """A fault that sends `sig` (default: kill -9) to the live `role` instance running the
+        most requests at the moment it runs (routing may leave one idle), and the record it
+        fills in: the victim's worker_id and pid."""
         pids = {i.worker_id: self.pid_of(i) for i in self.cluster.registry.by_role(role)}
         victim: dict = {}
 
@@ -200,7 +202,7 @@ class ChaosEnv:
             stats = ray.get([i.handle.stats.remote() for i in live], timeout=10)
             busiest = max(zip(live, stats), key=lambda p: p[1].get("num_active", 0))[0]
             victim.update(worker_id=busiest.worker_id, pid=pids[busiest.worker_id])
-            os.kill(victim["pid"], signal.SIGKILL)
+            os.kill(victim["pid"], sig)
 
         return fault, victim
 
@@ -250,6 +252,7 @@ def running_env(workdir: Path, **overrides) -> Iterator[ChaosEnv]:
         "ray_namespace": f"pdcluster-chaos-{os.getpid()}",
         "engine": EngineConfig(num_kv_blocks=256),
         "kvstore": KVStoreConfig(tail_ttl_s=TAIL_TTL_S),
+        "worker_stall_timeout_s": STALL_TIMEOUT_S,
         "kvpool": KVPoolConfig(index_url=redis.url, node_lease_s=3.0,
                                dram_cache_bytes=64 << 20),
         **overrides})

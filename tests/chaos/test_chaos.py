@@ -1,5 +1,6 @@
 """Chaos suite: while 16 streaming requests run through the gateway,
-kill -9 a prefill actor, a decode actor, redis-server and a node's KV store actor, in turn.
+kill -9 a prefill actor, a decode actor, redis-server and a node's KV store actor, in turn, and
+stop a decode actor (SIGSTOP: hung, not dead).
 
 For each kind the report counts requests completed, ended with a clear error (an HTTP error
 status or an SSE error event) and lost (no final event within the deadline); lost must be 0.
@@ -21,6 +22,7 @@ import os
 import signal
 import time
 
+import httpx
 import jsonschema
 import pytest
 import ray
@@ -76,6 +78,33 @@ def test_killed_worker_costs_no_request_and_rejoins(chaos_env: ChaosEnv, no_faul
     [instance] = [i for i in getattr(chaos_env.cluster, role)
                   if i.worker_id == victim["worker_id"]]
     assert registry.rejoins_total > rejoins and chaos_env.pid_of(instance) != victim["pid"]
+    chaos_env.settle()
+
+
+def test_a_stopped_decode_is_declared_hung_and_costs_no_request(chaos_env: ChaosEnv,
+                                                                no_fault: Report):
+    """SIGSTOP: the process lives and answers nothing, which neither Ray nor the request path
+    notices. The stall watch declares it hung after --worker-stall-timeout, Ray restarts it,
+    and its requests migrate with the output they would have had."""
+    watch = chaos_env.cluster.stall_watch
+    hung = watch.hung_total
+    fault, victim = chaos_env.kill_busiest("decode", signal.SIGSTOP)
+    try:
+        report = chaos_env.run("decode stopped (SIGSTOP)", fault, NUM_REQUESTS * 8)
+    finally:
+        if victim:
+            try:
+                os.kill(victim["pid"], signal.SIGCONT)  # were it not killed: let it go on
+            except ProcessLookupError:
+                pass
+    assert report.lost == 0 and report.completed == NUM_REQUESTS, str(report)
+    assert report.migrations > 0 and watch.hung_total == hung + 1
+    assert_same_outputs(report, no_fault)
+    health = httpx.get(f"{chaos_env.api_base.removesuffix('/v1')}/health", timeout=10).json()
+    assert victim["worker_id"] in [h["worker_id"] for h in health["hung_workers"]], health
+    chaos_env.wait_rejoined("decode", 2)
+    [instance] = [i for i in chaos_env.cluster.decode if i.worker_id == victim["worker_id"]]
+    assert chaos_env.pid_of(instance) != victim["pid"]
     chaos_env.settle()
 
 

@@ -1,0 +1,67 @@
+"""The stall watch over fake stats calls: a worker running requests whose step count stops is
+declared hung once the timeout passes, one that stops answering while it runs requests too;
+idle workers and workers that step are left alone."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import ray
+
+from router.registry import Instance, InstanceRegistry
+from router.stall_watch import StallWatch
+
+
+@ray.remote
+class Worker:
+    """A worker's stats() as the engine reports them, set by the test; `stop` makes the call
+    hang (a stopped process)."""
+
+    def __init__(self) -> None:
+        self.stats_ = {"num_steps_total": 0, "num_prefill_steps_total": 0, "num_running": 0}
+        self.stopped = False
+
+    def set(self, **stats) -> None:
+        self.stats_.update(stats)
+
+    def stop(self) -> None:
+        self.stopped = True
+
+    async def stats(self) -> dict:
+        import asyncio
+
+        while self.stopped:
+            await asyncio.sleep(0.05)
+        return dict(self.stats_)
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    ray.init(num_cpus=1, include_dashboard=False, namespace="stall-watch-test")
+    yield
+    ray.shutdown()
+
+
+@pytest.mark.ray
+def test_running_without_steps_or_answers_is_hung_idle_and_stepping_are_not(ray_local):
+    registry = InstanceRegistry(probe=lambda i: lambda: None)
+    workers = {name: Worker.remote() for name in ("idle", "stepping", "stuck", "stopped")}
+    for name, handle in workers.items():
+        registry.add(Instance(name, "decode", handle))
+    killed = []
+    watch = StallWatch(registry, stall_timeout_s=5, kill=lambda i: killed.append(i.worker_id))
+    for name in ("stepping", "stuck", "stopped"):
+        ray.get(workers[name].set.remote(num_running=2, num_steps_total=10))
+    found = []
+    for t in range(12):  # one round a (pretend) second
+        if t == 3:
+            ray.get(workers["stopped"].stop.remote())
+        ray.get(workers["stepping"].set.remote(num_steps_total=10 + t))
+        found += watch.check_once(now=t)
+        time.sleep(0.05)  # the stats calls answer between rounds
+    assert sorted(h.worker_id for h in found) == ["stopped", "stuck"] == sorted(killed)
+    assert registry.dead() == ["stopped", "stuck"] and watch.hung_total == 2
+    assert "no step" in next(h.reason for h in found if h.worker_id == "stuck")
+    assert "no answer" in next(h.reason for h in found if h.worker_id == "stopped")
+    registry.close()
