@@ -158,7 +158,10 @@ class Cluster:
             index_url=cfg.kvpool.index_url, pd_decider=cfg.pd_decider)
         self.pipeline.conductor = self.conductor
         if cfg.worker_stall_timeout_s:
-            self.stall_watch = StallWatch(self.registry, cfg.worker_stall_timeout_s).start()
+            outputs = self.pipeline.outputs
+            self.stall_watch = StallWatch(
+                self.registry, cfg.worker_stall_timeout_s,
+                busy=lambda i: outputs.num_requests(i.worker_id) > 0).start()
         return self
 
     def worker_health(self) -> dict:

@@ -82,6 +82,11 @@ class DecodeOutputs:
         subscription.queues[request_id] = queue
         return subscription.subscriber, queue
 
+    def num_requests(self, worker_id: str) -> int:
+        """Requests of this gateway streaming from that instance now (any thread)."""
+        subscription = self._subscriptions.get(worker_id)
+        return len(subscription.queues) if subscription is not None else 0
+
     def release(self, instance: Instance, request_id: str) -> None:
         """The request no longer reads its queue (finished, failed or abandoned)."""
         subscription = self._subscriptions.get(instance.worker_id)

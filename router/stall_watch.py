@@ -5,15 +5,18 @@ Each worker's stats() carry its progress: steps run (``num_steps_total`` +
 ``num_prefill_steps_total``) and the requests it is running (``num_running``; requests that
 wait for KV are waiting on something else, with timeouts of their own). A worker is declared
 hung when it holds running requests and its step count has not moved for ``stall_timeout_s``,
-or when it held some at its last answer and has not answered since for that long (a stopped
-process answers nothing). A hung worker is marked dead (nothing more is routed to it) and
+or when it has not answered for that long while it held some at its last answer or the
+gateway has requests streaming from it (a stopped process answers nothing). A hung worker is marked dead (nothing more is routed to it) and
 killed: Ray restarts it behind the same handle, its requests' streams fail and migrate as for
-a killed worker, and the registry's probe brings it back.
+a killed worker, and the registry's probe brings it back. A stopped process cannot take Ray's
+kill request, so one on this node is also sent SIGKILL by its pid.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import threading
 import time
 from dataclasses import dataclass, field
@@ -34,6 +37,7 @@ class _Progress:
     moved_at: float = 0.0  # when steps last changed, or the worker last held nothing running
     ref: Any = None  # the stats() call in flight
     sent_at: float = 0.0
+    pid: int | None = None  # the worker's process, from its stats
 
 
 @dataclass(frozen=True)
@@ -47,14 +51,16 @@ class HungWorker:
 @dataclass
 class StallWatch:
     """Watches the registry's prefill and decode workers every ``interval_s`` on a daemon
-    thread. kill: ends a hung worker's process so that Ray restarts it (default ray.kill with
-    restart); stats: starts a worker's stats() call and returns a poll function (None while
-    it runs, the stats when they came, an exception when the call failed)."""
+    thread. kill(instance, pid): ends a hung worker's process so that Ray restarts it
+    (default: ray.kill with restart, and SIGKILL to the pid when it is a Ray worker process on
+    this node); busy: whether the gateway has requests on the worker now (what a worker that
+    stopped answering is judged by, beside what it held at its last answer)."""
 
     registry: InstanceRegistry
     stall_timeout_s: float
     interval_s: float = 1.0
-    kill: Callable[[Instance], None] | None = None
+    kill: Callable[[Instance, int | None], None] | None = None
+    busy: Callable[[Instance], bool] | None = None
     hung: list[HungWorker] = field(default_factory=list)
     hung_total: int = 0
 
@@ -92,9 +98,9 @@ class StallWatch:
                     p.ref = None
                     if stats is not None:
                         reason = self._report(p, stats, now)
-                elif p.running and now - p.sent_at > self.stall_timeout_s:
-                    reason = (f"no answer for {now - p.sent_at:.0f} s while running "
-                              f"{p.running} requests")
+                elif now - p.sent_at > self.stall_timeout_s and (
+                        p.running or (self.busy is not None and self.busy(instance))):
+                    reason = f"no answer for {now - p.sent_at:.0f} s while holding requests"
             if reason is None and p.ref is None:
                 p.ref, p.sent_at = instance.handle.stats.remote(), now
             if reason is not None:
@@ -104,6 +110,7 @@ class StallWatch:
     def _report(self, p: _Progress, stats: dict, now: float) -> str | None:
         steps = stats.get("num_steps_total", 0) + stats.get("num_prefill_steps_total", 0)
         running = stats.get("num_running", 0)
+        p.pid = stats.get("pid", p.pid)
         if steps != p.steps or not running:
             p.moved_at = now
         p.steps, p.running = steps, running
@@ -118,10 +125,10 @@ class StallWatch:
                   instance.role, instance.worker_id, reason)
         self.hung_total += 1
         self.hung = [*self.hung, record][-HUNG_HISTORY:]
-        self._progress.pop(instance.worker_id, None)
+        progress = self._progress.pop(instance.worker_id, None)
         self.registry.mark_dead(instance.worker_id)
         try:
-            self._kill(instance)
+            self._kill(instance, progress.pid if progress is not None else None)
         except Exception:  # noqa: BLE001 — marked dead either way; the probe decides
             log.exception("killing hung worker %s failed", instance.worker_id)
         return record
@@ -134,7 +141,15 @@ class StallWatch:
                 log.exception("stall watch round failed")
 
 
-def _ray_kill(instance: Instance) -> None:
+def _ray_kill(instance: Instance, pid: int | None) -> None:
     import ray
 
     ray.kill(instance.handle, no_restart=False)
+    if pid is None:
+        return
+    try:
+        with open(f"/proc/{pid}/comm") as comm:  # Linux: the process's name
+            if comm.read().startswith("ray::"):  # this node's Ray worker, not a reused pid
+                os.kill(pid, signal.SIGKILL)
+    except OSError:
+        pass  # on another node, gone already, or no /proc

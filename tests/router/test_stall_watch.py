@@ -50,7 +50,8 @@ def test_running_without_steps_or_answers_is_hung_idle_and_stepping_are_not(ray_
     for name, handle in workers.items():
         registry.add(Instance(name, "decode", handle))
     killed = []
-    watch = StallWatch(registry, stall_timeout_s=5, kill=lambda i: killed.append(i.worker_id))
+    watch = StallWatch(registry, stall_timeout_s=5,
+                       kill=lambda i, pid: killed.append(i.worker_id))
     for name in ("stepping", "stuck", "stopped"):
         ray.get(workers[name].set.remote(num_running=2, num_steps_total=10))
     found = []
