@@ -11,9 +11,10 @@ import ray
 
 from router.registry import Instance, InstanceRegistry
 from router.stall_watch import StallWatch
+from tests.markers import starts
 
 
-@ray.remote
+@ray.remote(num_cpus=0)
 class Worker:
     """A worker's stats() as the engine reports them, set by the test; `stop` makes the call
     hang (a stopped process)."""
@@ -37,13 +38,19 @@ class Worker:
 
 
 @pytest.fixture(scope="module")
+@starts("ray")
 def ray_local():
-    ray.init(num_cpus=1, include_dashboard=False, namespace="stall-watch-test")
-    yield
-    ray.shutdown()
+    """A local Ray for the module's actors (or the one a session fixture already runs)."""
+    if ray.is_initialized():
+        yield
+        return
+    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+    try:
+        yield
+    finally:
+        ray.shutdown()
 
 
-@pytest.mark.ray
 def test_running_without_steps_or_answers_is_hung_idle_and_stepping_are_not(ray_local):
     registry = InstanceRegistry(probe=lambda i: lambda: None)
     workers = {name: Worker.remote() for name in ("idle", "stepping", "stuck", "stopped")}
@@ -66,3 +73,5 @@ def test_running_without_steps_or_answers_is_hung_idle_and_stepping_are_not(ray_
     assert "no step" in next(h.reason for h in found if h.worker_id == "stuck")
     assert "no answer" in next(h.reason for h in found if h.worker_id == "stopped")
     registry.close()
+    for handle in workers.values():
+        ray.kill(handle)
