@@ -76,8 +76,8 @@ class _LosslessTokenizer:
     (engine.tokenizer.Tokenizer.token_bytes) and an encoder whose ids decode back to exactly
     the text given. llguidance tokenizes the bytes a grammar forces and trusts the ids to hold
     them; a SentencePiece encoder drops a leading space (its dummy prefix), and the mask then
-    allows tokens that consuming refuses (llguidance issue 366). Such text is tokenized
-    greedily over the token bytes instead."""
+    allows tokens that consuming refuses. Such text is tokenized greedily over the token bytes
+    instead."""
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         self._tokenizer = tokenizer

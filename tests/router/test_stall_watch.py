@@ -11,7 +11,7 @@ import ray
 
 from router.registry import Instance, InstanceRegistry
 from router.stall_watch import StallWatch
-from tests.markers import starts
+from tests.kvstore.conftest import ray_cluster  # noqa: F401 — the module's Ray
 
 
 @ray.remote(num_cpus=0)
@@ -37,21 +37,8 @@ class Worker:
         return dict(self.stats_)
 
 
-@pytest.fixture(scope="module")
-@starts("ray")
-def ray_local():
-    """A local Ray for the module's actors (or the one a session fixture already runs)."""
-    if ray.is_initialized():
-        yield
-        return
-    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
-    try:
-        yield
-    finally:
-        ray.shutdown()
-
-
-def test_running_without_steps_or_answers_is_hung_idle_and_stepping_are_not(ray_local):
+@pytest.mark.usefixtures("ray_cluster")
+def test_running_without_steps_or_answers_is_hung_idle_and_stepping_are_not():
     registry = InstanceRegistry(probe=lambda i: lambda: None)
     workers = {name: Worker.remote() for name in ("idle", "stepping", "stuck", "stopped")}
     for name, handle in workers.items():
