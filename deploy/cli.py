@@ -135,7 +135,7 @@ _SERVE_FLAGS = [
      "at most N prompt tokens are not in the decode's cache)"),
     ("--kv-decode-publish-interval", "transfer.decode_publish_interval", int,
      "with --kv-decode-publish: also publish a running sequence's blocks every N full blocks "
-     "(0: when it ends)"),
+     "(0: when it ends), so a request moved off a dead decode loads them"),
     ("--admission", "admission", str, "SLO admission: none | arrival | prediction"),
     ("--slo-ttft-s", "slo_ttft_s", float, "TTFT SLO admission enforces, seconds"),
     ("--slo-tbt-ms", "slo_tbt_ms", float, "TBT SLO admission enforces, milliseconds"),
@@ -149,6 +149,10 @@ _SERVE_FLAGS = [
      "prompts x n one request may run; over it 400"),
     ("--header-timeout-s", "header_timeout_s", float,
      "close connections that send no complete request head within this many seconds"),
+    ("--body-timeout-s", "body_timeout_s", float,
+     "close connections whose request body stops arriving for this many seconds"),
+    ("--max-connections", "max_connections", int,
+     "connections open at once; one more is answered 503 and closed"),
     ("--log-level", "log_level", str, "debug | info | warning"),
     ("--log-format", "log_format", str, "text | json: one JSON object per line, with "
                                         "request_id on records about a request"),
@@ -199,6 +203,7 @@ _DEFAULT_TEXT = {
     "kvpool.ssd_cache_dir": "none: no G3",
     "kvpool.mooncake_master": "none",
     "max_queued_sequences": "4 x --max-inflight-requests",
+    "max_connections": "--max-inflight-requests + --max-queued-sequences + 256",
     "max_seqs_per_request": "{max_seqs}, at most half of --max-inflight-requests",
     "api_keys": "none",
     "api_key_file": "none",

@@ -62,6 +62,12 @@ class ServeConfig(BaseModel):
         the gate when that is less.
     header_timeout_s: a connection that has not sent a complete request head within this
         many seconds is closed by the gateway (deploy/http_protocol.py).
+    body_timeout_s: a connection whose request body stops arriving for this many seconds
+        (between two reads, as nginx's client_body_timeout) is closed.
+    max_connections: connections the gateway keeps open at once; one more is answered 503
+        and closed at once. None: the gate and its queue (max_inflight_requests +
+        max_queued_sequences) + 256, so the gate's own 503 (with its OpenAI error body and
+        Retry-After) is what a client over the gate sees, and probes still get in.
     log_format: "text" or "json" (one JSON object per line with timestamp, level, logger,
         message and, for a record about a request, request_id; engine/logs.py).
     api_keys / api_key_file: when any key is set, every request but /health needs
@@ -128,6 +134,8 @@ class ServeConfig(BaseModel):
     max_queued_sequences: int | None = Field(None, ge=0)
     max_seqs_per_request: int | None = Field(None, ge=1)
     header_timeout_s: float = Field(30.0, gt=0)
+    body_timeout_s: float = Field(30.0, gt=0)
+    max_connections: int | None = Field(None, ge=1)
     log_format: Literal["text", "json"] = "text"
     max_request_body_bytes: int = Field(4 << 20, ge=1024)
     api_keys: list[SecretStr] = Field(default_factory=list)
@@ -193,6 +201,11 @@ class ServeConfig(BaseModel):
         if self.max_seqs_per_request is not None:
             return self.max_seqs_per_request
         return min(DEFAULT_MAX_SEQS_PER_REQUEST, max(1, self.max_inflight_requests // 2))
+
+    def resolved_max_connections(self) -> int:
+        if self.max_connections is not None:
+            return self.max_connections
+        return self.max_inflight_requests + self.resolved_max_queued_sequences() + 256
 
     def resolved_max_queued_sequences(self) -> int:
         if self.max_queued_sequences is not None:

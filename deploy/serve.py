@@ -24,7 +24,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from deploy.config import ServeConfig
-from deploy.http_protocol import header_timeout_protocol
+from deploy.http_protocol import gateway_protocol
 from deploy.launcher import Cluster
 from deploy.ray_session import RaySession
 from engine.config import ModelConfig
@@ -121,7 +121,9 @@ def serve(config: ServeConfig, ray_session: RaySession | None = None) -> int:
             uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,
                            lifespan="off", log_config=log_config,
                            timeout_graceful_shutdown=CLOSE_CONNECTIONS_S,
-                           http=header_timeout_protocol(config.header_timeout_s)),
+                           http=gateway_protocol(config.header_timeout_s,
+                                                 config.body_timeout_s,
+                                                 config.resolved_max_connections())),
             app.state.service, config.drain_timeout_s)
         log.info("serving %s at http://%s:%d/v1", config.model_name(), config.host, config.port)
         try:

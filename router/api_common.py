@@ -372,6 +372,18 @@ def validation_error(errors: Sequence[dict]) -> APIError:
     param = _field_path(loc) or None
     if tag_at is not None:
         head = loc[:tag_at]
+        # an alternative of the input's own type that failed inside (17 stop strings where
+        # 16 are accepted, a number among strings) says more than the list of types
+        for e in errors:
+            other = [p for p in e.get("loc", ()) if p != "body"]
+            if other[:tag_at] == head and len(other) > tag_at and (
+                    len(other) > tag_at + 1 or not str(e.get("type", "")).endswith("_type")):
+                where = _field_path(head + other[tag_at + 1:])
+                ctx = e.get("ctx") or {}
+                message = (f"at most {ctx['max_length']} items are accepted "
+                           f"(got {ctx['actual_length']})" if e.get("type") == "too_long"
+                           and "actual_length" in ctx else e.get("msg", "invalid value"))
+                return APIError(400, f"{where}: {message}", _field_path(head))
         alternatives = []
         for e in errors:
             other = [p for p in e.get("loc", ()) if p != "body"]

@@ -68,7 +68,8 @@ def build_app(pipeline: Pipeline, tokenizer: Tokenizer, served_model_name: str,
     metrics = GatewayMetrics()
     service = GenerationService(pipeline, tokenizer, metrics, gate)
     cluster_stats = ClusterStatsCollector(pipeline.conductor.registry, service.gate,
-                                          lambda: pipeline.conductor.pd_decisions)
+                                          lambda: pipeline.conductor.pd_decisions,
+                                          pipeline.migration_stats)
     ctx = ServingContext(service, tokenizer, served_model_name, max_model_len,
                          max_seqs_per_request, GrammarCheck(tokenizer), tool_calling)
     app = FastAPI(title="pdcluster", docs_url=None, redoc_url=None)

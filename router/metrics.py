@@ -70,10 +70,12 @@ class ClusterStatsCollector:
     """Sums worker stats into Prometheus families. Use `await scrape()`, then expose."""
 
     def __init__(self, instances: InstanceRegistry, gate: InflightGate | None = None,
-                 pd_decisions: Callable[[], Mapping[str, int]] | None = None) -> None:
+                 pd_decisions: Callable[[], Mapping[str, int]] | None = None,
+                 migrations: Callable[[], Mapping[str, int]] | None = None) -> None:
         self.instances = instances
         self.gate = gate
         self.pd_decisions = pd_decisions
+        self.migrations = migrations
 
     async def scrape(self) -> list[Metric]:
         stats_p = await _gather_stats(self.instances.by_role("prefill"))
@@ -162,7 +164,25 @@ class ClusterStatsCollector:
             for path, n in sorted(self.pd_decisions().items()):
                 decisions.add_metric([path], n)
             metrics.append(decisions)
+        if self.migrations is not None:
+            metrics += _migration_families(self.migrations())
         return metrics
+
+
+def _migration_families(stats: Mapping[str, int]) -> list[Metric]:
+    """router.pipeline.Pipeline.migration_stats as counters: the mean tokens a migrated
+    request recomputed is the ratio of the last two."""
+    migrations = CounterMetricFamily(
+        "pdcluster_migrations", "Requests moved to another worker because theirs died, hung or "
+        "failed them (router.pipeline)")
+    migrations.add_metric([], stats["migrations_total"])
+    resumed = CounterMetricFamily(
+        "pdcluster_migration_tokens", "Tokens (prompt + output so far) that migrated requests "
+        "resumed with, by how their new worker got their KV: loaded (prefix cache, KV pool: "
+        "what the old worker published) or recomputed", labels=["source"])
+    resumed.add_metric(["loaded"], stats["migration_loaded_tokens_total"])
+    resumed.add_metric(["recomputed"], stats["migration_recomputed_tokens_total"])
+    return [migrations, resumed]
 
 
 async def _gather_stats(instances) -> list[dict]:

@@ -6,14 +6,17 @@ from the decode actor, through the gateway's output stream from it (router.decod
 If the consumer stops early (client disconnect, error), both workers get an idempotent abort
 so no block stays held.
 
-Migration (Llumnix OSDI'24 migrates live requests the same way, by recompute). When a
+Migration (Llumnix, OSDI'24, moves live requests' KV between instances; here the KV pool
+holds what moves). When a
 call fails with RayActorError (the worker's process is gone), the instance is marked dead in
 the registry (router.registry) and the request starts over elsewhere as a new attempt:
 
     attempt n+1 prompt  = original prompt + every token streamed so far
     attempt n+1 params  = max_tokens/min_tokens minus those tokens, output_offset = their count
 
-so the next prefill recomputes the KV (prefix-cache hits make that cheap), samples exactly the
+so the next prefill loads what the prefix caches and the KV pool hold of that prompt (its
+blocks are keyed by their tokens: the prompt's, and the output blocks a decode published with
+`--kv-decode-publish-interval`) and recomputes only the rest, samples exactly the
 token the dead worker would have sampled next (the sampler draws output token t from the
 (seed, t) stream: engine.sampler), and the client stream goes on with no duplicate and no
 missing token. A worker that reports an error for the request (a failed KV fetch, a store it
@@ -22,7 +25,8 @@ a KV load that failed under `--kv-load-failure-policy fail`: that request ends w
 as the policy asks (a retry would recompute it elsewhere). When no
 live instance turns up within `migration_deadline_s`, the request ends: GenerationError if
 nothing was streamed yet (the gateway answers 503), else a TokenDelta with FinishReason.ERROR
-(the gateway's error event).
+(the gateway's error event). Each migrated attempt is recorded (Migration: what it loaded and
+recomputed; /metrics `pdcluster_migration_tokens_total`).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from contextlib import aclosing
 from dataclasses import dataclass, field, replace
 from typing import AsyncIterator
@@ -53,6 +58,22 @@ MAX_ATTEMPTS = 8
 #: Of those, attempts restarted because a live worker reported an error for the request.
 MAX_WORKER_ERROR_RETRIES = 1
 _WAIT_POLL_S = 0.1
+
+
+@dataclass(frozen=True)
+class Migration:
+    """A migrated attempt, as it started on its new worker. num_tokens: its prompt (the
+    original prompt + the output so far); num_cached_tokens: of those, the tokens the worker
+    loaded (its prefix cache, the KV pool: the blocks the dead worker published) instead of
+    computing them."""
+
+    request_id: str
+    num_tokens: int
+    num_cached_tokens: int
+
+    @property
+    def num_recomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_cached_tokens
 
 
 class GenerationError(RuntimeError):
@@ -140,6 +161,10 @@ class Pipeline:
         self.conductor = conductor
         self.migration_deadline_s = migration_deadline_s
         self.migrations_total = 0
+        self.migration_recomputed_tokens_total = 0
+        self.migration_loaded_tokens_total = 0
+        #: the latest migrated attempts, oldest first
+        self.migrations: deque[Migration] = deque(maxlen=1024)
         self.outputs = DecodeOutputs()
 
     async def generate(self, request_id: str, prompt_token_ids: list[int],
@@ -151,9 +176,13 @@ class Pipeline:
         run = _Run(request_id, tuple(prompt_token_ids), sampling, cache_salt)
         while True:
             run.attempts += 1
+            resumed_at = len(run.prompt) + len(run.generated) if run.attempts > 1 else None
             try:
                 async with aclosing(self._attempt(run)) as deltas:
                     async for delta in deltas:
+                        if resumed_at is not None:
+                            self._migrated(run, resumed_at, delta.num_cached_tokens or 0)
+                            resumed_at = None
                         run.generated.extend(delta.token_ids)
                         yield delta if run.attempts == 1 else replace(delta,
                                                                       request_id=request_id)
@@ -171,6 +200,21 @@ class Pipeline:
                     raise GenerationError(error)
                 yield TokenDelta(request_id, (), FinishReason.ERROR, error=error)
                 return
+
+    def migration_stats(self) -> dict[str, int]:
+        """Attempts moved to another worker, and of the tokens their new workers took over
+        (prompt + output so far), those loaded and those recomputed."""
+        return {"migrations_total": self.migrations_total,
+                "migration_loaded_tokens_total": self.migration_loaded_tokens_total,
+                "migration_recomputed_tokens_total": self.migration_recomputed_tokens_total}
+
+    def _migrated(self, run: _Run, num_tokens: int, num_cached_tokens: int) -> None:
+        migration = Migration(run.request_id, num_tokens, num_cached_tokens)
+        self.migrations.append(migration)
+        self.migration_recomputed_tokens_total += migration.num_recomputed_tokens
+        self.migration_loaded_tokens_total += num_cached_tokens
+        log.info("request %s resumed after %d tokens: %d loaded, %d recomputed",
+                 run.request_id, num_tokens, num_cached_tokens, migration.num_recomputed_tokens)
 
     async def _before_retry(self, run: _Run, moved: _Moved) -> str | None:
         """Marks a dead instance, waits for somewhere to go. Returns None to retry, else the

@@ -7,7 +7,8 @@ import time
 
 import uvicorn
 
-from deploy.http_protocol import DEFAULT_HEADER_TIMEOUT_S, header_timeout_protocol
+from deploy.http_protocol import (DEFAULT_BODY_TIMEOUT_S, DEFAULT_HEADER_TIMEOUT_S,
+                                   gateway_protocol)
 
 
 class BackgroundServer:
@@ -15,17 +16,20 @@ class BackgroundServer:
     `with BackgroundServer(app) as srv: httpx.get(srv.url + "/health")`.
 
     Connections are served by the gateway's protocol (deploy/http_protocol.py): one that sends
-    no complete request head within `header_timeout_s` seconds is closed.
+    no complete request head within `header_timeout_s` seconds, or whose body stops for
+    `body_timeout_s`, is closed; past `max_connections` open ones a connection is refused.
 
     Raises RuntimeError when the server has not started within `start_timeout_s` seconds.
     """
 
     def __init__(self, app, host: str = "127.0.0.1", port: int = 0,
                  log_level: str = "warning", start_timeout_s: float = 30.0,
-                 header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S) -> None:
+                 header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S,
+                 body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
+                 max_connections: int | None = None) -> None:
         self.server = uvicorn.Server(uvicorn.Config(
             app, host=host, port=port, log_level=log_level, lifespan="off",
-            http=header_timeout_protocol(header_timeout_s)))
+            http=gateway_protocol(header_timeout_s, body_timeout_s, max_connections)))
         self.start_timeout_s = start_timeout_s
         self._thread = threading.Thread(target=self.server.run, name="gateway", daemon=True)
         self.url = ""

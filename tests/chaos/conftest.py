@@ -26,7 +26,7 @@ from deploy.config import ServeConfig
 from deploy.launcher import Cluster
 from deploy.serve import gateway_app
 from engine.config import EngineConfig
-from kvstore.config import KVStoreConfig
+from kvstore.config import KVStoreConfig, KVTransferConfig
 from kvstore.pool_config import KVPoolConfig
 from tests.kvstore.conftest import RedisServer, _free_port, _need_redis
 from tests.markers import starts
@@ -38,6 +38,8 @@ REQUEST_DEADLINE_S = 120.0  # a request with no final event by then is lost
 SETTLE_DEADLINE_S = 60.0
 TAIL_TTL_S = 5.0  # tails a dead decode never took are reclaimed after this
 STALL_TIMEOUT_S = 5.0  # a worker running requests without a step this long is restarted
+#: a running request's full blocks go to the pool every this many (what a migration loads)
+PUBLISH_INTERVAL = 4
 #: what the structured half of the load must produce (a grammar that survives the fault)
 SCHEMA = {"type": "object", "properties": {
     "kind": {"enum": ["cat", "dog", "bird"]},
@@ -60,6 +62,8 @@ class RequestSpec:
     temperature: float
     seed: int
     structured: bool = False  # constrained to SCHEMA
+    max_tokens: int = MAX_TOKENS
+    cache_salt: str | None = None  # a run of its own in the prefix caches and the pool
 
 
 def request_specs() -> list[RequestSpec]:
@@ -120,9 +124,10 @@ async def _one(client, model: str, spec: RequestSpec, out: Outcome) -> None:
 
     try:
         stream = await client.completions.create(
-            model=model, prompt=spec.prompt, max_tokens=MAX_TOKENS, temperature=spec.temperature,
-            seed=spec.seed, stream=True, extra_body={
+            model=model, prompt=spec.prompt, max_tokens=spec.max_tokens,
+            temperature=spec.temperature, seed=spec.seed, stream=True, extra_body={
                 "ignore_eos": True, "return_token_ids": True,
+                **({"cache_salt": spec.cache_salt} if spec.cache_salt else {}),
                 **({"structured_outputs": {"json": SCHEMA}} if spec.structured else {})})
         async for chunk in stream:
             choice = chunk.choices[0]
@@ -252,6 +257,7 @@ def running_env(workdir: Path, **overrides) -> Iterator[ChaosEnv]:
         "ray_namespace": f"pdcluster-chaos-{os.getpid()}",
         "engine": EngineConfig(num_kv_blocks=256),
         "kvstore": KVStoreConfig(tail_ttl_s=TAIL_TTL_S),
+        "transfer": KVTransferConfig(decode_publish_interval=PUBLISH_INTERVAL),
         "worker_stall_timeout_s": STALL_TIMEOUT_S,
         "kvpool": KVPoolConfig(index_url=redis.url, node_lease_s=3.0,
                                dram_cache_bytes=64 << 20),

@@ -8,7 +8,9 @@ Killed prefill and decode actors cost nothing visible: every request completes w
 the output it has without faults (computed first, in the same cluster), greedy and seeded,
 and the killed actor rejoins once Ray restarts it; requests under a JSON schema (a quarter of
 the seeded ones, and 50 of their own under a decode kill) end valid, their grammar carried
-across the move. Redis restarting empty costs recompute,
+across the move. A request moved off a killed or hung decode ~300 tokens in loads what that
+decode published to the pool (--kv-decode-publish-interval 4) and recomputes at most the 4
+blocks since and the partial one. Redis restarting empty costs recompute,
 never a request; the KV store re-announces its blocks. A killed KV store costs the requests
 that needed it at that moment a clear error at most; Ray restarts it and the next requests all
 complete. After each fault every live worker and KV store returns every block (no request
@@ -26,9 +28,10 @@ import httpx
 import jsonschema
 import pytest
 import ray
+from prometheus_client.parser import text_string_to_metric_families
 
-from tests.chaos.conftest import (NUM_REQUESTS, SCHEMA, ChaosEnv, Report, RequestSpec,
-                                  request_specs)
+from tests.chaos.conftest import (NUM_REQUESTS, PUBLISH_INTERVAL, SCHEMA, ChaosEnv, Report,
+                                  RequestSpec, request_specs)
 
 pytestmark = pytest.mark.slow
 
@@ -45,14 +48,15 @@ def no_fault(chaos_env: ChaosEnv) -> Report:
     return report
 
 
-def assert_same_outputs(report: Report, no_fault: Report) -> None:
+def assert_same_outputs(report: Report, no_fault: Report,
+                        specs: list[RequestSpec] | None = None) -> None:
     """Each output equals the fault-free one; the structured ones are JSON valid under SCHEMA
     (a moved request resumed its grammar)."""
-    for i, (got, want) in enumerate(zip(report.outcomes, no_fault.outcomes)):
+    for i, (got, want) in enumerate(zip(report.outcomes, no_fault.outcomes, strict=True)):
         assert len(want.token_ids) == want.chunks  # one token per chunk: ids are comparable
         assert (got.token_ids, got.text, got.finish_reason) == \
             (want.token_ids, want.text, want.finish_reason), f"request {i}"
-    for spec in request_specs():
+    for spec in specs or request_specs():
         if spec.structured:
             jsonschema.validate(json.loads(report.outcomes[spec.index].text), SCHEMA)
 
@@ -105,6 +109,60 @@ def test_a_stopped_decode_is_declared_hung_and_costs_no_request(chaos_env: Chaos
     chaos_env.wait_rejoined("decode", 2)
     [instance] = [i for i in chaos_env.cluster.decode if i.worker_id == victim["worker_id"]]
     assert chaos_env.pid_of(instance) != victim["pid"]
+    chaos_env.settle()
+
+
+BLOCK = 16
+LONG_TOKENS = 420  # the prompts' ~15 tokens + this fit the bundled model's 512
+
+
+def long_specs(salt: str) -> list[RequestSpec]:
+    """Four long requests, two greedy and two seeded, under a cache salt of their own (the
+    pool then holds only the KV this run published)."""
+    subjects = ["a sleepy cat", "a brave mouse", "a tall giraffe", "a lost puppy"]
+    return [RequestSpec(i, f"Once upon a time, there was {subjects[i]} who", i % 2 * 1.0,
+                        3000 + i, max_tokens=LONG_TOKENS, cache_salt=salt) for i in range(4)]
+
+
+def migration_tokens(env: ChaosEnv) -> dict[str, float]:
+    text = httpx.get(f"{env.api_base.removesuffix('/v1')}/metrics", timeout=10).text
+    return {s.labels["source"]: s.value for f in text_string_to_metric_families(text)
+            for s in f.samples if s.name == "pdcluster_migration_tokens_total"}
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "hung"])
+def test_a_moved_request_loads_what_its_dead_decode_published(chaos_env: ChaosEnv, sig: int):
+    """--kv-decode-publish-interval 4: a running request's full blocks reach the pool every
+    4, so when its decode dies (or hangs) ~300 tokens in, its new worker loads prompt and
+    output up to the last published block and recomputes only the rest: at most the 4
+    blocks since plus the partial one. Outputs equal the fault-free run's."""
+    pipeline = chaos_env.cluster.pipeline
+    name = signal.Signals(sig).name
+    reference = chaos_env.run("long, no fault", specs=long_specs(f"{name}-reference"))
+    before = migration_tokens(chaos_env)
+    assert reference.completed == 4 and reference.migrations == 0
+    fault, victim = chaos_env.kill_busiest("decode", sig)
+    seen = len(pipeline.migrations)
+    try:  # ~300 tokens each (a chunk is a token)
+        report = chaos_env.run(f"long, decode {name}", fault, 4 * 300, long_specs(name))
+    finally:
+        if sig == signal.SIGSTOP and victim:
+            try:
+                os.kill(victim["pid"], signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+    assert report.lost == 0 and report.completed == 4, str(report)
+    assert_same_outputs(report, reference, long_specs(name))
+    moved = list(pipeline.migrations)[seen:]
+    assert moved and len(moved) == report.migrations
+    for migration in moved:
+        assert migration.num_tokens > 200, migration  # moved mid-stream, not at its start
+        assert migration.num_recomputed_tokens <= (PUBLISH_INTERVAL + 1) * BLOCK, migration
+    after = migration_tokens(chaos_env)  # /metrics counts what the records say
+    assert after["loaded"] - before["loaded"] == sum(m.num_cached_tokens for m in moved)
+    assert after["recomputed"] - before["recomputed"] == \
+        sum(m.num_recomputed_tokens for m in moved)
+    chaos_env.wait_rejoined("decode", 2)
     chaos_env.settle()
 
 

@@ -52,6 +52,9 @@ def test_empty_and_malformed_prompts_say_what_is_wrong(http, prompt, says):
 
 @pytest.mark.parametrize("endpoint,field,value,says", [
     ("/completions", "stop", 123, "stop: expected a string or a list of strings (got integer)"),
+    ("/completions", "stop", ["."] * 17, "stop: at most 16 items are accepted (got 17)"),
+    ("/chat/completions", "stop", ["."] * 17, "stop: at most 16 items are accepted (got 17)"),
+    ("/completions", "stop", [".", 1], "stop.1: Input should be a valid string"),
     ("/completions", "temperature", "hot", "temperature: Input should be a valid number"),
     ("/completions", "n", "two", "n: Input should be a valid integer"),
     ("/chat/completions", "messages", [{"role": "user", "content": 5}],

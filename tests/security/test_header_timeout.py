@@ -18,6 +18,7 @@ from fastapi import FastAPI
 
 from tests.background_server import BackgroundServer
 from tests.markers import starts
+from tests.raw_sockets import connect, read_until_closed
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -54,30 +55,6 @@ def url():
         yield server.url
 
 
-def _connect(url: str) -> socket.socket:
-    host, port = url.removeprefix("http://").rsplit(":", 1)
-    return socket.create_connection((host, int(port)), timeout=5)
-
-
-def _read_until_closed(sock: socket.socket, deadline: float) -> bytes:
-    """Everything the server sends until it closes the connection; fails at `deadline`
-    (time.monotonic()) if the connection is still open."""
-    received = b""
-    while True:
-        remaining = deadline - time.monotonic()
-        assert remaining > 0, f"connection still open; received {received!r}"
-        sock.settimeout(remaining)
-        try:
-            chunk = sock.recv(4096)
-        except socket.timeout:
-            continue  # the assertion above reports it
-        except ConnectionResetError:
-            return received
-        if not chunk:
-            return received
-        received += chunk
-
-
 def _read_response(sock: socket.socket) -> bytes:
     """One complete response with a Content-Length body, read off a kept-alive connection."""
     data = b""
@@ -104,13 +81,13 @@ def _assert_partial_head_closed(sock: socket.socket) -> None:
     """Send a partial head on `sock` and assert the server closes it after the timeout."""
     sock.sendall(PARTIAL_HEAD)
     sent = time.monotonic()
-    _assert_timed_out(_read_until_closed(sock, sent + HEADER_TIMEOUT_S + CLOSE_SLACK_S))
+    _assert_timed_out(read_until_closed(sock, sent + HEADER_TIMEOUT_S + CLOSE_SLACK_S))
     assert time.monotonic() - sent >= HEADER_TIMEOUT_S * 0.9
 
 
 def test_partial_heads_are_closed_while_others_are_served(url):
     started = time.monotonic()
-    socks = [_connect(url) for _ in range(50)]
+    socks = [connect(url) for _ in range(50)]
     try:
         for s in socks:
             s.sendall(PARTIAL_HEAD)
@@ -118,7 +95,7 @@ def test_partial_heads_are_closed_while_others_are_served(url):
         assert httpx.get(f"{url}/health", timeout=5).json() == {"status": "ok"}
         deadline = started + HEADER_TIMEOUT_S + CLOSE_SLACK_S
         for s in socks:
-            _assert_timed_out(_read_until_closed(s, deadline))
+            _assert_timed_out(read_until_closed(s, deadline))
     finally:
         for s in socks:
             s.close()
@@ -126,13 +103,13 @@ def test_partial_heads_are_closed_while_others_are_served(url):
 
 
 def test_silent_connection_is_closed(url):
-    with _connect(url) as s:
-        _assert_timed_out(_read_until_closed(s, time.monotonic() + HEADER_TIMEOUT_S
+    with connect(url) as s:
+        _assert_timed_out(read_until_closed(s, time.monotonic() + HEADER_TIMEOUT_S
                                              + CLOSE_SLACK_S))
 
 
 def test_partial_head_after_keep_alive_is_closed(url):
-    with _connect(url) as s:
+    with connect(url) as s:
         s.sendall(FULL_HEAD)
         assert _read_response(s).startswith(b"HTTP/1.1 200 ")
         # uvicorn's keep-alive timer is cancelled by these bytes: only the head timer is left
@@ -142,7 +119,7 @@ def test_partial_head_after_keep_alive_is_closed(url):
 def test_idle_keep_alive_outlives_header_timeout(url):
     """The wait between requests stays uvicorn's timeout_keep_alive (5 s), not ours; the next
     head is still timed."""
-    with _connect(url) as s:
+    with connect(url) as s:
         s.sendall(FULL_HEAD)
         assert _read_response(s).startswith(b"HTTP/1.1 200 ")
         time.sleep(HEADER_TIMEOUT_S + 0.5)
@@ -154,7 +131,7 @@ def test_idle_keep_alive_outlives_header_timeout(url):
 def test_slow_handler_is_not_cut(url):
     """The timer covers the head only: a handler running past it completes, while a partial
     head sent at the same time is closed."""
-    with _connect(url) as slow, _connect(url) as stuck:
+    with connect(url) as slow, connect(url) as stuck:
         started = time.monotonic()
         slow.sendall(b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\n")
         _assert_partial_head_closed(stuck)
@@ -166,7 +143,7 @@ def test_slow_handler_is_not_cut(url):
 def test_head_completed_in_time_is_served(url):
     """A head sent in pieces within the timeout is served; the next head on the same
     connection gets a timer of its own."""
-    with _connect(url) as s:
+    with connect(url) as s:
         half = len(FULL_HEAD) // 2
         s.sendall(FULL_HEAD[:half])
         time.sleep(0.3)

@@ -1,0 +1,32 @@
+"""Raw TCP clients of an HTTP server, for tests of what the server does with connections that
+no HTTP client would make (partial heads, stalled bodies, idle sockets)."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+
+def connect(url: str) -> socket.socket:
+    """A TCP connection to `url` (http://host:port)."""
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    return socket.create_connection((host, int(port)), timeout=5)
+
+
+def read_until_closed(sock: socket.socket, deadline: float) -> bytes:
+    """Everything the server sends until it closes the connection; fails at `deadline`
+    (time.monotonic()) if the connection is still open."""
+    received = b""
+    while True:
+        remaining = deadline - time.monotonic()
+        assert remaining > 0, f"connection still open; received {received!r}"
+        sock.settimeout(remaining)
+        try:
+            chunk = sock.recv(4096)
+        except socket.timeout:
+            continue  # the assertion above reports it
+        except ConnectionResetError:
+            return received
+        if not chunk:
+            return received
+        received += chunk
