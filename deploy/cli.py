@@ -3,6 +3,8 @@
     pdcluster serve [--model PATH] [--host H] [--port P] [--prefill-instances N]
                     [--decode-instances M] [--address ADDR] [--config FILE] ...
 
+    pdcluster cluster up|down|status ...           (workers that outlive their gateways)
+    pdcluster gateway [--port P] ...               (a gateway attached to a running cluster)
     pdcluster bench run|sweep|compare|report ...   (load tests; see loadtest/README.md)
     pdcluster simulate --trace FILE ...             (trace-driven cluster simulation)
     pdcluster profile ...                           (fit a cost model on the real engine)
@@ -49,6 +51,8 @@ _SERVE_FLAGS = [
     ("--decode-tp", "decode_tp", int, "tensor parallel size of each decode instance"),
     ("--address", "address", str, "join this Ray cluster (e.g. auto) instead of starting a "
                                   "local one"),
+    ("--ray-namespace", "ray_namespace", str,
+     "the deployment's Ray namespace: where its named actors are"),
     ("--block-size", "engine.block_size", int, "tokens per KV block"),
     ("--dtype", "engine.dtype", str, "float32 | bfloat16 | float16"),
     ("--max-model-len", "engine.max_model_len", int, "context length (prompt + max_tokens)"),
@@ -290,19 +294,34 @@ def _parser() -> argparse.ArgumentParser:
         "serve", help="serve a model through the OpenAI API", formatter_class=_ServeHelpFormatter,
         description="Serve a model through the OpenAI API. Defaults are ServeConfig's "
                     "(deploy/config.py); a --config YAML file sets any of them, flags win.")
-    serve.add_argument("--config", metavar="FILE",
-                       help="YAML file with a ServeConfig (flags override it)")
-    for flag, path, typ, help_text in _SERVE_FLAGS:
-        serve.add_argument(flag, dest=path, type=typ, default=argparse.SUPPRESS, help=help_text,
-                           metavar=_metavar(flag))
-    serve.add_argument("--api-key", dest="api_keys", action="append", default=argparse.SUPPRESS,
-                       metavar="KEY",
-                       help="require this key (repeatable); env PDCLUSTER_API_KEY also counts")
-    serve.add_argument("--api-key-file", dest="api_key_file", default=argparse.SUPPRESS,
-                       metavar="FILE", help="file with one API key per line")
-    for flag, path, help_text in _SERVE_SWITCHES:
-        serve.add_argument(flag, dest=path, action=argparse.BooleanOptionalAction,
-                           default=argparse.SUPPRESS, help=help_text)
+    _add_serve_flags(serve)
+    cluster = sub.add_parser(
+        "cluster", help="a cluster of workers that outlives its gateways (deploy/cluster_cli.py)")
+    actions = cluster.add_subparsers(dest="action", required=True)
+    up = actions.add_parser(
+        "up", formatter_class=_ServeHelpFormatter,
+        help="start the workers, KV stores and index as detached actors, then exit",
+        description="Start the workers as `serve` would, detached: they run until `pdcluster "
+                    "cluster down`. With no --address, on a local Ray started for them.")
+    _add_serve_flags(up)
+    for name, text in (("down", "stop every actor of the cluster (and the local Ray up "
+                                "started)"),
+                       ("status", "each worker's role, instance, pid, node, state, and "
+                                  "running / waiting requests")):
+        action = actions.add_parser(name, help=text, description=text)
+        action.add_argument("--address", help="the Ray cluster (default: the local one "
+                                              "`cluster up` started)")
+        action.add_argument("--ray-namespace", default="pdcluster",
+                            help="the deployment's Ray namespace")
+        if name == "status":
+            action.add_argument("--json", action="store_true", help="one JSON object")
+    gateway = sub.add_parser(
+        "gateway", formatter_class=_ServeHelpFormatter,
+        help="serve the OpenAI API over a running cluster (`pdcluster cluster up`)",
+        description="Attach to a running cluster and serve; any number of gateways may run. "
+                    "Only gateway settings are taken from flags (deploy/cluster_cli.py "
+                    "GATEWAY_FIELDS); the rest are the cluster's.")
+    _add_serve_flags(gateway, config_file=False)
     from deploy.profile import add_profile_parser
     from loadtest.cli import add_bench_parser
     from loadtest.simulator.cli import add_simulate_parser
@@ -311,9 +330,27 @@ def _parser() -> argparse.ArgumentParser:
     add_simulate_parser(sub)
     add_profile_parser(sub)
     for name, choice in sub.choices.items():
-        if name != "serve":
+        if name not in ("serve", "gateway"):
             _show_defaults(choice)
     return parser
+
+
+def _add_serve_flags(parser: argparse.ArgumentParser, config_file: bool = True) -> None:
+    """`serve`'s flags (and --config FILE) on `parser`: only the flags given override."""
+    if config_file:
+        parser.add_argument("--config", metavar="FILE",
+                            help="YAML file with a ServeConfig (flags override it)")
+    for flag, path, typ, help_text in _SERVE_FLAGS:
+        parser.add_argument(flag, dest=path, type=typ, default=argparse.SUPPRESS,
+                            help=help_text, metavar=_metavar(flag))
+    parser.add_argument("--api-key", dest="api_keys", action="append",
+                        default=argparse.SUPPRESS, metavar="KEY",
+                        help="require this key (repeatable); env PDCLUSTER_API_KEY also counts")
+    parser.add_argument("--api-key-file", dest="api_key_file", default=argparse.SUPPRESS,
+                        metavar="FILE", help="file with one API key per line")
+    for flag, path, help_text in _SERVE_SWITCHES:
+        parser.add_argument(flag, dest=path, action=argparse.BooleanOptionalAction,
+                            default=argparse.SUPPRESS, help=help_text)
 
 
 def _overrides(args: argparse.Namespace) -> dict:
@@ -361,29 +398,53 @@ def _serve(config: ServeConfig) -> int:
     return serve(config, session)
 
 
+def _serve_overrides(args: argparse.Namespace) -> dict:
+    overrides = _overrides(args)
+    if os.environ.get("PDCLUSTER_API_KEY"):  # env read only here, at the CLI edge
+        overrides["api_keys"] = overrides.get("api_keys", []) + [os.environ["PDCLUSTER_API_KEY"]]
+    return overrides
+
+
+def _serve_config(args: argparse.Namespace) -> "ServeConfig | None":
+    """The ServeConfig of `serve` / `cluster up` (logging set up from it); None, with the
+    error printed, when it is invalid."""
+    from deploy.config import load_config
+
+    # deprecated config keys warn with DeprecationWarning, which Python hides by default;
+    # the user who wrote them is here, so log each once logging is set up
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", DeprecationWarning)
+        try:
+            config = load_config(args.config, _serve_overrides(args))
+        except (ValueError, OSError) as exc:
+            print(f"pdcluster: invalid configuration: {exc}", file=sys.stderr)
+            return None
+    from engine.logs import configure_logging
+
+    configure_logging(config.log_level, config.log_format)
+    _log_deprecations(caught)
+    return config
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "serve":
-        from deploy.config import load_config
+        config = _serve_config(args)
+        return 2 if config is None else _serve(config)
+    if args.command == "cluster":
+        from deploy import cluster_cli
 
-        overrides = _overrides(args)
-        if os.environ.get("PDCLUSTER_API_KEY"):  # env read only here, at the CLI edge
-            overrides["api_keys"] = overrides.get("api_keys", []) + \
-                [os.environ["PDCLUSTER_API_KEY"]]
-        # deprecated config keys warn with DeprecationWarning, which Python hides by default;
-        # the user who wrote them is here, so log each once logging is set up
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always", DeprecationWarning)
-            try:
-                config = load_config(args.config, overrides)
-            except (ValueError, OSError) as exc:
-                print(f"pdcluster: invalid configuration: {exc}", file=sys.stderr)
-                return 2
-        from engine.logs import configure_logging
+        if args.action == "up":
+            config = _serve_config(args)
+            return 2 if config is None else cluster_cli.cluster_up(config)
+        logging.basicConfig(level=logging.WARNING)
+        if args.action == "down":
+            return cluster_cli.cluster_down(args.address, args.ray_namespace)
+        return cluster_cli.cluster_status(args.address, args.ray_namespace, args.json)
+    if args.command == "gateway":
+        from deploy import cluster_cli
 
-        configure_logging(config.log_level, config.log_format)
-        _log_deprecations(caught)
-        return _serve(config)
+        return cluster_cli.gateway(_serve_overrides(args))
     if args.command == "bench":
         from loadtest.cli import run_bench
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import secrets
 from dataclasses import dataclass
+from urllib.parse import urlsplit
 
 import ray
 from pydantic import SecretStr
@@ -15,14 +16,17 @@ from pydantic import SecretStr
 import kernels
 
 from decode_worker.actor import DecodeWorker, decode_actor
+from deploy.cluster_record import ClusterManifest
 from deploy.config import ServeConfig
 from deploy import placement
 from deploy.ray_session import RaySession
 from deploy.preload import worker_huge_pages, worker_preload
 from engine.config import EngineConfig, ModelConfig
 from engine.models.base import check_tensor_parallel
-from kvstore.actor import KVStoreActor, start_kvstore_actors, wait_kvstore_actors
+from kvstore.actor import (KVSTORE_ACTOR_PREFIX, KVStoreActor, start_kvstore_actors,
+                           wait_kvstore_actors)
 from kvstore.index import ActorIndex, open_index
+from kvstore.index.actor import DEFAULT_INDEX_ACTOR_NAME
 from kvstore.layout import BlockLayout
 from prefill_worker.actor import PrefillWorker, prefill_actor
 from router.admission import SLO
@@ -38,6 +42,8 @@ log = logging.getLogger(__name__)
 PREFILL_MAX_CONCURRENCY = 8
 # How long a TP instance's placement group may take to be placed.
 TP_PLACEMENT_TIMEOUT_S = 120
+# How long a gateway attaching to a running cluster waits for each worker's first answer.
+ATTACH_TIMEOUT_S = 30
 
 
 def block_layout(engine: EngineConfig) -> BlockLayout:
@@ -61,15 +67,26 @@ class ActorClasses:
 
 
 class Cluster:
-    """The running actors of one deployment. Use as a context manager or call shutdown()."""
+    """The running actors of one deployment, and a gateway's view of them (registry, Conductor,
+    request pipeline, stall watch). Use as a context manager or call shutdown().
+
+    Three ways to have one: :meth:`start` brings the workers up, owned by this process, so
+    they stop with it (`pdcluster serve`, the tests); with ``detached=True`` they are
+    detached named actors that outlive it (`pdcluster cluster up`, then :meth:`manifest`);
+    :meth:`attach` joins such a cluster as one more gateway (`pdcluster gateway`), and its
+    shutdown leaves the workers running.
+    """
 
     def __init__(self, config: ServeConfig, ray_session: RaySession | None = None,
-                 actors: ActorClasses = ActorClasses()) -> None:
+                 actors: ActorClasses = ActorClasses(), detached: bool = False) -> None:
         """`ray_session`: the Ray to run on, opened already (this cluster closes it at
         shutdown); None: :meth:`start` opens one (deploy.ray_session.RaySession.open).
-        `actors`: the classes its actors run."""
+        `actors`: the classes its actors run. `detached`: start the actors detached and
+        named in config.ray_namespace (deploy.cluster_record)."""
         self.config = config
         self.actors = actors
+        self.detached = detached
+        self.owns_workers = True  # False once attached: shutdown leaves them running
         self.registry = InstanceRegistry()
         # replaced in start() by the live Conductor (global index, load reports, admission)
         self.conductor = Conductor(self.registry, config.policy)
@@ -78,6 +95,7 @@ class Cluster:
         self.prefill: list[Instance] = []
         self.decode: list[Instance] = []
         self.placement_groups: list = []
+        self._pg_names: list[str] = []  # of the detached ones
         self._resources: dict[str, float] = {}  # ray.cluster_resources() at start
         self._role_demand: dict[str, dict[str, float]] = {}
         self._ray_session = ray_session
@@ -86,6 +104,69 @@ class Cluster:
         self._index = None
 
     def start(self) -> "Cluster":
+        """Bring the KV stores, the index and the workers up, then the gateway's view."""
+        self.start_workers()
+        for instance in self.wait_ready():
+            self.registry.add(instance)
+        self._start_routing()
+        return self
+
+    def wait_ready(self) -> list[Instance]:
+        """Wait until every worker started answers (its model loaded); returns them."""
+        workers = self.prefill + self.decode
+        infos = ray.get([i.handle.info.remote() for i in workers])
+        for instance, info in zip(workers, infos):
+            log.info("%s ready: pid %s on node %s", instance.worker_id, info["pid"],
+                     info["node_id"])
+        return workers
+
+    @classmethod
+    def attach(cls, config: ServeConfig, manifest: ClusterManifest,
+               ray_session: RaySession) -> "Cluster":
+        """A gateway's view of the running cluster `manifest` describes (read from its
+        record, deploy.cluster_record), on `ray_session` (joined already). `config`: the
+        cluster's ServeConfig with this gateway's own settings over it. A worker that does not
+        answer is added as dead: the registry probes it until it does."""
+        cluster = cls(config, ray_session)
+        cluster.owns_workers = False
+        ns = config.ray_namespace
+        cluster.kvstores = {node: ray.get_actor(name, namespace=ns)
+                            for node, name in manifest.kvstores.items()}
+        for node_id, handle in cluster.kvstores.items():
+            cluster.registry.add(Instance(f"kvstore-{node_id[:12]}", "kvstore", handle))
+        for role, names in (("prefill", manifest.prefill), ("decode", manifest.decode)):
+            for name in names:
+                instance = Instance(name, role, ray.get_actor(name, namespace=ns))
+                getattr(cluster, role).append(instance)
+                cluster.registry.add(instance)
+                try:
+                    ray.get(instance.handle.info.remote(), timeout=ATTACH_TIMEOUT_S)
+                except Exception as exc:  # noqa: BLE001 — restarting, or gone: probed
+                    log.warning("%s does not answer (%s): marked dead", name, exc)
+                    cluster.registry.mark_dead(name)
+        cluster._start_routing()
+        return cluster
+
+    def manifest(self) -> ClusterManifest:
+        """What a gateway needs to attach to this cluster (deploy.cluster_record)."""
+        index_url = urlsplit(self.config.kvpool.index_url)
+        return ClusterManifest(
+            self.config.model_dump_json(),
+            tuple(i.worker_id for i in self.prefill), tuple(i.worker_id for i in self.decode),
+            {node: KVSTORE_ACTOR_PREFIX + node for node in self.kvstores},
+            (index_url.netloc or DEFAULT_INDEX_ACTOR_NAME) if index_url.scheme == "ray"
+            else None,
+            tuple(self._pg_names))
+
+    def _actor_options(self, name: str) -> dict:
+        """Detached: named in the namespace and outliving this process."""
+        if not self.detached:
+            return {}
+        return {"name": name, "namespace": self.config.ray_namespace, "lifetime": "detached"}
+
+    def start_workers(self) -> None:
+        """Bring the KV stores, the index and the workers up (detached when the cluster is);
+        they are not in the registry yet: :meth:`start` adds them once they answer."""
         if self.config.kvstore.token is None:  # a local cluster gets a random KV-plane token
             kvstore = self.config.kvstore.model_copy(
                 update={"token": SecretStr(secrets.token_hex(16))})
@@ -109,13 +190,16 @@ class Cluster:
         self._role_demand = {r: placement.role_resources(r, cfg.placement, self._resources)
                              for r in roles}
         # the driver opens the global index first: an index actor (ray://) lives as long as the
-        # process that created it, and a KV store may die (Ray restarts it)
-        self._index = open_index(cfg.kvpool.index_url)
+        # process that created it (detached: the cluster), and a KV store may die (Ray
+        # restarts it)
+        detached_index = self.detached and urlsplit(cfg.kvpool.index_url).scheme == "ray"
+        self._index = open_index(cfg.kvpool.index_url,
+                                 **({"detached": True} if detached_index else {}))
         # the stores start alongside the workers, which find theirs by name
         self.kvstores = start_kvstore_actors(
             cfg.kvstore, cfg.kvpool, block_layout(cfg.engine), cfg.ray_namespace,
             node_ids=placement.worker_node_ids(ray.nodes(), self._role_demand.values()),
-            wait=False, actor_cls=self.actors.kvstore)
+            wait=False, actor_cls=self.actors.kvstore, detached=self.detached)
         # Triton on CPU runs interpreted: actors need TRITON_INTERPRET=1 before importing triton
         # and they log like the gateway (level, text|json, request ids): engine.logs
         runtime_env = {"env_vars": {**worker_env_vars(cfg.log_level, cfg.log_format),
@@ -126,29 +210,31 @@ class Cluster:
         for node_id, handle in self.kvstores.items():  # for /metrics: tiers G2/G3 per node
             self.registry.add(Instance(f"kvstore-{node_id[:12]}", "kvstore", handle))
         for i in range(0 if cfg.colocated else cfg.prefill_instances):
+            name = f"prefill-{i}"
             handle = prefill_actor(self.actors.prefill).options(
                 max_concurrency=PREFILL_MAX_CONCURRENCY, runtime_env=runtime_env,
-                **self._rank0_options(prefill_tp, placement.PREFILL),
-            ).remote(f"prefill-{i}", prefill_engine, cfg.kvstore, cfg.kvpool, cfg.ray_namespace,
-                     transfer)
-            self.prefill.append(Instance(f"prefill-{i}", "prefill", handle))
+                **self._rank0_options(prefill_tp, placement.PREFILL, name),
+                **self._actor_options(name),
+            ).remote(name, prefill_engine, cfg.kvstore, cfg.kvpool, cfg.ray_namespace, transfer)
+            self.prefill.append(Instance(name, "prefill", handle))
         # colocated, nothing loads prefixes from the pool: what a decode published would only
         # take arena space
         decode_transfer = (transfer.model_copy(update={"decode_publish": False})
                            if cfg.colocated else transfer)
         for i in range(cfg.decode_instances):
+            name = f"decode-{i}"
             handle = decode_actor(self.actors.decode).options(
-                runtime_env=runtime_env, **self._rank0_options(decode_tp, placement.DECODE)
-            ).remote(
-                f"decode-{i}", decode_engine, cfg.kvstore, cfg.ray_namespace, decode_transfer,
-                cfg.kvpool)
-            self.decode.append(Instance(f"decode-{i}", "decode", handle))
+                runtime_env=runtime_env, **self._rank0_options(decode_tp, placement.DECODE, name),
+                **self._actor_options(name),
+            ).remote(name, decode_engine, cfg.kvstore, cfg.ray_namespace, decode_transfer,
+                     cfg.kvpool)
+            self.decode.append(Instance(name, "decode", handle))
         wait_kvstore_actors(self.kvstores, cfg.kvstore.rpc_timeout_s * 6)
-        infos = ray.get([i.handle.info.remote() for i in self.prefill + self.decode])
-        for instance, info in zip(self.prefill + self.decode, infos):
-            log.info("%s ready: pid %s on node %s", instance.worker_id, info["pid"],
-                     info["node_id"])
-            self.registry.add(instance)
+
+    def _start_routing(self) -> None:
+        """The gateway's view over the registry: the live Conductor (index, load reports,
+        admission), the pipeline on it, the stall watch."""
+        cfg = self.config
         self.conductor, self._stats_poller = build_live_conductor(
             self.registry, policy=cfg.policy, admission=cfg.admission,
             slo=SLO(cfg.slo_ttft_s, cfg.slo_tbt_ms / 1000),
@@ -162,7 +248,6 @@ class Cluster:
             self.stall_watch = StallWatch(
                 self.registry, cfg.worker_stall_timeout_s,
                 busy=lambda i: outputs.num_requests(i.worker_id) > 0).start()
-        return self
 
     def worker_health(self) -> dict:
         """What /health says of the workers: those marked dead and not back, and the last
@@ -172,24 +257,29 @@ class Cluster:
                 "hung_workers": [{"worker_id": h.worker_id, "role": h.role,
                                   "reason": h.reason, "at": h.at} for h in hung]}
 
-    def _rank0_options(self, tp: int, role: str) -> dict:
+    def _rank0_options(self, tp: int, role: str, name: str) -> dict:
         """Options of a worker actor of `role`: at TP=1 its CPUs, GPUs, role resource and
         restarts (placement.worker_options); at TP=k rank 0 of the instance, in a new
         STRICT_PACK placement group of k bundles on a node of the role (its followers take the
-        others)."""
+        others), detached and named after the instance when the actors are."""
         cfg = self.config
         gpus = cfg.worker_num_gpus()
         if tp == 1:
             return placement.worker_options(role, cfg.placement, self._resources,
                                             cfg.actor_num_cpus, gpus)
         demand = self._role_demand[role]
+        pg_name = f"pg-{name}" if self.detached else ""
         pg = placement.tp_placement_group(tp, next(iter(demand), None), cfg.actor_num_cpus,
-                                          gpus)
+                                          gpus, name=pg_name, detached=self.detached)
         self.placement_groups.append(pg)
+        if pg_name:
+            self._pg_names.append(pg_name)
         ray.get(pg.ready(), timeout=TP_PLACEMENT_TIMEOUT_S)
         return placement.tp_rank_options(pg, 0)
 
     def shutdown(self) -> None:
+        """Stop the gateway's view; then, unless attached, the workers, stores and index;
+        then leave (or stop) the Ray session."""
         if self.stall_watch is not None:
             self.stall_watch.stop()
             self.stall_watch = None
@@ -197,6 +287,17 @@ class Cluster:
             self._stats_poller.stop()
             self._stats_poller = None
         self.registry.close()  # its dead-instance probes
+        if self.owns_workers:
+            self.shutdown_workers()
+        self.prefill, self.decode, self.kvstores = [], [], {}
+        if self._ray_session is not None:
+            self._ray_session.close()
+            self._ray_session = None
+
+    def shutdown_workers(self) -> None:
+        """Kill the workers, placement groups, KV stores (their arenas freed) and clear and
+        close the index this cluster started."""
+        index_actor = self.manifest().index_actor if self.detached else None
         for instance in self.prefill + self.decode:
             ray.kill(instance.handle, no_restart=True)
         for pg in self.placement_groups:
@@ -209,7 +310,7 @@ class Cluster:
                 log.warning("KV store did not stop cleanly: %s", exc)
             ray.kill(handle, no_restart=True)
         self.prefill, self.decode, self.kvstores = [], [], {}
-        if self._index is not None:
+        if self._index is not None:  # opened only when the workers are ours
             try:
                 if isinstance(self._index, ActorIndex):  # ours, and it outlives the stores
                     self._index.clear()
@@ -217,9 +318,12 @@ class Cluster:
             except Exception as exc:  # noqa: BLE001 -- shutting down either way
                 log.warning("global index not cleared: %s", exc)
             self._index = None
-        if self._ray_session is not None:
-            self._ray_session.close()
-            self._ray_session = None
+        if index_actor is not None:  # detached: it would outlive us
+            try:
+                ray.kill(ray.get_actor(index_actor, namespace=self.config.ray_namespace),
+                         no_restart=True)
+            except ValueError:
+                pass
 
     def __enter__(self) -> "Cluster":
         return self.start()

@@ -1,5 +1,6 @@
 """The local Ray cluster `pdcluster serve` starts when it joins none: loopback only, and
-fate-shared with this process (deploy/fate_share.py).
+fate-shared with this process (deploy/fate_share.py); and the one `pdcluster cluster up`
+starts, loopback only too, which outlives it (`LocalHead`).
 
 Loopback. Ray binds its gRPC servers (GCS, raylet, object manager, every core worker), the
 runtime-env and dashboard agents and the autoscaler's Prometheus metrics server to 127.0.0.1
@@ -25,9 +26,18 @@ from __future__ import annotations
 
 import contextlib
 import ipaddress
+import json
 import logging
 import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import ray
 
@@ -75,7 +85,7 @@ def start_local_ray(num_cpus: int, namespace: str, resources: dict[str, float],
     guardian = Guardian.start() if fate_share.supported() else None
     marked = guardian.marked_environment() if guardian else contextlib.nullcontext()
     try:
-        with marked, _loopback_node_ip(), _affinity(cpus):
+        with marked, loopback_node_ip(), _affinity(cpus):
             context = ray.init(address="local", num_cpus=num_cpus, namespace=namespace,
                                resources=resources, include_dashboard=False, log_to_driver=True,
                                _system_config=_system_config())
@@ -113,7 +123,7 @@ def _affinity(cpus: list[int] | None) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _loopback_node_ip() -> Iterator[None]:
+def loopback_node_ip() -> Iterator[None]:
     """While inside, Ray picks 127.0.0.1 as a new node's IP (module docstring)."""
     from ray._private import ray_constants
 
@@ -126,3 +136,72 @@ def _loopback_node_ip() -> Iterator[None]:
         yield
     finally:
         ray_constants.ENABLE_RAY_CLUSTER = saved
+
+
+@dataclass(frozen=True)
+class LocalHead:
+    """A single-node Ray that outlives the process that started it (`pdcluster cluster up`):
+    `ray start --head --block` in a session of its own, loopback only (module docstring),
+    with token authentication. Ray's own supervision: that process stops its daemons when it
+    gets SIGTERM, and its reaper does when it dies. address: the GCS address; pid: that
+    process."""
+
+    address: str
+    pid: int
+    temp_dir: str
+
+
+def start_local_head(num_cpus: int, resources: dict[str, float], log_path: str,
+                     cpus: list[int] | None = None, timeout_s: float = 90.0) -> LocalHead:
+    """Start a `LocalHead` advertising `num_cpus` and `resources`, in this process's
+    environment, which must set RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 (loopback) and
+    RAY_AUTH_MODE=token with its RAY_AUTH_TOKEN; its output goes to `log_path`. Raises
+    RuntimeError when it has not started within `timeout_s`."""
+    port = _free_port()
+    env = dict(os.environ)
+    env.setdefault("RAY_worker_niceness", "0")
+    # a temp dir of its own: Ray writes its address file there, where a plain ray.init() of
+    # another program on this machine does not look (it would join this cluster); short,
+    # for Ray's unix socket paths
+    temp_dir = tempfile.mkdtemp(prefix="pdc-ray-", dir="/tmp")
+    command = [os.path.join(os.path.dirname(sys.executable), "ray"), "start", "--head",
+               "--block", f"--port={port}", "--node-ip-address=127.0.0.1",
+               f"--num-cpus={num_cpus}", f"--resources={json.dumps(resources)}",
+               "--include-dashboard=false", "--disable-usage-stats", f"--temp-dir={temp_dir}"]
+    with open(log_path, "wb") as out, _affinity(cpus):
+        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.monotonic() + timeout_s
+    while not _started(log_path):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            stop_local_head(proc.pid, temp_dir)
+            raise RuntimeError(f"ray start --head did not start (see {log_path})")
+        time.sleep(0.25)
+    return LocalHead(f"127.0.0.1:{port}", proc.pid, temp_dir)
+
+
+def stop_local_head(pid: int, temp_dir: str | None = None, timeout_s: float = 30.0) -> None:
+    """SIGTERM a LocalHead's `ray start` process (it stops its daemons), SIGKILL its process
+    group if it is still there after `timeout_s`; then remove its temp dir."""
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            os.kill(pid, 0)  # ProcessLookupError once it is gone
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, os.WNOHANG)  # ours: reap it
+            time.sleep(0.2)
+        os.killpg(pid, signal.SIGKILL)
+    if temp_dir:
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def _started(log_path: str) -> bool:
+    with open(log_path, "rb") as f:
+        return b"Ray runtime started" in f.read()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

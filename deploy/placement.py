@@ -97,7 +97,8 @@ def worker_node_ids(nodes: Iterable[Mapping], demands: Iterable[Mapping[str, flo
 
 
 def tp_placement_group(tp: int, resource: str | None, num_cpus_per_rank: float,
-                       num_gpus_per_rank: float = 0.0, name: str = "") -> PlacementGroup:
+                       num_gpus_per_rank: float = 0.0, name: str = "",
+                       detached: bool = False) -> PlacementGroup:
     """A STRICT_PACK placement group of `tp` bundles: every rank of one tensor-parallel group
     on one node, since its all-reduces run every layer and must not cross the network; on a
     node advertising `resource` if given.
@@ -107,6 +108,7 @@ def tp_placement_group(tp: int, resource: str | None, num_cpus_per_rank: float,
     timeout=...)`` before relying on it; ``ray.util.remove_placement_group(pg)`` when done. If
     its node dies, Ray re-places the whole group on another node that fits it, and restartable
     actors in it (tp_rank_options with max_restarts) come back there, all on that one node.
+    ``detached``: it outlives the process that made it (named `name`, removed by name).
     """
     if tp < 1:
         raise ValueError(f"tp must be >= 1, got {tp}")
@@ -115,7 +117,8 @@ def tp_placement_group(tp: int, resource: str | None, num_cpus_per_rank: float,
         bundle["GPU"] = float(num_gpus_per_rank)
     if resource:
         bundle[resource] = ROLE_RESOURCE_PER_ACTOR
-    return placement_group([dict(bundle) for _ in range(tp)], strategy="STRICT_PACK", name=name)
+    return placement_group([dict(bundle) for _ in range(tp)], strategy="STRICT_PACK", name=name,
+                           lifetime="detached" if detached else None)
 
 
 def tp_rank_options(pg: PlacementGroup, rank: int,

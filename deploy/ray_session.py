@@ -75,6 +75,12 @@ class RaySession:
         ray.init(address=config.address, namespace=config.ray_namespace)
         return cls(worker_cpu_bind, None, started=True)
 
+    @classmethod
+    def joined(cls, config: ServeConfig) -> "RaySession":
+        """The Ray this process has joined already (ray.init on a running cluster): left, not
+        stopped, at :meth:`close`."""
+        return cls(cpu_plan(config)[0], None, started=True)
+
     def close(self) -> None:
         """Stop the Ray this process started (its guardian sweeps whatever Ray left running),
         or leave the cluster it joined; a Ray found running stays."""

@@ -1,4 +1,5 @@
-"""`pdcluster serve`: the cluster plus the gateway in this process.
+"""`pdcluster serve`: the cluster plus the gateway in this process; `pdcluster gateway`: the
+gateway alone, attached to a running cluster (deploy/cluster_cli.py).
 
 Shutdown (SIGTERM, or a first Ctrl-C) drains:
 
@@ -8,7 +9,8 @@ Shutdown (SIGTERM, or a first Ctrl-C) drains:
 3. those still running then end with an explicit error event (SSE `data: {"error": …}` then
    `[DONE]`; a non-streamed request gets a 503 body), which aborts them on their workers;
 4. uvicorn closes its connections, every actor is killed and, when this process started the
-   local Ray, Ray's processes with it, so no descendant survives and the port is free.
+   local Ray, Ray's processes with it, so no descendant survives and the port is free (an
+   attached gateway only leaves the cluster: its workers serve on).
 
 A second signal during the drain stops at once (step 4).
 """
@@ -114,6 +116,17 @@ def serve(config: ServeConfig, ray_session: RaySession | None = None) -> int:
     cluster = Cluster(config, ray_session)
     try:
         cluster.start()
+    except BaseException:
+        cluster.shutdown()
+        raise
+    return serve_gateway(config, cluster)
+
+
+def serve_gateway(config: ServeConfig, cluster: Cluster) -> int:
+    """Serve the gateway over `cluster` (started, or attached: `pdcluster gateway`) until
+    SIGINT/SIGTERM, then drain and shut `cluster` down (an attached one leaves its workers
+    running); 0 after a graceful stop."""
+    try:
         app = gateway_app(config, cluster)
         # text: uvicorn's own log config; json: uvicorn's loggers go through the root handler
         log_config = uvicorn.config.LOGGING_CONFIG if config.log_format == "text" else None

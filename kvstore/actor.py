@@ -206,7 +206,8 @@ def start_kvstore_actors(config: KVStoreConfig, pool: KVPoolConfig, layout: Bloc
                          namespace: str | None = None,
                          node_ids: Iterable[str] | None = None,
                          wait: bool = True,
-                         actor_cls: type[KVStoreActor] = KVStoreActor) -> dict[str, ActorHandle]:
+                         actor_cls: type[KVStoreActor] = KVStoreActor,
+                         detached: bool = False) -> dict[str, ActorHandle]:
     """Start one KV store actor on every ALIVE Ray node (or on each of `node_ids`: the nodes
     that may run workers, deploy/placement.py) and, with `wait`, wait until each serves
     (`wait_kvstore_actors`). Without it the caller waits later: workers created meanwhile
@@ -214,7 +215,8 @@ def start_kvstore_actors(config: KVStoreConfig, pool: KVPoolConfig, layout: Bloc
 
     Each actor is pinned with ``NodeAffinitySchedulingStrategy(node_id, soft=False)`` and named
     ``KVSTORE_ACTOR_PREFIX + node_id`` in ``namespace`` (default: the caller's). Lifetime is
-    Ray's default: they die with the driver. An actor already running under that name is
+    Ray's default: they die with the driver; ``detached``: they outlive it (a cluster that
+    outlives its gateways, deploy.cluster_record). An actor already running under that name is
     reused (its config is not changed). ``actor_cls``: KVStoreActor or a subclass.
 
     Returns node id (hex) -> actor handle. Raises KVStoreError if one fails to start within
@@ -223,7 +225,8 @@ def start_kvstore_actors(config: KVStoreConfig, pool: KVPoolConfig, layout: Bloc
     if node_ids is None:
         node_ids = [node["NodeID"] for node in ray.nodes() if node.get("Alive")]
     actors: dict[str, ActorHandle] = {
-        node_id: start_kvstore_actor(node_id, config, pool, layout, namespace, actor_cls)
+        node_id: start_kvstore_actor(node_id, config, pool, layout, namespace, actor_cls,
+                                     detached)
         for node_id in node_ids}
     if wait:
         wait_kvstore_actors(actors, config.rpc_timeout_s * 6)
@@ -248,11 +251,12 @@ def kvstore_actor_class(cls: type[KVStoreActor] = KVStoreActor):
 
 def start_kvstore_actor(node_id: str, config: KVStoreConfig, pool: KVPoolConfig,
                         layout: BlockLayout, namespace: str | None = None,
-                        actor_cls: type[KVStoreActor] = KVStoreActor) -> ActorHandle:
+                        actor_cls: type[KVStoreActor] = KVStoreActor,
+                        detached: bool = False) -> ActorHandle:
     """The KV store actor of one node (created, or the running one of that name)."""
     return kvstore_actor_class(actor_cls).options(
         name=KVSTORE_ACTOR_PREFIX + node_id, namespace=namespace, get_if_exists=True,
-        max_restarts=-1,
+        max_restarts=-1, lifetime="detached" if detached else None,
         scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node_id, soft=False),
     ).remote(config, pool, layout)
 

@@ -44,7 +44,8 @@ class ActorIndex(KVIndex):
     """``KVIndex`` client of an ``IndexActor``; each call is one ``ray.get``.
 
     Args:
-        name / namespace: the actor's name and Ray namespace; created if it does not run.
+        name / namespace: the actor's name and Ray namespace; created if it does not run
+            (``detached``: created to outlive this process).
         timeout_s: per-call deadline; a call past it, or to a dead actor, raises
             ``KVIndexUnavailableError``.
 
@@ -53,8 +54,8 @@ class ActorIndex(KVIndex):
     """
 
     def __init__(self, name: str = DEFAULT_INDEX_ACTOR_NAME, namespace: str | None = None,
-                 timeout_s: float = 10.0):
-        self._actor = get_or_create_index_actor(name, namespace)
+                 timeout_s: float = 10.0, detached: bool = False):
+        self._actor = get_or_create_index_actor(name, namespace, detached)
         self._timeout_s = timeout_s
 
     def _call(self, method: str, *args: Any) -> Any:
