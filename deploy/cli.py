@@ -319,9 +319,10 @@ def _parser() -> argparse.ArgumentParser:
         "gateway", formatter_class=_ServeHelpFormatter,
         help="serve the OpenAI API over a running cluster (`pdcluster cluster up`)",
         description="Attach to a running cluster and serve; any number of gateways may run. "
-                    "Only gateway settings are taken from flags (deploy/cluster_cli.py "
-                    "GATEWAY_FIELDS); the rest are the cluster's.")
-    _add_serve_flags(gateway, config_file=False)
+                    "Only gateway settings are taken from flags and --config (deploy/"
+                    "cluster_cli.py GATEWAY_FIELDS; a config file's other keys are the "
+                    "cluster's and ignored); the rest are the cluster's.")
+    _add_serve_flags(gateway)
     from deploy.profile import add_profile_parser
     from loadtest.cli import add_bench_parser
     from loadtest.simulator.cli import add_simulate_parser
@@ -444,7 +445,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "gateway":
         from deploy import cluster_cli
 
-        return cluster_cli.gateway(_serve_overrides(args))
+        return cluster_cli.gateway(_serve_overrides(args), args.config)
     if args.command == "bench":
         from loadtest.cli import run_bench
 

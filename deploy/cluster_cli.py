@@ -125,6 +125,15 @@ def cluster_up(config) -> int:
             raise
     else:
         _join(config.address, namespace)
+        from deploy.cluster_record import ClusterNotFoundError, read_record
+
+        try:
+            read_record(namespace)
+        except ClusterNotFoundError:
+            pass
+        else:  # up already: a re-run (a Kubernetes Job's retry) changes nothing
+            print(f"pdcluster cluster up: a cluster runs already in namespace {namespace!r}")
+            return 0
     from dataclasses import replace
 
     from deploy.cluster_record import write_record
@@ -277,10 +286,19 @@ def gateway_config(manifest_config_json: str, overrides: dict):
     return ServeConfig.model_validate({**cluster, **overrides})
 
 
-def gateway(overrides: dict) -> int:
-    """Attach to the running cluster and serve until SIGINT/SIGTERM (the cluster stays)."""
+def gateway(overrides: dict, config_file: str | None = None) -> int:
+    """Attach to the running cluster and serve until SIGINT/SIGTERM (the cluster stays).
+    `config_file`: a ServeConfig YAML (the cluster's own, say) whose gateway settings are
+    taken; flags win."""
     from deploy.cluster_record import ClusterNotFoundError, read_record
     from deploy.config import ServeConfig
+
+    if config_file is not None:
+        import yaml
+
+        with open(config_file) as f:
+            data = yaml.safe_load(f) or {}
+        overrides = {**{k: v for k, v in data.items() if k in GATEWAY_FIELDS}, **overrides}
 
     namespace = overrides.get("ray_namespace") or ServeConfig().ray_namespace
     try:

@@ -68,9 +68,11 @@ def write_record(manifest: ClusterManifest, namespace: str) -> None:
     already (a cluster runs in that namespace)."""
     import ray  # here: a process joining a local head sets its environment before ray loads
 
+    from kvstore.index.actor import HEAD_NODE_RESOURCE
+
     ray.get(ray.remote(num_cpus=0)(ClusterRecord).options(
-        name=RECORD_ACTOR_NAME, namespace=namespace, lifetime="detached",
-        max_restarts=-1).remote(manifest.to_dict()).manifest.remote())
+        name=RECORD_ACTOR_NAME, namespace=namespace, lifetime="detached", max_restarts=-1,
+        resources={HEAD_NODE_RESOURCE: 0.001}).remote(manifest.to_dict()).manifest.remote())
 
 
 def read_record(namespace: str, timeout_s: float = 30.0) -> ClusterManifest:

@@ -6,15 +6,17 @@
 #   prefill   Ray worker node offering the "prefill" role (joins RAY_ADDRESS)
 #   decode    Ray worker node offering the "decode" role  (joins RAY_ADDRESS)
 #   gateway   joins RAY_ADDRESS as a CPU-less node (object store RAY_OBJECT_STORE_MEMORY
-#             bytes, default 256 MiB), then runs the gateway, which is the Ray driver:
-#             pdcluster serve --address auto (a driver needs a raylet on its own machine)
+#             bytes, default 256 MiB), then runs a gateway attached to the running cluster:
+#             pdcluster gateway --address auto (a Ray driver needs a raylet on its machine)
+#   cluster-up  joins RAY_ADDRESS the same way and runs pdcluster cluster up --address auto:
+#             the workers as detached actors, then exits (a no-op when they run already)
 #   kuberay   a KubeRay pod's container (RayCluster annotation
 #             ray.io/overwrite-container-cmd: "true"): runs the `ray start` KubeRay generated
 #             (KUBERAY_GEN_RAY_START_CMD) with the core split below
 #   other     run as a command, e.g. `pdcluster bench ...` or `bash`
 #
-# Extra arguments go to `ray start` (head, prefill, decode) or to `pdcluster serve` (serve,
-# gateway). Role resource names are deploy/placement.py's PREFILL and DECODE. Ray ports must
+# Extra arguments go to `ray start` (head, prefill, decode) or to pdcluster (serve, gateway,
+# cluster-up). Role resource names are deploy/placement.py's PREFILL and DECODE. Ray ports must
 # be on a trusted network; with Ray's token auth set RAY_AUTH_MODE=token and RAY_AUTH_TOKEN on
 # every node (docs/deployment.md, "Network and security").
 #
@@ -57,11 +59,14 @@ case "$role" in
     ray_affinity
     exec "${affinity[@]}" ray start --address="${RAY_ADDRESS:?set RAY_ADDRESS to the head, host:port}" \
       --resources="{\"$role\": 1}" --disable-usage-stats --block "$@" ;;
-  gateway)
+  gateway | cluster-up)
     ray start --address="${RAY_ADDRESS:?set RAY_ADDRESS to the head, host:port}" \
       --num-cpus=0 --object-store-memory="${RAY_OBJECT_STORE_MEMORY:-268435456}" \
       --disable-usage-stats
-    exec pdcluster serve --address auto --host 0.0.0.0 "$@" ;;
+    if [ "$role" = gateway ]; then
+      exec pdcluster gateway --address auto --host 0.0.0.0 "$@"
+    fi
+    exec pdcluster cluster up --address auto "$@" ;;
   kuberay)
     # KubeRay's own container command starts with this; with the annotation it is ours to run
     ulimit -n 65536 2>/dev/null || true

@@ -222,6 +222,10 @@ class EngineCore:
                 "num_active": len(self.scheduler.active),
                 "num_running": sum(r.status is RequestStatus.RUNNING
                                    for r in list(self.scheduler.active.values())),
+                # what every gateway's Conductor reads as this worker's prefill queue
+                "num_pending_prompt_tokens": sum(
+                    max(0, r.num_prompt_tokens - r.num_computed_tokens)
+                    for r in [*self.scheduler.waiting, *self.scheduler.active.values()]),
                 **self.pool.stats(),
                 "num_steps_total": self.num_steps_total,
                 "num_forward_tokens_total": self.num_forward_tokens_total,

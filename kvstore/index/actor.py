@@ -32,12 +32,20 @@ DEFAULT_INDEX_ACTOR_NAME = "pdcluster-kv-index"
 IndexActor = ray.remote(num_cpus=0, max_restarts=-1)(MemoryIndex)
 
 
+#: Ray's resource of the head node: a detached actor that needs no CPU goes there, since the
+#: other CPU-less nodes (a gateway's, a job's) come and go.
+HEAD_NODE_RESOURCE = "node:__internal_head__"
+
+
 def get_or_create_index_actor(name: str = DEFAULT_INDEX_ACTOR_NAME, namespace: str | None = None,
                               detached: bool = False) -> ActorHandle:
     """The ``IndexActor`` named ``name`` in Ray ``namespace`` (default: the caller's), created
-    if none runs. Needs a connected Ray (``ray.init`` or inside a Ray worker)."""
+    if none runs (``detached``: outliving the caller, on the head node). Needs a connected Ray
+    (``ray.init`` or inside a Ray worker)."""
+    options = {"lifetime": "detached", "resources": {HEAD_NODE_RESOURCE: 0.001}} \
+        if detached else {}
     return IndexActor.options(name=name, namespace=namespace, get_if_exists=True,
-                              lifetime="detached" if detached else None).remote()
+                              **options).remote()
 
 
 class ActorIndex(KVIndex):

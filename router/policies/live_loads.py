@@ -1,5 +1,9 @@
 """The Conductor's LoadSource in a live cluster: its own ledger plus the workers' load reports.
 
+The reports are what several gateways share: a prefill worker's queue holds every gateway's
+requests, so each Conductor takes the later of its own prediction and the worker's reported
+prompt tokens still to compute; decode loads are the workers' own counts.
+
 Prefill queues are predicted, as Mooncake's Conductor predicts them: every routed request adds
 its predicted execution time to its instance's FIFO (`busy_until`). When the pipeline reports
 that a prefill ended (`Conductor.prefill_done`), the entry leaves, the measured duration
@@ -7,7 +11,8 @@ calibrates a scale on the cost model and the queue is re-predicted from now; wit
 entry simply expires at its predicted end. A guard factor learned from measured TTFTs widens
 predictions when service times are noisy (see LedgerLoads). Decode loads come from the
 workers' `stats()` (running + waiting sequences, KV blocks used / total), polled by
-`StatsPoller`, which also learns each instance's node from `info()`.
+`StatsPoller` with the prefill workers' pending prompt tokens; it also learns each instance's
+node from `info()`.
 """
 
 from __future__ import annotations
@@ -67,6 +72,7 @@ class LedgerLoads(LoadSource):
         self._ratios: deque[float] = deque(maxlen=_ERROR_WINDOW)
         self.guard = 1.0
         self._decode: dict[str, DecodeLoad] = {}
+        self._reported_prefill_s: dict[str, float] = {}
         self._nodes: dict[str, str] = {}
 
     def now(self) -> float:
@@ -79,8 +85,21 @@ class LedgerLoads(LoadSource):
         self._nodes[instance_id] = node_id
 
     def prefill_queue_s(self, instance_id: str) -> float:
+        """The later of this Conductor's own prediction and what the worker last reported it
+        has still to compute (every gateway's requests: a replica, or one just restarted,
+        sees the others' load within one report interval)."""
         with self._lock:
-            return max(0.0, self._busy_until.get(instance_id, 0.0) - self._clock()) * self.guard
+            own = self._busy_until.get(instance_id, 0.0) - self._clock()
+            reported = self._reported_prefill_s.get(instance_id, 0.0)
+            return max(0.0, own, reported) * self.guard
+
+    def report_prefill(self, instance_id: str, stats: dict) -> None:
+        """A prefill worker's stats(): num_pending_prompt_tokens, its queue in tokens, as
+        seconds by the calibrated cost model."""
+        tokens = int(stats.get("num_pending_prompt_tokens", 0))
+        with self._lock:
+            self._reported_prefill_s[instance_id] = (
+                self.cost.t_prefill(tokens) * self.scale if tokens else 0.0)
 
     def exec_scale(self, instance_id: str) -> float:
         return self.scale * self.guard
@@ -166,11 +185,13 @@ class StatsPoller:
                     self.loads.set_node(inst.worker_id, info["node_id"])
                 except Exception as exc:  # noqa: BLE001 — retried next round
                     log.debug("no info from %s: %s", inst.worker_id, exc)
-        decodes = self.registry.by_role("decode")
-        refs = [d.handle.stats.remote() for d in decodes]
-        for inst, ref in zip(decodes, refs):
+        reports = [(inst, self.loads.report_prefill, inst.handle.stats.remote())
+                   for inst in self.registry.by_role("prefill")]
+        reports += [(inst, self.loads.report_decode, inst.handle.stats.remote())
+                    for inst in self.registry.by_role("decode")]
+        for inst, report, ref in reports:
             try:
-                self.loads.report_decode(inst.worker_id, ray.get(ref, timeout=self.timeout_s))
+                report(inst.worker_id, ray.get(ref, timeout=self.timeout_s))
             except Exception as exc:  # noqa: BLE001 — a dead or slow worker keeps its last report
                 log.debug("no stats from %s: %s", inst.worker_id, exc)
 

@@ -148,15 +148,18 @@ def test_entrypoint_kuberay_runs_the_generated_ray_start_on_its_cores(stubbed, t
     assert out.returncode != 0 and "KUBERAY_GEN_RAY_START_CMD" in out.stderr
 
 
-def test_entrypoint_head_gateway_and_serve(stubbed):
+def test_entrypoint_head_gateway_cluster_up_and_serve(stubbed):
     (head,) = stubbed("head")
     assert head[:3] == ["ray", "start", "--head"] and "--num-cpus=0" in head
     assert "--dashboard-host=127.0.0.1" in head
     join, serve = stubbed("gateway", "--config", "c.yaml", RAY_ADDRESS="head:6379")
     assert join[:2] == ["ray", "start"] and "--num-cpus=0" in join and "--block" not in join
     assert not any(a.startswith("--resources") for a in join)  # no worker actors there
-    assert serve == ["pdcluster", "serve", "--address", "auto", "--host", "0.0.0.0",
+    assert serve == ["pdcluster", "gateway", "--address", "auto", "--host", "0.0.0.0",
                      "--config", "c.yaml"]
+    join, up = stubbed("cluster-up", "--config", "c.yaml", RAY_ADDRESS="head:6379")
+    assert join[:2] == ["ray", "start"] and "--num-cpus=0" in join
+    assert up == ["pdcluster", "cluster", "up", "--address", "auto", "--config", "c.yaml"]
     assert stubbed() == [["pdcluster", "serve", "--host", "0.0.0.0"]]
     assert stubbed("pdcluster", "bench", "--help") == [["pdcluster", "bench", "--help"]]
 

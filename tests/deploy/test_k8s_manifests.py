@@ -256,8 +256,20 @@ def test_gateway_service_probes_config_and_secrets(overlay, tmp_path):
     pod = deployment["spec"]["template"]
     container = pod["spec"]["containers"][0]
     assert selects(deployment["spec"]["selector"], pod["metadata"]["labels"])
-    assert deployment["spec"]["replicas"] == 1  # one driver owns the workers
+    # replicas that own no worker: rolled one at a time, at least one through disruptions
+    assert deployment["spec"]["replicas"] == 2
+    assert deployment["spec"]["strategy"] == {
+        "type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}}
+    pdb = one(objs, "PodDisruptionBudget", "pdcluster-gateway")["spec"]
+    assert pdb["minAvailable"] == 1 and selects(pdb["selector"], pod["metadata"]["labels"])
     assert container["args"][0] == "gateway"  # deploy/docker/entrypoint.sh role
+    # the workers are brought up by a Job of their own, on the same config and Ray
+    job = one(objs, "Job", "pdcluster-cluster-up")["spec"]["template"]["spec"]
+    up = job["containers"][0]
+    assert up["args"][:3] == ["cluster-up", "--config", container["args"][2]]
+    assert {e["name"]: e for e in up["env"]} == {e["name"]: e for e in container["env"]}
+    assert {v["name"]: v for v in job["volumes"]}["config"] == \
+        {v["name"]: v for v in pod["spec"]["volumes"]}["config"]
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
     assert cfg.host == "0.0.0.0" and ports["http"] == cfg.port
 

@@ -291,3 +291,21 @@ def test_prompt_logprobs_span_the_chunks_of_a_prompt_and_skip_the_prefix_cache(p
         assert abs(e.logprob - float(logprobs[i, e.token_id])) < 1e-4
         assert [t for t, _ in e.top] == torch.topk(logprobs[i], 2).indices.tolist()
     eng.close()
+
+
+def test_stats_report_the_prompt_tokens_still_to_compute(prompt):
+    """What every gateway's Conductor reads as the worker's prefill queue: prompt tokens of
+    waiting and running requests not yet in the cache, falling chunk by chunk to 0."""
+    eng = engine()
+    assert len(prompt) > BUDGET
+    outs = [submit(eng, DecodeRequest(f"r{i}", prompt, GREEDY)) for i in range(2)]
+    run_once(eng)  # takes them in, and computes one budget of their prompts
+    seen = [eng.stats()["num_pending_prompt_tokens"]]
+    assert seen[0] == 2 * len(prompt) - BUDGET
+    while any(not o for o in outs):
+        run_once(eng)
+        seen.append(eng.stats()["num_pending_prompt_tokens"])
+    assert seen[-1] == 0 and all(a >= b for a, b in zip(seen, seen[1:]))
+    assert len(set(seen)) > 2  # it fell in chunks, not at once
+    run(eng, *outs)
+    eng.close()

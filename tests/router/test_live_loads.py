@@ -64,3 +64,21 @@ def test_decode_reports():
     assert (d.batch_size, d.context_tokens, d.capacity_tokens) == (4, 160, 1600)
     loads.set_node("p0", "node-a")
     assert loads.node_of("p0") == "node-a" and loads.node_of("p1") is None
+
+
+def test_a_fresh_conductor_sees_the_queue_other_gateways_filled_from_the_worker_s_report():
+    """A replica (or a gateway just restarted) has routed nothing itself; the prefill
+    worker's report of the prompt tokens it still has to compute is its queue, by the cost
+    model, and its own later decisions only lengthen it."""
+    clock = Clock()
+    other, fresh = LedgerLoads(MOONCAKE_70B, clock=clock), LedgerLoads(MOONCAKE_70B, clock=clock)
+    other.on_routed(decision("a", "p0", MOONCAKE_70B.t_prefill(8000)))
+    assert fresh.prefill_queue_s("p0") == 0.0
+    fresh.report_prefill("p0", {"num_pending_prompt_tokens": 8000})
+    assert fresh.prefill_queue_s("p0") == pytest.approx(other.prefill_queue_s("p0"))
+    assert fresh.prefill_queue_s("p1") == 0.0
+    fresh.report_prefill("p0", {"num_pending_prompt_tokens": 0})  # drained
+    assert fresh.prefill_queue_s("p0") == 0.0
+    fresh.on_routed(decision("b", "p0", 5.0))
+    fresh.report_prefill("p0", {"num_pending_prompt_tokens": 100})  # b not yet at the worker
+    assert fresh.prefill_queue_s("p0") == pytest.approx(5.0)
