@@ -27,7 +27,7 @@ import sys
 import time
 from pathlib import Path
 
-from loadtest.simulator.engine import SimConfig, Simulation
+from loadtest.simulator.engine import REPLICA_INPUTS, SimConfig, Simulation
 from loadtest.simulator.results import POLICY_KEYS, policy_row, summarize
 from loadtest.simulator.workload import load_requests
 from router.admission import ADMISSIONS, SLO
@@ -73,6 +73,12 @@ def add_simulate_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--measured-transfer",
                    help="a `pdcluster profile --kv-transfer` file: also run with its measured "
                         "transfer figures and compare the rankings")
+    p.add_argument("--conductors", type=int, default=1,
+                   help="gateway replicas routing in turn (request i to replica i mod n)")
+    p.add_argument("--conductor-inputs", default="shared", choices=REPLICA_INPUTS,
+                   help="with several, what each knows of the prefill queues: private (its "
+                        "own decisions), reports (plus the workers' queue reports every "
+                        "0.25 s) or shared (plus every replica's decisions, as soon as made)")
     p.add_argument("--kv-transfer", default="grpc",
                    help="the connector whose measured prefill -> decode figures apply "
                         "(default grpc)")
@@ -80,8 +86,9 @@ def add_simulate_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def _config(args: argparse.Namespace, policy: str, admission: str,
             cost: CostModel | None = None, pd_decider: str | None = None) -> SimConfig:
-    if args.prefill_instances < 1 or args.decode_instances < 1:
-        raise ValueError("--prefill-instances and --decode-instances must be >= 1")
+    if args.prefill_instances < 1 or args.decode_instances < 1 or args.conductors < 1:
+        raise ValueError("--prefill-instances, --decode-instances and --conductors must be "
+                         ">= 1")
     return SimConfig(cost=cost or load_cost_model(args.cost_model),
                      prefill_instances=args.prefill_instances,
                      decode_instances=args.decode_instances, policy=policy,
@@ -91,7 +98,8 @@ def _config(args: argparse.Namespace, policy: str, admission: str,
                      ssd_cache_tokens=args.ssd_cache_tokens,
                      decode_kv_tokens=args.decode_kv_tokens,
                      sample_interval_s=args.sample_interval_s,
-                     pd_decider=pd_decider or args.pd_decider)
+                     pd_decider=pd_decider or args.pd_decider,
+                     conductors=args.conductors, inputs=args.conductor_inputs)
 
 
 def _one(config: SimConfig, requests) -> tuple[dict, list[float]]:

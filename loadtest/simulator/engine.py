@@ -40,6 +40,7 @@ from router.policies.base import DecodeLoad
 from router.policies.forecast import DecodeForecast
 
 LEASE_S = 1e12
+REPLICA_INPUTS = ("private", "reports", "shared")
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,15 @@ class SimConfig:
     block_size: int = TRACE_BLOCK_SIZE
     sample_interval_s: float = 10.0
     pd_decider: str = "always"
+    #: Conductors (gateway replicas) routing in turn: request i goes to conductor i % n.
+    conductors: int = 1
+    #: with several, what each knows of the prefill queues (_ReplicaLoads): "private" (its
+    #: own decisions), "reports" (plus the instances' queues as reported every
+    #: report_interval_s: the live router.policies.live_loads), "shared" (plus every
+    #: replica's decisions, published with decision_delay_s)
+    inputs: str = "shared"
+    report_interval_s: float = 0.25
+    decision_delay_s: float = 0.0
 
 
 @dataclass(slots=True)
@@ -75,6 +85,7 @@ class RequestResult:
     wasted: bool = False
     hit_blocks: Counter = field(default_factory=Counter)
     local: bool = False  # prefilled on its decode instance (the PD decider)
+    conductor: int = 0  # which replica routed it
 
 
 class _Prefill:
@@ -106,6 +117,33 @@ class _SimLoads(LoadSource):
         return d.load()
 
 
+class _ReplicaLoads(_SimLoads):
+    """One Conductor of several. The prefill queue it knows: what it routed there itself
+    (queued, or running: a perfect ledger of its own); with "reports", at least the
+    instance's whole queue as of its last report plus what it routed there since (the live
+    LedgerLoads); with "shared", plus the other replicas' decisions since the report, each
+    visible once `decision_delay_s` old (published where the replicas read them). Decode
+    loads are the workers' reports."""
+
+    def __init__(self, sim: Simulation, conductor: int, inputs: str, delay_s: float) -> None:
+        super().__init__(sim)
+        self.conductor, self.inputs, self.delay_s = conductor, inputs, delay_s
+
+    def prefill_queue_s(self, instance_id: str) -> float:
+        p, now = self.sim.prefills[instance_id], self.sim.now
+        entries = [(res.request.arrival_s, res.conductor, plan.exec_s) for res, plan in p.queue]
+        if p.running is not None:
+            entries.append((p.running.request.arrival_s, p.running.conductor,
+                            max(0.0, p.busy_until - now)))
+        k = self.conductor
+        own = sum(s for _, c, s in entries if c == k)
+        if self.inputs == "private":
+            return own
+        since = sum(s for routed, c, s in entries if routed >= self.sim.reported_at and (
+            c == k or (self.inputs == "shared" and now - routed >= self.delay_s)))
+        return max(own, self.sim.reported_prefill_queue_s(instance_id) + since)
+
+
 class Simulation:
     def __init__(self, config: SimConfig, requests: list[SimRequest]) -> None:
         self.config = config
@@ -127,17 +165,35 @@ class Simulation:
         self.decodes = {f"decode-{j}": DecodeInstance(f"decode-{j}", cost, kv, self._finished)
                         for j in range(config.decode_instances)}
         self.forecast = DecodeForecast(cost, grace_s=math.inf)  # joins are reported
-        self.conductor = Conductor(InstanceRegistry(), config.policy, loads=_SimLoads(self),
-                                   index=self.index, keyer=PrefixKeyer(config.block_size, ""),
-                                   cost_model=cost, admission=config.admission,
-                                   slo=config.slo, forecast=self.forecast,
-                                   pd_decider=config.pd_decider)
+        if config.inputs not in REPLICA_INPUTS:
+            raise ValueError(f"inputs must be one of {REPLICA_INPUTS}, got {config.inputs!r}")
+        self.conductors = [
+            Conductor(InstanceRegistry(), config.policy,
+                      loads=_SimLoads(self) if config.conductors == 1 else
+                      _ReplicaLoads(self, k, config.inputs, config.decision_delay_s),
+                      index=self.index, keyer=PrefixKeyer(config.block_size, ""),
+                      cost_model=cost, admission=config.admission, slo=config.slo,
+                      forecast=self.forecast, pd_decider=config.pd_decider)
+            for k in range(config.conductors)]
+        self.conductor = self.conductors[0]
+        self._reports: dict[str, float] = {}  # prefill queues, as last reported
+        self.reported_at = 0.0
         self.results = [RequestResult(r) for r in requests]
         self._by_id = {r.request.request_id: r for r in self.results}
+        self._by_order = {r.request.request_id: i for i, r in enumerate(self.results)}
         self._events: list = []
         self._seq = itertools.count()
         self.reuse = Counter()  # block key -> times reused by a prefill
         self.samples: list[dict] = []
+
+    def reported_prefill_queue_s(self, instance_id: str) -> float:
+        """The instance's queue as its last report said, less the time since."""
+        return max(0.0, self._reports.get(instance_id, 0.0) - (self.now - self.reported_at))
+
+    def _report(self, _) -> None:
+        loads = _SimLoads(self)
+        self._reports = {p: loads.prefill_queue_s(p) for p in self.prefills}
+        self.reported_at = self.now
 
     def _push(self, t: float, kind: str, payload) -> None:
         heapq.heappush(self._events, (t, next(self._seq), kind, payload))
@@ -150,8 +206,12 @@ class Simulation:
         while t <= end:
             self._push(t, "sample", None)
             t += self.config.sample_interval_s
+        if len(self.conductors) > 1 and self.config.inputs != "private":
+            for i in range(int(end / self.config.report_interval_s) + 1):
+                self._push(i * self.config.report_interval_s, "report", None)
         handlers = {"arrive": self._arrive, "prefill_done": self._prefill_done,
-                    "decode_ready": self._decode_ready, "sample": self._sample}
+                    "decode_ready": self._decode_ready, "sample": self._sample,
+                    "report": self._report}
         while self._events:
             self.now, _, kind, payload = heapq.heappop(self._events)
             handlers[kind](payload)
@@ -162,8 +222,10 @@ class Simulation:
     def _arrive(self, res: RequestResult) -> None:
         req = res.request
         route = RouteRequest(req.request_id, (), block_keys=req.keys, num_tokens=req.input_tokens)
+        res.conductor = self._by_order[req.request_id] % len(self.conductors)
         try:
-            decision = self.conductor.decide(route, list(self.prefills), list(self.decodes))
+            decision = self.conductors[res.conductor].decide(route, list(self.prefills),
+                                                             list(self.decodes))
         except RequestRejected as exc:
             res.status, res.reason = "rejected", exc.rejection.reason
             return
@@ -215,7 +277,7 @@ class Simulation:
         res, req = p.running, p.running.request
         p.cache.store(req.keys)
         res.first_token_s = self.now
-        self.conductor.prefill_done(req.request_id)
+        self.conductors[res.conductor].prefill_done(req.request_id)
         p.running = None
         if p.queue:
             self._start(p)

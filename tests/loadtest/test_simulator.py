@@ -204,3 +204,20 @@ def test_pd_deciders_in_the_simulator(tmp_path):
     assert rows["never"]["mean_tbt_ms"] > 2 * rows["always"]["mean_tbt_ms"]
     assert simulate_main(["--trace", str(TRACE), "--pd-decider", "sometimes",
                           "--output", str(out)]) == 2
+
+
+@needs_trace
+def test_gateway_replicas_route_as_one_only_when_they_share_their_inputs():
+    """4 Conductors, each routing a quarter of the requests (in turn). With every replica's
+    decisions published as made (and the instances' reports), each sees the queues one
+    Conductor sees: the same routes, the same TTFTs. With reports alone, a replica misses the
+    others' decisions since the last report (the trace's arrivals come in bursts at one
+    instant); with its own decisions only it misses more."""
+    runs = {(n, inputs): small_run(n=1200, conductors=n, inputs=inputs)
+            for n, inputs in ((1, "shared"), (4, "shared"), (4, "reports"), (4, "private"))}
+    one = runs[1, "shared"]
+    assert runs[4, "shared"]["mean_ttft_ms"] == pytest.approx(one["mean_ttft_ms"])
+    assert runs[4, "shared"]["per_instance"] == one["per_instance"]
+    assert one["mean_ttft_ms"] < runs[4, "reports"]["mean_ttft_ms"] < \
+        runs[4, "private"]["mean_ttft_ms"]
+    assert all(r["completed"] == 1200 for r in runs.values())
