@@ -209,10 +209,11 @@ def _take_down(namespace: str, manifest=None, cluster=None) -> None:
             except Exception as exc:  # noqa: BLE001 — killed below either way
                 log.warning("KV store did not stop cleanly: %s", exc)
             ray.kill(store, no_restart=True)
-        if manifest.index_actor is not None:
+        from router.decision_board import BOARD_ACTOR_NAME
+
+        for name in filter(None, (manifest.index_actor, BOARD_ACTOR_NAME)):
             try:
-                ray.kill(ray.get_actor(manifest.index_actor, namespace=namespace),
-                         no_restart=True)
+                ray.kill(ray.get_actor(name, namespace=namespace), no_restart=True)
             except ValueError:
                 pass
     remove_record(namespace)
@@ -226,7 +227,8 @@ def _stop_local(namespace: str, pid: int, temp_dir: str | None) -> None:
 
 
 def cluster_status(address: str | None, namespace: str, as_json: bool) -> int:
-    """Each worker's role, instance, pid, node, state and running/waiting counts."""
+    """Each worker's role, instance, pid, node, state, running/waiting counts (and, in the
+    JSON, requests served since it started)."""
     from deploy.cluster_record import ClusterNotFoundError, read_record
 
     try:
@@ -241,13 +243,15 @@ def cluster_status(address: str | None, namespace: str, as_json: bool) -> int:
     for role, names in (("prefill", manifest.prefill), ("decode", manifest.decode)):
         for name in names:
             row = {"role": role, "instance": name, "pid": None, "node": None,
-                   "state": "unreachable", "running": None, "waiting": None}
+                   "state": "unreachable", "running": None, "waiting": None,
+                   "requests_total": None}
             try:
                 handle = ray.get_actor(name, namespace=namespace)
                 info, stats = ray.get([handle.info.remote(), handle.stats.remote()], timeout=10)
                 row.update(pid=info["pid"], node=info["node_id"], state="alive",
                            running=stats.get("num_running", stats.get("num_active", 0)),
-                           waiting=stats.get("num_waiting", 0))
+                           waiting=stats.get("num_waiting", 0),
+                           requests_total=stats.get("num_requests_total"))
             except ValueError:
                 row["state"] = "missing"
             except Exception as exc:  # noqa: BLE001 — shown as its state

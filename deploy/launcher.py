@@ -33,6 +33,7 @@ from router.admission import SLO
 from router.conductor import Conductor, Instance, InstanceRegistry, build_live_conductor
 from router.cost_model import load_cost_model
 from engine.logs import worker_env_vars
+from router.decision_board import BOARD_ACTOR_NAME
 from router.pipeline import ColocatedPipeline, Pipeline
 from router.stall_watch import StallWatch
 
@@ -318,9 +319,10 @@ class Cluster:
             except Exception as exc:  # noqa: BLE001 -- shutting down either way
                 log.warning("global index not cleared: %s", exc)
             self._index = None
-        if index_actor is not None:  # detached: it would outlive us
+        # detached, they would outlive us: the index (when ours) and the gateways' board
+        for name in filter(None, (index_actor, BOARD_ACTOR_NAME)):
             try:
-                ray.kill(ray.get_actor(index_actor, namespace=self.config.ray_namespace),
+                ray.kill(ray.get_actor(name, namespace=self.config.ray_namespace),
                          no_restart=True)
             except ValueError:
                 pass

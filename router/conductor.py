@@ -257,17 +257,26 @@ def build_live_conductor(registry: InstanceRegistry, *, policy: str, admission: 
                          slo: SLO, cost_model: CostModel | str, block_size: int,
                          model_name: str, index_url: str | None,
                          poll_interval_s: float = 0.25,
-                         pd_decider: PDDecider | str = "always"
+                         pd_decider: PDDecider | str = "always",
+                         share_decisions: bool = True
                          ) -> tuple[Conductor, StatsPoller]:
     """The Conductor `pdcluster serve` runs: the global index at `index_url` (None: none),
-    block keys as the workers compute them, LedgerLoads fed by a started StatsPoller.
-    Returns (conductor, poller); stop the poller at shutdown."""
+    block keys as the workers compute them, LedgerLoads fed by a started StatsPoller and,
+    with `share_decisions`, by the other gateways' routing decisions (router.decision_board,
+    beside the index). Returns (conductor, poller); stop the poller at shutdown."""
     cost = cost_model if isinstance(cost_model, CostModel) else load_cost_model(cost_model)
     loads = LedgerLoads(cost, block_size)
     conductor = Conductor(registry, policy, loads=loads,
                           index=open_index(index_url) if index_url else None,
                           keyer=PrefixKeyer(block_size, model_name), cost_model=cost,
                           admission=admission, slo=slo, pd_decider=pd_decider)
-    poller = StatsPoller(registry, loads, poll_interval_s)
+    board = None
+    if share_decisions:
+        from router.decision_board import open_board
+
+        board = open_board(index_url, lambda d: loads.add_peer_decision(d.instance_id,
+                                                                        d.exec_s))
+        loads.publish = board.publish
+    poller = StatsPoller(registry, loads, poll_interval_s, board=board)
     poller.poll_once()
     return conductor, poller.start()

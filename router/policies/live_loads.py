@@ -1,8 +1,9 @@
 """The Conductor's LoadSource in a live cluster: its own ledger plus the workers' load reports.
 
-The reports are what several gateways share: a prefill worker's queue holds every gateway's
-requests, so each Conductor takes the later of its own prediction and the worker's reported
-prompt tokens still to compute; decode loads are the workers' own counts.
+What several gateways share: a prefill worker's queue holds every gateway's requests, so each
+Conductor takes the later of its own prediction and the worker's reported prompt tokens still
+to compute plus what every gateway routed there since (router.decision_board); decode loads
+are the workers' own counts.
 
 Prefill queues are predicted, as Mooncake's Conductor predicts them: every routed request adds
 its predicted execution time to its instance's FIFO (`busy_until`). When the pipeline reports
@@ -73,6 +74,10 @@ class LedgerLoads(LoadSource):
         self.guard = 1.0
         self._decode: dict[str, DecodeLoad] = {}
         self._reported_prefill_s: dict[str, float] = {}
+        self._reported_at: dict[str, float] = {}
+        self._peers: dict[str, deque[tuple[float, float]]] = {}  # other gateways' routes
+        #: called with (instance, uncalibrated exec_s) of every route (the decision board)
+        self.publish: Callable[[str, float], None] | None = None
         self._nodes: dict[str, str] = {}
 
     def now(self) -> float:
@@ -85,21 +90,46 @@ class LedgerLoads(LoadSource):
         self._nodes[instance_id] = node_id
 
     def prefill_queue_s(self, instance_id: str) -> float:
-        """The later of this Conductor's own prediction and what the worker last reported it
-        has still to compute (every gateway's requests: a replica, or one just restarted,
-        sees the others' load within one report interval)."""
+        """The later of this Conductor's own prediction and the shared view: what the worker
+        last reported it has still to compute (every gateway's requests), less the time
+        since, plus what this and the other gateways (router.decision_board) routed there
+        since that report. A gateway just (re)started sees the others' load at once."""
         with self._lock:
-            own = self._busy_until.get(instance_id, 0.0) - self._clock()
-            reported = self._reported_prefill_s.get(instance_id, 0.0)
-            return max(0.0, own, reported) * self.guard
+            now = self._clock()
+            own = self._busy_until.get(instance_id, 0.0) - now
+            at = self._reported_at.get(instance_id)
+            peers = self._peers.get(instance_id, ())
+            if at is None:  # no report yet: others' routes drain by their prediction
+                pending = sum(max(0.0, s * self.scale - (now - t)) for t, s in peers)
+                return max(0.0, own, pending) * self.guard
+            reported = max(0.0, self._reported_prefill_s.get(instance_id, 0.0) - (now - at))
+            since = sum(e.exec_s for e in self._entries.values()
+                        if e.instance_id == instance_id and e.routed_at >= at)
+            since += sum(s for t, s in peers if t >= at)
+            return max(0.0, own, reported + since * self.scale) * self.guard
 
     def report_prefill(self, instance_id: str, stats: dict) -> None:
         """A prefill worker's stats(): num_pending_prompt_tokens, its queue in tokens, as
         seconds by the calibrated cost model."""
         tokens = int(stats.get("num_pending_prompt_tokens", 0))
         with self._lock:
+            now = self._clock()
             self._reported_prefill_s[instance_id] = (
                 self.cost.t_prefill(tokens) * self.scale if tokens else 0.0)
+            self._reported_at[instance_id] = now
+            peers = self._peers.get(instance_id)
+            while peers and peers[0][0] < now:  # in the report now
+                peers.popleft()
+
+    def add_peer_decision(self, instance_id: str, exec_s: float) -> None:
+        """Another gateway routed a request to `instance_id` (router.decision_board), with
+        `exec_s` predicted prefill seconds (uncalibrated)."""
+        with self._lock:
+            peers = self._peers.setdefault(instance_id, deque())
+            now = self._clock()
+            peers.append((now, exec_s))
+            while peers and now - peers[0][0] > _FORGET_AFTER_S:
+                peers.popleft()
 
     def exec_scale(self, instance_id: str) -> float:
         return self.scale * self.guard
@@ -124,6 +154,8 @@ class LedgerLoads(LoadSource):
             self._busy_until[p] = start + raw * self.scale
             self._entries[decision.request_id] = _Entry(p, now, raw, self._busy_until[p] - now)
             self._forget(now)
+        if self.publish is not None and not decision.local:
+            self.publish(p, raw)
 
     def on_prefill_done(self, request_id: str, ok: bool = True) -> None:
         with self._lock:
@@ -158,9 +190,12 @@ class StatsPoller:
     info() once for its node id. A daemon thread; `stop()` ends it."""
 
     def __init__(self, registry: InstanceRegistry, loads: LedgerLoads,
-                 interval_s: float = 0.25, timeout_s: float = 2.0) -> None:
+                 interval_s: float = 0.25, timeout_s: float = 2.0, board=None) -> None:
+        """`board`: a router.decision_board.DecisionBoard feeding `loads`, started and
+        stopped with the poller."""
         self.registry = registry
         self.loads = loads
+        self.board = board
         self.interval_s = interval_s
         self.timeout_s = timeout_s
         self._stop = threading.Event()
@@ -168,10 +203,14 @@ class StatsPoller:
 
     def start(self) -> StatsPoller:
         self._thread.start()
+        if self.board is not None:
+            self.board.start()
         return self
 
     def stop(self) -> None:
         self._stop.set()
+        if self.board is not None:
+            self.board.stop()
         if self._thread.is_alive():
             self._thread.join(timeout=5)
 

@@ -84,12 +84,12 @@ class Gateway:
 @pytest.fixture(scope="module")
 @starts("ray", "server")
 def cluster(tmp_path_factory):
-    """`pdcluster cluster up` on a local Ray of its own: 1 prefill + 2 decode; down at the end."""
+    """`pdcluster cluster up` on a local Ray of its own: 2 prefill + 2 decode; down at the end."""
     state = tmp_path_factory.mktemp("state")
     env = {**os.environ, "PDCLUSTER_STATE_DIR": str(state)}
     env.pop("RAY_ADDRESS", None)
     namespace = f"pdcluster-gateways-{os.getpid()}"
-    up = pdcluster(env, "cluster", "up", "--prefill-instances", "1", "--decode-instances", "2",
+    up = pdcluster(env, "cluster", "up", "--prefill-instances", "2", "--decode-instances", "2",
                    "--pd-decider", "always", "--ray-namespace", namespace, "--num-kv-blocks",
                    "256", timeout=240)
     assert up.returncode == 0, up.stdout[-2000:] + up.stderr[-3000:]
@@ -157,7 +157,7 @@ def test_a_killed_gateway_costs_only_its_own_streams(cluster, tmp_path):
                 for i, port in enumerate(ports)]
     try:
         before = {w["instance"]: w["pid"] for w in status(env, namespace)["workers"]}
-        assert len(before) == 3 and all(before.values())
+        assert len(before) == 4 and all(before.values())
         reference = run_load(gateways)
         assert all(o["finish"] == "length" and o["error"] is None for o in reference), reference
 
@@ -188,6 +188,45 @@ def test_a_killed_gateway_costs_only_its_own_streams(cluster, tmp_path):
             "model": "stories260K", "prompt": PROMPT.format(PLACES[0]), "max_tokens": 4})
         assert response.status_code == 200, response.text
         assert response.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    finally:
+        for gateway in gateways:
+            gateway.stop()
+
+
+def prefill_requests(env: dict, namespace: str) -> dict[str, int]:
+    return {w["instance"]: w["requests_total"] for w in status(env, namespace)["workers"]
+            if w["role"] == "prefill"}
+
+
+def burst(urls: list[str], size: int) -> None:
+    """`size` different prompts at once, request i through urls[i % len(urls)]."""
+    async def main() -> None:
+        async with httpx.AsyncClient(timeout=120) as client:
+            responses = await asyncio.gather(*(client.post(f"{urls[i % len(urls)]}/v1/completions", json={
+                "model": "stories260K", "max_tokens": 2,
+                "prompt": f"Burst {size} request {i}: " + PROMPT.format(PLACES[i % len(PLACES)])})
+                for i in range(size)))
+        assert all(r.status_code == 200 for r in responses), [r.text for r in responses]
+
+    asyncio.run(main())
+
+
+def test_two_gateways_split_a_burst_over_the_prefills_as_evenly_as_one(cluster, tmp_path):
+    """Each gateway's Conductor sees the other's routing decisions as they are made
+    (router.decision_board) and the prefill workers' own queue reports."""
+    env, namespace = cluster
+    gateways = [Gateway(env, namespace, free_port(), tmp_path / f"burst-{i}.log")
+                for i in range(2)]
+    try:
+        spreads = {}
+        for name, urls in (("one", [gateways[0].url]), ("two", [g.url for g in gateways])):
+            before = prefill_requests(env, namespace)
+            burst(urls, 8)
+            after = prefill_requests(env, namespace)
+            counts = sorted(after[p] - before[p] for p in after)
+            assert sum(counts) == 8, counts
+            spreads[name] = counts[-1] - counts[0]
+        assert spreads["two"] <= max(spreads["one"], 2), spreads
     finally:
         for gateway in gateways:
             gateway.stop()

@@ -81,4 +81,28 @@ def test_a_fresh_conductor_sees_the_queue_other_gateways_filled_from_the_worker_
     assert fresh.prefill_queue_s("p0") == 0.0
     fresh.on_routed(decision("b", "p0", 5.0))
     fresh.report_prefill("p0", {"num_pending_prompt_tokens": 100})  # b not yet at the worker
-    assert fresh.prefill_queue_s("p0") == pytest.approx(5.0)
+    reported = MOONCAKE_70B.t_prefill(100)
+    assert fresh.prefill_queue_s("p0") == pytest.approx(reported + 5.0)
+    clock.t = 1.0  # the report ages; b, routed since it, still counts whole
+    assert fresh.prefill_queue_s("p0") == pytest.approx(max(0.0, reported - 1.0) + 5.0)
+
+
+def test_the_other_gateways_routes_count_until_the_next_report():
+    """router.decision_board: a peer's route lands on the queue at once, and is dropped once
+    a report came after it (the report holds it)."""
+    clock = Clock()
+    loads = LedgerLoads(MOONCAKE_70B, clock=clock)
+    loads.add_peer_decision("p0", 2.0)  # no report yet: it drains by its prediction
+    assert loads.prefill_queue_s("p0") == pytest.approx(2.0)
+    clock.t = 1.5
+    assert loads.prefill_queue_s("p0") == pytest.approx(0.5)
+    clock.t = 2.5
+    assert loads.prefill_queue_s("p0") == 0.0
+    loads.report_prefill("p0", {"num_pending_prompt_tokens": 0})
+    clock.t = 3.0
+    loads.add_peer_decision("p0", 4.0)
+    loads.add_peer_decision("p0", 1.0)
+    assert loads.prefill_queue_s("p0") == pytest.approx(5.0)
+    clock.t = 3.5
+    loads.report_prefill("p0", {"num_pending_prompt_tokens": 8000})  # now in the report
+    assert loads.prefill_queue_s("p0") == pytest.approx(MOONCAKE_70B.t_prefill(8000))
