@@ -178,44 +178,16 @@ def cluster_down(address: str | None, namespace: str) -> int:
 
 
 def _take_down(namespace: str, manifest=None, cluster=None) -> None:
-    """Kill the cluster's actors (from its record, or a Cluster half started) and its record."""
-    import ray
-
+    """Kill the cluster's actors (those its record lists, or a Cluster half started) and its
+    record."""
     from deploy.cluster_record import remove_record
 
-    if cluster is not None:
-        cluster.shutdown_workers()
-    else:
-        handles = []
-        for name in (*manifest.prefill, *manifest.decode):
-            try:
-                handles.append(ray.get_actor(name, namespace=namespace))
-            except ValueError:
-                pass
-        for handle in handles:
-            ray.kill(handle, no_restart=True)
-        for name in manifest.placement_groups:
-            try:
-                ray.util.remove_placement_group(ray.util.get_placement_group(name))
-            except ValueError:
-                pass
-        for name in manifest.kvstores.values():
-            try:
-                store = ray.get_actor(name, namespace=namespace)
-            except ValueError:
-                continue
-            try:
-                ray.get(store.stop.remote(), timeout=10)  # frees the node's arena
-            except Exception as exc:  # noqa: BLE001 — killed below either way
-                log.warning("KV store did not stop cleanly: %s", exc)
-            ray.kill(store, no_restart=True)
-        from router.decision_board import BOARD_ACTOR_NAME
+    if cluster is None:
+        from deploy.launcher import Cluster
 
-        for name in filter(None, (manifest.index_actor, BOARD_ACTOR_NAME)):
-            try:
-                ray.kill(ray.get_actor(name, namespace=namespace), no_restart=True)
-            except ValueError:
-                pass
+        config = gateway_config(manifest.config_json, {"ray_namespace": namespace})
+        cluster = Cluster.of_manifest(config, manifest)
+    cluster.shutdown_workers()
     remove_record(namespace)
 
 

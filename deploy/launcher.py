@@ -128,24 +128,48 @@ class Cluster:
         record, deploy.cluster_record), on `ray_session` (joined already). `config`: the
         cluster's ServeConfig with this gateway's own settings over it. A worker that does not
         answer is added as dead: the registry probes it until it does."""
-        cluster = cls(config, ray_session)
+        cluster = cls.of_manifest(config, manifest, ray_session)
         cluster.owns_workers = False
+        for instance in cluster.prefill + cluster.decode:
+            try:
+                ray.get(instance.handle.info.remote(), timeout=ATTACH_TIMEOUT_S)
+            except Exception as exc:  # noqa: BLE001 — restarting, or gone: probed
+                log.warning("%s does not answer (%s): marked dead", instance.worker_id, exc)
+                cluster.registry.mark_dead(instance.worker_id)
+        cluster._start_routing()
+        return cluster
+
+    @classmethod
+    def of_manifest(cls, config: ServeConfig, manifest: ClusterManifest,
+                    ray_session: RaySession | None = None) -> "Cluster":
+        """The detached actors `manifest` lists, found by name (those gone are left out), in
+        the registry; nothing routes yet. `pdcluster cluster down` calls shutdown_workers()
+        on it."""
+        cluster = cls(config, ray_session, detached=True)
         ns = config.ray_namespace
-        cluster.kvstores = {node: ray.get_actor(name, namespace=ns)
-                            for node, name in manifest.kvstores.items()}
-        for node_id, handle in cluster.kvstores.items():
-            cluster.registry.add(Instance(f"kvstore-{node_id[:12]}", "kvstore", handle))
+
+        def found(name: str):
+            try:
+                return ray.get_actor(name, namespace=ns)
+            except ValueError:
+                return None
+
+        for node_id, name in manifest.kvstores.items():
+            if (handle := found(name)) is not None:
+                cluster.kvstores[node_id] = handle
+                cluster.registry.add(Instance(f"kvstore-{node_id[:12]}", "kvstore", handle))
         for role, names in (("prefill", manifest.prefill), ("decode", manifest.decode)):
             for name in names:
-                instance = Instance(name, role, ray.get_actor(name, namespace=ns))
-                getattr(cluster, role).append(instance)
-                cluster.registry.add(instance)
-                try:
-                    ray.get(instance.handle.info.remote(), timeout=ATTACH_TIMEOUT_S)
-                except Exception as exc:  # noqa: BLE001 — restarting, or gone: probed
-                    log.warning("%s does not answer (%s): marked dead", name, exc)
-                    cluster.registry.mark_dead(name)
-        cluster._start_routing()
+                if (handle := found(name)) is not None:
+                    instance = Instance(name, role, handle)
+                    getattr(cluster, role).append(instance)
+                    cluster.registry.add(instance)
+        for name in manifest.placement_groups:
+            try:
+                cluster.placement_groups.append(ray.util.get_placement_group(name))
+                cluster._pg_names.append(name)
+            except ValueError:
+                pass
         return cluster
 
     def manifest(self) -> ClusterManifest:
