@@ -144,7 +144,7 @@ def cluster_up(config) -> int:
     try:
         cluster.start_workers()
         cluster.wait_ready()
-        manifest = replace(cluster.manifest(), ray_head_pid=head.pid if head else None,
+        manifest = replace(cluster.manifest(),
                            ray_address=head.address if head else config.address)
         write_record(manifest, namespace)
     except BaseException:

@@ -25,9 +25,9 @@ class ClusterManifest:
         masked, so a KV-plane token never leaves the workers); prefill / decode: the worker
         actors' names (= worker ids); kvstores: node id (hex) -> KV store actor name;
         index_actor: the index actor's name when the index is one (ray://), else None;
-        placement_groups: names of the TP instances' placement groups; ray_head_pid: the
-        `ray start --block` process of a local Ray that `cluster up` started, else None;
-        ray_address: the GCS address gateways join; started_at: Unix time.
+        placement_groups: names of the TP instances' placement groups; ray_address: the GCS
+        address gateways join; started_at: Unix time. (A local Ray that `cluster up` started
+        is in its state file, deploy.cluster_cli, which stops it.)
     """
 
     config_json: str
@@ -36,7 +36,6 @@ class ClusterManifest:
     kvstores: dict[str, str]
     index_actor: str | None = None
     placement_groups: tuple[str, ...] = ()
-    ray_head_pid: int | None = None
     ray_address: str | None = None
     started_at: float = field(default_factory=time.time)
 

@@ -39,5 +39,5 @@ def test_a_cluster_setting_given_to_a_gateway_is_refused(field):
 def test_the_manifest_round_trips_as_plain_data():
     manifest = ClusterManifest(cluster_json(), ("prefill-0",), ("decode-0", "decode-1"),
                                {"ab" * 28: "pdcluster-kvstore-" + "ab" * 28}, "pdcluster-kv-index",
-                               ("pg-decode-0",), 123, "127.0.0.1:6379")
+                               ("pg-decode-0",), "127.0.0.1:6379")
     assert ClusterManifest.from_dict(manifest.to_dict()) == manifest
