@@ -7,6 +7,7 @@
     pdcluster gateway [--port P] ...               (a gateway attached to a running cluster)
     pdcluster bench run|sweep|compare|report ...   (load tests; see loadtest/README.md)
     pdcluster simulate --trace FILE ...             (trace-driven cluster simulation)
+    pdcluster plan --trace FILE --slo-ttft-s ...    (the cheapest cluster meeting SLOs)
     pdcluster profile ...                           (fit a cost model on the real engine)
 
 With no flags, `serve` serves the bundled stories260K model on 127.0.0.1:8000 on a local Ray with
@@ -163,6 +164,11 @@ _SERVE_FLAGS = [
     ("--worker-stall-timeout", "worker_stall_timeout_s", float,
      "seconds a worker running requests may take no step before it is restarted and its "
      "requests migrate (0: off)"),
+    ("--autoscale", "autoscale", str,
+     "prefill=MIN:MAX,decode=MIN:MAX: scale each role on its SLO (TTFT, TBT), queues and KV "
+     "usage; scale-down drains (router/planner.py)"),
+    ("--autoscale-interval-s", "autoscale_interval_s", float,
+     "seconds between two --autoscale decisions (the report interval)"),
     ("--tool-call-parser", "tool_call_parser", str,
      "how tool calls are read out of the model's text: hermes | llama3_json"),
 ]
@@ -326,9 +332,11 @@ def _parser() -> argparse.ArgumentParser:
     from deploy.profile import add_profile_parser
     from loadtest.cli import add_bench_parser
     from loadtest.simulator.cli import add_simulate_parser
+    from loadtest.simulator.plan import add_plan_parser
 
     add_bench_parser(sub)
     add_simulate_parser(sub)
+    add_plan_parser(sub)
     add_profile_parser(sub)
     for name, choice in sub.choices.items():
         if name not in ("serve", "gateway"):
@@ -454,6 +462,10 @@ def main(argv: list[str] | None = None) -> int:
         from loadtest.simulator.cli import run_simulate
 
         return run_simulate(args)
+    if args.command == "plan":
+        from loadtest.simulator.plan import run_plan
+
+        return run_plan(args)
     if args.command == "profile":
         from deploy.profile import run_profile
 

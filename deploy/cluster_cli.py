@@ -99,6 +99,12 @@ def cluster_up(config) -> int:
     already."""
     namespace = config.ray_namespace
     head = None
+    if config.autoscale is not None:
+        # the control loop acts through the gateway that owns the workers' view (pdcluster
+        # serve); a detached cluster's gateways come and go
+        print("pdcluster: --autoscale runs in `pdcluster serve`; `cluster up` starts fixed "
+              "counts", file=sys.stderr)
+        return 2
     if config.address is None:
         if _read_state(namespace) is not None:
             print(f"pdcluster: a local cluster is recorded in {state_path(namespace)} "

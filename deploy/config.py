@@ -78,6 +78,11 @@ class ServeConfig(BaseModel):
     worker_stall_timeout_s: a worker running requests whose engine takes no step for this
         many seconds (or that stops answering) is declared hung, restarted, and its requests
         migrate (router.stall_watch); 0: not watched.
+    autoscale / autoscale_interval_s: ``prefill=MIN:MAX,decode=MIN:MAX``: the SLO planner
+        (router.planner, run by deploy.autoscaler every interval) adds workers when the
+        interval's TTFT or TBT breaches its SLO (or the queues or the KV say it will) and
+        drains one when fewer carry the load; prefill_instances / decode_instances are the
+        counts at start, within the range. None: fixed counts.
     transfer: how KV gets from prefill to decode (``--kv-transfer grpc|torch``). The KV
         plane's token, TLS and gRPC message size are `kvstore`'s (``--kv-token``,
         ``--kv-tls-*``), for stores and transfers alike; the deprecated keys
@@ -143,6 +148,21 @@ class ServeConfig(BaseModel):
     tool_call_parser: Literal["hermes", "llama3_json"] | None = None
     enable_auto_tool_choice: bool = False
     worker_stall_timeout_s: float = Field(30.0, ge=0)
+    autoscale: str | None = None
+    autoscale_interval_s: float = Field(10.0, gt=0)
+
+    @field_validator("autoscale")
+    @classmethod
+    def _autoscale_range(cls, spec: str | None) -> str | None:
+        from router.planner import AutoscaleRange
+
+        return None if spec is None else str(AutoscaleRange.parse(spec))
+
+    def autoscale_range(self):
+        """--autoscale as a router.planner.AutoscaleRange, None when off."""
+        from router.planner import AutoscaleRange
+
+        return None if self.autoscale is None else AutoscaleRange.parse(self.autoscale)
 
     @field_validator("cpu_bind")
     @classmethod
@@ -193,6 +213,9 @@ class ServeConfig(BaseModel):
             raise ValueError(
                 f"max_seqs_per_request ({self.max_seqs_per_request}) must be at most half of "
                 f"max_inflight_requests ({self.max_inflight_requests})")
+        if self.autoscale is not None and self.colocated:
+            raise ValueError("autoscale scales prefill and decode workers apart; it does not "
+                             "apply to colocated workers")
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("enable_auto_tool_choice needs a tool_call_parser (vLLM's rule)")
         return self

@@ -96,6 +96,8 @@ class Cluster:
         self.prefill: list[Instance] = []
         self.decode: list[Instance] = []
         self.placement_groups: list = []
+        self._worker_pgs: dict = {}  # worker id -> its TP placement group
+        self._worker_args: dict = {}  # what start_workers resolved, for add_instance
         self._pg_names: list[str] = []  # of the detached ones
         self._resources: dict[str, float] = {}  # ray.cluster_resources() at start
         self._role_demand: dict[str, dict[str, float]] = {}
@@ -197,7 +199,6 @@ class Cluster:
                 update={"token": SecretStr(secrets.token_hex(16))})
             self.config = self.config.model_copy(update={"kvstore": kvstore})
         cfg = self.config
-        transfer = cfg.transfer
         if self._ray_session is None:
             self._ray_session = RaySession.open(cfg)
         worker_cpu_bind = self._ray_session.worker_cpu_bind
@@ -234,27 +235,71 @@ class Cluster:
                                     **worker_huge_pages(cfg.worker_huge_pages)}}
         for node_id, handle in self.kvstores.items():  # for /metrics: tiers G2/G3 per node
             self.registry.add(Instance(f"kvstore-{node_id[:12]}", "kvstore", handle))
-        for i in range(0 if cfg.colocated else cfg.prefill_instances):
-            name = f"prefill-{i}"
-            handle = prefill_actor(self.actors.prefill).options(
-                max_concurrency=PREFILL_MAX_CONCURRENCY, runtime_env=runtime_env,
-                **self._rank0_options(prefill_tp, placement.PREFILL, name),
-                **self._actor_options(name),
-            ).remote(name, prefill_engine, cfg.kvstore, cfg.kvpool, cfg.ray_namespace, transfer)
-            self.prefill.append(Instance(name, "prefill", handle))
-        # colocated, nothing loads prefixes from the pool: what a decode published would only
-        # take arena space
-        decode_transfer = (transfer.model_copy(update={"decode_publish": False})
-                           if cfg.colocated else transfer)
-        for i in range(cfg.decode_instances):
-            name = f"decode-{i}"
-            handle = decode_actor(self.actors.decode).options(
-                runtime_env=runtime_env, **self._rank0_options(decode_tp, placement.DECODE, name),
-                **self._actor_options(name),
-            ).remote(name, decode_engine, cfg.kvstore, cfg.ray_namespace, decode_transfer,
-                     cfg.kvpool)
-            self.decode.append(Instance(name, "decode", handle))
+        self._worker_args = {"runtime_env": runtime_env, "prefill": prefill_engine,
+                             "decode": decode_engine}
+        for i in range(0 if cfg.colocated else self.initial_count("prefill")):
+            self.prefill.append(self._start_worker("prefill", i))
+        for i in range(self.initial_count("decode")):
+            self.decode.append(self._start_worker("decode", i))
         wait_kvstore_actors(self.kvstores, cfg.kvstore.rpc_timeout_s * 6)
+
+    def initial_count(self, role: str) -> int:
+        """Instances of `role` at start: the configured count, within --autoscale's range."""
+        n = getattr(self.config, f"{role}_instances")
+        scale = self.config.autoscale_range()
+        return n if scale is None else min(max(n, scale.of(role).minimum), scale.of(role).maximum)
+
+    def _start_worker(self, role: str, index: int) -> Instance:
+        """Start worker actor `role`-`index` (rank 0 of its TP instance); returns at once."""
+        cfg, args, name = self.config, self._worker_args, f"{role}-{index}"
+        engine = args[role]
+        options = {"runtime_env": args["runtime_env"],
+                   **self._rank0_options(engine.tensor_parallel_size, role, name),
+                   **self._actor_options(name)}
+        if role == "prefill":
+            handle = prefill_actor(self.actors.prefill).options(
+                max_concurrency=PREFILL_MAX_CONCURRENCY, **options,
+            ).remote(name, engine, cfg.kvstore, cfg.kvpool, cfg.ray_namespace, cfg.transfer)
+        else:
+            # colocated, nothing loads prefixes from the pool: what a decode published would
+            # only take arena space
+            transfer = (cfg.transfer.model_copy(update={"decode_publish": False})
+                        if cfg.colocated else cfg.transfer)
+            handle = decode_actor(self.actors.decode).options(**options).remote(
+                name, engine, cfg.kvstore, cfg.ray_namespace, transfer, cfg.kvpool)
+        return Instance(name, role, handle)
+
+    def add_instance(self, role: str, timeout_s: float = TP_PLACEMENT_TIMEOUT_S) -> Instance:
+        """Start one more worker of `role` (the lowest free index), wait until it answers
+        (its model loaded) and route to it: an autoscaler's scale-up. Raises what the actor's
+        start raised (it is killed then), or GetTimeoutError."""
+        taken = {i.worker_id for i in self.prefill + self.decode}
+        index = next(i for i in range(len(taken) + 1) if f"{role}-{i}" not in taken)
+        instance = self._start_worker(role, index)
+        try:
+            ray.get(instance.handle.info.remote(), timeout=timeout_s)
+        except BaseException:
+            self._stop_worker(instance)
+            raise
+        getattr(self, role).append(instance)
+        self.registry.add(instance)
+        return instance
+
+    def retire_instance(self, worker_id: str) -> None:
+        """Stop routing to worker `worker_id` and stop it, with its placement group: the end of
+        a scale-down, once its requests are done (deploy.autoscaler drains first)."""
+        self.registry.remove(worker_id)
+        for role in ("prefill", "decode"):
+            for instance in [i for i in getattr(self, role) if i.worker_id == worker_id]:
+                getattr(self, role).remove(instance)
+                self._stop_worker(instance)
+
+    def _stop_worker(self, instance: Instance) -> None:
+        ray.kill(instance.handle, no_restart=True)
+        pg = self._worker_pgs.pop(instance.worker_id, None)
+        if pg is not None:
+            ray.util.remove_placement_group(pg)
+            self.placement_groups.remove(pg)
 
     def _start_routing(self) -> None:
         """The gateway's view over the registry: the live Conductor (index, load reports,
@@ -297,6 +342,7 @@ class Cluster:
         pg = placement.tp_placement_group(tp, next(iter(demand), None), cfg.actor_num_cpus,
                                           gpus, name=pg_name, detached=self.detached)
         self.placement_groups.append(pg)
+        self._worker_pgs[name] = pg
         if pg_name:
             self._pg_names.append(pg_name)
         ray.get(pg.ready(), timeout=TP_PLACEMENT_TIMEOUT_S)

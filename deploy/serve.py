@@ -25,6 +25,7 @@ from types import FrameType
 import uvicorn
 from fastapi import FastAPI
 
+from deploy.autoscaler import Autoscaler
 from deploy.config import ServeConfig
 from deploy.http_protocol import gateway_protocol
 from deploy.launcher import Cluster
@@ -57,11 +58,20 @@ def gateway_app(config: ServeConfig, cluster: Cluster) -> FastAPI:
                                  config.resolved_max_queued_sequences()),
                     config.resolved_max_seqs_per_request(),
                     ToolCalling(config.tool_call_parser, config.enable_auto_tool_choice),
-                    cluster.worker_health)
+                    lambda: _health(cluster, app))
     keys = load_api_keys([k.get_secret_value() for k in config.api_keys], config.api_key_file)
     if keys:
         app.add_middleware(APIKeyAuth, keys=keys)
     return app
+
+
+def _health(cluster: Cluster, app: FastAPI) -> dict:
+    """/health's worker part, with the autoscaler's state when one runs."""
+    out = cluster.worker_health()
+    autoscaler = getattr(app.state, "autoscaler", None)
+    if autoscaler is not None:
+        out["autoscale"] = autoscaler.state()
+    return out
 
 
 async def drain(service: GenerationService, timeout_s: float) -> None:
@@ -125,9 +135,14 @@ def serve(config: ServeConfig, ray_session: RaySession | None = None) -> int:
 def serve_gateway(config: ServeConfig, cluster: Cluster) -> int:
     """Serve the gateway over `cluster` (started, or attached: `pdcluster gateway`) until
     SIGINT/SIGTERM, then drain and shut `cluster` down (an attached one leaves its workers
-    running); 0 after a graceful stop."""
+    running); 0 after a graceful stop. With --autoscale, this gateway runs the autoscaler
+    (deploy.autoscaler) over the workers it owns."""
+    autoscaler = None
     try:
         app = gateway_app(config, cluster)
+        if config.autoscale is not None and cluster.owns_workers:
+            autoscaler = app.state.autoscaler = Autoscaler(cluster,
+                                                           app.state.service.metrics).start()
         # text: uvicorn's own log config; json: uvicorn's loggers go through the root handler
         log_config = uvicorn.config.LOGGING_CONFIG if config.log_format == "text" else None
         server = DrainingServer(
@@ -149,5 +164,7 @@ def serve_gateway(config: ServeConfig, cluster: Cluster) -> int:
         except KeyboardInterrupt:  # the same SIGINT, re-raised where Python's default handler
             pass                   # is in place: Ctrl-C after a drain is a graceful stop too
     finally:
+        if autoscaler is not None:
+            autoscaler.stop()
         cluster.shutdown()
     return 0

@@ -52,3 +52,34 @@ def trace_arrivals(timestamps_ms: Sequence[float], time_scale: float = 1.0) -> l
         return []
     t0 = timestamps_ms[0]
     return [(t - t0) * time_scale / 1000.0 for t in timestamps_ms]
+
+
+def parse_rate_steps(text: str) -> list[tuple[float, float]]:
+    """`--rate-steps 2:60,8:60,2:60` -> [(2.0, 60.0), (8.0, 60.0), (2.0, 60.0)]: requests/s
+    and seconds of each step. Raises ValueError for a malformed or non-positive step."""
+    steps = []
+    for part in text.split(","):
+        rate, sep, seconds = part.partition(":")
+        try:
+            step = (float(rate), float(seconds))
+        except ValueError:
+            step = None
+        if not sep or step is None or step[0] <= 0 or step[1] <= 0:
+            raise ValueError(f"--rate-steps: {part!r} is not RATE:SECONDS with both > 0")
+        steps.append(step)
+    return steps
+
+
+def stepped_arrivals(steps: Sequence[tuple[float, float]], burstiness: float = 1.0,
+                     rng: np.random.Generator | None = None) -> list[float]:
+    """Arrival offsets (s) of a load that steps through (rate, seconds) pairs: each step's
+    arrivals follow `rate_arrivals` at its rate over its own seconds (its count is
+    rate × seconds, rounded), placed after the steps before it."""
+    rng = rng if rng is not None else np.random.default_rng(0)
+    out: list[float] = []
+    t0 = 0.0
+    for rate, seconds in steps:
+        n = round(rate * seconds)
+        out += [t0 + t for t in rate_arrivals(n, rate, burstiness, rng)]
+        t0 += seconds
+    return out

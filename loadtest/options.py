@@ -11,7 +11,7 @@ from fractions import Fraction
 
 import numpy as np
 
-from loadtest.arrivals import rate_arrivals
+from loadtest.arrivals import parse_rate_steps, rate_arrivals, stepped_arrivals
 from loadtest.client import ClientConfig
 from loadtest.conversations import ConversationSet, synthetic_conversations, trace_conversations
 from loadtest.metrics import parse_goodput
@@ -98,6 +98,9 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--request-rate", type=float, default=None,
                    help="requests/s (default: inf for synthetic; a trace follows its "
                         "timestamps unless this is given)")
+    g.add_argument("--rate-steps", default=None, metavar="RATE:SECONDS,...",
+                   help="a load that steps: RATE requests/s for SECONDS, then the next "
+                        "(e.g. 1:60,4:60,1:60); sets the number of requests")
     g.add_argument("--burstiness", type=float, default=1.0,
                    help="gamma shape of arrival gaps (1 = Poisson)")
     g.add_argument("--max-concurrency", type=int, default=None)
@@ -195,23 +198,30 @@ def build_workload(args: argparse.Namespace, endpoint: Endpoint,
     space = token_space_from_tokenizer(args.tokenizer) if args.tokenizer else TokenSpace()
     max_len = args.max_model_len if args.max_model_len is not None else endpoint.max_model_len
     rng = np.random.default_rng(args.seed)
+    steps = (stepped_arrivals(parse_rate_steps(args.rate_steps), args.burstiness, rng)
+             if getattr(args, "rate_steps", None) else None)
     if args.trace:
         records = read_trace(args.trace, args.start, args.num_requests)
         workload = trace_workload(records, space, length_scale=args.length_scale,
                                   time_scale=args.time_scale, max_model_len=max_len,
                                   seed=args.seed, source=args.trace.rsplit("/", 1)[-1])
+        if steps is not None:
+            raise ValueError("--rate-steps paces synthetic load (a trace has its timestamps; "
+                             "--time-scale stretches them)")
         if request_rate is not None:
             workload = with_arrivals(workload, rate_arrivals(
                 len(workload.requests), request_rate, args.burstiness, rng))
     else:
         n = args.num_requests if args.num_requests is not None else 200
         rate = math.inf if request_rate is None else request_rate
+        arrivals = rate_arrivals(n, rate, args.burstiness, rng) if steps is None else steps
         workload = synthetic_workload(
-            n, parse_length(args.input_len), parse_length(args.output_len), space,
-            arrivals_s=rate_arrivals(n, rate, args.burstiness, rng),
+            len(arrivals), parse_length(args.input_len), parse_length(args.output_len), space,
+            arrivals_s=arrivals,
             shared_prefix_fraction=args.shared_prefix_fraction,
             num_prefix_groups=args.num_prefix_groups, max_model_len=max_len, seed=args.seed)
-    workload.params.update({"request_rate": rate_label(request_rate) if request_rate is not None
+    workload.params.update({"request_rate": f"steps {args.rate_steps}" if steps is not None
+                            else rate_label(request_rate) if request_rate is not None
                             else ("trace" if args.trace else "inf"),
                             "burstiness": args.burstiness})
     return workload

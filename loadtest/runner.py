@@ -61,7 +61,8 @@ async def run_benchmark(workload: Workload, client: ClientConfig, run: RunConfig
     measured = await measured_run(run, lambda session, t0: _dispatch(
         session, workload.requests, client, run, t0))
     return _result(workload, client, run, measured.value, measured.duration, measured.before,
-                   measured.after, measured.samples, metadata or {})
+                   measured.after, measured.samples,
+                   {"started_at": measured.started_at, **(metadata or {})})
 
 
 @dataclass
@@ -74,6 +75,8 @@ class MeasuredRun:
     before: CacheCounters | None
     after: CacheCounters | None
     samples: list[CacheCounters]
+    #: time.time() at t0: where the requests' start_s offsets begin, on the wall clock
+    started_at: float = 0.0
 
 
 async def measured_run(run: RunConfig, body) -> MeasuredRun:
@@ -84,7 +87,7 @@ async def measured_run(run: RunConfig, body) -> MeasuredRun:
     async with aiohttp.ClientSession(connector=connector, trust_env=False,
                                      timeout=aiohttp.ClientTimeout(total=None)) as session:
         before = await scrape(session, run.metrics_url) if run.metrics_url else None
-        t0 = time.perf_counter()
+        t0, started_at = time.perf_counter(), time.time()
         sampler = CounterSampler(session, run.metrics_url or "", t0, run.scrape_interval_s)
         if before is not None:
             sampler.samples.append(before)
@@ -95,7 +98,7 @@ async def measured_run(run: RunConfig, body) -> MeasuredRun:
         if before is not None:
             await sampler.stop()
             after = await sampler.sample_now()
-    return MeasuredRun(value, duration, before, after, sampler.samples)
+    return MeasuredRun(value, duration, before, after, sampler.samples, started_at)
 
 
 async def _dispatch(session: aiohttp.ClientSession, requests: list[BenchRequest],

@@ -28,7 +28,8 @@ load (`load_cost_model`).
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field, fields, replace
+import math
+from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 KIB = 1024
@@ -59,6 +60,12 @@ class CostModel:
     decode_kv_tokens: int
     source: str = ""
     transfer_paths: dict[str, dict[str, float]] = field(default_factory=dict)
+    #: what the figures were measured on: devices per instance (tensor parallel), the model's
+    #: weights and the KV-usable memory of one device (0: unknown); `at_tensor_parallel` uses
+    #: them
+    tensor_parallel_size: int = 1
+    weights_bytes: int = 0
+    device_memory_bytes: int = 0
 
     def t_prefill(self, new: int, cached: int = 0) -> float:
         """Seconds to prefill `new` tokens on top of `cached` ones (0 when new <= 0)."""
@@ -116,6 +123,43 @@ class CostModel:
         """This model with `paths`' measured figures in place of its own for those paths."""
         return replace(self, transfer_paths={**self.transfer_paths, **paths})
 
+    def at_tensor_parallel(self, tp: int, efficiency: float = 0.85) -> CostModel:
+        """This model's instance at tensor parallel `tp` (the planner's TP axis): compute
+        times scale by speed(own TP) / speed(tp), speed(t) = t · efficiency^log2(t) (each
+        doubling keeps `efficiency` of linear scaling: the all-reduces, Megatron-LM §5.1's
+        sub-linear scaling); decode KV room is what `tp` devices hold beyond the weights
+        (`device_memory_bytes`, `weights_bytes`), or scales with tp when those are unknown.
+
+        Raises:
+            ValueError: tp < 1, or the weights leave no KV room on `tp` devices.
+        """
+        if tp < 1:
+            raise ValueError(f"tensor parallel size must be >= 1, got {tp}")
+        if tp == self.tensor_parallel_size:
+            return self
+
+        def speed(t: int) -> float:
+            return t * efficiency ** math.log2(t)
+
+        k = speed(self.tensor_parallel_size) / speed(tp)
+        if self.device_memory_bytes:
+            kv_tokens = int((tp * self.device_memory_bytes - self.weights_bytes)
+                            // self.kv_bytes_per_token)
+        else:
+            kv_tokens = self.decode_kv_tokens * tp // self.tensor_parallel_size
+        if kv_tokens <= 0:
+            raise ValueError(f"{self.name}: {self.weights_bytes / 1e9:.0f} GB of weights leave "
+                             f"no KV room on {tp} devices of "
+                             f"{self.device_memory_bytes / 1e9:.0f} GB")
+        return replace(self, name=f"{self.name}@tp{tp}", tensor_parallel_size=tp,
+                       prefill_base_s=self.prefill_base_s * k,
+                       prefill_per_token_s=self.prefill_per_token_s * k,
+                       prefill_attention_s=self.prefill_attention_s * k,
+                       step_base_s=self.step_base_s * k,
+                       step_per_context_token_s=self.step_per_context_token_s * k,
+                       step_per_sequence_s=self.step_per_sequence_s * k,
+                       decode_kv_tokens=kv_tokens)
+
     def to_json(self) -> dict:
         return asdict(self)
 
@@ -125,7 +169,7 @@ class CostModel:
         names = {f.name for f in fields(cls)}
         unknown = set(data) - names
         missing = {f.name for f in fields(cls)
-                   if f.name not in ("source", "transfer_paths")} - set(data)
+                   if f.default is MISSING and f.default_factory is MISSING} - set(data)
         if unknown or missing:
             raise ValueError(f"cost model: unknown fields {sorted(unknown)}, "
                              f"missing {sorted(missing)}")
@@ -148,6 +192,7 @@ MOONCAKE_70B = CostModel(
     # (8 × 80 GB × 0.9 − 140 GB of fp16 weights) / 320 KiB ≈ 1.33 M tokens of decode KV
     decode_kv_tokens=1_330_000,
     source="Mooncake FAST'25 setup: LLaMA-70B, one 8×A800 node per instance",
+    tensor_parallel_size=8, weights_bytes=140 * 10**9, device_memory_bytes=72 * 10**9,
 )
 
 STORIES260K_CPU = CostModel(

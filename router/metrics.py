@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
+from collections import deque
 from typing import Callable, Iterable, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -24,6 +26,8 @@ log = logging.getLogger(__name__)
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0,
                     2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 STATS_TIMEOUT_S = 2.0
+#: requests whose latencies GatewayMetrics keeps for recent_since
+RECENT_REQUESTS = 4096
 #: `reason` labels of pdcluster_requests_rejected_total: bad input (gateway), more sequences
 #: than one request may run, SLO admission (router.admission), the in-flight gate
 #: (router.inflight).
@@ -57,13 +61,29 @@ class GatewayMetrics:
                                 ["reason"], registry=r)
         for reason in KNOWN_REJECT_REASONS:  # present at 0, so rate() has a series from start
             self.rejected.labels(reason=reason)
+        self.recent_ttft: deque = deque(maxlen=RECENT_REQUESTS)
+        self.recent_tpot: deque = deque(maxlen=RECENT_REQUESTS)
 
     def observe_request(self, ttft_s: float, e2e_s: float, num_output_tokens: int) -> None:
+        tpot = (e2e_s - ttft_s) / (num_output_tokens - 1) if num_output_tokens > 1 else None
         self.ttft.observe(ttft_s)
         self.e2e.observe(e2e_s)
-        if num_output_tokens > 1:
-            self.tpot.observe((e2e_s - ttft_s) / (num_output_tokens - 1))
+        if tpot is not None:
+            self.tpot.observe(tpot)
         self.generation_tokens.inc(num_output_tokens)
+        if tpot is not None:
+            self.recent_tpot.append((time.monotonic(), tpot))
+
+    def first_token(self, ttft_s: float) -> None:
+        """A request's first token came `ttft_s` after it did (kept for `recent`)."""
+        self.recent_ttft.append((time.monotonic(), ttft_s))
+
+    def recent(self, since: float) -> tuple[list[float], list[float]]:
+        """(TTFTs of the first tokens, TPOTs of the requests ended) after `since`
+        (time.monotonic()), seconds, of the last RECENT_REQUESTS each: what an autoscaler's
+        interval measured."""
+        return ([v for t, v in list(self.recent_ttft) if t > since],
+                [v for t, v in list(self.recent_tpot) if t > since])
 
 
 class ClusterStatsCollector:

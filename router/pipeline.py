@@ -34,7 +34,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import deque
+from collections import Counter, deque
 from contextlib import aclosing
 from dataclasses import dataclass, field, replace
 from typing import AsyncIterator
@@ -166,6 +166,12 @@ class Pipeline:
         #: the latest migrated attempts, oldest first
         self.migrations: deque[Migration] = deque(maxlen=1024)
         self.outputs = DecodeOutputs()
+        self._held: Counter[str] = Counter()  # worker id -> attempts routed to it, not ended
+
+    def holds(self, worker_id: str) -> int:
+        """Attempts of this gateway routed to `worker_id` and not ended (a drain waits for
+        0: a request decided just before the drain still reaches it)."""
+        return self._held[worker_id]
 
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        sampling: SamplingParams,
@@ -265,6 +271,19 @@ class Pipeline:
                 self._route_request(run, prompt), run.failed)
         except NoInstanceError as exc:
             raise self._routing_error(run, exc) from exc
+        held = (decode.worker_id,) if local else (prefill.worker_id, decode.worker_id)
+        self._held.update(held)
+        try:
+            async with aclosing(self._routed(run, prompt, params, prefill, decode, kv_plan,
+                                             local)) as deltas:
+                async for delta in deltas:
+                    yield delta
+        finally:
+            self._held.subtract(held)
+
+    async def _routed(self, run: _Run, prompt: tuple[int, ...], params: SamplingParams,
+                      prefill: Instance, decode: Instance, kv_plan, local: bool
+                      ) -> AsyncIterator[TokenDelta]:
         if local:
             async with aclosing(_decode_only(run, decode, prompt, params,
                                              self.outputs)) as deltas:

@@ -44,6 +44,7 @@ class InstanceRegistry:
         self._lock = threading.Lock()
         self._instances: dict[str, Instance] = {}
         self._dead: dict[str, Callable[[], bool | None] | None] = {}  # id -> probe in flight
+        self._draining: set[str] = set()  # being scaled down: serve what they hold, no more
         self._probe = probe or _ray_info_probe
         self._probe_interval_s = probe_interval_s
         self._wake = threading.Event()
@@ -61,12 +62,24 @@ class InstanceRegistry:
         with self._lock:
             self._instances.pop(worker_id, None)
             self._dead.pop(worker_id, None)
+            self._draining.discard(worker_id)
+
+    def drain(self, worker_id: str) -> None:
+        """Route nothing new to `worker_id` (a scale-down); what it holds goes on."""
+        with self._lock:
+            if worker_id in self._instances:
+                self._draining.add(worker_id)
 
     def by_role(self, role: str) -> list[Instance]:
-        """The live instances of `role`."""
+        """The live instances of `role` that take new requests (not dead, not draining)."""
         with self._lock:
             return [i for i in self._instances.values()
-                    if i.role == role and i.worker_id not in self._dead]
+                    if i.role == role and i.worker_id not in self._dead
+                    and i.worker_id not in self._draining]
+
+    def get(self, worker_id: str) -> Instance | None:
+        with self._lock:
+            return self._instances.get(worker_id)
 
     def dead(self) -> list[str]:
         """The ids of instances marked dead and not back yet."""

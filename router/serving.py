@@ -139,6 +139,7 @@ class GenerationService:
                 cached = delta.num_cached_tokens if first_token_at is None else None
                 if first_token_at is None:
                     first_token_at = time.perf_counter()
+                    self.metrics.first_token(first_token_at - start)
                 num_tokens += len(delta.token_ids)
                 if delta.finish_reason is FinishReason.ERROR:
                     raise GenerationError(delta.error or "generation failed")

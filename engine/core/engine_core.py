@@ -34,6 +34,7 @@ thread-safe and talk to the loop through its inbox; every other method runs on t
 from __future__ import annotations
 
 import logging
+import time
 from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
@@ -178,6 +179,7 @@ class EngineCore:
         self.max_prefill_chunks_per_step = 0
         self.num_prefill_tokens_total = 0  # chunk tokens run through the model
         self.num_requests_total = 0  # prompts computed here
+        self.busy_s_total = 0.0  # wall seconds in steps that ran the model (utilization)
         self.prefix_cache_queried_tokens_total = 0  # prompt tokens looked up (vLLM's "queries")
         self.prefix_cache_hit_tokens_total: Counter[str] = Counter({"device": 0})
         self.kv_blocks_reused_total = 0  # prompts from a prefill: blocks found here, not loaded
@@ -234,6 +236,9 @@ class EngineCore:
                 "max_prefill_chunks_per_step": self.max_prefill_chunks_per_step,
                 "num_prefill_tokens_total": self.num_prefill_tokens_total,
                 "num_requests_total": self.num_requests_total,
+                "busy_s_total": self.busy_s_total,
+                # finished here, blocks held until the connector has sent them
+                "num_sending": len(self._sending),
                 "num_preemptions_total": self.scheduler.num_preemptions_total,
                 "num_recomputed_tokens_total": self.num_recomputed_tokens_total,
                 "num_pending_layer_streams": len(self.pre_arrival or ()),
@@ -280,10 +285,13 @@ class EngineCore:
         if not (decoding or chunks):
             return False
         self._in_step = decoding + [r for r, _ in chunks]
+        began = time.perf_counter()
         try:
             self._execute(decoding, chunks)
         except StepCancelled:
             self._finish(self._alone, FinishReason.ABORT, RequestAborted(self._alone.request_id))
+        finally:
+            self.busy_s_total += time.perf_counter() - began
         self._in_step = []
         self._send_events()
         self._take_finished()

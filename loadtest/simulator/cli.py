@@ -11,6 +11,11 @@ admission modes under "admissions". One run writes its full summary (results.sum
 `--pd-decider all` runs always, never and cost (router.pd_decider) under "pd_deciders" the same
 way, with each decider's `local_fraction` (requests prefilled on their decode instance).
 
+`--autoscale prefill=MIN:MAX,decode=MIN:MAX` runs the SLO planner (router.planner, through
+loadtest.simulator.autoscale) every `--planner-interval-s`; the summary then has its
+decisions under "autoscale", and every run has its instance-hours and goodput per
+instance-hour. `--rate-profile 1,2,1` doubles the arrival rate over the trace's middle third.
+
 `--measured-transfer FILE` (a `pdcluster profile --kv-transfer` file) runs the same again
 with the cost model's transfer figures replaced by the file's measured ones per path (the
 ``pd`` path: `--kv-transfer`'s connector), and writes both under "assumed" and "measured",
@@ -29,36 +34,55 @@ from pathlib import Path
 
 from loadtest.simulator.engine import REPLICA_INPUTS, SimConfig, Simulation
 from loadtest.simulator.results import POLICY_KEYS, policy_row, summarize
-from loadtest.simulator.workload import load_requests
+from loadtest.simulator.workload import load_requests, vary_rate
 from router.admission import ADMISSIONS, SLO
 from router.cost_model import DEFAULT_COST_MODEL, CostModel, load_cost_model
 from router.pd_decider import PDDecider
+from router.planner import AutoscaleRange
 from router.policies import DEFAULT_POLICY, POLICIES
 
 _TABLE_KEYS = (*POLICY_KEYS, "mean_tbt_ms", "rejected", "wasted_prefill_s", "local_fraction")
 PD_DECIDERS = ("always", "never", "cost")
 
 
+def add_trace_arguments(p: argparse.ArgumentParser) -> None:
+    """The trace, its selection and pace, the cost model and the SLOs (simulate, plan)."""
+    p.add_argument("--trace", required=True, help="Mooncake-format trace (JSONL)")
+    p.add_argument("--start", type=int, default=0, help="first record (0-based)")
+    p.add_argument("--num-requests", type=int, help="records to replay (default: all)")
+    p.add_argument("--time-scale", type=float, default=1.0,
+                   help="multiply the trace's inter-arrival gaps (0.5 = twice as fast)")
+    p.add_argument("--rate-profile",
+                   help="multiply the arrival rate over equal spans of the trace, e.g. 1,2,1")
+    p.add_argument("--cost-model", default=DEFAULT_COST_MODEL,
+                   help="built-in name or a file from `pdcluster profile`")
+    p.add_argument("--slo-ttft-s", type=float, default=30.0)
+    p.add_argument("--slo-tbt-ms", type=float, default=100.0)
+
+
+def trace_requests(args: argparse.Namespace) -> list:
+    """The SimRequests `add_trace_arguments`' flags select. Raises ValueError for an empty
+    selection or a bad profile, OSError for an unreadable trace."""
+    requests = load_requests(args.trace, args.time_scale, args.start, args.num_requests)
+    if args.rate_profile:
+        requests = vary_rate(requests, [float(f) for f in args.rate_profile.split(",")])
+    if not requests:
+        raise ValueError("the trace selection holds no request")
+    return requests
+
+
 def add_simulate_parser(subparsers: argparse._SubParsersAction) -> None:
     """Register `simulate` on a `pdcluster` subparsers object."""
     p = subparsers.add_parser("simulate", help="trace-driven simulation of a cluster",
                               description=__doc__.split("\n")[0])
-    p.add_argument("--trace", required=True, help="Mooncake-format trace (JSONL)")
-    p.add_argument("--start", type=int, default=0, help="first record (0-based)")
-    p.add_argument("--num-requests", type=int, help="records to replay (default: all)")
+    add_trace_arguments(p)
     p.add_argument("--prefill-instances", type=int, default=8)
     p.add_argument("--decode-instances", type=int, default=8)
-    p.add_argument("--time-scale", type=float, default=1.0,
-                   help="multiply the trace's inter-arrival gaps (0.5 = twice as fast)")
-    p.add_argument("--cost-model", default=DEFAULT_COST_MODEL,
-                   help="built-in name or a file from `pdcluster profile`")
     p.add_argument("--policy", default=DEFAULT_POLICY,
                    help=f"{' | '.join(POLICIES)} | all (default {DEFAULT_POLICY})")
     p.add_argument("--admission", default="none", help=f"{' | '.join(ADMISSIONS)} | all")
     p.add_argument("--pd-decider", default="always",
                    help="always (default) | never | cost | threshold:N | all (the first three)")
-    p.add_argument("--slo-ttft-s", type=float, default=30.0)
-    p.add_argument("--slo-tbt-ms", type=float, default=100.0)
     p.add_argument("--device-cache-tokens", type=int, default=0,
                    help="G1 prefix cache per prefill instance (default 0)")
     p.add_argument("--dram-cache-tokens", type=int,
@@ -79,6 +103,13 @@ def add_simulate_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="with several, what each knows of the prefill queues: private (its "
                         "own decisions), reports (plus the workers' queue reports every "
                         "0.25 s) or shared (plus every replica's decisions, as soon as made)")
+    p.add_argument("--autoscale", metavar="prefill=MIN:MAX,decode=MIN:MAX",
+                   help="the SLO planner (router/planner.py) scales each role within the "
+                        "range; --prefill/--decode-instances are the counts at start")
+    p.add_argument("--planner-interval-s", type=float, default=30.0,
+                   help="simulated seconds between two planner decisions")
+    p.add_argument("--instance-startup-s", type=float, default=60.0,
+                   help="simulated seconds from an instance's start to its first request")
     p.add_argument("--kv-transfer", default="grpc",
                    help="the connector whose measured prefill -> decode figures apply "
                         "(default grpc)")
@@ -99,7 +130,10 @@ def _config(args: argparse.Namespace, policy: str, admission: str,
                      decode_kv_tokens=args.decode_kv_tokens,
                      sample_interval_s=args.sample_interval_s,
                      pd_decider=pd_decider or args.pd_decider,
-                     conductors=args.conductors, inputs=args.conductor_inputs)
+                     conductors=args.conductors, inputs=args.conductor_inputs,
+                     autoscale=AutoscaleRange.parse(args.autoscale) if args.autoscale else None,
+                     planner_interval_s=args.planner_interval_s,
+                     instance_startup_s=args.instance_startup_s)
 
 
 def _one(config: SimConfig, requests) -> tuple[dict, list[float]]:
@@ -177,9 +211,7 @@ def run_simulate(args: argparse.Namespace) -> int:
         if args.measured_transfer and len(configs) == 1:
             raise ValueError("--measured-transfer compares rankings: give --policy all or "
                              "--admission all")
-        requests = load_requests(args.trace, args.time_scale, args.start, args.num_requests)
-        if not requests:
-            raise ValueError("the trace selection holds no request")
+        requests = trace_requests(args)
         out = Path(args.output)
         stem = out.stem
         runs = {}

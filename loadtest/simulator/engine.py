@@ -27,6 +27,7 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from kvstore.index import MemoryIndex
+from loadtest.simulator.autoscale import SimAutoscaler
 from loadtest.simulator.cache import NodeCache
 from loadtest.simulator.decode import DecodeInstance
 from loadtest.simulator.workload import SimRequest
@@ -34,6 +35,7 @@ from loadtest.trace import TRACE_BLOCK_SIZE
 from router.admission import SLO, decode_rejection
 from router.conductor import Conductor, InstanceRegistry, PrefixKeyer, RequestRejected, RouteRequest
 from router.cost_model import PATH_PD, CostModel
+from router.planner import AutoscaleRange
 from router.load_source import LoadSource
 from router.policies import PrefillPlan
 from router.policies.base import DecodeLoad
@@ -69,6 +71,12 @@ class SimConfig:
     inputs: str = "shared"
     report_interval_s: float = 0.25
     decision_delay_s: float = 0.0
+    #: the SLO planner (router.planner) scales each role within this range every
+    #: `planner_interval_s`; prefill_instances / decode_instances are the counts at start
+    autoscale: AutoscaleRange | None = None
+    planner_interval_s: float = 30.0
+    #: seconds from an instance's start to its first request (model load)
+    instance_startup_s: float = 60.0
 
 
 @dataclass(slots=True)
@@ -95,6 +103,10 @@ class _Prefill:
         self.backlog_s = 0.0  # predicted exec of the queued ones
         self.busy_until = 0.0
         self.running: RequestResult | None = None
+        self.busy_s_total = 0.0  # prefill seconds started here
+
+    def idle(self) -> bool:
+        return self.running is None and not self.queue
 
 
 class _SimLoads(LoadSource):
@@ -153,8 +165,12 @@ class Simulation:
         blocks = lambda tokens: int(tokens) // config.block_size  # noqa: E731
         dram = cost.dram_cache_tokens if config.dram_cache_tokens is None else \
             config.dram_cache_tokens
+        scale = config.autoscale
+        made = {"prefill": config.prefill_instances, "decode": config.decode_instances}
+        if scale is not None:  # every instance the range allows exists; some serve
+            made = {r: scale.of(r).maximum for r in made}
         self.prefills: dict[str, _Prefill] = {}
-        for i in range(config.prefill_instances):
+        for i in range(made["prefill"]):
             node = f"prefill-node-{i}"
             self.index.heartbeat(node, LEASE_S)
             cache = NodeCache(f"prefill-{i}", node, self.index,
@@ -163,7 +179,23 @@ class Simulation:
             self.prefills[f"prefill-{i}"] = _Prefill(f"prefill-{i}", node, cache)
         kv = cost.decode_kv_tokens if config.decode_kv_tokens is None else config.decode_kv_tokens
         self.decodes = {f"decode-{j}": DecodeInstance(f"decode-{j}", cost, kv, self._finished)
-                        for j in range(config.decode_instances)}
+                        for j in range(made["decode"])}
+        #: the instances routed to, by role; each run of an instance: [role, id, start s,
+        #: stop s or None]
+        self.serving = {"prefill": list(self.prefills), "decode": list(self.decodes)}
+        self.lifetimes: list[list] = []
+        if scale is not None:
+            for role, n in (("prefill", config.prefill_instances),
+                            ("decode", config.decode_instances)):
+                bounds = scale.of(role)
+                self.serving[role] = self.serving[role][:min(max(n, bounds.minimum),
+                                                             bounds.maximum)]
+        for role, ids in self.serving.items():
+            self.lifetimes += [[role, i, 0.0, None] for i in ids]
+        self.first_tokens: list[tuple[float, float]] = []  # (time, TTFT)
+        self.finishes: list[tuple[float, float]] = []  # (time, TBT) of finished decodes
+        self.end_s = 0.0
+        self.autoscaler = SimAutoscaler(self, scale) if scale is not None else None
         self.forecast = DecodeForecast(cost, grace_s=math.inf)  # joins are reported
         if config.inputs not in REPLICA_INPUTS:
             raise ValueError(f"inputs must be one of {REPLICA_INPUTS}, got {config.inputs!r}")
@@ -212,20 +244,35 @@ class Simulation:
         handlers = {"arrive": self._arrive, "prefill_done": self._prefill_done,
                     "decode_ready": self._decode_ready, "sample": self._sample,
                     "report": self._report}
+        if self.autoscaler is not None:
+            handlers.update(self.autoscaler.handlers())
+            self.autoscaler.schedule(end)
         while self._events:
             self.now, _, kind, payload = heapq.heappop(self._events)
             handlers[kind](payload)
         for d in self.decodes.values():
             d.drain()
+        self.end_s = max([r.end_s for r in self.results if r.end_s is not None] + [self.now])
         return self
+
+    def push(self, t: float, kind: str, payload) -> None:
+        """Schedule an event (an extension's: the autoscaler's)."""
+        self._push(t, kind, payload)
+
+    def instance_seconds(self) -> dict[str, float]:
+        """Seconds each role's instances ran (starting, serving or draining), to the end."""
+        out = {"prefill": 0.0, "decode": 0.0}
+        for role, _, start, stop in self.lifetimes:
+            out[role] += max(0.0, (self.end_s if stop is None else stop) - start)
+        return out
 
     def _arrive(self, res: RequestResult) -> None:
         req = res.request
         route = RouteRequest(req.request_id, (), block_keys=req.keys, num_tokens=req.input_tokens)
         res.conductor = self._by_order[req.request_id] % len(self.conductors)
         try:
-            decision = self.conductors[res.conductor].decide(route, list(self.prefills),
-                                                             list(self.decodes))
+            decision = self.conductors[res.conductor].decide(route, self.serving["prefill"],
+                                                             self.serving["decode"])
         except RequestRejected as exc:
             res.status, res.reason = "rejected", exc.rejection.reason
             return
@@ -247,6 +294,7 @@ class Simulation:
         d = self.decodes[res.decode_id]
         res.started_s = self.now
         res.first_token_s = d.stall(self.now, res.prefill_s)
+        self.first_tokens.append((res.first_token_s, res.first_token_s - req.arrival_s))
         if req.output_tokens <= 1:
             res.status, res.end_s = "ok", res.first_token_s
             self.forecast.discard(req.request_id)
@@ -270,6 +318,7 @@ class Simulation:
         res.prefill_s = cost.t_load_tokens((local - device_run) * bs, (cached - local) * bs) + \
             cost.t_prefill(req.input_tokens - cached * bs, cached * bs)
         res.started_s = self.now
+        p.busy_s_total += res.prefill_s
         p.running, p.busy_until = res, self.now + res.prefill_s
         self._push(p.busy_until, "prefill_done", p)
 
@@ -277,6 +326,7 @@ class Simulation:
         res, req = p.running, p.running.request
         p.cache.store(req.keys)
         res.first_token_s = self.now
+        self.first_tokens.append((self.now, self.now - req.arrival_s))
         self.conductors[res.conductor].prefill_done(req.request_id)
         p.running = None
         if p.queue:
@@ -307,6 +357,9 @@ class Simulation:
     def _finished(self, request_id: str, joined_at: float, finished_at: float) -> None:
         res = self._by_id[request_id]
         res.status, res.end_s = "ok", finished_at
+        if res.request.output_tokens > 1:
+            self.finishes.append((finished_at, (finished_at - res.first_token_s)
+                                  / (res.request.output_tokens - 1)))
         self.forecast.finished(request_id, finished_at - joined_at)
 
     def _sample(self, _) -> None:

@@ -8,7 +8,7 @@ requests (rejected ones count as missed); goodput = good / duration (req/s), dur
 event − first arrival. Hit ratios are cached prompt tokens over all prompt tokens of the
 prefills that ran, by the tier they came from ("remote": pulled from another node).
 Wasted prefill-seconds: prefill time spent on requests decode could not admit within the TBT
-SLO (arXiv 2407.00079v1 §6).
+SLO (arXiv 2407.00079v1 §6). Instance time: see `instance_time`.
 """
 
 from __future__ import annotations
@@ -77,10 +77,23 @@ def summarize(sim: Simulation, include_samples: bool = True) -> dict:
         "hit_ratio_by_tier": {t: n / max(1, prompt_tokens) for t, n in sorted(hit_tokens.items())},
         "hot_blocks": hot_blocks(sim),
         "per_instance": per_instance(sim),
+        **instance_time(sim, good),
     }
+    if sim.autoscaler is not None:
+        out["autoscale"] = {"range": str(cfg.autoscale), "decisions": sim.autoscaler.decisions}
     if include_samples:
         out["samples"] = sim.samples
     return out
+
+
+def instance_time(sim: Simulation, good: int) -> dict:
+    """Instance-hours run (an instance counts from its start to its stop, or to the last
+    event), per 1k requests of the trace, and good requests per instance-hour."""
+    seconds = sim.instance_seconds()
+    hours = sum(seconds.values()) / 3600
+    return {"instance_hours": {r: s / 3600 for r, s in seconds.items()},
+            "instance_hours_per_1k": hours * 1000 / max(1, len(sim.results)),
+            "goodput_per_instance_hour": good / hours if hours else 0.0}
 
 
 def hot_blocks(sim: Simulation, n: int = HOT_BLOCKS) -> list[dict]:

@@ -10,6 +10,7 @@ always computed.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 from dataclasses import dataclass
@@ -50,3 +51,24 @@ def load_requests(path: str | Path, time_scale: float = 1.0, start: int = 0,
                   num_requests: int | None = None) -> list[SimRequest]:
     """Raises ValueError for a malformed trace, OSError for an unreadable one."""
     return requests_from_records(read_trace(path, start, num_requests), time_scale)
+
+
+def vary_rate(requests: list[SimRequest], factors: list[float]) -> list[SimRequest]:
+    """The same requests with the arrival rate multiplied by factors[i] over the i-th of
+    len(factors) equal spans of the trace's time (`--rate-profile 1,2,1`: the middle third
+    twice as fast). Raises ValueError for a factor <= 0."""
+    if any(f <= 0 for f in factors):
+        raise ValueError(f"rate factors must be > 0, got {factors}")
+    if not requests or not factors:
+        return list(requests)
+    t0 = requests[0].arrival_s
+    span = (requests[-1].arrival_s - t0) / len(factors) or 1.0
+    starts = [0.0]
+    for f in factors:
+        starts.append(starts[-1] + span / f)
+
+    def warp(t: float) -> float:
+        i = min(int((t - t0) / span), len(factors) - 1)
+        return t0 + starts[i] + (t - t0 - i * span) / factors[i]
+
+    return [dataclasses.replace(r, arrival_s=warp(r.arrival_s)) for r in requests]

@@ -5,7 +5,8 @@ import math
 import numpy as np
 import pytest
 
-from loadtest.arrivals import rate_arrivals, trace_arrivals
+from loadtest.arrivals import (parse_rate_steps, rate_arrivals, stepped_arrivals,
+                               trace_arrivals)
 from loadtest.prefix import offline_prefix_hits
 from loadtest.synthetic import parse_length, synthetic_workload
 from loadtest.tokens import TokenSpace
@@ -69,3 +70,17 @@ def test_synthetic_shared_prefix_and_drops():
                                  max_model_len=250, seed=0)
     assert dropped.dropped + len(dropped.requests) == 10 and dropped.dropped > 0
     assert all(r.prompt_len + r.output_len <= 250 for r in dropped.requests)
+
+
+def test_rate_steps_place_each_steps_arrivals_in_its_own_span():
+    steps = parse_rate_steps("2:10,8:5,1:20")
+    assert steps == [(2.0, 10.0), (8.0, 5.0), (1.0, 20.0)]
+    times = stepped_arrivals(steps, rng=np.random.default_rng(1))
+    assert len(times) == 20 + 40 + 20
+    assert all(0 < t <= 10 for t in times[:20])
+    assert all(10 < t <= 15 for t in times[20:60])
+    assert all(15 < t <= 35 for t in times[60:])
+    assert times == sorted(times)
+    for bad in ("2", "2:0", "x:10", "-1:5", "2:10,"):
+        with pytest.raises(ValueError, match="RATE:SECONDS"):
+            parse_rate_steps(bad)

@@ -40,6 +40,35 @@ def test_file_round_trip_and_errors(tmp_path):
         CostModel.from_json({**MOONCAKE_70B.to_json(), "bogus": 1})
 
 
+def test_a_file_without_the_tensor_parallel_fields_loads_with_their_defaults():
+    data = {k: v for k, v in MOONCAKE_70B.to_json().items()
+            if k not in ("tensor_parallel_size", "weights_bytes", "device_memory_bytes")}
+    model = CostModel.from_json(data)
+    assert (model.tensor_parallel_size, model.weights_bytes, model.device_memory_bytes) == \
+        (1, 0, 0)
+
+
+def test_tensor_parallel_moves_compute_and_kv_room():
+    m = MOONCAKE_70B
+    assert m.at_tensor_parallel(8) is m
+    tp4 = m.at_tensor_parallel(4, efficiency=0.85)
+    # speed(t) = t * 0.85^log2(t): speed(8) / speed(4) = 2 * 0.85
+    assert tp4.t_prefill(8000) == pytest.approx(m.t_prefill(8000) * 2 * 0.85)
+    assert tp4.t_step(8, 100_000) == pytest.approx(m.t_step(8, 100_000) * 2 * 0.85)
+    # (4 x 72 GB - 140 GB) / 320 KiB; at 8 the model's own figure
+    assert tp4.decode_kv_tokens == (4 * 72 * 10**9 - 140 * 10**9) // (320 * 1024)
+    assert m.decode_kv_tokens == pytest.approx((8 * 72e9 - 140e9) / (320 * 1024), rel=1e-3)
+    assert tp4.transfer_bytes_per_s == m.transfer_bytes_per_s
+    assert m.at_tensor_parallel(16).t_prefill(8000) < m.t_prefill(8000)
+    with pytest.raises(ValueError, match="no KV room on 1 devices"):
+        m.at_tensor_parallel(1)
+    with pytest.raises(ValueError, match=">= 1"):
+        m.at_tensor_parallel(0)
+    # unknown memory: KV room scales with the devices
+    cpu = BUILTIN_COST_MODELS["stories260k-cpu"]
+    assert cpu.at_tensor_parallel(2).decode_kv_tokens == 2 * cpu.decode_kv_tokens
+
+
 def test_fit_nonnegative_drops_negative_terms():
     x = np.array([[1.0, n, n * n] for n in range(1, 20)])
     y = 0.5 + 0.1 * x[:, 1]

@@ -1,0 +1,191 @@
+"""`--autoscale`: the SLO planner (router.planner) as a control loop over a running cluster.
+
+Every `autoscale_interval_s` (the report interval) it measures what the planner needs:
+prefill, the p90 TTFT of the first tokens this gateway sent in the interval
+(GatewayMetrics.recent), the largest queue wait the Conductor predicts and the offered load
+((busy seconds from the workers' `busy_s_total` + queue growth) / (interval × instances));
+decode, the p90 TPOT of the requests that ended in it, the mean KV usage and the sequences
+waiting. Then it applies the planner's decisions:
+
+- scale-up: `Cluster.add_instance` starts the worker (a thread per instance, so the loop
+  goes on) and routes to it once its model answers; on KubeRay a worker that fits no pod is
+  pending until Ray's autoscaler adds one (deploy/k8s enables it);
+- scale-down drains: the registry stops routing to the instance (InstanceRegistry.drain);
+  once it holds nothing (no request of this gateway routed to it, none active, waiting or
+  being sent in its stats) `Cluster.retire_instance` stops it. No request fails: what it
+  runs finishes where it is.
+
+The last events (add, ready, drain, stopped, failed) and rounds' observations are in /health
+under "autoscale".
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import asdict
+
+import ray
+
+from deploy.launcher import Cluster
+from router.admission import SLO
+from router.metrics import GatewayMetrics
+from router.planner import Decision, Planner, PlannerConfig, RoleObservation, p90
+
+log = logging.getLogger(__name__)
+
+#: how many recent events /health lists
+EVENT_HISTORY = 64
+STATS_TIMEOUT_S = 5.0
+
+
+class Autoscaler:
+    def __init__(self, cluster: Cluster, metrics: GatewayMetrics,
+                 planner: PlannerConfig | None = None) -> None:
+        cfg = cluster.config
+        self.cluster, self.metrics = cluster, metrics
+        self.interval_s = cfg.autoscale_interval_s
+        self.planner = Planner(planner or PlannerConfig(
+            SLO(cfg.slo_ttft_s, cfg.slo_tbt_ms / 1000), cfg.autoscale_range()))
+        self.events: deque[dict] = deque(maxlen=EVENT_HISTORY)
+        self.observations: deque[dict] = deque(maxlen=EVENT_HISTORY)  # one per round
+        self._lock = threading.Lock()
+        self._starting = {"prefill": 0, "decode": 0}
+        self._draining: dict[str, str] = {}  # worker id -> role
+        self._busy: dict[str, float] = {}
+        self._backlog = 0.0
+        self._last = time.monotonic()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="autoscaler", daemon=True)
+
+    def start(self) -> Autoscaler:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=10)
+
+    def state(self) -> dict:
+        """What /health shows: the range, the instances starting and draining, the events
+        and each round's observations (router.planner.RoleObservation per role)."""
+        with self._lock:
+            return {"range": str(self.planner.config.range),
+                    "starting": dict(self._starting), "draining": sorted(self._draining),
+                    "events": list(self.events), "observations": list(self.observations)}
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                self.tick()
+            except Exception:  # the loop must outlive one bad round
+                log.exception("autoscaler round failed")
+
+    def _event(self, action: str, role: str, worker_id: str | None, reason: str) -> None:
+        with self._lock:
+            self.events.append({"at": time.time(), "action": action, "role": role,
+                                "worker_id": worker_id, "reason": reason})
+        log.info("autoscale: %s %s %s (%s)", action, role, worker_id or "", reason)
+
+    def _stats(self) -> dict[str, dict]:
+        instances = self.cluster.prefill + self.cluster.decode
+        refs = [(i.worker_id, i.handle.stats.remote()) for i in instances]
+        out = {}
+        for worker_id, ref in refs:
+            try:
+                out[worker_id] = ray.get(ref, timeout=STATS_TIMEOUT_S)
+            except Exception as exc:  # noqa: BLE001 -- left out this round
+                log.debug("no stats from %s: %s", worker_id, exc)
+        return out
+
+    def tick(self) -> None:
+        """One round: measure, stop drained instances, apply the planner's decisions."""
+        stats = self._stats()
+        self._stop_drained(stats)
+        prefill, decode = self.observe(stats)
+        with self._lock:
+            self.observations.append({"at": time.time(), "prefill": asdict(prefill),
+                                      "decode": asdict(decode)})
+        for decision in self.planner.decide(prefill, decode):
+            self._apply(decision, stats)
+
+    def observe(self, stats: dict[str, dict]) -> tuple[RoleObservation, RoleObservation]:
+        now = time.monotonic()
+        span, since = max(now - self._last, 1e-9), self._last
+        self._last = now
+        ttfts, tpots = self.metrics.recent(since)
+        registry, loads = self.cluster.registry, self.cluster.conductor.loads
+        serving_p = [i.worker_id for i in registry.by_role("prefill")]
+        busy = 0.0
+        for worker_id, st in stats.items():
+            total = float(st.get("busy_s_total", 0.0))
+            if worker_id in serving_p:
+                busy += max(0.0, total - self._busy.get(worker_id, total))
+            self._busy[worker_id] = total
+        queues = [loads.prefill_queue_s(w) for w in serving_p]
+        offered = max(0.0, busy + sum(queues) - self._backlog)
+        self._backlog = sum(queues)
+        with self._lock:
+            starting = dict(self._starting)
+            draining = list(self._draining.values())
+        prefill = RoleObservation(len(serving_p), p90(ttfts), max(queues, default=0.0),
+                                  offered / (span * max(1, len(serving_p))),
+                                  starting=starting["prefill"],
+                                  draining=draining.count("prefill"))
+        serving_d = [i.worker_id for i in registry.by_role("decode")]
+        usage = [st["num_used_blocks"] / st["num_blocks"]
+                 for w, st in stats.items() if w in serving_d and st.get("num_blocks")]
+        decode = RoleObservation(len(serving_d), p90(tpots),
+                                 utilization=sum(usage) / max(1, len(usage)),
+                                 waiting=sum(stats.get(w, {}).get("num_waiting", 0)
+                                             for w in serving_d),
+                                 starting=starting["decode"],
+                                 draining=draining.count("decode"))
+        return prefill, decode
+
+    def _apply(self, decision: Decision, stats: dict[str, dict]) -> None:
+        role = decision.role
+        if decision.delta > 0:
+            for _ in range(decision.delta):
+                with self._lock:
+                    self._starting[role] += 1
+                self._event("add", role, None, decision.reason)
+                threading.Thread(target=self._add, args=(role,), name=f"autoscale-{role}",
+                                 daemon=True).start()
+            return
+        serving = self.cluster.registry.by_role(role)
+        if len(serving) <= 1:
+            return
+        victim = min(serving, key=lambda i: (
+            self.cluster.pipeline.holds(i.worker_id)
+            + stats.get(i.worker_id, {}).get("num_active", 0), i.worker_id))
+        self.cluster.registry.drain(victim.worker_id)
+        with self._lock:
+            self._draining[victim.worker_id] = role
+        self._event("drain", role, victim.worker_id, decision.reason)
+
+    def _add(self, role: str) -> None:
+        try:
+            instance = self.cluster.add_instance(role)
+            self._event("ready", role, instance.worker_id, "answers; routed to")
+        except Exception as exc:  # noqa: BLE001 — reported; the planner may ask again
+            self._event("failed", role, None, f"start failed: {exc}")
+        finally:
+            with self._lock:
+                self._starting[role] -= 1
+
+    def _stop_drained(self, stats: dict[str, dict]) -> None:
+        with self._lock:
+            draining = dict(self._draining)
+        for worker_id, role in draining.items():
+            st = stats.get(worker_id)
+            if st is None or self.cluster.pipeline.holds(worker_id) or any(
+                    st.get(k, 0) for k in ("num_active", "num_waiting", "num_sending")):
+                continue
+            self.cluster.retire_instance(worker_id)
+            with self._lock:
+                self._draining.pop(worker_id, None)
+            self._event("stopped", role, worker_id, "drained: held nothing")
