@@ -10,10 +10,18 @@ waiting. Then it applies the planner's decisions:
 - scale-up: `Cluster.add_instance` starts the worker (a thread per instance, so the loop
   goes on) and routes to it once its model answers; on KubeRay a worker that fits no pod is
   pending until Ray's autoscaler adds one (deploy/k8s enables it);
-- scale-down drains: the registry stops routing to the instance (InstanceRegistry.drain);
-  once it holds nothing (no request of this gateway routed to it, none active, waiting or
-  being sent in its stats) `Cluster.retire_instance` stops it. No request fails: what it
-  runs finishes where it is.
+- scale-down drains: no gateway routes to the instance any more (`Cluster.drain_instance`:
+  this gateway's registry, and a detached cluster's record, which every gateway follows:
+  deploy.membership); once it holds nothing (no request of this gateway routed to it, none
+  active, waiting or being sent in its stats; in a detached cluster also not before the
+  other gateways have read the drain and what they routed before has arrived)
+  `Cluster.retire_instance` stops it. No request fails: what it runs finishes where it is.
+
+In a detached cluster any number of gateways may run it (deploy/k8s gives every gateway
+replica `autoscale`); one acts, holding a lease in the cluster record that it renews every
+round (ClusterRecord.scaler_lease), and another takes over, drains in progress included,
+within LEASE_INTERVALS rounds of its death. Its TTFT and TBT are what its own requests
+measured; behind a load balancer that spreads requests, a fair sample.
 
 The last events (add, ready, drain, stopped, failed) and rounds' observations are in /health
 under "autoscale".
@@ -22,6 +30,8 @@ under "autoscale".
 from __future__ import annotations
 
 import logging
+import os
+import socket
 import threading
 import time
 from collections import deque
@@ -29,7 +39,9 @@ from dataclasses import asdict
 
 import ray
 
+from deploy.cluster_record import read_record, record_actor
 from deploy.launcher import Cluster
+from deploy.membership import REFRESH_S
 from router.admission import SLO
 from router.metrics import GatewayMetrics
 from router.planner import Decision, Planner, PlannerConfig, RoleObservation, p90
@@ -38,6 +50,8 @@ log = logging.getLogger(__name__)
 
 #: how many recent events /health lists
 EVENT_HISTORY = 64
+#: a scaling gateway's lease on a detached cluster lasts this many intervals
+LEASE_INTERVALS = 3
 STATS_TIMEOUT_S = 5.0
 
 
@@ -54,9 +68,15 @@ class Autoscaler:
         self._lock = threading.Lock()
         self._starting = {"prefill": 0, "decode": 0}
         self._draining: dict[str, str] = {}  # worker id -> role
+        self._drained_at: dict[str, float] = {}
+        # a detached cluster's other gateways see a drain at their next read of the record;
+        # what they routed there before it reaches the worker within its TTFT
+        self.drain_grace_s = (2 * REFRESH_S + cfg.slo_ttft_s) if cluster.detached else 0.0
         self._busy: dict[str, float] = {}
         self._backlog = 0.0
         self._last = time.monotonic()
+        self.holder = f"{socket.gethostname()}:{os.getpid()}"
+        self._leading = False
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="autoscaler", daemon=True)
 
@@ -70,10 +90,11 @@ class Autoscaler:
             self._thread.join(timeout=10)
 
     def state(self) -> dict:
-        """What /health shows: the range, the instances starting and draining, the events
+        """What /health shows: the range, whether this gateway scales now (`_lead`), the
+        instances starting and draining, the events
         and each round's observations (router.planner.RoleObservation per role)."""
         with self._lock:
-            return {"range": str(self.planner.config.range),
+            return {"range": str(self.planner.config.range), "leading": self._leading,
                     "starting": dict(self._starting), "draining": sorted(self._draining),
                     "events": list(self.events), "observations": list(self.observations)}
 
@@ -101,8 +122,31 @@ class Autoscaler:
                 log.debug("no stats from %s: %s", worker_id, exc)
         return out
 
+    def _lead(self) -> bool:
+        """Whether this gateway scales now: always for the workers it owns; in a detached
+        cluster while it holds the record's lease (taking over the drains the record lists
+        when it has just got it)."""
+        if not self.cluster.detached:
+            return True
+        record = record_actor(self.cluster.config.ray_namespace)
+        lead = ray.get(record.scaler_lease.remote(self.holder, LEASE_INTERVALS * self.interval_s))
+        if lead and not self._leading:
+            manifest = read_record(self.cluster.config.ray_namespace)
+            with self._lock:
+                for name in manifest.draining:
+                    role = "prefill" if name in manifest.prefill else "decode"
+                    self._draining.setdefault(name, role)
+                    self._drained_at.setdefault(name, time.monotonic())
+            self._event("lead", "-", None, "holds the cluster's scaler lease")
+        self._leading = lead
+        return lead
+
     def tick(self) -> None:
-        """One round: measure, stop drained instances, apply the planner's decisions."""
+        """One round: measure, stop drained instances, apply the planner's decisions (only
+        while this gateway leads: `_lead`)."""
+        if not self._lead():
+            self._last = time.monotonic()
+            return
         stats = self._stats()
         self._stop_drained(stats)
         prefill, decode = self.observe(stats)
@@ -162,9 +206,10 @@ class Autoscaler:
         victim = min(serving, key=lambda i: (
             self.cluster.pipeline.holds(i.worker_id)
             + stats.get(i.worker_id, {}).get("num_active", 0), i.worker_id))
-        self.cluster.registry.drain(victim.worker_id)
+        self.cluster.drain_instance(victim.worker_id)
         with self._lock:
             self._draining[victim.worker_id] = role
+            self._drained_at[victim.worker_id] = time.monotonic()
         self._event("drain", role, victim.worker_id, decision.reason)
 
     def _add(self, role: str) -> None:
@@ -183,9 +228,11 @@ class Autoscaler:
         for worker_id, role in draining.items():
             st = stats.get(worker_id)
             if st is None or self.cluster.pipeline.holds(worker_id) or any(
-                    st.get(k, 0) for k in ("num_active", "num_waiting", "num_sending")):
+                    st.get(k, 0) for k in ("num_active", "num_waiting", "num_sending")) or \
+                    time.monotonic() - self._drained_at[worker_id] < self.drain_grace_s:
                 continue
             self.cluster.retire_instance(worker_id)
             with self._lock:
                 self._draining.pop(worker_id, None)
+                self._drained_at.pop(worker_id, None)
             self._event("stopped", role, worker_id, "drained: held nothing")

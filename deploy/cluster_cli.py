@@ -39,7 +39,7 @@ GATEWAY_FIELDS = frozenset({
     "max_inflight_requests", "max_queued_sequences", "max_seqs_per_request", "header_timeout_s",
     "body_timeout_s", "max_connections", "max_request_body_bytes", "api_keys", "api_key_file",
     "tool_call_parser", "enable_auto_tool_choice", "worker_stall_timeout_s", "address",
-    "ray_namespace"})
+    "ray_namespace", "autoscale", "autoscale_interval_s"})
 
 
 def state_path(namespace: str) -> Path:
@@ -96,15 +96,10 @@ def local_head_env(token: str) -> dict[str, str]:
 
 def cluster_up(config) -> int:
     """Bring the workers up detached; print the address. 1 when a local cluster is recorded
-    already."""
+    already. With --autoscale the counts start within its range, and the record carries it
+    to every gateway, which scale it (deploy.autoscaler: one at a time)."""
     namespace = config.ray_namespace
     head = None
-    if config.autoscale is not None:
-        # the control loop acts through the gateway that owns the workers' view (pdcluster
-        # serve); a detached cluster's gateways come and go
-        print("pdcluster: --autoscale runs in `pdcluster serve`; `cluster up` starts fixed "
-              "counts", file=sys.stderr)
-        return 2
     if config.address is None:
         if _read_state(namespace) is not None:
             print(f"pdcluster: a local cluster is recorded in {state_path(namespace)} "
@@ -152,7 +147,7 @@ def cluster_up(config) -> int:
         cluster.wait_ready()
         manifest = replace(cluster.manifest(),
                            ray_address=head.address if head else config.address)
-        write_record(manifest, namespace)
+        write_record(manifest, namespace, cluster.worker_config_json())
     except BaseException:
         _take_down(namespace, cluster=cluster)
         if head is not None:
@@ -206,7 +201,7 @@ def _stop_local(namespace: str, pid: int, temp_dir: str | None) -> None:
 
 def cluster_status(address: str | None, namespace: str, as_json: bool) -> int:
     """Each worker's role, instance, pid, node, state, running/waiting counts (and, in the
-    JSON, requests served since it started)."""
+    JSON, prompts computed and engine steps run since it started; the draining ones)."""
     from deploy.cluster_record import ClusterNotFoundError, read_record
 
     try:
@@ -222,14 +217,17 @@ def cluster_status(address: str | None, namespace: str, as_json: bool) -> int:
         for name in names:
             row = {"role": role, "instance": name, "pid": None, "node": None,
                    "state": "unreachable", "running": None, "waiting": None,
-                   "requests_total": None}
+                   "requests_total": None, "steps_total": None,
+                   "draining": name in manifest.draining}
             try:
                 handle = ray.get_actor(name, namespace=namespace)
                 info, stats = ray.get([handle.info.remote(), handle.stats.remote()], timeout=10)
                 row.update(pid=info["pid"], node=info["node_id"], state="alive",
                            running=stats.get("num_running", stats.get("num_active", 0)),
                            waiting=stats.get("num_waiting", 0),
-                           requests_total=stats.get("num_requests_total"))
+                           requests_total=stats.get("num_requests_total"),
+                           steps_total=stats.get("num_steps_total", 0)
+                           + stats.get("num_prefill_steps_total", 0))
             except ValueError:
                 row["state"] = "missing"
             except Exception as exc:  # noqa: BLE001 — shown as its state

@@ -5,8 +5,10 @@ Used by `pdcluster serve` and by the integration tests, so both run the same sta
 
 from __future__ import annotations
 
+import json
 import logging
 import secrets
+import time
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
@@ -16,15 +18,16 @@ from pydantic import SecretStr
 import kernels
 
 from decode_worker.actor import DecodeWorker, decode_actor
-from deploy.cluster_record import ClusterManifest
+from deploy.cluster_record import ClusterManifest, record_actor
+from deploy.membership import MembershipWatch
 from deploy.config import ServeConfig
 from deploy import placement
 from deploy.ray_session import RaySession
 from deploy.preload import worker_huge_pages, worker_preload
 from engine.config import EngineConfig, ModelConfig
 from engine.models.base import check_tensor_parallel
-from kvstore.actor import (KVSTORE_ACTOR_PREFIX, KVStoreActor, start_kvstore_actors,
-                           wait_kvstore_actors)
+from kvstore.actor import (KVSTORE_ACTOR_PREFIX, KVStoreActor, start_kvstore_actor,
+                           start_kvstore_actors, wait_kvstore_actors)
 from kvstore.index import ActorIndex, open_index
 from kvstore.index.actor import DEFAULT_INDEX_ACTOR_NAME
 from kvstore.layout import BlockLayout
@@ -43,6 +46,8 @@ log = logging.getLogger(__name__)
 PREFILL_MAX_CONCURRENCY = 8
 # How long a TP instance's placement group may take to be placed.
 TP_PLACEMENT_TIMEOUT_S = 120
+# How long a worker an autoscaler adds may take to answer: a new pod (image pull, start).
+ADD_INSTANCE_TIMEOUT_S = 600
 # How long a gateway attaching to a running cluster waits for each worker's first answer.
 ATTACH_TIMEOUT_S = 30
 
@@ -104,6 +109,7 @@ class Cluster:
         self._ray_session = ray_session
         self._stats_poller = None
         self.stall_watch: StallWatch | None = None
+        self._membership: MembershipWatch | None = None  # attached: follows the record
         self._index = None
 
     def start(self) -> "Cluster":
@@ -139,6 +145,7 @@ class Cluster:
                 log.warning("%s does not answer (%s): marked dead", instance.worker_id, exc)
                 cluster.registry.mark_dead(instance.worker_id)
         cluster._start_routing()
+        cluster._membership = MembershipWatch(cluster).start()
         return cluster
 
     @classmethod
@@ -168,10 +175,14 @@ class Cluster:
                     cluster.registry.add(instance)
         for name in manifest.placement_groups:
             try:
-                cluster.placement_groups.append(ray.util.get_placement_group(name))
-                cluster._pg_names.append(name)
+                pg = ray.util.get_placement_group(name)
             except ValueError:
-                pass
+                continue
+            cluster.placement_groups.append(pg)
+            cluster._pg_names.append(name)
+            cluster._worker_pgs[name.removeprefix("pg-")] = pg
+        for name in manifest.draining:
+            cluster.registry.drain(name)
         return cluster
 
     def manifest(self) -> ClusterManifest:
@@ -201,20 +212,7 @@ class Cluster:
         cfg = self.config
         if self._ray_session is None:
             self._ray_session = RaySession.open(cfg)
-        worker_cpu_bind = self._ray_session.worker_cpu_bind
-        prefill_engine, decode_engine = (
-            e.model_copy(update={"cpu_bind": worker_cpu_bind})
-            for e in (cfg.prefill_engine(), cfg.decode_engine()))
-        prefill_tp = prefill_engine.tensor_parallel_size
-        decode_tp = decode_engine.tensor_parallel_size
-        model = ModelConfig.from_pretrained(cfg.engine.model)
-        for tp in {prefill_tp, decode_tp}:
-            check_tensor_parallel(model, tp)  # a clear error before any actor starts
-        # each role's Ray custom resource (deploy/placement.py); KV stores only where workers go
-        self._resources = ray.cluster_resources()
-        roles = (placement.DECODE,) if cfg.colocated else placement.ROLES
-        self._role_demand = {r: placement.role_resources(r, cfg.placement, self._resources)
-                             for r in roles}
+        self._prepare_workers(cfg)
         # the driver opens the global index first: an index actor (ray://) lives as long as the
         # process that created it (detached: the cluster), and a KV store may die (Ray
         # restarts it)
@@ -226,6 +224,29 @@ class Cluster:
             cfg.kvstore, cfg.kvpool, block_layout(cfg.engine), cfg.ray_namespace,
             node_ids=placement.worker_node_ids(ray.nodes(), self._role_demand.values()),
             wait=False, actor_cls=self.actors.kvstore, detached=self.detached)
+        for node_id, handle in self.kvstores.items():  # for /metrics: tiers G2/G3 per node
+            self.registry.add(Instance(f"kvstore-{node_id[:12]}", "kvstore", handle))
+        for i in range(0 if cfg.colocated else self.initial_count("prefill")):
+            self.prefill.append(self._start_worker("prefill", i))
+        for i in range(self.initial_count("decode")):
+            self.decode.append(self._start_worker("decode", i))
+        wait_kvstore_actors(self.kvstores, cfg.kvstore.rpc_timeout_s * 6)
+
+    def _prepare_workers(self, cfg: ServeConfig) -> None:
+        """What every worker of `cfg` starts with (its engine per role, runtime env) and where
+        each role goes (placement); a clear error for a TP size the model cannot take."""
+        worker_cpu_bind = self._ray_session.worker_cpu_bind
+        prefill_engine, decode_engine = (
+            e.model_copy(update={"cpu_bind": worker_cpu_bind})
+            for e in (cfg.prefill_engine(), cfg.decode_engine()))
+        model = ModelConfig.from_pretrained(cfg.engine.model)
+        for tp in {prefill_engine.tensor_parallel_size, decode_engine.tensor_parallel_size}:
+            check_tensor_parallel(model, tp)  # a clear error before any actor starts
+        # each role's Ray custom resource (deploy/placement.py); KV stores only where workers go
+        self._resources = ray.cluster_resources()
+        roles = (placement.DECODE,) if cfg.colocated else placement.ROLES
+        self._role_demand = {r: placement.role_resources(r, cfg.placement, self._resources)
+                             for r in roles}
         # Triton on CPU runs interpreted: actors need TRITON_INTERPRET=1 before importing triton
         # and they log like the gateway (level, text|json, request ids): engine.logs
         runtime_env = {"env_vars": {**worker_env_vars(cfg.log_level, cfg.log_format),
@@ -233,15 +254,17 @@ class Cluster:
                                                                cfg.engine.device),
                                     **worker_preload(cfg.worker_preload),
                                     **worker_huge_pages(cfg.worker_huge_pages)}}
-        for node_id, handle in self.kvstores.items():  # for /metrics: tiers G2/G3 per node
-            self.registry.add(Instance(f"kvstore-{node_id[:12]}", "kvstore", handle))
         self._worker_args = {"runtime_env": runtime_env, "prefill": prefill_engine,
-                             "decode": decode_engine}
-        for i in range(0 if cfg.colocated else self.initial_count("prefill")):
-            self.prefill.append(self._start_worker("prefill", i))
-        for i in range(self.initial_count("decode")):
-            self.decode.append(self._start_worker("decode", i))
-        wait_kvstore_actors(self.kvstores, cfg.kvstore.rpc_timeout_s * 6)
+                             "decode": decode_engine, "config": cfg}
+
+    def worker_config_json(self) -> str:
+        """The workers' ServeConfig as JSON with the KV-plane token in the clear (for the
+        cluster record: a scaling gateway starts more workers with it); no API keys."""
+        data = json.loads(self.config.model_dump_json())
+        token = self.config.kvstore.token
+        data["kvstore"]["token"] = token.get_secret_value() if token is not None else None
+        data.pop("api_keys", None)
+        return json.dumps(data)
 
     def initial_count(self, role: str) -> int:
         """Instances of `role` at start: the configured count, within --autoscale's range."""
@@ -251,8 +274,8 @@ class Cluster:
 
     def _start_worker(self, role: str, index: int) -> Instance:
         """Start worker actor `role`-`index` (rank 0 of its TP instance); returns at once."""
-        cfg, args, name = self.config, self._worker_args, f"{role}-{index}"
-        engine = args[role]
+        args, name = self._worker_args, f"{role}-{index}"
+        cfg, engine = args["config"], args[role]
         options = {"runtime_env": args["runtime_env"],
                    **self._rank0_options(engine.tensor_parallel_size, role, name),
                    **self._actor_options(name)}
@@ -269,30 +292,80 @@ class Cluster:
                 name, engine, cfg.kvstore, cfg.ray_namespace, transfer, cfg.kvpool)
         return Instance(name, role, handle)
 
-    def add_instance(self, role: str, timeout_s: float = TP_PLACEMENT_TIMEOUT_S) -> Instance:
+    def add_instance(self, role: str, timeout_s: float = ADD_INSTANCE_TIMEOUT_S) -> Instance:
         """Start one more worker of `role` (the lowest free index), wait until it answers
-        (its model loaded) and route to it: an autoscaler's scale-up. Raises what the actor's
-        start raised (it is killed then), or GetTimeoutError."""
+        (its model loaded) and route to it: an autoscaler's scale-up. A detached cluster's
+        record lists it then, so every gateway routes to it (deploy.membership). Raises what
+        the actor's start raised (it is killed then), or GetTimeoutError."""
+        if not self._worker_args:  # attached: the workers' own config is in the record
+            self._prepare_workers(ServeConfig.model_validate_json(
+                ray.get(self._record().worker_config.remote())))
         taken = {i.worker_id for i in self.prefill + self.decode}
         index = next(i for i in range(len(taken) + 1) if f"{role}-{i}" not in taken)
         instance = self._start_worker(role, index)
+        ready = instance.handle.info.remote()
+        deadline = time.monotonic() + timeout_s
         try:
-            ray.get(instance.handle.info.remote(), timeout=timeout_s)
+            # a worker that fits no running node waits for Ray's autoscaler (KubeRay) to add
+            # one, and on it for its node's KV store: started here once the node is up
+            while not ray.wait([ready], timeout=1.0)[0]:
+                self._start_missing_kvstores()
+                if time.monotonic() > deadline:
+                    raise ray.exceptions.GetTimeoutError(
+                        f"{instance.worker_id} not up within {timeout_s:g} s")
+            ray.get(ready)
         except BaseException:
             self._stop_worker(instance)
             raise
         getattr(self, role).append(instance)
         self.registry.add(instance)
+        if self.detached:
+            pg = f"pg-{instance.worker_id}" if instance.worker_id in self._worker_pgs else None
+            ray.get(self._record().add_worker.remote(role, instance.worker_id, pg))
         return instance
+
+    def _start_missing_kvstores(self) -> None:
+        """A KV store on every worker node that has none (a node added since start)."""
+        cfg = self._worker_args["config"]
+        for node_id in placement.worker_node_ids(ray.nodes(), self._role_demand.values()):
+            if node_id in self.kvstores:
+                continue
+            handle = start_kvstore_actor(node_id, cfg.kvstore, cfg.kvpool,
+                                         block_layout(cfg.engine), cfg.ray_namespace,
+                                         self.actors.kvstore, self.detached)
+            self.kvstores[node_id] = handle
+            self.registry.add(Instance(f"kvstore-{node_id[:12]}", "kvstore", handle))
+            if self.detached:
+                ray.get(self._record().add_kvstore.remote(node_id,
+                                                          KVSTORE_ACTOR_PREFIX + node_id))
+            log.info("KV store started on new node %s", node_id)
+
+    def drain_instance(self, worker_id: str) -> None:
+        """Route nothing new to `worker_id` (here, and through the record in every gateway of
+        a detached cluster); what it holds goes on."""
+        self.registry.drain(worker_id)
+        if self.detached:
+            ray.get(self._record().drain_worker.remote(worker_id))
 
     def retire_instance(self, worker_id: str) -> None:
         """Stop routing to worker `worker_id` and stop it, with its placement group: the end of
         a scale-down, once its requests are done (deploy.autoscaler drains first)."""
+        pg = f"pg-{worker_id}" if worker_id in self._worker_pgs else None
+        self.forget_instance(worker_id, stop=True)
+        if self.detached:
+            ray.get(self._record().remove_worker.remote(worker_id, pg))
+
+    def forget_instance(self, worker_id: str, stop: bool = False) -> None:
+        """Take `worker_id` out of this gateway's view (and stop it when `stop`)."""
         self.registry.remove(worker_id)
         for role in ("prefill", "decode"):
             for instance in [i for i in getattr(self, role) if i.worker_id == worker_id]:
                 getattr(self, role).remove(instance)
-                self._stop_worker(instance)
+                if stop:
+                    self._stop_worker(instance)
+
+    def _record(self):
+        return record_actor(self.config.ray_namespace)
 
     def _stop_worker(self, instance: Instance) -> None:
         ray.kill(instance.handle, no_restart=True)
@@ -300,6 +373,8 @@ class Cluster:
         if pg is not None:
             ray.util.remove_placement_group(pg)
             self.placement_groups.remove(pg)
+            if f"pg-{instance.worker_id}" in self._pg_names:
+                self._pg_names.remove(f"pg-{instance.worker_id}")
 
     def _start_routing(self) -> None:
         """The gateway's view over the registry: the live Conductor (index, load reports,
@@ -351,6 +426,9 @@ class Cluster:
     def shutdown(self) -> None:
         """Stop the gateway's view; then, unless attached, the workers, stores and index;
         then leave (or stop) the Ray session."""
+        if self._membership is not None:
+            self._membership.stop()
+            self._membership = None
         if self.stall_watch is not None:
             self.stall_watch.stop()
             self.stall_watch = None

@@ -136,11 +136,11 @@ def serve_gateway(config: ServeConfig, cluster: Cluster) -> int:
     """Serve the gateway over `cluster` (started, or attached: `pdcluster gateway`) until
     SIGINT/SIGTERM, then drain and shut `cluster` down (an attached one leaves its workers
     running); 0 after a graceful stop. With --autoscale, this gateway runs the autoscaler
-    (deploy.autoscaler) over the workers it owns."""
+    (deploy.autoscaler): one gateway of a cluster should."""
     autoscaler = None
     try:
         app = gateway_app(config, cluster)
-        if config.autoscale is not None and cluster.owns_workers:
+        if config.autoscale is not None:
             autoscaler = app.state.autoscaler = Autoscaler(cluster,
                                                            app.state.service.metrics).start()
         # text: uvicorn's own log config; json: uvicorn's loggers go through the root handler

@@ -79,11 +79,18 @@ class MeasuredRun:
     started_at: float = 0.0
 
 
+#: how long an idle connection is kept for reuse: under uvicorn's `timeout_keep_alive` (5 s),
+#: so the client never sends on a connection the server is closing (after a burst, all the
+#: connections it opened go idle, and are closed, at once)
+KEEPALIVE_S = 4.0
+
+
 async def measured_run(run: RunConfig, body) -> MeasuredRun:
     """Runs `await body(session, t0)` in an HTTP session (at most `run.max_concurrency`
     connections), between a /metrics scrape before and one after, with the sampler scraping
     every `run.scrape_interval_s` meanwhile. `t0` is the start on the perf_counter clock."""
-    connector = aiohttp.TCPConnector(limit=run.max_concurrency or 0, force_close=False)
+    connector = aiohttp.TCPConnector(limit=run.max_concurrency or 0, force_close=False,
+                                     keepalive_timeout=KEEPALIVE_S)
     async with aiohttp.ClientSession(connector=connector, trust_env=False,
                                      timeout=aiohttp.ClientTimeout(total=None)) as session:
         before = await scrape(session, run.metrics_url) if run.metrics_url else None

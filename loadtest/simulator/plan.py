@@ -18,8 +18,10 @@ The search (DistServe §4's per-phase placement search, on this simulator):
    that failed and the plan less one instance of either role; it is simulated and reported
    with the attainment that fails.
 
-Instance-hours per 1k requests: instances × the simulated span / (requests / 1000); GPU-hours
-count each instance's tensor-parallel devices. The result JSON holds every run.
+Instance-hours per 1k requests: instances × the trace's arrival span / (requests / 1000), what
+the shape costs at the trace's rate (a shape too small for it also runs on after the last
+arrival; that is its failing, not its price); GPU-hours count each instance's tensor-parallel
+devices. The result JSON holds every run.
 """
 
 from __future__ import annotations
@@ -121,11 +123,11 @@ class PlanSearch:
             ttft_ok += r.first_token_s - r.request.arrival_s <= self.slo.ttft_s
             tbt_ok += r.request.output_tokens <= 1 or (r.end_s - r.first_token_s) / (
                 r.request.output_tokens - 1) <= self.slo.tbt_s
-        hours = summary["instance_hours"]
+        span_h = (self.requests[-1].arrival_s - self.requests[0].arrival_s) / 3600
         outcome = Outcome(shape, summary["slo_attainment"], ttft_ok / n, tbt_ok / n,
-                          summary["instance_hours_per_1k"],
-                          (hours["prefill"] * shape.prefill_tp + hours["decode"] * shape.decode_tp)
-                          * 1000 / n, summary["mean_ttft_ms"] / 1000, summary["p90_tbt_ms"])
+                          (shape.prefill + shape.decode) * span_h * 1000 / n,
+                          shape.devices * span_h * 1000 / n, summary["mean_ttft_ms"] / 1000,
+                          summary["p90_tbt_ms"])
         self.runs[shape] = outcome
         self.log(f"  {shape}: attainment {outcome.attainment:.2%} (TTFT "
                  f"{outcome.ttft_attainment:.2%}, TBT {outcome.tbt_attainment:.2%}), "

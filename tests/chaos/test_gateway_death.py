@@ -49,12 +49,13 @@ def status(env: dict, namespace: str) -> dict:
 
 
 class Gateway:
-    def __init__(self, env: dict, namespace: str, port: int, log: Path) -> None:
+    def __init__(self, env: dict, namespace: str, port: int, log: Path,
+                 flags: tuple[str, ...] = ()) -> None:
         self.port, self.log = port, log
         with log.open("a") as out:
             self.proc = subprocess.Popen(
                 [str(BIN / "pdcluster"), "gateway", "--port", str(port), "--ray-namespace",
-                 namespace], env=env, stdout=out, stderr=subprocess.STDOUT,
+                 namespace, *flags], env=env, stdout=out, stderr=subprocess.STDOUT,
                 start_new_session=True)
         deadline = time.monotonic() + 120
         while True:

@@ -341,6 +341,13 @@ def test_worker_pods_fit_the_config(overlay, tmp_path):
         # CPU limit is Ray's CPUs plus the cores kept for Ray's own processes
         cpus = int(group["rayStartParams"]["num-cpus"])
         assert instances[role] * cfg.actor_num_cpus <= group["minReplicas"] * cpus, role
+        # what the SLO planner may add fits the pods Ray's autoscaler may add
+        scale = cfg.autoscale_range()
+        if scale is not None:
+            assert rc["spec"]["enableInTreeAutoscaling"] is True
+            bounds = scale.of(role)
+            assert bounds.minimum <= instances[role] <= bounds.maximum, role
+            assert bounds.maximum * cfg.actor_num_cpus <= group["maxReplicas"] * cpus, role
         env = {e["name"]: e["value"] for e in container.get("env", [])}
         reserved = int(env["RAY_RESERVED_CPUS"])
         assert reserved >= 1 and quantity(limits["cpu"]) == cpus + reserved, role
@@ -348,6 +355,7 @@ def test_worker_pods_fit_the_config(overlay, tmp_path):
         gpus = quantity(limits.get("nvidia.com/gpu", 0))
         if gpu:
             assert instances[role] <= group["minReplicas"] * gpus, role
+            assert scale is None or scale.of(role).maximum <= group["maxReplicas"] * gpus, role
             assert pod["nodeSelector"] and any(t["key"] == "nvidia.com/gpu"
                                                for t in pod["tolerations"]), role
         else:
