@@ -47,6 +47,9 @@ class ClusterManifest:
     draining: tuple[str, ...] = ()
     #: bumped by every membership change
     version: int = 0
+    #: role -> the index of its next worker's name (never reused: a gateway's old handle
+    #: to a stopped worker must not name a new one)
+    next_index: dict[str, int] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -95,6 +98,14 @@ class ClusterRecord:
         m = self._manifest
         return self._change(**{role: [*m[role], name]}, placement_groups=[
             *m.get("placement_groups", ()), *([placement_group] if placement_group else [])])
+
+    def next_name(self, role: str) -> str:
+        """A name for a new worker of `role` that no worker of this cluster had."""
+        index = dict(self._manifest.get("next_index", {}))
+        n = index.get(role, len(self._manifest[role]))
+        index[role] = n + 1
+        self._manifest = {**self._manifest, "next_index": index}
+        return f"{role}-{n}"
 
     def add_kvstore(self, node_id: str, name: str) -> dict:
         return self._change(kvstores={**self._manifest["kvstores"], node_id: name})

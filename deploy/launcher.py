@@ -103,6 +103,7 @@ class Cluster:
         self.placement_groups: list = []
         self._worker_pgs: dict = {}  # worker id -> its TP placement group
         self._worker_args: dict = {}  # what start_workers resolved, for add_instance
+        self._next_index: dict[str, int] = {}  # role -> index of the next added worker
         self._pg_names: list[str] = []  # of the detached ones
         self._resources: dict[str, float] = {}  # ray.cluster_resources() at start
         self._role_demand: dict[str, dict[str, float]] = {}
@@ -194,7 +195,8 @@ class Cluster:
             {node: KVSTORE_ACTOR_PREFIX + node for node in self.kvstores},
             (index_url.netloc or DEFAULT_INDEX_ACTOR_NAME) if index_url.scheme == "ray"
             else None,
-            tuple(self._pg_names))
+            tuple(self._pg_names),
+            next_index={"prefill": len(self.prefill), "decode": len(self.decode)})
 
     def _actor_options(self, name: str) -> dict:
         """Detached: named in the namespace and outliving this process."""
@@ -227,9 +229,9 @@ class Cluster:
         for node_id, handle in self.kvstores.items():  # for /metrics: tiers G2/G3 per node
             self.registry.add(Instance(f"kvstore-{node_id[:12]}", "kvstore", handle))
         for i in range(0 if cfg.colocated else self.initial_count("prefill")):
-            self.prefill.append(self._start_worker("prefill", i))
+            self.prefill.append(self._start_worker("prefill", f"prefill-{i}"))
         for i in range(self.initial_count("decode")):
-            self.decode.append(self._start_worker("decode", i))
+            self.decode.append(self._start_worker("decode", f"decode-{i}"))
         wait_kvstore_actors(self.kvstores, cfg.kvstore.rpc_timeout_s * 6)
 
     def _prepare_workers(self, cfg: ServeConfig) -> None:
@@ -272,9 +274,9 @@ class Cluster:
         scale = self.config.autoscale_range()
         return n if scale is None else min(max(n, scale.of(role).minimum), scale.of(role).maximum)
 
-    def _start_worker(self, role: str, index: int) -> Instance:
-        """Start worker actor `role`-`index` (rank 0 of its TP instance); returns at once."""
-        args, name = self._worker_args, f"{role}-{index}"
+    def _start_worker(self, role: str, name: str) -> Instance:
+        """Start worker actor `name` of `role` (rank 0 of its TP instance); returns at once."""
+        args = self._worker_args
         cfg, engine = args["config"], args[role]
         options = {"runtime_env": args["runtime_env"],
                    **self._rank0_options(engine.tensor_parallel_size, role, name),
@@ -293,16 +295,20 @@ class Cluster:
         return Instance(name, role, handle)
 
     def add_instance(self, role: str, timeout_s: float = ADD_INSTANCE_TIMEOUT_S) -> Instance:
-        """Start one more worker of `role` (the lowest free index), wait until it answers
+        """Start one more worker of `role` (a name no worker had), wait until it answers
         (its model loaded) and route to it: an autoscaler's scale-up. A detached cluster's
         record lists it then, so every gateway routes to it (deploy.membership). Raises what
         the actor's start raised (it is killed then), or GetTimeoutError."""
         if not self._worker_args:  # attached: the workers' own config is in the record
             self._prepare_workers(ServeConfig.model_validate_json(
                 ray.get(self._record().worker_config.remote())))
-        taken = {i.worker_id for i in self.prefill + self.decode}
-        index = next(i for i in range(len(taken) + 1) if f"{role}-{i}" not in taken)
-        instance = self._start_worker(role, index)
+        if self.detached:
+            name = ray.get(self._record().next_name.remote(role))
+        else:
+            self._next_index[role] = self._next_index.get(role, len(getattr(self, role)))
+            name = f"{role}-{self._next_index[role]}"
+            self._next_index[role] += 1
+        instance = self._start_worker(role, name)
         ready = instance.handle.info.remote()
         deadline = time.monotonic() + timeout_s
         try:
@@ -317,11 +323,12 @@ class Cluster:
         except BaseException:
             self._stop_worker(instance)
             raise
-        getattr(self, role).append(instance)
-        self.registry.add(instance)
-        if self.detached:
+        if self.detached:  # first: the membership watch drops what the record lacks
             pg = f"pg-{instance.worker_id}" if instance.worker_id in self._worker_pgs else None
             ray.get(self._record().add_worker.remote(role, instance.worker_id, pg))
+        if instance.worker_id not in {i.worker_id for i in getattr(self, role)}:
+            getattr(self, role).append(instance)  # (unless the watch added it meanwhile)
+        self.registry.add(instance)
         return instance
 
     def _start_missing_kvstores(self) -> None:
@@ -351,9 +358,9 @@ class Cluster:
         """Stop routing to worker `worker_id` and stop it, with its placement group: the end of
         a scale-down, once its requests are done (deploy.autoscaler drains first)."""
         pg = f"pg-{worker_id}" if worker_id in self._worker_pgs else None
-        self.forget_instance(worker_id, stop=True)
-        if self.detached:
+        if self.detached:  # first: the membership watch re-adds what the record lists
             ray.get(self._record().remove_worker.remote(worker_id, pg))
+        self.forget_instance(worker_id, stop=True)
 
     def forget_instance(self, worker_id: str, stop: bool = False) -> None:
         """Take `worker_id` out of this gateway's view (and stop it when `stop`)."""

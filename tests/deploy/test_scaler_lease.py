@@ -34,3 +34,11 @@ def test_membership_changes_bump_the_version_and_read_back():
     assert m.prefill == ("prefill-1",) and m.draining == () and m.version == 4
     assert m.kvstores == {"n1": "pdcluster-kvstore-n1"}
     assert r.worker_config() == '{"kvstore": {"token": "t"}}'
+
+
+def test_a_new_worker_never_takes_a_stopped_ones_name():
+    r = ClusterRecord(ClusterManifest("{}", ("prefill-0", "prefill-1"), ("decode-0",), {},
+                                      next_index={"prefill": 2, "decode": 1}).to_dict())
+    r.remove_worker("prefill-1")
+    assert r.next_name("prefill") == "prefill-2" and r.next_name("prefill") == "prefill-3"
+    assert r.next_name("decode") == "decode-1"

@@ -62,6 +62,10 @@ def test_autoscale_adds_within_two_intervals_and_drains_after_with_no_failed_req
              / (r["output_tokens"] - 1) > SLO_TBT_MS / 1000]
     assert over, "the high step broke no SLO: the test's load is too light for this machine"
     first_add = min(e["at"] for e in events if e["action"] == "add")
+    first_ready = min(e["at"] for e in events if e["action"] == "ready")
+    print(f"breach seen by the client -> first add {first_add - min(over):.1f} s, -> its "
+          f"worker routed to {first_ready - min(over):.1f} s; events: "
+          f"{[(round(e['at'] - t0, 1), e['action'], e['role']) for e in events]}")
     assert first_add - min(over) <= 2 * INTERVAL_S, (first_add - min(over), events)
     # and it was added while the high step ran: the low step alone breaks nothing
     low_end = t0 + 10
