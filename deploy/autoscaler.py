@@ -2,10 +2,13 @@
 
 Every `autoscale_interval_s` (the report interval) it measures what the planner needs:
 prefill, the p90 TTFT of the first tokens this gateway sent in the interval
-(GatewayMetrics.recent), the largest queue wait the Conductor predicts and the offered load
-((busy seconds from the workers' `busy_s_total` + queue growth) / (interval × instances));
-decode, the p90 TPOT of the requests that ended in it, the mean KV usage and the sequences
-waiting. Then it applies the planner's decisions:
+(GatewayMetrics.recent), the largest queue wait (the Conductor's prediction, or the
+worker's pending prompt tokens at the rate its `busy_s_total` and
+`num_prefill_tokens_total` say it computes them) and the offered load ((busy seconds + queue
+growth) / (interval × instances)); decode, the larger of the p90 TPOT of the requests that
+ended in it and the workers' mean step time (busy seconds / steps), the mean KV usage and
+the sequences waiting. The workers' own figures hold the whole cluster's load, whatever share
+of it this gateway routes. Then it applies the planner's decisions:
 
 - scale-up: `Cluster.add_instance` starts the worker (a thread per instance, so the loop
   goes on) and routes to it once its model answers; on KubeRay a worker that fits no pod is
@@ -72,7 +75,8 @@ class Autoscaler:
         # a detached cluster's other gateways see a drain at their next read of the record;
         # what they routed there before it reaches the worker within its TTFT
         self.drain_grace_s = (2 * REFRESH_S + cfg.slo_ttft_s) if cluster.detached else 0.0
-        self._busy: dict[str, float] = {}
+        self._counters: dict[str, tuple] = {}  # worker -> its stats' counters, last round
+        self._prefill_rate: dict[str, float] = {}  # prefill worker -> prompt tokens a busy s
         self._backlog = 0.0
         self._last = time.monotonic()
         self.holder = f"{socket.gethostname()}:{os.getpid()}"
@@ -129,7 +133,8 @@ class Autoscaler:
         if not self.cluster.detached:
             return True
         record = record_actor(self.cluster.config.ray_namespace)
-        lead = ray.get(record.scaler_lease.remote(self.holder, LEASE_INTERVALS * self.interval_s))
+        lead = ray.get(record.scaler_lease.remote(self.holder, LEASE_INTERVALS * self.interval_s),
+                       timeout=self.interval_s)
         if lead and not self._leading:
             manifest = read_record(self.cluster.config.ray_namespace)
             with self._lock:
@@ -163,15 +168,32 @@ class Autoscaler:
         ttfts, tpots = self.metrics.recent(since)
         registry, loads = self.cluster.registry, self.cluster.conductor.loads
         serving_p = [i.worker_id for i in registry.by_role("prefill")]
-        busy = 0.0
+        serving_d = [i.worker_id for i in registry.by_role("decode")]
+        moved = {}  # worker -> (busy s, prompt tokens computed, decode steps) in the interval
         for worker_id, st in stats.items():
-            total = float(st.get("busy_s_total", 0.0))
-            if worker_id in serving_p:
-                busy += max(0.0, total - self._busy.get(worker_id, total))
-            self._busy[worker_id] = total
-        queues = [loads.prefill_queue_s(w) for w in serving_p]
+            now_c = (float(st.get("busy_s_total", 0.0)), st.get("num_prefill_tokens_total", 0),
+                     st.get("num_steps_total", 0))
+            before = self._counters.get(worker_id, now_c)
+            moved[worker_id] = tuple(max(0, a - b) for a, b in zip(now_c, before))
+            self._counters[worker_id] = now_c
+        busy = 0.0
+        queues = []
+        for w in serving_p:
+            d_busy, d_tokens, _ = moved.get(w, (0.0, 0, 0))
+            busy += d_busy
+            if d_busy > 0 and d_tokens > 0:
+                self._prefill_rate[w] = d_tokens / d_busy
+            # the Conductor's prediction, or the worker's own queue at the rate it computed
+            # (a gateway that routes little has no calibrated prediction)
+            own = (stats.get(w, {}).get("num_pending_prompt_tokens", 0) / self._prefill_rate[w]
+                   if w in self._prefill_rate else 0.0)
+            queues.append(max(loads.prefill_queue_s(w), own))
         offered = max(0.0, busy + sum(queues) - self._backlog)
         self._backlog = sum(queues)
+        d_busy = sum(moved.get(w, (0.0, 0, 0))[0] for w in serving_d)
+        d_steps = sum(moved.get(w, (0.0, 0, 0))[2] for w in serving_d)
+        # what every running sequence waited between two tokens, as the workers measured it
+        step_s = d_busy / d_steps if d_steps else None
         with self._lock:
             starting = dict(self._starting)
             draining = list(self._draining.values())
@@ -179,10 +201,10 @@ class Autoscaler:
                                   offered / (span * max(1, len(serving_p))),
                                   starting=starting["prefill"],
                                   draining=draining.count("prefill"))
-        serving_d = [i.worker_id for i in registry.by_role("decode")]
         usage = [st["num_used_blocks"] / st["num_blocks"]
                  for w, st in stats.items() if w in serving_d and st.get("num_blocks")]
-        decode = RoleObservation(len(serving_d), p90(tpots),
+        tbt = [x for x in (p90(tpots), step_s) if x is not None]
+        decode = RoleObservation(len(serving_d), max(tbt) if tbt else None,
                                  utilization=sum(usage) / max(1, len(usage)),
                                  waiting=sum(stats.get(w, {}).get("num_waiting", 0)
                                              for w in serving_d),

@@ -48,6 +48,8 @@ PREFILL_MAX_CONCURRENCY = 8
 TP_PLACEMENT_TIMEOUT_S = 120
 # How long a worker an autoscaler adds may take to answer: a new pod (image pull, start).
 ADD_INSTANCE_TIMEOUT_S = 600
+# How long a call to the cluster record (deploy.cluster_record) may take.
+RECORD_TIMEOUT_S = 30
 # How long a gateway attaching to a running cluster waits for each worker's first answer.
 ATTACH_TIMEOUT_S = 30
 
@@ -301,9 +303,9 @@ class Cluster:
         the actor's start raised (it is killed then), or GetTimeoutError."""
         if not self._worker_args:  # attached: the workers' own config is in the record
             self._prepare_workers(ServeConfig.model_validate_json(
-                ray.get(self._record().worker_config.remote())))
+                ray.get(self._record().worker_config.remote(), timeout=RECORD_TIMEOUT_S)))
         if self.detached:
-            name = ray.get(self._record().next_name.remote(role))
+            name = ray.get(self._record().next_name.remote(role), timeout=RECORD_TIMEOUT_S)
         else:
             self._next_index[role] = self._next_index.get(role, len(getattr(self, role)))
             name = f"{role}-{self._next_index[role]}"
@@ -325,7 +327,8 @@ class Cluster:
             raise
         if self.detached:  # first: the membership watch drops what the record lacks
             pg = f"pg-{instance.worker_id}" if instance.worker_id in self._worker_pgs else None
-            ray.get(self._record().add_worker.remote(role, instance.worker_id, pg))
+            ray.get(self._record().add_worker.remote(role, instance.worker_id, pg),
+                    timeout=RECORD_TIMEOUT_S)
         if instance.worker_id not in {i.worker_id for i in getattr(self, role)}:
             getattr(self, role).append(instance)  # (unless the watch added it meanwhile)
         self.registry.add(instance)
@@ -343,8 +346,8 @@ class Cluster:
             self.kvstores[node_id] = handle
             self.registry.add(Instance(f"kvstore-{node_id[:12]}", "kvstore", handle))
             if self.detached:
-                ray.get(self._record().add_kvstore.remote(node_id,
-                                                          KVSTORE_ACTOR_PREFIX + node_id))
+                ray.get(self._record().add_kvstore.remote(
+                    node_id, KVSTORE_ACTOR_PREFIX + node_id), timeout=RECORD_TIMEOUT_S)
             log.info("KV store started on new node %s", node_id)
 
     def drain_instance(self, worker_id: str) -> None:
@@ -352,14 +355,15 @@ class Cluster:
         a detached cluster); what it holds goes on."""
         self.registry.drain(worker_id)
         if self.detached:
-            ray.get(self._record().drain_worker.remote(worker_id))
+            ray.get(self._record().drain_worker.remote(worker_id), timeout=RECORD_TIMEOUT_S)
 
     def retire_instance(self, worker_id: str) -> None:
         """Stop routing to worker `worker_id` and stop it, with its placement group: the end of
         a scale-down, once its requests are done (deploy.autoscaler drains first)."""
         pg = f"pg-{worker_id}" if worker_id in self._worker_pgs else None
         if self.detached:  # first: the membership watch re-adds what the record lists
-            ray.get(self._record().remove_worker.remote(worker_id, pg))
+            ray.get(self._record().remove_worker.remote(worker_id, pg),
+                    timeout=RECORD_TIMEOUT_S)
         self.forget_instance(worker_id, stop=True)
 
     def forget_instance(self, worker_id: str, stop: bool = False) -> None:

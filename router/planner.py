@@ -83,8 +83,8 @@ class RoleObservation:
 
     instances: serving (routed to); starting: added, not serving yet; draining: being removed.
     latency_s: the interval's p90 TTFT (prefill) or p90 TBT (decode) of the requests that
-    reached it, None when none did. queue_s (prefill): the predicted wait of a request
-    arriving now, the largest over instances. utilization: prefill, the offered load per
+    reached it (decode: or the workers' mean step time, the larger), None when none did.
+    queue_s (prefill): the wait of a request arriving now, the largest over instances. utilization: prefill, the offered load per
     serving instance ((busy seconds + queue growth) / (interval × instances), above 1 when
     the queues grow); decode, the mean over instances of KV blocks used / total. waiting
     (decode): sequences waiting for KV room.
