@@ -16,6 +16,10 @@ decode instance computes the whole prompt for T_prefill(prompt), during which ev
 decoding there waits (one stall; the engine's chunked prefill spreads the same time over
 several steps), then the request joins. Decode instances keep no prefix cache here, so the
 decider sees none.
+
+With `SimConfig.autoscale` every instance the range allows exists, and the SLO planner
+(loadtest.simulator.autoscale) decides which serve; `lifetimes` records each instance's runs
+for the instance-hours the summary reports.
 """
 
 from __future__ import annotations
