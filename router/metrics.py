@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0,
                     2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 STATS_TIMEOUT_S = 2.0
-#: requests whose latencies GatewayMetrics keeps for recent_since
+#: requests whose latencies GatewayMetrics keeps for `recent`
 RECENT_REQUESTS = 4096
 #: `reason` labels of pdcluster_requests_rejected_total: bad input (gateway), more sequences
 #: than one request may run, SLO admission (router.admission), the in-flight gate
@@ -68,10 +68,9 @@ class GatewayMetrics:
         tpot = (e2e_s - ttft_s) / (num_output_tokens - 1) if num_output_tokens > 1 else None
         self.ttft.observe(ttft_s)
         self.e2e.observe(e2e_s)
-        if tpot is not None:
-            self.tpot.observe(tpot)
         self.generation_tokens.inc(num_output_tokens)
         if tpot is not None:
+            self.tpot.observe(tpot)
             self.recent_tpot.append((time.monotonic(), tpot))
 
     def first_token(self, ttft_s: float) -> None:

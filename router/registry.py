@@ -77,10 +77,6 @@ class InstanceRegistry:
                     if i.role == role and i.worker_id not in self._dead
                     and i.worker_id not in self._draining]
 
-    def get(self, worker_id: str) -> Instance | None:
-        with self._lock:
-            return self._instances.get(worker_id)
-
     def dead(self) -> list[str]:
         """The ids of instances marked dead and not back yet."""
         with self._lock:
