@@ -34,7 +34,7 @@ from kvstore.layout import BlockLayout
 from prefill_worker.actor import PrefillWorker, prefill_actor
 from router.admission import SLO
 from router.conductor import Conductor, Instance, InstanceRegistry, build_live_conductor
-from router.cost_model import load_cost_model
+from router.cost_model import CostModel, load_cost_model
 from engine.logs import worker_env_vars
 from router.decision_board import BOARD_ACTOR_NAME
 from router.pipeline import ColocatedPipeline, Pipeline
@@ -62,6 +62,14 @@ def block_layout(engine: EngineConfig) -> BlockLayout:
     parts, heads, dim = model.kv_cache_dims()
     return BlockLayout(engine.dtype, (model.num_hidden_layers, parts, engine.block_size, heads,
                                       dim))
+
+
+def conductor_cost_model(cfg: ServeConfig) -> CostModel:
+    """The cost model the Conductor predicts with: `cfg.cost_model` with the figures measured
+    for this deployment's connector and pool, and the served model's own bytes per token."""
+    return (load_cost_model(cfg.cost_model).for_connector(cfg.transfer.backend)
+            .for_pool(cfg.kvpool.backend)
+            .for_kv_bytes_per_token(block_layout(cfg.engine).nbytes // cfg.engine.block_size))
 
 
 @dataclass(frozen=True)
@@ -394,8 +402,7 @@ class Cluster:
         self.conductor, self._stats_poller = build_live_conductor(
             self.registry, policy=cfg.policy, admission=cfg.admission,
             slo=SLO(cfg.slo_ttft_s, cfg.slo_tbt_ms / 1000),
-            cost_model=load_cost_model(cfg.cost_model).for_connector(cfg.transfer.backend)
-            .for_pool(cfg.kvpool.backend),
+            cost_model=conductor_cost_model(cfg),
             block_size=cfg.engine.block_size, model_name=cfg.model_name(),
             index_url=cfg.kvpool.index_url, pd_decider=cfg.pd_decider)
         self.pipeline.conductor = self.conductor

@@ -18,6 +18,9 @@ pull from a pool backend other than our node stores: ``pool:mooncake-store``, wh
 every instance loads as remote ones). A path without figures uses the model's own
 `transfer_latency_s` and `transfer_bytes_per_s`.
 
+A deployment predicts with its served model's own bytes per token (`for_kv_bytes_per_token`),
+whichever model the figures were measured on.
+
 `BUILTIN_COST_MODELS["mooncake-70b"]` stands for LLaMA-70B on one 8×A800 node, from Mooncake's
 reported setup and rates. It was fixed before any policy was tuned; changing a constant needs a
 recorded reason (benchmarks/RESULTS.md). `pdcluster profile` fits the same form on the real
@@ -118,6 +121,23 @@ class CostModel:
         if figures is None:
             return self
         return replace(self, transfer_paths={**self.transfer_paths, PATH_REMOTE: figures})
+
+    def for_kv_bytes_per_token(self, kv_bytes_per_token: int) -> CostModel:
+        """This model for a served model that caches `kv_bytes_per_token` bytes per token (its
+        real block layout: every KV head, or an MLA latent): T_transfer moves those bytes, and
+        the DRAM and decode KV capacities keep their bytes, so they hold other token counts.
+
+        Raises:
+            ValueError: kv_bytes_per_token < 1.
+        """
+        if kv_bytes_per_token < 1:
+            raise ValueError(f"kv_bytes_per_token must be >= 1, got {kv_bytes_per_token}")
+        if kv_bytes_per_token == self.kv_bytes_per_token:
+            return self
+        ratio = self.kv_bytes_per_token / kv_bytes_per_token
+        return replace(self, kv_bytes_per_token=kv_bytes_per_token,
+                       dram_cache_tokens=int(self.dram_cache_tokens * ratio),
+                       decode_kv_tokens=int(self.decode_kv_tokens * ratio))
 
     def with_transfer_paths(self, paths: dict[str, dict[str, float]]) -> CostModel:
         """This model with `paths`' measured figures in place of its own for those paths."""

@@ -155,3 +155,39 @@ def test_profile_measures_each_connector_between_two_processes(tmp_path):
     assert parser.parse_args(["profile", "--kv-transfer", "nccl"]) and \
         run_profile(parser.parse_args(["profile", "--kv-transfer", "nccl",
                                        "--output", str(out)])) == 2
+
+
+def test_for_kv_bytes_per_token_moves_the_model_bytes_and_keeps_capacity_bytes():
+    m = MOONCAKE_70B.for_kv_bytes_per_token(64 * 1024)  # a fifth of 70B's 320 KiB
+    assert m.t_transfer_tokens(10_000) == pytest.approx(0.005 + 10_000 * 65_536 / 87e9)
+    assert m.dram_cache_tokens == 5 * MOONCAKE_70B.dram_cache_tokens
+    assert m.decode_kv_tokens == 5 * MOONCAKE_70B.decode_kv_tokens
+    assert m.t_prefill(1000) == MOONCAKE_70B.t_prefill(1000)
+    assert MOONCAKE_70B.for_kv_bytes_per_token(320 * 1024) is MOONCAKE_70B
+    with pytest.raises(ValueError, match=">= 1"):
+        MOONCAKE_70B.for_kv_bytes_per_token(0)
+
+
+@pytest.mark.parametrize("family", ["llama", "deepseek_v2"])
+@pytest.mark.parametrize("cost_model", ["stories260k-cpu", "mooncake-70b"])
+def test_the_conductor_predicts_with_the_served_models_bytes(tmp_path, family, cost_model):
+    """Whatever the built-in figures were measured on, T_transfer moves the served model's
+    bytes: 2 x layers x KV heads x head_dim values per token, or one MLA latent (kv_lora_rank
+    + qk_rope_head_dim) per layer; fp32. Expected values from transformers' config object."""
+    from deploy.config import ServeConfig
+    from deploy.launcher import conductor_cost_model
+    from engine.config import EngineConfig
+    from tests.models.factory import build
+
+    hf = build(family, tmp_path / family).config
+    if family == "deepseek_v2":
+        per_token = hf.num_hidden_layers * (hf.kv_lora_rank + hf.qk_rope_head_dim) * 4
+    else:
+        head_dim = hf.hidden_size // hf.num_attention_heads
+        per_token = 2 * hf.num_hidden_layers * hf.num_key_value_heads * head_dim * 4
+    config = ServeConfig(engine=EngineConfig(model=str(tmp_path / family)),
+                         cost_model=cost_model)
+    cost = conductor_cost_model(config)
+    assert cost.kv_bytes_per_token == per_token
+    assert cost.t_transfer_tokens(1000) == pytest.approx(
+        BUILTIN_COST_MODELS[cost_model].t_transfer(1000 * per_token))
