@@ -30,6 +30,12 @@ def pytest_ignore_collect(collection_path: Path, config) -> bool | None:
     return None
 
 
+def pytest_addoption(parser) -> None:
+    parser.addoption("--full-matrix", action="store_true", dest="full_matrix",
+                     help="serve every model family over every path "
+                          "(tests/integration/test_model_families_serve.py), not one path each")
+
+
 @pytest.hookimpl(tryfirst=True)  # before -m deselects by them
 def pytest_collection_modifyitems(config, items) -> None:
     mark_starts(items)  # the ray / server marks of the fixtures each test uses (tests/markers.py)

@@ -10,19 +10,21 @@ import os
 import subprocess
 import threading
 import time
+from collections import Counter
 
 import httpx
 import pytest
 
 from tests.chaos.test_gateway_death import BIN, Gateway, pdcluster, status
+from tests.integration.test_autoscale import (INPUT_LEN, INTERVAL_S, OUTPUT_LEN, SLO_TBT_MS,
+                                              SLO_TTFT_S, STEPS)
 from tests.markers import starts
 from tests.serve_process import free_port
 
 pytestmark = pytest.mark.slow
 
-INTERVAL_S = 3.0
-SLO = ("--slo-ttft-s", "0.5", "--slo-tbt-ms", "30")
-STEPS = "1:10,16:30,1:30"
+# the load of the one-gateway test, on either side of the machine's capacity
+SLO = ("--slo-ttft-s", str(SLO_TTFT_S), "--slo-tbt-ms", str(SLO_TBT_MS))
 SETTLE_S = 150.0
 
 
@@ -63,7 +65,7 @@ def test_workers_a_scaling_gateway_adds_are_routed_to_by_every_gateway(small_clu
     try:
         bench = subprocess.run(
             [str(BIN / "pdcluster"), "bench", "run", "--port", str(plain.port),
-             "--rate-steps", STEPS, "--input-len", "256", "--output-len", "64",
+             "--rate-steps", STEPS, "--input-len", str(INPUT_LEN), "--output-len", str(OUTPUT_LEN),
              "--disable-tqdm", "--no-report", "--result-dir", str(tmp_path),
              "--result-filename", "bench.json"],
             env=env, capture_output=True, text=True, timeout=600, check=False)
@@ -72,10 +74,12 @@ def test_workers_a_scaling_gateway_adds_are_routed_to_by_every_gateway(small_clu
         assert result["failed"] == 0 and result["completed"] == result["num_prompts"] > 0
 
         deadline = time.time() + SETTLE_S
-        while True:
+        while True:  # until as many stopped as were added, per role, and nothing drains
             state = httpx.get(f"{scaler.url}/health", timeout=10).json()["autoscale"]
             stopped = [e for e in state["events"] if e["action"] == "stopped"]
-            if (stopped and not state["draining"]) or time.time() > deadline:
+            ready = Counter(e["role"] for e in state["events"] if e["action"] == "ready")
+            if (stopped and Counter(e["role"] for e in stopped) == ready
+                    and not state["draining"]) or time.time() > deadline:
                 break
             time.sleep(INTERVAL_S)
     finally:

@@ -34,9 +34,29 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
+#: `--full-matrix`: every family over every path (about 12 minutes), the suite's cases above
+#: being one path each
+PATHS = {"grpc": ["--pd-decider", "always", "--kv-transfer", "grpc"],
+         "torch": ["--pd-decider", "always", "--kv-transfer", "torch"],
+         "mooncake": ["--pd-decider", "always", "--kv-transfer", "mooncake"],
+         "layer": ["--pd-decider", "always", "--kv-streaming", "layer"],
+         "colocated": ["--colocated"],
+         "tp2": ["--pd-decider", "always", "--tensor-parallel-size", "2"]}
+FAMILY_OVERRIDES = {"llama": {}, "qwen2": {}, "mistral": {"sliding_window": 16}, "qwen3": {},
+                    "mixtral": {}, "qwen3_moe": {}, "deepseek_v2": {}}
+FULL_MATRIX = {f"{family}-{path}": (family, overrides, flags)
+               for family, overrides in FAMILY_OVERRIDES.items()
+               for path, flags in PATHS.items()}
+
+
+def pytest_generate_tests(metafunc):
+    if "case" in metafunc.fixturenames:
+        cases = FULL_MATRIX if metafunc.config.getoption("full_matrix") else CASES
+        metafunc.parametrize("case", sorted(cases))
+
+
 def test_served_greedy_output_equals_transformers(case, serve_process, tmp_path):
-    family, overrides, flags = CASES[case]
+    family, overrides, flags = {**CASES, **FULL_MATRIX}[case]
     path = tmp_path / family
     hf = build(family, path, **overrides)
     proc, port, log = serve_process("--model", str(path), "--num-kv-blocks", "256", *flags)
