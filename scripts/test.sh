@@ -8,11 +8,8 @@ bash scripts/setup.sh --dev
 # progress as it happens, not in a buffer a killed run never prints
 export PYTHONUNBUFFERED=1
 if [ $# -gt 0 ]; then exec .venv/bin/python -m pytest -q -ra "$@"; fi
-# Two workers (each with its own session Ray): much of the suite waits on processes starting
-# and on servers, so two share 2 cores well. Tests that need the cores alone run after them.
-.venv/bin/python -m pytest -q -ra --durations=25 -n 2 --dist loadscope -m "not exclusive" tests
-.venv/bin/python -m pytest -q -ra -m exclusive tests
 # tests/multinode runs its own multi-node Ray cluster: a separate pytest process
+.venv/bin/python -m pytest -q -ra --durations=25 tests
 .venv/bin/python -m pytest -q -ra tests/multinode
 # tests/chaos kills actors and redis-server under load in a Ray of its own: a separate process too
 .venv/bin/python -m pytest -q -ra tests/chaos
