@@ -39,6 +39,18 @@ def pytest_addoption(parser) -> None:
 @pytest.hookimpl(tryfirst=True)  # before -m deselects by them
 def pytest_collection_modifyitems(config, items) -> None:
     mark_starts(items)  # the ray / server marks of the fixtures each test uses (tests/markers.py)
+    # Under pytest-xdist's --dist loadgroup (scripts/test.sh) every test that starts a Ray runs
+    # in one worker, one after another: two Ray clusters at once on 2 cores starve each other's
+    # actors past their timeouts. The other tests go by module (its fixtures built once, in one
+    # worker) to either worker. The Ray tests are most of the time: first in the queue, so their
+    # worker starts on them.
+    ray_tests = [item for item in items if item.get_closest_marker("ray") is not None]
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(
+            "ray" if item.get_closest_marker("ray") is not None else item.nodeid.split("::")[0]))
+    if getattr(config.option, "dist", "no") == "loadgroup":
+        chosen = set(map(id, ray_tests))
+        items[:] = ray_tests + [item for item in items if id(item) not in chosen]
 
 
 def pytest_runtest_setup(item) -> None:

@@ -50,10 +50,13 @@ class _PeerEntry:
         return self._handle
 
 
-def register_self(worker_id: str, namespace: str | None, timeout_s: float = 10.0):
+def register_self(worker_id: str, namespace: str | None, timeout_s: float = 60.0):
     """From inside a worker actor: make it findable by ``worker_id`` (replacing an entry a
     previous actor of that id left behind). Returns the entry's handle: keep it, Ray reclaims
-    a non-detached actor, named or not, once no handle to it is left."""
+    a non-detached actor, named or not, once no handle to it is left.
+
+    The entry is a new actor, so a new worker process: ``timeout_s`` (seconds) allows for a
+    node busy starting its other workers. Raises GetTimeoutError past it."""
     name = ENTRY_PREFIX + worker_id
     me = ray.get_runtime_context().current_actor
     deadline = time.monotonic() + timeout_s

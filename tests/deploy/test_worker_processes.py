@@ -14,7 +14,8 @@ from engine.cpu_binding import parse_cpu_list
 
 from tests.security.conftest import module_serve  # noqa: F401  (the fixture)
 
-pytestmark = pytest.mark.slow
+# the pinning test reads which cores the engines claimed: another cluster's would take them
+pytestmark = [pytest.mark.slow, pytest.mark.exclusive]
 
 
 @pytest.fixture(scope="module")

@@ -160,6 +160,8 @@ def test_broken_pair_falls_back_to_the_store(prefill, store, hf):
 def test_abort_and_unfetched_pushes_keep_the_pair_healthy(prefill, decode_torch, store, hf):
     _, client = store
     prompt = hf.encode("The cat sat on the mat. " + STORY)
+    generate(prefill, decode_torch, "pair-open", prompt, 4)  # its pair open, whatever ran before
+    settled(decode_torch, client)
     pairs = prefill.stats()["kv_pairs_opened_total"]
     # aborted at once: either still waiting (the push is drained) or fetching (the receive is
     # let finish); either way the blocks come back and the pair lives on

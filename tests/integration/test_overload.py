@@ -28,7 +28,8 @@ from loadtest.workload import BenchRequest, Workload
 from tests.background_server import BackgroundServer
 from tests.markers import starts
 
-pytestmark = pytest.mark.slow
+# a load sized to this machine's capacity, measured in the test: run alone (scripts/test.sh)
+pytestmark = [pytest.mark.slow, pytest.mark.exclusive]
 
 MODEL = "stories260K"
 MAX_INFLIGHT = 6
