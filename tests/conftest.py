@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import faulthandler
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -39,18 +40,43 @@ def pytest_addoption(parser) -> None:
 @pytest.hookimpl(tryfirst=True)  # before -m deselects by them
 def pytest_collection_modifyitems(config, items) -> None:
     mark_starts(items)  # the ray / server marks of the fixtures each test uses (tests/markers.py)
-    # Under pytest-xdist's --dist loadgroup (scripts/test.sh) every test that starts a Ray runs
-    # in one worker, one after another: two Ray clusters at once on 2 cores starve each other's
-    # actors past their timeouts. The other tests go by module (its fixtures built once, in one
-    # worker) to either worker. The Ray tests are most of the time: first in the queue, so their
-    # worker starts on them.
-    ray_tests = [item for item in items if item.get_closest_marker("ray") is not None]
+    # Under pytest-xdist's --dist loadgroup (scripts/test.sh) the tests that start a Ray run in
+    # two groups, each in one worker, one test after another: those whose Ray is a subprocess's
+    # (`pdcluster serve`, `ray start`), and those on this process's own Ray (the session
+    # cluster). More Rays at once on 2 cores starve each other's actors past their timeouts. The
+    # other tests go by module (its fixtures built once, in one worker) to any worker.
     for item in items:
-        item.add_marker(pytest.mark.xdist_group(
-            "ray" if item.get_closest_marker("ray") is not None else item.nodeid.split("::")[0]))
-    if getattr(config.option, "dist", "no") == "loadgroup":
-        chosen = set(map(id, ray_tests))
-        items[:] = ray_tests + [item for item in items if id(item) not in chosen]
+        item.add_marker(pytest.mark.xdist_group(_xdist_group(item)))
+    if getattr(config.option, "loadgroup", False):  # set on its workers by pytest-xdist
+        # the queue in this order (scripts/test.sh turns xdist's own reordering off): the two
+        # Ray groups, the longest chains, first; then the modules, most tests first
+        size = Counter(map(_xdist_group, items))
+        items.sort(key=lambda item: (RAY_GROUPS.get(_xdist_group(item), len(RAY_GROUPS)),
+                                     -size[_xdist_group(item)], _xdist_group(item)))
+
+
+@pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook, on the controller
+def pytest_xdist_node_collection_finished(node, ids) -> None:
+    # under --dist loadgroup each worker suffixes a node id with its group ("…::test@ray"),
+    # which is how the controller groups them; a pytest that drops the suffix would spread
+    # the Ray tests over every worker without a word
+    if node.config.option.dist == "loadgroup" and ids and "@" not in ids[0]:
+        pytest.exit(f"pytest-xdist's --dist loadgroup does not group under pytest "
+                    f"{pytest.__version__} (pytest-xdist#1386): see pyproject.toml", returncode=4)
+
+
+#: fixtures that start a Ray in a subprocess (a `pdcluster serve`, a `ray start` head)
+SUBPROCESS_RAY = frozenset({"serve_process", "serve", "module_serve", "ray_head"})
+
+
+#: the Ray groups, in the order they are queued
+RAY_GROUPS = {"ray-subprocess": 0, "ray": 1}
+
+
+def _xdist_group(item) -> str:
+    if item.get_closest_marker("ray") is None:
+        return item.nodeid.split("::")[0]
+    return "ray-subprocess" if SUBPROCESS_RAY & set(item.fixturenames) else "ray"
 
 
 def pytest_runtest_setup(item) -> None:

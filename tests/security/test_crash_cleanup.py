@@ -105,9 +105,9 @@ DRIVER = """
 import os, subprocess, sys
 from deploy.fate_share import CLUSTER_ID_ENV, Guardian
 session = sys.argv[1]
-def spawn(code, env=None):
+def spawn(code, env=None, stdout=None):
     return subprocess.Popen([sys.executable, "-c", code, session], start_new_session=True,
-                            env=env)
+                            env=env, stdout=stdout)
 own_log = open(os.path.join(session, "driver.log"), "a")
 g = Guardian.start()
 with g.marked_environment():
@@ -115,8 +115,12 @@ with g.marked_environment():
                    "c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)', "
                    "sys.argv[1]], env={}); print(c.pid, flush=True); time.sleep(600)")
 open(os.path.join(session, "r.log"), "w").close()
-writer = spawn("import sys, time; f = open(sys.argv[1] + '/w.log', 'a'); time.sleep(600)")
-reader = spawn("import sys, time; f = open(sys.argv[1] + '/r.log'); time.sleep(600)")
+# each says when its file is open: the guardian tells them apart by their open files
+writer = spawn("import sys, time; f = open(sys.argv[1] + '/w.log', 'a'); print(flush=True); "
+               "time.sleep(600)", stdout=subprocess.PIPE)
+reader = spawn("import sys, time; f = open(sys.argv[1] + '/r.log'); print(flush=True); "
+               "time.sleep(600)", stdout=subprocess.PIPE)
+writer.stdout.readline(), reader.stdout.readline()
 stranger = spawn("import time; time.sleep(600)", env={**os.environ, CLUSTER_ID_ENV: "other"})
 g.watch_session(session)
 print(os.getpid(), g.pid, marked.pid, writer.pid, reader.pid, stranger.pid, flush=True)
