@@ -609,11 +609,9 @@ class EngineCore:
     # ---- the end of a request ------------------------------------------------------------
     def _finish(self, request: Request, reason: FinishReason, error: Exception | None = None,
                 new_tokens: tuple[int, ...] = (), logprob: TokenLogprob | None = None) -> None:
-        """The request leaves: when it ended normally its KV's full blocks are cached here and
-        handed to the connector (which may save them off the loop), else the connector drops
-        what it moves for it; its blocks go back to the pool; then its last delta goes out, so
-        a client that has it finds the blocks free (as vLLM's scheduler frees a finished
-        request's blocks before its output is returned)."""
+        """The request leaves: its last delta goes out; when it ended normally its KV's full
+        blocks are cached here and handed to the connector (which may save them off the loop),
+        else the connector drops what it moves for it; its blocks go back to the pool."""
         if self._alone is request:
             self._alone = None
         if self.pre_arrival is not None:
@@ -626,7 +624,9 @@ class EngineCore:
             self._cache(request, request.block_keys)
         else:
             self.connector.abort(request.request_id)
-        last = self._delta(request, new_tokens, reason, error, logprob)
+        request.emit(self._delta(request, new_tokens, reason, error, logprob))
+        if error is not None:
+            self._notify_error(request, error)
         try:
             # the blocks keep their bytes until this thread allocates again; a table with
             # released blocks (sliding window) no longer holds its prefix, so nothing is saved
@@ -644,9 +644,6 @@ class EngineCore:
                 self._ready.append((request, params))
         self.scheduler.finish(request)
         request.swapped = None
-        request.emit(last)
-        if error is not None:
-            self._notify_error(request, error)
 
     def _notify_error(self, request: Request, error: BaseException) -> None:
         self._sending.pop(request.request_id, None)

@@ -309,25 +309,3 @@ def test_stats_report_the_prompt_tokens_still_to_compute(prompt):
     assert len(set(seen)) > 2  # it fell in chunks, not at once
     run(eng, *outs)
     eng.close()
-
-
-@pytest.mark.parametrize("max_tokens", [12, 1], ids=["decoded", "first-token-only"])
-def test_a_request_s_blocks_are_free_when_its_last_delta_goes_out(prompt, max_tokens):
-    """A client holding the last token finds the request's blocks back in the pool (vLLM's
-    scheduler frees a finished request's blocks before its output is returned), so a check of
-    the blocks right after a stream ends sees the baseline."""
-    eng = engine()
-    free_at_last: list[int] = []
-
-    def emit(delta) -> None:
-        deltas.append(delta)
-        if delta.finish_reason is not None:
-            free_at_last.append(eng.stats()["num_free_blocks"])
-
-    deltas: list = []
-    baseline = eng.stats()["num_free_blocks"]
-    submit_decode(eng, DecodeRequest("r", prompt, SamplingParams(max_tokens=max_tokens,
-                                                                 temperature=0)), emit)
-    run(eng, deltas)
-    assert free_at_last == [baseline]
-    eng.close()
