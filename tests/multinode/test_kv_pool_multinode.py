@@ -116,22 +116,27 @@ def hits(worker) -> dict:
 
 def check_baseline(env, settle_s: float = 10.0) -> None:
     """Every block a request held is back: G1 pools and decode cache free, no arena pins or
-    leases. A prefill publishes its blocks after the first token went out, so a store's write
-    leases can outlast the request by that publish: each store gets `settle_s` to reach zero
-    (a leaked lease never does)."""
-    for name in ("prefill_a", "prefill_b"):
-        assert ray.get(env[name].stats.remote())["num_used_blocks"] == 0, name
-    d = ray.get(env["decode"].stats.remote())
-    assert d["num_free_blocks"] == d["num_blocks"] and d["num_active"] == 0
-    for store in env["stores"].values():
+    leases. A worker frees a request's blocks just after its last delta went out, and a
+    prefill publishes its blocks after the first token, so a store's write leases can outlast
+    the request by that publish: each gets `settle_s` to reach its baseline (a leak never
+    does)."""
+    def settled(what: str, probe) -> None:
         deadline = time.monotonic() + settle_s
+        while not (ok := probe()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert ok, f"{what} not back at its baseline within {settle_s:g} s"
+
+    def stats(name: str) -> dict:
+        return ray.get(env[name].stats.remote(), timeout=5)
+
+    for name in ("prefill_a", "prefill_b"):
+        settled(name, lambda: stats(name)["num_used_blocks"] == 0)
+    settled("decode", lambda: (d := stats("decode"))["num_free_blocks"] == d["num_blocks"]
+            and d["num_active"] == 0)
+    for node, store in env["stores"].items():
         try:
-            while True:
-                used = ray.get(store.stats.remote(), timeout=5)["tiers"]["host"]["used"]
-                if used == 0 or time.monotonic() > deadline:
-                    break
-                time.sleep(0.1)
-            assert used == 0
+            settled(f"store {node}", lambda: ray.get(
+                store.stats.remote(), timeout=5)["tiers"]["host"]["used"] == 0)
         except ray.exceptions.RayActorError:
             pass  # a store a test took down
 
