@@ -31,6 +31,10 @@ log = logging.getLogger(__name__)
 
 Forward = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
+#: Dynamo's cache entries allowed per code object and in all, at least (see CompiledForward)
+RECOMPILE_LIMIT = 1024
+ACCUMULATED_RECOMPILE_LIMIT = 4096
+
 
 def compile_unsupported(device: torch.device, tp_size: int) -> str | None:
     """Why the forward cannot be compiled for `device` at TP size `tp_size` here, or None."""
@@ -55,6 +59,14 @@ class CompiledForward:
     one graph serves every step. `fullgraph`: a graph break would be a bug, not a slow path."""
 
     def __init__(self, model: nn.Module) -> None:
+        # Dynamo caches graphs per code object: every model this process compiles adds entries
+        # under the one shared `forward`, so past the default limit (8) the next model would
+        # fail to compile (a hard error under fullgraph) and run eager. vLLM raises the limits
+        # around its compilation for the same reason.
+        config = torch._dynamo.config
+        config.recompile_limit = max(config.recompile_limit, RECOMPILE_LIMIT)
+        config.accumulated_recompile_limit = max(config.accumulated_recompile_limit,
+                                                 ACCUMULATED_RECOMPILE_LIMIT)
         self._compiled = torch.compile(model, fullgraph=True)
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
