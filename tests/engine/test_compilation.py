@@ -20,6 +20,7 @@ from engine.config import EngineConfig
 from engine.input_buffers import InputBuffers
 from engine.runner import ModelRunner, SequenceChunk
 from engine.core.kv_connector import StepCancelled
+from tests.models.factory import build
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -98,23 +99,17 @@ def test_without_a_cxx_compiler_the_engine_warns_and_runs_eager(monkeypatch, cap
     assert runner.execute([SequenceChunk([5, 6], 0, [0])]).shape[0] == 1
 
 
-
 def test_a_process_that_compiled_other_models_still_compiles_the_next(compiled, tmp_path):
     """Dynamo caches graphs per code object, and every model shares one `forward`: even at a
     recompile limit of 1, a model of another shape after the fixture's must still compile."""
-    import transformers
-
-    torch.manual_seed(0)
-    transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-        bos_token_id=1, eos_token_id=2)).save_pretrained(tmp_path)
+    build("llama", tmp_path, seed=0, num_hidden_layers=3)
     with torch._dynamo.config.patch(recompile_limit=1, accumulated_recompile_limit=1):
         runner = ModelRunner(EngineConfig(model=str(tmp_path), block_size=4, num_kv_blocks=16,
                                           enforce_eager=False))
         assert runner.forward_mode == "compiled"
         assert compiled.execute([SequenceChunk([5, 6], 0, [0])]).shape[0] == 1
         assert runner.execute([SequenceChunk([5, 6], 0, [0])]).shape[0] == 1
+
 
 _CHILD = """
 import json, sys, time
