@@ -248,11 +248,16 @@ def bytes_read(runner: ModelRunner, chunks: list[SequenceChunk]) -> int:
         routed.append(len(set(args[2].flatten().tolist())) * per_expert)
 
     hooks = [m.register_forward_hook(count) for m in experts]
+    # hooks fire in the eager forward only: not inside a compiled graph or a graph replay
+    compiled = runner.forward, runner.decode_graphs
+    runner.forward, runner.decode_graphs = runner.model, None
     try:
         runner.execute(chunks)
     finally:
+        runner.forward, runner.decode_graphs = compiled
         for hook in hooks:
             hook.remove()
+    assert len(routed) == len(experts), "every MoE layer's routing is counted"
     per_token = cache.block_nbytes // cache.block_size
     kv = sum(c.num_computed_tokens + len(c.token_ids) for c in chunks) * per_token
     return dense + sum(routed) + kv

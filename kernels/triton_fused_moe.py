@@ -69,7 +69,9 @@ def align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int
     num_valid = flat.numel()
     num_tiles = -(-(num_valid + num_experts * (block_m - 1)) // block_m)
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=num_experts)
+    # bincount reads the ids' range back to the host: a sync per layer, and no CUDA graph
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device).scatter_add_(
+        0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
     padded_end = torch.cumsum(padded, 0)
     padded_start = padded_end - padded

@@ -11,6 +11,11 @@ all-reduce as a dense MLP. Placing whole experts per rank (expert parallel) woul
 all-to-all each way, and a rank's work would follow the routing: a batch whose tokens go
 mostly to one expert would leave the other ranks idle. Sharding keeps every rank's work equal
 for any routing and any expert count; it needs k to divide the expert intermediate size.
+
+The experts run as one custom op, `pdcluster::fused_moe`, as attention does
+(engine.attention_layer): a compiled graph calls it as an opaque node, since the grouping depends
+on the routing's values (the torch path sizes each expert's GEMM from them), which a traced graph
+cannot hold.
 """
 
 from __future__ import annotations
@@ -73,7 +78,23 @@ class FusedMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
                 ) -> torch.Tensor:
-        return self.tp.all_reduce(kernels.fused_moe(x, self.w13, self.w2, topk_weights, topk_ids))
+        if torch.compiler.is_compiling():
+            out = torch.ops.pdcluster.fused_moe(x, self.w13, self.w2, topk_weights, topk_ids)
+        else:
+            out = kernels.fused_moe(x, self.w13, self.w2, topk_weights, topk_ids)
+        return self.tp.all_reduce(out)
+
+
+@torch.library.custom_op("pdcluster::fused_moe", mutates_args=())
+def _fused_moe_op(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                  topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    return kernels.fused_moe(x, w13, w2, topk_weights, topk_ids)
+
+
+@_fused_moe_op.register_fake
+def _(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+      topk_ids: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
 class Router(nn.Module):

@@ -55,6 +55,10 @@ def _reference(hf, tokens: list[int]) -> torch.Tensor:
 
 def test_chunked_prefill_then_decode_matches_transformers(family):
     name, _, hf, runner = family
+    _check_prefill_then_decode(name, hf, runner)
+
+
+def _check_prefill_then_decode(name: str, hf, runner: ModelRunner) -> None:
     tokens = _prompt(11, 13, BASE["vocab_size"])
     (table,) = _shuffled_tables(1, -(-(len(tokens) + NUM_DECODES) // BLOCK))
     steps = [runner.execute([SequenceChunk(tokens[:6], 0, table)], all_logits=True),
@@ -65,6 +69,17 @@ def test_chunked_prefill_then_decode_matches_transformers(family):
     diff = _max_diff(torch.cat(steps), _reference(hf, tokens))
     print(f"{name}: prefill + {NUM_DECODES} decodes, max abs diff {diff:.2e}")
     assert diff <= ATOL
+
+
+@pytest.mark.parametrize("family", ["deepseek_v2"], indirect=True)
+def test_compiled_moe_and_mla_forward_matches_transformers(family):
+    """The experts are a custom op, so a MoE and MLA model compiles whole (no fallback to
+    eager) and its logits are the reference's."""
+    name, path, hf, _ = family
+    compiled = ModelRunner(EngineConfig(model=str(path), block_size=BLOCK, num_kv_blocks=64,
+                                        enforce_eager=False))
+    assert compiled.forward_mode == "compiled"
+    _check_prefill_then_decode(f"{name} compiled", hf, compiled)
 
 
 def test_prefix_hit_matches_transformers(family):
