@@ -79,14 +79,21 @@ def setup_vllm() -> Path:
     return wrapper
 
 
-def vllm_command(model: Path, port: int, dtype: str, threads: int) -> tuple[list[str], dict]:
-    wrapper = setup_vllm()
+def vllm_env(threads: int) -> dict:
+    """vLLM's CPU backend's process environment: its threads bound to cores 0..threads-1,
+    tcmalloc and Intel's OpenMP preloaded where present, as its docs set it up."""
     env = dict(os.environ, VLLM_TARGET_DEVICE="cpu", VLLM_CPU_KVCACHE_SPACE="1",
                VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}")
     preload = [p for p in (find_tcmalloc(), str(VLLM_VENV / "lib" / "libiomp5.so"))
                if p and Path(p).exists()]
     if preload:
         env["LD_PRELOAD"] = ":".join(preload)
+    return env
+
+
+def vllm_command(model: Path, port: int, dtype: str, threads: int) -> tuple[list[str], dict]:
+    wrapper = setup_vllm()
+    env = vllm_env(threads)
     return ([str(VLLM_VENV / "bin" / "python"), str(wrapper), "serve", str(model),
              "--dtype", dtype, "--max-model-len", "2048", "--port", str(port)], env)
 
