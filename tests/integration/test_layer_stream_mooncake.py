@@ -35,7 +35,8 @@ from tests.real_parts import MOONCAKE_HINT, import_real_part
 
 import_real_part("mooncake.engine", "Mooncake's Transfer Engine", MOONCAKE_HINT)
 
-from kvstore.transport.mooncake.connector import MooncakeConnector, RegionSource  # noqa: E402
+from kvstore.transport.mooncake.connector import (  # noqa: E402
+    MooncakeConnector, RegionSource, RegionStreamSender)
 
 MOONCAKE = KVTransferConfig(backend="mooncake", streaming="layer", timeout_s=10,
                             source_buffer_bytes=32 << 20)
@@ -149,8 +150,8 @@ def test_decode_output_depends_on_the_streamed_bytes(engines, store, hf):
 
 
 def test_aborts_bring_every_block_and_region_back(engines, store, hf):
-    """The client leaves during decode; the prefill is aborted mid-stream, after its second
-    piece (the decode's reserved blocks and the region come back once the decode gave the
+    """The client leaves during decode; the prefill is aborted mid-stream, once it queued its
+    second piece (the decode's reserved blocks and the region come back once the decode gave the
     stream up and the writer stopped); then a request streams as before."""
     prefill, decode, regions = engines
     _, client = store
@@ -158,20 +159,23 @@ def test_aborts_bring_every_block_and_region_back(engines, store, hf):
     _, _, last = generate(prefill, decode, "te-ls-client-left", prompt, abort_after=3)
     settled(prefill, decode, regions, client)
 
-    set_progress = RegionSource.set_progress
+    put = RegionStreamSender.put
 
-    def abort_at_second(self, word: int, value: int) -> None:
-        set_progress(self, word, value)
-        if value == 2:
+    def abort_at_second(self, index: int, piece) -> None:
+        # the compute thread queues the pieces, so the abort lands while the prompt is still
+        # computing; the writer's thread may lag behind, so an abort at its progress could
+        # come once every chunk was computed, when the request is only sending
+        put(self, index, piece)
+        if index == 1:
             prefill.abort("te-ls-mid")
 
-    RegionSource.set_progress = abort_at_second
+    RegionStreamSender.put = abort_at_second
     try:
         with pytest.raises(RequestAborted):
             run_prefill(prefill, PrefillRequest("te-ls-mid", tuple(prompt), GREEDY,
                                            kv_transfer_params={"decode_peer": "decode-te"}))
     finally:
-        RegionSource.set_progress = set_progress
+        RegionStreamSender.put = put
     settled(prefill, decode, regions, client)
     assert regions.regions_expired_total == 0
 
