@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.append(str(ROOT / "benchmarks"))
 
 from throughput import FULL, stop_server, write_model
-from trace_vs_vllm import cpu_model, model_id, start_server
+from trace_vs_vllm import add_server_options, cpu_model, model_id, start_server
 from vs_vllm import VLLM_VENV
 
 from loadtest.client import ClientConfig
@@ -67,12 +67,7 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--output-len", type=int, default=32)
     parser.add_argument("--modes", default="vllm,colocated,disaggregated")
-    parser.add_argument("--skip-vllm-install", action="store_true",
-                        help="use benchmarks/.venv-vllm as it is; fail if it is missing")
-    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
-    parser.add_argument("--threads", type=int, default=2, help="cores for each server")
-    parser.add_argument("--max-num-batched-tokens", type=int, default=1024,
-                        help="pdcluster's token budget a step")
+    add_server_options(parser)
     parser.add_argument("--seed", type=int, default=1)
     args = parser.parse_args()
     lengths = [int(n) for n in args.lengths.split(",")]

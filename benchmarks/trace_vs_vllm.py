@@ -336,6 +336,16 @@ def report(rows: dict, args, block: int, sample: Workload, startups: dict, loads
                                            "attainment", "goodput")) + " |")
 
 
+def add_server_options(parser: argparse.ArgumentParser) -> None:
+    """The options `start_server` reads from its args: how each server is started."""
+    parser.add_argument("--skip-vllm-install", action="store_true",
+                        help="use benchmarks/.venv-vllm as it is; fail if it is missing")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    parser.add_argument("--threads", type=int, default=2, help="cores for each server")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=1024,
+                        help="pdcluster's token budget a step")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--trace", type=Path, default=TRACE)
@@ -350,12 +360,7 @@ def main() -> int:
     parser.add_argument("--modes", default="vllm,colocated,disaggregated")
     parser.add_argument("--slo-ttft-s", type=float, default=2.0)
     parser.add_argument("--slo-tpot-ms", type=float, default=200.0)
-    parser.add_argument("--skip-vllm-install", action="store_true",
-                        help="use benchmarks/.venv-vllm as it is; fail if it is missing")
-    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
-    parser.add_argument("--threads", type=int, default=2, help="cores for each server")
-    parser.add_argument("--max-num-batched-tokens", type=int, default=1024,
-                        help="pdcluster's token budget a step")
+    add_server_options(parser)
     parser.add_argument("--request-timeout", type=float, default=600.0,
                         help="client timeout per request, s (a timed-out request fails)")
     parser.add_argument("--seed", type=int, default=0, help="first token seed")

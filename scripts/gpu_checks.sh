@@ -2,8 +2,8 @@
 # The GPU checks, for a machine with CUDA, torch and Triton but no Ray or FastAPI: the Triton
 # kernel matrix and the engine on CUDA (pytest -m gpu), the kernel benchmark, and one engine
 # step of random-weight models (benchmarks/step_time.py) at every shape (Llama, MoE, MLA),
-# compiled and eager. Each log lands in $OUT (default ./gpu-checks); a
-# failing step does not stop the later ones.
+# compiled and eager. Each log lands in $OUT (default ./gpu-checks); a failing step does not
+# stop the later ones.
 #
 #   bash scripts/gpu_checks.sh [warm|pytest|kernels|step]...    # default: all four
 #
