@@ -27,11 +27,13 @@ def attend_tile(
     q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, table_row, kv_head_offset, n_start, q_pos, last_pos, qk_scale,
     stride_c_block, stride_c_slot, d, d_mask, window,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SLIDING: tl.constexpr,
 ):
     """One K/V tile of the online softmax -> (acc, m_i, l_i). MASKED: keys past `last_pos`
     are not read and query row r sees keys <= q_pos[r] (causal mask and the sequence end),
-    and with `window` W > 0 only keys > q_pos[r] - W (a sliding window). A row that has seen
-    no key yet and sees none in this tile stays empty (no NaN)."""
+    and with SLIDING only keys > q_pos[r] - `window` (a sliding window of W > 0 keys). Under a
+    window a row that has seen no key yet and sees none in this tile stays empty (no NaN).
+    SLIDING is a constexpr so that full attention compiles without the window's mask and guard."""
     n = n_start + tl.arange(0, BLOCK_N)
     if MASKED:
         n_mask = n <= last_pos
@@ -46,10 +48,14 @@ def attend_tile(
     scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
     if MASKED:
         visible = n[None, :] <= q_pos[:, None]
-        visible = visible & ((window <= 0) | (n[None, :] > q_pos[:, None] - window))
+        if SLIDING:
+            visible = visible & (n[None, :] > q_pos[:, None] - window)
         scores = tl.where(visible, scores, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    if SLIDING:
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:  # causal: every row sees a key in its first tile, so m_new is finite
+        m_ref = m_new
     alpha = tl.exp2(m_i - m_ref)
     p = tl.exp2(scores - m_ref[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
@@ -109,8 +115,11 @@ def paged_attention_args(
     }
 
 
-def paged_attention_constexprs(q: torch.Tensor, k_cache: torch.Tensor, block_n: int, block_d: int) -> dict[str, Any]:
-    """The constexprs both kernels take: GQA group, head_dim and its padding, cache block, key tile."""
+def paged_attention_constexprs(
+    q: torch.Tensor, k_cache: torch.Tensor, block_n: int, block_d: int, sliding_window: int
+) -> dict[str, Any]:
+    """The constexprs both kernels take: GQA group, head_dim and its padding, cache block, key tile,
+    whether a sliding window applies."""
     return {
         "GROUP": q.shape[1] // k_cache.shape[2],
         "HEAD_DIM": q.shape[2],
@@ -118,4 +127,5 @@ def paged_attention_constexprs(q: torch.Tensor, k_cache: torch.Tensor, block_n: 
         "BLOCK_N": block_n,
         "BLOCK_D": block_d,
         "DOT_PRECISION": dot_precision(q.dtype),
+        "SLIDING": sliding_window > 0,
     }

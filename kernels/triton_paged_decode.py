@@ -63,13 +63,17 @@ def _decode_kernel(
     BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    SLIDING: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
     # a sliding window's first key; the splits cover [lo, seq_len)
-    lo = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)
+    if SLIDING:
+        lo = tl.maximum(seq_len - window, 0)
+    else:
+        lo = 0
     split_size = tl.cdiv(tl.cdiv(seq_len - lo, num_splits), BLOCK_N) * BLOCK_N
     start = lo + split * split_size
     end = tl.minimum(start + split_size, seq_len)
@@ -95,7 +99,7 @@ def _decode_kernel(
     for n_start in range(start, end, BLOCK_N):
         acc, m_i, l_i = attend_tile(
             q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, table_row, head_offset, n_start, q_pos, last_pos, qk_scale,
-            stride_c_block, stride_c_slot, d, d_mask, window, BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION,
+            stride_c_block, stride_c_slot, d, d_mask, window, BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION, SLIDING,
         )
 
     if SPLIT:
@@ -240,7 +244,7 @@ def plan_paged_decode_attention(
                 "window": sliding_window,
             },
             constexprs={
-                **paged_attention_constexprs(q, k_cache, block_n, block_d),
+                **paged_attention_constexprs(q, k_cache, block_n, block_d, sliding_window),
                 "NUM_HEADS": num_heads,
                 "BLOCK_G": block_g,
                 "SPLIT": split,

@@ -54,6 +54,7 @@ def _prefill_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    SLIDING: tl.constexpr,
 ):
     pid = tl.program_id(0)
     head = tl.program_id(1)
@@ -98,19 +99,23 @@ def _prefill_kernel(
             kv_head_offset = (head // GROUP).to(tl.int64) * stride_c_head
             # Keys [0, unmasked_end) precede every query of the tile: no mask. With a sliding
             # window every tile is masked, from the tile holding the first query's first key.
-            n_lo = tl.where(window > 0, tl.maximum(first_pos - window + 1, 0) // BLOCK_N * BLOCK_N, 0)
-            unmasked_end = tl.where(window > 0, n_lo, (first_pos + 1) // BLOCK_N * BLOCK_N)
+            if SLIDING:
+                n_lo = tl.maximum(first_pos - window + 1, 0) // BLOCK_N * BLOCK_N
+                unmasked_end = n_lo
+            else:
+                n_lo = 0
+                unmasked_end = (first_pos + 1) // BLOCK_N * BLOCK_N
             for n_start in range(n_lo, unmasked_end, BLOCK_N):
                 acc, m_i, l_i = attend_tile(
                     q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, table_row, kv_head_offset, n_start, q_pos,
                     last_pos, qk_scale, stride_c_block, stride_c_slot, d, d_mask, window,
-                    BLOCK_SIZE, BLOCK_N, False, DOT_PRECISION,
+                    BLOCK_SIZE, BLOCK_N, False, DOT_PRECISION, SLIDING,
                 )
             for n_start in range(unmasked_end, last_pos + 1, BLOCK_N):
                 acc, m_i, l_i = attend_tile(
                     q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, table_row, kv_head_offset, n_start, q_pos,
                     last_pos, qk_scale, stride_c_block, stride_c_slot, d, d_mask, window,
-                    BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION,
+                    BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION, SLIDING,
                 )
             out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
             tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
@@ -180,7 +185,7 @@ def plan_paged_prefill_attention(
             "num_seqs": num_seqs,
             "window": sliding_window,
         },
-        constexprs={**paged_attention_constexprs(q, k_cache, block_n, block_d), "BLOCK_M": block_m},
+        constexprs={**paged_attention_constexprs(q, k_cache, block_n, block_d, sliding_window), "BLOCK_M": block_m},
         device=device,
         num_warps=num_warps,
         num_stages=num_stages,
