@@ -26,9 +26,13 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
-#: (name, out, in) of the 100M model's projections (benchmarks/throughput.py FULL): q+k+v
-#: fused, o, gate+up fused, down
-PROJECTIONS = (("qkv", 1280, 768), ("o", 768, 768), ("gate_up", 4096, 768), ("down", 768, 2048))
+def projections(shape: dict) -> list[tuple[str, int, int]]:
+    """(name, out, in) of a Llama shape's linears (benchmarks/throughput.py's dicts): q+k+v
+    fused, o, gate+up fused, down."""
+    hidden, heads, kv_heads = shape["hidden_size"], shape["num_attention_heads"], shape["num_key_value_heads"]
+    head_dim, inter = hidden // heads, shape["intermediate_size"]
+    return [("qkv", (heads + 2 * kv_heads) * head_dim, hidden), ("o", hidden, heads * head_dim),
+            ("gate_up", 2 * inter, hidden), ("down", hidden, inter)]
 
 
 def median_ms(fn, repeats: int) -> float:
@@ -42,8 +46,9 @@ def median_ms(fn, repeats: int) -> float:
     return sorted(times)[len(times) // 2] * 1000
 
 
-def time_side(side: str, rows: list[int], threads: int, repeats: int) -> dict[str, float]:
-    """{"rows/name": median ms} for `side` ("ours" | "vllm"), in this process."""
+def time_side(side: str, rows: list[int], linears: list, threads: int, repeats: int) -> dict[str, float]:
+    """{"rows/name": median ms} of each (name, out, in) of `linears` for `side` ("ours" |
+    "vllm"), in this process."""
     import torch
 
     torch.set_num_threads(threads)
@@ -65,7 +70,7 @@ def time_side(side: str, rows: list[int], threads: int, repeats: int) -> dict[st
     median_ms(lambda: warm(torch.randn(512, 1024)), 3)
     out = {}
     for n in rows:
-        for name, n_out, n_in in PROJECTIONS:
+        for name, n_out, n_in in linears:
             x, weight = torch.randn(n, n_in), torch.randn(n_out, n_in)
             out[f"{n}/{name}"] = median_ms(lambda f=packed(weight), x=x: f(x), repeats)
     return out
@@ -79,21 +84,26 @@ def main() -> int:
     parser.add_argument("--skip-vllm-install", action="store_true",
                         help="use benchmarks/.venv-vllm as it is; fail if it is missing")
     parser.add_argument("--side", choices=("ours", "vllm"), help=argparse.SUPPRESS)
+    parser.add_argument("--linears", help=argparse.SUPPRESS)  # the child's: JSON of projections()
     args = parser.parse_args()
     rows = [int(n) for n in args.rows.split(",")]
     if args.side:  # the child: one side's times as JSON
-        print(json.dumps(time_side(args.side, rows, args.threads, args.repeats)))
+        print(json.dumps(time_side(args.side, rows, json.loads(args.linears), args.threads, args.repeats)))
         return 0
     sys.path.insert(0, str(ROOT / "benchmarks"))
+    from throughput import FULL
     from vs_vllm import VLLM_VENV, setup_vllm, vllm_env
+
+    linears = projections(FULL)
 
     python = VLLM_VENV / "bin" / "python"
     if args.skip_vllm_install and not python.exists():
         parser.error(f"--skip-vllm-install: no {VLLM_VENV}")
     if not args.skip_vllm_install:
         setup_vllm()
-    ours = time_side("ours", rows, args.threads, args.repeats)
+    ours = time_side("ours", rows, linears, args.threads, args.repeats)
     child = subprocess.run([str(python), __file__, "--side", "vllm", "--rows", args.rows,
+                            "--linears", json.dumps(linears),
                             "--threads", str(args.threads), "--repeats", str(args.repeats)],
                            capture_output=True, text=True, check=True,
                            env=vllm_env(args.threads))
@@ -101,13 +111,13 @@ def main() -> int:
     print(f"fp32, {args.threads} threads, median of {args.repeats}; ms (GFLOP/s)\n")
     print("| rows | projection | ours | vLLM onednn_mm | ours / vLLM |\n|---:|---|---:|---:|---:|")
     for n in rows:
-        for name, n_out, n_in in PROJECTIONS:
+        for name, n_out, n_in in linears:
             key, gflop = f"{n}/{name}", 2 * n * n_out * n_in / 1e9
             print(f"| {n} | {name} | {ours[key]:.2f} ({gflop / ours[key] * 1000:.0f}) | "
                   f"{vllm[key]:.2f} ({gflop / vllm[key] * 1000:.0f}) | "
                   f"{ours[key] / vllm[key]:.2f} |")
-        total_ours = sum(ours[f"{n}/{p[0]}"] for p in PROJECTIONS)
-        total_vllm = sum(vllm[f"{n}/{p[0]}"] for p in PROJECTIONS)
+        total_ours = sum(ours[f"{n}/{p[0]}"] for p in linears)
+        total_vllm = sum(vllm[f"{n}/{p[0]}"] for p in linears)
         print(f"| {n} | **all four** | {total_ours:.1f} | {total_vllm:.1f} | "
               f"**{total_ours / total_vllm:.2f}** |")
     return 0
