@@ -22,7 +22,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Sequence
 
 import llguidance
-import llguidance.torch as llg_torch
+# llguidance.numpy, not .torch: the torch module compiles a kernel at import, which loads
+# torch._dynamo into every process that imports the engine
+import llguidance.numpy as llg_numpy
 import torch
 
 from engine.protocol import StructuredOutputSpec
@@ -156,9 +158,9 @@ class StructuredOutputManager:
         rows = [(m, i) for i, m in enumerate(matchers) if m is not None]
         if not rows:
             return None
-        mask = torch.full(llg_torch.get_bitmask_shape(len(matchers), self.vocab_size), -1,
+        mask = torch.full(llg_numpy.get_bitmask_shape(len(matchers), self.vocab_size), -1,
                           dtype=torch.int32)
-        llg_torch.fill_next_token_bitmask_par(self._executor, rows, mask)
+        llg_numpy.fill_next_token_bitmask_par(self._executor, rows, mask.numpy())
         return mask
 
     def close(self) -> None:
