@@ -121,7 +121,8 @@ async def _stream(client, index: int, outcome: dict) -> None:
 
 def run_load(gateways: list[Gateway], kill: Gateway | None = None) -> list[dict]:
     """16 streams, request i through gateways[i % 2]; with `kill` (gateways[0]), kill -9 it
-    once each of its streams has begun. Each outcome notes whether it had finished by then."""
+    once each of its streams has begun or one is half way. Each outcome notes whether it had
+    finished by then."""
     import openai
 
     outcomes = [{"text": "", "chunks": 0, "finish": None, "error": None, "done_at_kill": False}
@@ -133,7 +134,10 @@ def run_load(gateways: list[Gateway], kill: Gateway | None = None) -> list[dict]
 
         async def killer() -> None:
             victims = outcomes[::len(gateways)]
-            while not all(o["chunks"] for o in victims):
+            # once each has begun, or one is half way (the first can end before the last
+            # begins): either way one stream at least is cut mid-way
+            while not (all(o["chunks"] for o in victims)
+                       or any(o["chunks"] >= MAX_TOKENS // 2 for o in victims)):
                 await asyncio.sleep(0.002)
             os.killpg(kill.proc.pid, signal.SIGKILL)
             for o in victims:
