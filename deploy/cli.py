@@ -321,6 +321,9 @@ def _parser() -> argparse.ArgumentParser:
                             help="the deployment's Ray namespace")
         if name == "status":
             action.add_argument("--json", action="store_true", help="one JSON object")
+            action.add_argument("--watch", type=float, metavar="S",
+                                help="again every S seconds until interrupted (with --json, "
+                                     "one line each)")
     gateway = sub.add_parser(
         "gateway", formatter_class=_ServeHelpFormatter,
         help="serve the OpenAI API over a running cluster (`pdcluster cluster up`)",
@@ -449,7 +452,8 @@ def main(argv: list[str] | None = None) -> int:
         logging.basicConfig(level=logging.WARNING)
         if args.action == "down":
             return cluster_cli.cluster_down(args.address, args.ray_namespace)
-        return cluster_cli.cluster_status(args.address, args.ray_namespace, args.json)
+        return cluster_cli.cluster_status(args.address, args.ray_namespace, args.json,
+                                          args.watch)
     if args.command == "gateway":
         from deploy import cluster_cli
 

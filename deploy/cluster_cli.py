@@ -3,7 +3,7 @@ gateways.
 
     pdcluster cluster up [serve's flags]      # workers, KV stores, index: detached actors
     pdcluster gateway --port 8001 [...]       # attaches and serves; run any number of them
-    pdcluster cluster status [--json]
+    pdcluster cluster status [--json] [--watch S]
     pdcluster cluster down
 
 `cluster up` brings the workers up as detached named actors in the deployment's Ray namespace
@@ -28,6 +28,10 @@ import secrets
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from deploy.cluster_record import ClusterManifest
 
 log = logging.getLogger(__name__)
 
@@ -199,17 +203,29 @@ def _stop_local(namespace: str, pid: int, temp_dir: str | None) -> None:
     state_path(namespace).unlink(missing_ok=True)
 
 
-def cluster_status(address: str | None, namespace: str, as_json: bool) -> int:
+def cluster_status(address: str | None, namespace: str, as_json: bool,
+                   watch_s: float | None = None) -> int:
     """Each worker's role, instance, pid, node, state, running/waiting counts (and, in the
-    JSON, prompts computed and engine steps run since it started; the draining ones)."""
+    JSON, prompts computed and engine steps run since it started; the draining ones). With
+    `watch_s`, again every `watch_s` seconds (the record re-read: workers an autoscaler adds
+    appear) until interrupted, as `kubectl get --watch`; with `as_json`, one line each."""
     from deploy.cluster_record import ClusterNotFoundError, read_record
 
     try:
         _join(address, namespace)
-        manifest = read_record(namespace)
+        while True:
+            _print_status(namespace, read_record(namespace), as_json)
+            if watch_s is None:
+                return 0
+            time.sleep(watch_s)
     except ClusterNotFoundError as exc:
         print(f"pdcluster: {exc}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        return 0
+
+
+def _print_status(namespace: str, manifest: ClusterManifest, as_json: bool) -> None:
     import ray
 
     rows = []
@@ -236,8 +252,8 @@ def cluster_status(address: str | None, namespace: str, as_json: bool) -> int:
     summary = {"namespace": namespace, "ray_address": manifest.ray_address,
                "started_at": manifest.started_at, "workers": rows}
     if as_json:
-        print(json.dumps(summary))
-        return 0
+        print(json.dumps(summary), flush=True)
+        return
     print(f"namespace {namespace!r}, Ray at {manifest.ray_address}, up since "
           f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(manifest.started_at))}")
     print(f"{'role':8} {'instance':12} {'pid':>8} {'node':14} {'state':12} {'running':>8} "
@@ -246,8 +262,7 @@ def cluster_status(address: str | None, namespace: str, as_json: bool) -> int:
         print(f"{r['role']:8} {r['instance']:12} {r['pid'] or '-':>8} "
               f"{(r['node'] or '-')[:12]:14} {r['state']:12} "
               f"{'-' if r['running'] is None else r['running']:>8} "
-              f"{'-' if r['waiting'] is None else r['waiting']:>8}")
-    return 0
+              f"{'-' if r['waiting'] is None else r['waiting']:>8}", flush=True)
 
 
 def gateway_config(manifest_config_json: str, overrides: dict):

@@ -52,13 +52,17 @@ def test_workers_a_scaling_gateway_adds_are_routed_to_by_every_gateway(small_clu
                       str(INTERVAL_S), *SLO))
     plain = Gateway(env, namespace, free_port(), tmp_path / "plain.log", SLO)
     steps: dict[str, int] = {}  # worker -> the most engine steps seen it run
-    done = threading.Event()
+    # one `cluster status --watch` for the whole test, not a process (Ray's join, the actor
+    # classes' imports) a second beside the load
+    status_watch = subprocess.Popen(
+        [str(BIN / "pdcluster"), "cluster", "status", "--json", "--watch", "1",
+         "--ray-namespace", namespace], env=env, stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL, text=True)
 
     def watch() -> None:
-        while not done.is_set():
-            for w in status(env, namespace)["workers"]:
+        for line in status_watch.stdout:
+            for w in json.loads(line)["workers"]:
                 steps[w["instance"]] = max(steps.get(w["instance"], 0), w["steps_total"] or 0)
-            time.sleep(1.0)
 
     watcher = threading.Thread(target=watch, daemon=True)
     watcher.start()
@@ -83,7 +87,8 @@ def test_workers_a_scaling_gateway_adds_are_routed_to_by_every_gateway(small_clu
                 break
             time.sleep(INTERVAL_S)
     finally:
-        done.set()
+        status_watch.terminate()
+        status_watch.wait(timeout=30)
         watcher.join(timeout=30)
         scaler.stop()
         plain.stop()
