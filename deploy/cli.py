@@ -36,6 +36,17 @@ def _gib(value: str) -> int:
     return int(float(value) * (1 << 30))
 
 
+def _seconds(value: str) -> float:
+    """A positive number of seconds (argparse's usage error otherwise)."""
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = float("nan")
+    if not seconds > 0:
+        raise argparse.ArgumentTypeError(f"{value}: not a positive number of seconds")
+    return seconds
+
+
 # (flag, config path, type, help) — flags follow vLLM's names where vLLM has one. The help
 # never states a default: `pdcluster serve --help` appends ServeConfig's (_ServeHelpFormatter).
 _SERVE_FLAGS = [
@@ -321,7 +332,7 @@ def _parser() -> argparse.ArgumentParser:
                             help="the deployment's Ray namespace")
         if name == "status":
             action.add_argument("--json", action="store_true", help="one JSON object")
-            action.add_argument("--watch", type=float, metavar="S",
+            action.add_argument("--watch", type=_seconds, metavar="S",
                                 help="again every S seconds until interrupted (with --json, "
                                      "one line each)")
     gateway = sub.add_parser(

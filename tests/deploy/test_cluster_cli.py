@@ -41,3 +41,13 @@ def test_the_manifest_round_trips_as_plain_data():
                                {"ab" * 28: "pdcluster-kvstore-" + "ab" * 28}, "pdcluster-kv-index",
                                ("pg-decode-0",), "127.0.0.1:6379")
     assert ClusterManifest.from_dict(manifest.to_dict()) == manifest
+
+
+@pytest.mark.parametrize("watch", ["0", "-1", "x", "nan"])
+def test_status_watch_takes_only_a_positive_interval(watch, capsys):
+    from deploy.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["cluster", "status", "--watch", watch])
+    assert exit_.value.code == 2  # argparse's usage error, before any Ray is joined
+    assert "not a positive number of seconds" in capsys.readouterr().err
