@@ -25,11 +25,13 @@ import os
 import tempfile
 import threading
 import time
+import warnings
 from pathlib import Path
 from typing import Iterable
 
 import ray
 from ray.actor import ActorHandle
+from ray.util.annotations import RayDeprecationWarning
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from kvstore.config import KVStoreConfig
@@ -64,7 +66,9 @@ class KVStoreActor:
         self.store = TieredNodeStore(self._node_id, layout, pool.dram_cache_bytes, ssd_dir,
                                      pool.ssd_cache_bytes, self._index,
                                      config.tail_capacity_bytes, config.tail_ttl_s)
-        self.restarted = ray.get_runtime_context().was_current_actor_reconstructed
+        with warnings.catch_warnings():  # Ray's property reads its own deprecated actor_id
+            warnings.simplefilter("ignore", RayDeprecationWarning)
+            self.restarted = ray.get_runtime_context().was_current_actor_reconstructed
         if self.restarted:  # what the dead instance held is gone
             for tier in (HOST, SSD):
                 self._index.remove_location(Location(self._node_id, tier))
