@@ -17,6 +17,7 @@ one prefill and one decode actor, and needs no other service.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import logging
 import os
@@ -38,13 +39,10 @@ def _gib(value: str) -> int:
 
 def _seconds(value: str) -> float:
     """A positive number of seconds (argparse's usage error otherwise)."""
-    try:
-        seconds = float(value)
-    except ValueError:
-        seconds = float("nan")
-    if not seconds > 0:
-        raise argparse.ArgumentTypeError(f"{value}: not a positive number of seconds")
-    return seconds
+    with contextlib.suppress(ValueError):
+        if float(value) > 0:  # false for nan too
+            return float(value)
+    raise argparse.ArgumentTypeError(f"{value}: not a positive number of seconds")
 
 
 # (flag, config path, type, help) — flags follow vLLM's names where vLLM has one. The help
