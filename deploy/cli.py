@@ -72,11 +72,16 @@ _SERVE_FLAGS = [
      "auto (Triton on CUDA, torch elsewhere) | triton (interpreted on CPU) | torch"),
     ("--preemption-mode", "engine.preemption_mode", str,
      "recompute | swap: how a full decode cache makes room"),
+    ("--scheduling-policy", "engine.scheduling_policy", str,
+     "fcfs | priority: requests queue, run and are preempted by their `priority` "
+     "(lower first), in the workers and the gateway's queue"),
     ("--max-cudagraph-capture-size", "engine.max_cudagraph_capture_size", int,
      "on CUDA, capture decode batches up to this many sequences as CUDA graphs "
      "(0: none; --enforce-eager: none)"),
     ("--max-num-batched-tokens", "engine.max_num_batched_tokens", int,
      "token budget of one forward step; longer prompts prefill in chunks"),
+    ("--max-lora-rank", "engine.max_lora_rank", int,
+     "highest rank of a --lora-modules adapter"),
     ("--prefill-compute-bound-tokens", "engine.prefill_compute_bound_tokens", int,
      "a prefill worker's step takes no further prompt once it holds this many tokens"),
     ("--ray-num-cpus", "ray_num_cpus", int, "logical CPUs of the local Ray"),
@@ -165,8 +170,11 @@ _SERVE_FLAGS = [
      "close connections that send no complete request head within this many seconds"),
     ("--body-timeout-s", "body_timeout_s", float,
      "close connections whose request body stops arriving for this many seconds"),
+    ("--keep-alive-timeout-s", "keep_alive_timeout_s", float,
+     "close connections idle this many seconds between requests"),
     ("--max-connections", "max_connections", int,
-     "connections open at once; one more is answered 503 and closed"),
+     "connections open at once; past it the longest idle one is closed, or with none idle "
+     "the new one is answered 503"),
     ("--log-level", "log_level", str, "debug | info | warning"),
     ("--log-format", "log_format", str, "text | json: one JSON object per line, with "
                                         "request_id on records about a request"),
@@ -180,12 +188,17 @@ _SERVE_FLAGS = [
      "seconds between two --autoscale decisions (the report interval)"),
     ("--tool-call-parser", "tool_call_parser", str,
      "how tool calls are read out of the model's text: hermes | llama3_json"),
+    ("--reasoning-parser", "reasoning_parser", str,
+     "how a reasoning model's thinking is split from its answer (the chat message's "
+     "reasoning field): deepseek_r1 | qwen3"),
 ]
 
 
 # (flag, config path, help) for on/off switches: --X and --no-X.
 _SERVE_SWITCHES = [
     ("--colocated", "colocated", "prefill and decode in the same worker, no KV transfer"),
+    ("--enable-lora", "engine.enable_lora",
+     "serve LoRA adapters (--lora-modules): a request names one as its model"),
     ("--enable-prefix-caching", "engine.enable_prefix_caching",
      "reuse cached prompt prefixes (--no-enable-prefix-caching for A/B runs)"),
     ("--enforce-eager", "engine.enforce_eager",
@@ -227,6 +240,7 @@ _DEFAULT_TEXT = {
     "api_keys": "none",
     "api_key_file": "none",
     "tool_call_parser": "none",
+    "reasoning_parser": "none",
 }
 
 
@@ -367,6 +381,10 @@ def _add_serve_flags(parser: argparse.ArgumentParser, config_file: bool = True) 
     parser.add_argument("--api-key", dest="api_keys", action="append",
                         default=argparse.SUPPRESS, metavar="KEY",
                         help="require this key (repeatable); env PDCLUSTER_API_KEY also counts")
+    parser.add_argument("--lora-modules", dest="engine.lora_modules", nargs="+",
+                        type=_lora_module, default=argparse.SUPPRESS, metavar="NAME=PATH",
+                        help="LoRA adapters (PEFT directories) served under these model names "
+                             "(with --enable-lora)")
     parser.add_argument("--api-key-file", dest="api_key_file", default=argparse.SUPPRESS,
                         metavar="FILE", help="file with one API key per line")
     for flag, path, help_text in _SERVE_SWITCHES:
@@ -374,17 +392,26 @@ def _add_serve_flags(parser: argparse.ArgumentParser, config_file: bool = True) 
                             default=argparse.SUPPRESS, help=help_text)
 
 
+def _lora_module(value: str) -> tuple[str, str]:
+    """NAME=PATH (vLLM's --lora-modules form) -> (name, path)."""
+    name, sep, path = value.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"expected NAME=PATH, got {value!r}")
+    return name, path
+
+
 def _overrides(args: argparse.Namespace) -> dict:
     out: dict = {}
     paths = [f[1] for f in _SERVE_FLAGS] + [f[1] for f in _SERVE_SWITCHES] + \
-        ["api_keys", "api_key_file"]
+        ["api_keys", "api_key_file", "engine.lora_modules"]
     for path in paths:
         if hasattr(args, path):
             node = out
             *parents, leaf = path.split(".")
             for p in parents:
                 node = node.setdefault(p, {})
-            node[leaf] = getattr(args, path)
+            value = getattr(args, path)
+            node[leaf] = dict(value) if path == "engine.lora_modules" else value
     return out
 
 

@@ -41,9 +41,10 @@ GATEWAY_FIELDS = frozenset({
     "host", "port", "served_model_name", "policy", "pd_decider", "admission", "slo_ttft_s",
     "slo_tbt_ms", "cost_model", "log_level", "log_format", "drain_timeout_s",
     "max_inflight_requests", "max_queued_sequences", "max_seqs_per_request", "header_timeout_s",
-    "body_timeout_s", "max_connections", "max_request_body_bytes", "api_keys", "api_key_file",
-    "tool_call_parser", "enable_auto_tool_choice", "worker_stall_timeout_s", "address",
-    "ray_namespace", "autoscale", "autoscale_interval_s"})
+    "body_timeout_s", "keep_alive_timeout_s", "max_connections", "max_request_body_bytes",
+    "api_keys", "api_key_file",
+    "tool_call_parser", "enable_auto_tool_choice", "reasoning_parser", "worker_stall_timeout_s",
+    "address", "ray_namespace", "autoscale", "autoscale_interval_s"})
 
 
 def state_path(namespace: str) -> Path:

@@ -64,10 +64,14 @@ class ServeConfig(BaseModel):
         many seconds is closed by the gateway (deploy/http_protocol.py).
     body_timeout_s: a connection whose request body stops arriving for this many seconds
         (between two reads, as nginx's client_body_timeout) is closed.
-    max_connections: connections the gateway keeps open at once; one more is answered 503
-        and closed at once. None: the gate and its queue (max_inflight_requests +
-        max_queued_sequences) + 256, so the gate's own 503 (with its OpenAI error body and
-        Retry-After) is what a client over the gate sees, and probes still get in.
+    keep_alive_timeout_s: how long a connection may wait idle between requests before the
+        gateway closes it; nginx's default, longer than clients' pools keep a connection
+        (deploy/http_protocol.py says why).
+    max_connections: connections the gateway keeps open at once; past it a new one replaces
+        the longest idle one, and with none idle is answered 503 and closed at once. None:
+        the gate and its queue (max_inflight_requests + max_queued_sequences) + 256, so the
+        gate's own 503 (with its OpenAI error body and Retry-After) is what a client over
+        the gate sees, and probes still get in.
     log_format: "text" or "json" (one JSON object per line with timestamp, level, logger,
         message and, for a record about a request, request_id; engine/logs.py).
     api_keys / api_key_file: when any key is set, every request but /health needs
@@ -75,6 +79,8 @@ class ServeConfig(BaseModel):
     tool_call_parser / enable_auto_tool_choice: vLLM's flags: how calls are read out of a
         model's text (router.tool_parsers), and whether tool_choice "auto" is served (it
         needs a parser).
+    reasoning_parser: vLLM's flag: a reasoning model's thinking goes to a chat message's
+        `reasoning` (router.reasoning); None: all output is content.
     worker_stall_timeout_s: a worker running requests whose engine takes no step for this
         many seconds (or that stops answering) is declared hung, restarted, and its requests
         migrate (router.stall_watch); 0: not watched.
@@ -140,12 +146,14 @@ class ServeConfig(BaseModel):
     max_seqs_per_request: int | None = Field(None, ge=1)
     header_timeout_s: float = Field(30.0, gt=0)
     body_timeout_s: float = Field(30.0, gt=0)
+    keep_alive_timeout_s: float = Field(75.0, gt=0)
     max_connections: int | None = Field(None, ge=1)
     log_format: Literal["text", "json"] = "text"
     max_request_body_bytes: int = Field(4 << 20, ge=1024)
     api_keys: list[SecretStr] = Field(default_factory=list)
     api_key_file: str | None = None
     tool_call_parser: Literal["hermes", "llama3_json"] | None = None
+    reasoning_parser: Literal["deepseek_r1", "qwen3"] | None = None
     enable_auto_tool_choice: bool = False
     worker_stall_timeout_s: float = Field(30.0, ge=0)
     autoscale: str | None = None

@@ -15,9 +15,17 @@ body, holds its connection for ever, and any number of connections is accepted.
   yet (uvicorn paused reading) is not the client's delay and does not count. A slow handler or
   a streamed response is not covered.
 - **a connection cap** (nginx's `limit_conn`): a connection accepted while `max_connections`
-  others are open is answered at once with `503 Service Unavailable` (`Retry-After: 1`,
+  others are open takes the place of the one idle longest between requests, which is closed
+  (as nginx reuses idle keep-alive connections when it runs out); with none idle it is
+  answered at once with `503 Service Unavailable` (`Retry-After: 1`,
   `Connection: close`) and closed after a short linger, so the client reads the answer
   instead of a reset.
+
+The keep-alive wait itself is uvicorn's `timeout_keep_alive`, which `pdcluster serve` sets
+from `--keep-alive-timeout-s` (75 s, nginx's default; uvicorn's own is 5 s). It must outlast
+the idle time of the clients' connection pools (httpx 5 s, aiohttp 15 s, a load balancer's
+60 s): a client that sends on a connection the server is closing at that moment loses the
+request. AWS's guidance for targets behind its load balancers says the same.
 
 On a head or body timeout the client gets `408 Request Timeout` with `Connection: close` when
 nothing of a response was written yet, and the connection is closed.
@@ -40,6 +48,9 @@ log = logging.getLogger(__name__)
 DEFAULT_HEADER_TIMEOUT_S = 30.0
 #: Default longest wait between two reads of a request body, seconds (ServeConfig.body_timeout_s).
 DEFAULT_BODY_TIMEOUT_S = 30.0
+#: Default wait between requests on a kept-alive connection, seconds
+#: (ServeConfig.keep_alive_timeout_s; nginx's keepalive_timeout).
+DEFAULT_KEEP_ALIVE_TIMEOUT_S = 75.0
 #: How long a refused connection stays open after its 503, reading and dropping what the
 #: client sends (closing on unread bytes would reset the connection before the client reads).
 REFUSED_LINGER_S = 1.0
@@ -81,8 +92,11 @@ class GatewayH11Protocol(H11Protocol):
         super().connection_made(transport)
         if self.max_connections is not None and sum(
                 not getattr(c, "refused", False) for c in self.connections) > self.max_connections:
-            self._refuse()
-            return
+            idle = [c for c in self.connections if c is not self and _idle_since(c) is not None]
+            if not idle:
+                self._refuse()
+                return
+            min(idle, key=_idle_since).timeout_keep_alive_handler()
         # A connection that sends nothing at all is as costly as one that sends half a head.
         self._arm_head_timer()
 
@@ -170,6 +184,19 @@ class GatewayH11Protocol(H11Protocol):
         if self.transport.can_write_eof():
             self.transport.write_eof()
         self.loop.call_later(REFUSED_LINGER_S, self.transport.close)
+
+
+def _idle_since(protocol: Any) -> float | None:
+    """When `protocol`'s keep-alive timer fires (loop time) if the connection waits between
+    requests with nothing of a next one received; else None."""
+    timer = getattr(protocol, "timeout_keep_alive_task", None)
+    if timer is None or protocol.transport.is_closing():
+        return None
+    if protocol.cycle is not None and not protocol.cycle.response_complete:
+        return None
+    if protocol.conn.their_state is not h11.IDLE or protocol.conn.trailing_data[0]:
+        return None
+    return timer.when()
 
 
 def gateway_protocol(header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S,

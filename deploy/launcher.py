@@ -24,7 +24,8 @@ from deploy.config import ServeConfig
 from deploy import placement
 from deploy.ray_session import RaySession
 from deploy.preload import worker_huge_pages, worker_preload
-from engine.config import EngineConfig, ModelConfig
+from engine.config import EngineConfig
+from engine.model_config import ModelConfig
 from engine.models.base import check_tensor_parallel
 from kvstore.actor import (KVSTORE_ACTOR_PREFIX, KVStoreActor, start_kvstore_actor,
                            start_kvstore_actors, wait_kvstore_actors)

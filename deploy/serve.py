@@ -30,12 +30,13 @@ from deploy.config import ServeConfig
 from deploy.http_protocol import gateway_protocol
 from deploy.launcher import Cluster
 from deploy.ray_session import RaySession
-from engine.config import ModelConfig
+from engine.model_config import ModelConfig
 from engine.tokenizer import Tokenizer
 from router.auth import APIKeyAuth, load_api_keys
 from router.chat_template import ChatTemplate
 from router.gateway import build_app
 from router.inflight import InflightGate
+from router.reasoning import ReasoningParser
 from router.serving import GenerationService
 from router.tool_calls import ToolCalling
 
@@ -50,7 +51,8 @@ CLOSE_CONNECTIONS_S = 5.0
 def gateway_app(config: ServeConfig, cluster: Cluster) -> FastAPI:
     """The OpenAI gateway over a started cluster, as `pdcluster serve` runs it."""
     model_dir = config.engine.model
-    max_model_len = config.engine.resolved_max_model_len(ModelConfig.from_pretrained(model_dir))
+    model = ModelConfig.from_pretrained(model_dir)
+    max_model_len = config.engine.resolved_max_model_len(model)
     app = build_app(cluster.pipeline, Tokenizer.from_pretrained(model_dir), config.model_name(),
                     max_model_len, ChatTemplate.from_model_dir(model_dir),
                     config.max_request_body_bytes,
@@ -58,7 +60,10 @@ def gateway_app(config: ServeConfig, cluster: Cluster) -> FastAPI:
                                  config.resolved_max_queued_sequences()),
                     config.resolved_max_seqs_per_request(),
                     ToolCalling(config.tool_call_parser, config.enable_auto_tool_choice),
-                    lambda: _health(cluster, app))
+                    lambda: _health(cluster, app), frozenset(model.eos_token_ids),
+                    ReasoningParser(config.reasoning_parser) if config.reasoning_parser else None,
+                    priority_scheduling=config.engine.scheduling_policy == "priority",
+                    lora_modules=config.engine.lora_modules)
     keys = load_api_keys([k.get_secret_value() for k in config.api_keys], config.api_key_file)
     if keys:
         app.add_middleware(APIKeyAuth, keys=keys)
@@ -149,6 +154,7 @@ def serve_gateway(config: ServeConfig, cluster: Cluster) -> int:
             uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,
                            lifespan="off", log_config=log_config,
                            timeout_graceful_shutdown=CLOSE_CONNECTIONS_S,
+                           timeout_keep_alive=config.keep_alive_timeout_s,
                            http=gateway_protocol(config.header_timeout_s,
                                                  config.body_timeout_s,
                                                  config.resolved_max_connections())),

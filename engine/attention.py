@@ -78,9 +78,13 @@ def paged_attention(
     attn: AttentionMetadata,
     scale: float,
     sliding_window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Store k/v, then attend. q [T, H, D], k/v [T, Hkv, D]; caches [blocks, block_size, Hkv, D].
-    `sliding_window` W > 0: each query sees the last W positions only (kernels).
+    `sliding_window` W > 0: each query sees the last W positions only (kernels). `softcap`
+    c > 0: each score s becomes c * tanh(s / c) before the softmax (Gemma 2's attention logit
+    soft-capping), computed by `softcapped_attention` in torch, the kernels having no such
+    step.
 
     Uses the decode kernel when every sequence has exactly one new token (T == num_seqs), the
     varlen prefill kernel otherwise; where the decode kernel batches the rows
@@ -88,6 +92,8 @@ def paged_attention(
     kind to its own kernel. Returns [T, H, D]; rows past query_start_loc[-1] are zero.
     """
     kernels.store_kv_cache(k, v, k_cache, v_cache, attn.slot_mapping)
+    if softcap > 0:
+        return softcapped_attention(q, k_cache, v_cache, attn, scale, sliding_window, softcap)
     if q.shape[0] == attn.num_seqs:
         return kernels.paged_decode_attention(q, k_cache, v_cache, attn.block_tables,
                                               attn.seq_lens, scale, sliding_window)
@@ -104,4 +110,32 @@ def paged_attention(
     out[mixed.chunk_rows] = kernels.paged_prefill_attention(
         q[mixed.chunk_rows], k_cache, v_cache, attn.block_tables[mixed.chunked],
         mixed.chunk_cu, attn.seq_lens[mixed.chunked], scale)
+    return out
+
+
+def softcapped_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         attn: AttentionMetadata, scale: float, sliding_window: int,
+                         softcap: float) -> torch.Tensor:
+    """Causal attention of each sequence's new tokens over its cached K/V with soft-capped
+    scores, in float32 torch, a sequence at a time (transformers' eager Gemma 2 attention):
+    q [T, H, D], caches [blocks, block_size, Hkv, D] -> [T, H, D] in q's dtype."""
+    out = torch.zeros_like(q, memory_format=torch.contiguous_format)
+    block_size, group = k_cache.shape[1], q.shape[1] // k_cache.shape[2]
+    starts, lengths = attn.query_start_loc.tolist(), attn.seq_lens.tolist()
+    for i, (start, end) in enumerate(zip(starts, starts[1:])):
+        if end == start:
+            continue
+        length = lengths[i]
+        blocks = attn.block_tables[i, :-(-length // block_size)].to(torch.int64)
+        keys = k_cache[blocks].flatten(0, 1)[:length].float().repeat_interleave(group, dim=1)
+        values = v_cache[blocks].flatten(0, 1)[:length].float().repeat_interleave(group, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q[start:end].float(), keys) * scale
+        scores = softcap * torch.tanh(scores / softcap)
+        query_pos = torch.arange(length - (end - start), length, device=q.device)[:, None]
+        key_pos = torch.arange(length, device=q.device)[None, :]
+        visible = key_pos <= query_pos
+        if sliding_window > 0:
+            visible &= key_pos > query_pos - sliding_window
+        probs = scores.masked_fill(~visible, float("-inf")).softmax(dim=-1)
+        out[start:end] = torch.einsum("hqk,khd->qhd", probs, values).to(q.dtype)
     return out

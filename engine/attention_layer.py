@@ -20,24 +20,27 @@ from engine.forward_context import get_forward_context
 
 
 def unified_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
-                      scale: float, sliding_window: int = 0) -> torch.Tensor:
+                      scale: float, sliding_window: int = 0, softcap: float = 0.0
+                      ) -> torch.Tensor:
     """q [T, H, D], k/v [T, Hkv, D] of decoder layer `layer` -> attention output [T, H, D]
     over the forward context's cache (see engine.attention.paged_attention; `sliding_window`
-    W > 0: the layer's window in tokens). Eager calls run the op's body directly; a traced
-    graph records the custom op. Raises RuntimeError outside a forward context."""
+    W > 0: the layer's window in tokens; `softcap` > 0: scores soft-capped, Gemma 2's). Eager
+    calls run the op's body directly; a traced graph records the custom op. Raises
+    RuntimeError outside a forward context."""
     if torch.compiler.is_compiling():
-        return torch.ops.pdcluster.unified_attention(q, k, v, layer, scale, sliding_window)
-    return _attend(q, k, v, layer, scale, sliding_window)
+        return torch.ops.pdcluster.unified_attention(q, k, v, layer, scale, sliding_window,
+                                                     softcap)
+    return _attend(q, k, v, layer, scale, sliding_window, softcap)
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
-            scale: float, sliding_window: int) -> torch.Tensor:
+            scale: float, sliding_window: int, softcap: float) -> torch.Tensor:
     context = get_forward_context()
     hooks, cache = context.layer_hooks, context.kv_cache
     if hooks is not None:
         hooks.wait_for_layer_load(layer)
     out = paged_attention(q, k, v, cache.k[layer], cache.v[layer], context.attn, scale,
-                          sliding_window)
+                          sliding_window, softcap)
     if hooks is not None:
         hooks.save_kv_layer(layer)
     return out
@@ -45,13 +48,13 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
 
 @torch.library.custom_op("pdcluster::unified_attention", mutates_args=())
 def _unified_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
-                          scale: float, sliding_window: int) -> torch.Tensor:
-    return _attend(q, k, v, layer, scale, sliding_window)
+                          scale: float, sliding_window: int, softcap: float) -> torch.Tensor:
+    return _attend(q, k, v, layer, scale, sliding_window, softcap)
 
 
 @_unified_attention_op.register_fake
 def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
-      scale: float, sliding_window: int) -> torch.Tensor:
+      scale: float, sliding_window: int, softcap: float) -> torch.Tensor:
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 

@@ -14,6 +14,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
+import torch
+
 from engine.attention import AttentionMetadata
 from engine.kv_cache import PagedKVCache
 
@@ -28,12 +30,14 @@ class LayerHooks(Protocol):
 
 @dataclass(frozen=True)
 class ForwardContext:
-    """One forward pass's attention metadata, this rank's paged cache, and the hooks run
-    around each layer's attention (None: none)."""
+    """One forward pass's attention metadata, this rank's paged cache, the hooks run around
+    each layer's attention (None: none), and the step's LoRA rows: (adapter slot, int64 token
+    rows) per adapter in the batch (engine.lora; empty: none)."""
 
     attn: AttentionMetadata
     kv_cache: PagedKVCache
     layer_hooks: LayerHooks | None = None
+    lora: tuple[tuple[int, torch.Tensor], ...] = ()
 
 
 _local = threading.local()

@@ -28,12 +28,14 @@ class SequenceChunk:
 
     token_ids: the new tokens (>= 1); num_computed_tokens: tokens of this sequence already in the
     KV cache (positions 0..n-1); block_table: physical block ids covering at least
-    num_computed_tokens + len(token_ids) tokens (block j holds positions j*block_size ...).
+    num_computed_tokens + len(token_ids) tokens (block j holds positions j*block_size ...);
+    lora_slot: the runner's index of the sequence's LoRA adapter (engine.lora), -1: none.
     """
 
     token_ids: Sequence[int]
     num_computed_tokens: int
     block_table: Sequence[int]
+    lora_slot: int = -1
 
 
 class _Buffer:

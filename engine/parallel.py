@@ -181,7 +181,9 @@ class LinearBase(nn.Module):
     weight_handle: int | None = None
     #: the weight packed for decode batches on CPU (kernels.pack_skinny_weight), or None
     skinny_weight: torch.Tensor | None = None
+    #: this rank's output features (set once the weight is packed) and input features
     out_features: int = 0
+    in_features: int = 0
 
     def process_weights_after_loading(self) -> None:
         """Replace `weight` with `kernels.pack_linear_weight`'s layout (on CPU an opaque oneDNN
@@ -211,6 +213,7 @@ class ColumnParallelLinear(LinearBase):
     def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPGroup) -> None:
         super().__init__()
         self.tp = tp
+        self.in_features = in_features
         start, end = tp.shard(out_features, "output size")
         self.weight = nn.Parameter(torch.empty(end - start, in_features))
         self.bias = nn.Parameter(torch.empty(end - start)) if bias else None
@@ -244,8 +247,18 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         self.local_sizes = local_sizes
         self.sources = tuple(sources)
 
+    #: the checkpoint holds the parts as one tensor under this module's own name, part after
+    #: part (Phi-3's qkv_proj and gate_up_proj), not one tensor per source
+    stacked_in_checkpoint = False
+
     def checkpoint_tensors(self, module_name: str) -> dict[str, Callable[[Any], None]]:
-        """`<parent>.<source>.<weight|bias>` of each part -> its loader (engine.models.base)."""
+        """`<parent>.<source>.<weight|bias>` of each part -> its loader (engine.models.base);
+        `<module>.<weight|bias>` -> the loader of every part when stacked in the checkpoint."""
+        if self.stacked_in_checkpoint:
+            return {f"{module_name}.{param_name}":
+                    (lambda loaded, param=param, name=f"{module_name}.{param_name}":
+                     self._load_stacked(param, loaded, name))
+                    for param_name, param in self.named_parameters(recurse=False)}
         parent = module_name.rsplit(".", 1)[0]
         return {f"{parent}.{source}.{param_name}":
                 (lambda loaded, param=param, part=part, name=f"{parent}.{source}.{param_name}":
@@ -259,6 +272,21 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         into that part's rows of `param`."""
         offset = sum(self.local_sizes[:part])
         load_shard(param.narrow(0, offset, self.local_sizes[part]), loaded, name, 0, self.tp)
+
+    def _load_stacked(self, param: nn.Parameter, loaded: Any, name: str) -> None:
+        """This rank's rows of each part of a stacked checkpoint tensor [sum(part sizes),
+        ...] into that part's rows of `param`. Raises WeightLoadError for another size."""
+        k, rank = self.tp.world_size, self.tp.rank
+        rows = tuple(loaded.get_shape())[0]
+        if rows != sum(self.local_sizes) * k:
+            raise WeightLoadError(f"{name}: checkpoint has {rows} rows, the parts "
+                                  f"{[n * k for n in self.local_sizes]} add up to "
+                                  f"{sum(self.local_sizes) * k}")
+        start = offset = 0
+        for local in self.local_sizes:
+            begin = start + rank * local
+            _copy(param.narrow(0, offset, local), loaded[begin:begin + local], name)
+            start, offset = start + local * k, offset + local
 
     def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The parts of an output [n, sum / k] as views [n, part / k] each."""
@@ -298,6 +326,7 @@ class RowParallelLinear(LinearBase):
         super().__init__()
         self.tp = tp
         start, end = tp.shard(in_features, "input size")
+        self.in_features = end - start
         self.weight = nn.Parameter(torch.empty(out_features, end - start))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
 

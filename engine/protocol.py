@@ -38,8 +38,9 @@ STRUCTURED_OUTPUT_KINDS = ("json", "regex", "choice", "grammar", "structural_tag
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """Per-request sampling parameters, with vLLM's meanings and order of application:
-    penalties → min_tokens masking → temperature → min_p → top_k → top_p → draw.
+    """Per-request sampling parameters, with vLLM's meanings and order of application
+    (vllm/v1/sample/sampler.py): allowed_token_ids → bad words → min_tokens masking →
+    logit_bias → penalties → temperature → min_p → top_k → top_p → draw.
 
     max_tokens: tokens to generate (>= 1), counting the first (prefill) token.
     temperature: 0 means greedy (argmax after penalties); otherwise logits are divided by it.
@@ -65,6 +66,20 @@ class SamplingParams:
     prompt_logprobs: None = none; k >= 0 = each prompt token's logprob (after the first) plus
         the top k, from the raw logits of the forward that computes the prompt (vLLM's); the
         prompt is then computed whole, never served by the prefix cache.
+    logit_bias: (token_id, bias) pairs added to the logits, bias in [-100, 100] (OpenAI's).
+    allowed_token_ids: None = every token; else only these ids can be sampled (non-empty).
+    bad_words_token_ids: token-id sequences the output must not contain: a sequence's last id
+        is masked whenever the output so far ends with the rest of it (vLLM's bad_words,
+        tokenized by the gateway). Ids past the model's vocabulary are ignored in all three.
+    reasoning_end_token_ids: with structured_output, the grammar holds only for the output
+        after these ids first appear in it (a reasoning model's end of thinking: vLLM starts
+        structured outputs when the reasoning ends); () = from the first token.
+    priority: the request's scheduling priority, lower first (vLLM's request `priority`); the
+        workers' schedulers and the gateway's queue read it under `--scheduling-policy
+        priority` only. It lives here because these params travel with the request everywhere
+        it goes (prefill, decode, migration).
+    lora_name: the LoRA adapter (`--lora-modules`, engine.lora) the request runs with; None:
+        the base model. Its KV blocks are keyed apart (engine.core.hashing.make_namespace).
     Raises ValueError on out-of-range values.
     """
 
@@ -84,6 +99,12 @@ class SamplingParams:
     output_offset: int = 0
     structured_output: StructuredOutputSpec | None = None
     prompt_logprobs: int | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    allowed_token_ids: tuple[int, ...] | None = None
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
+    reasoning_end_token_ids: tuple[int, ...] = ()
+    priority: int = 0
+    lora_name: str | None = None
 
     def __post_init__(self) -> None:
         checks = [
@@ -105,6 +126,14 @@ class SamplingParams:
             (self.output_offset >= 0, f"output_offset must be >= 0, got {self.output_offset}"),
             (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
              f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}"),
+            # no values in these messages: the tuples can be as long as the vocabulary
+            (all(t >= 0 and -100 <= b <= 100 for t, b in self.logit_bias),
+             "logit_bias needs token ids >= 0 and biases in [-100, 100]"),
+            (self.allowed_token_ids is None
+             or (len(self.allowed_token_ids) > 0 and min(self.allowed_token_ids) >= 0),
+             "allowed_token_ids must hold at least one id, every id >= 0"),
+            (all(len(w) > 0 and min(w) >= 0 for w in self.bad_words_token_ids),
+             "bad_words_token_ids must be non-empty sequences of ids >= 0"),
         ]
         for ok, message in checks:
             if not ok:
@@ -115,6 +144,13 @@ class SamplingParams:
         """Whether sampling looks at the prompt/output tokens (penalties)."""
         return bool(self.presence_penalty or self.frequency_penalty
                     or self.repetition_penalty != 1.0)
+
+    @property
+    def edits_logits(self) -> bool:
+        """Whether sampling changes logits before temperature (penalties, logit_bias,
+        allowed_token_ids, bad words); min_tokens masking is judged per step."""
+        return bool(self.needs_history or self.logit_bias or self.bad_words_token_ids
+                    or self.allowed_token_ids is not None)
 
 
 MAX_LOGPROBS = 20

@@ -46,7 +46,7 @@ import torch
 import kernels
 from engine import compilation, cpu_binding, cpu_decode_stack
 from engine.attention import AttentionMetadata
-from engine.config import EngineConfig, ModelConfig
+from engine.config import EngineConfig
 from engine.core.blocks import num_blocks_for
 from engine.core.kv_cache_manager import NULL_BLOCK
 from engine.cuda_graphs import DecodeGraphs
@@ -54,6 +54,8 @@ from engine.forward_context import ForwardContext, LayerHooks, set_forward_conte
 from engine.input_buffers import InputBuffers, SequenceChunk
 from engine.kv_cache import PagedKVCache
 from engine.loader import CheckpointReader
+from engine.lora import LoRAAdapters, UnknownAdapterError, load_adapters
+from engine.model_config import ModelConfig
 from engine.models.base import build_model, check_tensor_parallel
 from engine.parallel import TPError, TPGroup
 
@@ -113,6 +115,11 @@ class ModelRunner:
         with CheckpointReader(engine_config.model) as reader:
             self.model.load_checkpoint(reader)
         self.model.process_weights_after_loading()
+        #: the --lora-modules adapters, their layers wrapped around the model's (engine.lora);
+        #: None without any
+        self.lora: LoRAAdapters | None = (
+            load_adapters(engine_config.lora_modules, self.model, engine_config.max_lora_rank)
+            if engine_config.lora_modules else None)
         kv_parts, kv_heads, kv_dim = self.model_config.kv_cache_dims(self.tp.world_size)
         self.kv_cache = PagedKVCache(
             num_layers=self.model_config.num_hidden_layers,
@@ -183,7 +190,9 @@ class ModelRunner:
         for index, chunk in enumerate(chunks):
             self._validate(index, chunk)
         with self._step_lock:
-            graph_size = self._graph_size(chunks)
+            lora_slots = self._lora_slots(chunks)
+            lora = lora_slots is not None
+            graph_size = None if lora else self._graph_size(chunks)
             if graph_size is not None:
                 if self.decode_graphs.stale:
                     self.decode_graphs.capture()
@@ -191,13 +200,14 @@ class ModelRunner:
                 # a copy: the graph's output is rewritten by the next replay
                 return self.decode_graphs.replay(graph_size)[:len(chunks)].clone()
             input_ids, positions, attn = self._inputs.prepare(chunks)
-            if self._on_decode_stack(chunks):
+            if not lora and self._on_decode_stack(chunks):
                 return self.model.compute_logits(
                     self.cpu_decode_stack.forward(input_ids, positions, attn))
             with self._command():
                 if self.tp.world_size > 1:
-                    self._send_step(input_ids, positions, attn)
-                hidden = self._run_forward(input_ids, positions, attn, self.layer_hooks)
+                    self._send_step(input_ids, positions, attn, lora_slots)
+                hidden = self._run_forward(input_ids, positions, attn, self.layer_hooks,
+                                           _lora_rows(lora_slots))
             if not all_logits:
                 hidden = hidden[attn.query_start_loc[1:].to(torch.int64) - 1]
             return self.model.compute_logits(hidden)
@@ -220,9 +230,28 @@ class ModelRunner:
                 and all(len(chunk.token_ids) == 1 for chunk in chunks))
 
     def _run_forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                     attn: AttentionMetadata, hooks: LayerHooks | None) -> torch.Tensor:
-        with set_forward_context(ForwardContext(attn, self.kv_cache, hooks)):
+                     attn: AttentionMetadata, hooks: LayerHooks | None,
+                     lora: tuple[tuple[int, torch.Tensor], ...] = ()) -> torch.Tensor:
+        with set_forward_context(ForwardContext(attn, self.kv_cache, hooks, lora)):
             return self.forward(input_ids, positions)
+
+    def lora_slot(self, lora_name: str | None) -> int:
+        """The runner's index of adapter `lora_name` (SequenceChunk.lora_slot); -1 for None.
+        Raises ValueError for a name not loaded (engine.lora.UnknownAdapterError)."""
+        if lora_name is None:
+            return -1
+        if self.lora is None:
+            raise UnknownAdapterError(f"LoRA adapter {lora_name!r} requested, but this engine "
+                                      "serves none (--enable-lora --lora-modules)")
+        return self.lora.slot(lora_name)
+
+    def _lora_slots(self, chunks: list[SequenceChunk]) -> torch.Tensor | None:
+        """Each token's adapter slot (-1: none), int64 [num_tokens] on the device; None when
+        no chunk has an adapter."""
+        if self.lora is None or all(chunk.lora_slot < 0 for chunk in chunks):
+            return None
+        return torch.tensor([chunk.lora_slot for chunk in chunks for _ in chunk.token_ids],
+                            dtype=torch.int64, device=self.device)
 
     @torch.inference_mode()
     def _warm_up(self, forward: compilation.Forward) -> None:
@@ -286,8 +315,8 @@ class ModelRunner:
             if command == _STOP:
                 return
             if command == _STEP:
-                input_ids, positions, attn = self._receive_step(*args[:4])
-                self._run_forward(input_ids, positions, attn, None)
+                input_ids, positions, attn, lora_slots = self._receive_step(*args[:5])
+                self._run_forward(input_ids, positions, attn, None, _lora_rows(lora_slots))
                 continue
             index = self.tp.broadcast(torch.empty(args[0], dtype=torch.int64, device=self.device))
             local = torch.empty((args[0], *self.kv_cache.block_shape), dtype=self.kv_cache.dtype,
@@ -319,19 +348,24 @@ class ModelRunner:
         self.tp.broadcast(header.to(self.device))
 
     def _send_step(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                   attn: AttentionMetadata) -> None:
+                   attn: AttentionMetadata, lora_slots: torch.Tensor | None) -> None:
         num_seqs, max_blocks = attn.block_tables.shape
-        self._send_header(_STEP, input_ids.shape[0], num_seqs, max_blocks, attn.max_seq_len)
+        self._send_header(_STEP, input_ids.shape[0], num_seqs, max_blocks, attn.max_seq_len,
+                          int(lora_slots is not None))
         self.tp.broadcast(torch.cat([input_ids, positions, attn.slot_mapping,
                                      attn.block_tables.flatten().to(torch.int64),
                                      attn.seq_lens.to(torch.int64),
-                                     attn.query_start_loc.to(torch.int64)]))
+                                     attn.query_start_loc.to(torch.int64),
+                                     *([] if lora_slots is None else [lora_slots])]))
 
-    def _receive_step(self, num_tokens: int, num_seqs: int, max_blocks: int, max_seq_len: int
-                      ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        sizes = [num_tokens] * 3 + [num_seqs * max_blocks, num_seqs, num_seqs + 1]
+    def _receive_step(self, num_tokens: int, num_seqs: int, max_blocks: int, max_seq_len: int,
+                      has_lora: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata,
+                                              torch.Tensor | None]:
+        sizes = [num_tokens] * 3 + [num_seqs * max_blocks, num_seqs, num_seqs + 1] + \
+            [num_tokens] * has_lora
         payload = torch.empty(sum(sizes), dtype=torch.int64, device=self.device)
-        input_ids, positions, slots, tables, seq_lens, starts = self.tp.broadcast(payload).split(sizes)
+        input_ids, positions, slots, tables, seq_lens, starts, *lora_slots = \
+            self.tp.broadcast(payload).split(sizes)
         attn = AttentionMetadata(
             slot_mapping=slots,
             block_tables=tables.view(num_seqs, max_blocks).to(torch.int32),
@@ -339,7 +373,7 @@ class ModelRunner:
             query_start_loc=starts.to(torch.int32),
             max_seq_len=max_seq_len,
         )
-        return input_ids, positions, attn
+        return input_ids, positions, attn, lora_slots[0] if lora_slots else None
 
     def _validate(self, index: int, chunk: SequenceChunk) -> None:
         block_size, num_blocks = self.kv_cache.block_size, self.kv_cache.num_blocks
@@ -387,3 +421,12 @@ class ShardedKVView:
 
     def write_blocks(self, block_ids: Sequence[int], data: torch.Tensor) -> None:
         self._runner.write_wire_blocks(block_ids, data)
+
+
+def _lora_rows(slots: torch.Tensor | None) -> tuple[tuple[int, torch.Tensor], ...]:
+    """Each token's adapter slot -> (slot, its token rows) per adapter present
+    (ForwardContext.lora); () for None."""
+    if slots is None:
+        return ()
+    return tuple((slot, (slots == slot).nonzero().squeeze(1))
+                 for slot in slots.unique().tolist() if slot >= 0)

@@ -3,8 +3,8 @@
 The random draw for output token t of a request comes from a generator seeded with
 step_seed(seed, t), never from a shared generator, so the same seed gives the same tokens
 whatever the batch composition, after a recompute, or on another worker.
-The logits processing follows vLLM's sampler: penalties, min_tokens masking, temperature,
-min_p, top_k, top_p, then the draw; logprobs come from the raw logits.
+The logits processing follows vLLM's sampler in its order (SamplingParams); logprobs come
+from the raw logits.
 """
 
 from __future__ import annotations
@@ -42,6 +42,31 @@ def step_seed(seed: int, step: int) -> int:
 
 
 @dataclass(frozen=True)
+class TokenEdits:
+    """A request's allowed_token_ids and logit_bias as CPU tensors, built once per request
+    (Request.token_edits) rather than from its Python tuples at every step.
+
+    allowed: int64 [k] or None; bias_ids: int64 [m], bias: float32 [m], or both None.
+    """
+
+    allowed: torch.Tensor | None = None
+    bias_ids: torch.Tensor | None = None
+    bias: torch.Tensor | None = None
+
+    @classmethod
+    def of(cls, params: SamplingParams) -> TokenEdits | None:
+        """None when the params edit no token."""
+        if params.allowed_token_ids is None and not params.logit_bias:
+            return None
+        allowed = None if params.allowed_token_ids is None else \
+            torch.tensor(params.allowed_token_ids, dtype=torch.int64)
+        if not params.logit_bias:
+            return cls(allowed)
+        pairs = torch.tensor(params.logit_bias, dtype=torch.float64)  # [m, 2]: id, bias
+        return cls(allowed, pairs[:, 0].to(torch.int64), pairs[:, 1].to(torch.float32))
+
+
+@dataclass(frozen=True)
 class SampleInput:
     """One row of a sampling batch.
 
@@ -49,12 +74,14 @@ class SampleInput:
     (output_ids excludes the token being sampled). The token's step index is
     params.output_offset + len(output_ids): a migrated request carries its earlier output as
     the last output_offset prompt ids (SamplingParams.output_offset).
+    edits: TokenEdits.of(params), when the caller keeps it across steps (else built here).
     """
 
     params: SamplingParams
     seed: int
     prompt_ids: Sequence[int]
     output_ids: Sequence[int]
+    edits: TokenEdits | None = None
 
     def history(self) -> tuple[Sequence[int], Sequence[int]]:
         """(prompt ids, every output id so far) as the request was first submitted: the
@@ -79,12 +106,13 @@ def sample(logits: torch.Tensor, rows: Sequence[SampleInput],
     Returns (token_id, logprob entry or None) per row. Greedy rows take the argmax; ties go to
     the lowest id, as torch.argmax and HF greedy do.
 
-    Temperature, min_p, top_k, top_p and the draw run as tensor ops over the batch;
-    only penalties, min_tokens masking and logprobs touch single rows, and only the rows
-    that ask for them. The draw reproduces torch.multinomial(probs, 1, generator) on each
-    row: that op samples one token as argmax(probs / q) with q ~ Exp(1) drawn from the
-    generator over the whole row, so filling row i of q from row i's own (seed, step)
-    generator keeps every row's stream independent of the batch.
+    Temperature, min_p, top_k, top_p and the draw run as tensor ops over the batch; the
+    logits edits before them (SamplingParams.edits_logits, min_tokens masking) and logprobs
+    touch single rows, and only the rows that ask for them. The draw reproduces
+    torch.multinomial(probs, 1, generator) on each row: that op samples one token as
+    argmax(probs / q) with q ~ Exp(1) drawn from the generator over the whole row, so filling
+    row i of q from row i's own (seed, step) generator keeps every row's stream independent
+    of the batch.
     """
     if logits.dim() != 2 or logits.shape[0] != len(rows):
         raise ValueError(f"logits {tuple(logits.shape)} do not match {len(rows)} rows")
@@ -99,7 +127,7 @@ def sample(logits: torch.Tensor, rows: Sequence[SampleInput],
     for start in range(0, len(hot), _CHUNK_ROWS):
         chunk = hot[start:start + _CHUNK_ROWS]
         params = [rows[i].params for i in chunk]
-        temperature = torch.tensor([p.temperature for p in params])
+        temperature = torch.tensor([p.temperature for p in params], device=logits.device)
         probs = filter_probs(torch.softmax(logits[chunk] / temperature[:, None], dim=-1),
                              params)
         q = torch.empty_like(probs)
@@ -129,7 +157,7 @@ def sample(logits: torch.Tensor, rows: Sequence[SampleInput],
 
 def _is_plain_greedy(row: SampleInput) -> bool:
     p = row.params
-    return (p.temperature == 0 and p.logprobs is None and not p.needs_history
+    return (p.temperature == 0 and p.logprobs is None and not p.edits_logits
             and len(row.output_ids) >= p.min_tokens)
 
 
@@ -142,22 +170,37 @@ def _step(row: SampleInput) -> int:
 
 def _processed_logits(raw: torch.Tensor, rows: Sequence[SampleInput],
                       eos_token_ids: AbstractSet[int]) -> torch.Tensor:
-    """raw with each row's penalties and min_tokens mask applied; raw itself when no row
-    asks for either (raw is kept intact for logprobs)."""
+    """raw with each row's edits applied in vLLM's order: allowed_token_ids, bad words,
+    min_tokens masking, logit_bias, penalties; raw itself when no row asks for any (raw is
+    kept intact for logprobs). Ids past the row's vocabulary are ignored."""
     edits = [i for i, r in enumerate(rows)
-             if r.params.needs_history or len(r.output_ids) < r.params.min_tokens]
+             if r.params.edits_logits or len(r.output_ids) < r.params.min_tokens]
     if not edits:
         return raw
     logits = raw.clone()
+    vocab, device = logits.shape[-1], logits.device
     for i in edits:
-        row, p = rows[i], rows[i].params
-        if p.needs_history:
-            prompt_ids, output_ids = row.history()
-            apply_penalties(logits[i], p, prompt_ids, output_ids)
+        row, p, values = rows[i], rows[i].params, logits[i]
+        prompt_ids, output_ids = row.history()
+        tensors = row.edits if row.edits is not None else TokenEdits.of(p)
+        if tensors is not None and tensors.allowed is not None:
+            allowed = tensors.allowed[tensors.allowed < vocab].to(device)
+            outside = torch.ones(vocab, dtype=torch.bool, device=device)
+            outside[allowed] = False
+            values.masked_fill_(outside, float("-inf"))
+        banned = {w[-1] for w in p.bad_words_token_ids
+                  if len(w) - 1 <= len(output_ids)
+                  and list(output_ids[len(output_ids) - len(w) + 1:]) == list(w[:-1])}
         if len(row.output_ids) < p.min_tokens:  # this run's tokens (see protocol)
-            banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
-            if banned:
-                logits[i, sorted(banned)] = float("-inf")
+            banned |= set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
+        if banned:
+            values[sorted(t for t in banned if t < vocab)] = float("-inf")
+        if tensors is not None and tensors.bias_ids is not None:
+            inside = tensors.bias_ids < vocab
+            values.index_add_(0, tensors.bias_ids[inside].to(device),
+                              tensors.bias[inside].to(device, values.dtype))
+        if p.needs_history:
+            apply_penalties(values, p, prompt_ids, output_ids)
     return logits
 
 
@@ -165,15 +208,16 @@ def apply_penalties(logits: torch.Tensor, p: SamplingParams, prompt_ids: Sequenc
                     output_ids: Sequence[int]) -> torch.Tensor:
     """In place on a [vocab] row; returns it. vLLM's apply_penalties semantics."""
     if p.repetition_penalty != 1.0:
-        seen = torch.tensor(sorted(set(prompt_ids) | set(output_ids)), dtype=torch.int64)
+        seen = torch.tensor(sorted(set(prompt_ids) | set(output_ids)), dtype=torch.int64,
+                            device=logits.device)
         if seen.numel():
             vals = logits[seen]
             logits[seen] = torch.where(vals > 0, vals / p.repetition_penalty,
                                        vals * p.repetition_penalty)
     if (p.frequency_penalty or p.presence_penalty) and output_ids:
         counts = Counter(output_ids)
-        ids = torch.tensor(list(counts), dtype=torch.int64)
-        freq = torch.tensor(list(counts.values()), dtype=logits.dtype)
+        ids = torch.tensor(list(counts), dtype=torch.int64, device=logits.device)
+        freq = torch.tensor(list(counts.values()), dtype=logits.dtype, device=logits.device)
         logits[ids] -= p.frequency_penalty * freq + p.presence_penalty
     return logits
 
@@ -185,19 +229,20 @@ def filter_probs(probs: torch.Tensor, params: Sequence[SamplingParams]) -> torch
     [rows, vocab] tensor whose rows sum to 1 (NaN where a row kept no mass). A row with the
     filter off is left as it is, so one batch mixes requests with and without them.
     """
-    vocab = probs.shape[-1]
-    min_p = torch.tensor([p.min_p for p in params], dtype=probs.dtype)
+    vocab, device = probs.shape[-1], probs.device
+    min_p = torch.tensor([p.min_p for p in params], dtype=probs.dtype, device=device)
     if bool((min_p > 0).any()):
         floor = min_p * probs.max(dim=-1).values
         probs = torch.where(probs < floor[:, None], torch.zeros_like(probs), probs)
-    top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else 0 for p in params])
+    top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else 0 for p in params],
+                         device=device)
     if bool((top_k > 0).any()):
         k_max = int(top_k.max())
         largest = torch.topk(probs, k_max, dim=-1).values
         kth = largest.gather(1, (top_k.clamp(min=1) - 1)[:, None])
         kth = torch.where(top_k[:, None] > 0, kth, torch.zeros_like(kth))
         probs = torch.where(probs < kth, torch.zeros_like(probs), probs)
-    top_p = torch.tensor([p.top_p for p in params], dtype=probs.dtype)
+    top_p = torch.tensor([p.top_p for p in params], dtype=probs.dtype, device=device)
     if bool((top_p < 1.0).any()):
         sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
         mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs

@@ -245,7 +245,8 @@ class IncrementalDetokenizer:
 
     The text of the output is defined as decode(prompt + output)[len(decode(prompt)):], which is
     what a client gets by decoding the whole sequence (it keeps the space a SentencePiece
-    tokenizer attaches to a word's first piece). A delta that ends in U+FFFD (an incomplete
+    tokenizer attaches to a word's first piece), with special tokens' text dropped unless
+    skip_special_tokens is False. A delta that ends in U+FFFD (an incomplete
     UTF-8 byte sequence from byte-fallback tokens) is held back until the bytes complete.
 
     Each call decodes a window, not the whole sequence (vLLM's incremental detokenization): the
@@ -263,8 +264,10 @@ class IncrementalDetokenizer:
     #: leading space); moved back if it would start inside a character
     WINDOW = 5
 
-    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int]) -> None:
+    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int],
+                 skip_special_tokens: bool = True) -> None:
         self._tok = tokenizer
+        self._skip = skip_special_tokens
         self._ids = list(prompt_token_ids)
         start = max(len(self._ids) - self.WINDOW, 0)
         while start > 0 and tokenizer.decode(self._ids[start:]).startswith("\ufffd"):
@@ -277,8 +280,8 @@ class IncrementalDetokenizer:
         """Append output ids; return the newly complete text (may be empty)."""
         self._ids.extend(token_ids)
         window = self._ids[self._prefix_offset:]
-        emitted = self._tok.decode(window[:self._read_offset - self._prefix_offset])
-        full = self._tok.decode(window)
+        emitted = self._tok.decode(window[:self._read_offset - self._prefix_offset], self._skip)
+        full = self._tok.decode(window, self._skip)
         if len(full) <= len(emitted) or (not final and full.endswith("\ufffd")):
             return ""
         delta = full[len(emitted):]

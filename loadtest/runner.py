@@ -79,10 +79,12 @@ class MeasuredRun:
     started_at: float = 0.0
 
 
-#: how long an idle connection is kept for reuse: under uvicorn's `timeout_keep_alive` (5 s),
-#: so the client never sends on a connection the server is closing (after a burst, all the
-#: connections it opened go idle, and are closed, at once)
-KEEPALIVE_S = 4.0
+#: how long an idle connection is kept for reuse: well under uvicorn's `timeout_keep_alive`
+#: (5 s, vLLM's and SGLang's default), so the client never sends on a connection the server is
+#: closing, even when a loaded machine reads the end of a response a second or more after it
+#: was sent (after a burst, all the connections it opened go idle, and are closed, at once;
+#: the pool hands out the oldest first)
+KEEPALIVE_S = 2.0
 
 
 async def measured_run(run: RunConfig, body) -> MeasuredRun:

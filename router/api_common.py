@@ -4,11 +4,12 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import AsyncIterator, Awaitable, Callable, Sequence
 
 from fastapi import Request
@@ -21,7 +22,8 @@ from engine.tokenizer import Tokenizer, TokenizerError
 from router.conductor import RequestRejected
 from router.inflight import Overloaded
 from router.pipeline import GenerationError
-from router.schemas import SamplingFields, StreamOptions
+from router.reasoning import THINK_END, THINK_START, TOOL_CALL, ReasoningParser
+from router.schemas import MAX_BAD_WORDS_TOKENS, SamplingFields, StreamOptions
 from router.serving import ChoiceDelta, ChoiceSpec, GenerationService
 from router.structured_outputs import GrammarCheck
 from router.tool_calls import ToolCalling
@@ -53,7 +55,9 @@ class APIError(Exception):
 @dataclass(frozen=True)
 class ServingContext:
     """What every endpoint needs. max_seqs_per_request: prompts × n one request may run
-    (None: no cap of its own; the gate still bounds it)."""
+    (None: no cap of its own; the gate still bounds it); priority_scheduling: the workers
+    run --scheduling-policy priority, so a request's `priority` is served; lora_names: the
+    LoRA adapters a request may name as its `model` (engine.lora)."""
 
     service: GenerationService
     tokenizer: Tokenizer
@@ -62,6 +66,9 @@ class ServingContext:
     max_seqs_per_request: int | None = None
     grammars: GrammarCheck | None = None  # None: compiled only by the workers
     tool_calling: ToolCalling = ToolCalling()
+    reasoning: ReasoningParser | None = None  # --reasoning-parser
+    priority_scheduling: bool = False
+    lora_names: tuple[str, ...] = ()  # --lora-modules: served under these model ids
 
     def structured_output(self, body: SamplingFields) -> StructuredOutputSpec | None:
         """The request's grammar, compiled once here. Raises APIError(400) naming what is
@@ -83,9 +90,43 @@ class ServingContext:
         except GrammarError as exc:
             raise APIError(400, f"{param}: {exc}", param) from exc
 
+    def bad_words_token_ids(self, body: SamplingFields) -> tuple[tuple[int, ...], ...]:
+        """body.bad_words as token-id sequences, as vLLM's SamplingParams.update_from_tokenizer
+        makes them: each word with its leading spaces stripped, then also with one space
+        before it when that gives another first token and as many tokens (a word mid-text).
+        Also checks the ids of logit_bias and allowed_token_ids. Raises APIError(400) naming
+        the field for an id outside the vocabulary, a word with no tokens, or more than
+        MAX_BAD_WORDS_TOKENS tokens in all (vLLM's limit)."""
+        vocab = self.tokenizer.vocab_size
+        for param, ids in (("logit_bias", body.logit_bias or {}),
+                           ("allowed_token_ids", body.allowed_token_ids or ())):
+            outside = sorted(t for t in ids if t >= vocab)
+            if outside:
+                raise APIError(400, f"{param}: token id {outside[0]} is outside the vocabulary "
+                               f"[0, {vocab})", param)
+        words: list[tuple[int, ...]] = []
+        for i, word in enumerate(body.bad_words or ()):
+            plain = tuple(self.encode(word.lstrip(), "bad_words", add_special_tokens=False))
+            if not plain:
+                raise APIError(400, f"bad_words[{i}] {word!r} has no tokens", "bad_words")
+            spaced = tuple(self.encode(" " + word.lstrip(), "bad_words",
+                                       add_special_tokens=False))
+            words.append(plain)
+            if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
+                words.append(spaced)
+        if sum(map(len, words)) > MAX_BAD_WORDS_TOKENS:
+            raise APIError(400, f"bad_words make {sum(map(len, words))} tokens; the limit is "
+                           f"{MAX_BAD_WORDS_TOKENS}", "bad_words")
+        return tuple(words)
+
     def check_model(self, model: str) -> None:
-        if model != self.served_model_name:
+        """Raises APIError(404) unless `model` is the served model or one of its adapters."""
+        if model != self.served_model_name and model not in self.lora_names:
             raise APIError(404, f"The model `{model}` does not exist.", "model", "model_not_found")
+
+    def lora_name(self, model: str) -> str | None:
+        """The LoRA adapter a request's `model` names, None for the base model."""
+        return model if model in self.lora_names else None
 
     def check_num_sequences(self, num_prompts: int, n: int) -> None:
         """Raises APIError(400, reason too_many_sequences) when num_prompts × n is over the
@@ -98,6 +139,12 @@ class ServingContext:
                            "n" if num_prompts == 1 else "prompt", "too_many_sequences",
                            reason="too_many_sequences")
 
+    @functools.cached_property
+    def reasoning_markers(self) -> dict[str, tuple[int, ...]]:
+        """The tokenizer's ids of the reasoning markers (router.reasoning), encoded once."""
+        return {m: tuple(self.tokenizer.encode(m, add_special_tokens=False))
+                for m in (THINK_START, THINK_END, TOOL_CALL)}
+
     def encode(self, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
         """The tokenizer's ids of `text`. Raises APIError(400) for text it cannot take (a lone
         surrogate, which JSON's \\uD800 escapes can carry)."""
@@ -105,6 +152,20 @@ class ServingContext:
             return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
         except TokenizerError as exc:
             raise APIError(400, f"{param}: {exc}", param) from exc
+
+    def truncated(self, prompt_ids: list[int], body: SamplingFields) -> list[int]:
+        """prompt_ids cut to body.truncate_prompt_tokens (vLLM's: -1 means max_model_len − 1,
+        leaving a token for the output; the last tokens are kept unless truncation_side is
+        "right"). Raises APIError(400) for 0 or a size over max_model_len, as vLLM does."""
+        size = body.truncate_prompt_tokens
+        if size is None:
+            return prompt_ids
+        size = self.max_model_len - 1 if size == -1 else size
+        if not 0 < size <= self.max_model_len:
+            raise APIError(400, f"truncate_prompt_tokens must be -1 or in [1, max_model_len "
+                           f"{self.max_model_len}], got {body.truncate_prompt_tokens}",
+                           "truncate_prompt_tokens")
+        return prompt_ids[:size] if body.truncation_side == "right" else prompt_ids[-size:]
 
     def max_tokens_for(self, prompt_ids: list[int], requested: int | None, param: str) -> int:
         """The request's max_tokens, or the rest of the context if None.
@@ -123,26 +184,36 @@ class ServingContext:
         return requested if requested is not None else self.max_model_len - n_prompt
 
 
-def build_specs(body: SamplingFields, prompts: list[list[int]], max_tokens: list[int],
-                logprobs: int | None, structured_output: StructuredOutputSpec | None = None,
-                per_prompt: int | None = None) -> list[ChoiceSpec]:
+def build_specs(ctx: ServingContext, body: SamplingFields, prompts: list[list[int]],
+                max_tokens: list[int], logprobs: int | None,
+                structured_output: StructuredOutputSpec | None = None,
+                per_prompt: int | None = None,
+                reasoning_end: tuple[int, ...] = ()) -> list[ChoiceSpec]:
     """`per_prompt` (default n) choices per prompt, index = prompt × per_prompt + i. With a
     seed, choice k uses seed + k, so choice 0 of n equals the single choice of the same request
-    with n = 1."""
+    with n = 1. reasoning_end: SamplingParams.reasoning_end_token_ids."""
+    if body.priority and not ctx.priority_scheduling:  # vLLM refuses it so too
+        raise APIError(400, f"priority {body.priority} needs --scheduling-policy priority; "
+                       "this server schedules first come, first served", "priority")
     specs = []
     per_prompt = per_prompt or body.n
+    bad_words = ctx.bad_words_token_ids(body)
     for p, prompt in enumerate(prompts):
         for i in range(per_prompt):
             index = p * per_prompt + i
             seed = (body.seed + index) % 2**63 if body.seed is not None else draw_seed()
             try:
                 # max_tokens 0 (prompt only) runs one token, which the choice drops
-                params = body.sampling_params(max(1, max_tokens[p]), logprobs, seed,
-                                              structured_output)
+                params = replace(body.sampling_params(max(1, max_tokens[p]), logprobs, seed,
+                                                      structured_output, bad_words,
+                                                      reasoning_end),
+                                 lora_name=ctx.lora_name(body.model))
             except ValueError as exc:
                 raise APIError(400, str(exc)) from exc
             specs.append(ChoiceSpec(index, prompt, params, body.stop_strings(),
-                                    prompt_only=max_tokens[p] == 0))
+                                    prompt_only=max_tokens[p] == 0,
+                                    include_stop_str_in_output=body.include_stop_str_in_output,
+                                    skip_special_tokens=body.skip_special_tokens))
     return specs
 
 
@@ -150,27 +221,33 @@ async def respond(ctx: ServingContext, body: SamplingFields, request_id: str,
                   prompts: list[list[int]], specs: list[ChoiceSpec], obj: str, chunk_obj: str,
                   choice: Callable[[ChoiceDelta], dict],
                   whole: Callable[[list[ChoiceDelta]], dict] | None = None,
-                  select: Callable[[list[ChoiceDelta]], list[ChoiceDelta]] | None = None
-                  ) -> Response:
+                  select: Callable[[list[ChoiceDelta]], list[ChoiceDelta]] | None = None,
+                  reasoning_tokens: Callable[[ChoiceDelta], int] | None = None) -> Response:
     """Runs `specs` and answers: with body.stream, SSE chunks of object `chunk_obj`, each with
     the one choice `choice(delta)` (see sse); else one `obj` with `choice(folded delta)` per
     choice in index order, the usage and, with return_token_ids, the prompt's ids (a list of
     them for several prompts), and the fields `whole(choices)` adds; `select` picks the
-    choices shown from all that ran (unstreamed only; usage counts all). Raises APIError as
-    start_stream does and, unstreamed, as collect does."""
+    choices shown from all that ran (unstreamed only; usage counts all). With
+    `reasoning_tokens` (fed each delta, it returns the request's reasoning tokens so far) the
+    usage has `completion_tokens_details.reasoning_tokens`. Raises APIError as start_stream
+    does and, unstreamed, as collect does."""
     first, rest = await start_stream(ctx, request_id, specs, body.cache_salt)
     head = envelope(request_id, chunk_obj if body.stream else obj, body.model)
     num_prompt_tokens = sum(len(p) for p in prompts)
     if body.stream:
         return StreamingResponse(sse(first, rest, choice, head, num_prompt_tokens,
-                                     body.stream_options, body.n),
+                                     body.stream_options, body.n, reasoning_tokens),
                                  media_type="text/event-stream")
     choices = await collect(first, rest, len(specs))
     cached = {c.index: c.num_cached_tokens for c in choices}
     shown = select(choices) if select is not None else choices
+    reasoning = None
+    if reasoning_tokens is not None:
+        for c in choices:
+            reasoning = reasoning_tokens(c)
     response = {**head, "choices": [choice(c) for c in shown],
                 "usage": usage(num_prompt_tokens, sum(len(c.token_ids) for c in choices),
-                               cached_tokens(cached, len(choices) // len(prompts)))}
+                               cached_tokens(cached, len(choices) // len(prompts)), reasoning)}
     if body.return_token_ids:
         response["prompt_token_ids"] = prompts if len(prompts) > 1 else prompts[0]
     if whole is not None:
@@ -228,6 +305,8 @@ async def collect(first: ChoiceDelta, rest: AsyncIterator[ChoiceDelta],
             acc.token_ids += delta.token_ids
             acc.logprobs += delta.logprobs
             acc.finish_reason = delta.finish_reason or acc.finish_reason
+            if delta.stop_reason is not None:
+                acc.stop_reason = delta.stop_reason
             if acc.num_cached_tokens is None:
                 acc.num_cached_tokens = delta.num_cached_tokens
             if acc.prompt_logprobs is None:
@@ -242,13 +321,15 @@ async def collect(first: ChoiceDelta, rest: AsyncIterator[ChoiceDelta],
 
 async def sse(first: ChoiceDelta, rest: AsyncIterator[ChoiceDelta],
               choice: Callable[[ChoiceDelta], dict], head: dict, prompt_tokens: int,
-              stream_options: StreamOptions | None,
-              choices_per_prompt: int = 1) -> AsyncIterator[str]:
+              stream_options: StreamOptions | None, choices_per_prompt: int = 1,
+              reasoning_tokens: Callable[[ChoiceDelta], int] | None = None
+              ) -> AsyncIterator[str]:
     """SSE frames, one per delta: `head` with the one choice `choice(delta)`; then `[DONE]`.
     With stream_options include_usage, a last chunk (`head` with no choices) carries the
     request's usage; with continuous_usage_stats (vLLM's extension), every chunk also carries
-    the usage so far. A mid-stream failure becomes an error event."""
-    completion_tokens = 0
+    the usage so far (with reasoning_tokens as respond's). A mid-stream failure becomes an
+    error event."""
+    completion_tokens, reasoning = 0, None
     cached: dict[int, int | None] = {}
     include_usage = bool(stream_options and stream_options.include_usage)
     continuous = include_usage and stream_options.continuous_usage_stats
@@ -257,14 +338,17 @@ async def sse(first: ChoiceDelta, rest: AsyncIterator[ChoiceDelta],
             completion_tokens += len(delta.token_ids)
             if cached.get(delta.index) is None:
                 cached[delta.index] = delta.num_cached_tokens
+            if reasoning_tokens is not None:
+                reasoning = reasoning_tokens(delta)
             frame = {**head, "choices": [choice(delta)]}
             if continuous:
                 frame["usage"] = usage(prompt_tokens, completion_tokens,
-                                       cached_tokens(cached, choices_per_prompt))
+                                       cached_tokens(cached, choices_per_prompt), reasoning)
             yield f"data: {json.dumps(frame)}\n\n"
         if include_usage:
             last = {**head, "choices": [], "usage": usage(
-                prompt_tokens, completion_tokens, cached_tokens(cached, choices_per_prompt))}
+                prompt_tokens, completion_tokens, cached_tokens(cached, choices_per_prompt),
+                reasoning)}
             yield f"data: {json.dumps(last)}\n\n"
     except GenerationError as exc:
         log.warning("stream ended by an error: %s", exc)
@@ -280,12 +364,16 @@ async def _chain(first: ChoiceDelta, rest: AsyncIterator[ChoiceDelta]) -> AsyncI
         yield delta
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached: int | None = None) -> dict:
-    """OpenAI's usage object; with `cached`, `prompt_tokens_details.cached_tokens` too."""
+def usage(prompt_tokens: int, completion_tokens: int, cached: int | None = None,
+          reasoning: int | None = None) -> dict:
+    """OpenAI's usage object; with `cached`, `prompt_tokens_details.cached_tokens` too, and
+    with `reasoning`, `completion_tokens_details.reasoning_tokens`."""
     body = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}
     if cached is not None:
         body["prompt_tokens_details"] = {"cached_tokens": cached}
+    if reasoning is not None:
+        body["completion_tokens_details"] = {"reasoning_tokens": reasoning}
     return body
 
 

@@ -10,7 +10,9 @@ from engine.tokenizer import Tokenizer
 from router.api_common import APIError, ServingContext, build_specs, respond
 from router.chat_template import ChatTemplate, ChatTemplateError
 from router.logprobs import chat_logprob_entry, vllm_prompt_logprobs
-from router.schemas import ChatCompletionRequest, ChatMessage, new_request_id
+from router.reasoning import THINK_END, ReasoningStream
+from router.schemas import (ChatCompletionRequest, ChatMessage, ChatTemplateFields,
+                            new_request_id)
 from router.serving import ChoiceDelta
 from router.tool_calls import (ToolChoiceError, ToolPlan, new_call_id, plan, template_tool_calls,
                                template_tools, tool_specs)
@@ -38,18 +40,33 @@ async def create_chat_completion(body: ChatCompletionRequest, ctx: ServingContex
                            "send it without response_format or structured_outputs",
                            "tool_choice")
         grammar = tools.grammar
-    try:
-        text = template.render([template_message(m) for m in body.messages],
-                               tools=template_tools(body.tools))
-    except ChatTemplateError as exc:
-        raise APIError(400, str(exc), "messages") from exc
-    prompt = ctx.encode(text, "messages", add_special_tokens=body.add_special_tokens)
+    text = render_messages(template, body.messages, body)
+    prompt = ctx.truncated(
+        ctx.encode(text, "messages", add_special_tokens=body.add_special_tokens), body)
     requested = body.max_completion_tokens or body.max_tokens
     param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
     max_tokens = ctx.max_tokens_for(prompt, requested, param)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    specs = build_specs(body, [prompt], [max_tokens], logprobs, grammar)
-    states = [_ChoiceState(tools) for _ in specs]
+    # a grammar holds after the reasoning, as vLLM's structured outputs do
+    thinks = ctx.reasoning is not None and ctx.reasoning.thinks(body.template_kwargs())
+    reasoning_end = ctx.reasoning_markers[THINK_END] if thinks and grammar is not None else ()
+    specs = build_specs(ctx, body, [prompt], [max_tokens], logprobs, grammar,
+                        reasoning_end=reasoning_end)
+    reasoning_tokens = None
+    if ctx.reasoning is not None:
+        counts = [ctx.reasoning.token_count(ctx.reasoning_markers, body.template_kwargs())
+                  for _ in specs]
+
+        def reasoning_tokens(delta: ChoiceDelta) -> int:
+            counts[delta.index].feed(delta.token_ids)
+            return sum(c.count for c in counts)
+    # vLLM's reply role: the last message's own when no generation prompt opens a new one
+    last = body.messages[-1]
+    role = "assistant" if body.add_generation_prompt else last.role
+    echo = last.text() if body.echo and last.role == role else ""
+    states = [_ChoiceState(tools, ctx.reasoning.stream(body.template_kwargs())
+                           if ctx.reasoning is not None else None, role, echo)
+              for _ in specs]
     whole = None
     if body.prompt_logprobs is not None:  # vLLM's: beside the choices, not in them
         def whole(choices: list[ChoiceDelta]) -> dict:
@@ -59,7 +76,20 @@ async def create_chat_completion(body: ChatCompletionRequest, ctx: ServingContex
     return await respond(ctx, body, request_id, [prompt], specs, "chat.completion",
                          "chat.completion.chunk",
                          lambda delta: _choice(delta, body, ctx.tokenizer, states[delta.index]),
-                         whole)
+                         whole, reasoning_tokens=reasoning_tokens)
+
+
+def render_messages(template: ChatTemplate, messages: list[ChatMessage],
+                    options: ChatTemplateFields) -> str:
+    """The prompt text of `messages` with the request's template options (chat completions
+    and /tokenize alike). Raises APIError(400) when the template refuses them."""
+    try:
+        return template.render([template_message(m) for m in messages],
+                               options.add_generation_prompt, template_tools(options.tools),
+                               options.continue_final_message, options.documents,
+                               options.template_kwargs())
+    except ChatTemplateError as exc:
+        raise APIError(400, str(exc), "messages") from exc
 
 
 def template_message(message: ChatMessage) -> dict:
@@ -71,14 +101,22 @@ def template_message(message: ChatMessage) -> dict:
         out["tool_calls"] = template_tool_calls(message.tool_calls)
     if message.tool_call_id is not None:
         out["tool_call_id"] = message.tool_call_id
+    if message.role == "assistant" and message.reasoning is not None:
+        # vLLM's: under both names, for templates that re-render recent thinking (Qwen3's
+        # after the last user turn, in a tool loop)
+        out["reasoning"] = out["reasoning_content"] = message.reasoning
     return out
 
 
 @dataclass
 class _ChoiceState:
-    """One choice across its stream chunks: whether its role went out, and its tool calls."""
+    """One choice across its stream chunks: whether its role went out, its reasoning (with
+    --reasoning-parser) and its tool calls."""
 
     tools: ToolPlan | None
+    reasoning: ReasoningStream | None = None
+    role: str = "assistant"
+    echo: str = ""  # what its content starts with (vLLM's chat echo)
     started: bool = False
     calls: ToolCallStream | None = None
     call_ids: list[str] = field(default_factory=list)
@@ -101,10 +139,13 @@ def _choice(delta: ChoiceDelta, body: ChatCompletionRequest, tokenizer: Tokenize
             state: _ChoiceState) -> dict:
     """A stream chunk's choice ("delta") or a whole one ("message"). The first of a choice
     carries the role: the first chunk of a streamed choice, and every whole one."""
-    message: dict = {"content": delta.text}
     finish = delta.finish_reason
+    text, reasoning = delta.text, ""
+    if state.reasoning is not None:
+        reasoning, text = state.reasoning.feed(text, finish is not None)
+    message: dict = {"content": text}
     if state.calls is not None:
-        events = state.read(delta.text, finish is not None)
+        events = state.read(text, finish is not None)
         content = "".join(e.text for e in events if isinstance(e, Content))
         calls = _stream_calls(events, state) if body.stream else _whole_calls(events, state)
         message = {"content": content or None}
@@ -112,14 +153,25 @@ def _choice(delta: ChoiceDelta, body: ChatCompletionRequest, tokenizer: Tokenize
             message["tool_calls"] = calls
         if finish == "stop" and state.calls.num_calls:
             finish = state.tools.finish_reason
+    # vLLM's: a whole message always has `reasoning`, null where there is none; hidden
+    # reasoning (include_reasoning false) shows in no token ids or logprobs either
+    hidden = state.reasoning is not None and not body.include_reasoning
+    if state.reasoning is not None:
+        message["content"] = message["content"] or None
+    if (reasoning and not hidden) or not body.stream:
+        message["reasoning"] = None if hidden else reasoning or None
     if not state.started:
         state.started = True
-        message = {"role": "assistant", **message}
+        if state.echo:
+            message["content"] = state.echo + (message["content"] or "")
+        message = {"role": state.role, **message}
     choice = {"index": delta.index, "delta" if body.stream else "message": message,
-              "logprobs": {"content": [chat_logprob_entry(e, tokenizer) for e in delta.logprobs]}
-              if body.logprobs else None,
-              "finish_reason": finish}
-    if body.return_token_ids:
+              "logprobs": {"content": [chat_logprob_entry(e, tokenizer,
+                                                          bool(body.return_tokens_as_token_ids))
+                                       for e in delta.logprobs]}
+              if body.logprobs and not hidden else None,
+              "finish_reason": finish, "stop_reason": delta.stop_reason}
+    if body.return_token_ids and not hidden:
         choice["token_ids"] = delta.token_ids
     return choice
 

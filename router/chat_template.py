@@ -2,9 +2,11 @@
 
 Lookup order (as transformers does): `chat_template.jinja` in the model directory, then
 `tokenizer_config.json`'s `chat_template` (a string, or a list of {name, template} where the
-one named "default" is used). Rendered in jinja2's sandbox, with `messages`, `bos_token`,
-`eos_token` and `add_generation_prompt=True`; the result is tokenized without adding special
-tokens again (transformers' apply_chat_template(tokenize=True) does the same).
+one named "default" is used), then `chat_template.json`'s, where a multimodal checkpoint's
+processor keeps it (Gemma 3). Rendered in jinja2's sandbox, with `messages`, `bos_token`,
+`eos_token`, `tools`, `documents`, `add_generation_prompt` (True unless the request says) and
+the request's `chat_template_kwargs`; the result is tokenized without adding special tokens
+again (transformers' apply_chat_template(tokenize=True) does the same).
 
 PLAIN_CHAT_TEMPLATE, for models without one (the bundled stories260K), renders
 
@@ -40,6 +42,11 @@ PLAIN_CHAT_TEMPLATE = (
 )
 
 
+#: what the server itself sets in a template's context
+RESERVED_VARIABLES = ("messages", "bos_token", "eos_token", "tools", "documents",
+                      "add_generation_prompt", "raise_exception")
+
+
 class ChatTemplateError(ValueError):
     """The template failed to render these messages (e.g. it raised on a role order)."""
 
@@ -65,20 +72,40 @@ class ChatTemplate:
         elif isinstance(config.get("chat_template"), list):
             named = {t.get("name"): t.get("template") for t in config["chat_template"]}
             source = named.get("default")
+        elif (path / "chat_template.json").is_file():
+            source = json.loads((path / "chat_template.json").read_text()).get("chat_template")
         return cls(source or PLAIN_CHAT_TEMPLATE, _token(config, "bos_token"),
                    _token(config, "eos_token"))
 
     def render(self, messages: list[dict], add_generation_prompt: bool = True,
-               tools: list[dict] | None = None) -> str:
+               tools: list[dict] | None = None, continue_final_message: bool = False,
+               documents: list[dict] | None = None, extra: dict | None = None) -> str:
         """messages: [{"role", "content"}] with text content (an assistant's may hold
         `tool_calls`, a tool's `tool_call_id`); tools: OpenAI function tools, as transformers
-        passes them. Raises ChatTemplateError."""
+        passes them; documents: for retrieval templates; extra: more template variables
+        (vLLM's chat_template_kwargs), never one of those above.
+        continue_final_message: the text ends with the last message's content, which the
+        model continues (transformers' apply_chat_template cuts the render there).
+        Raises ChatTemplateError."""
+        reserved = set(extra or ()) & set(RESERVED_VARIABLES)
+        if reserved:
+            raise ChatTemplateError(f"chat_template_kwargs may not set {sorted(reserved)}")
         try:
-            return self._template.render(messages=messages, bos_token=self._bos,
-                                         eos_token=self._eos, tools=tools,
+            text = self._template.render(**(extra or {}), messages=messages,
+                                         bos_token=self._bos, eos_token=self._eos,
+                                         tools=tools, documents=documents,
                                          add_generation_prompt=add_generation_prompt)
-        except TemplateError as exc:
+        except Exception as exc:  # noqa: BLE001 — client values reach the template's code
             raise ChatTemplateError(f"chat template failed: {exc}") from exc
+        if not continue_final_message:
+            return text
+        final = messages[-1]["content"] or ""
+        for piece in (final, final.strip()):
+            end = text.rfind(piece)
+            if piece and end >= 0:
+                return text[:end + len(piece)]
+        raise ChatTemplateError("continue_final_message: the last message's content is not in "
+                                "the rendered chat")
 
 
 def _token(config: dict, name: str) -> str:

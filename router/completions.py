@@ -22,7 +22,7 @@ async def create_completion(body: CompletionRequest, ctx: ServingContext):
     max_tokens = [ctx.max_tokens_for(p, body.max_tokens, "max_tokens") for p in prompts]
     # best_of ranks candidates by their tokens' logprobs: computed whether shown or not
     logprobs = body.logprobs if candidates == body.n or body.logprobs is not None else 0
-    specs = build_specs(body, prompts, max_tokens, logprobs, ctx.structured_output(body),
+    specs = build_specs(ctx, body, prompts, max_tokens, logprobs, ctx.structured_output(body),
                         candidates)
     offsets = [TextOffsets() for _ in specs]  # per choice, carried across its stream chunks
     echoed: set[int] = set()  # choices whose prompt went out (echo)
@@ -50,7 +50,10 @@ def _best(choices: list[ChoiceDelta], candidates: int, n: int) -> list[ChoiceDel
 
 def _prompt_texts(body: CompletionRequest, prompts: list[list[int]],
                   tokenizer: Tokenizer) -> list[str]:
-    """What echo shows of each prompt: the text sent, or the ids decoded."""
+    """What echo shows of each prompt: the text sent, or the ids decoded (also when
+    truncated)."""
+    if body.truncate_prompt_tokens is not None:
+        return [tokenizer.decode(p) for p in prompts]
     if isinstance(body.prompt, str):
         return [body.prompt]
     if isinstance(body.prompt[0], str):
@@ -73,6 +76,7 @@ def _prompts(body: CompletionRequest, ctx: ServingContext) -> list[list[int]]:
         prompts = [list(prompt)]
     else:
         prompts = [list(p) for p in prompt]
+    prompts = [ctx.truncated(p, body) for p in prompts]
     tokenizer = ctx.tokenizer
     for p in prompts:
         if not p:
@@ -94,12 +98,15 @@ def _choice(delta: ChoiceDelta, body: CompletionRequest, tokenizer: Tokenizer,
     echo = body.echo and first
     logprobs = None
     if body.logprobs is not None:
-        logprobs = completion_logprobs(delta.logprobs, tokenizer, offsets) if not echo else \
+        as_ids = bool(body.return_tokens_as_token_ids)
+        logprobs = completion_logprobs(delta.logprobs, tokenizer, offsets, as_ids) \
+            if not echo else \
             _joined(echo_logprobs(prompt, delta.prompt_logprobs or [], body.logprobs, tokenizer,
-                                  offsets),
-                    completion_logprobs(delta.logprobs, tokenizer, offsets))
+                                  offsets, as_ids),
+                    completion_logprobs(delta.logprobs, tokenizer, offsets, as_ids))
     choice = {"index": delta.index, "text": prompt_text + delta.text if echo else delta.text,
-              "logprobs": logprobs, "finish_reason": delta.finish_reason}
+              "logprobs": logprobs, "finish_reason": delta.finish_reason,
+              "stop_reason": delta.stop_reason}
     if body.prompt_logprobs is not None and first:
         choice["prompt_logprobs"] = vllm_prompt_logprobs(delta.prompt_logprobs or [],
                                                          body.prompt_logprobs, tokenizer)

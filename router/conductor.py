@@ -56,13 +56,15 @@ class RequestRejected(NoInstanceError):
 @dataclass(frozen=True)
 class RouteRequest:
     """What the Conductor looks at. block_keys: the prompt's full-block keys when the caller
-    has them (the simulator); otherwise they are computed from the tokens."""
+    has them (the simulator); otherwise they are computed from the tokens (under the
+    request's LoRA adapter, `lora_name`, and cache salt)."""
 
     request_id: str
     prompt_token_ids: tuple[int, ...]
     cache_salt: str | None = None
     block_keys: tuple[bytes, ...] | None = None
     num_tokens: int | None = None
+    lora_name: str | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -95,7 +97,7 @@ class PrefixKeyer:
     def __call__(self, request: RouteRequest) -> list[bytes]:
         if request.block_keys is not None:
             return list(request.block_keys)
-        namespace = make_namespace(self.model_name, request.cache_salt)
+        namespace = make_namespace(self.model_name, request.cache_salt, request.lora_name)
         return block_keys(request.prompt_token_ids, self.block_size, namespace)
 
 

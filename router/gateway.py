@@ -38,6 +38,8 @@ from router.inflight import InflightGate
 from router.metrics import ClusterStatsCollector, GatewayMetrics, exposition
 from router.pipeline import Pipeline
 from router.schemas import ChatCompletionRequest, CompletionRequest
+from router.reasoning import ReasoningParser
+from router.responses import ResponsesRequest, create_response
 from router.serving import GenerationService
 from router.structured_outputs import GrammarCheck
 from router.tool_calls import ToolCalling
@@ -56,22 +58,32 @@ def build_app(pipeline: Pipeline, tokenizer: Tokenizer, served_model_name: str,
               gate: InflightGate | None = None,
               max_seqs_per_request: int | None = None,
               tool_calling: ToolCalling = ToolCalling(),
-              worker_health: Callable[[], dict] | None = None) -> FastAPI:
+              worker_health: Callable[[], dict] | None = None,
+              eos_token_ids: frozenset[int] | None = None,
+              reasoning: ReasoningParser | None = None,
+              priority_scheduling: bool = False,
+              lora_modules: dict[str, str] | None = None) -> FastAPI:
     """The gateway app. max_model_len bounds prompt + max_tokens; max_body_bytes bounds a
     request body (larger ones get 413 before they are read whole); gate bounds and queues the
     sequences in flight (default: unbounded); max_seqs_per_request caps prompts × n of one
     request (400 over it; default: no cap); tool_calling: --tool-call-parser and
     --enable-auto-tool-choice; worker_health: what /health says of the workers (dead and
     hung ones; a worker marked dead makes the status "degraded", still 200: the gateway
-    serves, and a liveness probe must not restart it for a worker). `app.state.service` (a GenerationService, with
-    its gate) is what a drain (deploy/serve.py) acts on."""
+    serves, and a liveness probe must not restart it for a worker); eos_token_ids: the
+    model's (default: the tokenizer's); reasoning: --reasoning-parser; priority_scheduling:
+    the workers run --scheduling-policy priority (else a request's `priority` other than 0
+    gets 400); lora_modules: the workers' LoRA adapters (name -> directory), served as models
+    of their own (vLLM's model cards: `parent` the base model, `root` the directory).
+    `app.state.service`
+    (a GenerationService, with its gate) is what a drain (deploy/serve.py) acts on."""
     metrics = GatewayMetrics()
-    service = GenerationService(pipeline, tokenizer, metrics, gate)
+    service = GenerationService(pipeline, tokenizer, metrics, gate, eos_token_ids)
     cluster_stats = ClusterStatsCollector(pipeline.conductor.registry, service.gate,
                                           lambda: pipeline.conductor.pd_decisions,
                                           pipeline.migration_stats)
     ctx = ServingContext(service, tokenizer, served_model_name, max_model_len,
-                         max_seqs_per_request, GrammarCheck(tokenizer), tool_calling)
+                         max_seqs_per_request, GrammarCheck(tokenizer), tool_calling, reasoning,
+                         priority_scheduling, tuple(lora_modules or ()))
     app = FastAPI(title="pdcluster", docs_url=None, redoc_url=None)
     app.state.service = service
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
@@ -117,17 +129,21 @@ def build_app(pipeline: Pipeline, tokenizer: Tokenizer, served_model_name: str,
         body = exposition(metrics, await cluster_stats.scrape())
         return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    model_card = {"id": served_model_name, "object": "model", "created": int(time.time()),
-                  "owned_by": "pdcluster", "max_model_len": max_model_len}
+    created = int(time.time())
+    cards = {served_model_name: {"id": served_model_name, "object": "model", "created": created,
+                                 "owned_by": "pdcluster", "max_model_len": max_model_len}}
+    for name, path in (lora_modules or {}).items():
+        cards[name] = {"id": name, "object": "model", "created": created, "owned_by": "pdcluster",
+                       "root": path, "parent": served_model_name, "max_model_len": max_model_len}
 
     @app.get("/v1/models")
     async def models() -> dict:
-        return {"object": "list", "data": [model_card]}
+        return {"object": "list", "data": list(cards.values())}
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str) -> dict:
         ctx.check_model(model_id)
-        return model_card
+        return cards[model_id]
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
@@ -137,6 +153,10 @@ def build_app(pipeline: Pipeline, tokenizer: Tokenizer, served_model_name: str,
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         return await until_disconnected(request, create_chat_completion(body, ctx,
                                                                         chat_template))
+
+    @app.post("/v1/responses")
+    async def responses(body: ResponsesRequest, request: Request):
+        return await until_disconnected(request, create_response(body, ctx, chat_template))
 
     @app.post("/tokenize")
     async def tokenize_endpoint(body: TokenizeRequest) -> dict:

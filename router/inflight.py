@@ -4,16 +4,22 @@ Every choice of every prompt is one sequence on a worker (its own request id the
 counts sequences. A request reserves all of its sequences when it arrives (`InflightGate.open`)
 and each sequence then waits for a slot of its own (`GateTicket.acquire`). While `limit` slots
 are taken, sequences wait in a queue; slots are handed out round-robin across requests, one
-sequence per request per turn, so a request of many sequences cannot starve one of a few. The
-last `reserve` free slots go only to a request's first sequence: a request that arrives while
-large ones hold the gate starts as soon as one of those slots is free, instead of after every
-sequence queued before it (sequences are never preempted, so without a reserve a newcomer
-waits for whole running sequences to end).
+sequence per request per turn, so a request of many sequences cannot starve one of a few.
+Requests of a lower `priority` value go first (vLLM's priority scheduling; under the default
+policy every request has priority 0), round-robin among those of one priority; the reserve
+below does not look at priorities. The last `reserve` free slots go only to a request's first
+sequence: a request that arrives while large ones hold the gate starts as soon as one of those
+slots is free, instead of after every sequence queued before it (sequences are never
+preempted, so without a reserve a newcomer waits for whole running sequences to end).
 
 A request is refused at once — 503 with Retry-After (OpenAI's status for an overloaded server)
-— only when its sequences do not fit in the queue (`limit + max_queued` in all), or once
-draining has begun. Bounding the queue bounds memory; the workers' own queues (the prefill
-actor's Ray task queue, the decode engine's waiting list) sit behind it.
+— when its sequences do not fit in the queue (`limit + max_queued` in all), or once draining
+has begun. Where queued requests of a higher priority value hold the room it lacks, they are
+refused instead (reason "preempted"), the least urgent and then the newest first, as SGLang's
+scheduler aborts queued requests for a more urgent one (`_abort_on_queued_limit`); only a
+request none of whose sequences has started is refused so, so no client sees a reply cut.
+Bounding the queue bounds memory; the workers' own queues (the prefill actor's Ray task
+queue, the decode engine's waiting list) sit behind it.
 
     open(n) ──► ticket: n pending ──acquire──► granted (slot held) ──release──► slot free
                       │                 ▲                                         │
@@ -29,7 +35,8 @@ from collections import deque
 
 class Overloaded(Exception):
     """A request refused by the gate. reason: the `pdcluster_requests_rejected_total` label
-    ("overloaded" or "draining"); retry_after_s: the Retry-After the client gets, seconds."""
+    ("overloaded", "preempted" or "draining"); retry_after_s: the Retry-After the client gets,
+    seconds."""
 
     def __init__(self, reason: str, message: str, retry_after_s: float) -> None:
         super().__init__(message)
@@ -66,27 +73,52 @@ class InflightGate:
         self.inflight = 0
         self.queued = 0  # reserved by open tickets, not yet granted
         self.draining = False
-        self._rotation: deque[GateTicket] = deque()  # tickets with waiters, in turn order
+        # tickets with waiters, in turn order, by priority
+        self._rotations: dict[int, deque[GateTicket]] = {}
+        # tickets no sequence of which has had a slot yet, in arrival order (the only ones a
+        # more urgent request may push out)
+        self._unstarted: dict[GateTicket, None] = {}
         self._idle = asyncio.Event()
         self._idle.set()
 
-    def open(self, num_sequences: int) -> "GateTicket":
+    def open(self, num_sequences: int, priority: int = 0) -> "GateTicket":
         """Reserves room for a request of `num_sequences` sequences; each then takes its slot
-        with `ticket.acquire()`. Close the ticket when the request ends.
+        with `ticket.acquire()`, before those of requests with a higher `priority` value.
+        Close the ticket when the request ends.
 
-        Raises Overloaded when draining or when the sequences would overflow the queue.
+        Raises Overloaded when draining or when the sequences would overflow the queue even
+        after refusing every unstarted request of a higher priority value.
         """
         if self.draining:
             raise Overloaded("draining", "the server is shutting down; retry on another "
                              "replica", self.retry_after_s)
-        if self.limit is not None and \
-                self.inflight + self.queued + num_sequences > self.limit + self.max_queued:
+        if self.limit is not None:
+            excess = self.inflight + self.queued + num_sequences - self.limit - self.max_queued
+            if excess > 0:
+                self._make_room(excess, priority)
+        self.queued += num_sequences
+        self._idle.clear()
+        ticket = GateTicket(self, num_sequences, priority)
+        self._unstarted[ticket] = None
+        return ticket
+
+    def _make_room(self, excess: int, priority: int) -> None:
+        """Refuses unstarted requests less urgent than `priority` until `excess` queued
+        sequences are gone; raises Overloaded, refusing none, when they hold fewer."""
+        victims, freed = [], 0
+        for ticket in sorted(reversed(self._unstarted), key=lambda t: -t.priority):
+            if freed >= excess or ticket.priority <= priority:
+                break
+            victims.append(ticket)
+            freed += ticket.pending
+        if freed < excess:
             raise Overloaded("overloaded", f"the server is at its limit of {self.limit} "
                              f"sequences in flight and {self.max_queued} queued; retry later",
                              self.retry_after_s)
-        self.queued += num_sequences
-        self._idle.clear()
-        return GateTicket(self, num_sequences)
+        for ticket in victims:
+            ticket._refuse(Overloaded("preempted", "the request was refused while queued: "
+                                      "the queue is full and a request of higher priority "
+                                      "came; retry later", self.retry_after_s))
 
     def start_draining(self) -> None:
         """From now on every request is refused (reason "draining"). Idempotent."""
@@ -107,24 +139,45 @@ class InflightGate:
         return free > 0 and (ticket.held == 0 or free > self.reserve)
 
     def _grant(self, ticket: "GateTicket") -> None:
+        self._unstarted.pop(ticket, None)
         ticket.held += 1
         ticket.pending -= 1
         self.inflight += 1
         self.queued -= 1
 
     def _dispatch(self) -> None:
-        """Hands free slots to waiting sequences, one per ticket per turn."""
-        while self._rotation:
-            for _ in range(len(self._rotation)):
-                ticket = self._rotation.popleft()
-                if self._eligible(ticket) and ticket._wake_one():
-                    if ticket._waiters:
-                        self._rotation.append(ticket)
-                    break
-                if ticket._waiters:
-                    self._rotation.append(ticket)
-            else:
-                return  # a full turn granted nothing
+        """Hands free slots to waiting sequences, one per ticket per turn, the lowest
+        priority value first."""
+        while any(self._turn(priority) for priority in sorted(self._rotations)):
+            pass  # one slot granted: start again from the lowest priority value
+
+    def _turn(self, priority: int) -> bool:
+        """Grants one slot to the next eligible ticket of `priority` in turn; False when a
+        full turn grants nothing."""
+        rotation = self._rotations[priority]
+        granted = False
+        for _ in range(len(rotation)):
+            ticket = rotation.popleft()
+            granted = self._eligible(ticket) and ticket._wake_one()
+            if ticket._waiters:
+                rotation.append(ticket)
+            if granted:
+                break
+        if not rotation:
+            del self._rotations[priority]
+        return granted
+
+    def _enqueue(self, ticket: "GateTicket") -> None:
+        rotation = self._rotations.setdefault(ticket.priority, deque())
+        if ticket not in rotation:
+            rotation.append(ticket)
+
+    def _dequeue(self, ticket: "GateTicket") -> None:
+        rotation = self._rotations.get(ticket.priority)
+        if rotation is not None and ticket in rotation:
+            rotation.remove(ticket)
+            if not rotation:
+                del self._rotations[ticket.priority]
 
     def _check_idle(self) -> None:
         if self.inflight <= 0 and self.queued <= 0:
@@ -136,29 +189,35 @@ class GateTicket:
     """One request's sequences at the gate: `acquire` a slot per sequence before it starts,
     `release` it when the sequence ends, `close` when the request ends (idempotent)."""
 
-    def __init__(self, gate: InflightGate, num_sequences: int) -> None:
+    def __init__(self, gate: InflightGate, num_sequences: int, priority: int = 0) -> None:
         self._gate = gate
+        self.priority = priority
         self.pending = num_sequences
         self.held = 0
         self._waiters: deque[asyncio.Future] = deque()
         self._closed = False
+        self._refused: Overloaded | None = None
 
     async def acquire(self) -> None:
         """Waits for a slot for one sequence of this request (FIFO within the request).
 
-        Raises RuntimeError when all reserved sequences were already granted or the ticket is
-        closed; asyncio.CancelledError leaves nothing taken.
+        Raises Overloaded (reason "preempted") once the gate refused the queued request for a
+        more urgent one; RuntimeError when all reserved sequences were already granted or the
+        ticket is closed; asyncio.CancelledError leaves nothing taken.
         """
         gate = self._gate
+        if self._refused is not None:
+            raise self._refused
         if self._closed or self.pending <= 0:
             raise RuntimeError("no reserved sequence left on this gate ticket")
+        # every ticket that waits is ineligible (_dispatch ran), so a slot free now is one of
+        # the reserve: a first sequence takes it whatever the priority of those waiting
         if not self._waiters and gate._eligible(self):
             gate._grant(self)
             return
         waiter = asyncio.get_running_loop().create_future()
         self._waiters.append(waiter)
-        if self not in gate._rotation:
-            gate._rotation.append(self)
+        gate._enqueue(self)
         try:
             await waiter
         except asyncio.CancelledError:
@@ -186,13 +245,28 @@ class GateTicket:
         for waiter in self._waiters:
             waiter.cancel()
         self._waiters.clear()
-        if self in gate._rotation:
-            gate._rotation.remove(self)
+        gate._unstarted.pop(self, None)
+        gate._dequeue(self)
         gate.queued -= self.pending
         self.pending = 0
         gate.inflight -= self.held
         self.held = 0
         gate._dispatch()
+        gate._check_idle()
+
+    def _refuse(self, error: Overloaded) -> None:
+        """Withdraws this unstarted request: its waiters, and every later `acquire`, raise
+        `error`; `close` is still due."""
+        self._refused = error
+        for waiter in self._waiters:
+            if not waiter.done():
+                waiter.set_exception(error)
+        self._waiters.clear()
+        gate = self._gate
+        gate._unstarted.pop(self, None)
+        gate._dequeue(self)
+        gate.queued -= self.pending
+        self.pending = 0
         gate._check_idle()
 
     def _wake_one(self) -> bool:
@@ -210,5 +284,5 @@ class GateTicket:
             self._waiters.remove(waiter)
         except ValueError:
             pass
-        if not self._waiters and self in self._gate._rotation:
-            self._gate._rotation.remove(self)
+        if not self._waiters:
+            self._gate._dequeue(self)

@@ -24,6 +24,12 @@ def token_string(data: bytes) -> str:
         return "bytes:" + "".join(f"\\x{b:02x}" for b in data)
 
 
+def token_name(tokenizer: Tokenizer, token_id: int, as_id: bool = False) -> str:
+    """A token as logprob entries show it: its string, or with vLLM's
+    return_tokens_as_token_ids (`as_id`) `token_id:N`, which no tokenization can blur."""
+    return f"token_id:{token_id}" if as_id else token_string(tokenizer.token_bytes(token_id))
+
+
 class TextOffsets:
     """Character offsets of a choice's tokens in its text, fed one token at a time.
 
@@ -46,50 +52,53 @@ class TextOffsets:
 
 
 def completion_logprobs(entries: list[TokenLogprob], tokenizer: Tokenizer,
-                        offsets: TextOffsets) -> dict:
+                        offsets: TextOffsets, as_ids: bool = False) -> dict:
     """The completions `logprobs` object (tokens, token_logprobs, top_logprobs, text_offset)
-    for a choice's next `entries`; `offsets` carries the choice's position across chunks."""
+    for a choice's next `entries`; `offsets` carries the choice's position across chunks;
+    as_ids: tokens named `token_id:N` (token_name)."""
     tokens, text_offset = [], []
     for e in entries:
         data = tokenizer.token_bytes(e.token_id)
-        tokens.append(token_string(data))
+        tokens.append(token_name(tokenizer, e.token_id, as_ids))
         text_offset.append(offsets.take(b"" if tokenizer.is_special(e.token_id) else data))
     return {
         "tokens": tokens,
         "token_logprobs": [e.logprob for e in entries],
-        "top_logprobs": [{token_string(tokenizer.token_bytes(t)): lp for t, lp in e.top}
+        "top_logprobs": [{token_name(tokenizer, t, as_ids): lp for t, lp in e.top}
                          for e in entries],
         "text_offset": text_offset,
     }
 
 
-def chat_logprob(token_id: int, logprob: float, tokenizer: Tokenizer) -> dict:
+def chat_logprob(token_id: int, logprob: float, tokenizer: Tokenizer,
+                 as_id: bool = False) -> dict:
     """A chat `{token, logprob, bytes}` object; bytes are the token's UTF-8 bytes."""
     data = tokenizer.token_bytes(token_id)
-    return {"token": token_string(data), "logprob": logprob, "bytes": list(data)}
+    return {"token": token_name(tokenizer, token_id, as_id), "logprob": logprob,
+            "bytes": list(data)}
 
 
-def chat_logprob_entry(entry: TokenLogprob, tokenizer: Tokenizer) -> dict:
+def chat_logprob_entry(entry: TokenLogprob, tokenizer: Tokenizer, as_ids: bool = False) -> dict:
     """One chat `logprobs.content` item with its `top_logprobs`."""
-    return {**chat_logprob(entry.token_id, entry.logprob, tokenizer),
-            "top_logprobs": [chat_logprob(t, lp, tokenizer) for t, lp in entry.top]}
+    return {**chat_logprob(entry.token_id, entry.logprob, tokenizer, as_ids),
+            "top_logprobs": [chat_logprob(t, lp, tokenizer, as_ids) for t, lp in entry.top]}
 
 
 def echo_logprobs(prompt_ids: list[int], entries: list[TokenLogprob], top: int,
-                  tokenizer: Tokenizer, offsets: TextOffsets) -> dict:
+                  tokenizer: Tokenizer, offsets: TextOffsets, as_ids: bool = False) -> dict:
     """The completions `logprobs` object of an echoed prompt: `entries` hold the prompt's
     tokens after the first (engine prompt logprobs), whose logprob and top entries are null,
     as vLLM and OpenAI show it; `top` caps the top entries shown."""
     tokens, text_offset = [], []
     for t in prompt_ids:
         data = tokenizer.token_bytes(t)
-        tokens.append(token_string(data))
+        tokens.append(token_name(tokenizer, t, as_ids))
         text_offset.append(offsets.take(b"" if tokenizer.is_special(t) else data))
     return {
         "tokens": tokens,
         "token_logprobs": [None, *(e.logprob for e in entries)],
-        "top_logprobs": [None, *({token_string(tokenizer.token_bytes(t)): lp
-                                  for t, lp in e.top[:top]} for e in entries)],
+        "top_logprobs": [None, *({token_name(tokenizer, t, as_ids): lp for t, lp in e.top[:top]}
+                                 for e in entries)],
         "text_offset": text_offset,
     }
 

@@ -33,7 +33,7 @@ RECENT_REQUESTS = 4096
 #: (router.inflight).
 KNOWN_REJECT_REASONS = ("invalid_request", "unknown_model", "body_too_large", "unavailable",
                         "too_many_sequences", "ttft_slo", "tbt_slo", "decode_kv_full",
-                        "overloaded", "draining")
+                        "overloaded", "preempted", "draining")
 
 
 class GatewayMetrics:

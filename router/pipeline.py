@@ -252,7 +252,8 @@ class Pipeline:
         return True
 
     def _route_request(self, run: _Run, prompt: tuple[int, ...]) -> RouteRequest:
-        return RouteRequest(run.attempt_id, prompt, run.cache_salt)
+        return RouteRequest(run.attempt_id, prompt, run.cache_salt,
+                            lora_name=run.sampling.lora_name)
 
     def _routing_error(self, run: _Run, exc: NoInstanceError) -> Exception:
         """First attempt: the request cannot start (503, or 429 on admission). Later ones:

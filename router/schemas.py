@@ -1,7 +1,9 @@
 """OpenAI API request bodies (pydantic), per the OpenAI API reference for /v1/completions and
 /v1/chat/completions, with vLLM's extensions (`top_k`, `min_p`, `min_tokens`,
 `repetition_penalty`, `ignore_eos`, `stop_token_ids`, `return_token_ids`, `add_special_tokens`,
-`stream_options.continuous_usage_stats`) and `cache_salt`.
+`stream_options.continuous_usage_stats`, `allowed_token_ids`, `bad_words`,
+`include_stop_str_in_output`, `skip_special_tokens`, `truncate_prompt_tokens`) and
+`cache_salt`.
 
 Unknown fields are rejected (400): a typo'd sampling field silently ignored would change
 results without telling the user. Fields vLLM or OpenAI define that this server does not
@@ -14,7 +16,8 @@ from __future__ import annotations
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo,
+                      field_validator, model_validator)
 from pydantic_core import PydanticCustomError
 
 from engine.protocol import MAX_LOGPROBS, SamplingParams, StructuredOutputSpec
@@ -24,11 +27,24 @@ from router.unsupported_fields import (CHAT_FIELDS, COMPLETION_FIELDS, MESSAGE_F
                                        TEXT_PART_TYPES, drop_neutral)
 
 MAX_N = 16
+#: vLLM's limits on a request's bad words (VLLM_MAX_NUM_BAD_WORDS, ..._TOTAL_TOKENS)
+MAX_BAD_WORDS = 128
+MAX_BAD_WORDS_TOKENS = 1024
 MAX_STOP_STRINGS = 16
 #: Temperatures below this are greedy (vLLM's `_SAMPLING_EPS`, vllm/sampling_params.py):
 #: logits divided by 1e-170 overflow to inf and the distribution to NaN.
 SAMPLING_EPS = 1e-5
 MIN_REPETITION_PENALTY = 0.01
+
+
+def _null_is(default: bool):
+    return lambda value: default if value is None else value
+
+
+#: vLLM's switches that this server accepted as null while it did not serve them: null still
+#: means the default
+OffByDefault = Annotated[bool, BeforeValidator(_null_is(False))]
+OnByDefault = Annotated[bool, BeforeValidator(_null_is(True))]
 
 
 class StreamOptions(BaseModel):
@@ -71,6 +87,21 @@ class SamplingFields(BaseModel):
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsParams | None = None
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    # OpenAI's: token id (a JSON key) -> bias; vLLM clamps a bias to [-100, 100]
+    logit_bias: dict[Annotated[int, Field(ge=0)], float] | None = None
+    allowed_token_ids: Annotated[list[Annotated[int, Field(ge=0)]],
+                                 Field(min_length=1)] | None = None
+    bad_words: Annotated[list[Annotated[str, Field(min_length=1)]],
+                         Field(max_length=MAX_BAD_WORDS)] | None = None
+    include_stop_str_in_output: OffByDefault = False
+    skip_special_tokens: OnByDefault = True
+    return_tokens_as_token_ids: bool | None = None  # vLLM's: logprob tokens as `token_id:N`
+    # vLLM's: keep this many prompt tokens (-1: max_model_len), the last ones unless
+    # truncation_side is "right"
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)
+    truncation_side: Literal["left", "right"] | None = None
+    # vLLM's: lower is served earlier; other than 0 only with --scheduling-policy priority
+    priority: int | None = Field(None, ge=-2**63, lt=2**63)
 
     def structured_output(self) -> StructuredOutputSpec | None:
         """The grammar the request asks for (router.structured_outputs); raises ValueError
@@ -86,8 +117,12 @@ class SamplingFields(BaseModel):
         return self.prompt_logprobs
 
     def sampling_params(self, max_tokens: int, logprobs: int | None, seed: int | None,
-                        structured_output: StructuredOutputSpec | None = None) -> SamplingParams:
-        """Raises ValueError for combinations pydantic's per-field checks cannot see."""
+                        structured_output: StructuredOutputSpec | None = None,
+                        bad_words_token_ids: tuple[tuple[int, ...], ...] = (),
+                        reasoning_end_token_ids: tuple[int, ...] = ()) -> SamplingParams:
+        """bad_words_token_ids: `bad_words` tokenized (router.api_common);
+        reasoning_end_token_ids: where a grammar starts (router.chat). Raises ValueError for
+        combinations pydantic's per-field checks cannot see."""
         temperature = 0.0 if self.temperature < SAMPLING_EPS else self.temperature
         # a top_p this small keeps only the most likely token either way; smaller ones
         # underflow to 0 in float32 and drop every token (found by the fuzz test)
@@ -99,7 +134,14 @@ class SamplingFields(BaseModel):
             min_tokens=self.min_tokens, presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty, logprobs=logprobs,
-            structured_output=structured_output, prompt_logprobs=self.prompt_logprobs_k())
+            structured_output=structured_output, prompt_logprobs=self.prompt_logprobs_k(),
+            logit_bias=tuple((t, min(100.0, max(-100.0, b)))
+                             for t, b in (self.logit_bias or {}).items()),
+            allowed_token_ids=(tuple(sorted(set(self.allowed_token_ids)))
+                               if self.allowed_token_ids is not None else None),
+            bad_words_token_ids=bad_words_token_ids,
+            reasoning_end_token_ids=reasoning_end_token_ids if structured_output else (),
+            priority=self.priority or 0)
 
 
 _PROMPT_FORMS = "a string, a list of strings, a list of token ids or a list of token-id lists"
@@ -234,6 +276,7 @@ class ChatMessage(BaseModel):
     name: str | None = None
     tool_calls: list[MessageToolCall] | None = None  # an assistant's calls
     tool_call_id: str | None = None  # a tool message: the call it answers
+    reasoning: str | None = None  # an assistant's thinking, for templates that render it
 
     @model_validator(mode="before")
     @classmethod
@@ -241,12 +284,38 @@ class ChatMessage(BaseModel):
         return drop_neutral(data, MESSAGE_FIELDS, "messages: ")
 
     def text(self) -> str:
+        """The content as text; text parts joined by newlines, as vLLM renders them
+        (vllm/renderers/chat_utils.py)."""
         if isinstance(self.content, list):
-            return "".join(part.text for part in self.content)
+            return "\n".join(part.text for part in self.content)
         return self.content or ""
 
 
-class ChatCompletionRequest(SamplingFields):
+class ChatTemplateFields(BaseModel):
+    """vLLM's chat-template options, which chat completions and /tokenize render alike
+    (router.chat.render_messages)."""
+
+    tools: list[Tool] | None = None
+    add_generation_prompt: OnByDefault = True
+    continue_final_message: OffByDefault = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    documents: list[dict[str, str]] | None = None
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """The chat template's extra variables."""
+        return dict(self.chat_template_kwargs or {})
+
+    @field_validator("continue_final_message")
+    @classmethod
+    def _one_way_to_end(cls, value: bool, info: ValidationInfo) -> bool:
+        if value and info.data.get("add_generation_prompt", True):
+            raise PydanticCustomError(
+                "continue_final_message", "continue_final_message needs "
+                "add_generation_prompt false: the model continues the last message")
+        return value
+
+
+class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
     """Body of POST /v1/chat/completions. max_completion_tokens wins over the deprecated
     max_tokens; with neither, the rest of the context is the limit (vLLM's behaviour)."""
 
@@ -257,9 +326,21 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     # vLLM's default for chat: the template already places the special tokens
     add_special_tokens: bool = False
-    tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    include_reasoning: OnByDefault = True  # vLLM's: with --reasoning-parser, false drops it
+    echo: OffByDefault = False  # vLLM's: the reply's content starts with a last assistant message
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh",
+                              "max"] | None = None
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """The chat template's extra variables: chat_template_kwargs, and reasoning_effort
+        as vLLM passes it (with enable_thinking off at "none", unless the kwargs say)."""
+        kwargs = super().template_kwargs()
+        if self.reasoning_effort is not None:
+            kwargs["reasoning_effort"] = self.reasoning_effort
+            kwargs.setdefault("enable_thinking", self.reasoning_effort != "none")
+        return kwargs
 
     @model_validator(mode="before")
     @classmethod

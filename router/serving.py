@@ -16,28 +16,35 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator, Sequence
 
 from engine.protocol import FinishReason, SamplingParams, TokenLogprob
-from engine.tokenizer import IncrementalDetokenizer, Tokenizer
-from router.inflight import InflightGate
+from engine.tokenizer import Tokenizer
+from router.inflight import InflightGate, Overloaded
 from router.metrics import GatewayMetrics
 from router.pipeline import GenerationError, Pipeline
-from router.stop import StopStringMatcher
+from router.stop import ChoiceText
 
 
 @dataclass(frozen=True)
 class ChoiceSpec:
     """One choice to generate: `index` is its position in the response's choices;
-    prompt_only: it reports the prompt's logprobs and no output (max_tokens 0)."""
+    prompt_only: it reports the prompt's logprobs and no output (max_tokens 0);
+    include_stop_str_in_output, skip_special_tokens: vLLM's (the text of the stop string, or
+    of the EOS or stop_token_ids token that ended the choice, is kept; special tokens'
+    text is dropped)."""
 
     index: int
     prompt_ids: list[int]
     params: SamplingParams
     stops: Sequence[str] = ()
     prompt_only: bool = False
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
 
 
 @dataclass
 class ChoiceDelta:
     """New output of one choice. finish_reason: None, "stop" or "length" (OpenAI's values).
+    stop_reason (vLLM's): with finish_reason "stop", the stop string or the stop_token_ids
+    id that ended the choice; None at EOS, a complete grammar and otherwise.
     num_cached_tokens: on the choice's first delta, the prompt tokens the prefix cache
     served; None on the others. prompt_logprobs: on the first delta, with the params'
     prompt_logprobs, one entry per prompt token after the first."""
@@ -49,6 +56,7 @@ class ChoiceDelta:
     finish_reason: str | None = None
     num_cached_tokens: int | None = None
     prompt_logprobs: list[TokenLogprob] | None = None
+    stop_reason: int | str | None = None
 
 
 _DONE = object()
@@ -60,9 +68,13 @@ class GenerationService:
 
     def __init__(self, pipeline: Pipeline, tokenizer: Tokenizer,
                  metrics: GatewayMetrics | None = None,
-                 gate: InflightGate | None = None) -> None:
+                 gate: InflightGate | None = None,
+                 eos_token_ids: frozenset[int] | None = None) -> None:
+        """eos_token_ids: the model's (ModelConfig.eos_token_ids; default: the tokenizer's)."""
         self.pipeline = pipeline
         self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids if eos_token_ids is not None else frozenset(
+            t for t in (tokenizer.eos_token_id,) if t is not None)
         self.metrics = metrics or GatewayMetrics()
         self.gate = gate or InflightGate(None)
         self._active: set[asyncio.Queue] = set()
@@ -77,9 +89,10 @@ class GenerationService:
     async def stream(self, request_id: str, specs: Sequence[ChoiceSpec],
                      cache_salt: str | None = None) -> AsyncIterator[ChoiceDelta]:
         """Merged deltas of all choices. Raises Overloaded (router.inflight) before anything
-        starts when the gate refuses, GenerationError from any choice or from abort_all.
-        Each choice waits for its own slot of the gate before it starts."""
-        ticket = self.gate.open(len(specs))
+        starts when the gate refuses the request, at once or while it is queued;
+        GenerationError from any choice or from abort_all. Each choice waits for its own slot
+        of the gate before it starts."""
+        ticket = self.gate.open(len(specs), specs[0].params.priority)
         queue: asyncio.Queue = asyncio.Queue()
         self._active.add(queue)
         queued_at = time.perf_counter()
@@ -92,7 +105,7 @@ class GenerationService:
                 self.metrics.queue_time.observe(time.perf_counter() - queued_at)
                 async for delta in self._choice(request_id, spec, cache_salt):
                     await queue.put(delta)
-            except GenerationError as exc:
+            except (GenerationError, Overloaded) as exc:  # Overloaded: refused while queued
                 await queue.put(exc)
             except Exception:  # noqa: BLE001 — a bug must end the stream, not hang it
                 log.exception("choice %d of %s failed", spec.index, request_id)
@@ -109,7 +122,7 @@ class GenerationService:
                 item = await queue.get()
                 if item is _DONE:
                     remaining -= 1
-                elif isinstance(item, GenerationError):
+                elif isinstance(item, (GenerationError, Overloaded)):
                     raise item
                 else:
                     yield item
@@ -124,8 +137,9 @@ class GenerationService:
 
     async def _choice(self, request_id: str, spec: ChoiceSpec,
                       cache_salt: str | None) -> AsyncIterator[ChoiceDelta]:
-        detok = IncrementalDetokenizer(self.tokenizer, spec.prompt_ids)
-        stops = StopStringMatcher(spec.stops)
+        output = ChoiceText(self.tokenizer, spec.prompt_ids, spec.params, spec.stops,
+                            self.eos_token_ids, spec.include_stop_str_in_output,
+                            spec.skip_special_tokens)
         deltas = self.pipeline.generate(f"{request_id}-{spec.index}", spec.prompt_ids,
                                         spec.params, cache_salt)
         self.metrics.prompt_tokens.inc(len(spec.prompt_ids))
@@ -151,11 +165,12 @@ class GenerationService:
                                                  time.perf_counter() - start, 0)
                     return
                 final = delta.finish_reason is not None
-                detok.add(delta.token_ids, final=final)
-                text = stops.update(detok.text, final)
-                reason = "stop" if stops.stopped else _finish_text(delta.finish_reason)
+                text = output.add(delta.token_ids, final)
+                reason = "stop" if output.stop_string is not None \
+                    else _finish_text(delta.finish_reason)
                 yield ChoiceDelta(spec.index, text, list(delta.token_ids),
-                                  list(delta.logprobs or ()), reason, cached, scores)
+                                  list(delta.logprobs or ()), reason, cached, scores,
+                                  output.stop_reason if reason == "stop" else None)
                 if reason is not None:
                     self.metrics.observe_request(first_token_at - start,
                                                  time.perf_counter() - start, num_tokens)

@@ -1,6 +1,7 @@
 """POST /tokenize and /detokenize, with vLLM's request and response shapes
 (vllm/entrypoints/openai/protocol.py: TokenizeCompletionRequest, TokenizeChatRequest,
-DetokenizeRequest): a prompt or chat messages in; `tokens`, `count` and `max_model_len` out.
+DetokenizeRequest): a prompt or chat messages in (rendered as /v1/chat/completions renders
+them, with the same template options and tools); `tokens`, `count` and `max_model_len` out.
 Routers that score prefixes (llm-d's precise prefix scorer) call these."""
 
 from __future__ import annotations
@@ -11,12 +12,12 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from engine.tokenizer import TokenizerError
 from router.api_common import APIError, ServingContext
-from router.chat import template_message
-from router.chat_template import ChatTemplate, ChatTemplateError
-from router.schemas import ChatMessage
+from router.chat import render_messages
+from router.chat_template import ChatTemplate
+from router.schemas import ChatMessage, ChatTemplateFields
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(ChatTemplateFields):
     """`prompt` (vLLM's completion form, special tokens added by default) or `messages` (its
     chat form: rendered by the chat template, which places the special tokens)."""
 
@@ -24,7 +25,6 @@ class TokenizeRequest(BaseModel):
     model: str | None = None
     prompt: str | None = None
     messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
-    add_generation_prompt: bool = True
     add_special_tokens: bool | None = None
     return_token_strs: bool = False
 
@@ -47,11 +47,7 @@ def tokenize(body: TokenizeRequest, ctx: ServingContext, template: ChatTemplate)
     if body.model is not None:
         ctx.check_model(body.model)
     if body.messages is not None:
-        try:
-            text = template.render([template_message(m) for m in body.messages],
-                                   body.add_generation_prompt)
-        except ChatTemplateError as exc:
-            raise APIError(400, str(exc), "messages") from exc
+        text = render_messages(template, body.messages, body)
         ids = ctx.encode(text, "messages", add_special_tokens=bool(body.add_special_tokens))
     else:
         special = True if body.add_special_tokens is None else body.add_special_tokens

@@ -1,7 +1,7 @@
 """Request fields that vLLM's or OpenAI's server accepts and this one does not implement.
 
 A client written for vLLM (a load tool, a framework) sends some of these on every request, most
-often with a value that asks for nothing (`echo: false`, `tools: []`, `priority: 0`). Such a
+often with a value that asks for nothing (`use_beam_search: false`, `length_penalty: 1`). Such a
 value is accepted and the field dropped; any other value is refused with a 400 that names the
 feature, never a generic schema error. A field in neither list, nor in the request model, is a
 typo and stays refused as an unknown field.
@@ -19,17 +19,10 @@ from pydantic_core import PydanticCustomError
 _ANY = object()  # every value asks for nothing (an id or a hint this server has no use for)
 
 _COMMON: dict[str, tuple[tuple, str]] = {
-    "logit_bias": ((None, {}), "logit_bias"),
     "logprob_token_ids": ((None, []), "logprobs of chosen token ids"),
     "use_beam_search": ((False, None), "beam search"),
     "length_penalty": ((1.0, None), "beam-search length penalty"),
-    "include_stop_str_in_output": ((False, None), "include_stop_str_in_output"),
-    "skip_special_tokens": ((True, None), "skip_special_tokens=false"),
     "spaces_between_special_tokens": ((True, None), "spaces_between_special_tokens=false"),
-    "allowed_token_ids": ((None, []), "allowed_token_ids"),
-    "bad_words": ((None, []), "bad_words"),
-    "truncate_prompt_tokens": ((None,), "prompt truncation"),
-    "truncation_side": ((None,), "prompt truncation"),
     "repetition_detection": ((None,), "repetition detection"),
     "thinking_token_budget": ((None, -1), "a thinking-token budget"),
     "watermarking": ((None, False), "watermarking"),
@@ -37,11 +30,9 @@ _COMMON: dict[str, tuple[tuple, str]] = {
     "kv_transfer_params": ((None,), "kv_transfer_params (KV transfer is the cluster's own)"),
     "ec_transfer_params": ((None,), "encoder-cache transfer"),
     "vllm_xargs": ((None, {}), "vllm_xargs"),
-    "return_tokens_as_token_ids": ((None, False), "return_tokens_as_token_ids"),
     "return_token_offsets": ((None, False), "return_token_offsets"),
     "return_mm_kwargs": ((None, False), "multimodal inputs"),
     "routed_experts_prompt_start": ((None,), "mixture-of-experts routing data"),
-    "priority": ((None, 0), "request priorities"),
     "request_id": (_ANY, ""),
     "session_id": (_ANY, ""),
     "metadata": (_ANY, ""),
@@ -59,14 +50,7 @@ COMPLETION_FIELDS: dict[str, tuple[tuple, str]] = {
 
 CHAT_FIELDS: dict[str, tuple[tuple, str]] = {
     **_COMMON,
-    "echo": ((False, None), "echoing the last message"),
-    "add_generation_prompt": ((True, None), "add_generation_prompt=false"),
-    "continue_final_message": ((False, None), "continue_final_message"),
     "chat_template": ((None,), "a per-request chat template"),
-    "chat_template_kwargs": ((None, {}), "chat_template_kwargs"),
-    "documents": ((None, []), "documents for the chat template"),
-    "include_reasoning": (_ANY, ""),  # the model has no reasoning output to include
-    "reasoning_effort": ((None,), "reasoning_effort"),
     "media_io_kwargs": ((None, {}), "multimodal inputs"),
     "mm_processor_kwargs": ((None, {}), "multimodal inputs"),
     "return_prompt_text": ((None, False), "return_prompt_text"),
@@ -78,11 +62,31 @@ CHAT_FIELDS: dict[str, tuple[tuple, str]] = {
     "web_search_options": ((None,), "web search"),
 }
 
+#: Fields of a /v1/responses request (router.responses) and of its function tools.
+RESPONSES_FIELDS: dict[str, tuple[tuple, str]] = {
+    "top_logprobs": ((None, 0), "output logprobs"),
+    "max_tool_calls": ((None,), "a cap on tool calls"),
+    "prompt": ((None,), "stored prompt templates"),
+    "conversation": ((None,), "stored conversations"),
+    "stream_options": (_ANY, ""),
+    "prompt_cache_retention": (_ANY, ""),
+    "service_tier": (_ANY, ""),
+    "prompt_cache_key": (_ANY, ""),
+    "safety_identifier": (_ANY, ""),
+    "include": (_ANY, ""),
+    "store": (_ANY, ""),  # nothing is stored either way
+    "background": ((None, False), "background responses"),
+}
+RESPONSES_TOOL_FIELDS: dict[str, tuple[tuple, str]] = {
+    "defer_loading": ((None, False), "deferred tool loading"),
+    "output_schema": (_ANY, ""),
+    "allowed_callers": (_ANY, ""),
+}
+
 #: Keys of a chat message this server does not use, and the values that ask for nothing.
 MESSAGE_FIELDS: dict[str, tuple[tuple, str]] = {
     "function_call": ((None,), "function calls in messages"),
-    "reasoning": (_ANY, ""),  # earlier turns' reasoning: templates drop it
-    "reasoning_content": (_ANY, ""),
+    "reasoning_content": (_ANY, ""),  # vLLM reads `reasoning` only
     "refusal": ((None,), "refusal messages"),
     "audio": ((None,), "audio in messages"),
     "tools": ((None, []), "tool calling"),

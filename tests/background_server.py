@@ -8,7 +8,7 @@ import time
 import uvicorn
 
 from deploy.http_protocol import (DEFAULT_BODY_TIMEOUT_S, DEFAULT_HEADER_TIMEOUT_S,
-                                   gateway_protocol)
+                                   DEFAULT_KEEP_ALIVE_TIMEOUT_S, gateway_protocol)
 
 
 class BackgroundServer:
@@ -17,7 +17,8 @@ class BackgroundServer:
 
     Connections are served by the gateway's protocol (deploy/http_protocol.py): one that sends
     no complete request head within `header_timeout_s` seconds, or whose body stops for
-    `body_timeout_s`, is closed; past `max_connections` open ones a connection is refused.
+    `body_timeout_s`, or that waits `keep_alive_timeout_s` between requests, is closed; past
+    `max_connections` open ones a new connection replaces an idle one or is refused.
 
     Raises RuntimeError when the server has not started within `start_timeout_s` seconds.
     """
@@ -26,9 +27,11 @@ class BackgroundServer:
                  log_level: str = "warning", start_timeout_s: float = 30.0,
                  header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S,
                  body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
-                 max_connections: int | None = None) -> None:
+                 max_connections: int | None = None,
+                 keep_alive_timeout_s: float = DEFAULT_KEEP_ALIVE_TIMEOUT_S) -> None:
         self.server = uvicorn.Server(uvicorn.Config(
             app, host=host, port=port, log_level=log_level, lifespan="off",
+            timeout_keep_alive=keep_alive_timeout_s,
             http=gateway_protocol(header_timeout_s, body_timeout_s, max_connections)))
         self.start_timeout_s = start_timeout_s
         self._thread = threading.Thread(target=self.server.run, name="gateway", daemon=True)

@@ -30,3 +30,20 @@ def read_until_closed(sock: socket.socket, deadline: float) -> bytes:
         if not chunk:
             return received
         received += chunk
+
+
+def read_response(sock: socket.socket) -> bytes:
+    """One complete response with a Content-Length body, read off a kept-alive connection."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(4096)
+        assert chunk, f"closed mid-response: {data!r}"
+        data += chunk
+    head, body = data.split(b"\r\n\r\n", 1)
+    length = next(int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
+                  if line.lower().startswith(b"content-length:"))
+    while len(body) < length:
+        chunk = sock.recv(4096)
+        assert chunk, f"closed mid-body: {data!r}"
+        body += chunk
+    return head + b"\r\n\r\n" + body

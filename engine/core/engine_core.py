@@ -149,7 +149,7 @@ class EngineCore:
         self.kv = KVCacheManager(self.pool, self.block_size, runner.model_config.kv_window())
         self.scheduler: Scheduler[Request] = Scheduler(
             self.kv, PREEMPTION_MODES[cfg.preemption_mode](self.kv, runner.wire_kv),
-            num_lookahead_tokens)
+            num_lookahead_tokens, cfg.scheduling_policy)
         self.publish_interval = publish_interval
         self.inbox = EngineInbox()
         connector.register_kv_caches(runner.wire_kv)
@@ -362,13 +362,12 @@ class EngineCore:
             except GrammarError as exc:
                 self._finish(request, FinishReason.ERROR, RequestRejected(str(exc)))
                 continue
-            k = request.sampling.output_offset
-            earlier = request.prompt_token_ids[len(request.prompt_token_ids) - k:] if k else ()
-            if not matcher.consume_tokens([*earlier, *request.output_ids]):
+            start = request.grammar_start()
+            if start is not None and not matcher.consume_tokens(request.full_output()[start:]):
                 self._finish(request, FinishReason.ERROR, RequestFailed(
                     f"the output so far does not match the grammar: {matcher.get_error()}"))
                 continue
-            request.grammar = matcher
+            request.grammar, request.grammar_on = matcher, start is not None
             self._queue(request)
 
     def _queue(self, request: Request) -> None:
@@ -378,7 +377,7 @@ class EngineCore:
                 self._finish(request, finish)
                 return
         request.prompt_keys = tuple(block_keys(request.prompt_token_ids, self.block_size,
-                                               make_namespace(self.model_id, request.cache_salt)))
+                                               self._namespace(request)))
         # prompt logprobs need the logits of every prompt position: nothing cached is reused
         request.block_keys = (request.prompt_keys if self.connector.allows_local_prefix(request)
                               and not request.wants_prompt_logprobs else ())
@@ -394,6 +393,10 @@ class EngineCore:
         if n > self.max_model_len:
             return RequestRejected(f"prompt has {n} tokens, max_model_len is "
                                    f"{self.max_model_len}")
+        try:
+            self.runner.lora_slot(request.sampling.lora_name)
+        except ValueError as exc:
+            return RequestRejected(str(exc))
         most = n if request.prefill_only else min(n + request.max_tokens, self.max_model_len)
         if not self.kv.fits_ever(most):
             return RequestRejected(f"request needs up to {self.kv.blocks_for(most)} KV blocks, "
@@ -497,12 +500,14 @@ class EngineCore:
     def _execute(self, decoding: list[Request], chunks: list[tuple[Request, int]]) -> None:
         """One forward: the last token of every decoding request, then each chunk; samples the
         next token of every decoding request and of each prompt this step completed."""
-        batch = [SequenceChunk((r.output_ids[-1],), r.num_tokens - 1, r.block_table)
+        lora = self.runner.lora_slot
+        batch = [SequenceChunk((r.output_ids[-1],), r.num_tokens - 1, r.block_table,
+                               lora(r.sampling.lora_name))
                  for r in decoding]
         for request, n in chunks:
             start = request.num_computed_tokens
             batch.append(SequenceChunk(tuple(request.token_ids[start:start + n]), start,
-                                       request.block_table))
+                                       request.block_table, lora(request.sampling.lora_name)))
         self.connector.bind_connector_metadata(self.connector.build_connector_meta(
             [ScheduledChunk(r, r.num_computed_tokens, n) for r, n in chunks]))
         scored = [(row, r, n) for row, (r, n) in enumerate(chunks, len(decoding))
@@ -535,8 +540,8 @@ class EngineCore:
                                                    request.num_computed_tokens)
         sampling = decoding + [r for _, r in done]
         rows = [*range(len(decoding)), *(row for row, _ in done)]
-        inputs = [SampleInput(r.sampling, r.seed, r.prompt_token_ids, r.output_ids)
-                  for r in sampling]
+        inputs = [SampleInput(r.sampling, r.seed, r.prompt_token_ids, r.output_ids,
+                              r.token_edits) for r in sampling]
         sampled = sample(self._constrained(logits[rows], sampling), inputs,
                          self.eos_token_ids) if sampling else []
         for request, (token, logprob) in zip(sampling, sampled):
@@ -544,11 +549,14 @@ class EngineCore:
                 self._alone = None
             request.output_ids.append(token)
             grammar = request.grammar
-            if grammar is not None and not grammar.consume_token(token):
+            if grammar is not None and request.grammar_on and not grammar.consume_token(token):
                 self._finish(request, FinishReason.ERROR, RequestFailed(
                     f"sampled token {token} outside the grammar: {grammar.get_error()}"),
                     new_tokens=(token,), logprob=logprob)
                 continue
+            if grammar is not None and not request.grammar_on:  # the reasoning may end here
+                end = request.sampling.reasoning_end_token_ids
+                request.grammar_on = tuple(request.full_output()[-len(end):]) == end
             finish = self._check_stop(request)
             if finish is not None:
                 self._finish(request, finish, new_tokens=(token,), logprob=logprob)
@@ -575,8 +583,9 @@ class EngineCore:
 
     def _constrained(self, logits, requests: list[Request]):
         """``logits`` [rows, vocab] (a copy) with each grammar's disallowed tokens at -inf."""
-        if self._structured is not None and any(r.grammar is not None for r in requests):
-            mask = self._structured.bitmask([r.grammar for r in requests])
+        if self._structured is not None and any(r.grammar_on for r in requests):
+            mask = self._structured.bitmask([r.grammar if r.grammar_on else None
+                                             for r in requests])
             if mask is not None:
                 apply_bitmask(logits, mask)
         return logits
@@ -599,7 +608,7 @@ class EngineCore:
         last = request.output_ids[-1]
         if (not params.ignore_eos and last in self.eos_token_ids) or last in params.stop_token_ids:
             return FinishReason.STOP
-        if request.grammar is not None and request.grammar.is_stopped():
+        if request.grammar_on and request.grammar.is_stopped():
             return FinishReason.STOP  # the grammar is complete: only EOS could follow
         if len(request.output_ids) >= params.max_tokens or \
                 request.num_tokens >= self.max_model_len:
@@ -618,9 +627,8 @@ class EngineCore:
             self.pre_arrival.drop(request.request_id)  # a stream it never took
         normal = error is None and request.num_computed_tokens >= request.num_prompt_tokens
         if normal:
-            request.block_keys = tuple(block_keys(
-                request.kv_token_ids(), self.block_size,
-                make_namespace(self.model_id, request.cache_salt)))
+            request.block_keys = tuple(block_keys(request.kv_token_ids(), self.block_size,
+                                                  self._namespace(request)))
             self._cache(request, request.block_keys)
         else:
             self.connector.abort(request.request_id)
@@ -651,6 +659,11 @@ class EngineCore:
             request.on_kv_transfer_params(error)
             request.on_kv_transfer_params = None  # once
 
+    def _namespace(self, request: Request) -> bytes:
+        """What the request's block keys are keyed under: the model, its LoRA adapter and its
+        cache salt."""
+        return make_namespace(self.model_id, request.cache_salt, request.sampling.lora_name)
+
     def _cache(self, request: Request, keys: Sequence[bytes]) -> None:
         """The first len(keys) blocks of the request's table become prefix-cache entries under
         ``keys``; a refusal (a block holding another key: a bug) costs hits, never the
@@ -676,8 +689,7 @@ class EngineCore:
         if (full < max(request.num_published_blocks, by_prefill) + self.publish_interval
                 or has_released(request.block_table)):  # no longer a prefix
             return
-        keys = block_keys(tokens, self.block_size,
-                          make_namespace(self.model_id, request.cache_salt))
+        keys = block_keys(tokens, self.block_size, self._namespace(request))
         try:
             self.connector.save_progress(request, keys, request.block_table[:len(keys)])
         except Exception:  # noqa: BLE001 — a lost save costs a later recompute

@@ -11,8 +11,9 @@ indexed (it travels under a per-request handle instead). Because each key covers
 two prompts share key i exactly when they share all tokens of blocks 0..i (and the namespace).
 
 Keys are stable across processes and machines: sha256 only, no Python ``hash()``, no seeds.
-The namespace (model identity + optional per-tenant ``cache_salt``) keeps tenants and models
-from sharing or poisoning each other's cache (vLLM CVE-2025-25183).
+The namespace (model identity, LoRA adapter included, + optional per-tenant ``cache_salt``)
+keeps tenants, models and adapters from sharing or poisoning each other's cache (vLLM
+CVE-2025-25183).
 """
 
 from __future__ import annotations
@@ -32,24 +33,29 @@ def _length_prefixed(part: bytes) -> bytes:
     return struct.pack("<Q", len(part)) + part
 
 
-def make_namespace(model_id: str, cache_salt: str | None = None) -> bytes:
+def make_namespace(model_id: str, cache_salt: str | None = None,
+                   lora_name: str | None = None) -> bytes:
     """Namespace bytes that go into every block key.
 
     Args:
         model_id: model identity (e.g. the checkpoint path or name plus revision).
         cache_salt: optional per-tenant salt; ``None`` and ``""`` are distinct namespaces.
+        lora_name: the LoRA adapter the KV was computed with (None: the base model), part of
+            the model's identity as vLLM keys it into its block hashes.
 
     Returns:
         Unambiguous bytes: a version tag, then each part length-prefixed (uint64 LE), with a
-        presence flag for the salt, so no two (model_id, cache_salt) pairs collide by
-        concatenation.
+        presence flag for the salt and for the adapter, so no two (model_id, cache_salt,
+        lora_name) triples collide by concatenation; without an adapter, the same bytes as
+        before adapters existed.
     """
     parts = [_length_prefixed(_NAMESPACE_VERSION), _length_prefixed(model_id.encode("utf-8"))]
-    if cache_salt is None:
-        parts.append(b"\x00")
-    else:
-        parts.append(b"\x01" + _length_prefixed(cache_salt.encode("utf-8")))
-    return b"".join(parts)
+    for optional in (cache_salt, lora_name):
+        if optional is None:
+            parts.append(b"\x00")
+        else:
+            parts.append(b"\x01" + _length_prefixed(optional.encode("utf-8")))
+    return b"".join(parts[:-1] if lora_name is None else parts)
 
 
 def block_keys(token_ids: Sequence[int], block_size: int, namespace: bytes) -> list[bytes]:

@@ -14,6 +14,7 @@ params, a colocated one's with neither. In each, ``num_computed_tokens`` catches
 from __future__ import annotations
 
 import enum
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -22,7 +23,7 @@ import torch
 
 from engine.protocol import (DecodeRequest, KVTransferParams, PrefillRequest, SamplingParams,
                              TokenDelta)
-from engine.sampler import draw_seed
+from engine.sampler import TokenEdits, draw_seed
 
 
 class RequestStatus(enum.Enum):
@@ -63,7 +64,8 @@ class SchedulableRequest(Protocol):
     hits, counted up by the engine as chunks and decode steps run or KV lands; back to what the
     blocks still hold after a preemption by recompute or a failed load, from where the
     scheduler catches it up in chunks again);
-    runs_alone: its forwards must not share a step with another request's.
+    runs_alone: its forwards must not share a step with another request's;
+    priority: its scheduling priority (lower first), read under the priority policy only.
     """
 
     request_id: str
@@ -79,6 +81,9 @@ class SchedulableRequest(Protocol):
 
     @property
     def num_prompt_tokens(self) -> int: ...
+
+    @property
+    def priority(self) -> int: ...
 
 
 #: Where a prefill-only request's KV transfer params go once its connectors settled them (on
@@ -130,6 +135,8 @@ class Request:
     #: the llguidance matcher of its structured output, advanced by every output token
     #: (engine.core.structured_output); None: free text
     grammar: Any = None
+    #: the grammar holds for the next token (its reasoning, if any, has ended)
+    grammar_on: bool = False
     #: with SamplingParams.prompt_logprobs: the entries of the prompt tokens computed so far
     prompt_logprobs: list = field(default_factory=list)
 
@@ -152,6 +159,29 @@ class Request:
                    output_ids=[prefill.first_token] if prefill is not None else [],
                    kv_transfer_params=prefill.kv_transfer_params if prefill else None)
 
+    def full_output(self) -> list[int]:
+        """Every output token, those made before a migration (the prompt's output_offset
+        tail, SamplingParams.output_offset) first."""
+        k = self.sampling.output_offset
+        return [*self.prompt_token_ids[len(self.prompt_token_ids) - k:], *self.output_ids] \
+            if k else list(self.output_ids)
+
+    def grammar_start(self) -> int | None:
+        """Where in full_output() the grammar starts: after the first reasoning end
+        (SamplingParams.reasoning_end_token_ids; 0 without one); None before it."""
+        end, output = self.sampling.reasoning_end_token_ids, self.full_output()
+        if not end:
+            return 0
+        for i in range(len(output) - len(end) + 1):
+            if tuple(output[i:i + len(end)]) == end:
+                return i + len(end)
+        return None
+
+    @functools.cached_property
+    def token_edits(self) -> TokenEdits | None:
+        """Its allowed_token_ids and logit_bias as tensors, built at its first sampling."""
+        return TokenEdits.of(self.sampling)
+
     @property
     def wants_prompt_logprobs(self) -> bool:
         """It computes its prompt here and reports the prompt's logprobs."""
@@ -168,6 +198,10 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_ids)
+
+    @property
+    def priority(self) -> int:
+        return self.sampling.priority
 
     @property
     def max_tokens(self) -> int:

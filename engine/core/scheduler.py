@@ -14,13 +14,20 @@ needs, oldest first; when none is free the newest running request is preempted.
 request whose ``num_computed_tokens`` is behind catches up in them, whether it is a new prompt,
 one resumed after preemption by recompute, or one whose KV load failed. What a newly admitted
 request does next (load its KV, or compute its prompt) is the engine's business.
+
+Under the `priority` policy (vLLM's `--scheduling-policy priority`) "oldest" everywhere above
+reads "first by (priority, arrival)", a lower priority value first: the waiting queue is kept in
+that order (a preempted request goes back to its place in it, ahead of newer ones of its
+priority), running requests get blocks and chunks in it, and the victim of a preemption is the
+last in it, as vLLM v1's scheduler picks `max(running, key=(priority, arrival_time))`.
 Not thread-safe: the engine loop is its only user.
 """
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Iterator
-from typing import Generic, TypeVar
+from typing import Generic, Literal, TypeVar
 
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.preemption import PreemptionPolicy
@@ -38,6 +45,8 @@ class Scheduler(Generic[R]):
             a worker whose requests never grow past admission (prefill), so never preempt.
         num_lookahead_tokens: slots admission reserves beyond the prompt: 1 where the request
             goes on to decode (its first fed token), 0 for a prefill-only worker.
+        policy: "fcfs" (arrival order) or "priority" (by the requests' `priority`, then
+            arrival; module docstring).
 
     Attributes:
         waiting: requests not admitted yet, in admission order.
@@ -46,7 +55,11 @@ class Scheduler(Generic[R]):
     """
 
     def __init__(self, kv: KVCacheManager, preemption: PreemptionPolicy | None,
-                 num_lookahead_tokens: int = 1) -> None:
+                 num_lookahead_tokens: int = 1,
+                 policy: Literal["fcfs", "priority"] = "fcfs") -> None:
+        if policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling policy must be fcfs or priority, got {policy!r}")
+        self.by_priority = policy == "priority"
         self.kv = kv
         self.num_lookahead_tokens = num_lookahead_tokens
         self.preemption = preemption
@@ -60,10 +73,14 @@ class Scheduler(Generic[R]):
         self._arrivals += 1
         request.arrival = self._arrivals
         request.status = RequestStatus.WAITING
-        self.waiting.append(request)
+        if self.by_priority:
+            bisect.insort(self.waiting, request, key=self._order)
+        else:
+            self.waiting.append(request)
 
     def has_preempted(self) -> bool:
-        """Whether a preempted request waits to resume (it comes before anything new)."""
+        """Whether a preempted request waits to resume (fcfs: it comes before anything
+        new)."""
         return any(r.status is RequestStatus.PREEMPTED for r in self.waiting)
 
     def find_waiting(self, request_id: str) -> R | None:
@@ -113,7 +130,7 @@ class Scheduler(Generic[R]):
         (its tokens so far); the newest are preempted while blocks are short (possibly the one
         asking)."""
         running = sorted((r for r in self.active.values() if r.status is RequestStatus.RUNNING),
-                         key=lambda r: r.arrival)
+                         key=self._order)
         for request in list(running):
             while request in running and \
                     not self.kv.allocate_slots(request.block_table, request.num_tokens):
@@ -141,7 +158,7 @@ class Scheduler(Generic[R]):
         """
         pending = sorted((r for r in self.active.values() if r.status is RequestStatus.RUNNING
                           and r.num_computed_tokens < chunk_end(r)),
-                         key=lambda r: r.arrival)
+                         key=self._order)
         step: list[tuple[R, int]] = []
         used = 0
         for request in pending:
@@ -172,8 +189,14 @@ class Scheduler(Generic[R]):
         self.preemption.preempt(request)
         request.status = RequestStatus.PREEMPTED
         del self.active[request.request_id]
-        self.waiting.insert(0, request)
+        if self.by_priority:
+            bisect.insort(self.waiting, request, key=self._order)
+        else:
+            self.waiting.insert(0, request)
         self.num_preemptions_total += 1
+
+    def _order(self, request: R) -> tuple[int, int]:
+        return (request.priority if self.by_priority else 0, request.arrival)
 
 
 def chunk_end(request: SchedulableRequest) -> int:

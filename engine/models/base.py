@@ -9,7 +9,7 @@ tensor), the module says which names it reads (`checkpoint_tensors`), as vLLM's 
 parameter mappings do.
 
 A family (engine.models.<family>) subclasses `DecoderForCausalLM` and builds each layer's
-attention and MLP; norms, embeddings and lm_head are these.
+attention and MLP (or the whole layer); norms, embeddings and lm_head are these.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ import torch
 from torch import nn
 
 import kernels
-from engine.config import ModelConfig
 from engine.loader import CheckpointReader, WeightLoadError
+from engine.model_config import ModelConfig
 from engine.parallel import LinearBase, TPGroup, replicated_weight_loader
 from engine.rope import RotaryEmbedding
 
@@ -101,26 +101,39 @@ class DecoderForCausalLM(nn.Module):
     #: checkpoint name fragment -> this module's (vLLM's WeightsMapper), for families whose
     #: HF layer names differ from their modules'
     checkpoint_renames: dict[str, str] = {}
+    #: name prefixes (after renaming) of checkpoint tensors this module does not read (a
+    #: multimodal checkpoint's vision tower, where only its language model is served)
+    checkpoint_ignored: tuple[str, ...] = ()
 
     def __init__(self, config: ModelConfig, tp: TPGroup | None = None) -> None:
         super().__init__()
         self.tp = tp or TPGroup()
         type(self).check_tensor_parallel(config, self.tp.world_size)
         self.config = config
-        self.model = DecoderModel(config, [
-            DecoderLayer(config, self.build_attention(config, self.tp, layer),
-                         self.build_mlp(config, self.tp, layer))
-            for layer in range(config.num_hidden_layers)])
+        self.model = DecoderModel(config, [self.build_layer(config, self.tp, layer)
+                                           for layer in range(config.num_hidden_layers)])
         self.lm_head: LMHead | None = None
         if not config.tie_word_embeddings:
             self.lm_head = LMHead(config.hidden_size, config.vocab_size)
         self.rotary = RotaryEmbedding(
             config.head_dim, config.rope_theta, config.rope_scaling, config.max_position_embeddings
         )
+        #: the sliding-window layers' own RoPE (ModelConfig.sliding_rope), or None
+        self.sliding_rotary = (RotaryEmbedding(config.head_dim, *config.sliding_rope,
+                                               config.max_position_embeddings)
+                               if config.sliding_rope else None)
+        self._sliding_layers = [window > 0 for window in config.layer_windows] or \
+            [False] * config.num_hidden_layers
         #: lm_head's weight as compute_logits reads it (process_weights_after_loading)
         self.logits_weight: torch.Tensor | None = None
         #: its skinny copy for decode batches on CPU (kernels.pack_skinny_weight), or None
         self.logits_skinny: torch.Tensor | None = None
+
+    def build_layer(self, config: ModelConfig, tp: TPGroup, layer: int) -> nn.Module:
+        """Decoder layer `layer`: Llama's pre-norm block over the family's attention and MLP
+        (a family with another block overrides this and `forward`)."""
+        return DecoderLayer(config, self.build_attention(config, tp, layer),
+                            self.build_mlp(config, tp, layer))
 
     def build_attention(self, config: ModelConfig, tp: TPGroup, layer: int) -> nn.Module:
         raise NotImplementedError
@@ -151,13 +164,20 @@ class DecoderForCausalLM(nn.Module):
         """input_ids, positions: int64 [num_tokens] -> final-normed hidden [num_tokens, hidden].
 
         Runs inside a forward context (engine.forward_context): writes each layer's new K/V
-        into its cache at the context's `attn.slot_mapping`. Raises RuntimeError outside one."""
+        into its cache at the context's `attn.slot_mapping`; a sliding-window layer rotates by
+        `sliding_rotary` where the model has one. Raises RuntimeError outside one."""
         rope = (positions, self.rotary.cos_sin_cache(positions.device))  # kernels.rotary_embedding's inputs
-        hidden, residual = self.model.embed_tokens(input_ids), None
-        for layer in self.model.layers:
-            hidden, residual = layer(hidden, residual, rope)
+        sliding_rope = rope if self.sliding_rotary is None else \
+            (positions, self.sliding_rotary.cos_sin_cache(positions.device))
+        hidden, residual = self.embed(input_ids), None
+        for layer, sliding in zip(self.model.layers, self._sliding_layers):
+            hidden, residual = layer(hidden, residual, sliding_rope if sliding else rope)
         hidden, _ = self.model.norm(hidden, residual)
         return hidden
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """int64 [num_tokens] -> the embeddings [num_tokens, hidden] the first layer reads."""
+        return self.model.embed_tokens(input_ids)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [n, hidden] -> float32 logits [n, vocab] (lm_head, or the embedding if tied)."""
@@ -190,17 +210,18 @@ class DecoderForCausalLM(nn.Module):
         rank's rows or columns from disk (engine.parallel), cast to the parameter's dtype and
         device; a stacking module's parts land where it says (`checkpoint_tensors`).
         `lm_head.weight` is ignored when embeddings are tied; rotary `inv_freq` buffers some
-        checkpoints carry are ignored.
+        checkpoints carry are ignored, and so are the family's `checkpoint_ignored`.
         Raises WeightLoadError for a missing parameter, a shape mismatch or an unexpected name.
         """
         sources = self.checkpoint_sources()
-        names = {self._renamed(name): name for name in reader.names()}
+        names = {self.checkpoint_name(name): name for name in reader.names()}
         unexpected = sorted(
             name
             for name in names
             if name not in sources
             and not name.endswith("rotary_emb.inv_freq")
             and not (name == "lm_head.weight" and self.lm_head is None)
+            and not name.startswith(self.checkpoint_ignored)
         )
         if unexpected:
             raise WeightLoadError(f"checkpoint has tensors the model does not: {unexpected[:5]}")
@@ -210,7 +231,9 @@ class DecoderForCausalLM(nn.Module):
         for name, load in sources.items():
             load(reader.slice(names[name]))
 
-    def _renamed(self, name: str) -> str:
+    def checkpoint_name(self, name: str) -> str:
+        """A checkpoint tensor's (or module's) name as this module names it
+        (`checkpoint_renames` applied)."""
         for old, new in self.checkpoint_renames.items():
             name = name.replace(old, new)
         return name

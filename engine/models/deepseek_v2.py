@@ -9,7 +9,10 @@ the up-projections absorbed (§2.1.2; vLLM's MLA backend): the query becomes
 [W_UK_h^T q_nope_h | q_rope_h], its scores against [c | k_rope] are the expanded ones, and the
 output W_UV_h (sum_t p_t c_t) is the expanded output. Prefill and decode both attend so; the
 cache never holds an expanded K or V. RoPE here rotates interleaved pairs (2i, 2i + 1), as
-DeepSeek's and transformers' `apply_rotary_emb` do, not rotate-half.
+DeepSeek's and transformers' `apply_rotary_emb` do, not rotate-half. With YaRN rope scaling
+(the released checkpoints') the cos/sin table carries YaRN's attention factor
+(engine.rope.attention_factor) and the softmax scale is multiplied by
+yarn_mscale(factor, mscale_all_dim)^2, as DeepSeek's reference and transformers' do.
 
 MoE. Layers from `first_k_dense_replace` on have `n_routed_experts` routed experts of
 `moe_intermediate_size` (engine.models.fused_moe) and `n_shared_experts` always-on ones (one
@@ -34,11 +37,12 @@ import torch
 from torch import nn
 
 from engine.attention_layer import unified_mla_attention
-from engine.config import ModelConfig
+from engine.model_config import ModelConfig
 from engine.models.base import DecoderForCausalLM, RMSNorm
 from engine.models.fused_moe import FusedMoE, Router
 from engine.models.llama import GATE_UP_SOURCES, LlamaMLP
 from engine.parallel import ColumnParallelLinear, RowParallelLinear, TPGroup, load_shard
+from engine.rope import yarn_mscale
 
 #: transformers' DeepseekV2RMSNorm default, which its q_a / kv_a norms keep
 _LATENT_NORM_EPS = 1e-6
@@ -85,6 +89,9 @@ class DeepseekV2Attention(nn.Module):
         self.v_dim = int(raw["v_head_dim"])
         self.kv_lora_rank = int(raw["kv_lora_rank"])
         self.scale = (self.nope + self.rope) ** -0.5
+        scaling = config.rope_scaling or {}
+        if scaling.get("mscale_all_dim"):  # YaRN's temperature on the scores (DeepSeek's)
+            self.scale *= yarn_mscale(scaling["factor"], scaling["mscale_all_dim"]) ** 2
         hidden, bias = config.hidden_size, bool(raw.get("attention_bias", False))
         q_size = config.num_attention_heads * (self.nope + self.rope)
         q_lora_rank = raw.get("q_lora_rank")
@@ -167,10 +174,14 @@ class DeepseekV2MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = torch.nn.functional.linear(x.to(torch.float32), self.gate.weight.to(torch.float32))
-        weights, ids = select_experts_grouped(logits, self.top_k, self.num_groups,
-                                              self.topk_groups, self.method, self.scaling)
+        weights, ids = self.route(logits)
         out = self.experts(x, weights, ids)
         return out if self.shared_experts is None else out + self.shared_experts(x)
+
+    def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """float32 router logits [T, E] -> (weights float32 [T, top_k], ids int64 [T, top_k])."""
+        return select_experts_grouped(logits, self.top_k, self.num_groups, self.topk_groups,
+                                      self.method, self.scaling)
 
 
 class DeepseekV2ForCausalLM(DecoderForCausalLM):

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from engine.attention_layer import unified_attention
-from engine.config import ModelConfig
+from engine.model_config import ModelConfig
 from engine.models.base import DecoderForCausalLM
 from engine.parallel import MergedColumnParallelLinear, RowParallelLinear, TPGroup
 

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import kernels
-from engine.config import ModelConfig
+from engine.model_config import ModelConfig
 from engine.models.base import DecoderForCausalLM, RMSNorm
 from engine.models.llama import LlamaAttention, LlamaMLP
 from engine.parallel import TPGroup

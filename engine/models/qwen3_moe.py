@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from engine.config import ModelConfig
+from engine.model_config import ModelConfig
 from engine.models.base import DecoderForCausalLM
 from engine.models.fused_moe import SparseMoeBlock
 from engine.models.llama import GATE_UP_SOURCES, LlamaMLP

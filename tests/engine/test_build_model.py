@@ -7,7 +7,8 @@ import sys
 
 import torch
 
-from engine.config import BUNDLED_MODEL, ModelConfig
+from engine.config import BUNDLED_MODEL
+from engine.model_config import ModelConfig
 from engine.models.base import build_model
 from engine.models.llama import LlamaForCausalLM
 
@@ -27,7 +28,8 @@ def test_every_tensor_is_materialized_in_the_dtype_and_frozen():
 
 
 def test_building_a_model_imports_no_sympy():
-    code = ("import sys, torch; from engine.config import BUNDLED_MODEL, ModelConfig; "
+    code = ("import sys, torch; from engine.config import BUNDLED_MODEL; "
+            "from engine.model_config import ModelConfig; "
             "from engine.models.base import build_model; "
             "build_model(ModelConfig.from_pretrained(BUNDLED_MODEL), torch.float32, 'cpu'); "
             "print('sympy' in sys.modules)")

@@ -8,19 +8,14 @@ import pathlib
 import pydantic
 import pytest
 import torch
-from transformers import LlamaConfig
+from transformers import Gemma3Config, Gemma3TextConfig, LlamaConfig, MistralConfig, Olmo3Config
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-from engine.config import (
-    BUNDLED_MODEL,
-    CPU_COMPUTE_BOUND_TOKENS,
-    EngineConfig,
-    ModelConfig,
-    ModelConfigError,
-)
+from engine.config import BUNDLED_MODEL, CPU_COMPUTE_BOUND_TOKENS, EngineConfig
 from engine.loader import CheckpointReader, WeightsNotFoundError
-from engine.rope import compute_inv_freq
+from engine.model_config import ModelConfig, ModelConfigError
+from engine.rope import attention_factor, compute_inv_freq
 
 BASE = {
     "model_type": "llama",
@@ -83,7 +78,8 @@ def test_qwen2_and_mistral_variants(tmp_path):
     assert qwen.qkv_bias and not qwen.o_bias and qwen.sliding_window is None
     biased = ModelConfig.from_pretrained(_write_config(tmp_path / "l", attention_bias=True, mlp_bias=True))
     assert biased.qkv_bias and biased.o_bias and biased.mlp_bias
-    mistral_dir = _write_config(tmp_path / "m", model_type="mistral", sliding_window=128)
+    mistral_dir = _write_config(tmp_path / "m", model_type="mistral", sliding_window=128,
+                                num_key_value_heads=2)
     mistral = ModelConfig.from_pretrained(mistral_dir)
     assert mistral.sliding_window == 128 and mistral.kv_window() == 128
     assert set(mistral.layer_windows) == {128}
@@ -101,15 +97,125 @@ def test_qwen2_and_mistral_variants(tmp_path):
     assert listed.kv_window() == 32
 
 
+def _assert_ropes_by_layer_type(ours: ModelConfig, theirs) -> None:
+    """Our full and sliding layers' (theta, scaling) are the transformers config's
+    rope_parameters of each layer type."""
+    for (theta, scaling), kind in ((ours.sliding_rope, "sliding_attention"),
+                                   ((ours.rope_theta, ours.rope_scaling), "full_attention")):
+        expected = dict(theirs.rope_parameters[kind])
+        assert theta == expected.pop("rope_theta")
+        assert (scaling or {"rope_type": "default"}) == expected
+
+
+@pytest.mark.parametrize("hub_fields", [
+    {},  # every default: bases 1e6 / 1e4, a full layer every 6th
+    {"rope_theta": 5e5, "rope_local_base_freq": 2e4, "sliding_window_pattern": 3,
+     "rope_scaling": {"rope_type": "linear", "factor": 8.0}},
+])
+def test_gemma3_hub_config_reads_as_transformers_reads_it(tmp_path, hub_fields):
+    """The Hub's Gemma 3 configs predate `layer_types` and per-type `rope_parameters`; the
+    local and global RoPE and each layer's window are what Gemma3TextConfig makes of them."""
+    fields = {"model_type": "gemma3_text", "hidden_activation": "gelu_pytorch_tanh",
+              "num_hidden_layers": 7, "sliding_window": 8, **hub_fields}
+    ours = ModelConfig.from_pretrained(_write_config(tmp_path, **fields))
+    theirs = Gemma3TextConfig(**{**BASE, **fields})
+    _assert_ropes_by_layer_type(ours, theirs)
+    assert ours.layer_windows == tuple(8 if kind == "sliding_attention" else 0
+                                       for kind in theirs.layer_types)
+    assert ours.architecture == "Gemma3ForCausalLM"
+
+
+def test_olmo3_hub_config_reads_as_transformers_reads_it(tmp_path):
+    """OLMo 3's released configs: a top-level YaRN rope_scaling for the full layers, the
+    sliding ones unscaled, and a full layer every fourth when layer_types is absent."""
+    fields = {"model_type": "olmo3", "num_hidden_layers": 8, "sliding_window": 4096,
+              "rope_theta": 5e5, "rope_scaling": {
+                  "rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 8192,
+                  "attention_factor": 1.2079, "beta_fast": 32, "beta_slow": 1}}
+    ours = ModelConfig.from_pretrained(_write_config(tmp_path, **fields))
+    theirs = Olmo3Config(**{**BASE, **fields})
+    _assert_ropes_by_layer_type(ours, theirs)
+    assert ours.layer_windows == tuple(4096 if kind == "sliding_attention" else 0
+                                       for kind in theirs.layer_types)
+
+
+def test_gemma3_multimodal_config_serves_its_text_config(tmp_path):
+    """gemma-3-4b-it's config.json: its text_config lists only what differs from
+    Gemma3TextConfig's defaults, the EOS ids are the top level's; every field read is what
+    transformers makes of it."""
+    hub = {"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
+           "eos_token_id": [1, 106], "mm_tokens_per_image": 256,
+           "text_config": {"model_type": "gemma3_text", "hidden_size": 2560,
+                           "intermediate_size": 10240, "num_hidden_layers": 34,
+                           "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+                           "sliding_window": 1024},
+           "vision_config": {"model_type": "siglip_vision_model", "hidden_size": 1152,
+                             "image_size": 896, "patch_size": 14}}
+    (tmp_path / "config.json").write_text(json.dumps(hub))
+    ours = ModelConfig.from_pretrained(tmp_path)
+    theirs = Gemma3Config(**hub).text_config
+    for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                 "num_attention_heads", "num_key_value_heads", "head_dim",
+                 "max_position_embeddings", "rms_norm_eps", "tie_word_embeddings",
+                 "bos_token_id"):
+        assert getattr(ours, name) == getattr(theirs, name), name
+    assert ours.hf_config["query_pre_attn_scalar"] == theirs.query_pre_attn_scalar
+    assert (ours.rope_theta, ours.rope_scaling) == (1e6, {"rope_type": "linear", "factor": 8.0})
+    assert ours.sliding_rope == (1e4, None)
+    assert ours.layer_windows == tuple(1024 if kind == "sliding_attention" else 0
+                                       for kind in theirs.layer_types)
+    assert ours.eos_token_ids == (1, 106)
+    assert (ours.architecture, ours.model_type) == ("Gemma3ForConditionalGeneration",
+                                                    "gemma3_text")
+
+
+def test_qwen2_5_vl_hub_config_reads_as_qwen2_with_rope(tmp_path):
+    """Qwen2.5-VL's config.json keeps the text fields at the top and names its rope "mrope",
+    which on text is RoPE (tests/engine/test_model_families.py checks the logits)."""
+    ours = ModelConfig.from_pretrained(_write_config(
+        tmp_path, architectures=["Qwen2_5_VLForConditionalGeneration"], model_type="qwen2_5_vl",
+        num_key_value_heads=2, rope_theta=1e6, vision_config={"depth": 32},
+        rope_scaling={"type": "mrope", "mrope_section": [16, 24, 24]}))
+    assert (ours.rope_theta, ours.rope_scaling) == (1e6, None)
+    assert ours.qkv_bias and not ours.o_bias
+    assert ours.architecture == "Qwen2_5_VLForConditionalGeneration"
+
+
+@pytest.mark.parametrize(("model_type", "config_class"), [
+    ("gemma3_text", Gemma3TextConfig), ("llama", LlamaConfig), ("mistral", MistralConfig)])
+def test_a_field_left_out_takes_transformers_default(tmp_path, model_type, config_class):
+    """A config.json of its model type alone reads as the config class's defaults (the Hub's
+    vision-language checkpoints leave most of their text_config out)."""
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": model_type}))
+    ours, theirs = ModelConfig.from_pretrained(tmp_path), config_class()
+    for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                 "num_attention_heads", "num_key_value_heads", "head_dim",
+                 "max_position_embeddings", "rms_norm_eps", "tie_word_embeddings",
+                 "bos_token_id"):
+        assert getattr(ours, name) == getattr(theirs, name), name
+    assert ours.eos_token_ids == (theirs.eos_token_id,)
+    types = getattr(theirs, "layer_types", None) or ["sliding_attention"] * ours.num_hidden_layers
+    window = getattr(theirs, "sliding_window", None) or 0
+    assert ours.layer_windows == tuple(window if kind == "sliding_attention" else 0
+                                       for kind in types)
+
+
 @pytest.mark.parametrize(
     ("fields", "message"),
     [
         ({"model_type": "gpt2"}, "unsupported architecture"),
         ({"architectures": ["GPT2LMHeadModel"]}, "supported: LlamaForCausalLM, "),
-        ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "unsupported rope type"),
+        ({"rope_parameters": {"rope_type": "longrope", "factor": 4.0}}, "unsupported rope type"),
+        ({"rope_parameters": {"rope_type": "yarn"}}, "needs fields"),
         ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, "unsupported rope type"),
         ({"rope_scaling": {"type": "linear"}}, "needs fields"),
         ({"hidden_act": "gelu"}, "hidden_act"),
+        ({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}},
+         "quantized checkpoints \\(fp8\\)"),
+        ({"model_type": "gemma3_text", "hidden_activation": "silu"}, "hidden_activation"),
+        ({"model_type": "gemma3_text", "sliding_window": None}, "sliding_window"),
+        ({"model_type": "gemma3_text", "hidden_activation": "gelu_pytorch_tanh",
+          "sliding_window": 8, "use_bidirectional_attention": True}, "causal"),
         ({"num_key_value_heads": 3}, "multiple"),
     ],
 )
@@ -167,6 +273,13 @@ def test_engine_config_validation():
             "high_freq_factor": 4.0,
             "original_max_position_embeddings": 64,
         },
+        {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+         "original_max_position_embeddings": 128},
+        {"rope_type": "yarn", "rope_theta": 1e6, "factor": 40.0, "beta_fast": 16,
+         "beta_slow": 2, "mscale": 0.707, "mscale_all_dim": 0.707,
+         "original_max_position_embeddings": 64, "truncate": False},
+        {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0, "attention_factor": 1.5,
+         "original_max_position_embeddings": 64},
     ],
 )
 def test_inv_freq_matches_transformers(tmp_path, rope_parameters):
@@ -180,7 +293,8 @@ def test_inv_freq_matches_transformers(tmp_path, rope_parameters):
     expected, attention_scaling = init(hf_config)
     config = ModelConfig.from_pretrained(tmp_path)
     got = compute_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
-    assert attention_scaling == 1.0 and got.dtype == torch.float32 and got.shape == (32,)
+    assert attention_factor(config.rope_scaling) == pytest.approx(attention_scaling, rel=1e-12)
+    assert got.dtype == torch.float32 and got.shape == (32,)
     torch.testing.assert_close(got, expected, rtol=1e-6, atol=0)
     if rope_type != "default":
         assert not torch.allclose(got, compute_inv_freq(config.head_dim, config.rope_theta, None))

@@ -78,9 +78,11 @@ class Recorded:
         return self._execute(chunks, **kwargs)
 
 
-def engine(num_kv_blocks: int = 64, mode: str = "recompute") -> EngineCore:
+def engine(num_kv_blocks: int = 64, mode: str = "recompute",
+           policy: str = "fcfs") -> EngineCore:
     config = EngineConfig(model=str(BUNDLED_MODEL), num_kv_blocks=num_kv_blocks,
-                          max_num_batched_tokens=BUDGET, preemption_mode=mode)
+                          max_num_batched_tokens=BUDGET, preemption_mode=mode,
+                          scheduling_policy=policy)
     return decode_core(ModelRunner(config), "decode-t", 0, HeldFetches())
 
 
@@ -224,6 +226,32 @@ def test_a_preempted_request_resumes_in_chunks_beside_the_running_batch(prompt, 
     assert tokens(long_) == alone(prompt, params)
     assert tokens(steady) == alone(prompt[:8], steady_params)
     assert tokens(grower) == alone(prompt[1:9], grower_params)
+    assert eng.pool.num_free_blocks == eng.pool.num_blocks
+    eng.close()
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_the_scheduling_policy_picks_who_is_preempted(prompt, policy):
+    """A lax request (priority 1) decodes; an urgent one (priority 0) joins; their growth
+    needs a preemption. fcfs preempts the newest (urgent), priority the least urgent (lax,
+    though older), as vLLM's policies do; both outputs stay those of a run alone."""
+    eng = engine(num_kv_blocks=-(-(len(prompt) + 1) // 16) + 5, policy=policy)
+    lax_params = SamplingParams(max_tokens=100, temperature=0, ignore_eos=True, priority=1)
+    urgent_params = SamplingParams(max_tokens=40, temperature=0.8, seed=5, ignore_eos=True)
+    lax = submit(eng, DecodeRequest("lax", prompt[:8], lax_params))
+    for _ in range(12):
+        run_once(eng)
+    urgent = submit(eng, DecodeRequest("urgent", prompt, urgent_params))
+    preempted: set[str] = set()
+    for _ in range(1000):
+        if lax[-1:] and lax[-1].finish_reason and urgent[-1:] and urgent[-1].finish_reason:
+            break
+        preempted |= {r.request_id for r in eng.scheduler.waiting
+                      if r.status is RequestStatus.PREEMPTED}
+        run_once(eng)
+    assert preempted == ({"urgent"} if policy == "fcfs" else {"lax"})
+    assert tokens(urgent) == alone(prompt, urgent_params)
+    assert tokens(lax) == alone(prompt[:8], lax_params)
     assert eng.pool.num_free_blocks == eng.pool.num_blocks
     eng.close()
 

@@ -20,8 +20,9 @@ import pytest
 import torch
 import transformers
 
-from engine.config import BUNDLED_MODEL, EngineConfig, ModelConfig
+from engine.config import BUNDLED_MODEL, EngineConfig
 from engine.kv_cache import PagedKVCache
+from engine.model_config import ModelConfig
 from engine.runner import ModelRunner, SequenceChunk
 
 ATOL = 1e-4

@@ -94,10 +94,51 @@ def test_logprobs_are_raw_log_softmax():
     assert lp.top[1][1] == pytest.approx(1.0 - z, abs=1e-6)
 
 
+def test_logit_bias_adds_to_the_logits_before_the_penalties():
+    logits = torch.tensor([[1.0, 3.0, 2.0, 0.5]])
+    greedy = SamplingParams(temperature=0.0, logit_bias=((0, 2.5), (1, -100.0)))
+    assert tokens(sample(logits, rows(greedy, [0]))) == [0]  # 3.5 > 2.0 > 0.5 > -97
+    # vLLM biases first: token 0 seen in the prompt -> (1 + 2.5) / 2 = 1.75 < 2.0 (after: 3.0)
+    penalized = SamplingParams(temperature=0.0, logit_bias=((0, 2.5), (1, -100.0)),
+                               repetition_penalty=2.0)
+    assert tokens(sample(logits, rows(penalized, [0], prompt=(0,)))) == [2]
+    hot = SamplingParams(temperature=1.0, logit_bias=((3, 100.0),))
+    assert {tokens(sample(logits, rows(hot, [s])))[0] for s in range(50)} == {3}
+
+
+def test_allowed_token_ids_leave_only_those_tokens():
+    torch.manual_seed(0)
+    logits = torch.randn(1, 64)
+    allowed = (5, 9, 40)
+    greedy = SamplingParams(temperature=0.0, allowed_token_ids=allowed)
+    want = max(allowed, key=lambda t: logits[0, t].item())
+    assert tokens(sample(logits, rows(greedy, [0]))) == [want]
+    hot = SamplingParams(temperature=2.0, allowed_token_ids=allowed + (10**6,))  # past vocab
+    drawn = {tokens(sample(logits, rows(hot, [s])))[0] for s in range(200)}
+    assert drawn == set(allowed)
+
+
+def test_bad_words_mask_their_last_token_after_their_prefix():
+    logits = torch.tensor([[0.0, 5.0, 4.0, 3.0, 2.0]])
+    p = SamplingParams(temperature=0.0, bad_words_token_ids=((1,), (3, 2)))
+    assert tokens(sample(logits, rows(p, [0], [()]))) == [2]  # (1,) is always banned
+    assert tokens(sample(logits, rows(p, [0], [(4, 3)]))) == [3]  # output ends with 3: no 2
+    assert tokens(sample(logits, rows(p, [0], [(3, 4)]))) == [2]
+    # a migrated request's earlier output (the prompt's tail) counts as output
+    moved = SamplingParams(temperature=0.0, bad_words_token_ids=((3, 1),), output_offset=1)
+    assert tokens(sample(logits, [SampleInput(moved, 0, (0, 3), ())])) == [2]
+    assert tokens(sample(logits, [SampleInput(moved, 0, (3, 0), ())])) == [1]
+    logprobbed = SamplingParams(temperature=0.0, logprobs=0, bad_words_token_ids=((1,),))
+    [(token, lp)] = sample(logits, rows(logprobbed, [0]))
+    assert token == 2 and lp.logprob < math.log(0.5)  # raw: token 2 is not the likeliest
+
+
 @pytest.mark.parametrize("bad", [dict(max_tokens=0), dict(temperature=-1), dict(top_p=0),
                                  dict(top_p=1.5), dict(top_k=-2), dict(min_p=2),
                                  dict(presence_penalty=3), dict(repetition_penalty=0),
-                                 dict(logprobs=21), dict(min_tokens=5, max_tokens=4)])
+                                 dict(logprobs=21), dict(min_tokens=5, max_tokens=4),
+                                 dict(logit_bias=((1, 101.0),)), dict(logit_bias=((-1, 1.0),)),
+                                 dict(allowed_token_ids=()), dict(bad_words_token_ids=((),))])
 def test_invalid_params_raise(bad):
     with pytest.raises(ValueError):
         SamplingParams(**bad)
@@ -170,3 +211,27 @@ def test_batched_sampler_draws_what_one_row_at_a_time_draws():
         got = tokens(sample(logits, batch, eos))
         want = [_one_row_at_a_time(logits[i], r, eos) for i, r in enumerate(batch)]
         assert got == want
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_every_processor_runs_on_cuda_logits():
+    """The engine samples on its own device: greedy rows with every edit pick on CUDA what
+    they pick on CPU; seeded rows stay batch-invariant and inside their allowed ids."""
+    torch.manual_seed(0)
+    logits = torch.randn(4, 300)
+    greedy = SamplingParams(temperature=0.0, logprobs=2, logit_bias=((7, 5.0),),
+                            bad_words_token_ids=((3,), (8, 11)), repetition_penalty=1.3,
+                            frequency_penalty=0.5, presence_penalty=0.2, min_tokens=3,
+                            stop_token_ids=(9,))
+    allowed = SamplingParams(temperature=0.0, allowed_token_ids=(1, 50, 120))
+    hot = SamplingParams(temperature=0.8, top_k=20, top_p=0.9, min_p=0.01,
+                         allowed_token_ids=tuple(range(0, 300, 3)), logit_bias=((6, 3.0),))
+    batch = [SampleInput(greedy, 1, (5, 6), (7, 8)), SampleInput(allowed, 2, (1,), ()),
+             SampleInput(hot, 3, (1,), (4,)), SampleInput(hot, 4, (2,), ())]
+    cpu = sample(logits, batch, {2})
+    cuda = sample(logits.cuda(), batch, {2})
+    assert tokens(cuda[:2]) == tokens(cpu[:2])
+    assert cuda[0][1].logprob == pytest.approx(cpu[0][1].logprob, abs=1e-5)
+    alone = [tokens(sample(logits[i:i + 1].cuda(), [batch[i]], {2}))[0] for i in (2, 3)]
+    assert alone == tokens(cuda[2:]) and all(t % 3 == 0 for t in alone)

@@ -32,6 +32,7 @@ class Req:
     block_keys: list[bytes] = field(default_factory=list)
     num_computed_tokens: int = 0
     runs_alone: bool = False
+    priority: int = 0
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -58,10 +59,10 @@ class HostCache:
         self.blocks[list(ids)] = data
 
 
-def make(num_blocks: int, mode: str = "recompute"):
+def make(num_blocks: int, mode: str = "recompute", policy: str = "fcfs"):
     kv = KVCacheManager(BlockPool(num_blocks, enable_caching=True), BLOCK)
     cache = HostCache(num_blocks)
-    return Scheduler(kv, PREEMPTION_MODES[mode](kv, cache)), cache
+    return Scheduler(kv, PREEMPTION_MODES[mode](kv, cache), policy=policy), cache
 
 
 def test_block_arithmetic():
@@ -286,3 +287,42 @@ def test_admission_takes_prefix_hits_first_and_gives_them_back_when_it_waits():
     assert list(scheduler2.admit()) == []
     assert late.block_table == [] and late.num_computed_tokens == 0
     assert kv.num_free_blocks == 1
+
+
+def test_priority_policy_admits_by_priority_then_arrival():
+    scheduler, _ = make(8, policy="priority")
+    for name, priority in (("a", 1), ("b", 0), ("c", 1), ("d", -3)):
+        scheduler.add(Req(name, prompt_len=3, priority=priority))
+    assert [r.request_id for r in scheduler.waiting] == ["d", "b", "a", "c"]
+    assert [r.request_id for r in scheduler.admit()] == ["d", "b", "a", "c"]
+    fcfs, _ = make(8)
+    for name, priority in (("a", 1), ("b", 0)):
+        fcfs.add(Req(name, prompt_len=3, priority=priority))
+    assert [r.request_id for r in fcfs.admit()] == ["a", "b"]  # fcfs ignores priority
+
+
+def test_priority_policy_preempts_the_lowest_priority_as_vllm_picks_its_victim():
+    """vLLM v1 (vllm/v1/core/sched/scheduler.py): the victim is max(running, key=(priority,
+    arrival)); here the oldest request, being the least urgent, goes first."""
+    scheduler, _ = make(4, policy="priority")
+    lax, urgent = Req("lax", prompt_len=3, priority=5), Req("urgent", prompt_len=3, priority=0)
+    running(scheduler, lax, urgent)
+    victim = max((lax, urgent), key=lambda r: (r.priority, r.arrival))
+    urgent.out = 10  # 13 tokens: all 4 blocks, one of them lax's
+    assert [r.request_id for r in scheduler.grow()] == ["urgent"]
+    assert victim.status is RequestStatus.PREEMPTED and victim is lax
+    # back in the queue at its place: after a more urgent newcomer, before a laxer one
+    scheduler.add(Req("newer-urgent", prompt_len=1, priority=0))
+    scheduler.add(Req("laxest", prompt_len=1, priority=9))
+    scheduler.add(Req("same", prompt_len=1, priority=5))
+    assert [r.request_id for r in scheduler.waiting] == ["newer-urgent", "lax", "same",
+                                                         "laxest"]
+
+
+def test_priority_policy_orders_a_steps_chunks():
+    scheduler, _ = make(16, policy="priority")
+    first, second = Req("first", prompt_len=8, priority=2), Req("second", prompt_len=8)
+    running(scheduler, first, second)
+    assert [(r.request_id, n) for r, n in scheduler.schedule_chunks(10)] == [("second", 8)]
+    with pytest.raises(ValueError, match="scheduling policy"):
+        Scheduler(scheduler.kv, None, policy="lifo")

@@ -104,3 +104,29 @@ def test_a_grammar_that_does_not_compile_ends_its_request_with_an_error(tokenize
     assert core.stats()["num_waiting"] == 0 and core.pool.stats()["num_used_blocks"] == 0
     core.close()
 
+
+
+def test_a_grammar_holds_after_the_reasoning_ends(tokenizer):
+    """vLLM's structured outputs with a reasoning parser: the output is free until the end
+    marker (here two tokens the free greedy output writes), then follows the grammar; a
+    request that moves before or after the marker continues token for token."""
+    prompt = tuple(tokenizer.encode("Once upon a time"))
+    core = engine()
+    [free] = run(core, [DecodeRequest("free", prompt, SamplingParams(max_tokens=12,
+                                                                     temperature=0))])
+    marker = tuple(ids(free)[3:5])
+    assert all(tuple(ids(free)[i:i + 2]) != marker for i in range(3))  # first at 3
+    spec = StructuredOutputSpec("regex", "(Tom|Sam) has [1-9] cats")
+    params = SamplingParams(max_tokens=40, temperature=0, structured_output=spec,
+                            reasoning_end_token_ids=marker)
+    [gated] = run(core, [DecodeRequest("gated", prompt, params)])
+    out = ids(gated)
+    assert out[:5] == ids(free)[:5] and gated[-1].finish_reason is FinishReason.STOP
+    answer = tokenizer.decode(out[5:])
+    assert answer.strip() in {f"{n} has {k} cats" for n in ("Tom", "Sam") for k in range(1, 10)}
+    for k in (2, 7):  # moved inside the reasoning, and after it
+        [again] = run(core, [DecodeRequest(f"m{k}", prompt + tuple(out[:k]), SamplingParams(
+            max_tokens=40 - k, temperature=0, structured_output=spec,
+            reasoning_end_token_ids=marker, output_offset=k))])
+        assert ids(again) == out[k:], k
+    core.close()

@@ -25,7 +25,8 @@ import pytest
 import torch
 import transformers
 
-from engine.config import BUNDLED_MODEL, ModelConfig
+from engine.config import BUNDLED_MODEL
+from engine.model_config import ModelConfig
 from engine.models.base import check_tensor_parallel
 from engine.parallel import TPGroup
 from tests.models.factory import build

@@ -3,6 +3,7 @@ the gateway served over real HTTP by uvicorn."""
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import subprocess
 import threading
@@ -14,6 +15,10 @@ import pytest
 from deploy.config import ServeConfig
 from deploy.launcher import Cluster
 from deploy.serve import gateway_app
+from engine.tokenizer import Tokenizer
+from router.chat_template import ChatTemplate
+from router.gateway import build_app
+from router.reasoning import ReasoningParser
 from tests.background_server import BackgroundServer
 from tests.faults import FAULTY
 from tests.markers import starts
@@ -69,6 +74,17 @@ def api_base(cluster) -> str:
 
 
 @pytest.fixture(scope="session")
+@starts("server")
+def reasoning_api_base(cluster) -> str:
+    """Base URL of a gateway over the session cluster with `--reasoning-parser qwen3`."""
+    model_dir = cluster.config.engine.model
+    app = build_app(cluster.pipeline, Tokenizer.from_pretrained(model_dir), "stories260K", 512,
+                    ChatTemplate.from_model_dir(model_dir), reasoning=ReasoningParser("qwen3"))
+    with BackgroundServer(app) as server:
+        yield f"{server.url}/v1"
+
+
+@pytest.fixture(scope="session")
 @starts("ray", "server")
 def serve_process(tmp_path_factory):
     """Factory: `serve_process(*flags)` starts `pdcluster serve --port P *flags` as a real
@@ -86,5 +102,6 @@ def serve_process(tmp_path_factory):
     for proc in started:
         if proc.poll() is None:
             for child in psutil.Process(proc.pid).children(recursive=True):
-                child.kill()
+                with contextlib.suppress(psutil.NoSuchProcess):  # it may exit meanwhile
+                    child.kill()
             proc.kill()

@@ -61,6 +61,19 @@ def test_wrong_type_chat(http, field, value):
     ({**COMPLETION, "prompt": [1, 99999]}, "prompt"),                   # id outside the vocab
     ({**COMPLETION, "min_tokens": 9}, None),                            # min_tokens > max_tokens
     ({**COMPLETION, "unknown_field": 1}, "unknown_field"),
+    ({**COMPLETION, "logit_bias": {"five": 1}}, "logit_bias"),         # a key that is no id
+    ({**COMPLETION, "logit_bias": {"99999": 1}}, "logit_bias"),         # outside the vocab
+    ({**COMPLETION, "logit_bias": {"5": "up"}}, "logit_bias"),
+    ({**COMPLETION, "allowed_token_ids": []}, "allowed_token_ids"),     # vLLM refuses it too
+    ({**COMPLETION, "allowed_token_ids": [3, 99999]}, "allowed_token_ids"),
+    ({**COMPLETION, "bad_words": ["  "]}, "bad_words"),                 # no tokens
+    ({**COMPLETION, "bad_words": "dog"}, "bad_words"),
+    ({**COMPLETION, "bad_words": ["dog"] * 129}, "bad_words"),          # vLLM's 128 words
+    ({**COMPLETION, "bad_words": ["a b c d e f g h i j k l"] * 90}, "bad_words"),  # > 1,024 ids
+    ({**COMPLETION, "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+    ({**COMPLETION, "truncate_prompt_tokens": 100000}, "truncate_prompt_tokens"),
+    ({**COMPLETION, "truncate_prompt_tokens": -2}, "truncate_prompt_tokens"),
+    ({**COMPLETION, "truncation_side": "middle"}, "truncation_side"),
 ])
 def test_invalid_completion_values(http, body, param):
     assert_error(http.post("/completions", json=body), 400, param)

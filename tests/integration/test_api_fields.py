@@ -1,5 +1,6 @@
 """Every request field of /v1/completions and /v1/chat/completions, through the real openai
-client, checked against transformers (greedy, logprobs, penalties) or statistically."""
+client, checked against transformers (greedy, logprobs, penalties, logit_bias,
+allowed_token_ids, bad_words) or statistically."""
 
 from __future__ import annotations
 
@@ -113,6 +114,31 @@ def test_stop_strings_split_across_tokens(client, hf):
     streamed = list(complete(client, max_tokens=40, temperature=0, stop=stop, stream=True))
     assert "".join(c.choices[0].text for c in streamed) == text[:start]
     assert streamed[-1].choices[0].finish_reason == "stop"
+    assert streamed[-1].choices[0].model_extra["stop_reason"] == stop
+    # vLLM's include_stop_str_in_output: the text ends after the stop string
+    for stream in (False, True):
+        out = complete(client, max_tokens=40, temperature=0, stop=[stop, "zzzz"],
+                       include_stop_str_in_output=True, stream=stream)
+        chunks = list(out) if stream else [out]
+        assert "".join(c.choices[0].text for c in chunks) == text[:start + len(stop)]
+        assert chunks[-1].choices[0].model_extra["stop_reason"] == stop
+
+
+def test_stop_strings_do_not_end_within_min_tokens(client, hf):
+    """vLLM's rule: a stop string must end after the first min_tokens tokens' text."""
+    prompt = hf.encode(PROMPT)
+    ids = hf.greedy(prompt, 30)
+    text = hf.decode_output(prompt, ids)
+    stop = " there"  # the second token's text
+    protected = len(hf.decode_output(prompt, ids[:4]))
+    assert text.find(stop) + len(stop) <= protected
+    later = text.find(stop, protected - len(stop) + 1)  # the first one ending past them
+    want = text[:later] if later >= 0 else text
+    assert want != text[:text.find(stop)]
+    out = complete(client, max_tokens=30, temperature=0, stop=[stop], min_tokens=4)
+    assert out.choices[0].text == want
+    assert complete(client, max_tokens=30, temperature=0, stop=[stop]).choices[0].text == \
+        text[:text.find(stop)]
 
 
 def test_stop_token_ids_min_tokens_and_ignore_eos(client, hf):
@@ -120,8 +146,15 @@ def test_stop_token_ids_min_tokens_and_ignore_eos(client, hf):
     greedy = hf.greedy(prompt, 20)
     stop_id = greedy[3]
     out = complete(client, max_tokens=20, temperature=0, stop_token_ids=[stop_id])
-    assert ids_of(out.choices[0]) == greedy[:greedy.index(stop_id) + 1]
+    k = greedy.index(stop_id)
+    assert ids_of(out.choices[0]) == greedy[:k + 1]
     assert out.choices[0].finish_reason == "stop"
+    # as vLLM: the stop token's text is not output unless include_stop_str_in_output
+    assert out.choices[0].model_extra["stop_reason"] == stop_id
+    assert out.choices[0].text == hf.decode_output(prompt, greedy[:k])
+    out = complete(client, max_tokens=20, temperature=0, stop_token_ids=[stop_id],
+                   include_stop_str_in_output=True)
+    assert out.choices[0].text == hf.decode_output(prompt, greedy[:k + 1])
     # min_tokens masks the stop id until 6 tokens exist: reference loop on HF logits
     ref = []
     while len(ref) < 20:
@@ -153,6 +186,110 @@ def test_penalties_match_reference(client, hf):
     out = complete(client, max_tokens=24, temperature=0, frequency_penalty=0.7,
                    presence_penalty=0.4, ignore_eos=True)
     assert ids_of(out.choices[0]) == ref
+
+
+def test_logit_bias_allowed_token_ids_and_bad_words_match_reference(client, hf):
+    """Each against transformers' own processor for it: SequenceBias, PrefixConstrained and
+    NoBadWords."""
+    prompt = hf.encode(PROMPT)
+    plain = hf.greedy(prompt, 24)
+    bias = {plain[0]: -5.0, plain[1]: -100.0, 100: 2.0}
+    want = hf.greedy(prompt, 24, sequence_bias=[[[t], b] for t, b in bias.items()])
+    out = complete(client, max_tokens=24, temperature=0,
+                   logit_bias={str(t): b for t, b in bias.items()})
+    assert ids_of(out.choices[0]) == want != plain
+
+    allowed = sorted(set(plain[::2]))
+    want = hf.greedy(prompt, 24, prefix_allowed_tokens_fn=lambda batch, ids: allowed)
+    out = complete(client, max_tokens=24, temperature=0, allowed_token_ids=allowed)
+    assert ids_of(out.choices[0]) == want != plain and set(want) <= set(allowed)
+    sampled = complete(client, max_tokens=24, temperature=1.5, seed=3,
+                       allowed_token_ids=allowed)
+    assert set(ids_of(sampled.choices[0])) <= set(allowed)
+
+    words = ["girl", "Lily"]  # in the plain output; "girl" is three tokens, "Lily" one
+    banned: list[list[int]] = []
+    for word in words:  # vLLM's tokenization of a bad word (SamplingParams)
+        ids = hf.encode(word, add_special_tokens=False)
+        spaced = hf.encode(" " + word, add_special_tokens=False)
+        banned += [ids] + ([spaced] if spaced[0] != ids[0] and len(spaced) == len(ids) else [])
+    assert any(len(ids) > 1 for ids in banned)
+    want = hf.greedy(prompt, 24, bad_words_ids=banned)
+    for stream in (False, True):
+        out = complete(client, max_tokens=24, temperature=0, bad_words=words, stream=stream)
+        got = ids_of(out.choices[0]) if not stream else [t for c in out
+                                                          for t in ids_of(c.choices[0])]
+        assert got == want != plain
+    assert not any(word in hf.decode_output(prompt, want) for word in words)
+
+
+def test_skip_special_tokens_and_eos_text(client, hf):
+    """Special tokens' text, as transformers decodes it, only with skip_special_tokens false;
+    the EOS that ends a choice shows only with include_stop_str_in_output too (vLLM's)."""
+    prompt = hf.encode(PROMPT)
+
+    def special_text(ids: list[int]) -> str:
+        whole = hf.tokenizer.decode(prompt + ids, skip_special_tokens=False)
+        return whole[len(hf.tokenizer.decode(prompt, skip_special_tokens=False)):]
+
+    bos = {str(hf.tokenizer.bos_token_id): 100}
+    out = complete(client, max_tokens=3, temperature=0, logit_bias=bos)
+    assert ids_of(out.choices[0]) == [hf.tokenizer.bos_token_id] * 3
+    assert out.choices[0].text == ""
+    out = complete(client, max_tokens=3, temperature=0, logit_bias=bos,
+                   skip_special_tokens=False)
+    assert out.choices[0].text == special_text([hf.tokenizer.bos_token_id] * 3) != ""
+
+    eos = hf.tokenizer.eos_token_id
+    for include in (False, True):
+        out = complete(client, max_tokens=3, temperature=0, logit_bias={str(eos): 100},
+                       skip_special_tokens=False, include_stop_str_in_output=include)
+        choice = out.choices[0]
+        assert ids_of(choice) == [eos] and choice.finish_reason == "stop"
+        assert choice.model_extra["stop_reason"] is None  # EOS, not a stop id or string
+        assert choice.text == (special_text([eos]) if include else "")
+
+
+def test_truncate_prompt_tokens_keeps_the_last_or_first_tokens(client, hf):
+    prompt = hf.encode("Once upon a time, there was a little girl named Lily.")
+    for side, kept in ((None, prompt[-5:]), ("left", prompt[-5:]), ("right", prompt[:5])):
+        out = complete(client, prompt=prompt, max_tokens=8, temperature=0,
+                       truncate_prompt_tokens=5, truncation_side=side, echo=True)
+        assert out.usage.prompt_tokens == 5
+        assert ids_of(out.choices[0]) == hf.greedy(kept, 8)
+        assert out.choices[0].text.startswith(hf.tokenizer.decode(kept,
+                                                                  skip_special_tokens=True))
+    out = complete(client, max_tokens=4, temperature=0, truncate_prompt_tokens=-1)
+    assert out.usage.prompt_tokens == len(hf.encode(PROMPT))  # -1: up to max_model_len - 1
+    max_model_len = client.models.list().data[0].model_extra["max_model_len"]
+    long = (prompt * max_model_len)[:max_model_len + 50]
+    out = complete(client, prompt=long, max_tokens=1, temperature=0, truncate_prompt_tokens=-1)
+    assert out.usage.prompt_tokens == max_model_len - 1
+    assert ids_of(out.choices[0]) == hf.greedy(long[-(max_model_len - 1):], 1)
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Tell me a story."}], max_tokens=2,
+        extra_body={"truncate_prompt_tokens": 4})
+    assert chat.usage.prompt_tokens == 4
+
+
+def test_return_tokens_as_token_ids_names_every_logprob_token(client):
+    """vLLM's return_tokens_as_token_ids: `token_id:N` wherever a logprob entry names a token,
+    N the id the choice's token_ids hold."""
+    out = complete(client, max_tokens=5, temperature=0, logprobs=2, echo=True,
+                   prompt_logprobs=2, return_tokens_as_token_ids=True)
+    choice = out.choices[0]
+    prompt = out.model_extra["prompt_token_ids"]
+    assert choice.logprobs.tokens == [f"token_id:{t}" for t in prompt + ids_of(choice)]
+    assert all(k.startswith("token_id:") for top in choice.logprobs.top_logprobs[1:]
+               for k in top)
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=3, temperature=0,
+        logprobs=True, top_logprobs=2,
+        extra_body={"return_token_ids": True, "return_tokens_as_token_ids": True})
+    content = chat.choices[0].logprobs.content
+    assert [e.token for e in content] == \
+        [f"token_id:{t}" for t in chat.choices[0].model_extra["token_ids"]]
+    assert all(top.token.startswith("token_id:") for e in content for top in e.top_logprobs)
 
 
 def test_logprobs_equal_hf_log_softmax(client, hf):

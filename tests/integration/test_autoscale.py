@@ -50,7 +50,10 @@ def test_autoscale_adds_within_two_intervals_and_drains_after_with_no_failed_req
         capture_output=True, text=True, timeout=600, check=False)
     assert bench.returncode == 0, bench.stderr[-3000:]
     result = json.loads((tmp_path / "bench.json").read_text())
-    assert result["completed"] == result["num_prompts"] > 0 and result["failed"] == 0
+    errors = [(r["index"], round(r["start_s"], 1), r["error"]) for r in result["requests"]
+              if r["error"]]
+    assert result["completed"] == result["num_prompts"] > 0 and result["failed"] == 0, (
+        errors, log.read_text()[-4000:])
 
     deadline = time.time() + SETTLE_S
     state = health(port)["autoscale"]

@@ -117,6 +117,47 @@ def store_tails(cluster) -> int:
     return total
 
 
+@starts("server")
+def test_a_full_queue_makes_room_for_a_more_urgent_request(cluster):
+    """`--scheduling-policy priority` with one slot and one queued sequence: the queued
+    request of priority 5 gets 503 `preempted` with Retry-After when one of priority -1
+    comes, and that one is served once the running one, untouched, has ended."""
+    engine = cluster.config.engine.model_copy(update={"scheduling_policy": "priority"})
+    config = cluster.config.model_copy(update={"max_inflight_requests": 1,
+                                               "max_queued_sequences": 1, "engine": engine})
+    body = {"model": MODEL, "prompt": "Once upon a time", "temperature": 0}
+    waiting = ("pdcluster_requests_waiting", (("role", "gateway"),))
+
+    async def main(base: str) -> None:
+        async with httpx.AsyncClient(timeout=120) as client:
+            # long enough to run while the others arrive: a slower machine only lengthens it
+            async with client.stream("POST", f"{base}/v1/completions", json={
+                    **body, "max_tokens": 480, "ignore_eos": True, "stream": True}) as running:
+                chunks = running.aiter_lines()
+                assert (await anext(chunks)).startswith("data: ")  # it holds the slot
+                low = asyncio.create_task(client.post(f"{base}/v1/completions",
+                                                      json={**body, "max_tokens": 4,
+                                                            "priority": 5}))
+                while scrape(base).get(waiting) != 1:
+                    await asyncio.sleep(0.01)
+                urgent = asyncio.create_task(client.post(f"{base}/v1/completions",
+                                                         json={**body, "max_tokens": 4,
+                                                               "priority": -1}))
+                refused = await low
+                rest = [line async for line in chunks if line.startswith("data: ")]
+            assert refused.status_code == 503 and int(refused.headers["retry-after"]) >= 1
+            assert refused.json()["error"]["code"] == "preempted"
+            assert rest[-1] == "data: [DONE]"
+            served = await urgent
+            assert served.status_code == 200, served.text
+            assert served.json()["usage"]["completion_tokens"] >= 1
+        rejected = scrape(base)[("pdcluster_requests_rejected_total", (("reason", "preempted"),))]
+        assert rejected == 1
+
+    with BackgroundServer(gateway_app(config, cluster)) as server:
+        asyncio.run(main(server.url))
+
+
 def test_dropped_non_streaming_requests_free_every_block_within_2s(api_base, cluster):
     """100 non-streaming requests whose clients hang up while the requests run: everything
     they held on the workers, and their tails in the KV store, is back within 2 s of the hang-up

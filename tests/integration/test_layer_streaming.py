@@ -153,7 +153,8 @@ def test_prefill_abort_mid_stream_frees_both_sides(layer_cluster, hf):
     prompt = hf.encode(STORY * 4)[:500]
     prefill, decode = layer_cluster.prefill[0].handle, layer_cluster.decode[0]
     params = SamplingParams(max_tokens=8, temperature=0)
-    ray.get(prefill.inject_fault.remote("layer_delay", 0.01))  # ~1.5 s of compute
+    # ~8 s of compute: the abort lands mid-stream even when a loaded machine delays it
+    ray.get(prefill.inject_fault.remote("layer_delay", 0.05))
     try:
         first, result = prefill.prefill.options(num_returns=2).remote(
             PrefillRequest("ls-abort", tuple(prompt), params,

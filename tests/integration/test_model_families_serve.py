@@ -31,6 +31,10 @@ CASES = {
     # streamed layer by layer
     "deepseek_v2-grpc": ("deepseek_v2", {}, ["--pd-decider", "always"]),
     "deepseek_v2-layer": ("deepseek_v2", {}, ["--pd-decider", "always", "--kv-streaming", "layer"]),
+    # each rank's rows of each part of the checkpoint's stacked q|k|v and gate|up
+    "phi3-tp2": ("phi3", {}, ["--pd-decider", "always", "--tensor-parallel-size", "2"]),
+    # sandwich norms and per-head q/k norms on each rank's heads
+    "gemma3-tp2": ("gemma3", {}, ["--pd-decider", "always", "--tensor-parallel-size", "2"]),
 }
 
 
@@ -43,10 +47,15 @@ PATHS = {"grpc": ["--pd-decider", "always", "--kv-transfer", "grpc"],
          "colocated": ["--colocated"],
          "tp2": ["--pd-decider", "always", "--tensor-parallel-size", "2"]}
 FAMILY_OVERRIDES = {"llama": {}, "qwen2": {}, "mistral": {"sliding_window": 16}, "qwen3": {},
-                    "mixtral": {}, "qwen3_moe": {}, "deepseek_v2": {}}
+                    "mixtral": {}, "qwen3_moe": {}, "deepseek_v2": {},
+                    "deepseek_v3": {}, "phi3": {}, "smollm3": {}, "granite": {},
+                    "olmo2": {}, "olmo3": {},
+                    "gemma2": {}, "gemma3": {}, "gemma3_mm": {}}
+#: families that refuse tensor parallel (their q/k norms span every head)
+NO_TP = {"olmo2", "olmo3"}
 FULL_MATRIX = {f"{family}-{path}": (family, overrides, flags)
                for family, overrides in FAMILY_OVERRIDES.items()
-               for path, flags in PATHS.items()}
+               for path, flags in PATHS.items() if not (path == "tp2" and family in NO_TP)}
 
 
 def pytest_generate_tests(metafunc):

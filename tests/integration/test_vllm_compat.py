@@ -136,6 +136,15 @@ def test_neutral_values_of_unsupported_fields_are_served(http):
                 {"role": "user", "content": [{"type": "text", "text": "Hi"}],
                  "tool_calls": []}]}
     assert http.post("/chat/completions", json=body).status_code == 200
+    # switches once only accepted at their defaults still take null for the default
+    nulls = dict.fromkeys(["echo", "add_generation_prompt", "continue_final_message",
+                           "include_reasoning", "skip_special_tokens",
+                           "include_stop_str_in_output", "logit_bias", "allowed_token_ids",
+                           "bad_words", "truncate_prompt_tokens", "reasoning_effort",
+                           "chat_template_kwargs", "documents",
+                           "return_tokens_as_token_ids"])
+    response = http.post("/chat/completions", json={**CHAT, **nulls})
+    assert response.status_code == 200, response.text
 
 
 def test_typos_are_still_refused(http):

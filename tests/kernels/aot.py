@@ -55,7 +55,7 @@ class ModelShape:
 
     @classmethod
     def from_model_config(cls, config: Any, dtype: torch.dtype, block_size: int) -> "ModelShape":
-        """From an `engine.config.ModelConfig` (or anything with its field names)."""
+        """From an `engine.model_config.ModelConfig` (or anything with its field names)."""
         return cls(
             config.num_attention_heads,
             config.num_key_value_heads,

@@ -10,6 +10,7 @@ over more experts than the batch fills.
 
 from __future__ import annotations
 
+import copy
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,14 +34,15 @@ class Family:
     config_class: type
     model_class: type
     extra: dict = field(default_factory=dict)
-    #: q/k/v biases transformers initialises at zero, randomized so a missed bias shows
-    random_qkv_bias: bool = False
+    #: name endings of tensors transformers initialises at zero or alike (biases, norms,
+    #: routing biases), drawn from N(0, 0.2) so a missed or swapped one shows
+    randomized: tuple[str, ...] = ()
 
 
 FAMILIES: dict[str, Family] = {
     "llama": Family(transformers.LlamaConfig, transformers.LlamaForCausalLM),
     "qwen2": Family(transformers.Qwen2Config, transformers.Qwen2ForCausalLM,
-                    random_qkv_bias=True),
+                    randomized=("q_proj.bias", "k_proj.bias", "v_proj.bias")),
     "mistral": Family(transformers.MistralConfig, transformers.MistralForCausalLM,
                       {"sliding_window": None, "head_dim": 16}),
     # head_dim 24 != 64 / 4, as Qwen3's 128 != hidden / heads
@@ -62,7 +64,99 @@ FAMILIES: dict[str, Family] = {
                            "first_k_dense_replace": 1, "n_group": 4, "topk_group": 2,
                            "topk_method": "group_limited_greedy",
                            "routed_scaling_factor": 1.5}),
+    # V3's router: sigmoid affinities, a correction bias for the choice, groups ranked by
+    # their two best; 8 experts in 4 groups (top 2 from the best 2), normalized, scaled
+    "deepseek_v3": Family(transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM,
+                          {"num_key_value_heads": 4, "kv_lora_rank": 32, "q_lora_rank": 24,
+                           "qk_rope_head_dim": 8, "qk_nope_head_dim": 16, "v_head_dim": 16,
+                           "n_routed_experts": 8, "num_experts_per_tok": 2,
+                           "n_shared_experts": 1, "moe_intermediate_size": 32,
+                           "first_k_dense_replace": 1, "n_group": 4, "topk_group": 2,
+                           "norm_topk_prob": True, "routed_scaling_factor": 2.5},
+                          randomized=("e_score_correction_bias",)),
+    # q|k|v and gate|up stacked in the checkpoint
+    "phi3": Family(transformers.Phi3Config, transformers.Phi3ForCausalLM, {"pad_token_id": 0}),
+    # layer 1 without RoPE (NoPE)
+    "smollm3": Family(transformers.SmolLM3Config, transformers.SmolLM3ForCausalLM,
+                      {"no_rope_layer_interval": 2, "pad_token_id": 0}),
+    # every multiplier away from 1 (Granite 3's are of these sizes)
+    "granite": Family(transformers.GraniteConfig, transformers.GraniteForCausalLM,
+                      {"embedding_multiplier": 12.0, "attention_multiplier": 0.0078125,
+                       "residual_multiplier": 0.22, "logits_scaling": 8.0, "pad_token_id": 0}),
+    # post-norms, q/k norms over all heads
+    "olmo2": Family(transformers.Olmo2Config, transformers.Olmo2ForCausalLM,
+                    {"pad_token_id": 0}, randomized=("norm.weight",)),
+    # a sliding layer with plain RoPE, then a full one with YaRN
+    "olmo3": Family(transformers.Olmo3Config, transformers.Olmo3ForCausalLM,
+                    {"pad_token_id": 0, "sliding_window": 16,
+                     "layer_types": ["sliding_attention", "full_attention"],
+                     "rope_parameters": {
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 5e5},
+                         "full_attention": {"rope_type": "yarn", "rope_theta": 5e5,
+                                            "factor": 4.0,
+                                            "original_max_position_embeddings": 128}}},
+                    randomized=("norm.weight",)),
+    # a sliding layer then a global one, soft-capped scores and logits
+    "gemma2": Family(transformers.Gemma2Config, transformers.Gemma2ForCausalLM,
+                     {"head_dim": 24, "query_pre_attn_scalar": 20, "sliding_window": 16,
+                      "attn_logit_softcapping": 2.0, "final_logit_softcapping": 8.0,
+                      "tie_word_embeddings": True, "pad_token_id": 0},
+                     randomized=("norm.weight",)),
+    # a local layer then a global one, each with its own RoPE (base 1e4; 1e6 scaled by 2), a
+    # query scale other than head_dim's, tied embeddings and soft-capped logits
+    "gemma3": Family(transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM,
+                     {"head_dim": 24, "query_pre_attn_scalar": 20, "sliding_window": 16,
+                      "layer_types": ["sliding_attention", "full_attention"],
+                      "rope_parameters": {
+                          "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+                          "full_attention": {"rope_type": "linear", "factor": 2.0,
+                                             "rope_theta": 1e6}},
+                      "final_logit_softcapping": 8.0, "tie_word_embeddings": True,
+                      "pad_token_id": 0},
+                     randomized=("norm.weight",)),
 }
+#: gemma-3-4b and up: Gemma 3's decoder inside a multimodal checkpoint, with a vision tower of
+#: one tiny SigLIP layer the server does not read; no logit soft-capping, as in every Gemma 3
+#: checkpoint (transformers' multimodal class would skip it)
+FAMILIES["gemma3_mm"] = Family(
+    lambda **text: transformers.Gemma3Config(
+        text_config=text, mm_tokens_per_image=4,
+        vision_config={"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
+                       "num_attention_heads": 2, "image_size": 28, "patch_size": 14}),
+    transformers.Gemma3ForConditionalGeneration,
+    {**FAMILIES["gemma3"].extra, "final_logit_softcapping": None}, randomized=("norm.weight",))
+#: Mistral Small 3.x and LLaVA: a Mistral or Llama decoder in a vision-language checkpoint,
+#: with one tiny vision layer (Pixtral's, CLIP's) the server does not read
+_TINY_VISION = {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
+                "num_attention_heads": 2, "image_size": 28, "patch_size": 14}
+FAMILIES["mistral3_mm"] = Family(
+    lambda **text: transformers.Mistral3Config(
+        text_config={**text, "model_type": "mistral"},
+        vision_config={**_TINY_VISION, "head_dim": 8}),
+    transformers.Mistral3ForConditionalGeneration, FAMILIES["mistral"].extra)
+FAMILIES["llava_mm"] = Family(
+    lambda **text: transformers.LlavaConfig(text_config={**text, "model_type": "llama"},
+                                            vision_config=dict(_TINY_VISION)),
+    transformers.LlavaForConditionalGeneration)
+#: Qwen2.5-VL and Qwen3-VL: Qwen2's and Qwen3's decoders with multimodal RoPE, which on text
+#: (the same position on its three axes) is RoPE
+_TINY_QWEN_VISION = {"depth": 1, "hidden_size": 16, "intermediate_size": 32, "num_heads": 2,
+                     "patch_size": 14, "out_hidden_size": 64}
+FAMILIES["qwen2_5_vl_mm"] = Family(
+    lambda **text: transformers.Qwen2_5_VLConfig(
+        text_config={**text, "rope_parameters": {"rope_type": "default", "rope_theta": 1e4,
+                                                 "mrope_section": [2, 3, 3]}},
+        vision_config=dict(_TINY_QWEN_VISION)),
+    transformers.Qwen2_5_VLForConditionalGeneration,
+    randomized=("q_proj.bias", "k_proj.bias", "v_proj.bias"))
+FAMILIES["qwen3_vl_mm"] = Family(
+    lambda **text: transformers.Qwen3VLConfig(
+        text_config={**text, "head_dim": 16,
+                     "rope_parameters": {"rope_type": "default", "rope_theta": 1e4,
+                                         "mrope_section": [2, 3, 3], "mrope_interleaved": True}},
+        vision_config={**_TINY_QWEN_VISION, "num_position_embeddings": 16,
+                       "deepstack_visual_indexes": []}),
+    transformers.Qwen3VLForConditionalGeneration)
 
 
 def build(family: str, directory: Path, seed: int | None = None, **overrides) -> torch.nn.Module:
@@ -73,12 +167,10 @@ def build(family: str, directory: Path, seed: int | None = None, **overrides) ->
     torch.manual_seed(list(FAMILIES).index(family) if seed is None else seed)
     config = spec.config_class(**{**BASE, **spec.extra, **overrides})
     model = spec.model_class(config).eval()
-    if spec.random_qkv_bias:
-        with torch.no_grad():
-            for layer in model.model.layers:
-                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj,
-                             layer.self_attn.v_proj):
-                    proj.bias.normal_(0, 0.2)
+    with torch.no_grad():
+        for name, tensor in (*model.named_parameters(), *model.named_buffers()):
+            if spec.randomized and name.endswith(spec.randomized):
+                tensor.normal_(0, 0.2)
     directory.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(directory)
     for name in TOKENIZER_FILES:
@@ -95,3 +187,18 @@ def reference_greedy(hf: torch.nn.Module, prompt: list[int], n: int) -> list[int
         for _ in range(n):
             ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
     return ids[len(prompt):]
+
+
+def build_lora(hf: torch.nn.Module, directory: Path, targets: tuple[str, ...], rank: int,
+               seed: int, use_rslora: bool = False) -> torch.nn.Module:
+    """Save a random PEFT LoRA adapter of `hf` (rank `rank`, alpha 2 × rank, on the modules
+    named `targets`) into `directory`; returns the adapted transformers model (eval), the
+    reference for the adapter. B is random too (PEFT initialises it at zero)."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed)
+    config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=list(targets),
+                        init_lora_weights=False, use_rslora=use_rslora)
+    adapted = get_peft_model(copy.deepcopy(hf), config)
+    adapted.save_pretrained(directory)
+    return adapted.eval()

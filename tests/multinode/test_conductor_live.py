@@ -25,7 +25,7 @@ import uvicorn
 
 from deploy.config import ServeConfig
 from deploy.launcher import Cluster
-from engine.config import ModelConfig
+from engine.model_config import ModelConfig
 from engine.tokenizer import Tokenizer
 from router.admission import SLO, make_admission
 from router.chat_template import ChatTemplate

@@ -19,7 +19,8 @@ import ray
 
 from deploy.config import ServeConfig
 from deploy.launcher import Cluster
-from engine.config import BUNDLED_MODEL, ModelConfig
+from engine.config import BUNDLED_MODEL
+from engine.model_config import ModelConfig
 from engine.protocol import SamplingParams
 
 pytestmark = pytest.mark.slow

@@ -78,6 +78,92 @@ def test_slots_go_round_robin_across_requests():
     assert order.count("big") == 8
 
 
+def test_a_lower_priority_value_is_served_first_round_robin_within_one():
+    """vLLM's priority scheduling at the gate: queued sequences of priority -1 get slots
+    before those of priority 0 queued earlier, which keep their round-robin among
+    themselves."""
+
+    async def main() -> list[str]:
+        gate = InflightGate(1, max_queued=100, reserve=0)
+        holder = gate.open(1)
+        await holder.acquire()
+        order: list[str] = []
+
+        async def sequence(ticket, name: str) -> None:
+            await ticket.acquire()
+            order.append(name)
+            await settle()
+            ticket.release()
+
+        tickets = {name: gate.open(2, priority) for name, priority in
+                   (("a", 0), ("b", 0), ("urgent", -1))}
+        tasks = [asyncio.create_task(sequence(t, name)) for name, t in tickets.items()
+                 for _ in range(2)]
+        await settle()
+        holder.release()
+        await asyncio.gather(*tasks)
+        return order
+
+    assert run(main()) == ["urgent", "urgent", "a", "b", "a", "b"]
+
+
+def test_a_full_queue_refuses_queued_less_urgent_requests_for_a_more_urgent_one():
+    """SGLang's rule for a full queue under priority scheduling: the newcomer pushes out
+    queued requests of a higher priority value, least urgent then newest first; a request
+    with a started sequence, or one as urgent, is never pushed out, and when those that may go
+    hold too little room the newcomer is refused and nobody else is."""
+
+    async def main() -> None:
+        gate = InflightGate(1, max_queued=5, reserve=0)
+        order: list[str] = []
+
+        async def take(ticket, name: str) -> None:
+            await ticket.acquire()
+            order.append(name)
+            await settle()
+            ticket.release()
+
+        running = gate.open(2, priority=9)  # started: its waiting sequence stays
+        await running.acquire()
+        low_old, low_new, mid = gate.open(1, 5), gate.open(2, 5), gate.open(1, 3)
+        tasks = {name: asyncio.create_task(take(t, name)) for name, t in
+                 (("low_old", low_old), ("low_new", low_new), ("low_new2", low_new),
+                  ("mid", mid), ("running", running))}
+        await settle()
+        assert (gate.inflight, gate.queued) == (1, 5)
+
+        with pytest.raises(Overloaded) as info:  # as urgent as the least urgent: none may go
+            gate.open(1, 5)
+        assert info.value.reason == "overloaded" and gate.queued == 5
+        with pytest.raises(Overloaded):  # low_old and low_new hold 3 of the 5 wanted, and mid
+            gate.open(5, 4)  # is more urgent: refused, nobody pushed out
+        assert not any(t.done() for t in tasks.values())
+
+        urgent = gate.open(2, 0)  # needs 2: low_new (newest of the least urgent) goes
+        await settle()
+        for name in ("low_new", "low_new2"):
+            with pytest.raises(Overloaded) as info:
+                await tasks.pop(name)
+            assert info.value.reason == "preempted"
+        with pytest.raises(Overloaded):  # a later sequence of it is refused too
+            await low_new.acquire()
+        low_new.close()
+        assert not any(t.done() for t in tasks.values())
+        assert (gate.inflight, gate.queued) == (1, 5)
+
+        tasks.update({f"urgent{i}": asyncio.create_task(take(urgent, "urgent"))
+                      for i in range(2)})
+        await settle()
+        running.release()
+        await asyncio.gather(*tasks.values())
+        assert order == ["urgent", "urgent", "mid", "low_old", "running"]
+        for ticket in (running, low_old, mid, urgent):
+            ticket.close()
+        assert (gate.inflight, gate.queued) == (0, 0)
+
+    run(main())
+
+
 def test_the_reserve_admits_a_new_request_while_big_ones_wait():
     async def main() -> None:
         gate = InflightGate(8, max_queued=100, reserve=2)

@@ -61,7 +61,8 @@ def test_no_input_gets_a_server_error(fuzz_gateway, mode):
     url, openapi = fuzz_gateway
     operations = _operations(openapi, mode)
     assert {f"{o.method.upper()} {o.path}" for o in operations} >= {
-        "POST /v1/completions", "POST /v1/chat/completions", "GET /v1/models"}
+        "POST /v1/completions", "POST /v1/chat/completions", "POST /v1/responses",
+        "GET /v1/models"}
     seen: dict[int, int] = {}
     for operation in operations:
         if mode is GenerationMode.NEGATIVE and not len(operation.body):

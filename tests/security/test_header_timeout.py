@@ -18,7 +18,7 @@ from fastapi import FastAPI
 
 from tests.background_server import BackgroundServer
 from tests.markers import starts
-from tests.raw_sockets import connect, read_until_closed
+from tests.raw_sockets import connect, read_response, read_until_closed
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -53,23 +53,6 @@ def _app() -> FastAPI:
 def url():
     with BackgroundServer(_app(), header_timeout_s=HEADER_TIMEOUT_S) as server:
         yield server.url
-
-
-def _read_response(sock: socket.socket) -> bytes:
-    """One complete response with a Content-Length body, read off a kept-alive connection."""
-    data = b""
-    while b"\r\n\r\n" not in data:
-        chunk = sock.recv(4096)
-        assert chunk, f"closed mid-response: {data!r}"
-        data += chunk
-    head, body = data.split(b"\r\n\r\n", 1)
-    length = next(int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
-                  if line.lower().startswith(b"content-length:"))
-    while len(body) < length:
-        chunk = sock.recv(4096)
-        assert chunk, f"closed mid-body: {data!r}"
-        body += chunk
-    return head + b"\r\n\r\n" + body
 
 
 def _assert_timed_out(received: bytes) -> None:
@@ -111,20 +94,20 @@ def test_silent_connection_is_closed(url):
 def test_partial_head_after_keep_alive_is_closed(url):
     with connect(url) as s:
         s.sendall(FULL_HEAD)
-        assert _read_response(s).startswith(b"HTTP/1.1 200 ")
+        assert read_response(s).startswith(b"HTTP/1.1 200 ")
         # uvicorn's keep-alive timer is cancelled by these bytes: only the head timer is left
         _assert_partial_head_closed(s)
 
 
 def test_idle_keep_alive_outlives_header_timeout(url):
-    """The wait between requests stays uvicorn's timeout_keep_alive (5 s), not ours; the next
-    head is still timed."""
+    """The wait between requests stays the keep-alive timeout, not the head's; the next head
+    is still timed."""
     with connect(url) as s:
         s.sendall(FULL_HEAD)
-        assert _read_response(s).startswith(b"HTTP/1.1 200 ")
+        assert read_response(s).startswith(b"HTTP/1.1 200 ")
         time.sleep(HEADER_TIMEOUT_S + 0.5)
         s.sendall(FULL_HEAD)
-        assert _read_response(s).startswith(b"HTTP/1.1 200 ")
+        assert read_response(s).startswith(b"HTTP/1.1 200 ")
         _assert_partial_head_closed(s)
 
 
@@ -135,7 +118,7 @@ def test_slow_handler_is_not_cut(url):
         started = time.monotonic()
         slow.sendall(b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\n")
         _assert_partial_head_closed(stuck)
-        response = _read_response(slow)
+        response = read_response(slow)
     assert response.startswith(b"HTTP/1.1 200 ") and response.endswith(b'{"status":"slow"}')
     assert time.monotonic() - started >= SLOW_HANDLER_S
 
@@ -148,6 +131,6 @@ def test_head_completed_in_time_is_served(url):
         s.sendall(FULL_HEAD[:half])
         time.sleep(0.3)
         s.sendall(FULL_HEAD[half:])
-        response = _read_response(s)
+        response = read_response(s)
         assert response.startswith(b"HTTP/1.1 200 ") and response.endswith(b'{"status":"ok"}')
         _assert_partial_head_closed(s)
