@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from deploy.profile import add_profile_parser, fit_nonnegative, run_profile
+from engine.config import BUNDLED_MODEL
 from router.cost_model import (BUILTIN_COST_MODELS, MOONCAKE_70B, CostModel, load_cost_model,
                                save_cost_model)
 
@@ -122,9 +123,11 @@ def test_transfer_paths_replace_the_model_figures_only_where_measured(tmp_path):
 @pytest.mark.slow
 @pytest.mark.server
 def test_profile_measures_each_connector_between_two_processes(tmp_path):
-    """`pdcluster profile --kv-transfer grpc,torch,mooncake`: each connector moves blocks of
-    the bundled model's layout from a source process into the paged cache; the file gets
-    per-path figures whose fit predicts the samples, and bigger transfers take longer."""
+    """`pdcluster profile --kv-transfer grpc,torch,mooncake`: each connector moves 1, 4, 16 and
+    64 blocks of the bundled model's layout from a source process into the paged cache, and the
+    file's per-path figures are the nonnegative least-squares line through its own samples.
+    Nothing here compares two timings: on a loaded machine a small transfer's median can
+    exceed a large one's, which says nothing about the profiler."""
     import argparse
     import importlib.util
 
@@ -145,16 +148,29 @@ def test_profile_measures_each_connector_between_two_processes(tmp_path):
     assert set(samples) == set(connectors)
     assert set(model.transfer_paths) == {"local", "remote", *(f"pd:{c}" for c in connectors)}
     assert model.transfer_paths["remote"] == model.transfer_paths["pd:grpc"]
+    hf = json.loads((BUNDLED_MODEL / "config.json").read_text())
+    # K and V, per layer, 16 tokens a block, fp32 (the profile's cache)
+    block_bytes = 2 * hf["num_hidden_layers"] * 16 * hf["num_key_value_heads"] * hf["head_dim"] * 4
     for connector, rows in samples.items():
-        assert [b for b, _ in rows] == [n * rows[0][0] for n in (1, 4, 16, 64)]
-        # the largest transfer takes longer than the fastest smaller one (a small transfer's
-        # median is mostly fixed cost, which for TE's TCP varies from call to call)
-        assert rows[-1][1] > min(t for _, t in rows[:-1]), (connector, rows)
-        predicted = model.for_connector(connector).t_transfer(rows[-1][0], "pd")
-        assert 0.5 < predicted / rows[-1][1] < 2.0, (connector, rows)
+        assert [b for b, _ in rows] == [n * block_bytes for n in (1, 4, 16, 64)], connector
+        assert all(0 < t < 60 for _, t in rows), (connector, rows)
+        figures = model.transfer_paths[f"pd:{connector}"]
+        assert figures == pytest.approx(_nonnegative_line(rows), rel=1e-6), (connector, rows)
     assert parser.parse_args(["profile", "--kv-transfer", "nccl"]) and \
         run_profile(parser.parse_args(["profile", "--kv-transfer", "nccl",
                                        "--output", str(out)])) == 2
+
+
+def _nonnegative_line(rows: list[list[float]]) -> dict[str, float]:
+    """seconds = latency + bytes / bytes_per_s, fitted as fit_nonnegative documents it: the
+    least-squares line, or where a term comes out negative, the other term alone."""
+    x, y = np.array([r[0] for r in rows], float), np.array([r[1] for r in rows], float)
+    per_byte, lat = np.polyfit(x, y, 1)
+    if per_byte < 0 and lat >= 0:
+        lat, per_byte = y.mean(), 0.0
+    elif lat < 0:
+        lat, per_byte = 0.0, max(float(x @ y / (x @ x)), 0.0)
+    return {"latency_s": float(lat), "bytes_per_s": 1.0 / per_byte if per_byte > 0 else 1e15}
 
 
 def test_for_kv_bytes_per_token_moves_the_model_bytes_and_keeps_capacity_bytes():
