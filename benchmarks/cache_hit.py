@@ -39,14 +39,14 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: benchmarks.*
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # the repo root: benchmarks.*
 
 from benchmarks.cache_hit_sim import (  # noqa: E402
     ROUTERS, BlockPoolCache, Request, infinite_cache_hits, replay, run_window_of, trace_requests)
 from benchmarks.cache_hit_sweep import (  # noqa: E402
     CellResult, belady_hits, check_lru, ordered_dict_lru_hits, run_sweep, sweep_cells)
 from benchmarks.eviction import DEFAULT_EVICTION, EVICTION_POLICIES  # noqa: E402
-from loadtest.trace import read_trace  # noqa: E402
+from pdcluster.loadtest.trace import read_trace  # noqa: E402
 
 __all__ = ["BlockPoolCache", "Request", "belady_hits", "check_lru", "infinite_cache_hits",
            "main", "ordered_dict_lru_hits", "replay", "trace_requests"]  # the tests use these

@@ -11,11 +11,11 @@ from dataclasses import dataclass
 from typing import Protocol, Sequence
 
 from benchmarks.eviction import PolicyCache, make_policy
-from engine.core.block_pool import BlockPool
-from engine.core.hashing import block_keys, make_namespace
-from engine.core.kv_events import KVCacheEvent
-from kvstore.index import Location, MemoryIndex
-from loadtest.trace import TraceRecord
+from pdcluster.engine.core.block_pool import BlockPool
+from pdcluster.engine.core.hashing import block_keys, make_namespace
+from pdcluster.engine.core.kv_events import KVCacheEvent
+from pdcluster.kvstore.index import Location, MemoryIndex
+from pdcluster.loadtest.trace import TraceRecord
 
 _NAMESPACE = make_namespace("mooncake-conversation-trace")
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from benchmarks.cache_hit_sim import Keys, Replay, Request, replay, trace_requests
-from loadtest.trace import TraceRecord
+from pdcluster.loadtest.trace import TraceRecord
 
 ORACLE = "belady (offline)"
 

@@ -25,9 +25,9 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from kernels import torch_attention  # noqa: E402
+from pdcluster.kernels import torch_attention  # noqa: E402
 from tests.kernels import attention_oracle  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 12, 4, 64, 16

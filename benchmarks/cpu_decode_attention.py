@@ -22,9 +22,9 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from kernels import cpu_paged_attention  # noqa: E402
+from pdcluster.kernels import cpu_paged_attention  # noqa: E402
 from tests.kernels import attention_oracle  # noqa: E402
 
 from step_time import median_ms, read_bandwidth  # noqa: E402

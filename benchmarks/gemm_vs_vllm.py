@@ -59,8 +59,7 @@ def time_side(side: str, rows: list[int], linears: list, threads: int, repeats: 
             handler = ops.create_onednn_mm(weight.t(), 32)
             return lambda x: ops.onednn_mm(handler, x, None)
     else:
-        sys.path.insert(0, str(ROOT))
-        from kernels import cpu_gemm
+        from pdcluster.kernels import cpu_gemm
 
         def packed(weight):
             weight = cpu_gemm.pack(weight)

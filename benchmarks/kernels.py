@@ -40,15 +40,15 @@ from itertools import product
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
 
 import triton  # noqa: E402
 
-import kernels  # noqa: E402
-from kernels import reference, triton_paged_prefill  # noqa: E402
+from pdcluster import kernels  # noqa: E402
+from pdcluster.kernels import reference, triton_paged_prefill  # noqa: E402
 from tests.kernels import attention_oracle  # noqa: E402
 
 GB, TFLOP = 1e9, 1e12

@@ -42,14 +42,14 @@ from pathlib import Path
 import ray
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+sys.path.append(str(ROOT))
 
 from benchmarks.throughput import write_model  # noqa: E402
-from deploy.config import ServeConfig  # noqa: E402
-from deploy.launcher import Cluster  # noqa: E402
-from engine.config import EngineConfig  # noqa: E402
-from engine.protocol import SamplingParams  # noqa: E402
-from kvstore.config import KVTransferConfig  # noqa: E402
+from pdcluster.deploy.config import ServeConfig  # noqa: E402
+from pdcluster.deploy.launcher import Cluster  # noqa: E402
+from pdcluster.engine.config import EngineConfig  # noqa: E402
+from pdcluster.engine.protocol import SamplingParams  # noqa: E402
+from pdcluster.kvstore.config import KVTransferConfig  # noqa: E402
 
 MODEL = dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
              num_attention_heads=12, num_key_value_heads=12, vocab_size=32000,

@@ -29,7 +29,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.append(str(Path(__file__).resolve().parents[1]))
 
 BUNDLED = Path(__file__).resolve().parents[1] / "engine" / "models" / "stories260K"
 SUBJECTS = ["a sleepy cat", "a brave mouse", "a tall giraffe", "a lost puppy", "a red fox",
@@ -47,7 +47,7 @@ def _prompts(n: int) -> list[list[int]]:
 async def _load(cluster, prompts, args, salt: str, kill: bool) -> dict:
     import ray
 
-    from engine.protocol import SamplingParams
+    from pdcluster.engine.protocol import SamplingParams
 
     outputs: list[list[int]] = [[] for _ in prompts]
     killed: dict = {}
@@ -77,10 +77,10 @@ async def _load(cluster, prompts, args, salt: str, kill: bool) -> dict:
 
 
 def one_setting(interval: int, args) -> dict:
-    from deploy.config import ServeConfig
-    from deploy.launcher import Cluster
-    from engine.config import EngineConfig
-    from kvstore.config import KVTransferConfig
+    from pdcluster.deploy.config import ServeConfig
+    from pdcluster.deploy.launcher import Cluster
+    from pdcluster.engine.config import EngineConfig
+    from pdcluster.kvstore.config import KVTransferConfig
 
     config = ServeConfig(prefill_instances=1, decode_instances=2, pd_decider="always",
                          ray_num_cpus=4, ray_namespace=f"pdcluster-migration-{os.getpid()}",

@@ -21,14 +21,14 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+sys.path.append(str(REPO))
 
-from loadtest.simulator.engine import SimConfig, Simulation  # noqa: E402
-from loadtest.simulator.results import summarize  # noqa: E402
-from loadtest.simulator.workload import load_requests, vary_rate  # noqa: E402
-from router.admission import SLO  # noqa: E402
-from router.cost_model import load_cost_model  # noqa: E402
-from router.planner import AutoscaleRange  # noqa: E402
+from pdcluster.loadtest.simulator.engine import SimConfig, Simulation  # noqa: E402
+from pdcluster.loadtest.simulator.results import summarize  # noqa: E402
+from pdcluster.loadtest.simulator.workload import load_requests, vary_rate  # noqa: E402
+from pdcluster.router.admission import SLO  # noqa: E402
+from pdcluster.router.cost_model import load_cost_model  # noqa: E402
+from pdcluster.router.planner import AutoscaleRange  # noqa: E402
 
 TRACE = REPO.parent / "shared" / "traces" / "mooncake" / "conversation_trace.jsonl"
 

@@ -26,13 +26,13 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+sys.path.append(str(ROOT))
 
 
 def _forward_ms(model_dir: str, threads: int, tokens: int, repeats: int,
                 placement: str) -> float:
-    from engine.config import EngineConfig
-    from engine.runner import ModelRunner, SequenceChunk
+    from pdcluster.engine.config import EngineConfig
+    from pdcluster.engine.runner import ModelRunner, SequenceChunk
 
     config = EngineConfig(model=model_dir, torch_threads=threads, num_kv_blocks=tokens // 16 + 2,
                           max_num_batched_tokens=tokens)

@@ -23,7 +23,7 @@ import threading
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.append(str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.throughput import FULL, write_model  # noqa: E402
 
@@ -59,8 +59,8 @@ class Running:
 
 def _one_round(engine, mode: str, prompt: tuple[int, ...], running: Running, port: int,
                round_no: int) -> list[float]:
-    from engine.core.request import Request
-    from engine.protocol import DecodeRequest, PrefillResult, SamplingParams
+    from pdcluster.engine.core.request import Request
+    from pdcluster.engine.protocol import DecodeRequest, PrefillResult, SamplingParams
 
     params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
     request_id = f"{mode}-{round_no}"
@@ -89,7 +89,7 @@ def _one_round(engine, mode: str, prompt: tuple[int, ...], running: Running, por
 
 
 def _keys(engine, prompt: tuple[int, ...]) -> tuple[bytes, ...]:
-    from engine.core.hashing import block_keys, make_namespace
+    from pdcluster.engine.core.hashing import block_keys, make_namespace
 
     return tuple(block_keys(prompt, engine.block_size, make_namespace(engine.model_id, None)))
 
@@ -108,14 +108,14 @@ def main() -> None:
 
     import torch
 
-    from decode_worker.instance import decode_core
-    from engine.config import EngineConfig
-    from engine.core.engine_loop import EngineLoop
-    from engine.core.request import Request
-    from engine.protocol import DecodeRequest, SamplingParams
-    from engine.runner import ModelRunner
-    from kvstore.config import KVTransferConfig
-    from kvstore.connector.fetch import FetchConnector
+    from pdcluster.decode_worker.instance import decode_core
+    from pdcluster.engine.config import EngineConfig
+    from pdcluster.engine.core.engine_loop import EngineLoop
+    from pdcluster.engine.core.request import Request
+    from pdcluster.engine.protocol import DecodeRequest, SamplingParams
+    from pdcluster.engine.runner import ModelRunner
+    from pdcluster.kvstore.config import KVTransferConfig
+    from pdcluster.kvstore.connector.fetch import FetchConnector
 
     torch.set_num_threads(args.threads)
     shape = {**FULL, "max_position_embeddings": 4096}

@@ -26,7 +26,7 @@ import statistics
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 REQUEST_SIZES = [64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
 
@@ -47,7 +47,7 @@ def worker(spec: dict, requests: list[dict], threads: int, conn) -> None:
     import numpy as np
     import torch
 
-    from kvstore.arena.view import ArenaView
+    from pdcluster.kvstore.arena.view import ArenaView
 
     torch.set_num_threads(threads)
     rows = []
@@ -83,8 +83,8 @@ def main() -> None:
 
     import torch
 
-    from kvstore.arena import HostArena
-    from kvstore.arena.view import ArenaView
+    from pdcluster.kvstore.arena import HostArena
+    from pdcluster.kvstore.arena.view import ArenaView
 
     block_nbytes = args.block_kib << 10
     max_slots = max(REQUEST_SIZES) // block_nbytes

@@ -24,16 +24,16 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+sys.path.append(str(ROOT))
 sys.path.append(str(ROOT / "benchmarks"))
 
 from throughput import FULL, stop_server, write_model
 from trace_vs_vllm import add_server_options, cpu_model, model_id, start_server
 from vs_vllm import VLLM_VENV
 
-from loadtest.client import ClientConfig
-from loadtest.runner import RunConfig, run_benchmark
-from loadtest.workload import BenchRequest, Workload
+from pdcluster.loadtest.client import ClientConfig
+from pdcluster.loadtest.runner import RunConfig, run_benchmark
+from pdcluster.loadtest.workload import BenchRequest, Workload
 
 #: the server's KV block, for the client's offline hit count only (every prompt is fresh)
 BLOCK = 32

@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+sys.path.append(str(ROOT))
 sys.path.append(str(ROOT / "benchmarks"))
 
 from throughput import FULL, free_port, stop_server, wait_healthy, write_model  # noqa: E402
@@ -52,7 +52,8 @@ def start_once(tree: Path, mode: str, model: Path) -> dict[str, float]:
     port = free_port()
     command, env = pdcluster_command(model, port, "float32", 2, mode.startswith("colocated"),
                                      mode.endswith("-compiled"), mode=mode)
-    command = [sys.executable, "-c", "import sys; from deploy.cli import main; sys.exit(main())",
+    command = [sys.executable, "-c",
+               "import sys; from pdcluster.deploy.cli import main; sys.exit(main())",
                *command[1:]]
     command[command.index("--log-level") + 1] = "info"
     env = dict(env, PYTHONPATH=str(tree))
@@ -79,7 +80,7 @@ def start_once(tree: Path, mode: str, model: Path) -> dict[str, float]:
 
 def build_kernels(tree: Path) -> None:
     """Build `tree`'s C++ kernels now, so no round times the build."""
-    subprocess.run([sys.executable, "-c", "from kernels import cpu_extension; "
+    subprocess.run([sys.executable, "-c", "from pdcluster.kernels import cpu_extension; "
                     "cpu_extension.module()"], cwd=tree, env=dict(os.environ, PYTHONPATH=str(tree)),
                    check=True)
 

@@ -34,11 +34,11 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.append(str(Path(__file__).resolve().parents[1]))
 
-from engine.config import EngineConfig  # noqa: E402
-from engine.runner import ModelRunner, SequenceChunk  # noqa: E402
-from engine.parallel import LinearBase  # noqa: E402
+from pdcluster.engine.config import EngineConfig  # noqa: E402
+from pdcluster.engine.runner import ModelRunner, SequenceChunk  # noqa: E402
+from pdcluster.engine.parallel import LinearBase  # noqa: E402
 
 CONTEXT = 600
 BLOCKS_PER_SEQ = 40
@@ -235,7 +235,7 @@ def bytes_read(runner: ModelRunner, chunks: list[SequenceChunk]) -> int:
     """The bytes one decode step of `chunks` must read: every weight outside the experts,
     the weights of each MoE layer's experts the step's tokens are routed to (counted in one
     step, through the layer's routing), and the K/V of every row's context."""
-    from engine.models.fused_moe import FusedMoE
+    from pdcluster.engine.models.fused_moe import FusedMoE
 
     model, cache = runner.model, runner.kv_cache
     experts = [m for m in model.modules() if isinstance(m, FusedMoE)]

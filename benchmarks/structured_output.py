@@ -25,7 +25,7 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+sys.path.append(str(ROOT))
 
 from benchmarks.throughput import FULL, free_port, stop_server, wait_healthy, write_model  # noqa: E402
 

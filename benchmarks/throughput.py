@@ -33,11 +33,14 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+sys.path.append(str(ROOT))
+# run as a script, this folder comes first on sys.path, and its kernels.py would stand in for
+# Hugging Face's `kernels`, which transformers imports
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 
-from loadtest.client import ClientConfig  # noqa: E402
-from loadtest.runner import RunConfig, run_benchmark  # noqa: E402
-from loadtest.workload import BenchRequest, Workload  # noqa: E402
+from pdcluster.loadtest.client import ClientConfig  # noqa: E402
+from pdcluster.loadtest.runner import RunConfig, run_benchmark  # noqa: E402
+from pdcluster.loadtest.workload import BenchRequest, Workload  # noqa: E402
 
 FULL = dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
             num_attention_heads=12, num_key_value_heads=4, vocab_size=32000,

@@ -67,20 +67,20 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+sys.path.append(str(ROOT))
 sys.path.append(str(ROOT / "benchmarks"))
 
 from throughput import FULL, free_port, stop_server, wait_healthy, write_model
 from vs_vllm import VLLM_VENV, pdcluster_command, vllm_command
 
-from loadtest.arrivals import rate_arrivals
-from loadtest.client import ClientConfig, RequestRecord
-from loadtest.metrics import compute_metrics, request_tpot
-from loadtest.runner import RunConfig, run_benchmark
-from loadtest.scrape import parse_counters
-from loadtest.tokens import BlockTokens, TokenSpace
-from loadtest.trace import read_trace, scaled_block_size, trace_workload
-from loadtest.workload import BenchRequest, Workload, with_arrivals
+from pdcluster.loadtest.arrivals import rate_arrivals
+from pdcluster.loadtest.client import ClientConfig, RequestRecord
+from pdcluster.loadtest.metrics import compute_metrics, request_tpot
+from pdcluster.loadtest.runner import RunConfig, run_benchmark
+from pdcluster.loadtest.scrape import parse_counters
+from pdcluster.loadtest.tokens import BlockTokens, TokenSpace
+from pdcluster.loadtest.trace import read_trace, scaled_block_size, trace_workload
+from pdcluster.loadtest.workload import BenchRequest, Workload, with_arrivals
 
 TRACE = ROOT.parent / "shared" / "traces" / "mooncake" / "conversation_trace.jsonl"
 MAX_MODEL_LEN = FULL["max_position_embeddings"]

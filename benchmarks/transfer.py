@@ -58,14 +58,14 @@ from collections.abc import Callable
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from engine.core.hashing import block_keys, make_namespace  # noqa: E402
-from kvstore.config import KVStoreConfig, KVTransferConfig  # noqa: E402
-from kvstore.layout import BlockLayout  # noqa: E402
-from kvstore.server import channel_options  # noqa: E402
-from kvstore.tail_store import TailStore  # noqa: E402
-from kvstore.transfer.base import FetchRequest  # noqa: E402
+from pdcluster.engine.core.hashing import block_keys, make_namespace  # noqa: E402
+from pdcluster.kvstore.config import KVStoreConfig, KVTransferConfig  # noqa: E402
+from pdcluster.kvstore.layout import BlockLayout  # noqa: E402
+from pdcluster.kvstore.server import channel_options  # noqa: E402
+from pdcluster.kvstore.tail_store import TailStore  # noqa: E402
+from pdcluster.kvstore.transfer.base import FetchRequest  # noqa: E402
 from tests.kvstore.tensor_dest import TensorDest, wait  # noqa: E402
 
 TOKEN = "benchmark-token"
@@ -112,8 +112,8 @@ class _HeldBlocks(TailStore):
 
 
 def _grpc_server(ready: mp.Queue, num_blocks: int, block_elems: int) -> None:
-    from kvstore.client import KVStoreClient
-    from kvstore.server import KVStoreServer
+    from pdcluster.kvstore.client import KVStoreClient
+    from pdcluster.kvstore.server import KVStoreServer
 
     server = KVStoreServer(KVStoreConfig(token=TOKEN), _HeldBlocks())
     server.start()
@@ -143,8 +143,8 @@ def _floor_server(ready: mp.Queue, sizes: list[int]) -> None:
 
 
 def _gloo_server(ready: mp.Queue, num_blocks: int, block_elems: int, chunk_bytes: int) -> None:
-    from kvstore.transport.torch_pair.backend import TorchKVSender
-    from kvstore.transport.torch_pair.channel import TorchPairChannel
+    from pdcluster.kvstore.transport.torch_pair.backend import TorchKVSender
+    from pdcluster.kvstore.transport.torch_pair.channel import TorchPairChannel
 
     blocks = _blocks(num_blocks, block_elems)
     channel = TorchPairChannel(0, "127.0.0.1", 0, timeout_s=60.0, token=TOKEN,
@@ -180,7 +180,7 @@ def _te_server(ready: mp.Queue, num_blocks: int, block_elems: int) -> None:
 
 def _pdc_cache(num_blocks: int, block_nbytes: int, layout: str):
     """A float32 paged cache of 8 layers whose wire block is ``block_nbytes``."""
-    from engine.kv_cache import PagedKVCache
+    from pdcluster.engine.kv_cache import PagedKVCache
 
     span = block_nbytes // 16  # one block of one (layer, K|V)
     if span % (16 * 4 * 4):
@@ -190,7 +190,7 @@ def _pdc_cache(num_blocks: int, block_nbytes: int, layout: str):
 
 
 def _pdc_te_server(ready: mp.Queue, sizes: list[int], block_nbytes: int, layout: str) -> None:
-    from kvstore.transport.mooncake.connector import MooncakeConnector
+    from pdcluster.kvstore.transport.mooncake.connector import MooncakeConnector
 
     num_blocks = max(sizes) // block_nbytes
     cache = _pdc_cache(num_blocks, block_nbytes, layout)
@@ -216,7 +216,7 @@ def _churned_tables(num_blocks: int, sizes: list[int], run_window: int, seed: in
     at once as 64-block requests would fill two thirds of the pool with; smaller ones in a
     small pool) have come, grown a block per 16 decode steps, and gone for a while: 16 tables
     per size."""
-    from engine.core.block_pool import BlockPool
+    from pdcluster.engine.core.block_pool import BlockPool
 
     rng = random.Random(seed)
     pool = BlockPool(num_blocks, run_window=run_window)
@@ -252,9 +252,9 @@ def _pdc_te_client(regions: dict, block_nbytes: int, layout: str,
                    tables: str = "consecutive") -> Callable[[int], None]:
     """Fetches into ``tables`` destination blocks: consecutive, scattered (a random
     permutation), or churned (`_churned_tables`, cycled through)."""
-    from engine.config import EngineConfig
-    from kvstore.transfer.dest import CacheDest
-    from kvstore.transport.mooncake.backend import MooncakeTransferBackend
+    from pdcluster.engine.config import EngineConfig
+    from pdcluster.kvstore.transfer.dest import CacheDest
+    from pdcluster.kvstore.transport.mooncake.backend import MooncakeTransferBackend
 
     backend = MooncakeTransferBackend(KVTransferConfig(backend="mooncake", timeout_s=60.0))
     num_blocks = (4 if tables == "churned" else 2) * max(regions) // block_nbytes
@@ -451,8 +451,8 @@ def main(argv: list[str] | None = None) -> None:
     splits = [int(n) for n in args.te_split.split(",") if n]
     layouts = [name for name in args.kv_cache_layouts.split(",") if name]
 
-    from kvstore.transport.pool.grpc_backend import GrpcTransferBackend
-    from kvstore.transport.torch_pair.backend import TorchTransferBackend
+    from pdcluster.kvstore.transport.pool.grpc_backend import GrpcTransferBackend
+    from pdcluster.kvstore.transport.torch_pair.backend import TorchTransferBackend
 
     sizes = [_parse_size(s) for s in args.sizes.split(",")]
     block_nbytes = args.block_kib << 10

@@ -47,10 +47,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+sys.path.append(str(ROOT))
 sys.path.append(str(ROOT / "benchmarks"))
 
-from deploy.preload import find_tcmalloc, worker_huge_pages, worker_preload  # noqa: E402
+from pdcluster.deploy.preload import find_tcmalloc, worker_huge_pages, worker_preload  # noqa: E402
 from throughput import FULL, free_port, stop_server, wait_healthy, write_model  # noqa: E402
 
 VLLM_VENV = ROOT / "benchmarks" / ".venv-vllm"

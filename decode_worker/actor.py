@@ -18,27 +18,27 @@ from typing import AsyncIterator
 
 import ray
 
-from decode_worker.instance import cancel_layer_stream, decode_core, expect_layer_stream
-from decode_worker.outputs import SubscriberOutputs
-from engine.config import EngineConfig
-from engine.core.engine_core import EngineCore
-from engine.core.engine_loop import EngineLoop
-from engine.core.request import Request
-from engine.logs import setup_worker_logging
-from engine.protocol import DecodeRequest, TokenDelta
-from engine.runner import ModelRunner
-from engine.tp_instance import TPInstance
-from kvstore.actor import kvstore_actor
-from kvstore.config import KVStoreConfig, KVTransferConfig
-from kvstore.connector import create_connector
-from kvstore.connector.context import KVConnectorContext
-from kvstore.connector.fetch import FetchConnector
-from kvstore.index import open_index
-from kvstore.node_client import NodeStoreClient
-from kvstore.pool_config import KVPoolConfig
-from kvstore.remote import RemoteStores
-from kvstore.transfer.peers import RayStreamPeers, register_self
-from kvstore.transport.layer_stream.stream import LayerStreamAnnounce
+from pdcluster.decode_worker.instance import cancel_layer_stream, decode_core, expect_layer_stream
+from pdcluster.decode_worker.outputs import SubscriberOutputs
+from pdcluster.engine.config import EngineConfig
+from pdcluster.engine.core.engine_core import EngineCore
+from pdcluster.engine.core.engine_loop import EngineLoop
+from pdcluster.engine.core.request import Request
+from pdcluster.engine.logs import setup_worker_logging
+from pdcluster.engine.protocol import DecodeRequest, TokenDelta
+from pdcluster.engine.runner import ModelRunner
+from pdcluster.engine.tp_instance import TPInstance
+from pdcluster.kvstore.actor import kvstore_actor
+from pdcluster.kvstore.config import KVStoreConfig, KVTransferConfig
+from pdcluster.kvstore.connector import create_connector
+from pdcluster.kvstore.connector.context import KVConnectorContext
+from pdcluster.kvstore.connector.fetch import FetchConnector
+from pdcluster.kvstore.index import open_index
+from pdcluster.kvstore.node_client import NodeStoreClient
+from pdcluster.kvstore.pool_config import KVPoolConfig
+from pdcluster.kvstore.remote import RemoteStores
+from pdcluster.kvstore.transfer.peers import RayStreamPeers, register_self
+from pdcluster.kvstore.transport.layer_stream.stream import LayerStreamAnnounce
 
 MAX_TIMINGS = 4096
 

@@ -18,16 +18,16 @@ for them (decode_worker.kv_streams, the engine's pre-arrival KV).
 
 from __future__ import annotations
 
-from decode_worker.kv_streams import PendingStreams
-from engine.core.engine_core import EngineCore
-from engine.core.kv_connector import KVConnector
-from engine.runner import ModelRunner
-from kvstore.connector.fetch import FetchConnector
-from kvstore.connector.multi import MultiConnector
-from kvstore.index import KVIndex, Location
-from kvstore.index.device_feed import device_feed
-from kvstore.transfer.peers import StreamPeers
-from kvstore.transport.layer_stream.stream import LayerStreamAnnounce
+from pdcluster.decode_worker.kv_streams import PendingStreams
+from pdcluster.engine.core.engine_core import EngineCore
+from pdcluster.engine.core.kv_connector import KVConnector
+from pdcluster.engine.runner import ModelRunner
+from pdcluster.kvstore.connector.fetch import FetchConnector
+from pdcluster.kvstore.connector.multi import MultiConnector
+from pdcluster.kvstore.index import KVIndex, Location
+from pdcluster.kvstore.index.device_feed import device_feed
+from pdcluster.kvstore.transfer.peers import StreamPeers
+from pdcluster.kvstore.transport.layer_stream.stream import LayerStreamAnnounce
 
 #: The prefix cache's events go to the index at most this often (a decode's allocations evict
 #: cached blocks at nearly every step).

@@ -22,12 +22,12 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from engine.core.request import Request, RequestStatus
-from engine.core.scheduler import Scheduler
-from kvstore.connector.fetch import FetchConnector, KVFetch
-from kvstore.handoff import DecodeHandoff
-from kvstore.transfer.peers import StreamPeers
-from kvstore.transport.layer_stream.stream import LayerStreamAnnounce
+from pdcluster.engine.core.request import Request, RequestStatus
+from pdcluster.engine.core.scheduler import Scheduler
+from pdcluster.kvstore.connector.fetch import FetchConnector, KVFetch
+from pdcluster.kvstore.handoff import DecodeHandoff
+from pdcluster.kvstore.transfer.peers import StreamPeers
+from pdcluster.kvstore.transport.layer_stream.stream import LayerStreamAnnounce
 
 log = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ import asyncio
 import threading
 from collections.abc import AsyncIterator, Callable
 
-from engine.protocol import TokenDelta
+from pdcluster.engine.protocol import TokenDelta
 
 
 class SubscriberOutputs:

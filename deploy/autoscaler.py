@@ -42,12 +42,12 @@ from dataclasses import asdict
 
 import ray
 
-from deploy.cluster_record import read_record, record_actor
-from deploy.launcher import Cluster
-from deploy.membership import REFRESH_S
-from router.admission import SLO
-from router.metrics import GatewayMetrics
-from router.planner import Decision, Planner, PlannerConfig, RoleObservation, p90
+from pdcluster.deploy.cluster_record import read_record, record_actor
+from pdcluster.deploy.launcher import Cluster
+from pdcluster.deploy.membership import REFRESH_S
+from pdcluster.router.admission import SLO
+from pdcluster.router.metrics import GatewayMetrics
+from pdcluster.router.planner import Decision, Planner, PlannerConfig, RoleObservation, p90
 
 log = logging.getLogger(__name__)
 

@@ -27,7 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from deploy.config import ServeConfig
+    from pdcluster.deploy.config import ServeConfig
 
 log = logging.getLogger(__name__)
 
@@ -246,7 +246,7 @@ _DEFAULT_TEXT = {
 
 def _config_default(path: str):
     """ServeConfig's default of the field at dotted `path` (nested models walked)."""
-    from deploy.config import ServeConfig
+    from pdcluster.deploy.config import ServeConfig
 
     model = ServeConfig
     *parents, leaf = path.split(".")
@@ -258,8 +258,8 @@ def _config_default(path: str):
 def _shown_default(path: str, typ=None) -> str:
     """A serve flag's default as its help shows it."""
     if path in _DEFAULT_TEXT:
-        from deploy.config import DEFAULT_MAX_SEQS_PER_REQUEST
-        from engine.config import CPU_COMPUTE_BOUND_TOKENS, CROSS_LAYER_RUN_WINDOW
+        from pdcluster.deploy.config import DEFAULT_MAX_SEQS_PER_REQUEST
+        from pdcluster.engine.config import CPU_COMPUTE_BOUND_TOKENS, CROSS_LAYER_RUN_WINDOW
 
         return _DEFAULT_TEXT[path].format(cpu_compute_bound=CPU_COMPUTE_BOUND_TOKENS,
                                           cross_layer_run_window=CROSS_LAYER_RUN_WINDOW,
@@ -355,10 +355,10 @@ def _parser() -> argparse.ArgumentParser:
                     "cluster_cli.py GATEWAY_FIELDS; a config file's other keys are the "
                     "cluster's and ignored); the rest are the cluster's.")
     _add_serve_flags(gateway)
-    from deploy.profile import add_profile_parser
-    from loadtest.cli import add_bench_parser
-    from loadtest.simulator.cli import add_simulate_parser
-    from loadtest.simulator.plan import add_plan_parser
+    from pdcluster.deploy.profile import add_profile_parser
+    from pdcluster.loadtest.cli import add_bench_parser
+    from pdcluster.loadtest.simulator.cli import add_simulate_parser
+    from pdcluster.loadtest.simulator.plan import add_plan_parser
 
     add_bench_parser(sub)
     add_simulate_parser(sub)
@@ -431,10 +431,10 @@ def _serve(config: ServeConfig) -> int:
     """`pdcluster serve`: Ray starts on this thread while the gateway's imports load on
     another. Both are seconds of CPU work (Ray's daemons and helper processes; torch and the
     actor classes), on different cores where the node has two or more."""
-    from deploy.ray_session import RaySession
+    from pdcluster.deploy.ray_session import RaySession
 
     pool = ThreadPoolExecutor(1, thread_name_prefix="gateway-imports")
-    imported = pool.submit(importlib.import_module, "deploy.serve")
+    imported = pool.submit(importlib.import_module, "pdcluster.deploy.serve")
     pool.shutdown(wait=False)  # the import still runs; nothing more is submitted
     # on the main thread: ray.init sets its SIGTERM handler only there
     session = RaySession.open(config)
@@ -456,7 +456,7 @@ def _serve_overrides(args: argparse.Namespace) -> dict:
 def _serve_config(args: argparse.Namespace) -> "ServeConfig | None":
     """The ServeConfig of `serve` / `cluster up` (logging set up from it); None, with the
     error printed, when it is invalid."""
-    from deploy.config import load_config
+    from pdcluster.deploy.config import load_config
 
     # deprecated config keys warn with DeprecationWarning, which Python hides by default;
     # the user who wrote them is here, so log each once logging is set up
@@ -467,7 +467,7 @@ def _serve_config(args: argparse.Namespace) -> "ServeConfig | None":
         except (ValueError, OSError) as exc:
             print(f"pdcluster: invalid configuration: {exc}", file=sys.stderr)
             return None
-    from engine.logs import configure_logging
+    from pdcluster.engine.logs import configure_logging
 
     configure_logging(config.log_level, config.log_format)
     _log_deprecations(caught)
@@ -480,7 +480,7 @@ def main(argv: list[str] | None = None) -> int:
         config = _serve_config(args)
         return 2 if config is None else _serve(config)
     if args.command == "cluster":
-        from deploy import cluster_cli
+        from pdcluster.deploy import cluster_cli
 
         if args.action == "up":
             config = _serve_config(args)
@@ -491,23 +491,23 @@ def main(argv: list[str] | None = None) -> int:
         return cluster_cli.cluster_status(args.address, args.ray_namespace, args.json,
                                           args.watch)
     if args.command == "gateway":
-        from deploy import cluster_cli
+        from pdcluster.deploy import cluster_cli
 
         return cluster_cli.gateway(_serve_overrides(args), args.config)
     if args.command == "bench":
-        from loadtest.cli import run_bench
+        from pdcluster.loadtest.cli import run_bench
 
         return run_bench(args)
     if args.command == "simulate":
-        from loadtest.simulator.cli import run_simulate
+        from pdcluster.loadtest.simulator.cli import run_simulate
 
         return run_simulate(args)
     if args.command == "plan":
-        from loadtest.simulator.plan import run_plan
+        from pdcluster.loadtest.simulator.plan import run_plan
 
         return run_plan(args)
     if args.command == "profile":
-        from deploy.profile import run_profile
+        from pdcluster.deploy.profile import run_profile
 
         return run_profile(args)
     return 2

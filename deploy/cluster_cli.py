@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from deploy.cluster_record import ClusterManifest
+    from pdcluster.deploy.cluster_record import ClusterManifest
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +70,7 @@ def _join(address: str | None, namespace: str):
     token and loopback switch set in the environment before ray is imported). Returns the
     state file's content (None when an address was given or there is none). Raises
     ClusterNotFoundError when there is nothing to join."""
-    from deploy.cluster_record import ClusterNotFoundError
+    from pdcluster.deploy.cluster_record import ClusterNotFoundError
 
     state = None
     if address is None:
@@ -83,7 +83,7 @@ def _join(address: str | None, namespace: str):
         address = state["address"]
     import ray
 
-    from deploy.local_ray import loopback_node_ip
+    from pdcluster.deploy.local_ray import loopback_node_ip
 
     # joining a loopback head, this process must take the loopback IP too (deploy.local_ray)
     loopback = address.split(":")[0] in ("127.0.0.1", "localhost")
@@ -113,9 +113,9 @@ def cluster_up(config) -> int:
             return 1
         env = local_head_env(os.environ.get("RAY_AUTH_TOKEN") or secrets.token_hex(16))
         os.environ.update(env)  # before ray is imported: the head and this driver read it
-        from deploy import placement
-        from deploy.local_ray import start_local_head
-        from deploy.ray_session import cpu_plan
+        from pdcluster.deploy import placement
+        from pdcluster.deploy.local_ray import start_local_head
+        from pdcluster.deploy.ray_session import cpu_plan
 
         _, ray_cpus = cpu_plan(config)
         path = state_path(namespace)
@@ -131,7 +131,7 @@ def cluster_up(config) -> int:
             raise
     else:
         _join(config.address, namespace)
-        from deploy.cluster_record import ClusterNotFoundError, read_record
+        from pdcluster.deploy.cluster_record import ClusterNotFoundError, read_record
 
         try:
             read_record(namespace)
@@ -142,9 +142,9 @@ def cluster_up(config) -> int:
             return 0
     from dataclasses import replace
 
-    from deploy.cluster_record import write_record
-    from deploy.launcher import Cluster
-    from deploy.ray_session import RaySession
+    from pdcluster.deploy.cluster_record import write_record
+    from pdcluster.deploy.launcher import Cluster
+    from pdcluster.deploy.ray_session import RaySession
 
     cluster = Cluster(config, RaySession.joined(config), detached=True)
     try:
@@ -165,7 +165,7 @@ def cluster_up(config) -> int:
 
 def cluster_down(address: str | None, namespace: str) -> int:
     """Stop every actor the record lists, remove it; stop the local Ray `up` started."""
-    from deploy.cluster_record import ClusterNotFoundError, read_record
+    from pdcluster.deploy.cluster_record import ClusterNotFoundError, read_record
 
     try:
         state = _join(address, namespace)
@@ -186,10 +186,10 @@ def cluster_down(address: str | None, namespace: str) -> int:
 def _take_down(namespace: str, manifest=None, cluster=None) -> None:
     """Kill the cluster's actors (those its record lists, or a Cluster half started) and its
     record."""
-    from deploy.cluster_record import remove_record
+    from pdcluster.deploy.cluster_record import remove_record
 
     if cluster is None:
-        from deploy.launcher import Cluster
+        from pdcluster.deploy.launcher import Cluster
 
         config = gateway_config(manifest.config_json, {"ray_namespace": namespace})
         cluster = Cluster.of_manifest(config, manifest)
@@ -198,7 +198,7 @@ def _take_down(namespace: str, manifest=None, cluster=None) -> None:
 
 
 def _stop_local(namespace: str, pid: int, temp_dir: str | None) -> None:
-    from deploy.local_ray import stop_local_head
+    from pdcluster.deploy.local_ray import stop_local_head
 
     stop_local_head(pid, temp_dir)
     state_path(namespace).unlink(missing_ok=True)
@@ -210,7 +210,7 @@ def cluster_status(address: str | None, namespace: str, as_json: bool,
     JSON, prompts computed and engine steps run since it started; the draining ones). With
     `watch_s`, again every `watch_s` seconds (the record re-read: workers an autoscaler adds
     appear) until interrupted, as `kubectl get --watch`; with `as_json`, one line each."""
-    from deploy.cluster_record import ClusterNotFoundError, read_record
+    from pdcluster.deploy.cluster_record import ClusterNotFoundError, read_record
 
     try:
         _join(address, namespace)
@@ -269,7 +269,7 @@ def _print_status(namespace: str, manifest: ClusterManifest, as_json: bool) -> N
 def gateway_config(manifest_config_json: str, overrides: dict):
     """The cluster's ServeConfig with a gateway's own settings over it. Raises ValueError
     naming a cluster setting given to a gateway."""
-    from deploy.config import ServeConfig
+    from pdcluster.deploy.config import ServeConfig
 
     foreign = sorted(set(overrides) - GATEWAY_FIELDS)
     if foreign:
@@ -286,8 +286,8 @@ def gateway(overrides: dict, config_file: str | None = None) -> int:
     """Attach to the running cluster and serve until SIGINT/SIGTERM (the cluster stays).
     `config_file`: a ServeConfig YAML (the cluster's own, say) whose gateway settings are
     taken; flags win."""
-    from deploy.cluster_record import ClusterNotFoundError, read_record
-    from deploy.config import ServeConfig
+    from pdcluster.deploy.cluster_record import ClusterNotFoundError, read_record
+    from pdcluster.deploy.config import ServeConfig
 
     if config_file is not None:
         import yaml
@@ -308,11 +308,11 @@ def gateway(overrides: dict, config_file: str | None = None) -> int:
     except ValueError as exc:
         print(f"pdcluster: invalid configuration: {exc}", file=sys.stderr)
         return 2
-    from engine.logs import configure_logging
+    from pdcluster.engine.logs import configure_logging
 
     configure_logging(config.log_level, config.log_format)
-    from deploy.launcher import Cluster
-    from deploy.ray_session import RaySession
-    from deploy.serve import serve_gateway
+    from pdcluster.deploy.launcher import Cluster
+    from pdcluster.deploy.ray_session import RaySession
+    from pdcluster.deploy.serve import serve_gateway
 
     return serve_gateway(config, Cluster.attach(config, manifest, RaySession.joined(config)))

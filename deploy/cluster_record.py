@@ -133,7 +133,7 @@ def write_record(manifest: ClusterManifest, namespace: str,
     runs in that namespace)."""
     import ray  # here: a process joining a local head sets its environment before ray loads
 
-    from kvstore.index.actor import HEAD_NODE_RESOURCE
+    from pdcluster.kvstore.index.actor import HEAD_NODE_RESOURCE
 
     ray.get(ray.remote(num_cpus=0)(ClusterRecord).options(
         name=RECORD_ACTOR_NAME, namespace=namespace, lifetime="detached", max_restarts=-1,

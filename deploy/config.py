@@ -13,11 +13,11 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
-from engine import cpu_binding
-from engine.config import EngineConfig
-from kvstore.config import (KV_PLANE_FIELDS, PREFER_CROSS_LAYER_BLOCKS, KVStoreConfig,
-                            KVTransferConfig)
-from kvstore.pool_config import KVPoolConfig
+from pdcluster.engine import cpu_binding
+from pdcluster.engine.config import EngineConfig
+from pdcluster.kvstore.config import (KV_PLANE_FIELDS, PREFER_CROSS_LAYER_BLOCKS, KVStoreConfig,
+                                      KVTransferConfig)
+from pdcluster.kvstore.pool_config import KVPoolConfig
 
 DEFAULT_MAX_SEQS_PER_REQUEST = 64
 
@@ -162,13 +162,13 @@ class ServeConfig(BaseModel):
     @field_validator("autoscale")
     @classmethod
     def _autoscale_range(cls, spec: str | None) -> str | None:
-        from router.planner import AutoscaleRange
+        from pdcluster.router.planner import AutoscaleRange
 
         return None if spec is None else str(AutoscaleRange.parse(spec))
 
     def autoscale_range(self):
         """--autoscale as a router.planner.AutoscaleRange, None when off."""
-        from router.planner import AutoscaleRange
+        from pdcluster.router.planner import AutoscaleRange
 
         return None if self.autoscale is None else AutoscaleRange.parse(self.autoscale)
 
@@ -180,7 +180,7 @@ class ServeConfig(BaseModel):
     @field_validator("policy")
     @classmethod
     def _known_policy(cls, policy: str) -> str:
-        from router.policies import POLICIES
+        from pdcluster.router.policies import POLICIES
 
         if policy not in POLICIES:
             raise ValueError(f"unknown policy {policy!r}; one of {sorted(POLICIES)}")
@@ -189,7 +189,7 @@ class ServeConfig(BaseModel):
     @field_validator("pd_decider")
     @classmethod
     def _known_pd_decider(cls, spec: str) -> str:
-        from router.pd_decider import PDDecider
+        from pdcluster.router.pd_decider import PDDecider
 
         return str(PDDecider.parse(spec))
 

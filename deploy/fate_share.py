@@ -90,7 +90,7 @@ class Guardian:
         env = {k: v for k, v in os.environ.items() if k != CLUSTER_ID_ENV}
         try:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "deploy.fate_share", cluster_id, str(os.getpid())],
+                [sys.executable, "-m", "pdcluster.deploy.fate_share", cluster_id, str(os.getpid())],
                 stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, env=env, close_fds=True,
                 start_new_session=True)
         except OSError as e:
@@ -266,7 +266,7 @@ def _guard(cluster_id: str, driver_pid: int) -> None:
         if line.startswith("session "):
             session_dir = line[len("session "):]
     killed = kill_cluster(cluster_id, session_dir, frozenset({os.getpid(), driver_pid}))
-    from kvstore.arena.segment import reclaim_dead_segments  # only now: keep idling light
+    from pdcluster.kvstore.arena.segment import reclaim_dead_segments  # only now: keep idling light
 
     reclaimed = reclaim_dead_segments()
     if killed or reclaimed:

@@ -15,31 +15,31 @@ from urllib.parse import urlsplit
 import ray
 from pydantic import SecretStr
 
-import kernels
+from pdcluster import kernels
 
-from decode_worker.actor import DecodeWorker, decode_actor
-from deploy.cluster_record import ClusterManifest, record_actor
-from deploy.membership import MembershipWatch
-from deploy.config import ServeConfig
-from deploy import placement
-from deploy.ray_session import RaySession
-from deploy.preload import worker_huge_pages, worker_preload
-from engine.config import EngineConfig
-from engine.model_config import ModelConfig
-from engine.models.base import check_tensor_parallel
-from kvstore.actor import (KVSTORE_ACTOR_PREFIX, KVStoreActor, start_kvstore_actor,
-                           start_kvstore_actors, wait_kvstore_actors)
-from kvstore.index import ActorIndex, open_index
-from kvstore.index.actor import DEFAULT_INDEX_ACTOR_NAME
-from kvstore.layout import BlockLayout
-from prefill_worker.actor import PrefillWorker, prefill_actor
-from router.admission import SLO
-from router.conductor import Conductor, Instance, InstanceRegistry, build_live_conductor
-from router.cost_model import CostModel, load_cost_model
-from engine.logs import worker_env_vars
-from router.decision_board import BOARD_ACTOR_NAME
-from router.pipeline import ColocatedPipeline, Pipeline
-from router.stall_watch import StallWatch
+from pdcluster.decode_worker.actor import DecodeWorker, decode_actor
+from pdcluster.deploy.cluster_record import ClusterManifest, record_actor
+from pdcluster.deploy.membership import MembershipWatch
+from pdcluster.deploy.config import ServeConfig
+from pdcluster.deploy import placement
+from pdcluster.deploy.ray_session import RaySession
+from pdcluster.deploy.preload import worker_huge_pages, worker_preload
+from pdcluster.engine.config import EngineConfig
+from pdcluster.engine.model_config import ModelConfig
+from pdcluster.engine.models.base import check_tensor_parallel
+from pdcluster.kvstore.actor import (KVSTORE_ACTOR_PREFIX, KVStoreActor, start_kvstore_actor,
+                                     start_kvstore_actors, wait_kvstore_actors)
+from pdcluster.kvstore.index import ActorIndex, open_index
+from pdcluster.kvstore.index.actor import DEFAULT_INDEX_ACTOR_NAME
+from pdcluster.kvstore.layout import BlockLayout
+from pdcluster.prefill_worker.actor import PrefillWorker, prefill_actor
+from pdcluster.router.admission import SLO
+from pdcluster.router.conductor import Conductor, Instance, InstanceRegistry, build_live_conductor
+from pdcluster.router.cost_model import CostModel, load_cost_model
+from pdcluster.engine.logs import worker_env_vars
+from pdcluster.router.decision_board import BOARD_ACTOR_NAME
+from pdcluster.router.pipeline import ColocatedPipeline, Pipeline
+from pdcluster.router.stall_watch import StallWatch
 
 log = logging.getLogger(__name__)
 

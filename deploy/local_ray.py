@@ -41,8 +41,8 @@ from dataclasses import dataclass
 
 import ray
 
-from deploy import fate_share
-from deploy.fate_share import Guardian
+from pdcluster.deploy import fate_share
+from pdcluster.deploy.fate_share import Guardian
 
 log = logging.getLogger(__name__)
 

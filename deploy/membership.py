@@ -14,8 +14,8 @@ import threading
 
 import ray
 
-from deploy.cluster_record import ClusterManifest, read_record
-from router.registry import Instance
+from pdcluster.deploy.cluster_record import ClusterManifest, read_record
+from pdcluster.router.registry import Instance
 
 log = logging.getLogger(__name__)
 

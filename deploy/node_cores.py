@@ -21,7 +21,7 @@ import os
 import sys
 from pathlib import Path
 
-from engine import cpu_binding
+from pdcluster.engine import cpu_binding
 
 
 def split(cores: list[int], reserve: int | None = None,

@@ -131,6 +131,6 @@ def tp_rank_options(pg: PlacementGroup, rank: int,
     restarted alone would wait for peers that are gone.
     """
     # imported here: engine.tp_instance loads torch, and a gateway starts Ray before torch
-    from engine.tp_instance import bundle_options
+    from pdcluster.engine.tp_instance import bundle_options
 
     return {**bundle_options(pg, rank), "max_restarts": max_restarts}

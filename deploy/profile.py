@@ -29,8 +29,8 @@ from pathlib import Path
 
 import numpy as np
 
-from kvstore.errors import KVStoreError
-from router.cost_model import CostModel, save_cost_model
+from pdcluster.kvstore.errors import KVStoreError
+from pdcluster.router.cost_model import CostModel, save_cost_model
 
 
 def add_profile_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -83,7 +83,7 @@ def fit_nonnegative(features: np.ndarray, y: np.ndarray) -> np.ndarray:
 def profile_engine(runner, repeats: int = 5) -> dict:
     """Timings and fits on `runner` (an engine.runner.ModelRunner). Returns {"prefill":
     [(new, cached, s)], "decode": [(batch, ctx, s)], "transfer": [(bytes, s)], "coef": ...}."""
-    from engine.runner import SequenceChunk
+    from pdcluster.engine.runner import SequenceChunk
 
     cfg, cache = runner.engine_config, runner.kv_cache
     bs, budget = cfg.block_size, cfg.max_num_batched_tokens
@@ -159,9 +159,9 @@ def cost_model_from_profile(name: str, prof: dict, block_size: int, dram_cache_b
 
 def run_profile(args: argparse.Namespace) -> int:
     """Run `pdcluster profile`; returns the exit status."""
-    from deploy.profile_transfer import CONNECTORS, POOLS, measure_connector, measure_pool
-    from engine.config import EngineConfig
-    from engine.runner import ModelRunner
+    from pdcluster.deploy.profile_transfer import CONNECTORS, POOLS, measure_connector, measure_pool
+    from pdcluster.engine.config import EngineConfig
+    from pdcluster.engine.runner import ModelRunner
 
     try:
         fields = {"dtype": args.dtype, "block_size": args.block_size,

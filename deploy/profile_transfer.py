@@ -31,11 +31,11 @@ from collections.abc import Callable
 
 import torch
 
-from engine.core.hashing import block_keys, make_namespace
-from engine.kv_cache import PagedKVCache
-from kvstore.config import PREFER_CROSS_LAYER_BLOCKS, KVStoreConfig, KVTransferConfig
-from kvstore.transfer.base import FetchRequest, KVReceiver
-from kvstore.transfer.dest import WIRE_DTYPES, CacheDest
+from pdcluster.engine.core.hashing import block_keys, make_namespace
+from pdcluster.engine.kv_cache import PagedKVCache
+from pdcluster.kvstore.config import PREFER_CROSS_LAYER_BLOCKS, KVStoreConfig, KVTransferConfig
+from pdcluster.kvstore.transfer.base import FetchRequest, KVReceiver
+from pdcluster.kvstore.transfer.dest import WIRE_DTYPES, CacheDest
 
 #: Blocks per sampled transfer
 BLOCK_COUNTS = (1, 4, 16, 64)
@@ -63,10 +63,10 @@ def _source_cache(block_shape: tuple[int, ...], dtype: torch.dtype, n: int,
 # ---- source processes (spawned) -----------------------------------------------------------
 
 def _grpc_source(ready: mp.Queue, stop, block_shape, dtype, n: int, token: str) -> None:
-    from kvstore.client import KVStoreClient
-    from kvstore.layout import BlockLayout
-    from kvstore.node_store import TieredNodeStore
-    from kvstore.server import KVStoreServer
+    from pdcluster.kvstore.client import KVStoreClient
+    from pdcluster.kvstore.layout import BlockLayout
+    from pdcluster.kvstore.node_store import TieredNodeStore
+    from pdcluster.kvstore.server import KVStoreServer
 
     layout = BlockLayout(WIRE_DTYPES[dtype], tuple(block_shape))
     store = TieredNodeStore("profile", layout, 2 * n * layout.nbytes + (1 << 20), None, 0,
@@ -85,8 +85,8 @@ def _grpc_source(ready: mp.Queue, stop, block_shape, dtype, n: int, token: str) 
 
 
 def _torch_source(ready: mp.Queue, stop, block_shape, dtype, n: int, token: str) -> None:
-    from kvstore.transport.torch_pair.backend import TorchKVSender
-    from kvstore.transport.torch_pair.channel import TorchPairChannel
+    from pdcluster.kvstore.transport.torch_pair.backend import TorchKVSender
+    from pdcluster.kvstore.transport.torch_pair.channel import TorchPairChannel
 
     blocks = _blocks(n, block_shape, dtype)
     channel = TorchPairChannel(0, "127.0.0.1", 0, timeout_s=60.0, token=token)
@@ -105,7 +105,7 @@ def _torch_source(ready: mp.Queue, stop, block_shape, dtype, n: int, token: str)
 
 
 def _mooncake_source(ready: mp.Queue, stop, block_shape, dtype, n: int, token: str) -> None:
-    from kvstore.transport.mooncake.connector import MooncakeConnector
+    from pdcluster.kvstore.transport.mooncake.connector import MooncakeConnector
 
     # both ends cross-layer, as `serve --kv-transfer mooncake` lays out its caches
     cache = _source_cache(tuple(block_shape), dtype, n, "cross-layer")
@@ -122,7 +122,7 @@ def _mooncake_source(ready: mp.Queue, stop, block_shape, dtype, n: int, token: s
 
 def _mooncake_store_source(ready: mp.Queue, stop, block_shape, dtype, n: int,
                            master: str) -> None:
-    from kvstore.mooncake_store import MooncakeStoreClient
+    from pdcluster.kvstore.mooncake_store import MooncakeStoreClient
 
     blocks = _blocks(n, block_shape, dtype)
     nbytes = blocks.numel() * blocks.element_size()
@@ -151,7 +151,7 @@ def _receive(receiver: KVReceiver, request: FetchRequest, dest: CacheDest) -> No
 def _fetcher(name: str, source, cache: PagedKVCache, token: str
              ) -> tuple[Callable[[int], None], Callable[[], None]]:
     """(fetch n blocks into the cache, close)."""
-    from kvstore.transfer.registry import create_backend
+    from pdcluster.kvstore.transfer.registry import create_backend
 
     transfer = KVTransferConfig(backend=name, timeout_s=60.0)
     backend = create_backend(transfer, KVStoreConfig(token=token))
@@ -187,8 +187,8 @@ def _fetcher(name: str, source, cache: PagedKVCache, token: str
 def _pool_fetcher(master: str, stored: int, cache: PagedKVCache
                   ) -> tuple[Callable[[int], None], Callable[[], None]]:
     """(get n blocks from the Mooncake Store into the cache, close)."""
-    from kvstore.errors import KVStoreError
-    from kvstore.mooncake_store import MooncakeStoreClient
+    from pdcluster.kvstore.errors import KVStoreError
+    from pdcluster.kvstore.mooncake_store import MooncakeStoreClient
 
     n_max = max(BLOCK_COUNTS)
     if stored < min(n_max, cache.num_blocks):

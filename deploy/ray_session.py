@@ -13,10 +13,10 @@ import os
 
 import ray
 
-from deploy import placement
-from deploy.config import ServeConfig
-from deploy.local_ray import LocalRay, start_local_ray
-from engine import cpu_binding
+from pdcluster.deploy import placement
+from pdcluster.deploy.config import ServeConfig
+from pdcluster.deploy.local_ray import LocalRay, start_local_ray
+from pdcluster.engine import cpu_binding
 
 log = logging.getLogger(__name__)
 

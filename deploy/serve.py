@@ -25,20 +25,20 @@ from types import FrameType
 import uvicorn
 from fastapi import FastAPI
 
-from deploy.autoscaler import Autoscaler
-from deploy.config import ServeConfig
-from deploy.http_protocol import gateway_protocol
-from deploy.launcher import Cluster
-from deploy.ray_session import RaySession
-from engine.model_config import ModelConfig
-from engine.tokenizer import Tokenizer
-from router.auth import APIKeyAuth, load_api_keys
-from router.chat_template import ChatTemplate
-from router.gateway import build_app
-from router.inflight import InflightGate
-from router.reasoning import ReasoningParser
-from router.serving import GenerationService
-from router.tool_calls import ToolCalling
+from pdcluster.deploy.autoscaler import Autoscaler
+from pdcluster.deploy.config import ServeConfig
+from pdcluster.deploy.http_protocol import gateway_protocol
+from pdcluster.deploy.launcher import Cluster
+from pdcluster.deploy.ray_session import RaySession
+from pdcluster.engine.model_config import ModelConfig
+from pdcluster.engine.tokenizer import Tokenizer
+from pdcluster.router.auth import APIKeyAuth, load_api_keys
+from pdcluster.router.chat_template import ChatTemplate
+from pdcluster.router.gateway import build_app
+from pdcluster.router.inflight import InflightGate
+from pdcluster.router.reasoning import ReasoningParser
+from pdcluster.router.serving import GenerationService
+from pdcluster.router.tool_calls import ToolCalling
 
 log = logging.getLogger(__name__)
 

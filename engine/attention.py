@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-import kernels
+from pdcluster import kernels
 
 
 @dataclass

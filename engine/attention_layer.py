@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import torch
 
-import kernels
-from engine.attention import paged_attention
-from engine.forward_context import get_forward_context
+from pdcluster import kernels
+from pdcluster.engine.attention import paged_attention
+from pdcluster.engine.forward_context import get_forward_context
 
 
 def unified_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,

@@ -25,7 +25,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from kernels import cpu_extension
+from pdcluster.kernels import cpu_extension
 
 log = logging.getLogger(__name__)
 

@@ -10,12 +10,12 @@ from typing import TYPE_CHECKING, Literal
 
 import pydantic
 
-from engine import cpu_binding
+from pdcluster.engine import cpu_binding
 
 if TYPE_CHECKING:
     import torch
 
-    from engine.model_config import ModelConfig
+    from pdcluster.engine.model_config import ModelConfig
 
 BUNDLED_MODEL: pathlib.Path = (pathlib.Path(__file__).parent / "models" / "stories260K").resolve()
 

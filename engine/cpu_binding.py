@@ -203,7 +203,7 @@ def bind_threads(cpu_bind: str, threads: int, claims: CoreClaims | None = None) 
                     "worker's threads run unpinned", threads, format_cpu_list(pool))
         return None
     ordered = physical_first(cpus)
-    import kernels.cpu_extension as cpu_extension  # here: config validation needs no torch
+    from pdcluster.kernels import cpu_extension  # here: config validation needs no torch
 
     extension = cpu_extension.module()
     try:

@@ -26,12 +26,12 @@ from typing import Any
 
 import torch
 
-import kernels
-import kernels.cpu_extension as cpu_extension
-from engine.attention import AttentionMetadata
-from engine.kv_cache import PagedKVCache
-from engine.models.base import DecoderForCausalLM
-from kernels.cpu_gemm import skinny_max_rows
+from pdcluster import kernels
+from pdcluster.kernels import cpu_extension
+from pdcluster.engine.attention import AttentionMetadata
+from pdcluster.engine.kv_cache import PagedKVCache
+from pdcluster.engine.models.base import DecoderForCausalLM
+from pdcluster.kernels.cpu_gemm import skinny_max_rows
 
 _DTYPES = (torch.float32, torch.bfloat16)
 

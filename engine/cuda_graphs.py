@@ -27,9 +27,9 @@ from collections.abc import Callable
 
 import torch
 
-from engine.forward_context import ForwardContext, set_forward_context
-from engine.input_buffers import InputBuffers
-from engine.kv_cache import PagedKVCache
+from pdcluster.engine.forward_context import ForwardContext, set_forward_context
+from pdcluster.engine.input_buffers import InputBuffers
+from pdcluster.engine.kv_cache import PagedKVCache
 
 log = logging.getLogger(__name__)
 

@@ -16,8 +16,8 @@ from typing import Protocol
 
 import torch
 
-from engine.attention import AttentionMetadata
-from engine.kv_cache import PagedKVCache
+from pdcluster.engine.attention import AttentionMetadata
+from pdcluster.engine.kv_cache import PagedKVCache
 
 
 class LayerHooks(Protocol):
@@ -60,5 +60,5 @@ def get_forward_context() -> ForwardContext:
     context = getattr(_local, "context", None)
     if context is None:
         raise RuntimeError("no forward context: run the model through ModelRunner, or inside "
-                           "engine.forward_context.set_forward_context")
+                           "pdcluster.engine.forward_context.set_forward_context")
     return context

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine.attention import AttentionMetadata
-from engine.core.blocks import num_blocks_for
+from pdcluster.engine.attention import AttentionMetadata
+from pdcluster.engine.core.blocks import num_blocks_for
 
 
 @dataclass(frozen=True)

@@ -33,9 +33,9 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-import kernels
-from engine.forward_context import get_forward_context
-from engine.parallel import LinearBase, MergedColumnParallelLinear, RowParallelLinear
+from pdcluster import kernels
+from pdcluster.engine.forward_context import get_forward_context
+from pdcluster.engine.parallel import LinearBase, MergedColumnParallelLinear, RowParallelLinear
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"

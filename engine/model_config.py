@@ -12,7 +12,7 @@ import pathlib
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.models.registry import UnsupportedArchitectureError, resolve_architecture
+from pdcluster.engine.models.registry import UnsupportedArchitectureError, resolve_architecture
 
 #: model_type -> architecture, for a config.json without `architectures` (as transformers'
 #: AutoModelForCausalLM falls back to its model type)

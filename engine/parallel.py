@@ -32,8 +32,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-import kernels
-from engine.loader import WeightLoadError
+from pdcluster import kernels
+from pdcluster.engine.loader import WeightLoadError
 
 
 class TPError(RuntimeError):

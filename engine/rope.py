@@ -15,7 +15,7 @@ import math
 
 import torch
 
-from engine.model_config import SUPPORTED_ROPE_TYPES, ModelConfigError
+from pdcluster.engine.model_config import SUPPORTED_ROPE_TYPES, ModelConfigError
 
 
 def compute_inv_freq(head_dim: int, rope_theta: float, rope_scaling: dict | None) -> torch.Tensor:

@@ -43,21 +43,21 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-import kernels
-from engine import compilation, cpu_binding, cpu_decode_stack
-from engine.attention import AttentionMetadata
-from engine.config import EngineConfig
-from engine.core.blocks import num_blocks_for
-from engine.core.kv_cache_manager import NULL_BLOCK
-from engine.cuda_graphs import DecodeGraphs
-from engine.forward_context import ForwardContext, LayerHooks, set_forward_context
-from engine.input_buffers import InputBuffers, SequenceChunk
-from engine.kv_cache import PagedKVCache
-from engine.loader import CheckpointReader
-from engine.lora import LoRAAdapters, UnknownAdapterError, load_adapters
-from engine.model_config import ModelConfig
-from engine.models.base import build_model, check_tensor_parallel
-from engine.parallel import TPError, TPGroup
+from pdcluster import kernels
+from pdcluster.engine import compilation, cpu_binding, cpu_decode_stack
+from pdcluster.engine.attention import AttentionMetadata
+from pdcluster.engine.config import EngineConfig
+from pdcluster.engine.core.blocks import num_blocks_for
+from pdcluster.engine.core.kv_cache_manager import NULL_BLOCK
+from pdcluster.engine.cuda_graphs import DecodeGraphs
+from pdcluster.engine.forward_context import ForwardContext, LayerHooks, set_forward_context
+from pdcluster.engine.input_buffers import InputBuffers, SequenceChunk
+from pdcluster.engine.kv_cache import PagedKVCache
+from pdcluster.engine.loader import CheckpointReader
+from pdcluster.engine.lora import LoRAAdapters, UnknownAdapterError, load_adapters
+from pdcluster.engine.model_config import ModelConfig
+from pdcluster.engine.models.base import build_model, check_tensor_parallel
+from pdcluster.engine.parallel import TPError, TPGroup
 
 __all__ = ["ModelRunner", "SequenceChunk", "ShardedKVView"]
 

@@ -16,7 +16,7 @@ from typing import AbstractSet, Sequence
 
 import torch
 
-from engine.protocol import SamplingParams, TokenLogprob
+from pdcluster.engine.protocol import SamplingParams, TokenLogprob
 
 _MASK64 = (1 << 64) - 1
 #: rows of a batch the sampling chain processes at once (sample)

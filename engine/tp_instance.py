@@ -28,10 +28,10 @@ import ray
 from ray.util.placement_group import PlacementGroup
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from engine import ray_calls
-from engine.config import EngineConfig
-from engine.parallel import TPError, TPGroup, create_master_store, init_tp_group
-from engine.runner import ModelRunner
+from pdcluster.engine import ray_calls
+from pdcluster.engine.config import EngineConfig
+from pdcluster.engine.parallel import TPError, TPGroup, create_master_store, init_tp_group
+from pdcluster.engine.runner import ModelRunner
 
 log = logging.getLogger(__name__)
 

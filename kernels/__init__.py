@@ -32,8 +32,8 @@ from types import ModuleType
 
 import torch
 
-from kernels import (cpu_extension, cpu_fused_ops, cpu_gemm, cpu_paged_attention, reference,
-                     torch_attention)
+from pdcluster.kernels import (cpu_extension, cpu_fused_ops, cpu_gemm, cpu_paged_attention,
+                               reference, torch_attention)
 
 __all__ = [
     "BACKENDS",
@@ -105,7 +105,7 @@ def runtime_env_vars(backend: str, device: str | torch.device) -> dict[str, str]
 
 def triton_interpreted() -> bool:
     """Whether this process's Triton kernels run in the interpreter (imports them)."""
-    from kernels._triton_common import is_interpreted
+    from pdcluster.kernels._triton_common import is_interpreted
 
     return is_interpreted(_triton("triton_kv_cache")._store_kv_cache_kernel)
 

@@ -16,8 +16,9 @@ from typing import Any
 
 import torch
 
-from kernels._triton_common import LOG2E, cache_strides, check_float_inputs, check_kv_caches, check_last_contiguous
-from kernels._triton_common import check_rank, dot_precision, require, tl, triton
+from pdcluster.kernels._triton_common import (LOG2E, cache_strides, check_float_inputs,
+                                              check_kv_caches, check_last_contiguous)
+from pdcluster.kernels._triton_common import check_rank, dot_precision, require, tl, triton
 
 MAX_HEAD_DIM = 256
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-import kernels.cpu_extension as cpu_extension
+from pdcluster.kernels import cpu_extension
 
 
 _DTYPES = (torch.float32, torch.bfloat16)

@@ -43,7 +43,7 @@ import weakref
 
 import torch
 
-import kernels.cpu_extension as cpu_extension
+from pdcluster.kernels import cpu_extension
 
 _PACKED_DTYPES = (torch.float32, torch.bfloat16)
 

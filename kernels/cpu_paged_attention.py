@@ -16,8 +16,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-import kernels.cpu_extension as cpu_extension
-from kernels.cpu_gemm import has_amx, uses_amx_gemm
+from pdcluster.kernels import cpu_extension
+from pdcluster.kernels.cpu_gemm import has_amx, uses_amx_gemm
 
 
 _DTYPES = (torch.float32, torch.bfloat16)

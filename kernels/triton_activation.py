@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import torch
 
-from kernels._triton_common import Launch, as_rows, check_float, check_same_device, next_pow2, output, require
-from kernels._triton_common import run_all, tl, triton
+from pdcluster.kernels._triton_common import (Launch, as_rows, check_float, check_same_device,
+                                              next_pow2, output, require)
+from pdcluster.kernels._triton_common import run_all, tl, triton
 
 MAX_BLOCK = 1024
 

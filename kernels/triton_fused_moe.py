@@ -21,9 +21,9 @@ import contextlib
 
 import torch
 
-from kernels import triton_activation
-from kernels._triton_common import (check_float, check_same_device, dot_precision, for_gpu,
-                                    require, tl, triton)
+from pdcluster.kernels import triton_activation
+from pdcluster.kernels._triton_common import (check_float, check_same_device, dot_precision,
+                                              for_gpu, require, tl, triton)
 
 
 @triton.jit

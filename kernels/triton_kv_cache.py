@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import torch
 
-from kernels._triton_common import Launch, cache_strides, check_float_inputs, check_index_vector, check_kv_caches
-from kernels._triton_common import check_rank, check_same_device, next_pow2, require, run_all, tl, triton
+from pdcluster.kernels._triton_common import (Launch, cache_strides, check_float_inputs,
+                                              check_index_vector, check_kv_caches)
+from pdcluster.kernels._triton_common import (check_rank, check_same_device, next_pow2, require,
+                                              run_all, tl, triton)
 
 
 @triton.jit

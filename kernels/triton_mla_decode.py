@@ -18,8 +18,9 @@ import contextlib
 
 import torch
 
-from kernels._triton_common import (LOG2E, check_float, check_int, check_same_device,
-                                    dot_precision, for_gpu, next_pow2, require, tl, triton)
+from pdcluster.kernels._triton_common import (LOG2E, check_float, check_int, check_same_device,
+                                              dot_precision, for_gpu, next_pow2, require, tl,
+                                              triton)
 
 
 @triton.jit

@@ -22,10 +22,12 @@ import math
 
 import torch
 
-from kernels._triton_attention import attend_tile, check_block_tables, check_paged_attention
-from kernels._triton_attention import paged_attention_args, paged_attention_constexprs
-from kernels._triton_common import Launch, check_int, check_same_device, check_vector, for_gpu, next_pow2, output
-from kernels._triton_common import require, run_all, tl, triton
+from pdcluster.kernels._triton_attention import (attend_tile, check_block_tables,
+                                                 check_paged_attention)
+from pdcluster.kernels._triton_attention import paged_attention_args, paged_attention_constexprs
+from pdcluster.kernels._triton_common import (Launch, check_int, check_same_device, check_vector,
+                                              for_gpu, next_pow2, output)
+from pdcluster.kernels._triton_common import require, run_all, tl, triton
 
 MAX_SPLITS = 64
 # GPU: a split covers at least this many tokens (smaller splits cost more than they balance).

@@ -20,10 +20,12 @@ from __future__ import annotations
 
 import torch
 
-from kernels._triton_attention import attend_tile, check_block_tables, check_paged_attention
-from kernels._triton_attention import paged_attention_args, paged_attention_constexprs
-from kernels._triton_common import Launch, check_int, check_rank, check_same_device, check_vector, for_gpu, next_pow2
-from kernels._triton_common import output, require, run_all, tl, triton
+from pdcluster.kernels._triton_attention import (attend_tile, check_block_tables,
+                                                 check_paged_attention)
+from pdcluster.kernels._triton_attention import paged_attention_args, paged_attention_constexprs
+from pdcluster.kernels._triton_common import (Launch, check_int, check_rank, check_same_device,
+                                              check_vector, for_gpu, next_pow2)
+from pdcluster.kernels._triton_common import output, require, run_all, tl, triton
 
 
 @triton.jit

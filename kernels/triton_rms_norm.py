@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from kernels._triton_common import Launch, as_rows, check_float, check_same_device, check_vector, next_pow2, output
-from kernels._triton_common import require, run_all, tl, triton
+from pdcluster.kernels._triton_common import (Launch, as_rows, check_float, check_same_device,
+                                              check_vector, next_pow2, output)
+from pdcluster.kernels._triton_common import require, run_all, tl, triton
 
 MAX_HIDDEN = 65536
 

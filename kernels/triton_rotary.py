@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from kernels._triton_common import Launch, check_float_inputs, check_index_vector, check_rank, check_same_device
-from kernels._triton_common import next_pow2, require, run_all, tl, triton
+from pdcluster.kernels._triton_common import (Launch, check_float_inputs, check_index_vector,
+                                              check_rank, check_same_device)
+from pdcluster.kernels._triton_common import next_pow2, require, run_all, tl, triton
 
 
 @triton.jit

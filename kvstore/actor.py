@@ -34,13 +34,13 @@ from ray.actor import ActorHandle
 from ray.util.annotations import RayDeprecationWarning
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from kvstore.config import KVStoreConfig
-from kvstore.errors import KVStoreError, StaleArenaError
-from kvstore.index import Location, open_index
-from kvstore.layout import BlockLayout
-from kvstore.node_store import HOST, SSD, TieredNodeStore
-from kvstore.pool_config import KVPoolConfig
-from kvstore.server import KVStoreServer
+from pdcluster.kvstore.config import KVStoreConfig
+from pdcluster.kvstore.errors import KVStoreError, StaleArenaError
+from pdcluster.kvstore.index import Location, open_index
+from pdcluster.kvstore.layout import BlockLayout
+from pdcluster.kvstore.node_store import HOST, SSD, TieredNodeStore
+from pdcluster.kvstore.pool_config import KVPoolConfig
+from pdcluster.kvstore.server import KVStoreServer
 
 log = logging.getLogger(__name__)
 

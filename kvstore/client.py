@@ -23,19 +23,21 @@ import numpy as np
 import pydantic
 import torch
 
-from kvstore import tls as kv_tls
-from kvstore.config import KVTLSConfig
-from kvstore.errors import BlockLayoutError, BlockNotFoundError, KVTransferError
-from kvstore.fetch_session import BlockStream, FetchSession, SessionPool
-from kvstore.index.base import check_keys
-from kvstore.layout import BlockLayout
-from kvstore.node_store_api import REMOTE, TORCH_DTYPES, NodeStore, blocks_layout, layout_of
-from kvstore.proto import kvstore_pb2 as pb
-from kvstore.proto import kvstore_pb2_grpc as pb_grpc
-from kvstore.rpc_errors import rpc_error
-from kvstore.server import AUTH_METADATA_KEY, MESSAGE_OVERHEAD_BYTES, SERVICE_NAME, channel_options
-from kvstore.tail_store import check_tail
-from kvstore.transfer.runs import budget_runs
+from pdcluster.kvstore import tls as kv_tls
+from pdcluster.kvstore.config import KVTLSConfig
+from pdcluster.kvstore.errors import BlockLayoutError, BlockNotFoundError, KVTransferError
+from pdcluster.kvstore.fetch_session import BlockStream, FetchSession, SessionPool
+from pdcluster.kvstore.index.base import check_keys
+from pdcluster.kvstore.layout import BlockLayout
+from pdcluster.kvstore.node_store_api import (REMOTE, TORCH_DTYPES, NodeStore, blocks_layout,
+                                              layout_of)
+from pdcluster.kvstore.proto import kvstore_pb2 as pb
+from pdcluster.kvstore.proto import kvstore_pb2_grpc as pb_grpc
+from pdcluster.kvstore.rpc_errors import rpc_error
+from pdcluster.kvstore.server import (AUTH_METADATA_KEY, MESSAGE_OVERHEAD_BYTES, SERVICE_NAME,
+                                      channel_options)
+from pdcluster.kvstore.tail_store import check_tail
+from pdcluster.kvstore.transfer.runs import budget_runs
 
 
 def tensor_to_payload(t: torch.Tensor) -> bytes:

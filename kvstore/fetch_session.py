@@ -24,11 +24,11 @@ from typing import NamedTuple
 
 import grpc
 
-from kvstore.errors import BlockLayoutError, KVTransferError, KVTransferTimeout
-from kvstore.layout import BlockLayout
-from kvstore.proto import kvstore_pb2 as pb
-from kvstore.rpc_errors import fetch_error, rpc_error
-from kvstore.transfer.wire import decode_block_data
+from pdcluster.kvstore.errors import BlockLayoutError, KVTransferError, KVTransferTimeout
+from pdcluster.kvstore.layout import BlockLayout
+from pdcluster.kvstore.proto import kvstore_pb2 as pb
+from pdcluster.kvstore.rpc_errors import fetch_error, rpc_error
+from pdcluster.kvstore.transfer.wire import decode_block_data
 
 
 class FetchSession:

@@ -16,11 +16,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kvstore.index.base import Location
+from pdcluster.kvstore.index.base import Location
 
 if TYPE_CHECKING:
-    from kvstore.transport.layer_stream.stream import LayerStreamAnnounce
-    from kvstore.transport.mooncake.backend import RemoteRegion
+    from pdcluster.kvstore.transport.layer_stream.stream import LayerStreamAnnounce
+    from pdcluster.kvstore.transport.mooncake.backend import RemoteRegion
 
 
 @dataclass(frozen=True)

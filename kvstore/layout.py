@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvstore.errors import BlockLayoutError
+from pdcluster.kvstore.errors import BlockLayoutError
 
 #: dtype name -> bytes per element. bfloat16 travels as its int16 bit pattern.
 DTYPE_ITEMSIZE: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}

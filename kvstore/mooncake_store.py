@@ -24,7 +24,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kvstore.errors import KVStoreError
+from pdcluster.kvstore.errors import KVStoreError
 
 log = logging.getLogger(__name__)
 
@@ -68,8 +68,8 @@ class MooncakeStoreClient:
             from mooncake.store import MooncakeDistributedStore
         except ImportError as exc:
             raise MooncakeStoreError(_MISSING) from exc
-        from kvstore.transport.mooncake.te import advertised_host
-        from kvstore.transport.mooncake.te_bind import confine_listeners
+        from pdcluster.kvstore.transport.mooncake.te import advertised_host
+        from pdcluster.kvstore.transport.mooncake.te_bind import confine_listeners
 
         master_host, _, port = master.rpartition(":")
         try:

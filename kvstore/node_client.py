@@ -17,12 +17,12 @@ from typing import Callable, Sequence, TypeVar
 import ray
 import torch
 
-from engine import ray_calls
-from kvstore.arena.view import ArenaView
-from kvstore.errors import BlockLayoutError, KVStoreError, StaleArenaError
-from kvstore.index.base import check_keys
-from kvstore.layout import BlockLayout
-from kvstore.node_store_api import NodeStore, blocks_layout
+from pdcluster.engine import ray_calls
+from pdcluster.kvstore.arena.view import ArenaView
+from pdcluster.kvstore.errors import BlockLayoutError, KVStoreError, StaleArenaError
+from pdcluster.kvstore.index.base import check_keys
+from pdcluster.kvstore.layout import BlockLayout
+from pdcluster.kvstore.node_store_api import NodeStore, blocks_layout
 
 _T = TypeVar("_T")
 

@@ -19,13 +19,13 @@ import logging
 import threading
 from typing import Sequence
 
-from kvstore.arena import ArenaFullError, HostArena
-from kvstore.errors import BlockLayoutError
-from kvstore.index import KVIndex, Location
-from kvstore.index.base import HOST, SSD
-from kvstore.layout import BlockLayout
-from kvstore.ssd_tier import SSDTier
-from kvstore.tail_store import TailStore
+from pdcluster.kvstore.arena import ArenaFullError, HostArena
+from pdcluster.kvstore.errors import BlockLayoutError
+from pdcluster.kvstore.index import KVIndex, Location
+from pdcluster.kvstore.index.base import HOST, SSD
+from pdcluster.kvstore.layout import BlockLayout
+from pdcluster.kvstore.ssd_tier import SSDTier
+from pdcluster.kvstore.tail_store import TailStore
 
 log = logging.getLogger(__name__)
 

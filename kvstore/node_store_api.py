@@ -30,9 +30,9 @@ from collections.abc import Sequence
 
 import torch
 
-from kvstore.errors import BlockLayoutError
-from kvstore.index.base import check_keys
-from kvstore.layout import BlockLayout
+from pdcluster.kvstore.errors import BlockLayoutError
+from pdcluster.kvstore.index.base import check_keys
+from pdcluster.kvstore.layout import BlockLayout
 
 #: Tiers ``get`` reports a block came from: the node's host DRAM arena (G2) or its SSD (G3;
 #: promoted to G2 on the way), kvstore.index.base's HOST and SSD; or REMOTE, a store reached

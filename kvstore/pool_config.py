@@ -6,7 +6,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from kvstore.index import DEFAULT_INDEX_URL
+from pdcluster.kvstore.index import DEFAULT_INDEX_URL
 
 
 class KVPoolConfig(BaseModel):

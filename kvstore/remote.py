@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import threading
 
-from engine import ray_calls
-from kvstore.actor import kvstore_actor
-from kvstore.client import KVStoreClient
-from kvstore.config import KVTLSConfig
-from kvstore.errors import KVTransferError
+from pdcluster.engine import ray_calls
+from pdcluster.kvstore.actor import kvstore_actor
+from pdcluster.kvstore.client import KVStoreClient
+from pdcluster.kvstore.config import KVTLSConfig
+from pdcluster.kvstore.errors import KVTransferError
 
 
 class RemoteStores:

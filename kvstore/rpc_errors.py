@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import grpc
 
-from kvstore.errors import (BlockLayoutError, BlockNotFoundError, KVAuthError, KVStoreError,
-                            KVTransferError, KVTransferTimeout, StoreCapacityError)
-from kvstore.proto import kvstore_pb2 as pb
+from pdcluster.kvstore.errors import (BlockLayoutError, BlockNotFoundError, KVAuthError,
+                                      KVStoreError, KVTransferError, KVTransferTimeout,
+                                      StoreCapacityError)
+from pdcluster.kvstore.proto import kvstore_pb2 as pb
 
 ERROR_METADATA_KEY = "pdcluster-error"
 #: NOT_FOUND details list at most this many missing keys.

@@ -28,17 +28,17 @@ from typing import Protocol
 
 import grpc
 
-from kvstore import tls
-from kvstore.config import KVStoreConfig
-from kvstore.errors import BlockLayoutError, KVStoreError, StoreCapacityError
-from kvstore.layout import BlockLayout
-from kvstore.proto import kvstore_pb2 as pb
-from kvstore.proto import kvstore_pb2_grpc as pb_grpc
-from kvstore.rpc_errors import (ERROR_METADATA_KEY, MAX_MISSING_KEYS_IN_DETAILS,
-                                missing_details)
-from kvstore.tail_store import StoredTail
-from kvstore.transfer.runs import budget_runs
-from kvstore.transfer.wire import encode_block_data
+from pdcluster.kvstore import tls
+from pdcluster.kvstore.config import KVStoreConfig
+from pdcluster.kvstore.errors import BlockLayoutError, KVStoreError, StoreCapacityError
+from pdcluster.kvstore.layout import BlockLayout
+from pdcluster.kvstore.proto import kvstore_pb2 as pb
+from pdcluster.kvstore.proto import kvstore_pb2_grpc as pb_grpc
+from pdcluster.kvstore.rpc_errors import (ERROR_METADATA_KEY, MAX_MISSING_KEYS_IN_DETAILS,
+                                          missing_details)
+from pdcluster.kvstore.tail_store import StoredTail
+from pdcluster.kvstore.transfer.runs import budget_runs
+from pdcluster.kvstore.transfer.wire import encode_block_data
 
 logger = logging.getLogger(__name__)
 

@@ -33,8 +33,8 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.core.hashing import KEY_BYTES
-from kvstore.ssd.slab import SlabFiles, checksum
+from pdcluster.engine.core.hashing import KEY_BYTES
+from pdcluster.kvstore.ssd.slab import SlabFiles, checksum
 
 _LOCK_NAME = ".ssd-tier.lock"
 

@@ -14,8 +14,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from kvstore.errors import StoreCapacityError
-from kvstore.layout import BlockLayout, check_payload
+from pdcluster.kvstore.errors import StoreCapacityError
+from pdcluster.kvstore.layout import BlockLayout, check_payload
 
 
 

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import grpc
 
-from kvstore.config import KVTLSConfig
-from kvstore.errors import KVStoreError
+from pdcluster.kvstore.config import KVTLSConfig
+from pdcluster.kvstore.errors import KVStoreError
 
 
 def _read(path: str | None, what: str) -> bytes | None:

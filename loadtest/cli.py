@@ -19,18 +19,11 @@ from pathlib import Path
 
 import aiohttp
 
-from loadtest.client import list_models
-from loadtest.compare import compare_rows, format_compare, load_result
-from loadtest.options import (
-    Endpoint,
-    add_run_arguments,
-    base_url,
-    build_conversations,
-    build_workload,
-    client_config,
-    run_config,
-)
-from loadtest.runner import rate_label, run_benchmark, save_json, sweep_rows
+from pdcluster.loadtest.client import list_models
+from pdcluster.loadtest.compare import compare_rows, format_compare, load_result
+from pdcluster.loadtest.options import (Endpoint, add_run_arguments, base_url, build_conversations,
+                                        build_workload, client_config, run_config)
+from pdcluster.loadtest.runner import rate_label, run_benchmark, save_json, sweep_rows
 
 
 def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -116,7 +109,7 @@ async def _one(args, endpoint: Endpoint, rate: float | None, concurrency: int | 
 
 def _save(args: argparse.Namespace, result: dict, stem: str, report: bool) -> dict:
     """Writes the result JSON (and the report), prints the summary; returns `result`."""
-    from loadtest.report import format_summary, write_report  # matplotlib: only when used
+    from pdcluster.loadtest.report import format_summary, write_report  # matplotlib: only when used
 
     out_dir = Path(args.result_dir)
     save_json(result, out_dir / f"{stem}.json")
@@ -129,7 +122,7 @@ def _save(args: argparse.Namespace, result: dict, stem: str, report: bool) -> di
 
 async def _conversations(args, endpoint: Endpoint, rate: float | None,
                          concurrency: int | None, stem: str, report: bool) -> dict:
-    from loadtest.multiturn import run_conversations
+    from pdcluster.loadtest.multiturn import run_conversations
 
     conversations = build_conversations(args, endpoint, rate)
     if not conversations.conversations:
@@ -175,7 +168,7 @@ async def _sweep(args: argparse.Namespace) -> int:
     out_dir = Path(args.result_dir)
     save_json({"axis": axis, "points": sweep_rows(results, axis)}, out_dir / f"{stem}.json")
     if not args.no_report:
-        from loadtest.report import write_sweep_report
+        from pdcluster.loadtest.report import write_sweep_report
 
         print(f"report: {write_sweep_report(results, axis, out_dir, stem)}", file=sys.stderr)
     return 0
@@ -191,7 +184,7 @@ def _compare(args: argparse.Namespace) -> int:
 
 
 def _report(args: argparse.Namespace) -> int:
-    from loadtest.report import format_summary, write_report
+    from pdcluster.loadtest.report import format_summary, write_report
 
     path = Path(args.result)
     result = load_result(path)

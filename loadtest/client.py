@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass, field
 
 import aiohttp
 
-from loadtest.workload import BenchRequest
+from pdcluster.loadtest.workload import BenchRequest
 
 
 @dataclass(frozen=True)

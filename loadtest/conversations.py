@@ -42,10 +42,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from loadtest.arrivals import trace_arrivals
-from loadtest.synthetic import LengthDist, synthetic_workload
-from loadtest.tokens import BlockTokens, TokenSpace
-from loadtest.trace import TRACE_BLOCK_SIZE, TraceRecord, record_prompt, scaled_block_size
+from pdcluster.loadtest.arrivals import trace_arrivals
+from pdcluster.loadtest.synthetic import LengthDist, synthetic_workload
+from pdcluster.loadtest.tokens import BlockTokens, TokenSpace
+from pdcluster.loadtest.trace import TRACE_BLOCK_SIZE, TraceRecord, record_prompt, scaled_block_size
 
 REPLY_SLACK = 32
 

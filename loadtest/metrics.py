@@ -25,7 +25,7 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-from loadtest.client import RequestRecord
+from pdcluster.loadtest.client import RequestRecord
 
 SLO_NAMES = ("ttft", "tpot", "e2el")
 

@@ -30,13 +30,13 @@ import aiohttp
 import numpy as np
 from tqdm import tqdm
 
-from loadtest.client import ClientConfig, RequestRecord, send_request
-from loadtest.conversations import Conversation, ConversationSet
-from loadtest.metrics import compute_metrics
-from loadtest.prefix import SentRequest, conversation_prefix_hits
-from loadtest.runner import RunConfig, measured_run
-from loadtest.scrape import hit_ratios, transfer_bytes
-from loadtest.workload import BenchRequest
+from pdcluster.loadtest.client import ClientConfig, RequestRecord, send_request
+from pdcluster.loadtest.conversations import Conversation, ConversationSet
+from pdcluster.loadtest.metrics import compute_metrics
+from pdcluster.loadtest.prefix import SentRequest, conversation_prefix_hits
+from pdcluster.loadtest.runner import RunConfig, measured_run
+from pdcluster.loadtest.scrape import hit_ratios, transfer_bytes
+from pdcluster.loadtest.workload import BenchRequest
 
 
 @dataclass

@@ -11,16 +11,17 @@ from fractions import Fraction
 
 import numpy as np
 
-from loadtest.arrivals import parse_rate_steps, rate_arrivals, stepped_arrivals
-from loadtest.client import ClientConfig
-from loadtest.conversations import ConversationSet, synthetic_conversations, trace_conversations
-from loadtest.metrics import parse_goodput
-from loadtest.prefix import DENOMINATORS
-from loadtest.runner import RunConfig, rate_label
-from loadtest.synthetic import parse_length, synthetic_workload
-from loadtest.tokens import TokenSpace, token_space_from_tokenizer
-from loadtest.trace import read_trace, trace_workload
-from loadtest.workload import Workload, with_arrivals
+from pdcluster.loadtest.arrivals import parse_rate_steps, rate_arrivals, stepped_arrivals
+from pdcluster.loadtest.client import ClientConfig
+from pdcluster.loadtest.conversations import (ConversationSet, synthetic_conversations,
+                                              trace_conversations)
+from pdcluster.loadtest.metrics import parse_goodput
+from pdcluster.loadtest.prefix import DENOMINATORS
+from pdcluster.loadtest.runner import RunConfig, rate_label
+from pdcluster.loadtest.synthetic import parse_length, synthetic_workload
+from pdcluster.loadtest.tokens import TokenSpace, token_space_from_tokenizer
+from pdcluster.loadtest.trace import read_trace, trace_workload
+from pdcluster.loadtest.workload import Workload, with_arrivals
 
 
 def positive_fraction(text: str) -> float:

@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from engine.core.hashing import block_keys
+from pdcluster.engine.core.hashing import block_keys
 
 DENOMINATORS = ("prompt", "full_blocks")
 

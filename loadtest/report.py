@@ -20,8 +20,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from loadtest.client import RequestRecord  # noqa: E402
-from loadtest.metrics import request_tpot, token_times  # noqa: E402
+from pdcluster.loadtest.client import RequestRecord  # noqa: E402
+from pdcluster.loadtest.metrics import request_tpot, token_times  # noqa: E402
 
 
 def _fmt(value, digits: int = 2) -> str:

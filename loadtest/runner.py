@@ -21,11 +21,11 @@ from pathlib import Path
 import aiohttp
 from tqdm import tqdm
 
-from loadtest.client import ClientConfig, RequestRecord, send_request
-from loadtest.metrics import compute_metrics
-from loadtest.prefix import offline_prefix_hits
-from loadtest.scrape import CacheCounters, CounterSampler, hit_ratios, scrape
-from loadtest.workload import BenchRequest, Workload
+from pdcluster.loadtest.client import ClientConfig, RequestRecord, send_request
+from pdcluster.loadtest.metrics import compute_metrics
+from pdcluster.loadtest.prefix import offline_prefix_hits
+from pdcluster.loadtest.scrape import CacheCounters, CounterSampler, hit_ratios, scrape
+from pdcluster.loadtest.workload import BenchRequest, Workload
 
 
 @dataclass(frozen=True)

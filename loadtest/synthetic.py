@@ -19,8 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
-from loadtest.tokens import BlockTokens, TokenSpace
-from loadtest.workload import BenchRequest, Workload
+from pdcluster.loadtest.tokens import BlockTokens, TokenSpace
+from pdcluster.loadtest.workload import BenchRequest, Workload
 
 
 @dataclass(frozen=True)

@@ -25,9 +25,9 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from loadtest.arrivals import trace_arrivals
-from loadtest.tokens import BlockTokens, TokenSpace
-from loadtest.workload import BenchRequest, Workload
+from pdcluster.loadtest.arrivals import trace_arrivals
+from pdcluster.loadtest.tokens import BlockTokens, TokenSpace
+from pdcluster.loadtest.workload import BenchRequest, Workload
 
 TRACE_BLOCK_SIZE = 512
 

@@ -16,24 +16,24 @@ from typing import Iterator
 
 import ray
 
-from engine.config import EngineConfig
-from engine.core.engine_core import EngineCore
-from engine.core.engine_loop import EngineLoop
-from engine.logs import setup_worker_logging
-from engine.protocol import FirstToken, PrefillRequest, PrefillResult
-from engine.runner import ModelRunner
-from engine.tp_instance import TPInstance
-from kvstore.actor import kvstore_actor
-from kvstore.client import KVStoreClient
-from kvstore.config import KVStoreConfig, KVTransferConfig
-from kvstore.connector import create_connector, prefill_connector_names
-from kvstore.connector.context import KVConnectorContext
-from kvstore.index import open_index
-from kvstore.node_client import NodeStoreClient
-from kvstore.pool_config import KVPoolConfig
-from kvstore.remote import RemoteStores
-from kvstore.transfer.peers import RayStreamPeers, register_self
-from prefill_worker.instance import prefill_core, submit_prefill
+from pdcluster.engine.config import EngineConfig
+from pdcluster.engine.core.engine_core import EngineCore
+from pdcluster.engine.core.engine_loop import EngineLoop
+from pdcluster.engine.logs import setup_worker_logging
+from pdcluster.engine.protocol import FirstToken, PrefillRequest, PrefillResult
+from pdcluster.engine.runner import ModelRunner
+from pdcluster.engine.tp_instance import TPInstance
+from pdcluster.kvstore.actor import kvstore_actor
+from pdcluster.kvstore.client import KVStoreClient
+from pdcluster.kvstore.config import KVStoreConfig, KVTransferConfig
+from pdcluster.kvstore.connector import create_connector, prefill_connector_names
+from pdcluster.kvstore.connector.context import KVConnectorContext
+from pdcluster.kvstore.index import open_index
+from pdcluster.kvstore.node_client import NodeStoreClient
+from pdcluster.kvstore.pool_config import KVPoolConfig
+from pdcluster.kvstore.remote import RemoteStores
+from pdcluster.kvstore.transfer.peers import RayStreamPeers, register_self
+from pdcluster.prefill_worker.instance import prefill_core, submit_prefill
 
 log = logging.getLogger(__name__)
 

@@ -15,15 +15,15 @@ from __future__ import annotations
 import time
 from concurrent.futures import Future
 
-from engine.core.engine_core import EngineCore
-from engine.core.kv_connector import KVConnector
-from engine.core.request import Request, RequestFailed
-from engine.protocol import (KV_LOAD_FAILED, FirstToken, KVTransferParams, PrefillRequest,
-                             PrefillResult, TokenDelta)
-from engine.runner import ModelRunner
-from kvstore.errors import KVLoadError
-from kvstore.index import KVIndex, Location
-from kvstore.index.device_feed import device_feed
+from pdcluster.engine.core.engine_core import EngineCore
+from pdcluster.engine.core.kv_connector import KVConnector
+from pdcluster.engine.core.request import Request, RequestFailed
+from pdcluster.engine.protocol import (KV_LOAD_FAILED, FirstToken, KVTransferParams, PrefillRequest,
+                                       PrefillResult, TokenDelta)
+from pdcluster.engine.runner import ModelRunner
+from pdcluster.kvstore.errors import KVLoadError
+from pdcluster.kvstore.index import KVIndex, Location
+from pdcluster.kvstore.index.device_feed import device_feed
 
 
 def prefill_core(runner: ModelRunner, connector: KVConnector, worker_id: str, pid: int,

@@ -24,9 +24,9 @@ import abc
 import math
 from dataclasses import dataclass
 
-from router.cost_model import CostModel
-from router.policies.base import (DecodeLoad, DecodePlan, PrefillPlan, RouteContext, fits,
-                                  predicted_tbt)
+from pdcluster.router.cost_model import CostModel
+from pdcluster.router.policies.base import (DecodeLoad, DecodePlan, PrefillPlan, RouteContext, fits,
+                                            predicted_tbt)
 
 
 @dataclass(frozen=True)

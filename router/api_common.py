@@ -15,18 +15,18 @@ from typing import AsyncIterator, Awaitable, Callable, Sequence
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from engine.core.structured_output import GrammarError
-from engine.protocol import StructuredOutputSpec
-from engine.sampler import draw_seed
-from engine.tokenizer import Tokenizer, TokenizerError
-from router.conductor import RequestRejected
-from router.inflight import Overloaded
-from router.pipeline import GenerationError
-from router.reasoning import THINK_END, THINK_START, TOOL_CALL, ReasoningParser
-from router.schemas import MAX_BAD_WORDS_TOKENS, SamplingFields, StreamOptions
-from router.serving import ChoiceDelta, ChoiceSpec, GenerationService
-from router.structured_outputs import GrammarCheck
-from router.tool_calls import ToolCalling
+from pdcluster.engine.core.structured_output import GrammarError
+from pdcluster.engine.protocol import StructuredOutputSpec
+from pdcluster.engine.sampler import draw_seed
+from pdcluster.engine.tokenizer import Tokenizer, TokenizerError
+from pdcluster.router.conductor import RequestRejected
+from pdcluster.router.inflight import Overloaded
+from pdcluster.router.pipeline import GenerationError
+from pdcluster.router.reasoning import THINK_END, THINK_START, TOOL_CALL, ReasoningParser
+from pdcluster.router.schemas import MAX_BAD_WORDS_TOKENS, SamplingFields, StreamOptions
+from pdcluster.router.serving import ChoiceDelta, ChoiceSpec, GenerationService
+from pdcluster.router.structured_outputs import GrammarCheck
+from pdcluster.router.tool_calls import ToolCalling
 
 log = logging.getLogger(__name__)
 

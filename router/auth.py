@@ -14,7 +14,7 @@ from typing import Iterable
 from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from router.api_common import APIError
+from pdcluster.router.api_common import APIError
 
 OPEN_PATHS = frozenset({"/health"})
 

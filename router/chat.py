@@ -5,18 +5,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.logs import bind_request_id
-from engine.tokenizer import Tokenizer
-from router.api_common import APIError, ServingContext, build_specs, respond
-from router.chat_template import ChatTemplate, ChatTemplateError
-from router.logprobs import chat_logprob_entry, vllm_prompt_logprobs
-from router.reasoning import THINK_END, ReasoningStream
-from router.schemas import (ChatCompletionRequest, ChatMessage, ChatTemplateFields,
-                            new_request_id)
-from router.serving import ChoiceDelta
-from router.tool_calls import (ToolChoiceError, ToolPlan, new_call_id, plan, template_tool_calls,
-                               template_tools, tool_specs)
-from router.tool_parsers import CallArguments, CallStart, Content, Event, ToolCallStream
+from pdcluster.engine.logs import bind_request_id
+from pdcluster.engine.tokenizer import Tokenizer
+from pdcluster.router.api_common import APIError, ServingContext, build_specs, respond
+from pdcluster.router.chat_template import ChatTemplate, ChatTemplateError
+from pdcluster.router.logprobs import chat_logprob_entry, vllm_prompt_logprobs
+from pdcluster.router.reasoning import THINK_END, ReasoningStream
+from pdcluster.router.schemas import (ChatCompletionRequest, ChatMessage, ChatTemplateFields,
+                                      new_request_id)
+from pdcluster.router.serving import ChoiceDelta
+from pdcluster.router.tool_calls import (ToolChoiceError, ToolPlan, new_call_id, plan,
+                                         template_tool_calls, template_tools, tool_specs)
+from pdcluster.router.tool_parsers import CallArguments, CallStart, Content, Event, ToolCallStream
 
 
 async def create_chat_completion(body: ChatCompletionRequest, ctx: ServingContext,

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from engine.tokenizer import Tokenizer
-from router.api_common import APIError, ServingContext, build_specs, respond
-from engine.logs import bind_request_id
-from router.logprobs import TextOffsets, completion_logprobs, echo_logprobs, vllm_prompt_logprobs
-from router.schemas import CompletionRequest, new_request_id
-from router.serving import ChoiceDelta
+from pdcluster.engine.tokenizer import Tokenizer
+from pdcluster.router.api_common import APIError, ServingContext, build_specs, respond
+from pdcluster.engine.logs import bind_request_id
+from pdcluster.router.logprobs import (TextOffsets, completion_logprobs, echo_logprobs,
+                                       vllm_prompt_logprobs)
+from pdcluster.router.schemas import CompletionRequest, new_request_id
+from pdcluster.router.serving import ChoiceDelta
 
 
 async def create_completion(body: CompletionRequest, ctx: ServingContext):

@@ -25,18 +25,19 @@ from collections import Counter
 from dataclasses import dataclass, replace
 from typing import AbstractSet, Callable, NamedTuple, Sequence
 
-from engine.core.hashing import block_keys, make_namespace
-from kvstore.errors import KVStoreError
-from kvstore.handoff import PrefixPlan
-from kvstore.index import KVIndex, open_index
-from router.admission import SLO, Rejection, make_admission
-from router.cost_model import DEFAULT_COST_MODEL, CostModel, load_cost_model
-from router.load_source import LoadSource, RouteDecision
-from router.pd_decider import PATHS, PDDecider
-from router.policies import DEFAULT_POLICY, PrefillCandidate, RouteContext, make_policy, prefix_hits
-from router.policies.forecast import DecodeForecast
-from router.policies.live_loads import LedgerLoads, StatsPoller
-from router.registry import Instance, InstanceRegistry  # noqa: F401 — re-exported
+from pdcluster.engine.core.hashing import block_keys, make_namespace
+from pdcluster.kvstore.errors import KVStoreError
+from pdcluster.kvstore.handoff import PrefixPlan
+from pdcluster.kvstore.index import KVIndex, open_index
+from pdcluster.router.admission import SLO, Rejection, make_admission
+from pdcluster.router.cost_model import DEFAULT_COST_MODEL, CostModel, load_cost_model
+from pdcluster.router.load_source import LoadSource, RouteDecision
+from pdcluster.router.pd_decider import PATHS, PDDecider
+from pdcluster.router.policies import (DEFAULT_POLICY, PrefillCandidate, RouteContext, make_policy,
+                                       prefix_hits)
+from pdcluster.router.policies.forecast import DecodeForecast
+from pdcluster.router.policies.live_loads import LedgerLoads, StatsPoller
+from pdcluster.router.registry import Instance, InstanceRegistry  # noqa: F401 — re-exported
 
 log = logging.getLogger(__name__)
 
@@ -274,7 +275,7 @@ def build_live_conductor(registry: InstanceRegistry, *, policy: str, admission: 
                           admission=admission, slo=slo, pd_decider=pd_decider)
     board = None
     if share_decisions:
-        from router.decision_board import open_board
+        from pdcluster.router.decision_board import open_board
 
         board = open_board(index_url, lambda d: loads.add_peer_decision(d.instance_id,
                                                                         d.exec_s))

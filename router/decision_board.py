@@ -121,7 +121,7 @@ class ActorDecisionBoard(DecisionBoard):
         super().__init__(on_peer)
         import ray
 
-        from kvstore.index.actor import HEAD_NODE_RESOURCE
+        from pdcluster.kvstore.index.actor import HEAD_NODE_RESOURCE
 
         self._actor = ray.remote(num_cpus=0)(_BoardActor).options(
             name=BOARD_ACTOR_NAME, get_if_exists=True, lifetime="detached", max_restarts=-1,

@@ -16,8 +16,8 @@ import asyncio
 import logging
 import uuid
 
-from engine.protocol import TokenDelta
-from router.registry import Instance
+from pdcluster.engine.protocol import TokenDelta
+from pdcluster.router.registry import Instance
 
 log = logging.getLogger(__name__)
 

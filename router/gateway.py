@@ -28,22 +28,23 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from engine.logs import request_id_var
-from engine.tokenizer import Tokenizer
-from router.api_common import APIError, ServingContext, until_disconnected, validation_error
-from router.chat import create_chat_completion
-from router.chat_template import ChatTemplate
-from router.completions import create_completion
-from router.inflight import InflightGate
-from router.metrics import ClusterStatsCollector, GatewayMetrics, exposition
-from router.pipeline import Pipeline
-from router.schemas import ChatCompletionRequest, CompletionRequest
-from router.reasoning import ReasoningParser
-from router.responses import ResponsesRequest, create_response
-from router.serving import GenerationService
-from router.structured_outputs import GrammarCheck
-from router.tool_calls import ToolCalling
-from router.tokenize import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
+from pdcluster.engine.logs import request_id_var
+from pdcluster.engine.tokenizer import Tokenizer
+from pdcluster.router.api_common import (APIError, ServingContext, until_disconnected,
+                                         validation_error)
+from pdcluster.router.chat import create_chat_completion
+from pdcluster.router.chat_template import ChatTemplate
+from pdcluster.router.completions import create_completion
+from pdcluster.router.inflight import InflightGate
+from pdcluster.router.metrics import ClusterStatsCollector, GatewayMetrics, exposition
+from pdcluster.router.pipeline import Pipeline
+from pdcluster.router.schemas import ChatCompletionRequest, CompletionRequest
+from pdcluster.router.reasoning import ReasoningParser
+from pdcluster.router.responses import ResponsesRequest, create_response
+from pdcluster.router.serving import GenerationService
+from pdcluster.router.structured_outputs import GrammarCheck
+from pdcluster.router.tool_calls import ToolCalling
+from pdcluster.router.tokenize import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
 
 log = logging.getLogger(__name__)
 

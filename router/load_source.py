@@ -12,8 +12,8 @@ from __future__ import annotations
 import abc
 from dataclasses import dataclass
 
-from kvstore.handoff import PrefixPlan
-from router.policies.base import DecodeLoad, DecodePlan, PrefillPlan
+from pdcluster.kvstore.handoff import PrefixPlan
+from pdcluster.router.policies.base import DecodeLoad, DecodePlan, PrefillPlan
 
 
 @dataclass(frozen=True)

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import codecs
 
-from engine.protocol import TokenLogprob
-from engine.tokenizer import Tokenizer
+from pdcluster.engine.protocol import TokenLogprob
+from pdcluster.engine.tokenizer import Tokenizer
 
 
 def token_string(data: bytes) -> str:

@@ -18,8 +18,8 @@ from typing import Callable, Iterable, Mapping
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from router.conductor import InstanceRegistry
-from router.inflight import InflightGate
+from pdcluster.router.conductor import InstanceRegistry
+from pdcluster.router.inflight import InflightGate
 
 log = logging.getLogger(__name__)
 

@@ -30,9 +30,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from router.admission import SLO
-from router.cost_model import PATH_PD
-from router.policies.base import DecodeLoad, PrefillPlan, RouteContext
+from pdcluster.router.admission import SLO
+from pdcluster.router.cost_model import PATH_PD
+from pdcluster.router.policies.base import DecodeLoad, PrefillPlan, RouteContext
 
 PATHS = ("disaggregated", "local")
 MODES = ("always", "never", "cost", "threshold:N")

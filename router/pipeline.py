@@ -41,13 +41,14 @@ from typing import AsyncIterator
 
 from ray.exceptions import RayActorError, RayTaskError
 
-from engine.protocol import (KV_LOAD_FAILED, DecodeRequest, FinishReason, FirstToken,
-                             PrefillRequest, PrefillResult, SamplingParams, TokenDelta)
-from engine.sampler import draw_seed
-from kvstore.errors import KVLoadError
-from kvstore.handoff import PrefillHandoff
-from router.conductor import Conductor, Instance, NoInstanceError, RequestRejected, RouteRequest
-from router.decode_outputs import DecodeOutputs
+from pdcluster.engine.protocol import (KV_LOAD_FAILED, DecodeRequest, FinishReason, FirstToken,
+                                       PrefillRequest, PrefillResult, SamplingParams, TokenDelta)
+from pdcluster.engine.sampler import draw_seed
+from pdcluster.kvstore.errors import KVLoadError
+from pdcluster.kvstore.handoff import PrefillHandoff
+from pdcluster.router.conductor import (Conductor, Instance, NoInstanceError, RequestRejected,
+                                        RouteRequest)
+from pdcluster.router.decode_outputs import DecodeOutputs
 
 log = logging.getLogger(__name__)
 

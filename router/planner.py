@@ -31,7 +31,7 @@ import math
 import re
 from dataclasses import dataclass, field
 
-from router.admission import SLO
+from pdcluster.router.admission import SLO
 
 ROLES = ("prefill", "decode")
 

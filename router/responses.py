@@ -24,11 +24,12 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import (BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError,
                       field_validator, model_validator)
 
-from router.api_common import APIError, ServingContext, validation_error
-from router.chat import create_chat_completion
-from router.chat_template import ChatTemplate
-from router.schemas import ChatCompletionRequest
-from router.unsupported_fields import RESPONSES_FIELDS, RESPONSES_TOOL_FIELDS, drop_neutral
+from pdcluster.router.api_common import APIError, ServingContext, validation_error
+from pdcluster.router.chat import create_chat_completion
+from pdcluster.router.chat_template import ChatTemplate
+from pdcluster.router.schemas import ChatCompletionRequest
+from pdcluster.router.unsupported_fields import (RESPONSES_FIELDS, RESPONSES_TOOL_FIELDS,
+                                                 drop_neutral)
 
 
 class ContentPart(BaseModel):

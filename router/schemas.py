@@ -20,11 +20,11 @@ from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, ValidationI
                       field_validator, model_validator)
 from pydantic_core import PydanticCustomError
 
-from engine.protocol import MAX_LOGPROBS, SamplingParams, StructuredOutputSpec
-from router.structured_outputs import ResponseFormat, StructuredOutputsParams, spec_of
-from router.tool_calls import MessageToolCall, Tool, ToolChoice
-from router.unsupported_fields import (CHAT_FIELDS, COMPLETION_FIELDS, MESSAGE_FIELDS,
-                                       TEXT_PART_TYPES, drop_neutral)
+from pdcluster.engine.protocol import MAX_LOGPROBS, SamplingParams, StructuredOutputSpec
+from pdcluster.router.structured_outputs import ResponseFormat, StructuredOutputsParams, spec_of
+from pdcluster.router.tool_calls import MessageToolCall, Tool, ToolChoice
+from pdcluster.router.unsupported_fields import (CHAT_FIELDS, COMPLETION_FIELDS, MESSAGE_FIELDS,
+                                                 TEXT_PART_TYPES, drop_neutral)
 
 MAX_N = 16
 #: vLLM's limits on a request's bad words (VLLM_MAX_NUM_BAD_WORDS, ..._TOTAL_TOKENS)

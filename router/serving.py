@@ -15,12 +15,12 @@ import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Sequence
 
-from engine.protocol import FinishReason, SamplingParams, TokenLogprob
-from engine.tokenizer import Tokenizer
-from router.inflight import InflightGate, Overloaded
-from router.metrics import GatewayMetrics
-from router.pipeline import GenerationError, Pipeline
-from router.stop import ChoiceText
+from pdcluster.engine.protocol import FinishReason, SamplingParams, TokenLogprob
+from pdcluster.engine.tokenizer import Tokenizer
+from pdcluster.router.inflight import InflightGate, Overloaded
+from pdcluster.router.metrics import GatewayMetrics
+from pdcluster.router.pipeline import GenerationError, Pipeline
+from pdcluster.router.stop import ChoiceText
 
 
 @dataclass(frozen=True)

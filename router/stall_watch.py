@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from router.registry import Instance, InstanceRegistry
+from pdcluster.router.registry import Instance, InstanceRegistry
 
 log = logging.getLogger(__name__)
 

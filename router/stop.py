@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from typing import AbstractSet, Sequence
 
-from engine.protocol import SamplingParams
-from engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from pdcluster.engine.protocol import SamplingParams
+from pdcluster.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
 class StopStringMatcher:

@@ -15,9 +15,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from engine.core.structured_output import StructuredOutputManager
-from engine.protocol import StructuredOutputSpec
-from engine.tokenizer import Tokenizer
+from pdcluster.engine.core.structured_output import StructuredOutputManager
+from pdcluster.engine.protocol import StructuredOutputSpec
+from pdcluster.engine.tokenizer import Tokenizer
 
 
 class JSONSchemaFormat(BaseModel):

@@ -10,11 +10,11 @@ from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from engine.tokenizer import TokenizerError
-from router.api_common import APIError, ServingContext
-from router.chat import render_messages
-from router.chat_template import ChatTemplate
-from router.schemas import ChatMessage, ChatTemplateFields
+from pdcluster.engine.tokenizer import TokenizerError
+from pdcluster.router.api_common import APIError, ServingContext
+from pdcluster.router.chat import render_messages
+from pdcluster.router.chat_template import ChatTemplate
+from pdcluster.router.schemas import ChatMessage, ChatTemplateFields
 
 
 class TokenizeRequest(ChatTemplateFields):

@@ -21,8 +21,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from engine.protocol import StructuredOutputSpec
-from router.tool_parsers import PARSERS, ForcedCalls, ToolCallStream
+from pdcluster.engine.protocol import StructuredOutputSpec
+from pdcluster.router.tool_parsers import PARSERS, ForcedCalls, ToolCallStream
 
 
 class FunctionDefinition(BaseModel):

@@ -64,8 +64,7 @@ def main() -> int:
     anys = [f"engine/core/kv_connector.py:{n}" for n, line in code_lines(base)
             if re.search(r"\bAny\b", line)]
     checks.append(("the connector base has no Any", anys))
-    sys.path.insert(0, str(ROOT))
-    from engine.core.kv_connector import KVConnector
+    from pdcluster.engine.core.kv_connector import KVConnector
     core = ROOT / "engine" / "core" / "engine_core.py"
     called = {m for _, line in code_lines(core)
               for m in re.findall(r"\bconnector\.(\w+)", line)}

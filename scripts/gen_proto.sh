@@ -9,3 +9,6 @@ python_bin="${PYTHON:-$repo_root/.venv/bin/python}"
 "$python_bin" -m grpc_tools.protoc -I . \
   --python_out=. --pyi_out=. --grpc_python_out=. \
   kvstore/proto/kvstore.proto
+# protoc names modules after the folders (kvstore.proto...); they install as pdcluster.kvstore
+sed -i 's/^from kvstore\.proto import/from pdcluster.kvstore.proto import/' kvstore/proto/kvstore_pb2_grpc.py
+sed -i "s/'kvstore\.proto\.kvstore_pb2'/'pdcluster.kvstore.proto.kvstore_pb2'/" kvstore/proto/kvstore_pb2.py

@@ -4,7 +4,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh --dev
 # package layers (which may import which): import-linter contracts in pyproject.toml
-.venv/bin/lint-imports
+bash scripts/lint_imports.sh
 # progress as it happens, not in a buffer a killed run never prints
 export PYTHONUNBUFFERED=1
 if [ $# -gt 0 ]; then exec .venv/bin/python -m pytest -q -ra "$@"; fi

@@ -7,8 +7,8 @@ import time
 
 import uvicorn
 
-from deploy.http_protocol import (DEFAULT_BODY_TIMEOUT_S, DEFAULT_HEADER_TIMEOUT_S,
-                                   DEFAULT_KEEP_ALIVE_TIMEOUT_S, gateway_protocol)
+from pdcluster.deploy.http_protocol import (DEFAULT_BODY_TIMEOUT_S, DEFAULT_HEADER_TIMEOUT_S,
+                                            DEFAULT_KEEP_ALIVE_TIMEOUT_S, gateway_protocol)
 
 
 class BackgroundServer:

@@ -8,14 +8,23 @@ collection unless named on the command line.
 from __future__ import annotations
 
 import faulthandler
+import os
 import sys
 from collections import Counter
 from pathlib import Path
 
+# pytest puts the repository root first on sys.path (pyproject's `pythonpath`, and `python -m`
+# its working directory) so that `tests.*` and `benchmarks.*` import. Its folders would then
+# shadow installed top-level packages of the same name, such as Hugging Face's `kernels`, which
+# transformers imports: the root goes last, where only names nothing installed holds reach it.
+_ROOT = Path(__file__).resolve().parent.parent
+_at_root = [p for p in sys.path if Path(os.path.abspath(p or os.curdir)) == _ROOT]
+sys.path[:] = [p for p in sys.path if p not in _at_root] + _at_root[:1]
+
 import pytest
 import torch
 
-from engine.config import BUNDLED_MODEL
+from pdcluster.engine.config import BUNDLED_MODEL
 from tests.markers import mark_starts
 from tests.real_parts import require_real_part
 

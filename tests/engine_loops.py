@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TypeVar
 
-from engine.core.engine_loop import EngineLoop
+from pdcluster.engine.core.engine_loop import EngineLoop
 
 _E = TypeVar("_E")
 _loops: dict[int, EngineLoop] = {}

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from engine.core.engine_core import EngineCore
-from engine.core.request import Request
-from engine.protocol import DecodeRequest, TokenDelta
-from kvstore.connector.fetch import FetchConnector
+from pdcluster.engine.core.engine_core import EngineCore
+from pdcluster.engine.core.request import Request
+from pdcluster.engine.protocol import DecodeRequest, TokenDelta
+from pdcluster.kvstore.connector.fetch import FetchConnector
 
 
 def submit_decode(core: EngineCore, request: DecodeRequest,

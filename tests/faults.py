@@ -10,13 +10,13 @@ from typing import Literal
 
 import ray
 
-from decode_worker.actor import DecodeWorker
-from deploy.launcher import ActorClasses
-from kvstore.actor import KVStoreActor
-from kvstore.connector.context import KVConnectorContext
-from kvstore.connector.fetch import FetchConnector
-from kvstore.transfer.dest import CacheDest
-from prefill_worker.actor import PrefillWorker
+from pdcluster.decode_worker.actor import DecodeWorker
+from pdcluster.deploy.launcher import ActorClasses
+from pdcluster.kvstore.actor import KVStoreActor
+from pdcluster.kvstore.connector.context import KVConnectorContext
+from pdcluster.kvstore.connector.fetch import FetchConnector
+from pdcluster.kvstore.transfer.dest import CacheDest
+from pdcluster.prefill_worker.actor import PrefillWorker
 
 
 class PerturbingFetch(FetchConnector):

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from engine.protocol import PrefillResult
-from kvstore.handoff import DecodeHandoff
+from pdcluster.engine.protocol import PrefillResult
+from pdcluster.kvstore.handoff import DecodeHandoff
 
 
 def handoff(result: PrefillResult) -> DecodeHandoff:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from benchmarks.eviction.base import EvictionPolicy, Key
-from engine.core.kv_events import BlockRemoved, BlockStored, KVCacheEvent
+from pdcluster.engine.core.kv_events import BlockRemoved, BlockStored, KVCacheEvent
 
 
 class PolicyCache:

@@ -42,7 +42,7 @@ ray_affinity() {
     return 0
   fi
   local ray_cpus
-  ray_cpus="$(python -m deploy.node_cores "${split[@]}")"
+  ray_cpus="$(python -m pdcluster.deploy.node_cores "${split[@]}")"
   affinity=(taskset -c "$ray_cpus")
 }
 

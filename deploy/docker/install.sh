@@ -54,7 +54,7 @@ import sys
 import ray
 import torch
 
-import deploy.cli  # noqa: F401  (the entry point imports)
+import pdcluster.deploy.cli  # noqa: F401  (the entry point imports)
 
 ray_want, torch_want, kind = sys.argv[1:]
 assert ray.__version__ == ray_want, f"ray {ray.__version__} != pinned {ray_want}"

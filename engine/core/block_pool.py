@@ -25,8 +25,8 @@ from collections import Counter
 from itertools import islice
 from typing import Sequence
 
-from engine.core.kv_events import AllCleared, BlockRemoved, BlockStored, KVCacheEvent
-from engine.core.free_queue import FreeBlockQueue
+from pdcluster.engine.core.kv_events import AllCleared, BlockRemoved, BlockStored, KVCacheEvent
+from pdcluster.engine.core.free_queue import FreeBlockQueue
 
 
 class NoFreeBlocksError(RuntimeError):

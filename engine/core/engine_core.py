@@ -42,21 +42,22 @@ from typing import Any, Protocol
 
 import torch
 
-from engine.core.block_pool import BlockPool
-from engine.core.engine_loop import EngineInbox
-from engine.core.hashing import block_keys, make_namespace
-from engine.core.kv_cache_manager import NULL_BLOCK, KVCacheManager, has_released
-from engine.core.kv_connector import (KVConnector, KVLoadFailurePolicy, LoadOutcome,
-                                      ScheduledChunk, StepCancelled)
-from engine.core.preemption import PREEMPTION_MODES
-from engine.core.request import (Request, RequestAborted, RequestFailed, RequestRejected,
-                                 RequestStatus)
-from engine.core.scheduler import Scheduler
-from engine.core.structured_output import GrammarError, StructuredOutputManager, apply_bitmask
-from engine.protocol import KV_LOAD_FAILED, FinishReason, TokenDelta, TokenLogprob
-from engine.runner import ModelRunner, SequenceChunk
-from engine.sampler import SampleInput, prompt_logprobs, sample
-from engine.tokenizer import Tokenizer
+from pdcluster.engine.core.block_pool import BlockPool
+from pdcluster.engine.core.engine_loop import EngineInbox
+from pdcluster.engine.core.hashing import block_keys, make_namespace
+from pdcluster.engine.core.kv_cache_manager import NULL_BLOCK, KVCacheManager, has_released
+from pdcluster.engine.core.kv_connector import (KVConnector, KVLoadFailurePolicy, LoadOutcome,
+                                                ScheduledChunk, StepCancelled)
+from pdcluster.engine.core.preemption import PREEMPTION_MODES
+from pdcluster.engine.core.request import (Request, RequestAborted, RequestFailed, RequestRejected,
+                                           RequestStatus)
+from pdcluster.engine.core.scheduler import Scheduler
+from pdcluster.engine.core.structured_output import (GrammarError, StructuredOutputManager,
+                                                     apply_bitmask)
+from pdcluster.engine.protocol import KV_LOAD_FAILED, FinishReason, TokenDelta, TokenLogprob
+from pdcluster.engine.runner import ModelRunner, SequenceChunk
+from pdcluster.engine.sampler import SampleInput, prompt_logprobs, sample
+from pdcluster.engine.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 

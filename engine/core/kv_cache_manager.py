@@ -18,8 +18,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from engine.core.block_pool import BlockPool
-from engine.core.blocks import num_blocks_for, num_full_blocks
+from pdcluster.engine.core.block_pool import BlockPool
+from pdcluster.engine.core.blocks import num_blocks_for, num_full_blocks
 
 #: a block-table entry whose block was released (wholly outside the sliding window)
 NULL_BLOCK = -1

@@ -38,7 +38,7 @@ from typing import Protocol
 
 import torch
 
-from engine.protocol import KVTransferParams
+from pdcluster.engine.protocol import KVTransferParams
 
 
 class KVConnectorRequest(Protocol):

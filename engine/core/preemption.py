@@ -21,8 +21,8 @@ from typing import Protocol
 
 import torch
 
-from engine.core.kv_cache_manager import KVCacheManager, has_released
-from engine.core.request import SchedulableRequest
+from pdcluster.engine.core.kv_cache_manager import KVCacheManager, has_released
+from pdcluster.engine.core.request import SchedulableRequest
 
 
 class PreemptedRequest(SchedulableRequest, Protocol):

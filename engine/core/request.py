@@ -21,9 +21,9 @@ from typing import Any, Protocol
 
 import torch
 
-from engine.protocol import (DecodeRequest, KVTransferParams, PrefillRequest, SamplingParams,
-                             TokenDelta)
-from engine.sampler import TokenEdits, draw_seed
+from pdcluster.engine.protocol import (DecodeRequest, KVTransferParams, PrefillRequest,
+                                       SamplingParams, TokenDelta)
+from pdcluster.engine.sampler import TokenEdits, draw_seed
 
 
 class RequestStatus(enum.Enum):

@@ -29,9 +29,9 @@ import bisect
 from collections.abc import Iterator
 from typing import Generic, Literal, TypeVar
 
-from engine.core.kv_cache_manager import KVCacheManager
-from engine.core.preemption import PreemptionPolicy
-from engine.core.request import RequestStatus, SchedulableRequest
+from pdcluster.engine.core.kv_cache_manager import KVCacheManager
+from pdcluster.engine.core.preemption import PreemptionPolicy
+from pdcluster.engine.core.request import RequestStatus, SchedulableRequest
 
 R = TypeVar("R", bound=SchedulableRequest)
 

@@ -27,8 +27,8 @@ import llguidance
 import llguidance.numpy as llg_numpy
 import torch
 
-from engine.protocol import StructuredOutputSpec
-from engine.tokenizer import Tokenizer
+from pdcluster.engine.protocol import StructuredOutputSpec
+from pdcluster.engine.tokenizer import Tokenizer
 
 #: distinct compiled grammars kept (least recently used go first)
 CACHE_SIZE = 256

@@ -20,11 +20,11 @@ from typing import Any
 import torch
 from torch import nn
 
-import kernels
-from engine.loader import CheckpointReader, WeightLoadError
-from engine.model_config import ModelConfig
-from engine.parallel import LinearBase, TPGroup, replicated_weight_loader
-from engine.rope import RotaryEmbedding
+from pdcluster import kernels
+from pdcluster.engine.loader import CheckpointReader, WeightLoadError
+from pdcluster.engine.model_config import ModelConfig
+from pdcluster.engine.parallel import LinearBase, TPGroup, replicated_weight_loader
+from pdcluster.engine.rope import RotaryEmbedding
 
 #: checkpoint tensor name -> a call that copies the tensor's slice into its parameter
 Sources = dict[str, Callable[[Any], None]]
@@ -257,7 +257,7 @@ class DecoderForCausalLM(nn.Module):
 def check_tensor_parallel(config: ModelConfig, tp_size: int) -> None:
     """Raise ValueError unless `tp_size` divides what the model's family splits across ranks
     (its class's `check_tensor_parallel`)."""
-    from engine.models.registry import model_class
+    from pdcluster.engine.models.registry import model_class
 
     model_class(config.architecture).check_tensor_parallel(config, tp_size)
 
@@ -269,7 +269,7 @@ def build_model(config: ModelConfig, dtype: torch.dtype, device: str | torch.dev
 
     Built on the meta device then materialized, so no time goes into random init; call
     `load_checkpoint` before use."""
-    from engine.models.registry import model_class
+    from pdcluster.engine.models.registry import model_class
 
     with torch.device("meta"):
         model = model_class(config.architecture)(config, tp)

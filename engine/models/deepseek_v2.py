@@ -36,13 +36,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine.attention_layer import unified_mla_attention
-from engine.model_config import ModelConfig
-from engine.models.base import DecoderForCausalLM, RMSNorm
-from engine.models.fused_moe import FusedMoE, Router
-from engine.models.llama import GATE_UP_SOURCES, LlamaMLP
-from engine.parallel import ColumnParallelLinear, RowParallelLinear, TPGroup, load_shard
-from engine.rope import yarn_mscale
+from pdcluster.engine.attention_layer import unified_mla_attention
+from pdcluster.engine.model_config import ModelConfig
+from pdcluster.engine.models.base import DecoderForCausalLM, RMSNorm
+from pdcluster.engine.models.fused_moe import FusedMoE, Router
+from pdcluster.engine.models.llama import GATE_UP_SOURCES, LlamaMLP
+from pdcluster.engine.parallel import ColumnParallelLinear, RowParallelLinear, TPGroup, load_shard
+from pdcluster.engine.rope import yarn_mscale
 
 #: transformers' DeepseekV2RMSNorm default, which its q_a / kv_a norms keep
 _LATENT_NORM_EPS = 1e-6

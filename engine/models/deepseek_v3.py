@@ -19,11 +19,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.model_config import ModelConfig, ModelConfigError
-from engine.models.deepseek_v2 import DeepseekV2ForCausalLM, DeepseekV2MoE
-from engine.models.fused_moe import Router
-from engine.models.llama import LlamaMLP
-from engine.parallel import TPGroup
+from pdcluster.engine.model_config import ModelConfig, ModelConfigError
+from pdcluster.engine.models.deepseek_v2 import DeepseekV2ForCausalLM, DeepseekV2MoE
+from pdcluster.engine.models.fused_moe import Router
+from pdcluster.engine.models.llama import LlamaMLP
+from pdcluster.engine.parallel import TPGroup
 
 
 class CorrectedRouter(Router):

@@ -26,8 +26,8 @@ from typing import Any
 import torch
 from torch import nn
 
-import kernels
-from engine.parallel import TPGroup, load_shard
+from pdcluster import kernels
+from pdcluster.engine.parallel import TPGroup, load_shard
 
 
 def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool

@@ -11,11 +11,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.attention_layer import unified_attention
-from engine.model_config import ModelConfig
-from engine.models.gemma3 import Gemma3DecoderLayer, Gemma3ForCausalLM
-from engine.models.llama import LlamaAttention
-from engine.parallel import TPGroup
+from pdcluster.engine.attention_layer import unified_attention
+from pdcluster.engine.model_config import ModelConfig
+from pdcluster.engine.models.gemma3 import Gemma3DecoderLayer, Gemma3ForCausalLM
+from pdcluster.engine.models.llama import LlamaAttention
+from pdcluster.engine.parallel import TPGroup
 
 
 class Gemma2Attention(LlamaAttention):

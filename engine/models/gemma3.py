@@ -24,11 +24,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.model_config import ModelConfig
-from engine.models.base import DecoderForCausalLM
-from engine.models.llama import GATE_UP_SOURCES
-from engine.models.qwen3 import Qwen3Attention
-from engine.parallel import MergedColumnParallelLinear, RowParallelLinear, TPGroup
+from pdcluster.engine.model_config import ModelConfig
+from pdcluster.engine.models.base import DecoderForCausalLM
+from pdcluster.engine.models.llama import GATE_UP_SOURCES
+from pdcluster.engine.models.qwen3 import Qwen3Attention
+from pdcluster.engine.parallel import MergedColumnParallelLinear, RowParallelLinear, TPGroup
 
 
 class GemmaRMSNorm(nn.Module):

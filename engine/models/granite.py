@@ -11,9 +11,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.model_config import ModelConfig
-from engine.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
-from engine.parallel import TPGroup
+from pdcluster.engine.model_config import ModelConfig
+from pdcluster.engine.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
+from pdcluster.engine.parallel import TPGroup
 
 
 class GraniteAttention(LlamaAttention):

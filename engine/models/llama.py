@@ -17,10 +17,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.attention_layer import unified_attention
-from engine.model_config import ModelConfig
-from engine.models.base import DecoderForCausalLM
-from engine.parallel import MergedColumnParallelLinear, RowParallelLinear, TPGroup
+from pdcluster.engine.attention_layer import unified_attention
+from pdcluster.engine.model_config import ModelConfig
+from pdcluster.engine.models.base import DecoderForCausalLM
+from pdcluster.engine.parallel import MergedColumnParallelLinear, RowParallelLinear, TPGroup
 
 QKV_SOURCES = ("q_proj", "k_proj", "v_proj")
 GATE_UP_SOURCES = ("gate_proj", "up_proj")

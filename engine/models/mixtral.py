@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from torch import nn
 
-from engine.model_config import ModelConfig
-from engine.models.base import DecoderForCausalLM
-from engine.models.fused_moe import SparseMoeBlock
-from engine.models.llama import LlamaAttention
-from engine.parallel import TPGroup
+from pdcluster.engine.model_config import ModelConfig
+from pdcluster.engine.models.base import DecoderForCausalLM
+from pdcluster.engine.models.fused_moe import SparseMoeBlock
+from pdcluster.engine.models.llama import LlamaAttention
+from pdcluster.engine.parallel import TPGroup
 
 
 class MixtralForCausalLM(DecoderForCausalLM):

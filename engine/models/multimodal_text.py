@@ -15,9 +15,9 @@ of the frequencies); a text token has the same position on all three, which is R
 
 from __future__ import annotations
 
-from engine.models.gemma3 import Gemma3ForCausalLM
-from engine.models.llama import LlamaForCausalLM
-from engine.models.qwen3 import Qwen3ForCausalLM
+from pdcluster.engine.models.gemma3 import Gemma3ForCausalLM
+from pdcluster.engine.models.llama import LlamaForCausalLM
+from pdcluster.engine.models.qwen3 import Qwen3ForCausalLM
 
 
 class TextOfVisionLanguage:

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from torch import nn
 
-from engine.model_config import ModelConfig
-from engine.models.llama import LlamaForCausalLM
-from engine.parallel import TPGroup
+from pdcluster.engine.model_config import ModelConfig
+from pdcluster.engine.models.llama import LlamaForCausalLM
+from pdcluster.engine.parallel import TPGroup
 
 
 class Phi3ForCausalLM(LlamaForCausalLM):

@@ -11,11 +11,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-import kernels
-from engine.model_config import ModelConfig
-from engine.models.base import DecoderForCausalLM, RMSNorm
-from engine.models.llama import LlamaAttention, LlamaMLP
-from engine.parallel import TPGroup
+from pdcluster import kernels
+from pdcluster.engine.model_config import ModelConfig
+from pdcluster.engine.models.base import DecoderForCausalLM, RMSNorm
+from pdcluster.engine.models.llama import LlamaAttention, LlamaMLP
+from pdcluster.engine.parallel import TPGroup
 
 
 class Qwen3Attention(LlamaAttention):

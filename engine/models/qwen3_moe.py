@@ -9,12 +9,12 @@ from __future__ import annotations
 
 from torch import nn
 
-from engine.model_config import ModelConfig
-from engine.models.base import DecoderForCausalLM
-from engine.models.fused_moe import SparseMoeBlock
-from engine.models.llama import GATE_UP_SOURCES, LlamaMLP
-from engine.models.qwen3 import Qwen3Attention
-from engine.parallel import TPGroup
+from pdcluster.engine.model_config import ModelConfig
+from pdcluster.engine.models.base import DecoderForCausalLM
+from pdcluster.engine.models.fused_moe import SparseMoeBlock
+from pdcluster.engine.models.llama import GATE_UP_SOURCES, LlamaMLP
+from pdcluster.engine.models.qwen3 import Qwen3Attention
+from pdcluster.engine.parallel import TPGroup
 
 
 def num_experts(config: ModelConfig) -> int:

@@ -62,4 +62,4 @@ def model_class(architecture: str) -> type:
     if architecture not in ARCHITECTURES:
         resolve_architecture([architecture])
     module, name = ARCHITECTURES[architecture]
-    return getattr(importlib.import_module(f"engine.models.{module}"), name)
+    return getattr(importlib.import_module(f"pdcluster.engine.models.{module}"), name)

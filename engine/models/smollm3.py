@@ -10,9 +10,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.model_config import ModelConfig
-from engine.models.llama import LlamaAttention, LlamaForCausalLM
-from engine.parallel import TPGroup
+from pdcluster.engine.model_config import ModelConfig
+from pdcluster.engine.models.llama import LlamaAttention, LlamaForCausalLM
+from pdcluster.engine.parallel import TPGroup
 
 
 def uses_rope(config: ModelConfig, layer: int) -> bool:

@@ -9,13 +9,9 @@ Light re-exports only: importing ``kvstore.arena`` does not import torch (the ow
 import ``ArenaView`` from ``kvstore.arena.view``.
 """
 
-from kvstore.arena.errors import (
-    ArenaAllocationError,
-    ArenaAttachError,
-    ArenaClosedError,
-    ArenaFullError,
-)
-from kvstore.arena.owner import HostArena
+from pdcluster.kvstore.arena.errors import (ArenaAllocationError, ArenaAttachError,
+                                            ArenaClosedError, ArenaFullError)
+from pdcluster.kvstore.arena.owner import HostArena
 
 __all__ = [
     "ArenaAllocationError",

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvstore.errors import KVStoreError, StoreCapacityError
+from pdcluster.kvstore.errors import KVStoreError, StoreCapacityError
 
 
 class ArenaFullError(StoreCapacityError):

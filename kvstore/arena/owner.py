@@ -42,10 +42,10 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from engine.core.free_queue import FreeBlockQueue
-from kvstore.arena.errors import ArenaClosedError, ArenaFullError
-from kvstore.arena.segment import create_segment, reclaim_dead_segments, segment_name
-from kvstore.errors import StoreCapacityError
+from pdcluster.engine.core.free_queue import FreeBlockQueue
+from pdcluster.kvstore.arena.errors import ArenaClosedError, ArenaFullError
+from pdcluster.kvstore.arena.segment import create_segment, reclaim_dead_segments, segment_name
+from pdcluster.kvstore.errors import StoreCapacityError
 
 #: ``on_evict(key, view)``: ``view`` is the evicted slot's bytes (``block_nbytes`` long), valid only
 #: during the call (copy it to keep it); the slot is reused right after.

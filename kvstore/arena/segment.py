@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from multiprocessing.shared_memory import SharedMemory
 from pathlib import Path
 
-from kvstore.arena.errors import ArenaAllocationError, ArenaAttachError
+from pdcluster.kvstore.arena.errors import ArenaAllocationError, ArenaAttachError
 
 log = logging.getLogger(__name__)
 

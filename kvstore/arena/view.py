@@ -30,8 +30,8 @@ from collections.abc import Sequence
 
 import torch
 
-from kvstore.arena.errors import ArenaClosedError
-from kvstore.arena.segment import attach_segment
+from pdcluster.kvstore.arena.errors import ArenaClosedError
+from pdcluster.kvstore.arena.segment import attach_segment
 
 _CUDA_HOST_REGISTER_PORTABLE = 1
 #: CPU copies of fewer runs of consecutive slots use one memmove per run, more use one

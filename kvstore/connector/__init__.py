@@ -12,19 +12,19 @@ from __future__ import annotations
 import importlib
 from collections.abc import Sequence
 
-from engine.core.kv_connector import KVConnector
-from kvstore.connector.context import KVConnectorContext
-from kvstore.connector.multi import MultiConnector
+from pdcluster.engine.core.kv_connector import KVConnector
+from pdcluster.kvstore.connector.context import KVConnectorContext
+from pdcluster.kvstore.connector.multi import MultiConnector
 
 #: name -> "module:class"
 KV_CONNECTORS: dict[str, str] = {
-    "pool": "kvstore.transport.pool.connector:PoolConnector",
-    "pool-load": "kvstore.transport.pool.connector:PoolLoadConnector",
-    "layer": "kvstore.transport.layer_stream.connector:LayerStreamConnector",
-    "torch": "kvstore.transport.torch_pair.push:TorchPushConnector",
-    "fetch": "kvstore.connector.fetch:FetchConnector",
-    "mooncake": "kvstore.transport.mooncake.connector:MooncakeConnector",
-    "publish": "kvstore.transport.pool.publish:PublishConnector",
+    "pool": "pdcluster.kvstore.transport.pool.connector:PoolConnector",
+    "pool-load": "pdcluster.kvstore.transport.pool.connector:PoolLoadConnector",
+    "layer": "pdcluster.kvstore.transport.layer_stream.connector:LayerStreamConnector",
+    "torch": "pdcluster.kvstore.transport.torch_pair.push:TorchPushConnector",
+    "fetch": "pdcluster.kvstore.connector.fetch:FetchConnector",
+    "mooncake": "pdcluster.kvstore.transport.mooncake.connector:MooncakeConnector",
+    "publish": "pdcluster.kvstore.transport.pool.publish:PublishConnector",
 }
 
 

@@ -6,14 +6,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kvstore.client import KVStoreClient
-from kvstore.config import KVStoreConfig, KVTransferConfig
-from kvstore.index import KVIndex
-from kvstore.node_store_api import NodeStore
+from pdcluster.kvstore.client import KVStoreClient
+from pdcluster.kvstore.config import KVStoreConfig, KVTransferConfig
+from pdcluster.kvstore.index import KVIndex
+from pdcluster.kvstore.node_store_api import NodeStore
 
 if TYPE_CHECKING:
-    from kvstore.remote import RemoteStores
-    from kvstore.transfer.peers import StreamPeers
+    from pdcluster.kvstore.remote import RemoteStores
+    from pdcluster.kvstore.transfer.peers import StreamPeers
 
 
 @dataclass

@@ -56,21 +56,23 @@ from collections.abc import Sequence
 
 import torch
 
-from engine.core.kv_connector import (BlockCache, KVConnector, KVConnectorRequest,
-                                      KVTransferParams, LoadOutcome)
-from kvstore.config import KVStoreConfig, KVTransferConfig
-from kvstore.connector.context import KVConnectorContext
-from kvstore.errors import KVStoreError, KVTransferTimeout
-from kvstore.handoff import DecodeHandoff
-from kvstore.node_client import NodeStoreClient
-from kvstore.transfer.base import FetchRequest, KVReceiver, KVTransferBackend, TransferState
-from kvstore.transfer.dest import CacheDest, CallbackDest
-from kvstore.transfer.registry import create_backend
-from kvstore.transport.layer_stream.stream import (ALL_LAYERS, LayerPiece, LayerStreamAnnounce,
-                                                   LayerStreamReceiver)
-from kvstore.transport.mooncake.layer_stream import MooncakeLayerStreamReceiver
-from kvstore.transport.pool.arena_receiver import ArenaReceiver
-from kvstore.transport.pool.grpc_backend import GrpcTransferBackend
+from pdcluster.engine.core.kv_connector import (BlockCache, KVConnector, KVConnectorRequest,
+                                                KVTransferParams, LoadOutcome)
+from pdcluster.kvstore.config import KVStoreConfig, KVTransferConfig
+from pdcluster.kvstore.connector.context import KVConnectorContext
+from pdcluster.kvstore.errors import KVStoreError, KVTransferTimeout
+from pdcluster.kvstore.handoff import DecodeHandoff
+from pdcluster.kvstore.node_client import NodeStoreClient
+from pdcluster.kvstore.transfer.base import (FetchRequest, KVReceiver, KVTransferBackend,
+                                             TransferState)
+from pdcluster.kvstore.transfer.dest import CacheDest, CallbackDest
+from pdcluster.kvstore.transfer.registry import create_backend
+from pdcluster.kvstore.transport.layer_stream.stream import (ALL_LAYERS, LayerPiece,
+                                                             LayerStreamAnnounce,
+                                                             LayerStreamReceiver)
+from pdcluster.kvstore.transport.mooncake.layer_stream import MooncakeLayerStreamReceiver
+from pdcluster.kvstore.transport.pool.arena_receiver import ArenaReceiver
+from pdcluster.kvstore.transport.pool.grpc_backend import GrpcTransferBackend
 
 log = logging.getLogger(__name__)
 

@@ -8,9 +8,9 @@ from collections.abc import Sequence
 
 import torch
 
-from engine.core.kv_connector import (BlockCache, KVConnector, KVConnectorMetadata,
-                                      KVConnectorRequest, KVTransferParams, LoadOutcome)
-from kvstore.connector.context import KVConnectorContext
+from pdcluster.engine.core.kv_connector import (BlockCache, KVConnector, KVConnectorMetadata,
+                                                KVConnectorRequest, KVTransferParams, LoadOutcome)
+from pdcluster.kvstore.connector.context import KVConnectorContext
 
 
 class MultiConnector(KVConnector):

@@ -17,9 +17,9 @@ from __future__ import annotations
 from typing import Any
 from urllib.parse import urlsplit
 
-from kvstore.index.base import (DEFAULT_NODE_LEASE_S, TIERS, KVIndex, KVIndexError,
-                                KVIndexUnavailableError, Location)
-from kvstore.index.memory import MemoryIndex
+from pdcluster.kvstore.index.base import (DEFAULT_NODE_LEASE_S, TIERS, KVIndex, KVIndexError,
+                                          KVIndexUnavailableError, Location)
+from pdcluster.kvstore.index.memory import MemoryIndex
 
 DEFAULT_INDEX_URL = "ray://pdcluster-kv-index"
 
@@ -35,13 +35,13 @@ def open_index(url: str = DEFAULT_INDEX_URL, **kw: Any) -> KVIndex:
     if scheme == "memory":
         return MemoryIndex(**kw)
     if scheme in ("redis", "rediss", "unix"):
-        from kvstore.index.redis_index import RedisIndex
+        from pdcluster.kvstore.index.redis_index import RedisIndex
         return RedisIndex(url, **kw)
     if scheme == "mooncake":
-        from kvstore.index.mooncake_store import MooncakeStoreIndex
+        from pdcluster.kvstore.index.mooncake_store import MooncakeStoreIndex
         return MooncakeStoreIndex(urlsplit(url).netloc, **kw)
     if scheme == "ray":
-        from kvstore.index.actor import DEFAULT_INDEX_ACTOR_NAME, ActorIndex
+        from pdcluster.kvstore.index.actor import DEFAULT_INDEX_ACTOR_NAME, ActorIndex
         return ActorIndex(urlsplit(url).netloc or DEFAULT_INDEX_ACTOR_NAME, **kw)
     raise ValueError(f"unknown index URL {url!r}; schemes: memory, ray, redis, rediss, unix, "
                      "mooncake")
@@ -49,10 +49,10 @@ def open_index(url: str = DEFAULT_INDEX_URL, **kw: Any) -> KVIndex:
 
 def __getattr__(name: str) -> Any:
     if name == "RedisIndex":
-        from kvstore.index.redis_index import RedisIndex
+        from pdcluster.kvstore.index.redis_index import RedisIndex
         return RedisIndex
     if name in ("ActorIndex", "IndexActor", "get_or_create_index_actor"):
-        from kvstore.index import actor
+        from pdcluster.kvstore.index import actor
         return getattr(actor, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 

@@ -19,11 +19,11 @@ from typing import Any
 import ray
 from ray.actor import ActorHandle
 
-from engine import ray_calls
-from engine.core.kv_events import KVCacheEvent
-from kvstore.index.base import (DEFAULT_NODE_LEASE_S, KVIndex, KVIndexUnavailableError, Location,
-                                check_events, check_keys, check_lease)
-from kvstore.index.memory import MemoryIndex
+from pdcluster.engine import ray_calls
+from pdcluster.engine.core.kv_events import KVCacheEvent
+from pdcluster.kvstore.index.base import (DEFAULT_NODE_LEASE_S, KVIndex, KVIndexUnavailableError,
+                                          Location, check_events, check_keys, check_lease)
+from pdcluster.kvstore.index.memory import MemoryIndex
 
 DEFAULT_INDEX_ACTOR_NAME = "pdcluster-kv-index"
 

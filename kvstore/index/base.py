@@ -32,9 +32,9 @@ import abc
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from engine.core.hashing import KEY_BYTES
-from engine.core.kv_events import AllCleared, BlockRemoved, BlockStored, KVCacheEvent
-from kvstore.errors import KVStoreError
+from pdcluster.engine.core.hashing import KEY_BYTES
+from pdcluster.engine.core.kv_events import AllCleared, BlockRemoved, BlockStored, KVCacheEvent
+from pdcluster.kvstore.errors import KVStoreError
 
 TIERS = ("device", "host", "ssd", "mooncake_store")
 """G1 a worker's paged cache, G2 a node's host-DRAM arena, G3 a node's SSD slabs (fastest

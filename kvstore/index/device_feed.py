@@ -20,9 +20,9 @@ import logging
 import time
 from concurrent.futures import Executor
 
-from engine.core.block_pool import BlockPool
-from engine.core.kv_events import BlockStored
-from kvstore.index.base import KVIndex, Location
+from pdcluster.engine.core.block_pool import BlockPool
+from pdcluster.engine.core.kv_events import BlockStored
+from pdcluster.kvstore.index.base import KVIndex, Location
 
 log = logging.getLogger(__name__)
 

@@ -7,8 +7,8 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
-from kvstore.index.base import (DEFAULT_NODE_LEASE_S, KVIndex, Location, check_keys, check_lease,
-                                sorted_locations)
+from pdcluster.kvstore.index.base import (DEFAULT_NODE_LEASE_S, KVIndex, Location, check_keys,
+                                          check_lease, sorted_locations)
 
 
 class MemoryIndex(KVIndex):

@@ -17,9 +17,9 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 
-from kvstore.errors import KVStoreError
-from kvstore.index.base import (DEFAULT_NODE_LEASE_S, KVIndex, KVIndexUnavailableError,
-                                Location, check_keys)
+from pdcluster.kvstore.errors import KVStoreError
+from pdcluster.kvstore.index.base import (DEFAULT_NODE_LEASE_S, KVIndex, KVIndexUnavailableError,
+                                          Location, check_keys)
 
 #: the node id of every Mooncake Store location: the store, not a Ray node
 POOL_NODE = "mooncake-store"
@@ -44,7 +44,7 @@ class MooncakeStoreIndex(KVIndex):
         """The store client (connected now if it was not). Raises KVIndexUnavailableError."""
         with self._lock:
             if self._client is None:
-                from kvstore.mooncake_store import MooncakeStoreClient
+                from pdcluster.kvstore.mooncake_store import MooncakeStoreClient
 
                 try:
                     self._client = MooncakeStoreClient(self.master, **self._kw)

@@ -34,10 +34,10 @@ import redis
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
-from engine.core.kv_events import BlockRemoved, BlockStored, KVCacheEvent
-from kvstore.index.base import (DEFAULT_NODE_LEASE_S, KVIndex, KVIndexError,
-                                KVIndexUnavailableError, Location, check_events, check_keys,
-                                check_lease, sorted_locations)
+from pdcluster.engine.core.kv_events import BlockRemoved, BlockStored, KVCacheEvent
+from pdcluster.kvstore.index.base import (DEFAULT_NODE_LEASE_S, KVIndex, KVIndexError,
+                                          KVIndexUnavailableError, Location, check_events,
+                                          check_keys, check_lease, sorted_locations)
 
 DEFAULT_NAMESPACE = "pdc"
 _NAMESPACE_RE = re.compile(r"^[A-Za-z0-9_.-]+$")  # no ':' or glob characters (clear() SCANs)

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from kvstore.proto import kvstore_pb2 as kvstore_dot_proto_dot_kvstore__pb2
+from pdcluster.kvstore.proto import kvstore_pb2 as kvstore_dot_proto_dot_kvstore__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__

@@ -25,11 +25,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from kvstore.config import KVStoreConfig, KVTransferConfig, kv_plane_of
-from kvstore.errors import BlockLayoutError, KVStoreError, KVTransferError, KVTransferTimeout
+from pdcluster.kvstore.config import KVStoreConfig, KVTransferConfig, kv_plane_of
+from pdcluster.kvstore.errors import (BlockLayoutError, KVStoreError, KVTransferError,
+                                      KVTransferTimeout)
 
 if TYPE_CHECKING:
-    from kvstore.transfer.dest import CallbackDest
+    from pdcluster.kvstore.transfer.dest import CallbackDest
 
 _T = TypeVar("_T")
 

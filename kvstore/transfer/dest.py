@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
-from kvstore.errors import BlockLayoutError
+from pdcluster.kvstore.errors import BlockLayoutError
 
 #: Wire dtype names (kvstore.layout.DTYPE_ITEMSIZE) of the torch dtypes a block may have.
 WIRE_DTYPES: dict[torch.dtype, str] = {

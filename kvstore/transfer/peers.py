@@ -17,7 +17,7 @@ from typing import Any
 
 import ray
 
-from engine import ray_calls
+from pdcluster.engine import ray_calls
 
 log = logging.getLogger(__name__)
 

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from kvstore.config import KVStoreConfig, KVTransferConfig
-from kvstore.transfer.base import KVTransferBackend
-from kvstore.transport.mooncake.backend import MooncakeTransferBackend
-from kvstore.transport.pool.grpc_backend import GrpcTransferBackend
-from kvstore.transport.torch_pair.backend import TorchTransferBackend
+from pdcluster.kvstore.config import KVStoreConfig, KVTransferConfig
+from pdcluster.kvstore.transfer.base import KVTransferBackend
+from pdcluster.kvstore.transport.mooncake.backend import MooncakeTransferBackend
+from pdcluster.kvstore.transport.pool.grpc_backend import GrpcTransferBackend
+from pdcluster.kvstore.transport.torch_pair.backend import TorchTransferBackend
 
 TRANSFER_BACKENDS: dict[str, type[KVTransferBackend]] = {
     cls.name: cls for cls in (GrpcTransferBackend, TorchTransferBackend, MooncakeTransferBackend)

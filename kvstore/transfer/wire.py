@@ -16,8 +16,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from kvstore.errors import BlockLayoutError
-from kvstore.proto import kvstore_pb2 as pb
+from pdcluster.kvstore.errors import BlockLayoutError
+from pdcluster.kvstore.proto import kvstore_pb2 as pb
 
 _PAYLOAD_FIELD = 4
 _PAYLOAD_TAG = bytes([(_PAYLOAD_FIELD << 3) | 2])

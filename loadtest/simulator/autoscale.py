@@ -15,7 +15,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from router.planner import AutoscaleRange, Decision, Planner, PlannerConfig, RoleObservation, p90
+from pdcluster.router.planner import (AutoscaleRange, Decision, Planner, PlannerConfig,
+                                      RoleObservation, p90)
 
 
 class SimAutoscaler:

@@ -12,9 +12,9 @@ from __future__ import annotations
 from collections import Counter
 from typing import Sequence
 
-from engine.core.block_pool import BlockPool
-from engine.core.kv_events import BlockRemoved
-from kvstore.index import KVIndex, Location
+from pdcluster.engine.core.block_pool import BlockPool
+from pdcluster.engine.core.kv_events import BlockRemoved
+from pdcluster.kvstore.index import KVIndex, Location
 
 
 class TierPool:

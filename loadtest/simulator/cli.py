@@ -32,14 +32,14 @@ import sys
 import time
 from pathlib import Path
 
-from loadtest.simulator.engine import REPLICA_INPUTS, SimConfig, Simulation
-from loadtest.simulator.results import POLICY_KEYS, policy_row, summarize
-from loadtest.simulator.workload import load_requests, vary_rate
-from router.admission import ADMISSIONS, SLO
-from router.cost_model import DEFAULT_COST_MODEL, CostModel, load_cost_model
-from router.pd_decider import PDDecider
-from router.planner import AutoscaleRange
-from router.policies import DEFAULT_POLICY, POLICIES
+from pdcluster.loadtest.simulator.engine import REPLICA_INPUTS, SimConfig, Simulation
+from pdcluster.loadtest.simulator.results import POLICY_KEYS, policy_row, summarize
+from pdcluster.loadtest.simulator.workload import load_requests, vary_rate
+from pdcluster.router.admission import ADMISSIONS, SLO
+from pdcluster.router.cost_model import DEFAULT_COST_MODEL, CostModel, load_cost_model
+from pdcluster.router.pd_decider import PDDecider
+from pdcluster.router.planner import AutoscaleRange
+from pdcluster.router.policies import DEFAULT_POLICY, POLICIES
 
 _TABLE_KEYS = (*POLICY_KEYS, "mean_tbt_ms", "rejected", "wasted_prefill_s", "local_fraction")
 PD_DECIDERS = ("always", "never", "cost")
@@ -241,7 +241,7 @@ def run_simulate(args: argparse.Namespace) -> int:
         out.write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
         print(f"result: {out}", file=sys.stderr)
         if not args.no_plots:
-            from loadtest.simulator.plots import write_compare_plot, write_run_plots
+            from pdcluster.loadtest.simulator.plots import write_compare_plot, write_run_plots
 
             if len(configs) == 1:
                 write_run_plots(result, next(iter(ttfts.values())), out.parent, stem)

@@ -21,8 +21,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable
 
-from router.cost_model import CostModel
-from router.policies.base import DecodeLoad
+from pdcluster.router.cost_model import CostModel
+from pdcluster.router.policies.base import DecodeLoad
 
 
 @dataclass(slots=True)

@@ -30,20 +30,21 @@ import math
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
-from kvstore.index import MemoryIndex
-from loadtest.simulator.autoscale import SimAutoscaler
-from loadtest.simulator.cache import NodeCache
-from loadtest.simulator.decode import DecodeInstance
-from loadtest.simulator.workload import SimRequest
-from loadtest.trace import TRACE_BLOCK_SIZE
-from router.admission import SLO, decode_rejection
-from router.conductor import Conductor, InstanceRegistry, PrefixKeyer, RequestRejected, RouteRequest
-from router.cost_model import PATH_PD, CostModel
-from router.planner import AutoscaleRange
-from router.load_source import LoadSource
-from router.policies import PrefillPlan
-from router.policies.base import DecodeLoad
-from router.policies.forecast import DecodeForecast
+from pdcluster.kvstore.index import MemoryIndex
+from pdcluster.loadtest.simulator.autoscale import SimAutoscaler
+from pdcluster.loadtest.simulator.cache import NodeCache
+from pdcluster.loadtest.simulator.decode import DecodeInstance
+from pdcluster.loadtest.simulator.workload import SimRequest
+from pdcluster.loadtest.trace import TRACE_BLOCK_SIZE
+from pdcluster.router.admission import SLO, decode_rejection
+from pdcluster.router.conductor import (Conductor, InstanceRegistry, PrefixKeyer, RequestRejected,
+                                        RouteRequest)
+from pdcluster.router.cost_model import PATH_PD, CostModel
+from pdcluster.router.planner import AutoscaleRange
+from pdcluster.router.load_source import LoadSource
+from pdcluster.router.policies import PrefillPlan
+from pdcluster.router.policies.base import DecodeLoad
+from pdcluster.router.policies.forecast import DecodeForecast
 
 LEASE_S = 1e12
 REPLICA_INPUTS = ("private", "reports", "shared")

@@ -33,12 +33,12 @@ import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from loadtest.simulator.engine import SimConfig, Simulation
-from loadtest.simulator.results import summarize
-from loadtest.simulator.cli import add_trace_arguments, trace_requests
-from router.admission import SLO
-from router.cost_model import CostModel, load_cost_model
-from router.policies import DEFAULT_POLICY
+from pdcluster.loadtest.simulator.engine import SimConfig, Simulation
+from pdcluster.loadtest.simulator.results import summarize
+from pdcluster.loadtest.simulator.cli import add_trace_arguments, trace_requests
+from pdcluster.router.admission import SLO
+from pdcluster.router.cost_model import CostModel, load_cost_model
+from pdcluster.router.policies import DEFAULT_POLICY
 
 
 @dataclass(frozen=True, order=True)

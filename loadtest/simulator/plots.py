@@ -13,7 +13,7 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import numpy as np
 
-from loadtest.report import save_figure  # its import selects the Agg backend
+from pdcluster.loadtest.report import save_figure  # its import selects the Agg backend
 
 
 def _cdf(ax, values_s: list[float], label: str) -> None:

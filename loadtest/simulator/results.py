@@ -17,7 +17,7 @@ from collections import Counter
 
 import numpy as np
 
-from loadtest.simulator.engine import Simulation
+from pdcluster.loadtest.simulator.engine import Simulation
 
 HOT_BLOCKS = 10
 

@@ -16,8 +16,8 @@ import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
-from loadtest.arrivals import trace_arrivals
-from loadtest.trace import TRACE_BLOCK_SIZE, TraceRecord, read_trace
+from pdcluster.loadtest.arrivals import trace_arrivals
+from pdcluster.loadtest.trace import TRACE_BLOCK_SIZE, TraceRecord, read_trace
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,12 +14,13 @@ from __future__ import annotations
 
 from typing import Callable
 
-from router.policies.base import (DecodeLoad, DecodePlan, DecodePolicy, PrefillCandidate,
-                                  PrefillPlan, PrefillPolicy, RouteContext, estimate,
-                                  prefix_hits)
-from router.policies.cache_aware import CacheAwarePrefill, KVCacheCentricPrefill, TBTDecode
-from router.policies.simple import (LeastLoadedDecode, LeastLoadedPrefill, RandomDecode,
-                                    RandomPrefill, RoundRobinDecode, RoundRobinPrefill)
+from pdcluster.router.policies.base import (DecodeLoad, DecodePlan, DecodePolicy, PrefillCandidate,
+                                            PrefillPlan, PrefillPolicy, RouteContext, estimate,
+                                            prefix_hits)
+from pdcluster.router.policies.cache_aware import (CacheAwarePrefill, KVCacheCentricPrefill,
+                                                   TBTDecode)
+from pdcluster.router.policies.simple import (LeastLoadedDecode, LeastLoadedPrefill, RandomDecode,
+                                              RandomPrefill, RoundRobinDecode, RoundRobinPrefill)
 
 PolicyPair = tuple[PrefillPolicy, DecodePolicy]
 

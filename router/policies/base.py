@@ -21,9 +21,9 @@ import abc
 from dataclasses import dataclass
 from typing import Sequence
 
-from engine.core.blocks import num_full_blocks
-from kvstore.index import Location
-from router.cost_model import CostModel
+from pdcluster.engine.core.blocks import num_full_blocks
+from pdcluster.kvstore.index import Location
+from pdcluster.router.cost_model import CostModel
 
 
 @dataclass(frozen=True)

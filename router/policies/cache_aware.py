@@ -14,8 +14,8 @@ kvcache_centric  Algorithm 1: the same minimum, but p may also pull the longest 
 
 from __future__ import annotations
 
-from router.policies.base import (DecodePlan, DecodePolicy, PrefillPlan, PrefillPolicy,
-                                  RouteContext, estimate, fits, local_plan, predicted_tbt)
+from pdcluster.router.policies.base import (DecodePlan, DecodePolicy, PrefillPlan, PrefillPolicy,
+                                            RouteContext, estimate, fits, local_plan, predicted_tbt)
 
 DEFAULT_BALANCING_THRESHOLD = 1.0
 TIE_S = 1e-3

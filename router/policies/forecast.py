@@ -32,8 +32,8 @@ from itertools import accumulate
 
 import numpy as np
 
-from router.cost_model import CostModel
-from router.policies.base import DecodeLoad
+from pdcluster.router.cost_model import CostModel
+from pdcluster.router.policies.base import DecodeLoad
 
 DEFAULT_EXPECTED_OUTPUT_TOKENS = 256
 _SAMPLES = 4096

@@ -25,10 +25,10 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Callable
 
-from router.cost_model import CostModel
-from router.load_source import LoadSource, RouteDecision
-from router.policies.base import DecodeLoad
-from router.registry import InstanceRegistry
+from pdcluster.router.cost_model import CostModel
+from pdcluster.router.load_source import LoadSource, RouteDecision
+from pdcluster.router.policies.base import DecodeLoad
+from pdcluster.router.registry import InstanceRegistry
 
 log = logging.getLogger(__name__)
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 import itertools
 import random
 
-from router.policies.base import (DecodePlan, DecodePolicy, PrefillPlan, PrefillPolicy,
-                                  RouteContext, local_plan, predicted_tbt)
+from pdcluster.router.policies.base import (DecodePlan, DecodePolicy, PrefillPlan, PrefillPolicy,
+                                            RouteContext, local_plan, predicted_tbt)
 
 
 def _decode_plan(ctx: RouteContext, index: int) -> DecodePlan:

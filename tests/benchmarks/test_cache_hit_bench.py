@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.eviction import DEFAULT_EVICTION, LRUPolicy, PolicyCache
-from loadtest.trace import read_trace
+from pdcluster.loadtest.trace import read_trace
 
 ROOT = Path(__file__).resolve().parents[2]
 TRACE = ROOT.parent / "shared/traces/mooncake/conversation_trace.jsonl"

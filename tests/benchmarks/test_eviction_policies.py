@@ -9,7 +9,7 @@ import pytest
 
 from benchmarks.eviction import (DEFAULT_EVICTION, EVICTION_POLICIES, ARCPolicy, LFUDAPolicy,
                                  LRUPolicy, PolicyCache, S3FIFOPolicy, make_policy)
-from engine.core.kv_events import BlockRemoved, BlockStored
+from pdcluster.engine.core.kv_events import BlockRemoved, BlockStored
 
 ALL = sorted(EVICTION_POLICIES)
 

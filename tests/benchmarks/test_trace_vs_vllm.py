@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from loadtest.client import RequestRecord
+from pdcluster.loadtest.client import RequestRecord
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -22,12 +22,12 @@ import pytest
 import ray
 import uvicorn
 
-from deploy.config import ServeConfig
-from deploy.launcher import Cluster
-from deploy.serve import gateway_app
-from engine.config import EngineConfig
-from kvstore.config import KVStoreConfig, KVTransferConfig
-from kvstore.pool_config import KVPoolConfig
+from pdcluster.deploy.config import ServeConfig
+from pdcluster.deploy.launcher import Cluster
+from pdcluster.deploy.serve import gateway_app
+from pdcluster.engine.config import EngineConfig
+from pdcluster.kvstore.config import KVStoreConfig, KVTransferConfig
+from pdcluster.kvstore.pool_config import KVPoolConfig
 from tests.kvstore.conftest import RedisServer, _free_port, _need_redis
 from tests.markers import starts
 

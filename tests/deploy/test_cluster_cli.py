@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 from pydantic import SecretStr
 
-from deploy.cluster_cli import GATEWAY_FIELDS, gateway_config
-from deploy.cluster_record import ClusterManifest
-from deploy.config import ServeConfig
-from kvstore.config import KVStoreConfig
+from pdcluster.deploy.cluster_cli import GATEWAY_FIELDS, gateway_config
+from pdcluster.deploy.cluster_record import ClusterManifest
+from pdcluster.deploy.config import ServeConfig
+from pdcluster.kvstore.config import KVStoreConfig
 
 
 def cluster_json() -> str:
@@ -45,7 +45,7 @@ def test_the_manifest_round_trips_as_plain_data():
 
 @pytest.mark.parametrize("watch", ["0", "-1", "x", "nan"])
 def test_status_watch_takes_only_a_positive_interval(watch, capsys):
-    from deploy.cli import main
+    from pdcluster.deploy.cli import main
 
     with pytest.raises(SystemExit) as exit_:
         main(["cluster", "status", "--watch", watch])

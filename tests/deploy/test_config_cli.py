@@ -4,8 +4,8 @@ import warnings
 import pytest
 from pydantic import ValidationError
 
-from deploy.cli import _overrides, _parser, main
-from deploy.config import ServeConfig, load_config
+from pdcluster.deploy.cli import _overrides, _parser, main
+from pdcluster.deploy.config import ServeConfig, load_config
 
 
 def test_flags_override_yaml_which_overrides_defaults(tmp_path):
@@ -178,15 +178,15 @@ def test_new_keys_load_without_warnings(tmp_path):
 
 
 def test_serve_logs_each_deprecated_key_once(tmp_path, monkeypatch, caplog):
-    import deploy.cli
-    import engine.logs
+    from pdcluster.deploy import cli
+    from pdcluster.engine import logs
 
     served = []
-    monkeypatch.setattr(deploy.cli, "_serve", lambda config: served.append(config) or 0)
-    monkeypatch.setattr(engine.logs, "configure_logging", lambda *args: None)
+    monkeypatch.setattr(cli, "_serve", lambda config: served.append(config) or 0)
+    monkeypatch.setattr(logs, "configure_logging", lambda *args: None)
     path = tmp_path / "old.yaml"
     path.write_text("kvstore:\n  capacity_bytes: 4096\n")
-    with caplog.at_level(logging.WARNING, logger="deploy.cli"):
+    with caplog.at_level(logging.WARNING, logger="pdcluster.deploy.cli"):
         assert main(["serve", "--config", str(path)]) == 0
     assert served[0].kvstore.tail_capacity_bytes == 4096
     logged = [r.getMessage() for r in caplog.records if "deprecated" in r.getMessage()]

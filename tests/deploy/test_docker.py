@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from deploy import placement
-from engine import cpu_binding
+from pdcluster.deploy import placement
+from pdcluster.engine import cpu_binding
 from tests.real_parts import real_part
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -182,9 +182,37 @@ def test_install_sh_in_a_fresh_virtualenv(tmp_path):
                          capture_output=True, text=True, timeout=900, env=env)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "pdcluster installed: ray" in out.stdout
-    check = subprocess.run([str(venv / "bin/python"), "-c",
-                            "import deploy, pathlib, ray.dashboard.agent; "
-                            "print(pathlib.Path(deploy.__file__).is_relative_to("
-                            f"{str(venv)!r}))"],
+    check = subprocess.run([str(venv / "bin/python"), "-c", _CHECK_INSTALLED, str(venv)],
                            capture_output=True, text=True, timeout=120, cwd=tmp_path, env=env)
-    assert check.stdout.strip() == "True", check.stderr  # installed, not the source tree
+    assert check.returncode == 0, check.stderr
+    installed = json.loads(check.stdout)
+    assert installed["from_venv"], installed  # installed, not the source tree
+    assert installed["top_level"] == ["pdcluster"], installed
+    assert installed["bare_names"] == [], installed  # no `engine`, `kernels`, ... of ours
+    assert installed["missing_data"] == [], installed
+    help_text = subprocess.run([str(venv / "bin/pdcluster"), "serve", "--help"],
+                               capture_output=True, text=True, timeout=120, cwd=tmp_path, env=env)
+    assert help_text.returncode == 0 and "--kv-transfer" in help_text.stdout, help_text.stderr
+
+
+# What a non-editable install put in the venv: where the package was imported from, the top-level
+# names of the distribution's files in site-packages, which of our folders' names import bare,
+# and which package data (bundled model, C++ sources, .proto, Mooncake's shim) is missing.
+_CHECK_INSTALLED = """
+import importlib.metadata, importlib.util, json, pathlib, sys
+import ray.dashboard.agent
+import pdcluster, pdcluster.deploy.cli
+from pdcluster.engine.config import BUNDLED_MODEL
+venv = pathlib.Path(sys.argv[1])
+root = pathlib.Path(pdcluster.__file__).parent
+top = {f.parts[0] for f in importlib.metadata.files("pdcluster")
+       if not f.parts[0].endswith(".dist-info") and f.parts[0] != ".."}
+bare = [n for n in ("engine", "router", "kernels", "kvstore", "deploy", "loadtest",
+                    "prefill_worker", "decode_worker") if importlib.util.find_spec(n)]
+data = [BUNDLED_MODEL / "config.json", BUNDLED_MODEL / "model.safetensors",
+        root / "kvstore/proto/kvstore.proto"]
+data += [p for p in (root / "kernels").glob("*.cpp")] or [root / "kernels/*.cpp"]
+data += [p for p in (root / "kvstore/transport/mooncake").glob("*.c")] or [root / "mooncake/*.c"]
+print(json.dumps({"from_venv": root.is_relative_to(venv), "top_level": sorted(top),
+                  "bare_names": bare, "missing_data": [str(p) for p in data if not p.exists()]}))
+"""

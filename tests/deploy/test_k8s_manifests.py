@@ -17,7 +17,6 @@ import json
 import re
 import shutil
 import subprocess
-import tomllib
 from pathlib import Path
 
 import jsonschema
@@ -25,8 +24,9 @@ import pytest
 import ray
 import yaml
 
-from deploy import placement
-from deploy.config import load_config
+import pdcluster
+from pdcluster.deploy import placement
+from pdcluster.deploy.config import load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "k8s"
@@ -224,7 +224,7 @@ def test_ray_version_images_and_roles(overlay):
                 if "==" in line and not line.startswith("#"))
     assert rc["spec"]["rayVersion"] == ray.__version__ == pins["ray"]
 
-    version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    version = pdcluster.__version__
     gateway = one(objs, "Deployment", "pdcluster-gateway")["spec"]["template"]["spec"]
     images = {c["image"] for t in ray_pods(rc).values() for c in t["spec"]["containers"]}
     images |= {c["image"] for c in gateway["containers"]}

@@ -6,8 +6,8 @@ import os
 
 import pytest
 
-from deploy import node_cores
-from engine.cpu_binding import CoreClaims, physical_first
+from pdcluster.deploy import node_cores
+from pdcluster.engine.cpu_binding import CoreClaims, physical_first
 
 
 def test_reserve_gives_ray_the_cores_the_engines_physical_first_choice_leaves():

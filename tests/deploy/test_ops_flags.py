@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from deploy.cli import _overrides, _parser
-from deploy.config import load_config
+from pdcluster.deploy.cli import _overrides, _parser
+from pdcluster.deploy.config import load_config
 
 
 def _config(*flags: str):

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from deploy import placement
-from deploy.placement import PlacementError
+from pdcluster.deploy import placement
+from pdcluster.deploy.placement import PlacementError
 
 ROLE_NODES = {"CPU": 8.0, "prefill": 1.0, "decode": 2.0}
 
@@ -51,7 +51,7 @@ def test_kv_stores_go_where_workers_may_go():
 def test_tp_rank_options_take_exactly_the_ranks_bundle_and_the_restart_policy():
     from types import SimpleNamespace
 
-    from engine.tp_instance import bundle_options
+    from pdcluster.engine.tp_instance import bundle_options
 
     # stands in for a ray PlacementGroup: the options read only its bundle specs
     pg = SimpleNamespace(bundle_specs=[{"CPU": 1.0, "decode": 0.001},

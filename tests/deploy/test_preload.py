@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from deploy import preload
+from pdcluster.deploy import preload
 
 
 def _in_ld_cache(soname: str) -> bool:

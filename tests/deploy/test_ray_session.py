@@ -10,17 +10,17 @@ from pathlib import Path
 
 import pytest
 
-from deploy.config import ServeConfig
-from deploy.ray_session import cpu_plan
-from engine import cpu_binding
+from pdcluster.deploy.config import ServeConfig
+from pdcluster.deploy.ray_session import cpu_plan
+from pdcluster.engine import cpu_binding
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_config_and_cpu_plan_load_no_torch():
     code = ("import sys\n"
-            "from deploy.config import load_config\n"
-            "from deploy.ray_session import RaySession, cpu_plan\n"
+            "from pdcluster.deploy.config import load_config\n"
+            "from pdcluster.deploy.ray_session import RaySession, cpu_plan\n"
             "cpu_plan(load_config(None, {}))\n"
             "print(sorted(m for m in ('torch', 'kernels', 'triton') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
@@ -49,8 +49,8 @@ def test_cpu_plan_sets_the_other_cores_aside_for_ray():
 
 
 def test_serve_closes_its_ray_session_when_the_gateway_cannot_import(monkeypatch):
-    import deploy.cli
-    from deploy.ray_session import RaySession
+    from pdcluster.deploy import cli
+    from pdcluster.deploy.ray_session import RaySession
 
     class Opened:  # stands in for a started Ray: this test is about the CLI's error path
         closed = False
@@ -59,7 +59,7 @@ def test_serve_closes_its_ray_session_when_the_gateway_cannot_import(monkeypatch
             Opened.closed = True
 
     monkeypatch.setattr(RaySession, "open", classmethod(lambda cls, config: Opened()))
-    monkeypatch.setitem(sys.modules, "deploy.serve", None)  # its import now fails
-    with pytest.raises(ImportError, match="deploy.serve"):
-        deploy.cli._serve(ServeConfig())
+    monkeypatch.setitem(sys.modules, "pdcluster.deploy.serve", None)  # its import now fails
+    with pytest.raises(ImportError, match="pdcluster.deploy.serve"):
+        cli._serve(ServeConfig())
     assert Opened.closed

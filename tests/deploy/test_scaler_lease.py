@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 
-from deploy.cluster_record import ClusterManifest, ClusterRecord
+from pdcluster.deploy.cluster_record import ClusterManifest, ClusterRecord
 
 
 def record() -> ClusterRecord:

@@ -21,7 +21,7 @@ import httpx
 import psutil
 import pytest
 
-from deploy.placement import local_node_resources
+from pdcluster.deploy.placement import local_node_resources
 from tests.markers import starts
 
 pytestmark = pytest.mark.slow

@@ -9,8 +9,8 @@ import os
 import psutil
 import pytest
 
-from deploy import preload
-from engine.cpu_binding import parse_cpu_list
+from pdcluster.deploy import preload
+from pdcluster.engine.cpu_binding import parse_cpu_list
 
 from tests.security.conftest import module_serve  # noqa: F401  (the fixture)
 

@@ -19,9 +19,9 @@ from pathlib import Path
 
 import torch
 
-from engine.config import EngineConfig
-from engine.parallel import TPError, create_master_store, init_tp_group
-from engine.runner import ModelRunner, SequenceChunk
+from pdcluster.engine.config import EngineConfig
+from pdcluster.engine.parallel import TPError, create_master_store, init_tp_group
+from pdcluster.engine.runner import ModelRunner, SequenceChunk
 
 NUM_BLOCKS = 48
 DECODE_STEPS = 10

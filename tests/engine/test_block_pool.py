@@ -3,8 +3,8 @@ import random
 
 import pytest
 
-from engine.core.block_pool import BlockPool, NoFreeBlocksError
-from engine.core.kv_events import AllCleared, BlockRemoved, BlockStored
+from pdcluster.engine.core.block_pool import BlockPool, NoFreeBlocksError
+from pdcluster.engine.core.kv_events import AllCleared, BlockRemoved, BlockStored
 
 
 def K(*parts) -> bytes:

@@ -7,10 +7,10 @@ import sys
 
 import torch
 
-from engine.config import BUNDLED_MODEL
-from engine.model_config import ModelConfig
-from engine.models.base import build_model
-from engine.models.llama import LlamaForCausalLM
+from pdcluster.engine.config import BUNDLED_MODEL
+from pdcluster.engine.model_config import ModelConfig
+from pdcluster.engine.models.base import build_model
+from pdcluster.engine.models.llama import LlamaForCausalLM
 
 
 def test_every_tensor_is_materialized_in_the_dtype_and_frozen():
@@ -28,9 +28,9 @@ def test_every_tensor_is_materialized_in_the_dtype_and_frozen():
 
 
 def test_building_a_model_imports_no_sympy():
-    code = ("import sys, torch; from engine.config import BUNDLED_MODEL; "
-            "from engine.model_config import ModelConfig; "
-            "from engine.models.base import build_model; "
+    code = ("import sys, torch; from pdcluster.engine.config import BUNDLED_MODEL; "
+            "from pdcluster.engine.model_config import ModelConfig; "
+            "from pdcluster.engine.models.base import build_model; "
             "build_model(ModelConfig.from_pretrained(BUNDLED_MODEL), torch.float32, 'cpu'); "
             "print('sympy' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

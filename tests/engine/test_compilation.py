@@ -16,10 +16,10 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from engine.config import EngineConfig
-from engine.input_buffers import InputBuffers
-from engine.runner import ModelRunner, SequenceChunk
-from engine.core.kv_connector import StepCancelled
+from pdcluster.engine.config import EngineConfig
+from pdcluster.engine.input_buffers import InputBuffers
+from pdcluster.engine.runner import ModelRunner, SequenceChunk
+from pdcluster.engine.core.kv_connector import StepCancelled
 from tests.models.factory import build
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -92,7 +92,7 @@ def test_layer_hooks_run_around_each_layers_attention(mode, request):
 
 def test_without_a_cxx_compiler_the_engine_warns_and_runs_eager(monkeypatch, caplog):
     monkeypatch.setenv("CXX", "/nonexistent/c++")
-    with caplog.at_level(logging.WARNING, logger="engine.compilation"):
+    with caplog.at_level(logging.WARNING, logger="pdcluster.engine.compilation"):
         runner = ModelRunner(EngineConfig(num_kv_blocks=8, enforce_eager=False))
     assert runner.forward_mode == "eager"
     assert any("no C++ compiler" in r.getMessage() for r in caplog.records)
@@ -115,8 +115,8 @@ _CHILD = """
 import json, sys, time
 sys.path.insert(0, sys.argv[1])
 from torch._dynamo.utils import counters
-from engine.config import EngineConfig
-from engine.runner import ModelRunner
+from pdcluster.engine.config import EngineConfig
+from pdcluster.engine.runner import ModelRunner
 started = time.perf_counter()
 runner = ModelRunner(EngineConfig(num_kv_blocks=8, enforce_eager=False))
 print(json.dumps({"mode": runner.forward_mode, "seconds": time.perf_counter() - started,
@@ -165,8 +165,8 @@ def test_padded_decode_batch_gives_the_real_rows_logits_and_stores_only_their_kv
     """The CUDA graphs' padding (engine.cuda_graphs), checked on CPU: a decode batch padded to
     more sequences yields the same hidden states for its real rows as unpadded, and the
     padding rows write nothing into the cache."""
-    from engine.cuda_graphs import capture_sizes
-    from engine.forward_context import ForwardContext, set_forward_context
+    from pdcluster.engine.cuda_graphs import capture_sizes
+    from pdcluster.engine.forward_context import ForwardContext, set_forward_context
 
     assert capture_sizes(0) == () and capture_sizes(3) == (1, 2, 3)
     assert capture_sizes(20) == (1, 2, 4, 8, 16, 20)

@@ -12,10 +12,10 @@ from transformers import Gemma3Config, Gemma3TextConfig, LlamaConfig, MistralCon
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-from engine.config import BUNDLED_MODEL, CPU_COMPUTE_BOUND_TOKENS, EngineConfig
-from engine.loader import CheckpointReader, WeightsNotFoundError
-from engine.model_config import ModelConfig, ModelConfigError
-from engine.rope import attention_factor, compute_inv_freq
+from pdcluster.engine.config import BUNDLED_MODEL, CPU_COMPUTE_BOUND_TOKENS, EngineConfig
+from pdcluster.engine.loader import CheckpointReader, WeightsNotFoundError
+from pdcluster.engine.model_config import ModelConfig, ModelConfigError
+from pdcluster.engine.rope import attention_factor, compute_inv_freq
 
 BASE = {
     "model_type": "llama",

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-import kernels.cpu_extension as cpu_extension
-from engine import cpu_binding
-from engine.config import EngineConfig
-from engine.cpu_binding import CoreClaims, format_cpu_list, parse_cpu_list
+from pdcluster.kernels import cpu_extension
+from pdcluster.engine import cpu_binding
+from pdcluster.engine.config import EngineConfig
+from pdcluster.engine.cpu_binding import CoreClaims, format_cpu_list, parse_cpu_list
 from tests.real_parts import real_part
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -60,7 +60,7 @@ def test_a_dead_holders_cores_are_free_again(tmp_path):
         [sys.executable, "-c", textwrap.dedent(f"""
             import sys, time
             from pathlib import Path
-            from engine.cpu_binding import CoreClaims
+            from pdcluster.engine.cpu_binding import CoreClaims
             claims = CoreClaims(Path({str(tmp_path)!r}))
             print(claims.claim(2, [0, 1]), flush=True)
             time.sleep(600)
@@ -79,7 +79,7 @@ def test_too_few_free_cores_leave_the_threads_unpinned(tmp_path, caplog):
     pool = sorted(os.sched_getaffinity(0))[:1]
     squatter = CoreClaims(tmp_path)
     assert squatter.claim(1, pool) == pool
-    with caplog.at_level(logging.WARNING, logger="engine.cpu_binding"):
+    with caplog.at_level(logging.WARNING, logger="pdcluster.engine.cpu_binding"):
         assert cpu_binding.bind_threads(format_cpu_list(pool), 1, CoreClaims(tmp_path)) is None
     assert "unpinned" in caplog.text
     assert cpu_binding.bind_threads("none", 1, CoreClaims(tmp_path)) is None
@@ -95,7 +95,7 @@ def test_the_openmp_team_runs_one_thread_per_claimed_core(tmp_path):
     script = textwrap.dedent(f"""
         import json, os, torch
         from pathlib import Path
-        from engine.cpu_binding import CoreClaims, bind_threads
+        from pdcluster.engine.cpu_binding import CoreClaims, bind_threads
         torch.set_num_threads(2)
         got = bind_threads({format_cpu_list(cores)!r}, 2, CoreClaims(Path({str(tmp_path)!r})))
         x = torch.randn(1024, 1024)
@@ -124,7 +124,7 @@ def test_a_core_this_process_may_not_use_is_refused_not_claimed(tmp_path, caplog
     warns, and gives the claim back."""
     missing = min(max(os.sched_getaffinity(0)) + 64, 1023)  # within cpu_set_t, not present
     claims = CoreClaims(tmp_path)
-    with caplog.at_level(logging.WARNING, logger="engine.cpu_binding"):
+    with caplog.at_level(logging.WARNING, logger="pdcluster.engine.cpu_binding"):
         assert cpu_binding.bind_threads(str(missing), 1, claims) is None
     assert "unpinned" in caplog.text and claims.cpus == []
 
@@ -147,7 +147,7 @@ def test_auto_claims_the_declared_worker_cores_beyond_an_inherited_confinement(t
     script = textwrap.dedent(f"""
         import json, os, torch
         from pathlib import Path
-        from engine.cpu_binding import CoreClaims, bind_threads
+        from pdcluster.engine.cpu_binding import CoreClaims, bind_threads
         torch.set_num_threads(1)
         inherited = sorted(os.sched_getaffinity(0))
         got = bind_threads("auto", 1, CoreClaims(Path({str(tmp_path)!r})))

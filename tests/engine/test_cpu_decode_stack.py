@@ -11,11 +11,11 @@ import pytest
 import torch
 import transformers
 
-import kernels
-from engine import cpu_decode_stack
-from engine.config import EngineConfig
-from engine.runner import ModelRunner, SequenceChunk
-from kernels import cpu_gemm
+from pdcluster import kernels
+from pdcluster.engine import cpu_decode_stack
+from pdcluster.engine.config import EngineConfig
+from pdcluster.engine.runner import ModelRunner, SequenceChunk
+from pdcluster.kernels import cpu_gemm
 
 BLOCK_SIZE = 4
 
@@ -36,7 +36,7 @@ def qwen2(tmp_path_factory) -> tuple[ModelRunner, transformers.PreTrainedModel]:
     hf.save_pretrained(path)
     runner = ModelRunner(EngineConfig(model=str(path), block_size=BLOCK_SIZE, num_kv_blocks=64,
                                       enforce_eager=True))
-    from kernels import cpu_extension
+    from pdcluster.kernels import cpu_extension
     from tests.real_parts import require_real_part
 
     require_real_part("the C++ CPU extension", cpu_extension.available(), "no C++ compiler")

@@ -15,20 +15,20 @@ from collections.abc import Sequence
 import pytest
 import torch
 
-from decode_worker.instance import decode_core
-from engine.core.engine_core import EngineCore
-from engine.config import BUNDLED_MODEL, EngineConfig
-from engine.core.engine_loop import run_once
-from engine.core.kv_connector import KVConnector, KVConnectorRequest, LoadOutcome
-from engine.core.request import RequestStatus
-from engine.core.scheduler import chunk_end
-from engine.protocol import (DecodeRequest, FinishReason, PrefillRequest, PrefillResult,
-                             SamplingParams, StructuredOutputSpec)
-from engine.runner import ModelRunner
-from engine.tokenizer import Tokenizer
-from kvstore.config import KVTransferConfig
-from kvstore.connector.fetch import FetchConnector
-from prefill_worker.instance import prefill_core, submit_prefill
+from pdcluster.decode_worker.instance import decode_core
+from pdcluster.engine.core.engine_core import EngineCore
+from pdcluster.engine.config import BUNDLED_MODEL, EngineConfig
+from pdcluster.engine.core.engine_loop import run_once
+from pdcluster.engine.core.kv_connector import KVConnector, KVConnectorRequest, LoadOutcome
+from pdcluster.engine.core.request import RequestStatus
+from pdcluster.engine.core.scheduler import chunk_end
+from pdcluster.engine.protocol import (DecodeRequest, FinishReason, PrefillRequest, PrefillResult,
+                                       SamplingParams, StructuredOutputSpec)
+from pdcluster.engine.runner import ModelRunner
+from pdcluster.engine.tokenizer import Tokenizer
+from pdcluster.kvstore.config import KVTransferConfig
+from pdcluster.kvstore.connector.fetch import FetchConnector
+from pdcluster.prefill_worker.instance import prefill_core, submit_prefill
 from tests.engines import fetch_of, submit_decode
 
 BUDGET = 32

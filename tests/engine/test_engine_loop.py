@@ -7,7 +7,7 @@ import gc
 
 import pytest
 
-from engine.core.engine_loop import EngineInbox, EngineLoop
+from pdcluster.engine.core.engine_loop import EngineInbox, EngineLoop
 
 
 class _IdleCore:

@@ -3,7 +3,7 @@ import time
 
 import pytest
 
-from engine.core.free_queue import FreeBlockQueue
+from pdcluster.engine.core.free_queue import FreeBlockQueue
 
 
 def test_starts_full_in_id_order_or_empty():

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.core.hashing import ROOT_PARENT_KEY, block_keys, make_namespace
+from pdcluster.engine.core.hashing import ROOT_PARENT_KEY, block_keys, make_namespace
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 NS = make_namespace("llama-test", None)
@@ -76,7 +76,7 @@ def test_invalid_inputs():
 
 def test_keys_stable_across_processes():
     tokens = list(range(1000, 1037))
-    code = ("from engine.core.hashing import block_keys, make_namespace;"
+    code = ("from pdcluster.engine.core.hashing import block_keys, make_namespace;"
             f"print(','.join(k.hex() for k in block_keys({tokens!r}, {B}, "
             "make_namespace('llama-test', 'salt'))))")
     env = dict(os.environ, PYTHONHASHSEED="12345", PYTHONPATH=str(REPO_ROOT))

@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from engine.kv_cache import PagedKVCache, host_zeros
+from pdcluster.engine.kv_cache import PagedKVCache, host_zeros
 
 
 @pytest.mark.parametrize("huge", [False, True])

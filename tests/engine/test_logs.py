@@ -9,7 +9,7 @@ import logging
 
 import pytest
 
-from engine.logs import bind_request_id, configure_logging
+from pdcluster.engine.logs import bind_request_id, configure_logging
 
 
 @pytest.fixture

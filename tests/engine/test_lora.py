@@ -11,10 +11,10 @@ import pydantic
 import pytest
 import torch
 
-from engine.config import EngineConfig
-from engine.core.hashing import make_namespace
-from engine.lora import AdapterError
-from engine.runner import ModelRunner, SequenceChunk
+from pdcluster.engine.config import EngineConfig
+from pdcluster.engine.core.hashing import make_namespace
+from pdcluster.engine.lora import AdapterError
+from pdcluster.engine.runner import ModelRunner, SequenceChunk
 from tests.engine.test_paged_logits import ATOL, _max_diff, _prompt, _shuffled_tables
 from tests.models.factory import BASE, build, build_lora
 

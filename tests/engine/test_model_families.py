@@ -16,11 +16,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine.config import EngineConfig
-from engine.loader import WeightLoadError
-from engine.model_config import ModelConfig
-from engine.models.base import check_tensor_parallel
-from engine.runner import ModelRunner, SequenceChunk
+from pdcluster.engine.config import EngineConfig
+from pdcluster.engine.loader import WeightLoadError
+from pdcluster.engine.model_config import ModelConfig
+from pdcluster.engine.models.base import check_tensor_parallel
+from pdcluster.engine.runner import ModelRunner, SequenceChunk
 from tests.engine.test_paged_logits import ATOL, _max_diff, _prompt, _shuffled_tables
 from tests.models.factory import BASE, build
 

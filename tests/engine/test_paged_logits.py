@@ -20,10 +20,10 @@ import pytest
 import torch
 import transformers
 
-from engine.config import BUNDLED_MODEL, EngineConfig
-from engine.kv_cache import PagedKVCache
-from engine.model_config import ModelConfig
-from engine.runner import ModelRunner, SequenceChunk
+from pdcluster.engine.config import BUNDLED_MODEL, EngineConfig
+from pdcluster.engine.kv_cache import PagedKVCache
+from pdcluster.engine.model_config import ModelConfig
+from pdcluster.engine.runner import ModelRunner, SequenceChunk
 
 ATOL = 1e-4
 NUM_BLOCKS = 64

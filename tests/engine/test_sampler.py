@@ -6,8 +6,8 @@ import math
 import pytest
 import torch
 
-from engine.protocol import SamplingParams
-from engine.sampler import SampleInput, apply_penalties, filter_probs, sample, step_seed
+from pdcluster.engine.protocol import SamplingParams
+from pdcluster.engine.sampler import SampleInput, apply_penalties, filter_probs, sample, step_seed
 
 
 def rows(params, seeds, outputs=None, prompt=(1,)):

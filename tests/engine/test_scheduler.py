@@ -7,13 +7,13 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from engine.core.kv_cache_manager import KVCacheManager
-from engine.core.preemption import PREEMPTION_MODES, RecomputePreemption, SwapPreemption
-from engine.core.request import RequestStatus
-from engine.core.scheduler import Scheduler
-from engine.core.block_pool import BlockPool
-from engine.core.blocks import num_blocks_for, num_full_blocks
-from engine.core.hashing import block_keys, make_namespace
+from pdcluster.engine.core.kv_cache_manager import KVCacheManager
+from pdcluster.engine.core.preemption import PREEMPTION_MODES, RecomputePreemption, SwapPreemption
+from pdcluster.engine.core.request import RequestStatus
+from pdcluster.engine.core.scheduler import Scheduler
+from pdcluster.engine.core.block_pool import BlockPool
+from pdcluster.engine.core.blocks import num_blocks_for, num_full_blocks
+from pdcluster.engine.core.hashing import block_keys, make_namespace
 
 BLOCK = 4
 

@@ -10,12 +10,12 @@ import random
 
 import pytest
 
-from decode_worker.instance import decode_core
-from engine.config import EngineConfig
-from engine.core.engine_loop import run_once
-from engine.core.kv_cache_manager import NULL_BLOCK
-from engine.protocol import DecodeRequest, SamplingParams
-from engine.runner import ModelRunner
+from pdcluster.decode_worker.instance import decode_core
+from pdcluster.engine.config import EngineConfig
+from pdcluster.engine.core.engine_loop import run_once
+from pdcluster.engine.core.kv_cache_manager import NULL_BLOCK
+from pdcluster.engine.protocol import DecodeRequest, SamplingParams
+from pdcluster.engine.runner import ModelRunner
 from tests.engine.test_engine_core import HeldFetches, submit, tokens
 from tests.models.factory import build, reference_greedy
 

@@ -11,16 +11,17 @@ import jsonschema
 import pytest
 import torch
 
-from engine.config import BUNDLED_MODEL, EngineConfig
-from engine.core.engine_loop import run_once
-from engine.core.request import Request
-from engine.core.structured_output import StructuredOutputManager, apply_bitmask
-from engine.protocol import DecodeRequest, FinishReason, SamplingParams, StructuredOutputSpec
-from engine.runner import ModelRunner
-from engine.tokenizer import Tokenizer
-from decode_worker.instance import decode_core
-from kvstore.config import KVTransferConfig
-from kvstore.connector.fetch import FetchConnector
+from pdcluster.engine.config import BUNDLED_MODEL, EngineConfig
+from pdcluster.engine.core.engine_loop import run_once
+from pdcluster.engine.core.request import Request
+from pdcluster.engine.core.structured_output import StructuredOutputManager, apply_bitmask
+from pdcluster.engine.protocol import (DecodeRequest, FinishReason, SamplingParams,
+                                       StructuredOutputSpec)
+from pdcluster.engine.runner import ModelRunner
+from pdcluster.engine.tokenizer import Tokenizer
+from pdcluster.decode_worker.instance import decode_core
+from pdcluster.kvstore.config import KVTransferConfig
+from pdcluster.kvstore.connector.fetch import FetchConnector
 
 SCHEMA = {"type": "object", "properties": {
     "kind": {"enum": ["cat", "dog"]},

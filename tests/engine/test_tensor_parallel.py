@@ -25,10 +25,10 @@ import pytest
 import torch
 import transformers
 
-from engine.config import BUNDLED_MODEL
-from engine.model_config import ModelConfig
-from engine.models.base import check_tensor_parallel
-from engine.parallel import TPGroup
+from pdcluster.engine.config import BUNDLED_MODEL
+from pdcluster.engine.model_config import ModelConfig
+from pdcluster.engine.models.base import check_tensor_parallel
+from pdcluster.engine.parallel import TPGroup
 from tests.models.factory import build
 
 CHILD = Path(__file__).with_name("_tp_child.py")

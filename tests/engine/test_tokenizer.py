@@ -3,8 +3,8 @@
 import pytest
 from transformers import AutoTokenizer
 
-from engine.config import BUNDLED_MODEL
-from engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from pdcluster.engine.config import BUNDLED_MODEL
+from pdcluster.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 TEXTS = ["Once upon a time", "  leading and   repeated spaces ", "Lily said, \"Hi!\"\nBye.",
          "naïve café — 日本語 🙂", "12345 + 678", "<s> special </s> inside", ""]

@@ -15,9 +15,9 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-from engine.config import BUNDLED_MODEL
-from engine.tokenizer import Tokenizer, TokenizerError
-from router.logprobs import TextOffsets, token_string
+from pdcluster.engine.config import BUNDLED_MODEL
+from pdcluster.engine.tokenizer import Tokenizer, TokenizerError
+from pdcluster.router.logprobs import TextOffsets, token_string
 
 TEXTS = ["Once upon a time, there was a little girl.", "Lily said, \"Hi!\"\nBye.\n\n  ok",
          "naïve café", "日本語", "an emoji 🙂 here", "dash — and “quotes”", "x\ty\r\nz"]

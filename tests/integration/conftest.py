@@ -12,13 +12,13 @@ from pathlib import Path
 import psutil
 import pytest
 
-from deploy.config import ServeConfig
-from deploy.launcher import Cluster
-from deploy.serve import gateway_app
-from engine.tokenizer import Tokenizer
-from router.chat_template import ChatTemplate
-from router.gateway import build_app
-from router.reasoning import ReasoningParser
+from pdcluster.deploy.config import ServeConfig
+from pdcluster.deploy.launcher import Cluster
+from pdcluster.deploy.serve import gateway_app
+from pdcluster.engine.tokenizer import Tokenizer
+from pdcluster.router.chat_template import ChatTemplate
+from pdcluster.router.gateway import build_app
+from pdcluster.router.reasoning import ReasoningParser
 from tests.background_server import BackgroundServer
 from tests.faults import FAULTY
 from tests.markers import starts

@@ -12,8 +12,8 @@ import pytest
 import ray
 from prometheus_client.parser import text_string_to_metric_families
 
-from deploy.serve import gateway_app
-from kvstore.client import KVStoreClient
+from pdcluster.deploy.serve import gateway_app
+from pdcluster.kvstore.client import KVStoreClient
 from tests.background_server import BackgroundServer
 from tests.markers import starts
 

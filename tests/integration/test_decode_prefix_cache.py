@@ -9,18 +9,18 @@ import time
 
 import pytest
 
-from decode_worker.instance import decode_core
-from engine.config import BUNDLED_MODEL, EngineConfig
-from engine.protocol import DecodeRequest, FinishReason, PrefillRequest, SamplingParams
-from engine.runner import ModelRunner
-from kvstore.client import KVStoreClient
-from kvstore.config import KVStoreConfig, KVTransferConfig
-from kvstore.connector.fetch import FetchConnector
-from kvstore.transport.pool.connector import PoolConnector, PoolLoadConnector
-from engine.core.hashing import block_keys, make_namespace
-from engine.core.kv_events import BlockStored
-from kvstore.index import Location, MemoryIndex
-from prefill_worker.instance import prefill as run_prefill, prefill_core
+from pdcluster.decode_worker.instance import decode_core
+from pdcluster.engine.config import BUNDLED_MODEL, EngineConfig
+from pdcluster.engine.protocol import DecodeRequest, FinishReason, PrefillRequest, SamplingParams
+from pdcluster.engine.runner import ModelRunner
+from pdcluster.kvstore.client import KVStoreClient
+from pdcluster.kvstore.config import KVStoreConfig, KVTransferConfig
+from pdcluster.kvstore.connector.fetch import FetchConnector
+from pdcluster.kvstore.transport.pool.connector import PoolConnector, PoolLoadConnector
+from pdcluster.engine.core.hashing import block_keys, make_namespace
+from pdcluster.engine.core.kv_events import BlockStored
+from pdcluster.kvstore.index import Location, MemoryIndex
+from pdcluster.prefill_worker.instance import prefill as run_prefill, prefill_core
 from tests.engine_loops import started, stop
 from tests.integration.test_decode_publish import run_decode
 from tests.kvstore.lru_block_store import lru_server

@@ -10,21 +10,21 @@ import time
 
 import pytest
 
-from decode_worker.instance import decode_core
-from engine.core.engine_core import EngineCore
+from pdcluster.decode_worker.instance import decode_core
+from pdcluster.engine.core.engine_core import EngineCore
 from tests.engines import submit_decode
-from engine.config import BUNDLED_MODEL, EngineConfig
-from engine.protocol import DecodeRequest, FinishReason, PrefillRequest, SamplingParams
-from engine.runner import ModelRunner
-from kvstore.client import KVStoreClient
-from kvstore.config import KVStoreConfig, KVTransferConfig
-from kvstore.connector.fetch import FetchConnector
-from kvstore.handoff import PrefixPlan
-from kvstore.transport.pool.connector import PoolConnector
-from kvstore.transport.pool.publish import PublishConnector
-from engine.core.hashing import block_keys, make_namespace
-from kvstore.index import Location
-from prefill_worker.instance import prefill as run_prefill, prefill_core
+from pdcluster.engine.config import BUNDLED_MODEL, EngineConfig
+from pdcluster.engine.protocol import DecodeRequest, FinishReason, PrefillRequest, SamplingParams
+from pdcluster.engine.runner import ModelRunner
+from pdcluster.kvstore.client import KVStoreClient
+from pdcluster.kvstore.config import KVStoreConfig, KVTransferConfig
+from pdcluster.kvstore.connector.fetch import FetchConnector
+from pdcluster.kvstore.handoff import PrefixPlan
+from pdcluster.kvstore.transport.pool.connector import PoolConnector
+from pdcluster.kvstore.transport.pool.publish import PublishConnector
+from pdcluster.engine.core.hashing import block_keys, make_namespace
+from pdcluster.kvstore.index import Location
+from pdcluster.prefill_worker.instance import prefill as run_prefill, prefill_core
 from tests.engine_loops import started, stop
 from tests.kvstore.lru_block_store import lru_server
 from tests.handoffs import handoff

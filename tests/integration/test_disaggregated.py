@@ -13,9 +13,9 @@ import time
 import pytest
 import ray
 
-from deploy.launcher import Cluster
-from engine.protocol import FinishReason, SamplingParams
-from kvstore.client import KVStoreClient
+from pdcluster.deploy.launcher import Cluster
+from pdcluster.engine.protocol import FinishReason, SamplingParams
+from pdcluster.kvstore.client import KVStoreClient
 
 pytestmark = pytest.mark.slow
 

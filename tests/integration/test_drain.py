@@ -19,7 +19,7 @@ import httpx
 import psutil
 import pytest
 
-from deploy.serve import ABORT_FLUSH_S
+from pdcluster.deploy.serve import ABORT_FLUSH_S
 
 pytestmark = pytest.mark.slow
 
@@ -137,7 +137,7 @@ def test_sigterm_drains_then_exits_clean(server):
     records = [json.loads(line) for line in text.splitlines() if line.startswith("{")]
     assert records and all({"timestamp", "level", "logger", "message"} <= r.keys()
                            for r in records)
-    assert any(r["logger"] == "deploy.serve" and r["message"].startswith("draining")
+    assert any(r["logger"] == "pdcluster.deploy.serve" and r["message"].startswith("draining")
                for r in records)
     for s in streams:  # uvicorn's access log line of each stream carries its request id
         assert any(r.get("request_id") == s.request_id and r["logger"] == "uvicorn.access"

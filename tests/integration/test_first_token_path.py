@@ -16,19 +16,19 @@ import time
 
 import pytest
 
-from engine.config import EngineConfig
-from engine.protocol import PrefillRequest, SamplingParams
-from engine.runner import ModelRunner
-from kvstore.client import KVStoreClient
-from kvstore.config import KVStoreConfig
-from engine.core.kv_events import BlockStored
-from kvstore.index import Location, MemoryIndex
-from kvstore.transport.pool.connector import PoolConnector
-from prefill_worker.instance import prefill_core, submit_prefill
-from router.conductor import Conductor, PrefixKeyer, RouteRequest
-from router.cost_model import DEFAULT_COST_MODEL, load_cost_model
-from router.policies import DEFAULT_POLICY
-from router.policies.live_loads import LedgerLoads
+from pdcluster.engine.config import EngineConfig
+from pdcluster.engine.protocol import PrefillRequest, SamplingParams
+from pdcluster.engine.runner import ModelRunner
+from pdcluster.kvstore.client import KVStoreClient
+from pdcluster.kvstore.config import KVStoreConfig
+from pdcluster.engine.core.kv_events import BlockStored
+from pdcluster.kvstore.index import Location, MemoryIndex
+from pdcluster.kvstore.transport.pool.connector import PoolConnector
+from pdcluster.prefill_worker.instance import prefill_core, submit_prefill
+from pdcluster.router.conductor import Conductor, PrefixKeyer, RouteRequest
+from pdcluster.router.cost_model import DEFAULT_COST_MODEL, load_cost_model
+from pdcluster.router.policies import DEFAULT_POLICY
+from pdcluster.router.policies.live_loads import LedgerLoads
 from tests.engine_loops import started, stop
 from tests.kvstore.lru_block_store import lru_server
 from tests.handoffs import handoff

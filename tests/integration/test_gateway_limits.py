@@ -13,9 +13,9 @@ import time
 import httpx
 import pytest
 
-from engine.tokenizer import Tokenizer
-from router.chat_template import ChatTemplate
-from router.gateway import build_app
+from pdcluster.engine.tokenizer import Tokenizer
+from pdcluster.router.chat_template import ChatTemplate
+from pdcluster.router.gateway import build_app
 from tests.background_server import BackgroundServer
 from tests.markers import starts
 from tests.raw_sockets import connect, read_until_closed

@@ -8,9 +8,9 @@ import logging
 import httpx
 import pytest
 
-from engine.tokenizer import Tokenizer
-from router.chat_template import ChatTemplate
-from router.gateway import build_app
+from pdcluster.engine.tokenizer import Tokenizer
+from pdcluster.router.chat_template import ChatTemplate
+from pdcluster.router.gateway import build_app
 from tests.background_server import BackgroundServer
 
 pytestmark = pytest.mark.slow
@@ -96,7 +96,7 @@ def test_an_unexpected_exception_is_a_500_with_the_openai_body(cluster, caplog):
     real = Tokenizer.from_pretrained(model_dir)
     broken = ExplodingTokenizer(real._tok, real.bos_token_id, real.eos_token_id, True)
     app = build_app(cluster.pipeline, broken, MODEL, 256, ChatTemplate.from_model_dir(model_dir))
-    with caplog.at_level(logging.ERROR, logger="router.gateway"), BackgroundServer(app) as srv:
+    with caplog.at_level(logging.ERROR, logger="pdcluster.router.gateway"), BackgroundServer(app) as srv:
         response = httpx.post(f"{srv.url}/v1/completions", timeout=30,
                               json={"model": MODEL, "prompt": "Hi", "max_tokens": 2})
         error = error_of(response, 500)

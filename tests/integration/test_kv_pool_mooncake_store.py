@@ -15,21 +15,21 @@ from tests.real_parts import MOONCAKE_HINT, import_real_part
 
 import_real_part("mooncake.store", "Mooncake Store", MOONCAKE_HINT)
 
-from deploy.cli import _overrides, _parser  # noqa: E402
-from deploy.config import load_config  # noqa: E402
-from engine.config import BUNDLED_MODEL, EngineConfig  # noqa: E402
-from engine.protocol import PrefillRequest, SamplingParams  # noqa: E402
-from kvstore.handoff import PrefixPlan  # noqa: E402
-from engine.runner import ModelRunner  # noqa: E402
-from kvstore.client import KVStoreClient  # noqa: E402
-from kvstore.config import KVStoreConfig  # noqa: E402
-from kvstore.transport.pool.connector import PoolConnector  # noqa: E402
-from engine.core.hashing import block_keys, make_namespace  # noqa: E402
-from kvstore.index import KVIndexUnavailableError, Location, open_index  # noqa: E402
-from kvstore.index.mooncake_store import POOL_LOCATION, MooncakeStoreIndex  # noqa: E402
-from kvstore.mooncake_store import MooncakeStoreClient, MooncakeStoreError  # noqa: E402
-from prefill_worker.instance import prefill as run_prefill, prefill_core  # noqa: E402
-from router.cost_model import load_cost_model  # noqa: E402
+from pdcluster.deploy.cli import _overrides, _parser  # noqa: E402
+from pdcluster.deploy.config import load_config  # noqa: E402
+from pdcluster.engine.config import BUNDLED_MODEL, EngineConfig  # noqa: E402
+from pdcluster.engine.protocol import PrefillRequest, SamplingParams  # noqa: E402
+from pdcluster.kvstore.handoff import PrefixPlan  # noqa: E402
+from pdcluster.engine.runner import ModelRunner  # noqa: E402
+from pdcluster.kvstore.client import KVStoreClient  # noqa: E402
+from pdcluster.kvstore.config import KVStoreConfig  # noqa: E402
+from pdcluster.kvstore.transport.pool.connector import PoolConnector  # noqa: E402
+from pdcluster.engine.core.hashing import block_keys, make_namespace  # noqa: E402
+from pdcluster.kvstore.index import KVIndexUnavailableError, Location, open_index  # noqa: E402
+from pdcluster.kvstore.index.mooncake_store import POOL_LOCATION, MooncakeStoreIndex  # noqa: E402
+from pdcluster.kvstore.mooncake_store import MooncakeStoreClient, MooncakeStoreError  # noqa: E402
+from pdcluster.prefill_worker.instance import prefill as run_prefill, prefill_core  # noqa: E402
+from pdcluster.router.cost_model import load_cost_model  # noqa: E402
 from tests.engine_loops import started, stop  # noqa: E402
 from tests.kvstore.lru_block_store import lru_server  # noqa: E402
 from tests.kvstore.mooncake_master import MooncakeMaster  # noqa: E402
@@ -206,9 +206,9 @@ def test_kv_pool_flags_and_the_pool_cost():
 
 
 def test_profile_measures_loading_from_the_store(master):
-    from deploy.profile import transfer_figures
-    from deploy.profile_transfer import BLOCK_COUNTS, measure_pool
-    from engine.kv_cache import PagedKVCache
+    from pdcluster.deploy.profile import transfer_figures
+    from pdcluster.deploy.profile_transfer import BLOCK_COUNTS, measure_pool
+    from pdcluster.engine.kv_cache import PagedKVCache
 
     cache = PagedKVCache(2, 16, 16, 2, 8, torch.float32, "cpu")
     rows = measure_pool("mooncake-store", cache, master.address, repeats=1)

@@ -14,27 +14,27 @@ import time
 import pytest
 import torch
 
-from decode_worker.instance import decode_core
-from engine.core.engine_core import EngineCore
+from pdcluster.decode_worker.instance import decode_core
+from pdcluster.engine.core.engine_core import EngineCore
 from tests.engines import submit_decode
-from engine.config import EngineConfig
-from engine.protocol import (DecodeRequest, FinishReason, PrefillRequest, PrefillResult,
-                             SamplingParams)
-from engine.runner import ModelRunner
-from kvstore.client import KVStoreClient
-from kvstore.connector.fetch import FetchConnector, KVFetch
-from kvstore.config import KVStoreConfig, KVTransferConfig
-from kvstore.connector.multi import MultiConnector
-from kvstore.transport.pool.connector import PoolConnector
-from kvstore.transport.torch_pair.push import TorchPushConnector
-from kvstore.transfer.base import TransferState
+from pdcluster.engine.config import EngineConfig
+from pdcluster.engine.protocol import (DecodeRequest, FinishReason, PrefillRequest, PrefillResult,
+                                       SamplingParams)
+from pdcluster.engine.runner import ModelRunner
+from pdcluster.kvstore.client import KVStoreClient
+from pdcluster.kvstore.connector.fetch import FetchConnector, KVFetch
+from pdcluster.kvstore.config import KVStoreConfig, KVTransferConfig
+from pdcluster.kvstore.connector.multi import MultiConnector
+from pdcluster.kvstore.transport.pool.connector import PoolConnector
+from pdcluster.kvstore.transport.torch_pair.push import TorchPushConnector
+from pdcluster.kvstore.transfer.base import TransferState
 from tests.kvstore.fake_transfer import FakeTransferBackend
-from prefill_worker.instance import prefill as run_prefill, prefill_core
+from pdcluster.prefill_worker.instance import prefill as run_prefill, prefill_core
 from tests.kvstore.lru_block_store import lru_server
 from tests.engine_loops import started, stop
 from tests.handoffs import handoff, with_handoff
 from tests.markers import starts
-from kvstore.handoff import DecodeHandoff
+from pdcluster.kvstore.handoff import DecodeHandoff
 
 TORCH = KVTransferConfig(backend="torch", timeout_s=10)
 STORY = ("Once upon a time, there was a little boy named Tim. Tim had a big red ball. He liked "
@@ -248,8 +248,8 @@ def test_abort_stops_writes_before_the_blocks_are_freed():
 
 
 def test_kv_transfer_flag():
-    from deploy.cli import _overrides, _parser
-    from deploy.config import load_config
+    from pdcluster.deploy.cli import _overrides, _parser
+    from pdcluster.deploy.config import load_config
 
     args = _parser().parse_args(["serve", "--kv-transfer", "torch"])
     assert load_config(None, _overrides(args)).transfer.backend == "torch"

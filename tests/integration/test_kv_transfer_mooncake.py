@@ -19,34 +19,34 @@ import psutil
 import pytest
 import torch
 
-from engine.config import EngineConfig
-from engine.kv_cache import PagedKVCache
-from engine.protocol import PrefillRequest, SamplingParams
-from engine.runner import ModelRunner
-from kvstore.config import KVTransferConfig
-from kvstore.connector.fetch import FetchConnector, KVFetch
-from kvstore.connector.multi import MultiConnector
-from kvstore.errors import BlockLayoutError, KVTransferError
-from kvstore.transfer.base import FetchRequest, TransferState
-from kvstore.transfer.dest import CacheDest
-from kvstore.transport.pool.connector import PoolConnector
-from prefill_worker.instance import prefill as run_prefill, prefill_core
-from engine.core.engine_core import EngineCore
+from pdcluster.engine.config import EngineConfig
+from pdcluster.engine.kv_cache import PagedKVCache
+from pdcluster.engine.protocol import PrefillRequest, SamplingParams
+from pdcluster.engine.runner import ModelRunner
+from pdcluster.kvstore.config import KVTransferConfig
+from pdcluster.kvstore.connector.fetch import FetchConnector, KVFetch
+from pdcluster.kvstore.connector.multi import MultiConnector
+from pdcluster.kvstore.errors import BlockLayoutError, KVTransferError
+from pdcluster.kvstore.transfer.base import FetchRequest, TransferState
+from pdcluster.kvstore.transfer.dest import CacheDest
+from pdcluster.kvstore.transport.pool.connector import PoolConnector
+from pdcluster.prefill_worker.instance import prefill as run_prefill, prefill_core
+from pdcluster.engine.core.engine_core import EngineCore
 from tests.engine_loops import started, stop
 from tests.engines import fetch_of
 from tests.faults import PerturbingFetch
 from tests.integration.test_kv_transfer_backends import (  # noqa: F401 — the store fixture
     STORY, _free_port, decode_engine, generate, run_decode, settled, store)
 from tests.handoffs import handoff, with_handoff
-from kvstore.handoff import DecodeHandoff
+from pdcluster.kvstore.handoff import DecodeHandoff
 
 from tests.real_parts import MOONCAKE_HINT, import_real_part
 
 import_real_part("mooncake.engine", "Mooncake's Transfer Engine", MOONCAKE_HINT)
 
-from kvstore.transport.mooncake import backend as mooncake  # noqa: E402
-from kvstore.transport.mooncake.backend import MooncakeTransferBackend, RemoteRegion  # noqa: E402
-from kvstore.transport.mooncake.connector import MooncakeConnector, RegionAllocator  # noqa: E402
+from pdcluster.kvstore.transport.mooncake import backend as mooncake  # noqa: E402
+from pdcluster.kvstore.transport.mooncake.backend import MooncakeTransferBackend, RemoteRegion  # noqa: E402
+from pdcluster.kvstore.transport.mooncake.connector import MooncakeConnector, RegionAllocator  # noqa: E402
 
 MOONCAKE = KVTransferConfig(backend="mooncake", timeout_s=10, source_buffer_bytes=32 << 20)
 
@@ -379,7 +379,7 @@ def test_a_source_that_stops_answering_fails_the_read_at_te_timeout(staged, monk
     stopped, so a read's request is sent and nothing ever comes back. Past the fetch's
     deadline the receiver stays quarantined; it settles FAILED once TE's own timeout passed,
     and a receive buffer the read may still write is never reused."""
-    from deploy.profile_transfer import _mooncake_source
+    from pdcluster.deploy.profile_transfer import _mooncake_source
 
     monkeypatch.setattr(mooncake, "MAX_DIRECT_READS", 0 if staged else 64)
     ctx = multiprocessing.get_context("spawn")
@@ -467,8 +467,8 @@ def test_region_allocator_against_an_occupancy_map():
 
 
 def test_kv_transfer_mooncake_flags():
-    from deploy.cli import _overrides, _parser
-    from deploy.config import load_config
+    from pdcluster.deploy.cli import _overrides, _parser
+    from pdcluster.deploy.config import load_config
 
     args = _parser().parse_args(["serve", "--kv-transfer", "mooncake",
                                  "--kv-transfer-buffer-bytes", "1048576",

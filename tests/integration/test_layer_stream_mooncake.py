@@ -13,19 +13,19 @@ import time
 
 import pytest
 
-from decode_worker.instance import decode_core
+from pdcluster.decode_worker.instance import decode_core
 from tests.engines import fetch_of, submit_decode
-from engine.config import EngineConfig
-from engine.protocol import DecodeRequest, PrefillRequest, SamplingParams
-from engine.runner import ModelRunner
-from kvstore.client import KVStoreClient
-from kvstore.config import KVTransferConfig
-from kvstore.connector.fetch import FetchConnector
-from kvstore.connector.multi import MultiConnector
-from kvstore.transport.layer_stream.connector import LayerStreamConnector
-from kvstore.transport.pool.connector import PoolConnector
-from engine.core.request import RequestAborted
-from prefill_worker.instance import prefill as run_prefill, prefill_core
+from pdcluster.engine.config import EngineConfig
+from pdcluster.engine.protocol import DecodeRequest, PrefillRequest, SamplingParams
+from pdcluster.engine.runner import ModelRunner
+from pdcluster.kvstore.client import KVStoreClient
+from pdcluster.kvstore.config import KVTransferConfig
+from pdcluster.kvstore.connector.fetch import FetchConnector
+from pdcluster.kvstore.connector.multi import MultiConnector
+from pdcluster.kvstore.transport.layer_stream.connector import LayerStreamConnector
+from pdcluster.kvstore.transport.pool.connector import PoolConnector
+from pdcluster.engine.core.request import RequestAborted
+from pdcluster.prefill_worker.instance import prefill as run_prefill, prefill_core
 from tests.engine_loops import started, stop
 from tests.integration.test_transfer_faults import store  # noqa: F401 — the store fixture
 from tests.kvstore.local_peers import LocalStreamPeers
@@ -35,7 +35,7 @@ from tests.real_parts import MOONCAKE_HINT, import_real_part
 
 import_real_part("mooncake.engine", "Mooncake's Transfer Engine", MOONCAKE_HINT)
 
-from kvstore.transport.mooncake.connector import (  # noqa: E402
+from pdcluster.kvstore.transport.mooncake.connector import (  # noqa: E402
     MooncakeConnector, RegionSource, RegionStreamSender)
 
 MOONCAKE = KVTransferConfig(backend="mooncake", streaming="layer", timeout_s=10,

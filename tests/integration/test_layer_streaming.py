@@ -17,13 +17,13 @@ import pytest
 import ray
 from ray.exceptions import RayTaskError
 
-from deploy.config import ServeConfig
-from deploy.launcher import Cluster
-from engine.config import EngineConfig
-from engine.protocol import PrefillRequest, SamplingParams
-from kvstore.client import KVStoreClient
-from kvstore.config import KVTransferConfig
-from kvstore.pool_config import KVPoolConfig
+from pdcluster.deploy.config import ServeConfig
+from pdcluster.deploy.launcher import Cluster
+from pdcluster.engine.config import EngineConfig
+from pdcluster.engine.protocol import PrefillRequest, SamplingParams
+from pdcluster.kvstore.client import KVStoreClient
+from pdcluster.kvstore.config import KVTransferConfig
+from pdcluster.kvstore.pool_config import KVPoolConfig
 from tests.faults import FAULTY
 from tests.markers import starts
 

@@ -15,16 +15,16 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from deploy.config import ServeConfig
-from deploy.launcher import Cluster
-from deploy.serve import gateway_app
-from kvstore.pool_config import KVPoolConfig
-from loadtest.client import ClientConfig
-from loadtest.conversations import synthetic_conversations
-from loadtest.multiturn import run_conversations
-from loadtest.runner import RunConfig
-from loadtest.synthetic import parse_length
-from loadtest.tokens import TokenSpace
+from pdcluster.deploy.config import ServeConfig
+from pdcluster.deploy.launcher import Cluster
+from pdcluster.deploy.serve import gateway_app
+from pdcluster.kvstore.pool_config import KVPoolConfig
+from pdcluster.loadtest.client import ClientConfig
+from pdcluster.loadtest.conversations import synthetic_conversations
+from pdcluster.loadtest.multiturn import run_conversations
+from pdcluster.loadtest.runner import RunConfig
+from pdcluster.loadtest.synthetic import parse_length
+from pdcluster.loadtest.tokens import TokenSpace
 from tests.background_server import BackgroundServer
 from tests.markers import starts
 

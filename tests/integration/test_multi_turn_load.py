@@ -6,12 +6,12 @@ from dataclasses import replace
 
 import httpx
 
-from loadtest.client import ClientConfig
-from loadtest.conversations import synthetic_conversations
-from loadtest.multiturn import run_conversations
-from loadtest.runner import RunConfig
-from loadtest.synthetic import parse_length
-from loadtest.tokens import BlockTokens, TokenSpace
+from pdcluster.loadtest.client import ClientConfig
+from pdcluster.loadtest.conversations import synthetic_conversations
+from pdcluster.loadtest.multiturn import run_conversations
+from pdcluster.loadtest.runner import RunConfig
+from pdcluster.loadtest.synthetic import parse_length
+from pdcluster.loadtest.tokens import BlockTokens, TokenSpace
 
 BS = 16
 

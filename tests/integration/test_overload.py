@@ -19,12 +19,12 @@ import pytest
 import ray
 from prometheus_client.parser import text_string_to_metric_families
 
-from deploy.launcher import block_layout
-from deploy.serve import gateway_app
-from loadtest.arrivals import rate_arrivals
-from loadtest.client import ClientConfig
-from loadtest.runner import RunConfig, run_benchmark
-from loadtest.workload import BenchRequest, Workload
+from pdcluster.deploy.launcher import block_layout
+from pdcluster.deploy.serve import gateway_app
+from pdcluster.loadtest.arrivals import rate_arrivals
+from pdcluster.loadtest.client import ClientConfig
+from pdcluster.loadtest.runner import RunConfig, run_benchmark
+from pdcluster.loadtest.workload import BenchRequest, Workload
 from tests.background_server import BackgroundServer
 from tests.markers import starts
 

@@ -12,10 +12,10 @@ import pytest
 import ray
 from prometheus_client.parser import text_string_to_metric_families
 
-from deploy.config import ServeConfig
-from deploy.launcher import Cluster
-from kvstore.pool_config import KVPoolConfig
-from deploy.serve import gateway_app
+from pdcluster.deploy.config import ServeConfig
+from pdcluster.deploy.launcher import Cluster
+from pdcluster.kvstore.pool_config import KVPoolConfig
+from pdcluster.deploy.serve import gateway_app
 from tests.background_server import BackgroundServer
 from tests.integration.test_scoring import PROMPTS, check_scores, score
 from tests.integration.test_structured_outputs import NUM_REQUESTS, run_all_kinds

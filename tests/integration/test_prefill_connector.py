@@ -6,18 +6,18 @@ from __future__ import annotations
 
 import pytest
 
-from engine.config import BUNDLED_MODEL, EngineConfig
-from engine.protocol import PrefillRequest, SamplingParams
-from kvstore.handoff import PrefixPlan
-from engine.runner import ModelRunner
-from kvstore.client import KVStoreClient
-from kvstore.config import KVStoreConfig
-from kvstore.connector import KV_CONNECTORS, connector_class, prefill_connector_names
-from engine.core.kv_connector import KVConnector
-from kvstore.errors import KVLoadError, KVTransferError
-from kvstore.index import Location
-from kvstore.transport.pool.connector import PoolConnector
-from prefill_worker.instance import prefill as run_prefill, prefill_core, submit_prefill
+from pdcluster.engine.config import BUNDLED_MODEL, EngineConfig
+from pdcluster.engine.protocol import PrefillRequest, SamplingParams
+from pdcluster.kvstore.handoff import PrefixPlan
+from pdcluster.engine.runner import ModelRunner
+from pdcluster.kvstore.client import KVStoreClient
+from pdcluster.kvstore.config import KVStoreConfig
+from pdcluster.kvstore.connector import KV_CONNECTORS, connector_class, prefill_connector_names
+from pdcluster.engine.core.kv_connector import KVConnector
+from pdcluster.kvstore.errors import KVLoadError, KVTransferError
+from pdcluster.kvstore.index import Location
+from pdcluster.kvstore.transport.pool.connector import PoolConnector
+from pdcluster.prefill_worker.instance import prefill as run_prefill, prefill_core, submit_prefill
 from tests.engine_loops import started, stop
 from tests.kvstore.faulty_connector import FaultyConnector
 from tests.kvstore.lru_block_store import lru_server

@@ -13,7 +13,7 @@ import jsonschema
 import pytest
 from openai import OpenAI
 
-from deploy.serve import gateway_app
+from pdcluster.deploy.serve import gateway_app
 from tests.background_server import BackgroundServer
 
 pytestmark = pytest.mark.slow

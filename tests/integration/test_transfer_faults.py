@@ -15,23 +15,23 @@ import time
 
 import pytest
 
-from decode_worker.instance import decode_core
-from engine.core.engine_core import EngineCore
+from pdcluster.decode_worker.instance import decode_core
+from pdcluster.engine.core.engine_core import EngineCore
 from tests.engines import fetch_of, submit_decode
-from engine.config import EngineConfig
-from engine.protocol import (KV_LOAD_FAILED, DecodeRequest, FinishReason, PrefillRequest,
-                             PrefillResult, SamplingParams)
-from engine.runner import ModelRunner
-from kvstore.client import KVStoreClient
-from kvstore.connector.fetch import FetchConnector
-from kvstore.config import KVStoreConfig, KVTransferConfig
-from kvstore.transport.layer_stream.connector import LayerStreamConnector
-from kvstore.connector.multi import MultiConnector
-from kvstore.transport.pool.connector import PoolConnector
-from kvstore.transfer.base import KVReceiver, KVTransferBackend
-from kvstore.transport.pool.grpc_backend import GrpcTransferBackend
+from pdcluster.engine.config import EngineConfig
+from pdcluster.engine.protocol import (KV_LOAD_FAILED, DecodeRequest, FinishReason, PrefillRequest,
+                                       PrefillResult, SamplingParams)
+from pdcluster.engine.runner import ModelRunner
+from pdcluster.kvstore.client import KVStoreClient
+from pdcluster.kvstore.connector.fetch import FetchConnector
+from pdcluster.kvstore.config import KVStoreConfig, KVTransferConfig
+from pdcluster.kvstore.transport.layer_stream.connector import LayerStreamConnector
+from pdcluster.kvstore.connector.multi import MultiConnector
+from pdcluster.kvstore.transport.pool.connector import PoolConnector
+from pdcluster.kvstore.transfer.base import KVReceiver, KVTransferBackend
+from pdcluster.kvstore.transport.pool.grpc_backend import GrpcTransferBackend
 from tests.kvstore.local_peers import LocalStreamPeers
-from prefill_worker.instance import prefill as run_prefill, prefill_core
+from pdcluster.prefill_worker.instance import prefill as run_prefill, prefill_core
 from tests.kvstore.lru_block_store import lru_server
 from tests.engine_loops import started, stop
 from tests.handoffs import handoff, with_handoff

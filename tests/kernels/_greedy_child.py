@@ -18,9 +18,9 @@ import time
 
 import torch
 
-import kernels
-from engine.config import EngineConfig
-from engine.runner import ModelRunner, SequenceChunk
+from pdcluster import kernels
+from pdcluster.engine.config import EngineConfig
+from pdcluster.engine.runner import ModelRunner, SequenceChunk
 
 
 def greedy(prompts: list[list[int]], num_tokens: int, runner: ModelRunner | None = None,

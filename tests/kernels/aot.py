@@ -21,13 +21,13 @@ import torch
 import triton
 from triton.backends.compiler import GPUTarget
 
-from kernels._triton_common import Launch, is_interpreted
-from kernels.triton_activation import plan_silu_and_mul
-from kernels.triton_kv_cache import plan_store_kv_cache
-from kernels.triton_paged_decode import plan_paged_decode_attention
-from kernels.triton_paged_prefill import plan_paged_prefill_attention
-from kernels.triton_rms_norm import plan_rms_norm
-from kernels.triton_rotary import plan_rotary_embedding
+from pdcluster.kernels._triton_common import Launch, is_interpreted
+from pdcluster.kernels.triton_activation import plan_silu_and_mul
+from pdcluster.kernels.triton_kv_cache import plan_store_kv_cache
+from pdcluster.kernels.triton_paged_decode import plan_paged_decode_attention
+from pdcluster.kernels.triton_paged_prefill import plan_paged_prefill_attention
+from pdcluster.kernels.triton_rms_norm import plan_rms_norm
+from pdcluster.kernels.triton_rotary import plan_rotary_embedding
 
 H100_TARGET = GPUTarget("cuda", 90, 32)
 SM90_MAX_SHARED_BYTES = 227 * 1024  # opt-in shared memory per block on sm_90

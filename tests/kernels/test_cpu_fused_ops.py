@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import cpu_extension, cpu_fused_ops, reference
+from pdcluster.kernels import cpu_extension, cpu_fused_ops, reference
 from tests.real_parts import real_part
 
 pytestmark = real_part("the C++ CPU extension", cpu_extension.available(),

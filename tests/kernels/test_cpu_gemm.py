@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels
-from kernels import cpu_extension, cpu_gemm, reference
+from pdcluster import kernels
+from pdcluster.kernels import cpu_extension, cpu_gemm, reference
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(),
                                 reason="torch built without oneDNN")

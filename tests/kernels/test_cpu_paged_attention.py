@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels
-from engine.attention import AttentionMetadata, paged_attention
-from engine.kv_cache import PagedKVCache
-from kernels import cpu_extension, cpu_paged_attention, reference
+from pdcluster import kernels
+from pdcluster.engine.attention import AttentionMetadata, paged_attention
+from pdcluster.engine.kv_cache import PagedKVCache
+from pdcluster.kernels import cpu_extension, cpu_paged_attention, reference
 from tests.kernels import attention_oracle
 from tests.kernels.test_torch_attention import (BLOCK_SIZE, HEAD_DIM, NUM_BLOCKS, NUM_HEADS,
                                                 NUM_KV_HEADS, SCALE, caches, tables)

@@ -51,8 +51,8 @@ def test_cuda_graphs_replay_decode_steps_with_the_forwards_tokens(hf, monkeypatc
     transformers' and logits those of the same runner config without graphs. A prefill longer
     than the input buffers reallocates them; the next decode steps capture again and stay
     right."""
-    from engine.config import EngineConfig
-    from engine.runner import ModelRunner
+    from pdcluster.engine.config import EngineConfig
+    from pdcluster.engine.runner import ModelRunner
 
     prompts = [hf.encode(text) for text in PROMPTS + ["A big red ball"]]
     config = dict(device="cuda", num_kv_blocks=32, block_size=16, enforce_eager=False,
@@ -84,8 +84,8 @@ def test_cuda_moe_and_mla_families_compile_capture_and_match_transformers(family
     """A Mixtral and a DeepSeek-V2 (MLA + MoE) tiny random model on CUDA, compiled, decode
     steps replayed from CUDA graphs: every step's logits are transformers' float32 ones on CPU
     at the same positions (the experts are a custom op, their grouping sync-free)."""
-    from engine.config import EngineConfig
-    from engine.runner import ModelRunner
+    from pdcluster.engine.config import EngineConfig
+    from pdcluster.engine.runner import ModelRunner
     from tests.engine.test_paged_logits import _prompt
     from tests.models.factory import BASE, build
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import reference
+from pdcluster.kernels import reference
 from tests.kernels import attention_oracle
 from tests.kernels.routing import skewed_routing
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels
-from kernels import torch_attention
+from pdcluster import kernels
+from pdcluster.kernels import torch_attention
 from tests.kernels import attention_oracle
 
 BLOCK_SIZE, NUM_BLOCKS = 8, 200

@@ -15,9 +15,9 @@ from tests.real_parts import import_real_part
 
 import_real_part("triton", "Triton", "scripts/setup.sh installs it on Linux")
 
-import kernels  # noqa: E402
-from engine.config import BUNDLED_MODEL  # noqa: E402
-from engine.model_config import ModelConfig
+from pdcluster import kernels  # noqa: E402
+from pdcluster.engine.config import BUNDLED_MODEL  # noqa: E402
+from pdcluster.engine.model_config import ModelConfig
 
 if kernels.triton_interpreted():
     pytest.skip("AOT compilation needs TRITON_INTERPRET unset", allow_module_level=True)

@@ -28,17 +28,17 @@ from tests.real_parts import import_real_part
 
 import_real_part("triton", "Triton", "scripts/setup.sh installs it on Linux")
 
-import kernels  # noqa: E402
-from kernels import reference, torch_attention  # noqa: E402
-from kernels._triton_common import KernelInputError  # noqa: E402
-from kernels.triton_activation import plan_silu_and_mul  # noqa: E402
-from kernels.triton_fused_moe import align_block_size, fused_moe  # noqa: E402
-from kernels.triton_mla_decode import paged_mla_decode  # noqa: E402
-from kernels.triton_kv_cache import plan_store_kv_cache  # noqa: E402
-from kernels.triton_paged_decode import choose_num_splits, plan_paged_decode_attention  # noqa: E402
-from kernels.triton_paged_prefill import plan_paged_prefill_attention  # noqa: E402
-from kernels.triton_rms_norm import plan_rms_norm  # noqa: E402
-from kernels.triton_rotary import plan_rotary_embedding  # noqa: E402
+from pdcluster import kernels  # noqa: E402
+from pdcluster.kernels import reference, torch_attention  # noqa: E402
+from pdcluster.kernels._triton_common import KernelInputError  # noqa: E402
+from pdcluster.kernels.triton_activation import plan_silu_and_mul  # noqa: E402
+from pdcluster.kernels.triton_fused_moe import align_block_size, fused_moe  # noqa: E402
+from pdcluster.kernels.triton_mla_decode import paged_mla_decode  # noqa: E402
+from pdcluster.kernels.triton_kv_cache import plan_store_kv_cache  # noqa: E402
+from pdcluster.kernels.triton_paged_decode import choose_num_splits, plan_paged_decode_attention  # noqa: E402
+from pdcluster.kernels.triton_paged_prefill import plan_paged_prefill_attention  # noqa: E402
+from pdcluster.kernels.triton_rms_norm import plan_rms_norm  # noqa: E402
+from pdcluster.kernels.triton_rotary import plan_rotary_embedding  # noqa: E402
 from tests.kernels import attention_oracle  # noqa: E402
 from tests.kernels.routing import skewed_routing  # noqa: E402
 
@@ -241,7 +241,7 @@ def test_kernels_over_a_cross_layer_caches_views(dtype):
     """One layer's K and V of a cross-layer cache (engine.kv_cache: views whose blocks sit
     num_layers * 2 blocks apart): the store writes that layer's slots only, and decode and
     prefill over the views match the oracle."""
-    from engine.kv_cache import PagedKVCache
+    from pdcluster.engine.kv_cache import PagedKVCache
 
     gen = _gen("cross-layer", dtype)
     num_heads, num_kv_heads, head_dim, block_size = 4, 2, 64, 16
@@ -320,7 +320,7 @@ def test_silu_and_mul(shape, dtype):
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(8, 4, 8), (2, 2, 64), (32, 8, 128)])
 @matrix
 def test_rotary_embedding(num_heads, num_kv_heads, head_dim, dtype):
-    from engine.rope import compute_inv_freq, rope_cos_sin_cache
+    from pdcluster.engine.rope import compute_inv_freq, rope_cos_sin_cache
 
     gen = _gen("rotary", num_heads, num_kv_heads, head_dim, dtype)
     scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,

@@ -117,8 +117,8 @@ def fresh_redis_server(tmp_path):
 def make_server():
     """Start real KV store gRPC servers on port 0: ``make(config, store, max_workers)``
     (store: an LRUBlockStore sized by ``config`` unless given); all stopped at teardown."""
-    from kvstore.config import KVStoreConfig
-    from kvstore.server import KVStoreServer
+    from pdcluster.kvstore.config import KVStoreConfig
+    from pdcluster.kvstore.server import KVStoreServer
     from tests.kvstore.lru_block_store import LRUBlockStore
 
     servers = []

@@ -19,10 +19,11 @@ from collections.abc import Collection, MutableMapping
 
 import torch
 
-from kvstore.config import KVStoreConfig, KVTransferConfig
-from kvstore.errors import BlockLayoutError, BlockNotFoundError, KVTransferError
-from kvstore.transfer.base import FetchRequest, KVReceiver, KVTransferBackend, TransferState
-from kvstore.transfer.dest import CallbackDest
+from pdcluster.kvstore.config import KVStoreConfig, KVTransferConfig
+from pdcluster.kvstore.errors import BlockLayoutError, BlockNotFoundError, KVTransferError
+from pdcluster.kvstore.transfer.base import (FetchRequest, KVReceiver, KVTransferBackend,
+                                             TransferState)
+from pdcluster.kvstore.transfer.dest import CallbackDest
 
 
 class FakeTransferBackend(KVTransferBackend):

@@ -3,8 +3,8 @@ demand: a save that fails for chosen requests, a load that lands nothing."""
 
 from __future__ import annotations
 
-from engine.core.kv_connector import KVConnector, LoadOutcome
-from kvstore.errors import KVTransferError
+from pdcluster.engine.core.kv_connector import KVConnector, LoadOutcome
+from pdcluster.kvstore.errors import KVTransferError
 
 
 class FaultyConnector(KVConnector):

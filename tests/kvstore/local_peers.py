@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from decode_worker.instance import cancel_layer_stream, expect_layer_stream
-from engine.core.engine_core import EngineCore
-from kvstore.transfer.peers import StreamPeers
+from pdcluster.decode_worker.instance import cancel_layer_stream, expect_layer_stream
+from pdcluster.engine.core.engine_core import EngineCore
+from pdcluster.kvstore.transfer.peers import StreamPeers
 
 
 class LocalStreamPeers(StreamPeers):

@@ -14,11 +14,11 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
-from kvstore.config import KVStoreConfig
-from kvstore.errors import StoreCapacityError
-from kvstore.layout import BlockLayout, check_payload
-from kvstore.server import KVStoreServer
-from kvstore.tail_store import StoredTail, TailStore, check_tail
+from pdcluster.kvstore.config import KVStoreConfig
+from pdcluster.kvstore.errors import StoreCapacityError
+from pdcluster.kvstore.layout import BlockLayout, check_payload
+from pdcluster.kvstore.server import KVStoreServer
+from pdcluster.kvstore.tail_store import StoredTail, TailStore, check_tail
 
 
 class LRUBlockStore:

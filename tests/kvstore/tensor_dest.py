@@ -9,10 +9,10 @@ from typing import NamedTuple
 
 import torch
 
-from kvstore.errors import BlockLayoutError
-from kvstore.transfer.base import TransferState
-from kvstore.transfer.dest import CallbackDest
-from kvstore.transfer.runs import budget_runs
+from pdcluster.kvstore.errors import BlockLayoutError
+from pdcluster.kvstore.transfer.base import TransferState
+from pdcluster.kvstore.transfer.dest import CallbackDest
+from pdcluster.kvstore.transfer.runs import budget_runs
 
 
 class BlockRun(NamedTuple):

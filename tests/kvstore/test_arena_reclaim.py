@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from kvstore.arena import HostArena
-from kvstore.arena.segment import SHM_DIR, reclaim_dead_segments
+from pdcluster.kvstore.arena import HostArena
+from pdcluster.kvstore.arena.segment import SHM_DIR, reclaim_dead_segments
 
 pytestmark = pytest.mark.skipif(not SHM_DIR.is_dir(), reason="needs Linux /dev/shm")
 
@@ -31,7 +31,7 @@ B = 4096
 OWNER = """
 import sys
 from multiprocessing import resource_tracker
-from kvstore.arena import HostArena
+from pdcluster.kvstore.arena import HostArena
 a = HostArena(4 * 4096, 4096, node_id=sys.argv[1])
 resource_tracker.unregister("/" + a.shm_name, "shared_memory")
 print(a.shm_name, flush=True)

@@ -10,8 +10,8 @@ import uuid
 import pytest
 import torch
 
-from engine.core.hashing import block_keys, make_namespace
-from kvstore.index import KVIndex, Location, MemoryIndex, open_index
+from pdcluster.engine.core.hashing import block_keys, make_namespace
+from pdcluster.kvstore.index import KVIndex, Location, MemoryIndex, open_index
 from tests.engine_loops import started, stop
 from tests.handoffs import handoff
 
@@ -57,11 +57,11 @@ def test_kv_store_reannounces_its_blocks_after_redis_restarts_empty(fresh_redis_
     from tests.real_parts import import_real_part
 
     ray = import_real_part("ray", "Ray")
-    from kvstore.actor import start_kvstore_actors
-    from kvstore.client import KVStoreClient
-    from kvstore.config import KVStoreConfig
-    from kvstore.layout import BlockLayout
-    from kvstore.pool_config import KVPoolConfig
+    from pdcluster.kvstore.actor import start_kvstore_actors
+    from pdcluster.kvstore.client import KVStoreClient
+    from pdcluster.kvstore.config import KVStoreConfig
+    from pdcluster.kvstore.layout import BlockLayout
+    from pdcluster.kvstore.pool_config import KVPoolConfig
 
     started = not ray.is_initialized()
     if started:
@@ -102,14 +102,14 @@ def test_prefill_worker_reannounces_its_g1_blocks_after_redis_restarts_empty(
     """A prefill worker's G1 (device) entries come back too: the engine's next check after the
     loss (a step, busy or idle) finds one cached key missing from the index and announces all
     of them again, once."""
-    from prefill_worker.instance import prefill as run_prefill, prefill_core
-    from kvstore.index import device_feed
-    from engine.config import BUNDLED_MODEL, EngineConfig
-    from engine.protocol import PrefillRequest, SamplingParams
-    from engine.runner import ModelRunner
-    from kvstore.client import KVStoreClient
-    from kvstore.config import KVStoreConfig
-    from kvstore.transport.pool.connector import PoolConnector
+    from pdcluster.prefill_worker.instance import prefill as run_prefill, prefill_core
+    from pdcluster.kvstore.index import device_feed
+    from pdcluster.engine.config import BUNDLED_MODEL, EngineConfig
+    from pdcluster.engine.protocol import PrefillRequest, SamplingParams
+    from pdcluster.engine.runner import ModelRunner
+    from pdcluster.kvstore.client import KVStoreClient
+    from pdcluster.kvstore.config import KVStoreConfig
+    from pdcluster.kvstore.transport.pool.connector import PoolConnector
     from tests.kvstore.lru_block_store import lru_server
 
     monkeypatch.setattr(device_feed, "INDEX_CHECK_S", 0.0)

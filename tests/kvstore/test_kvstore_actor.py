@@ -12,16 +12,16 @@ from tests.real_parts import import_real_part
 ray = import_real_part("ray", "Ray")
 import torch  # noqa: E402
 
-from kvstore.actor import (KVSTORE_ACTOR_PREFIX, kvstore_actor,  # noqa: E402
+from pdcluster.kvstore.actor import (KVSTORE_ACTOR_PREFIX, kvstore_actor,  # noqa: E402
                            start_kvstore_actors)
-from kvstore.client import KVStoreClient  # noqa: E402
-from kvstore.config import KVStoreConfig  # noqa: E402
-from kvstore.errors import KVStoreError, KVTransferError  # noqa: E402
-from engine.core.hashing import block_keys, make_namespace  # noqa: E402
-from kvstore.index import Location, open_index  # noqa: E402
-from kvstore.layout import BlockLayout  # noqa: E402
-from kvstore.node_store import HOST  # noqa: E402
-from kvstore.pool_config import KVPoolConfig  # noqa: E402
+from pdcluster.kvstore.client import KVStoreClient  # noqa: E402
+from pdcluster.kvstore.config import KVStoreConfig  # noqa: E402
+from pdcluster.kvstore.errors import KVStoreError, KVTransferError  # noqa: E402
+from pdcluster.engine.core.hashing import block_keys, make_namespace  # noqa: E402
+from pdcluster.kvstore.index import Location, open_index  # noqa: E402
+from pdcluster.kvstore.layout import BlockLayout  # noqa: E402
+from pdcluster.kvstore.node_store import HOST  # noqa: E402
+from pdcluster.kvstore.pool_config import KVPoolConfig  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -96,7 +96,7 @@ def test_local_address_without_actor_times_out(ray_cluster):
 
 
 def test_wildcard_bind_advertises_node_ip(ray_cluster):
-    from kvstore.actor import kvstore_actor_class
+    from pdcluster.kvstore.actor import kvstore_actor_class
 
     actor = kvstore_actor_class().remote(KVStoreConfig(host="0.0.0.0"), POOL, LAYOUT)
     try:
@@ -110,7 +110,7 @@ def test_wildcard_bind_advertises_node_ip(ray_cluster):
 def test_faults_are_injected_only_into_the_test_subclass(ray_cluster):
     """The serving store has no inject_fault; tests/faults.py's subclass stops serving on
     demand, and refuses a fault it does not know."""
-    from kvstore.actor import kvstore_actor_class
+    from pdcluster.kvstore.actor import kvstore_actor_class
     from tests.faults import FaultyKVStoreActor
 
     serving = kvstore_actor_class().remote(KVStoreConfig(), POOL, LAYOUT)
@@ -138,8 +138,8 @@ class ArenaWorker:
     """A same-node worker moving blocks through its node's arena (kvstore.node_client)."""
 
     def __init__(self):
-        from kvstore.actor import kvstore_actor
-        from kvstore.node_client import NodeStoreClient
+        from pdcluster.kvstore.actor import kvstore_actor
+        from pdcluster.kvstore.node_client import NodeStoreClient
 
         self.client = NodeStoreClient(kvstore_actor(None, NS), timeout_s=60.0)
 

@@ -6,12 +6,12 @@ import grpc
 import pytest
 import torch
 
-from kvstore.client import KVStoreClient
-from kvstore.config import KVStoreConfig
-from kvstore.errors import KVAuthError
-from engine.core.hashing import block_keys, make_namespace
-from kvstore.proto import kvstore_pb2 as pb
-from kvstore.proto import kvstore_pb2_grpc as pb_grpc
+from pdcluster.kvstore.client import KVStoreClient
+from pdcluster.kvstore.config import KVStoreConfig
+from pdcluster.kvstore.errors import KVAuthError
+from pdcluster.engine.core.hashing import block_keys, make_namespace
+from pdcluster.kvstore.proto import kvstore_pb2 as pb
+from pdcluster.kvstore.proto import kvstore_pb2_grpc as pb_grpc
 from tests.kvstore.lru_block_store import lru_server
 from tests.markers import starts
 

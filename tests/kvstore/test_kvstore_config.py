@@ -7,10 +7,10 @@ import warnings
 
 import pytest
 
-from kvstore.config import KVStoreConfig, KVTLSConfig, KVTransferConfig, kv_plane_of
-from kvstore.transfer.registry import create_backend
-from kvstore.transport.pool.grpc_backend import GrpcTransferBackend
-from kvstore.transport.torch_pair.backend import TorchTransferBackend
+from pdcluster.kvstore.config import KVStoreConfig, KVTLSConfig, KVTransferConfig, kv_plane_of
+from pdcluster.kvstore.transfer.registry import create_backend
+from pdcluster.kvstore.transport.pool.grpc_backend import GrpcTransferBackend
+from pdcluster.kvstore.transport.torch_pair.backend import TorchTransferBackend
 
 TLS = KVTLSConfig(cert_file="c.pem", key_file="k.pem")
 

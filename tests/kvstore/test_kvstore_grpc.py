@@ -8,14 +8,14 @@ import grpc
 import pytest
 import torch
 
-from kvstore.client import KVStoreClient
-from kvstore.config import KVStoreConfig
-from kvstore.errors import (BlockLayoutError, BlockNotFoundError, KVTransferError,
-                            KVTransferTimeout, StoreCapacityError)
-from engine.core.hashing import block_keys, make_namespace
-from kvstore.proto import kvstore_pb2 as pb
-from kvstore.proto import kvstore_pb2_grpc as pb_grpc
-from kvstore.transfer.runs import budget_runs
+from pdcluster.kvstore.client import KVStoreClient
+from pdcluster.kvstore.config import KVStoreConfig
+from pdcluster.kvstore.errors import (BlockLayoutError, BlockNotFoundError, KVTransferError,
+                                      KVTransferTimeout, StoreCapacityError)
+from pdcluster.engine.core.hashing import block_keys, make_namespace
+from pdcluster.kvstore.proto import kvstore_pb2 as pb
+from pdcluster.kvstore.proto import kvstore_pb2_grpc as pb_grpc
+from pdcluster.kvstore.transfer.runs import budget_runs
 from tests.kvstore.lru_block_store import LRUBlockStore
 
 BLOCK_SHAPE = (2, 2, 16, 2, 8)  # [layers, k/v, block_size, kv_heads, head_dim]

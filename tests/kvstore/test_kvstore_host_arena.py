@@ -14,15 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvstore.arena import (
-    ArenaAllocationError,
-    ArenaAttachError,
-    ArenaClosedError,
-    ArenaFullError,
-    HostArena,
-)
-from kvstore.arena.view import ArenaView, slot_runs
-from kvstore.errors import StoreCapacityError
+from pdcluster.kvstore.arena import (ArenaAllocationError, ArenaAttachError, ArenaClosedError,
+                                     ArenaFullError, HostArena)
+from pdcluster.kvstore.arena.view import ArenaView, slot_runs
+from pdcluster.kvstore.errors import StoreCapacityError
 
 ROOT = Path(__file__).resolve().parents[2]
 NODE = "t" + secrets.token_hex(4)[:7]  # segments of this module are named pdc-{NODE}-*

@@ -8,9 +8,9 @@ import uuid
 
 import pytest
 
-from engine.core.kv_events import AllCleared, BlockRemoved, BlockStored
-from engine.core.hashing import block_keys, make_namespace
-from kvstore.index import KVIndex, Location, MemoryIndex, open_index
+from pdcluster.engine.core.kv_events import AllCleared, BlockRemoved, BlockStored
+from pdcluster.engine.core.hashing import block_keys, make_namespace
+from pdcluster.kvstore.index import KVIndex, Location, MemoryIndex, open_index
 from tests.markers import starts
 
 NODE_A, NODE_B = "node-a", "node-b"
@@ -45,7 +45,7 @@ def ray_cluster():
 @pytest.fixture(scope="module")
 def actor_url(ray_cluster):
     """One index actor for the module's parametrized tests (each clears it after itself)."""
-    from kvstore.index import get_or_create_index_actor
+    from pdcluster.kvstore.index import get_or_create_index_actor
 
     name = f"test-index-{uuid.uuid4().hex[:8]}"
     actor = get_or_create_index_actor(name, RAY_NS)
@@ -204,7 +204,7 @@ def test_location_and_key_validation():
 
 def test_open_index_dispatch(redis_server):
     assert isinstance(open_index("memory://"), MemoryIndex)
-    from kvstore.index import RedisIndex
+    from pdcluster.kvstore.index import RedisIndex
     with open_index(redis_server.url, namespace="dispatch") as idx:
         assert isinstance(idx, RedisIndex) and idx.namespace == "dispatch"
     with pytest.raises(ValueError):
@@ -216,7 +216,7 @@ def test_actor_index_is_shared_by_name_and_restarts_empty(ray_cluster):
     """The embedded default: clients opening the same ray:// name share one actor. If the
     actor dies it restarts empty (like Redis without persistence); a killed-for-good actor
     makes calls raise KVIndexUnavailableError."""
-    from kvstore.index import KVIndexUnavailableError
+    from pdcluster.kvstore.index import KVIndexUnavailableError
 
     url = f"ray://test-index-{uuid.uuid4().hex[:8]}"
     one, two = open_index(url, namespace=RAY_NS), open_index(url, namespace=RAY_NS, timeout_s=5)

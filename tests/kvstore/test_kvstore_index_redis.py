@@ -11,10 +11,10 @@ from tests.real_parts import import_real_part
 redis = import_real_part("redis", "redis-py", "scripts/setup.sh --dev installs it")
 from redis.connection import AbstractConnection  # noqa: E402
 
-from engine.core.kv_events import BlockStored  # noqa: E402
-from engine.core.hashing import block_keys, make_namespace  # noqa: E402
-from kvstore.index import KVIndexUnavailableError, Location  # noqa: E402
-from kvstore.index.redis_index import RedisIndex  # noqa: E402
+from pdcluster.engine.core.kv_events import BlockStored  # noqa: E402
+from pdcluster.engine.core.hashing import block_keys, make_namespace  # noqa: E402
+from pdcluster.kvstore.index import KVIndexUnavailableError, Location  # noqa: E402
+from pdcluster.kvstore.index.redis_index import RedisIndex  # noqa: E402
 
 HOST_A = Location("node-a", "host")
 DEV_B = Location("node-b", "device", "decode-1")

@@ -7,10 +7,10 @@ import uuid
 
 import pytest
 
-from kvstore.arena import ArenaFullError
-from kvstore.index import Location, MemoryIndex, RedisIndex
-from kvstore.layout import BlockLayout
-from kvstore.node_store import TieredNodeStore
+from pdcluster.kvstore.arena import ArenaFullError
+from pdcluster.kvstore.index import Location, MemoryIndex, RedisIndex
+from pdcluster.kvstore.layout import BlockLayout
+from pdcluster.kvstore.node_store import TieredNodeStore
 
 LAYOUT = BlockLayout("float32", (2, 2, 4, 2, 8))  # 1 KiB blocks
 NODE = "node-a"

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from kvstore.ssd_tier import SSDTier
+from pdcluster.kvstore.ssd_tier import SSDTier
 
 BLOCK = 4096
 

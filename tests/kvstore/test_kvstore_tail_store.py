@@ -2,9 +2,9 @@
 
 import pytest
 
-from kvstore.errors import BlockLayoutError, StoreCapacityError
-from kvstore.layout import BlockLayout
-from kvstore.tail_store import TailStore
+from pdcluster.kvstore.errors import BlockLayoutError, StoreCapacityError
+from pdcluster.kvstore.layout import BlockLayout
+from pdcluster.kvstore.tail_store import TailStore
 
 LAYOUT = BlockLayout("float32", (2, 4))  # 32 bytes per block
 

@@ -6,17 +6,18 @@ import time
 import pytest
 import torch
 
-from kvstore.client import KVStoreClient
-from kvstore.config import KVStoreConfig, KVTransferConfig
-from kvstore.errors import (BlockLayoutError, BlockNotFoundError, KVAuthError, KVTransferError)
-from engine.core.hashing import block_keys, make_namespace
-from kvstore.proto import kvstore_pb2 as pb
-from kvstore.transfer.base import FetchRequest, TransferState
-from kvstore.transfer.dest import CallbackDest
-from kvstore.transfer.registry import TRANSFER_BACKENDS, create_backend
-from kvstore.transfer.wire import decode_block_data, encode_block_data
-from kvstore.transport.pool.grpc_backend import GrpcTransferBackend
-from kvstore.transport.torch_pair.backend import TorchTransferBackend
+from pdcluster.kvstore.client import KVStoreClient
+from pdcluster.kvstore.config import KVStoreConfig, KVTransferConfig
+from pdcluster.kvstore.errors import (BlockLayoutError, BlockNotFoundError, KVAuthError,
+                                      KVTransferError)
+from pdcluster.engine.core.hashing import block_keys, make_namespace
+from pdcluster.kvstore.proto import kvstore_pb2 as pb
+from pdcluster.kvstore.transfer.base import FetchRequest, TransferState
+from pdcluster.kvstore.transfer.dest import CallbackDest
+from pdcluster.kvstore.transfer.registry import TRANSFER_BACKENDS, create_backend
+from pdcluster.kvstore.transfer.wire import decode_block_data, encode_block_data
+from pdcluster.kvstore.transport.pool.grpc_backend import GrpcTransferBackend
+from pdcluster.kvstore.transport.torch_pair.backend import TorchTransferBackend
 from tests.kvstore.fake_transfer import FakeTransferBackend
 from tests.kvstore.lru_block_store import LRUBlockStore
 from tests.kvstore.tensor_dest import BlockRun, TensorDest, coalesce_runs, wait

@@ -10,11 +10,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from kvstore.config import KVStoreConfig, KVTransferConfig
-from kvstore.errors import KVAuthError, KVTransferError
-from kvstore.transfer.base import FetchRequest, TransferState
-from kvstore.transport.torch_pair.backend import TorchKVSender, TorchTransferBackend
-from kvstore.transport.torch_pair.channel import TorchPairChannel
+from pdcluster.kvstore.config import KVStoreConfig, KVTransferConfig
+from pdcluster.kvstore.errors import KVAuthError, KVTransferError
+from pdcluster.kvstore.transfer.base import FetchRequest, TransferState
+from pdcluster.kvstore.transport.torch_pair.backend import TorchKVSender, TorchTransferBackend
+from pdcluster.kvstore.transport.torch_pair.channel import TorchPairChannel
 from tests.kvstore.tensor_dest import TensorDest, wait
 
 TOKEN = "pair-test-token"

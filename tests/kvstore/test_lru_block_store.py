@@ -5,8 +5,8 @@ import threading
 
 import pytest
 
-from kvstore.errors import BlockLayoutError, StoreCapacityError
-from kvstore.layout import BlockLayout
+from pdcluster.kvstore.errors import BlockLayoutError, StoreCapacityError
+from pdcluster.kvstore.layout import BlockLayout
 from tests.kvstore.lru_block_store import LRUBlockStore
 
 LAYOUT = BlockLayout("float32", (2, 4))  # 32 bytes per block

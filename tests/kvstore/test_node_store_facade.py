@@ -8,15 +8,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvstore.client import KVStoreClient
-from kvstore.config import KVStoreConfig
-from kvstore.errors import BlockLayoutError, StoreCapacityError
-from engine.core.hashing import block_keys, make_namespace
-from kvstore.index import Location, MemoryIndex, open_index
-from kvstore.layout import BlockLayout
-from kvstore.node_store import TieredNodeStore
-from kvstore.index.base import HOST
-from kvstore.node_store_api import REMOTE, NodeStore
+from pdcluster.kvstore.client import KVStoreClient
+from pdcluster.kvstore.config import KVStoreConfig
+from pdcluster.kvstore.errors import BlockLayoutError, StoreCapacityError
+from pdcluster.engine.core.hashing import block_keys, make_namespace
+from pdcluster.kvstore.index import Location, MemoryIndex, open_index
+from pdcluster.kvstore.layout import BlockLayout
+from pdcluster.kvstore.node_store import TieredNodeStore
+from pdcluster.kvstore.index.base import HOST
+from pdcluster.kvstore.node_store_api import REMOTE, NodeStore
 
 LAYOUT = BlockLayout("bfloat16", (2, 16, 2, 8))  # 1 KiB blocks
 SLOTS = 8  # G2 holds 8 blocks; no G3, so an evicted block is dropped
@@ -54,9 +54,9 @@ def facade(request):
     request.getfixturevalue("ray_cluster")
     import ray
 
-    from kvstore.actor import start_kvstore_actors
-    from kvstore.node_client import NodeStoreClient
-    from kvstore.pool_config import KVPoolConfig
+    from pdcluster.kvstore.actor import start_kvstore_actors
+    from pdcluster.kvstore.node_client import NodeStoreClient
+    from pdcluster.kvstore.pool_config import KVPoolConfig
 
     node_id = ray.get_runtime_context().get_node_id()
     pool = KVPoolConfig(dram_cache_bytes=SLOTS * LAYOUT.nbytes, index_url=f"ray://{NS}-index")

@@ -5,11 +5,11 @@ import math
 import numpy as np
 import pytest
 
-from loadtest.arrivals import (parse_rate_steps, rate_arrivals, stepped_arrivals,
-                               trace_arrivals)
-from loadtest.prefix import offline_prefix_hits
-from loadtest.synthetic import parse_length, synthetic_workload
-from loadtest.tokens import TokenSpace
+from pdcluster.loadtest.arrivals import (parse_rate_steps, rate_arrivals, stepped_arrivals,
+                                         trace_arrivals)
+from pdcluster.loadtest.prefix import offline_prefix_hits
+from pdcluster.loadtest.synthetic import parse_length, synthetic_workload
+from pdcluster.loadtest.tokens import TokenSpace
 
 
 def test_trace_time_scale_multiplies_gaps():

@@ -4,11 +4,11 @@ import json
 
 import pytest
 
-from loadtest.cli import main
-from loadtest.client import RequestRecord
-from loadtest.compare import compare_rows
-from loadtest.metrics import compute_metrics
-from loadtest.report import format_summary, write_report, write_sweep_report
+from pdcluster.loadtest.cli import main
+from pdcluster.loadtest.client import RequestRecord
+from pdcluster.loadtest.compare import compare_rows
+from pdcluster.loadtest.metrics import compute_metrics
+from pdcluster.loadtest.report import format_summary, write_report, write_sweep_report
 
 
 def result(ttft_scale: float, hit: float | None) -> dict:

@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from loadtest.client import RequestRecord
-from loadtest.metrics import compute_metrics, parse_goodput, percentile_key, request_tpot
+from pdcluster.loadtest.client import RequestRecord
+from pdcluster.loadtest.metrics import compute_metrics, parse_goodput, percentile_key, request_tpot
 
 
 def rec(index, ttft, itl, out, start=0.0, prompt_len=10, success=True):

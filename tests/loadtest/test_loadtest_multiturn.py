@@ -7,16 +7,16 @@ from pathlib import Path
 
 import pytest
 
-from loadtest.cli import main
-from loadtest.client import ClientConfig
-from loadtest.conversations import (REPLY_SLACK, infer_turns, synthetic_conversations,
-                                    trace_conversations)
-from loadtest.multiturn import run_conversations
-from loadtest.prefix import SentRequest, conversation_prefix_hits
-from loadtest.runner import RunConfig
-from loadtest.synthetic import parse_length
-from loadtest.tokens import TokenSpace
-from loadtest.trace import TraceRecord, read_trace
+from pdcluster.loadtest.cli import main
+from pdcluster.loadtest.client import ClientConfig
+from pdcluster.loadtest.conversations import (REPLY_SLACK, infer_turns, synthetic_conversations,
+                                              trace_conversations)
+from pdcluster.loadtest.multiturn import run_conversations
+from pdcluster.loadtest.prefix import SentRequest, conversation_prefix_hits
+from pdcluster.loadtest.runner import RunConfig
+from pdcluster.loadtest.synthetic import parse_length
+from pdcluster.loadtest.tokens import TokenSpace
+from pdcluster.loadtest.trace import TraceRecord, read_trace
 
 REAL_TRACE = Path(__file__).resolve().parents[3] / "shared/traces/mooncake/conversation_trace.jsonl"
 

@@ -2,8 +2,8 @@
 
 import pytest
 
-from engine.core.hashing import block_keys
-from loadtest.prefix import offline_prefix_hits
+from pdcluster.engine.core.hashing import block_keys
+from pdcluster.loadtest.prefix import offline_prefix_hits
 
 B = 4
 PROMPTS = [

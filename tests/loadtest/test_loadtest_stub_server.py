@@ -7,11 +7,11 @@ import time
 
 import pytest
 
-from loadtest.cli import main
-from loadtest.client import ClientConfig
-from loadtest.runner import RunConfig, run_benchmark
-from loadtest.tokens import BlockTokens, TokenSpace
-from loadtest.workload import BenchRequest, Workload
+from pdcluster.loadtest.cli import main
+from pdcluster.loadtest.client import ClientConfig
+from pdcluster.loadtest.runner import RunConfig, run_benchmark
+from pdcluster.loadtest.tokens import BlockTokens, TokenSpace
+from pdcluster.loadtest.workload import BenchRequest, Workload
 
 # What the stub does, keyed by prompt length.
 MODES = {7: "fail", 9: "stall", 11: "stall_mid", 13: "error_mid"}

@@ -5,9 +5,9 @@ from pathlib import Path
 
 import pytest
 
-from loadtest.prefix import offline_prefix_hits
-from loadtest.tokens import TokenSpace, token_space_from_tokenizer
-from loadtest.trace import read_trace, scaled_block_size, trace_workload
+from pdcluster.loadtest.prefix import offline_prefix_hits
+from pdcluster.loadtest.tokens import TokenSpace, token_space_from_tokenizer
+from pdcluster.loadtest.trace import read_trace, scaled_block_size, trace_workload
 
 REAL_TRACE = Path(__file__).resolve().parents[3] / "shared/traces/mooncake/conversation_trace.jsonl"
 BUNDLED_TOKENIZER = Path(__file__).resolve().parents[2] / "engine/models/stories260K"

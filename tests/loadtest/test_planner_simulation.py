@@ -7,13 +7,13 @@ import json
 
 import pytest
 
-from loadtest.simulator.engine import SimConfig, Simulation
-from loadtest.simulator.plan import main as plan_main
-from loadtest.simulator.results import summarize
-from loadtest.simulator.workload import SimRequest, load_requests, vary_rate
-from router.admission import SLO
-from router.cost_model import MOONCAKE_70B
-from router.planner import AutoscaleRange
+from pdcluster.loadtest.simulator.engine import SimConfig, Simulation
+from pdcluster.loadtest.simulator.plan import main as plan_main
+from pdcluster.loadtest.simulator.results import summarize
+from pdcluster.loadtest.simulator.workload import SimRequest, load_requests, vary_rate
+from pdcluster.router.admission import SLO
+from pdcluster.router.cost_model import MOONCAKE_70B
+from pdcluster.router.planner import AutoscaleRange
 from tests.loadtest.test_simulator import TRACE, needs_trace
 
 

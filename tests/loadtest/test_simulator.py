@@ -9,16 +9,16 @@ from pathlib import Path
 
 import pytest
 
-from kvstore.index import Location, MemoryIndex
-from loadtest.simulator.cache import NodeCache
-from loadtest.simulator.cli import main as simulate_main
-from loadtest.simulator.decode import DecodeInstance
-from loadtest.simulator.engine import SimConfig, Simulation
-from loadtest.simulator.results import summarize
-from loadtest.simulator.workload import load_requests, requests_from_records
-from loadtest.trace import TraceRecord
-from router.admission import SLO
-from router.cost_model import MOONCAKE_70B
+from pdcluster.kvstore.index import Location, MemoryIndex
+from pdcluster.loadtest.simulator.cache import NodeCache
+from pdcluster.loadtest.simulator.cli import main as simulate_main
+from pdcluster.loadtest.simulator.decode import DecodeInstance
+from pdcluster.loadtest.simulator.engine import SimConfig, Simulation
+from pdcluster.loadtest.simulator.results import summarize
+from pdcluster.loadtest.simulator.workload import load_requests, requests_from_records
+from pdcluster.loadtest.trace import TraceRecord
+from pdcluster.router.admission import SLO
+from pdcluster.router.cost_model import MOONCAKE_70B
 
 TRACE = Path(__file__).resolve().parents[3] / "shared" / "traces" / "mooncake" / \
     "conversation_trace.jsonl"
@@ -154,7 +154,7 @@ def test_measured_transfer_reranks_against_the_assumed_figures(tmp_path):
     rankings are written."""
     from dataclasses import replace
 
-    from router.cost_model import save_cost_model
+    from pdcluster.router.cost_model import save_cost_model
 
     slow = {"local": {"latency_s": 0.01, "bytes_per_s": 5e8},
             "remote": {"latency_s": 0.02, "bytes_per_s": 2e8},

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from loadtest.simulator.engine import SimConfig, Simulation
-from loadtest.simulator.results import summarize
-from loadtest.simulator.workload import load_requests
-from router.admission import SLO
-from router.cost_model import MOONCAKE_70B
+from pdcluster.loadtest.simulator.engine import SimConfig, Simulation
+from pdcluster.loadtest.simulator.results import summarize
+from pdcluster.loadtest.simulator.workload import load_requests
+from pdcluster.router.admission import SLO
+from pdcluster.router.cost_model import MOONCAKE_70B
 
 TRACE = Path(__file__).resolve().parents[3] / "shared" / "traces" / "mooncake" / \
     "conversation_trace.jsonl"

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 import transformers
 
-from engine.config import BUNDLED_MODEL
+from pdcluster.engine.config import BUNDLED_MODEL
 
 #: shared by every family; the bundled tokenizer's 512 ids
 BASE = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

@@ -7,8 +7,8 @@ import contextlib
 import pytest
 import ray
 
-from deploy.config import ServeConfig
-from deploy.launcher import ActorClasses, Cluster
+from pdcluster.deploy.config import ServeConfig
+from pdcluster.deploy.launcher import ActorClasses, Cluster
 from tests.markers import starts
 
 

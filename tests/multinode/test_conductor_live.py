@@ -23,15 +23,15 @@ import httpx
 import pytest
 import uvicorn
 
-from deploy.config import ServeConfig
-from deploy.launcher import Cluster
-from engine.model_config import ModelConfig
-from engine.tokenizer import Tokenizer
-from router.admission import SLO, make_admission
-from router.chat_template import ChatTemplate
-from router.conductor import build_live_conductor
-from router.gateway import build_app
-from router.pipeline import Pipeline
+from pdcluster.deploy.config import ServeConfig
+from pdcluster.deploy.launcher import Cluster
+from pdcluster.engine.model_config import ModelConfig
+from pdcluster.engine.tokenizer import Tokenizer
+from pdcluster.router.admission import SLO, make_admission
+from pdcluster.router.chat_template import ChatTemplate
+from pdcluster.router.conductor import build_live_conductor
+from pdcluster.router.gateway import build_app
+from pdcluster.router.pipeline import Pipeline
 
 pytestmark = pytest.mark.slow
 

@@ -13,14 +13,14 @@ import pytest
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from decode_worker.actor import decode_actor
-from deploy.launcher import block_layout
-from engine.config import EngineConfig
-from engine.protocol import PrefillRequest, SamplingParams
-from kvstore.actor import start_kvstore_actor
-from kvstore.config import KVStoreConfig
-from kvstore.pool_config import KVPoolConfig
-from prefill_worker.actor import prefill_actor
+from pdcluster.decode_worker.actor import decode_actor
+from pdcluster.deploy.launcher import block_layout
+from pdcluster.engine.config import EngineConfig
+from pdcluster.engine.protocol import PrefillRequest, SamplingParams
+from pdcluster.kvstore.actor import start_kvstore_actor
+from pdcluster.kvstore.config import KVStoreConfig
+from pdcluster.kvstore.pool_config import KVPoolConfig
+from pdcluster.prefill_worker.actor import prefill_actor
 from tests.kvstore.mooncake_master import MooncakeMaster
 from tests.markers import starts
 from tests.multinode.test_kv_pool_multinode import (check_baseline, decode, hits, story_prompt,

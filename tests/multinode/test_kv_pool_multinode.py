@@ -15,18 +15,18 @@ import pytest
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from decode_worker.actor import decode_actor
-from deploy.launcher import block_layout
-from engine.config import EngineConfig
-from engine.protocol import DecodeRequest, FinishReason, PrefillRequest, SamplingParams
-from kvstore.actor import start_kvstore_actor
-from kvstore.config import KVStoreConfig
-from kvstore.index import Location, open_index
-from kvstore.pool_config import KVPoolConfig
-from prefill_worker.actor import prefill_actor
-from router.decode_outputs import DecodeOutputs
-from router.pipeline import _stream_decode
-from router.registry import Instance
+from pdcluster.decode_worker.actor import decode_actor
+from pdcluster.deploy.launcher import block_layout
+from pdcluster.engine.config import EngineConfig
+from pdcluster.engine.protocol import DecodeRequest, FinishReason, PrefillRequest, SamplingParams
+from pdcluster.kvstore.actor import start_kvstore_actor
+from pdcluster.kvstore.config import KVStoreConfig
+from pdcluster.kvstore.index import Location, open_index
+from pdcluster.kvstore.pool_config import KVPoolConfig
+from pdcluster.prefill_worker.actor import prefill_actor
+from pdcluster.router.decode_outputs import DecodeOutputs
+from pdcluster.router.pipeline import _stream_decode
+from pdcluster.router.registry import Instance
 from tests.faults import FaultyKVStoreActor
 from tests.handoffs import handoff
 from tests.markers import starts

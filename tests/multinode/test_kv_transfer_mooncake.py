@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import pytest
 
-from deploy.config import ServeConfig
-from kvstore.config import KVTransferConfig
+from pdcluster.deploy.config import ServeConfig
+from pdcluster.kvstore.config import KVTransferConfig
 from tests.multinode.test_kv_transfer_torch import (STORY, check_output_depends_on_received_kv,
                                                     run, run_concurrently, settled_decode,
                                                     stats, tokens_of)

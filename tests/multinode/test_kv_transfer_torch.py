@@ -16,10 +16,10 @@ import time
 import pytest
 import ray
 
-from deploy.config import ServeConfig
-from deploy.launcher import Cluster
-from engine.protocol import FinishReason, SamplingParams
-from kvstore.config import KVTransferConfig
+from pdcluster.deploy.config import ServeConfig
+from pdcluster.deploy.launcher import Cluster
+from pdcluster.engine.protocol import FinishReason, SamplingParams
+from pdcluster.kvstore.config import KVTransferConfig
 from tests.faults import FAULTY
 
 pytestmark = pytest.mark.slow

@@ -61,7 +61,7 @@ def _node_of(handle, not_on: str | None = None, timeout_s: float = 120.0) -> str
 
 
 def _generate(pipeline, request_id: str, prompt: list[int]) -> list[int]:
-    from engine.protocol import SamplingParams
+    from pdcluster.engine.protocol import SamplingParams
 
     async def run() -> list[int]:
         params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0)
@@ -80,17 +80,17 @@ def run_scenario(prompts: list[list[int]]) -> dict:
     from ray.cluster_utils import Cluster
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    from decode_worker.actor import decode_actor
-    from deploy import placement
-    from deploy.launcher import block_layout
-    from engine.config import EngineConfig
-    from kvstore.actor import start_kvstore_actor
-    from kvstore.config import KVStoreConfig
-    from kvstore.index.actor import DEFAULT_INDEX_ACTOR_NAME, IndexActor
-    from kvstore.pool_config import KVPoolConfig
-    from prefill_worker.actor import prefill_actor
-    from router.conductor import Conductor, Instance, InstanceRegistry
-    from router.pipeline import Pipeline
+    from pdcluster.decode_worker.actor import decode_actor
+    from pdcluster.deploy import placement
+    from pdcluster.deploy.launcher import block_layout
+    from pdcluster.engine.config import EngineConfig
+    from pdcluster.kvstore.actor import start_kvstore_actor
+    from pdcluster.kvstore.config import KVStoreConfig
+    from pdcluster.kvstore.index.actor import DEFAULT_INDEX_ACTOR_NAME, IndexActor
+    from pdcluster.kvstore.pool_config import KVPoolConfig
+    from pdcluster.prefill_worker.actor import prefill_actor
+    from pdcluster.router.conductor import Conductor, Instance, InstanceRegistry
+    from pdcluster.router.pipeline import Pipeline
 
     @ray.remote
     class TPRank:

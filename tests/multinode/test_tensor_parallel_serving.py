@@ -17,11 +17,11 @@ import time
 import pytest
 import ray
 
-from deploy.config import ServeConfig
-from deploy.launcher import Cluster
-from engine.config import BUNDLED_MODEL
-from engine.model_config import ModelConfig
-from engine.protocol import SamplingParams
+from pdcluster.deploy.config import ServeConfig
+from pdcluster.deploy.launcher import Cluster
+from pdcluster.engine.config import BUNDLED_MODEL
+from pdcluster.engine.model_config import ModelConfig
+from pdcluster.engine.protocol import SamplingParams
 
 pytestmark = pytest.mark.slow
 

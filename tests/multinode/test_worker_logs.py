@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import ray
 
-from deploy.config import ServeConfig
-from engine.protocol import SamplingParams
+from pdcluster.deploy.config import ServeConfig
+from pdcluster.engine.protocol import SamplingParams
 
 pytestmark = pytest.mark.slow
 
@@ -54,6 +54,6 @@ def test_worker_records_are_json_with_request_ids(local_cluster):
             time.sleep(0.2)
         assert mine, path.read_text()[-2000:]
         record = mine[0]
-        assert record["logger"] == "engine.core.engine_core" and record["level"] == "DEBUG"
+        assert record["logger"] == "pdcluster.engine.core.engine_core" and record["level"] == "DEBUG"
         assert "prefill of 4 tokens" in record["message"]
         assert record["timestamp"].endswith("Z")

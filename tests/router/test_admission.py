@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from router.admission import (SLO, decode_rejection, make_admission, ttft_rejection)
-from router.cost_model import MOONCAKE_70B
-from router.policies.base import DecodeLoad, DecodePlan, PrefillCandidate, PrefillPlan, RouteContext
-from router.policies.forecast import DecodeForecast
+from pdcluster.router.admission import (SLO, decode_rejection, make_admission, ttft_rejection)
+from pdcluster.router.cost_model import MOONCAKE_70B
+from pdcluster.router.policies.base import (DecodeLoad, DecodePlan, PrefillCandidate, PrefillPlan,
+                                            RouteContext)
+from pdcluster.router.policies.forecast import DecodeForecast
 
 SLO_ = SLO(ttft_s=30.0, tbt_s=0.1)
 

@@ -12,7 +12,7 @@ import pytest
 import uvicorn
 from fastapi import FastAPI
 
-from router.auth import APIKeyAuth, load_api_keys
+from pdcluster.router.auth import APIKeyAuth, load_api_keys
 from tests.markers import starts
 
 

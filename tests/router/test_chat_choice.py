@@ -8,13 +8,13 @@ import json
 
 import pytest
 
-from engine.config import BUNDLED_MODEL
-from engine.tokenizer import Tokenizer
-from router.chat import _choice, _ChoiceState
-from router.reasoning import ReasoningParser
-from router.schemas import ChatCompletionRequest
-from router.serving import ChoiceDelta
-from router.tool_calls import ToolCalling, plan
+from pdcluster.engine.config import BUNDLED_MODEL
+from pdcluster.engine.tokenizer import Tokenizer
+from pdcluster.router.chat import _choice, _ChoiceState
+from pdcluster.router.reasoning import ReasoningParser
+from pdcluster.router.schemas import ChatCompletionRequest
+from pdcluster.router.serving import ChoiceDelta
+from pdcluster.router.tool_calls import ToolCalling, plan
 
 TOOLS = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
 PIECES = ["<think>", "I should", " add.</th", "ink>Sure.<tool_call>", '{"name": "add", ',

@@ -8,9 +8,9 @@ import json
 
 import pytest
 
-from router.chat import template_message
-from router.chat_template import ChatTemplate, ChatTemplateError
-from router.schemas import ChatCompletionRequest
+from pdcluster.router.chat import template_message
+from pdcluster.router.chat_template import ChatTemplate, ChatTemplateError
+from pdcluster.router.schemas import ChatCompletionRequest
 
 #: A Qwen3-like template: a thinking switch, documents and a generation prompt.
 TEMPLATE = (

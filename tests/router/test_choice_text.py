@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from engine.config import BUNDLED_MODEL
-from engine.protocol import SamplingParams
-from engine.tokenizer import Tokenizer
-from router.stop import ChoiceText, StopStringMatcher
+from pdcluster.engine.config import BUNDLED_MODEL
+from pdcluster.engine.protocol import SamplingParams
+from pdcluster.engine.tokenizer import Tokenizer
+from pdcluster.router.stop import ChoiceText, StopStringMatcher
 
 PROMPT = "Once upon a time"
 

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from engine.core.hashing import block_keys, make_namespace
-from kvstore.index import Location, MemoryIndex
-from router.admission import SLO
-from router.conductor import (Conductor, Instance, InstanceRegistry, NoInstanceError,
-                              PrefixKeyer, RequestRejected, RouteRequest)
-from router.cost_model import STORIES260K_CPU
-from router.policies.live_loads import LedgerLoads
+from pdcluster.engine.core.hashing import block_keys, make_namespace
+from pdcluster.kvstore.index import Location, MemoryIndex
+from pdcluster.router.admission import SLO
+from pdcluster.router.conductor import (Conductor, Instance, InstanceRegistry, NoInstanceError,
+                                        PrefixKeyer, RequestRejected, RouteRequest)
+from pdcluster.router.cost_model import STORIES260K_CPU
+from pdcluster.router.policies.live_loads import LedgerLoads
 
 
 def registry(prefills: int = 2, decodes: int = 3) -> InstanceRegistry:

@@ -8,10 +8,10 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from deploy.profile import add_profile_parser, fit_nonnegative, run_profile
-from engine.config import BUNDLED_MODEL
-from router.cost_model import (BUILTIN_COST_MODELS, MOONCAKE_70B, CostModel, load_cost_model,
-                               save_cost_model)
+from pdcluster.deploy.profile import add_profile_parser, fit_nonnegative, run_profile
+from pdcluster.engine.config import BUNDLED_MODEL
+from pdcluster.router.cost_model import (BUILTIN_COST_MODELS, MOONCAKE_70B, CostModel,
+                                         load_cost_model, save_cost_model)
 
 
 def test_mooncake_70b_constants():
@@ -190,9 +190,9 @@ def test_the_conductor_predicts_with_the_served_models_bytes(tmp_path, family, c
     """Whatever the built-in figures were measured on, T_transfer moves the served model's
     bytes: 2 x layers x KV heads x head_dim values per token, or one MLA latent (kv_lora_rank
     + qk_rope_head_dim) per layer; fp32. Expected values from transformers' config object."""
-    from deploy.config import ServeConfig
-    from deploy.launcher import conductor_cost_model
-    from engine.config import EngineConfig
+    from pdcluster.deploy.config import ServeConfig
+    from pdcluster.deploy.launcher import conductor_cost_model
+    from pdcluster.engine.config import EngineConfig
     from tests.models.factory import build
 
     hf = build(family, tmp_path / family).config

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from router.decision_board import ActorDecisionBoard, RedisDecisionBoard, SharedDecision
+from pdcluster.router.decision_board import ActorDecisionBoard, RedisDecisionBoard, SharedDecision
 from tests.kvstore.conftest import ray_cluster, redis_server  # noqa: F401 — real parts
 
 DEADLINE_S = 30.0

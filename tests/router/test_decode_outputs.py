@@ -10,10 +10,10 @@ import threading
 
 import pytest
 
-from decode_worker.outputs import SubscriberOutputs
-from engine.protocol import FinishReason, TokenDelta
-from router.decode_outputs import DecodeOutputs
-from router.registry import Instance
+from pdcluster.decode_worker.outputs import SubscriberOutputs
+from pdcluster.engine.protocol import FinishReason, TokenDelta
+from pdcluster.router.decode_outputs import DecodeOutputs
+from pdcluster.router.registry import Instance
 from tests.router.ray_stubs import Ref
 
 

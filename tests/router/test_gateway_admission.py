@@ -6,14 +6,14 @@ from __future__ import annotations
 import pytest
 from fastapi.testclient import TestClient
 
-from engine.config import BUNDLED_MODEL
-from engine.tokenizer import Tokenizer
-from router.admission import SLO
-from router.chat_template import ChatTemplate
-from router.conductor import Conductor, Instance, InstanceRegistry
-from router.cost_model import MOONCAKE_70B
-from router.gateway import build_app
-from router.pipeline import Pipeline
+from pdcluster.engine.config import BUNDLED_MODEL
+from pdcluster.engine.tokenizer import Tokenizer
+from pdcluster.router.admission import SLO
+from pdcluster.router.chat_template import ChatTemplate
+from pdcluster.router.conductor import Conductor, Instance, InstanceRegistry
+from pdcluster.router.cost_model import MOONCAKE_70B
+from pdcluster.router.gateway import build_app
+from pdcluster.router.pipeline import Pipeline
 
 
 def refusing_gateway(priority_scheduling: bool = False) -> TestClient:

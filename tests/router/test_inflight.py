@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from router.inflight import InflightGate, Overloaded
+from pdcluster.router.inflight import InflightGate, Overloaded
 
 
 def run(coro):

@@ -11,12 +11,12 @@ import asyncio
 import pytest
 from ray.exceptions import RayTaskError
 
-from engine.protocol import (KV_LOAD_FAILED, DecodeRequest, FinishReason, SamplingParams,
-                             TokenDelta)
-from kvstore.errors import KVLoadError, KVTransferError
-from router.decode_outputs import DecodeOutputs
-from router.pipeline import GenerationError, _Moved, _next_from, _stream_decode
-from router.registry import Instance
+from pdcluster.engine.protocol import (KV_LOAD_FAILED, DecodeRequest, FinishReason, SamplingParams,
+                                       TokenDelta)
+from pdcluster.kvstore.errors import KVLoadError, KVTransferError
+from pdcluster.router.decode_outputs import DecodeOutputs
+from pdcluster.router.pipeline import GenerationError, _Moved, _next_from, _stream_decode
+from pdcluster.router.registry import Instance
 from tests.router.ray_stubs import Method, Ref, Stream
 
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from router.cost_model import MOONCAKE_70B
-from router.load_source import RouteDecision
-from router.policies.base import DecodePlan, PrefillPlan
-from router.policies.live_loads import LedgerLoads
+from pdcluster.router.cost_model import MOONCAKE_70B
+from pdcluster.router.load_source import RouteDecision
+from pdcluster.router.policies.base import DecodePlan, PrefillPlan
+from pdcluster.router.policies.live_loads import LedgerLoads
 
 
 class Clock:

@@ -14,9 +14,9 @@ from dataclasses import replace
 import pytest
 import torch
 
-from engine.protocol import SamplingParams
-from engine.sampler import SampleInput, sample
-from router.pipeline import resumed_request
+from pdcluster.engine.protocol import SamplingParams
+from pdcluster.engine.sampler import SampleInput, sample
+from pdcluster.router.pipeline import resumed_request
 
 VOCAB = 48
 EOS = frozenset({2})
@@ -92,7 +92,7 @@ def test_registry_marks_a_killed_actor_dead_and_takes_it_back_after_ray_restarts
     from tests.real_parts import import_real_part
 
     ray = import_real_part("ray", "Ray")
-    from router.registry import Instance, InstanceRegistry
+    from pdcluster.router.registry import Instance, InstanceRegistry
 
     @ray.remote(max_restarts=-1, num_cpus=0)
     class Worker:

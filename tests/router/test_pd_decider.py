@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from engine.core.hashing import block_keys, make_namespace
-from kvstore.index import Location, MemoryIndex
-from router.admission import SLO
-from router.conductor import Conductor, Instance, InstanceRegistry, PrefixKeyer, RouteRequest
-from router.cost_model import STORIES260K_CPU, CostModel
-from router.pd_decider import PDDecider
-from router.policies.base import DecodeLoad, PrefillCandidate, PrefillPlan, RouteContext
+from pdcluster.engine.core.hashing import block_keys, make_namespace
+from pdcluster.kvstore.index import Location, MemoryIndex
+from pdcluster.router.admission import SLO
+from pdcluster.router.conductor import (Conductor, Instance, InstanceRegistry, PrefixKeyer,
+                                        RouteRequest)
+from pdcluster.router.cost_model import STORIES260K_CPU, CostModel
+from pdcluster.router.pd_decider import PDDecider
+from pdcluster.router.policies.base import DecodeLoad, PrefillCandidate, PrefillPlan, RouteContext
 
 B = 16
 # round numbers: a forward costs 1 ms + 1 ms per token, a step 10 ms + 1 ms per sequence,

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from router.admission import SLO
-from router.planner import AutoscaleRange, Planner, PlannerConfig, RoleObservation, p90
+from pdcluster.router.admission import SLO
+from pdcluster.router.planner import AutoscaleRange, Planner, PlannerConfig, RoleObservation, p90
 
 SLO_ = SLO(ttft_s=2.0, tbt_s=0.05)
 RANGE = AutoscaleRange.parse("prefill=1:4,decode=1:3")

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from kvstore.index import Location
-from router.cost_model import MOONCAKE_70B
-from router.policies import POLICIES, make_policy, prefix_hits
-from router.policies.base import (DecodeLoad, PrefillCandidate, RouteContext, estimate,
-                                  local_plan)
-from router.policies.cache_aware import CacheAwarePrefill, KVCacheCentricPrefill, TBTDecode
+from pdcluster.kvstore.index import Location
+from pdcluster.router.cost_model import MOONCAKE_70B
+from pdcluster.router.policies import POLICIES, make_policy, prefix_hits
+from pdcluster.router.policies.base import (DecodeLoad, PrefillCandidate, RouteContext, estimate,
+                                            local_plan)
+from pdcluster.router.policies.cache_aware import (CacheAwarePrefill, KVCacheCentricPrefill,
+                                                   TBTDecode)
 
 B = 512
 

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from router.reasoning import ReasoningParser
+from pdcluster.router.reasoning import ReasoningParser
 
 TEXTS = ["<think>Let me see.</think>The answer is 4.", "Thinking without a start</think>Done",
          "<think>never finished", "<think>a</think>b</think>c", "\n<think>x</think>",

@@ -11,8 +11,8 @@ import json
 import pytest
 from pydantic import ValidationError
 
-from router.api_common import APIError
-from router.responses import ResponsesRequest, ResponseView, chat_request
+from pdcluster.router.api_common import APIError
+from pdcluster.router.responses import ResponsesRequest, ResponseView, chat_request
 
 CALL = {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}",
         "id": "fc_1", "status": "completed"}

@@ -9,7 +9,7 @@ import json
 import pytest
 from pydantic import ValidationError
 
-from router.schemas import SAMPLING_EPS, CompletionRequest
+from pdcluster.router.schemas import SAMPLING_EPS, CompletionRequest
 
 
 def _params(**fields):

@@ -9,8 +9,8 @@ import time
 import pytest
 import ray
 
-from router.registry import Instance, InstanceRegistry
-from router.stall_watch import StallWatch
+from pdcluster.router.registry import Instance, InstanceRegistry
+from pdcluster.router.stall_watch import StallWatch
 from tests.kvstore.conftest import ray_cluster  # noqa: F401 — the module's Ray
 
 

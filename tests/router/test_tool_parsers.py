@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from router.tool_parsers import (CallArguments, CallStart, Content, ForcedCalls, HermesCalls,
-                                 Llama3JsonCalls)
+from pdcluster.router.tool_parsers import (CallArguments, CallStart, Content, ForcedCalls,
+                                           HermesCalls, Llama3JsonCalls)
 
 CASES = [
     (HermesCalls, 'Let me look.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}'

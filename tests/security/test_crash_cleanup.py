@@ -30,7 +30,7 @@ GONE_WITHIN_S = 10.0
 DEAD_OWNER = """
 import sys
 from multiprocessing import resource_tracker
-from kvstore.arena import HostArena
+from pdcluster.kvstore.arena import HostArena
 a = HostArena(4096, 4096, node_id=sys.argv[1])
 resource_tracker.unregister("/" + a.shm_name, "shared_memory")
 print(a.shm_name, flush=True)
@@ -103,7 +103,7 @@ def test_kill_9_leaves_no_ray_process_and_the_next_start_reclaims_the_arena(serv
 # process but the guardian has the session path as its last argument, for the teardown.
 DRIVER = """
 import os, subprocess, sys
-from deploy.fate_share import CLUSTER_ID_ENV, Guardian
+from pdcluster.deploy.fate_share import CLUSTER_ID_ENV, Guardian
 session = sys.argv[1]
 def spawn(code, env=None, stdout=None):
     return subprocess.Popen([sys.executable, "-c", code, session], start_new_session=True,

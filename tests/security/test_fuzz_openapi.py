@@ -16,10 +16,10 @@ import schemathesis
 from hypothesis import HealthCheck, given, settings
 from schemathesis import APIOperation, GenerationMode
 
-from deploy.config import ServeConfig
-from deploy.launcher import Cluster
-from deploy.serve import gateway_app
-from engine.config import EngineConfig
+from pdcluster.deploy.config import ServeConfig
+from pdcluster.deploy.launcher import Cluster
+from pdcluster.deploy.serve import gateway_app
+from pdcluster.engine.config import EngineConfig
 from tests.background_server import BackgroundServer
 from tests.markers import starts
 

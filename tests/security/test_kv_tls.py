@@ -14,10 +14,10 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from kvstore.client import KVStoreClient
-from kvstore.config import KVStoreConfig, KVTLSConfig
-from kvstore.errors import KVStoreError, KVTransferError
-from engine.core.hashing import block_keys, make_namespace
+from pdcluster.kvstore.client import KVStoreClient
+from pdcluster.kvstore.config import KVStoreConfig, KVTLSConfig
+from pdcluster.kvstore.errors import KVStoreError, KVTransferError
+from pdcluster.engine.core.hashing import block_keys, make_namespace
 from tests.kvstore.lru_block_store import lru_server
 
 TOKEN = "tls-test-kv-token"
@@ -139,9 +139,9 @@ def test_a_cluster_serves_over_mutual_tls_kv_plane(pki):
     import httpx
     from prometheus_client.parser import text_string_to_metric_families
 
-    from deploy.config import ServeConfig
-    from deploy.launcher import Cluster
-    from deploy.serve import gateway_app
+    from pdcluster.deploy.config import ServeConfig
+    from pdcluster.deploy.launcher import Cluster
+    from pdcluster.deploy.serve import gateway_app
     from tests.background_server import BackgroundServer
 
     good = pki["good"]

@@ -41,16 +41,16 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.core.blocks import num_blocks_for
-from engine.core.kv_connector import (KVConnector, KVConnectorMetadata, KVConnectorRequest,
-                                      KVTransferParams, StepCancelled)
-from kvstore.connector.context import KVConnectorContext
-from kvstore.handoff import PrefillHandoff
-from kvstore.transfer.peers import StreamPeers
-from kvstore.transfer.registry import handoff_of
-from kvstore.transport.layer_stream.stream import (ALL_LAYERS, LayerStreamAnnounce,
-                                                   LayerStreamSender, plan_pieces)
-from kvstore.transport.mooncake.connector import RegionSource, RegionStreamSender
+from pdcluster.engine.core.blocks import num_blocks_for
+from pdcluster.engine.core.kv_connector import (KVConnector, KVConnectorMetadata,
+                                                KVConnectorRequest, KVTransferParams, StepCancelled)
+from pdcluster.kvstore.connector.context import KVConnectorContext
+from pdcluster.kvstore.handoff import PrefillHandoff
+from pdcluster.kvstore.transfer.peers import StreamPeers
+from pdcluster.kvstore.transfer.registry import handoff_of
+from pdcluster.kvstore.transport.layer_stream.stream import (ALL_LAYERS, LayerStreamAnnounce,
+                                                             LayerStreamSender, plan_pieces)
+from pdcluster.kvstore.transport.mooncake.connector import RegionSource, RegionStreamSender
 
 log = logging.getLogger(__name__)
 

@@ -33,11 +33,11 @@ from typing import Any
 
 import torch
 
-from engine.core.blocks import num_blocks_for
-from kvstore.client import KVStoreClient
-from kvstore.errors import BlockLayoutError, BlockNotFoundError, KVStoreError
-from kvstore.transfer.base import KVReceiver, TransferState, _Cancelled
-from kvstore.transfer.dest import WIRE_DTYPES
+from pdcluster.engine.core.blocks import num_blocks_for
+from pdcluster.kvstore.client import KVStoreClient
+from pdcluster.kvstore.errors import BlockLayoutError, BlockNotFoundError, KVStoreError
+from pdcluster.kvstore.transfer.base import KVReceiver, TransferState, _Cancelled
+from pdcluster.kvstore.transfer.dest import WIRE_DTYPES
 
 log = logging.getLogger(__name__)
 

@@ -78,13 +78,15 @@ from dataclasses import dataclass
 
 import torch
 
-from kvstore.config import KVStoreConfig, KVTransferConfig
-from kvstore.errors import BlockLayoutError, KVStoreError, KVTransferError, KVTransferTimeout
-from kvstore.layout import DTYPE_ITEMSIZE
-from kvstore.transfer.base import FetchRequest, KVReceiver, KVTransferBackend, TransferState
-from kvstore.transfer.dest import CacheDest, CallbackDest
-from kvstore.transport.mooncake.te import (TE_MISSING, TE_NO_BATCH, new_transfer_engine, register,
-                                           te_timeout_s)
+from pdcluster.kvstore.config import KVStoreConfig, KVTransferConfig
+from pdcluster.kvstore.errors import (BlockLayoutError, KVStoreError, KVTransferError,
+                                      KVTransferTimeout)
+from pdcluster.kvstore.layout import DTYPE_ITEMSIZE
+from pdcluster.kvstore.transfer.base import (FetchRequest, KVReceiver, KVTransferBackend,
+                                             TransferState)
+from pdcluster.kvstore.transfer.dest import CacheDest, CallbackDest
+from pdcluster.kvstore.transport.mooncake.te import (TE_MISSING, TE_NO_BATCH, new_transfer_engine,
+                                                     register, te_timeout_s)
 
 #: Seconds a region's lease must outlast a receiver's deadline: the two ends read different
 #: clocks (the lease is wall-clock time on the prefill node).

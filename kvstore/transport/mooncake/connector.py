@@ -29,15 +29,15 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.core.kv_connector import BlockCache, KVConnector, KVConnectorRequest
-from kvstore.config import KVTransferConfig
-from kvstore.connector.context import KVConnectorContext
-from kvstore.errors import KVTransferError
-from kvstore.transfer.dest import WIRE_DTYPES
-from kvstore.transport.layer_stream.stream import LayerStreamSender
-from kvstore.transport.mooncake.backend import RemoteRegion, cache_blocks
-from kvstore.transport.mooncake.layer_stream import StreamRegion
-from kvstore.transport.mooncake.te import new_transfer_engine, register, session_of
+from pdcluster.engine.core.kv_connector import BlockCache, KVConnector, KVConnectorRequest
+from pdcluster.kvstore.config import KVTransferConfig
+from pdcluster.kvstore.connector.context import KVConnectorContext
+from pdcluster.kvstore.errors import KVTransferError
+from pdcluster.kvstore.transfer.dest import WIRE_DTYPES
+from pdcluster.kvstore.transport.layer_stream.stream import LayerStreamSender
+from pdcluster.kvstore.transport.mooncake.backend import RemoteRegion, cache_blocks
+from pdcluster.kvstore.transport.mooncake.layer_stream import StreamRegion
+from pdcluster.kvstore.transport.mooncake.te import new_transfer_engine, register, session_of
 
 log = logging.getLogger(__name__)
 

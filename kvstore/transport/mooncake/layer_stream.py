@@ -21,11 +21,12 @@ from dataclasses import dataclass
 
 import torch
 
-from kvstore.errors import BlockLayoutError, KVTransferError
-from kvstore.transfer.base import _Cancelled
-from kvstore.transport.layer_stream.stream import POLL_MAX_S, POLL_MIN_S, LayerStreamReceiver
-from kvstore.transport.mooncake.backend import LEASE_MARGIN_S, MooncakeTransferBackend
-from kvstore.transport.mooncake.te import TE_NO_BATCH
+from pdcluster.kvstore.errors import BlockLayoutError, KVTransferError
+from pdcluster.kvstore.transfer.base import _Cancelled
+from pdcluster.kvstore.transport.layer_stream.stream import (POLL_MAX_S, POLL_MIN_S,
+                                                             LayerStreamReceiver)
+from pdcluster.kvstore.transport.mooncake.backend import LEASE_MARGIN_S, MooncakeTransferBackend
+from pdcluster.kvstore.transport.mooncake.te import TE_NO_BATCH
 
 
 @dataclass(frozen=True)

@@ -12,9 +12,9 @@ import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from kvstore.config import KVTransferConfig
-from kvstore.errors import KVTransferError
-from kvstore.transport.mooncake.te_bind import confine_listeners
+from pdcluster.kvstore.config import KVTransferConfig
+from pdcluster.kvstore.errors import KVTransferError
+from pdcluster.kvstore.transport.mooncake.te_bind import confine_listeners
 
 if TYPE_CHECKING:  # registration takes tensors; nothing else here needs torch
     import torch

@@ -21,7 +21,7 @@ import tempfile
 import threading
 from pathlib import Path
 
-from kvstore.errors import KVTransferError
+from pdcluster.kvstore.errors import KVTransferError
 
 _SOURCE = Path(__file__).with_name("te_bind.c")
 _LOCK = threading.Lock()

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from kvstore.errors import BlockNotFoundError
-from kvstore.node_client import NodeStoreClient
-from kvstore.transport.pool.grpc_backend import GrpcKVReceiver, GrpcTransferBackend
+from pdcluster.kvstore.errors import BlockNotFoundError
+from pdcluster.kvstore.node_client import NodeStoreClient
+from pdcluster.kvstore.transport.pool.grpc_backend import GrpcKVReceiver, GrpcTransferBackend
 
 
 class ArenaReceiver(GrpcKVReceiver):

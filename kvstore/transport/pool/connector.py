@@ -33,15 +33,16 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from engine.core.blocks import num_full_blocks
-from engine.core.kv_connector import KVConnector, KVConnectorRequest, KVTransferParams, LoadOutcome
-from kvstore.client import KVStoreClient
-from kvstore.connector.context import KVConnectorContext
-from kvstore.errors import KVStoreError
-from kvstore.handoff import PrefillHandoff, PrefixPlan
-from kvstore.index import KVIndex
-from kvstore.node_store_api import NodeStore
-from kvstore.remote import RemoteStores
+from pdcluster.engine.core.blocks import num_full_blocks
+from pdcluster.engine.core.kv_connector import (KVConnector, KVConnectorRequest, KVTransferParams,
+                                                LoadOutcome)
+from pdcluster.kvstore.client import KVStoreClient
+from pdcluster.kvstore.connector.context import KVConnectorContext
+from pdcluster.kvstore.errors import KVStoreError
+from pdcluster.kvstore.handoff import PrefillHandoff, PrefixPlan
+from pdcluster.kvstore.index import KVIndex
+from pdcluster.kvstore.node_store_api import NodeStore
+from pdcluster.kvstore.remote import RemoteStores
 
 log = logging.getLogger(__name__)
 

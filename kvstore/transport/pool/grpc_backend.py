@@ -17,12 +17,12 @@ from __future__ import annotations
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
-from kvstore.client import KVStoreClient
-from kvstore.config import KVStoreConfig, KVTransferConfig
-from kvstore.errors import BlockLayoutError
-from kvstore.fetch_session import BlockStream
-from kvstore.transfer.base import FetchRequest, KVReceiver, KVTransferBackend, _Cancelled
-from kvstore.transfer.dest import WIRE_DTYPES, CallbackDest
+from pdcluster.kvstore.client import KVStoreClient
+from pdcluster.kvstore.config import KVStoreConfig, KVTransferConfig
+from pdcluster.kvstore.errors import BlockLayoutError
+from pdcluster.kvstore.fetch_session import BlockStream
+from pdcluster.kvstore.transfer.base import FetchRequest, KVReceiver, KVTransferBackend, _Cancelled
+from pdcluster.kvstore.transfer.dest import WIRE_DTYPES, CallbackDest
 
 
 class GrpcTransferBackend(KVTransferBackend):

@@ -29,10 +29,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from engine.core.kv_connector import KVConnector, KVConnectorRequest, KVTransferParams
-from kvstore.connector.context import KVConnectorContext
-from kvstore.handoff import DecodeHandoff
-from kvstore.node_store_api import NodeStore
+from pdcluster.engine.core.kv_connector import KVConnector, KVConnectorRequest, KVTransferParams
+from pdcluster.kvstore.connector.context import KVConnectorContext
+from pdcluster.kvstore.handoff import DecodeHandoff
+from pdcluster.kvstore.node_store_api import NodeStore
 
 log = logging.getLogger(__name__)
 

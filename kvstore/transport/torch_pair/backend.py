@@ -26,13 +26,13 @@ import threading
 import torch
 import torch.distributed as dist
 
-from kvstore.config import KVStoreConfig, KVTransferConfig
-from kvstore.errors import BlockLayoutError
-from kvstore.transfer.base import (FetchRequest, KVReceiver, KVTransferBackend, TransferState,
-                                   _TransferBase)
-from kvstore.transfer.dest import CallbackDest
-from kvstore.transfer.runs import budget_runs
-from kvstore.transport.torch_pair.channel import TorchPairChannel
+from pdcluster.kvstore.config import KVStoreConfig, KVTransferConfig
+from pdcluster.kvstore.errors import BlockLayoutError
+from pdcluster.kvstore.transfer.base import (FetchRequest, KVReceiver, KVTransferBackend,
+                                             TransferState, _TransferBase)
+from pdcluster.kvstore.transfer.dest import CallbackDest
+from pdcluster.kvstore.transfer.runs import budget_runs
+from pdcluster.kvstore.transport.torch_pair.channel import TorchPairChannel
 
 
 class TorchKVSender(_TransferBase):

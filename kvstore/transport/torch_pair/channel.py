@@ -32,7 +32,7 @@ import pydantic
 import torch
 import torch.distributed as dist
 
-from kvstore.errors import KVAuthError, KVStoreError, KVTransferError
+from pdcluster.kvstore.errors import KVAuthError, KVStoreError, KVTransferError
 
 _NONCE_KEY, _AUTH_KEY, _CHUNK_KEY, _DEVICE_KEY = "nonce", "auth", "chunk_bytes", "device"
 

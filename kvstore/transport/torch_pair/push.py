@@ -11,13 +11,13 @@ from collections.abc import Sequence
 
 from pydantic import SecretStr
 
-from engine.core.kv_connector import KVConnector, KVConnectorRequest
-from kvstore.config import KVTransferConfig
-from kvstore.connector.context import KVConnectorContext
-from kvstore.errors import KVTransferError
-from kvstore.handoff import PrefillHandoff
-from kvstore.transport.torch_pair.backend import TorchKVSender
-from kvstore.transport.torch_pair.channel import TorchPairChannel
+from pdcluster.engine.core.kv_connector import KVConnector, KVConnectorRequest
+from pdcluster.kvstore.config import KVTransferConfig
+from pdcluster.kvstore.connector.context import KVConnectorContext
+from pdcluster.kvstore.errors import KVTransferError
+from pdcluster.kvstore.handoff import PrefillHandoff
+from pdcluster.kvstore.transport.torch_pair.backend import TorchKVSender
+from pdcluster.kvstore.transport.torch_pair.channel import TorchPairChannel
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """Arena test worker: attaches to an arena after one JSON job on stdin, reads the given slots
 and prints their sha256 digests as JSON."""
 import hashlib, json, sys, torch
-from kvstore.arena.view import ArenaView
+from pdcluster.kvstore.arena.view import ArenaView
 p = json.loads(sys.stdin.readline())
 out = torch.empty(len(p["slots"]), p["block_nbytes"], dtype=torch.uint8)
 with ArenaView(p["name"], p["num_slots"], p["block_nbytes"]) as v:

@@ -2,11 +2,11 @@
 shares the owner's resource tracker, then checks the child's bytes through its own mapping;
 prints "ok". Reads the node id from stdin."""
 import multiprocessing as mp, random, sys
-from kvstore.arena import HostArena
-from kvstore.arena.segment import attach_segment
+from pdcluster.kvstore.arena import HostArena
+from pdcluster.kvstore.arena.segment import attach_segment
 CHILD = '''
 import random
-from kvstore.arena.view import ArenaView
+from pdcluster.kvstore.arena.view import ArenaView
 with ArenaView(NAME, 2, 4096) as v:
     v.write(SLOT, random.Random(7).randbytes(4096))
 '''
