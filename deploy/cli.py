@@ -79,7 +79,10 @@ _SERVE_FLAGS = [
      "on CUDA, capture decode batches up to this many sequences as CUDA graphs "
      "(0: none; --enforce-eager: none)"),
     ("--max-num-batched-tokens", "engine.max_num_batched_tokens", int,
-     "token budget of one forward step; longer prompts prefill in chunks"),
+     "token budget of one forward step, decode rows and prompt chunks together; prompts "
+     "prefill in chunks of what is left"),
+    ("--max-num-seqs", "engine.max_num_seqs", int,
+     "requests a worker runs at once (so at most this many decode rows a step)"),
     ("--max-lora-rank", "engine.max_lora_rank", int,
      "highest rank of a --lora-modules adapter"),
     ("--prefill-compute-bound-tokens", "engine.prefill_compute_bound_tokens", int,

@@ -34,8 +34,11 @@ class EngineConfig(pydantic.BaseModel):
     `max_model_len`: longest sequence (prompt + output) in tokens; None means the model's
     `max_position_embeddings`. `torch_threads`: intra-op CPU threads (Ray sets OMP_NUM_THREADS=1).
     `enable_prefix_caching`: reuse cached full blocks of a prompt's prefix (vLLM's flag; off for
-    A/B runs). `max_num_batched_tokens`: token budget of one forward step; longer prompts are
-    prefilled in chunks of at most this many tokens (vLLM's chunked prefill).
+    A/B runs). `max_num_batched_tokens`: token budget of one forward step, decode rows and prompt
+    chunks together; prompts are prefilled in chunks of what it has left (vLLM's chunked
+    prefill). `max_num_seqs`: requests admitted at once, so at most this many decode rows a
+    step. Both default to what vLLM's OpenAI server takes on CPU at TP=1 (2,048 and 128; vLLM
+    `EngineArgs.get_batch_defaults`).
     `prefill_compute_bound_tokens`: a prefill worker's step takes no further prompt once it
     holds this many tokens (engine.core.scheduler.Scheduler.schedule_chunks); None resolves
     per device (resolved_prefill_compute_bound_tokens).
@@ -84,7 +87,8 @@ class EngineConfig(pydantic.BaseModel):
     device: str = "cpu"
     torch_threads: int = pydantic.Field(1, gt=0)
     enable_prefix_caching: bool = True
-    max_num_batched_tokens: int = pydantic.Field(512, gt=0)
+    max_num_batched_tokens: int = pydantic.Field(2048, gt=0)
+    max_num_seqs: int = pydantic.Field(128, gt=0)
     prefill_compute_bound_tokens: int | None = pydantic.Field(None, gt=0)
     preemption_mode: Literal["recompute", "swap"] = "recompute"
     scheduling_policy: Literal["fcfs", "priority"] = "fcfs"

@@ -150,7 +150,7 @@ class EngineCore:
         self.kv = KVCacheManager(self.pool, self.block_size, runner.model_config.kv_window())
         self.scheduler: Scheduler[Request] = Scheduler(
             self.kv, PREEMPTION_MODES[cfg.preemption_mode](self.kv, runner.wire_kv),
-            num_lookahead_tokens, cfg.scheduling_policy)
+            num_lookahead_tokens, cfg.scheduling_policy, cfg.max_num_seqs)
         self.publish_interval = publish_interval
         self.inbox = EngineInbox()
         connector.register_kv_caches(runner.wire_kv)
@@ -280,9 +280,11 @@ class EngineCore:
         if not running:
             self._send_events()  # what a batch interval held back
             return False
+        # one budget for every token of the step: decode rows first (oldest first; a row
+        # past the budget waits a step), prompt chunks in what is left
         decoding = [r for r in running if r.output_ids and not r.prefill_only
-                    and r.num_computed_tokens == r.num_tokens - 1]
-        chunks = self._schedule_chunks()
+                    and r.num_computed_tokens == r.num_tokens - 1][:self.token_budget]
+        chunks = self._schedule_chunks(self.token_budget - len(decoding))
         if not (decoding or chunks):
             return False
         self._in_step = decoding + [r for r, _ in chunks]
@@ -487,13 +489,15 @@ class EngineCore:
             self._finish(request, FinishReason.ABORT, RequestAborted(request_id))
 
     # ---- the step ------------------------------------------------------------------------
-    def _schedule_chunks(self) -> list[tuple[Request, int]]:
-        """This step's chunks; a request that runs alone, once begun, runs alone to its end."""
+    def _schedule_chunks(self, token_budget: int) -> list[tuple[Request, int]]:
+        """This step's chunks in ``token_budget`` tokens; a request that runs alone, once
+        begun, runs alone to its end, in chunks of the whole budget (a layer stream plans
+        them so; such a request is a prefill instance's, which has no decode rows)."""
         request = self._alone
         if request is not None:
             return [(request, min(request.num_prompt_tokens - request.num_computed_tokens,
                                   self.token_budget))]
-        chunks = self.scheduler.schedule_chunks(self.token_budget, self.compute_bound_tokens)
+        chunks = self.scheduler.schedule_chunks(token_budget, self.compute_bound_tokens)
         if len(chunks) == 1 and chunks[0][0].runs_alone:
             self._alone = chunks[0][0]
         return chunks

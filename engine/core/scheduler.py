@@ -10,10 +10,13 @@ large request is never overtaken for ever; an admitted request first takes its p
 blocks (prefix hits), then new ones. A preempted request resumes (through the preemption
 policy) before any new one. `grow()` gives every running request the blocks its next step
 needs, oldest first; when none is free the newest running request is preempted.
-`schedule_chunks()` picks a step's chunks under a token budget (chunked prefill): every running
-request whose ``num_computed_tokens`` is behind catches up in them, whether it is a new prompt,
-one resumed after preemption by recompute, or one whose KV load failed. What a newly admitted
-request does next (load its KV, or compute its prompt) is the engine's business.
+`schedule_chunks()` picks a step's chunks under what the step's token budget has left after
+its decode rows (vLLM v1: one budget, ``max_num_batched_tokens``, counts every scheduled token):
+every running request whose ``num_computed_tokens`` is behind catches up in them, whether it is
+a new prompt, one resumed after preemption by recompute, or one whose KV load failed.
+Admission stops at ``max_num_seqs`` admitted requests, so a step's decode rows never outnumber
+them. What a newly admitted request does next (load its KV, or compute its prompt) is the
+engine's business.
 
 Under the `priority` policy (vLLM's `--scheduling-policy priority`) "oldest" everywhere above
 reads "first by (priority, arrival)", a lower priority value first: the waiting queue is kept in
@@ -47,6 +50,8 @@ class Scheduler(Generic[R]):
             goes on to decode (its first fed token), 0 for a prefill-only worker.
         policy: "fcfs" (arrival order) or "priority" (by the requests' `priority`, then
             arrival; module docstring).
+        max_num_seqs: at most this many requests admitted at once (vLLM's ``max_num_seqs``);
+            None: only blocks bound them.
 
     Attributes:
         waiting: requests not admitted yet, in admission order.
@@ -56,9 +61,13 @@ class Scheduler(Generic[R]):
 
     def __init__(self, kv: KVCacheManager, preemption: PreemptionPolicy | None,
                  num_lookahead_tokens: int = 1,
-                 policy: Literal["fcfs", "priority"] = "fcfs") -> None:
+                 policy: Literal["fcfs", "priority"] = "fcfs",
+                 max_num_seqs: int | None = None) -> None:
         if policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling policy must be fcfs or priority, got {policy!r}")
+        if max_num_seqs is not None and max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+        self.max_num_seqs = max_num_seqs
         self.by_priority = policy == "priority"
         self.kv = kv
         self.num_lookahead_tokens = num_lookahead_tokens
@@ -100,9 +109,10 @@ class Scheduler(Generic[R]):
         the cached blocks of its prompt's leading ``block_keys`` (its ``num_computed_tokens``
         then counts them) and new blocks for the rest of its prompt plus the lookahead tokens,
         and is yielded (status WAITING_FOR_KV): the caller starts its KV and may finish it.
-        Stops at the first request that does not fit.
+        Stops at the first request that does not fit, and once ``max_num_seqs`` are admitted.
         """
-        while self.waiting:
+        while self.waiting and (self.max_num_seqs is None
+                                or len(self.active) < self.max_num_seqs):
             request = self.waiting[0]
             if request.status is RequestStatus.PREEMPTED:
                 if not self.preemption.resume(request):
@@ -139,17 +149,18 @@ class Scheduler(Generic[R]):
 
     def schedule_chunks(self, token_budget: int,
                         compute_bound_tokens: int | None = None) -> list[tuple[R, int]]:
-        """This step's chunks (vLLM's chunked prefill), as (request, tokens to compute).
+        """This step's chunks (vLLM's chunked prefill), as (request, tokens to compute), at most
+        ``token_budget`` tokens in all (what the step's budget has left after its decode rows;
+        0 or less: none).
 
         A request catches up to :func:`chunk_end`: its whole prompt while it has no output
         (the last chunk's logits give output token 0), else every token but the last output
-        token, which a decode step feeds. Its next chunk is the next ``token_budget`` tokens
-        of that (fewer at its end), so where its chunks start never depends on what else runs.
-        The running requests behind give their next chunk, oldest first, while the chunks fit
-        in ``token_budget`` together (the first always goes); the first that does not fit
-        ends the step, so nobody overtakes it. A request whose ``runs_alone`` is set
-        (forward hooks that must see it alone) runs in a step of its own, when it is the
-        oldest; younger ones go on without it meanwhile.
+        token, which a decode step feeds. The running requests behind take their next chunk,
+        oldest first, each as many of those tokens as the budget has left (vLLM v1 cuts a
+        chunk to the budget the same way), until the budget is spent, so nobody overtakes
+        an older request. A request whose ``runs_alone`` is set (forward hooks that must see
+        it alone) runs in a step of its own, when it is the oldest; younger ones go on
+        without it meanwhile.
 
         ``compute_bound_tokens`` (None: no such limit): a step that already holds this many
         tokens takes no further request. Past the size where a step's forward is
@@ -162,14 +173,14 @@ class Scheduler(Generic[R]):
         step: list[tuple[R, int]] = []
         used = 0
         for request in pending:
-            size = min(chunk_end(request) - request.num_computed_tokens, token_budget)
+            if used >= token_budget or (
+                    step and compute_bound_tokens is not None and used >= compute_bound_tokens):
+                break
+            size = min(chunk_end(request) - request.num_computed_tokens, token_budget - used)
             if request.runs_alone:
                 if not step:
                     return [(request, size)]
                 continue
-            if step and (used + size > token_budget
-                         or (compute_bound_tokens is not None and used >= compute_bound_tokens)):
-                break
             step.append((request, size))
             used += size
         return step

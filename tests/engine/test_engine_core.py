@@ -106,6 +106,34 @@ def run(eng: EngineCore, *outputs: list, limit: int = 500) -> None:
     raise AssertionError("requests did not finish")
 
 
+def test_one_budget_counts_decode_rows_and_max_num_seqs_bounds_the_batch(prompt):
+    """vLLM v1's budget on a colocated load that mixes decoding requests and arriving
+    prompts: no step runs more than max_num_batched_tokens tokens, decode rows included, the
+    steps where both run fill it, at most max_num_seqs requests share a step, and each
+    request's greedy output is the one it has alone."""
+    config = EngineConfig(model=str(BUNDLED_MODEL), num_kv_blocks=128, max_num_seqs=3,
+                          max_num_batched_tokens=BUDGET, enable_prefix_caching=False)
+    eng = decode_core(ModelRunner(config), "decode-t", 0, HeldFetches())
+    recorded = Recorded(eng.runner)
+    params = SamplingParams(max_tokens=10, temperature=0)
+    prompts = [prompt[:n] for n in (20, 29, 37, 26, 45)]
+    outs = []
+    for i, p in enumerate(prompts):  # each arrives while the ones before it decode
+        outs.append(submit(eng, DecodeRequest(f"r{i}", p, params)))
+        for _ in range(3):
+            run_once(eng)
+    run(eng, *outs)
+    eng.close()
+    sizes = [sum(n for n, _ in step) for step in recorded.steps]
+    assert max(sizes) == BUDGET, sizes
+    mixed = [step for step in recorded.steps if any(n == 1 for n, _ in step)
+             and any(n > 1 for n, _ in step)]
+    assert mixed and all(sum(n for n, _ in step) <= BUDGET for step in mixed)
+    assert max(len(step) for step in recorded.steps) == 3
+    for p, out in zip(prompts, outs):
+        assert tokens(out) == alone(p, params)
+
+
 @pytest.fixture(scope="module")
 def prompt() -> tuple[int, ...]:
     return tuple(Tokenizer.from_pretrained(BUNDLED_MODEL).encode(STORY))
@@ -145,8 +173,9 @@ def test_one_step_holds_decodes_and_a_colocated_chunk_while_a_request_waits_for_
     run_once(eng)
     assert eng.scheduler.active["remote"].status is RequestStatus.WAITING_FOR_KV
     # the decoding request's one token and the colocated prompt's first chunk, in one forward
+    # of the budget
     [step] = recorded.steps
-    assert step[0][0] == 1 and step[1] == (BUDGET, 0)
+    assert step[0][0] == 1 and step[1] == (BUDGET - 1, 0)
     fetch_of(eng).fail("remote")  # its KV never comes: it is computed here after all
     run(eng, first, remote, local)
     assert tokens(local) == alone(prompt, GREEDY)

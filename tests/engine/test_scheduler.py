@@ -212,7 +212,32 @@ def running(scheduler: Scheduler, *reqs: Req) -> None:
         r.status = RequestStatus.RUNNING
 
 
-def test_chunks_fill_the_token_budget_whole_oldest_first():
+def test_admission_stops_at_max_num_seqs_and_resumes_when_one_finishes():
+    kv = KVCacheManager(BlockPool(64), BLOCK)
+    scheduler = Scheduler(kv, None, num_lookahead_tokens=0, max_num_seqs=2)
+    a, b, c = Req("a", 8, 0), Req("b", 8, 0), Req("c", 8, 0)
+    running(scheduler, a, b, c)
+    assert set(scheduler.active) == {"a", "b"} and scheduler.waiting == [c]
+    scheduler.finish(a)
+    assert [r.request_id for r in scheduler.admit()] == ["c"]
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        Scheduler(kv, None, max_num_seqs=0)
+
+
+def test_a_chunk_takes_what_the_budget_has_left():
+    """vLLM v1 cuts a prompt's chunk to the budget left: after the decode rows (the engine
+    passes what they left) and after older requests' chunks."""
+    kv = KVCacheManager(BlockPool(64, enable_caching=True), BLOCK)
+    scheduler = Scheduler(kv, None, num_lookahead_tokens=0)
+    a, b = Req("a", 10, 0), Req("b", 50, 0)
+    running(scheduler, a, b)
+    assert [(r.request_id, n) for r, n in scheduler.schedule_chunks(40)] == [("a", 10),
+                                                                             ("b", 30)]
+    assert [(r.request_id, n) for r, n in scheduler.schedule_chunks(7)] == [("a", 7)]
+    assert scheduler.schedule_chunks(0) == [] and scheduler.schedule_chunks(-3) == []
+
+
+def test_chunks_fill_the_token_budget_oldest_first():
     kv = KVCacheManager(BlockPool(64, enable_caching=True), BLOCK)
     scheduler = Scheduler(kv, None, num_lookahead_tokens=0)
     a, b, c, d = Req("a", 50, 0), Req("b", 30, 0), Req("c", 20, 0), Req("d", 5, 0)
@@ -221,8 +246,7 @@ def test_chunks_fill_the_token_budget_whole_oldest_first():
     # a's first chunk is the whole budget: nothing else fits beside it
     assert [(r.request_id, n) for r, n in scheduler.schedule_chunks(40)] == [("a", 40)]
     a.num_computed_tokens = 40
-    # a's last 10, then b's 30 (a chunk is never cut to fill a step); c (20) does not fit
-    # and d, though it would, does not overtake it
+    # a's last 10, then b's 30: the budget is spent, and neither c nor d overtakes b
     step = scheduler.schedule_chunks(40)
     assert [(r.request_id, n) for r, n in step] == [("a", 10), ("b", 30)]
     a.num_computed_tokens, b.num_computed_tokens = 50, 30
@@ -323,6 +347,7 @@ def test_priority_policy_orders_a_steps_chunks():
     scheduler, _ = make(16, policy="priority")
     first, second = Req("first", prompt_len=8, priority=2), Req("second", prompt_len=8)
     running(scheduler, first, second)
-    assert [(r.request_id, n) for r, n in scheduler.schedule_chunks(10)] == [("second", 8)]
+    assert [(r.request_id, n) for r, n in scheduler.schedule_chunks(10)] == [("second", 8),
+                                                                             ("first", 2)]
     with pytest.raises(ValueError, match="scheduling policy"):
         Scheduler(scheduler.kv, None, policy="lifo")
