@@ -30,9 +30,6 @@ from pathlib import Path
 import torch
 
 sys.path.append(str(Path(__file__).resolve().parents[1]))
-# run as a script, this folder comes first on sys.path, and its kernels.py would stand in for
-# Hugging Face's `kernels`, which transformers imports
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 
 from pdcluster.engine.config import BUNDLED_MODEL  # noqa: E402
 from pdcluster.engine.tokenizer import IncrementalDetokenizer, Tokenizer  # noqa: E402

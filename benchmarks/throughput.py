@@ -34,9 +34,6 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.append(str(ROOT))
-# run as a script, this folder comes first on sys.path, and its kernels.py would stand in for
-# Hugging Face's `kernels`, which transformers imports
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 
 from pdcluster.loadtest.client import ClientConfig  # noqa: E402
 from pdcluster.loadtest.runner import RunConfig, run_benchmark  # noqa: E402

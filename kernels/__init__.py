@@ -114,7 +114,7 @@ def _triton(name: str) -> ModuleType:
     module = _modules.get(name)
     if module is None:
         try:
-            module = importlib.import_module(f"kernels.{name}")
+            module = importlib.import_module(f"{__name__}.{name}")
         except ModuleNotFoundError as error:
             if error.name != "triton" and not (error.name or "").startswith("triton."):
                 raise

@@ -127,7 +127,7 @@ def _config(gpu: bool, dtype: torch.dtype, block_d: int) -> tuple[int, int, int,
     """(BLOCK_M, BLOCK_N, num_warps, num_stages)."""
     if not gpu:
         return 16, 16, 4, 1
-    # 16-bit configs are the fastest of `benchmarks/kernels.py --sweep-prefill` on an H200
+    # 16-bit configs are the fastest of `benchmarks/gpu_kernels.py --sweep-prefill` on an H200
     if dtype == torch.float32 or block_d > 128:
         return 64, 32, 4, 2
     if block_d <= 64:

@@ -60,7 +60,7 @@ for step in $steps; do
       warm_pid=$! ;;
     pytest) run pytest_gpu.log 300 $python -m pytest -m gpu tests/kernels -q -p no:cacheprovider \
               -o cache_dir=/tmp/pytest-cache ;;
-    kernels) quiet; run kernels.log 150 $python benchmarks/kernels.py ;;
+    kernels) quiet; run kernels.log 150 $python benchmarks/gpu_kernels.py ;;
     step)
       quiet
       for shape in $shapes; do

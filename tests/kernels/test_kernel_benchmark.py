@@ -1,4 +1,4 @@
-"""benchmarks/kernels.py keeps running: its smoke mode (tiny shapes; interpreted on CPU, where it
+"""benchmarks/gpu_kernels.py keeps running: its smoke mode (tiny shapes; interpreted on CPU, where it
 also checks every kernel against its reference) must exit cleanly and print the full table."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import_real_part("triton", "Triton", "scripts/setup.sh installs it on Linux")
 
 def test_kernel_benchmark_smoke_run():
     root = Path(__file__).resolve().parents[2]
-    result = subprocess.run([sys.executable, "benchmarks/kernels.py", "--smoke"], cwd=root, capture_output=True,
+    result = subprocess.run([sys.executable, "benchmarks/gpu_kernels.py", "--smoke"], cwd=root, capture_output=True,
                             text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-4000:]
     for name in ("ceiling: device copy", "paged_decode_attention", "SDPA decode", "paged_prefill_attention",
@@ -26,7 +26,7 @@ def test_kernel_benchmark_smoke_run():
 def test_prefill_sweep_smoke_run():
     """Every tile config of the smoke sweep gets a row, and each matches SDPA."""
     root = Path(__file__).resolve().parents[2]
-    result = subprocess.run([sys.executable, "benchmarks/kernels.py", "--sweep-prefill"], cwd=root,
+    result = subprocess.run([sys.executable, "benchmarks/gpu_kernels.py", "--sweep-prefill"], cwd=root,
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-4000:]
     rows = [line for line in result.stdout.splitlines() if line.startswith("| 16 |")]

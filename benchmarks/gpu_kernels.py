@@ -1,8 +1,8 @@
 """Triton kernel throughput against the device's own ceilings and against SDPA.
 
-    .venv/bin/python benchmarks/kernels.py            # on a CUDA GPU: the real shapes
-    .venv/bin/python benchmarks/kernels.py --smoke    # anywhere: tiny shapes (interpreted on CPU)
-    .venv/bin/python benchmarks/kernels.py --sweep-prefill   # the prefill kernel's tile configs
+    .venv/bin/python benchmarks/gpu_kernels.py            # on a CUDA GPU: the real shapes
+    .venv/bin/python benchmarks/gpu_kernels.py --smoke    # anywhere: tiny shapes (interpreted on CPU)
+    .venv/bin/python benchmarks/gpu_kernels.py --sweep-prefill   # the prefill kernel's tile configs
 
 On a CUDA GPU every kernel runs through its public `kernels.*` function with the backend forced to
 Triton and is timed with `triton.testing.do_bench` (median of its repetitions). A call whose kernel
