@@ -90,7 +90,8 @@ class Guardian:
         env = {k: v for k, v in os.environ.items() if k != CLUSTER_ID_ENV}
         try:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "pdcluster.deploy.fate_share", cluster_id, str(os.getpid())],
+                [sys.executable, "-m", "pdcluster.deploy.fate_share", cluster_id,
+                 str(os.getpid())],
                 stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, env=env, close_fds=True,
                 start_new_session=True)
         except OSError as e:
