@@ -24,6 +24,7 @@ from pdcluster.engine.config import EngineConfig
 from pdcluster.engine.core.engine_core import EngineCore
 from pdcluster.engine.core.engine_loop import EngineLoop
 from pdcluster.engine.core.request import Request
+from pdcluster.engine.core.stats import SchedulerStats
 from pdcluster.engine.logs import setup_worker_logging
 from pdcluster.engine.protocol import DecodeRequest, TokenDelta
 from pdcluster.engine.runner import ModelRunner
@@ -154,7 +155,7 @@ class DecodeWorker:
         """TPInstance.info: every rank's pid, rank, node and KV heads; rank 0's all-reduces."""
         return await asyncio.get_running_loop().run_in_executor(None, self.tp.info)
 
-    async def stats(self) -> dict:
+    async def stats(self) -> SchedulerStats:
         return self.engine.stats()
 
     async def step_log(self) -> list[tuple[int, tuple[str, ...]]]:

@@ -45,6 +45,7 @@ import ray
 from pdcluster.deploy.cluster_record import read_record, record_actor
 from pdcluster.deploy.launcher import Cluster
 from pdcluster.deploy.membership import REFRESH_S
+from pdcluster.engine.core.stats import SchedulerStats
 from pdcluster.router.admission import SLO
 from pdcluster.router.metrics import GatewayMetrics
 from pdcluster.router.planner import Decision, Planner, PlannerConfig, RoleObservation, p90
@@ -115,7 +116,7 @@ class Autoscaler:
                                 "worker_id": worker_id, "reason": reason})
         log.info("autoscale: %s %s %s (%s)", action, role, worker_id or "", reason)
 
-    def _stats(self) -> dict[str, dict]:
+    def _stats(self) -> dict[str, SchedulerStats]:
         instances = self.cluster.prefill + self.cluster.decode
         refs = [(i.worker_id, i.handle.stats.remote()) for i in instances]
         out = {}
@@ -161,7 +162,8 @@ class Autoscaler:
         for decision in self.planner.decide(prefill, decode):
             self._apply(decision, stats)
 
-    def observe(self, stats: dict[str, dict]) -> tuple[RoleObservation, RoleObservation]:
+    def observe(self, stats: dict[str, SchedulerStats]
+                ) -> tuple[RoleObservation, RoleObservation]:
         now = time.monotonic()
         span, since = max(now - self._last, 1e-9), self._last
         self._last = now
@@ -171,8 +173,7 @@ class Autoscaler:
         serving_d = [i.worker_id for i in registry.by_role("decode")]
         moved = {}  # worker -> (busy s, prompt tokens computed, decode steps) in the interval
         for worker_id, st in stats.items():
-            now_c = (float(st.get("busy_s_total", 0.0)), st.get("num_prefill_tokens_total", 0),
-                     st.get("num_steps_total", 0))
+            now_c = (st.busy_s_total, st.num_prefill_tokens_total, st.num_steps_total)
             before = self._counters.get(worker_id, now_c)
             moved[worker_id] = tuple(max(0, a - b) for a, b in zip(now_c, before))
             self._counters[worker_id] = now_c
@@ -185,8 +186,8 @@ class Autoscaler:
                 self._prefill_rate[w] = d_tokens / d_busy
             # the Conductor's prediction, or the worker's own queue at the rate it computed
             # (a gateway that routes little has no calibrated prediction)
-            own = (stats.get(w, {}).get("num_pending_prompt_tokens", 0) / self._prefill_rate[w]
-                   if w in self._prefill_rate else 0.0)
+            own = (stats[w].num_pending_prompt_tokens / self._prefill_rate[w]
+                   if w in self._prefill_rate and w in stats else 0.0)
             queues.append(max(loads.prefill_queue_s(w), own))
         offered = max(0.0, busy + sum(queues) - self._backlog)
         self._backlog = sum(queues)
@@ -201,18 +202,18 @@ class Autoscaler:
                                   offered / (span * max(1, len(serving_p))),
                                   starting=starting["prefill"],
                                   draining=draining.count("prefill"))
-        usage = [st["num_used_blocks"] / st["num_blocks"]
-                 for w, st in stats.items() if w in serving_d and st.get("num_blocks")]
+        usage = [st.num_used_blocks / st.num_blocks
+                 for w, st in stats.items() if w in serving_d and st.num_blocks]
         tbt = [x for x in (p90(tpots), step_s) if x is not None]
         decode = RoleObservation(len(serving_d), max(tbt) if tbt else None,
                                  utilization=sum(usage) / max(1, len(usage)),
-                                 waiting=sum(stats.get(w, {}).get("num_waiting", 0)
-                                             for w in serving_d),
+                                 waiting=sum(stats[w].num_waiting
+                                             for w in serving_d if w in stats),
                                  starting=starting["decode"],
                                  draining=draining.count("decode"))
         return prefill, decode
 
-    def _apply(self, decision: Decision, stats: dict[str, dict]) -> None:
+    def _apply(self, decision: Decision, stats: dict[str, SchedulerStats]) -> None:
         role = decision.role
         if decision.delta > 0:
             for _ in range(decision.delta):
@@ -227,7 +228,7 @@ class Autoscaler:
             return
         victim = min(serving, key=lambda i: (
             self.cluster.pipeline.holds(i.worker_id)
-            + stats.get(i.worker_id, {}).get("num_active", 0), i.worker_id))
+            + (stats[i.worker_id].num_active if i.worker_id in stats else 0), i.worker_id))
         self.cluster.drain_instance(victim.worker_id)
         with self._lock:
             self._draining[victim.worker_id] = role
@@ -244,13 +245,13 @@ class Autoscaler:
             with self._lock:
                 self._starting[role] -= 1
 
-    def _stop_drained(self, stats: dict[str, dict]) -> None:
+    def _stop_drained(self, stats: dict[str, SchedulerStats]) -> None:
         with self._lock:
             draining = dict(self._draining)
         for worker_id, role in draining.items():
             st = stats.get(worker_id)
-            if st is None or self.cluster.pipeline.holds(worker_id) or any(
-                    st.get(k, 0) for k in ("num_active", "num_waiting", "num_sending")) or \
+            if st is None or self.cluster.pipeline.holds(worker_id) or \
+                    st.num_active or st.num_waiting or st.num_sending or \
                     time.monotonic() - self._drained_at[worker_id] < self.drain_grace_s:
                 continue
             self.cluster.retire_instance(worker_id)

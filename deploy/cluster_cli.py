@@ -240,11 +240,9 @@ def _print_status(namespace: str, manifest: ClusterManifest, as_json: bool) -> N
                 handle = ray.get_actor(name, namespace=namespace)
                 info, stats = ray.get([handle.info.remote(), handle.stats.remote()], timeout=10)
                 row.update(pid=info["pid"], node=info["node_id"], state="alive",
-                           running=stats.get("num_running", stats.get("num_active", 0)),
-                           waiting=stats.get("num_waiting", 0),
-                           requests_total=stats.get("num_requests_total"),
-                           steps_total=stats.get("num_steps_total", 0)
-                           + stats.get("num_prefill_steps_total", 0))
+                           running=stats.num_running, waiting=stats.num_waiting,
+                           requests_total=stats.num_requests_total,
+                           steps_total=stats.num_steps_total + stats.num_prefill_steps_total)
             except ValueError:
                 row["state"] = "missing"
             except Exception as exc:  # noqa: BLE001 — shown as its state

@@ -19,6 +19,7 @@ import ray
 from pdcluster.engine.config import EngineConfig
 from pdcluster.engine.core.engine_core import EngineCore
 from pdcluster.engine.core.engine_loop import EngineLoop
+from pdcluster.engine.core.stats import SchedulerStats
 from pdcluster.engine.logs import setup_worker_logging
 from pdcluster.engine.protocol import FirstToken, PrefillRequest, PrefillResult
 from pdcluster.engine.runner import ModelRunner
@@ -120,7 +121,7 @@ class PrefillWorker:
         return self.tp.info()
 
     @ray.method(concurrency_group="control")
-    def stats(self) -> dict:
+    def stats(self) -> SchedulerStats:
         return self.engine.stats()
 
     @ray.method(concurrency_group="control")

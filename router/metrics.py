@@ -104,14 +104,14 @@ class ClusterStatsCollector:
                                       "Prompt tokens looked up in the prefix cache")
         # prompts are computed by prefill workers, and on decode workers when colocated or
         # when the PD decider keeps a request there
-        queried.add_metric([], sum(s.get("prefix_cache_queried_tokens_total", 0)
+        queried.add_metric([], sum(s.prefix_cache_queried_tokens_total
                                    for s in stats_p + stats_d))
         hits = CounterMetricFamily("pdcluster_prefix_cache_hit_tokens",
                                    "Prompt tokens served from the prefix cache, by tier",
                                    labels=["tier"])
         by_tier: dict[str, int] = {"device": 0}
         for s in stats_p + stats_d:
-            for tier, n in s.get("prefix_cache_hit_tokens_total", {}).items():
+            for tier, n in s.prefix_cache_hit_tokens_total.items():
                 by_tier[tier] = by_tier.get(tier, 0) + n
         for tier, n in sorted(by_tier.items()):
             hits.add_metric([tier], n)
@@ -123,7 +123,7 @@ class ClusterStatsCollector:
                                        labels=["backend"])
         by_backend: dict[str, int] = {"grpc": 0}
         for s in stats_d:
-            for backend, n in s.get("kv_bytes_fetched_by_backend", {}).items():
+            for backend, n in s.kv_connector_stats.get("kv_bytes_fetched_by_backend", {}).items():
                 by_backend[backend] = by_backend.get(backend, 0) + n
         for backend, n in sorted(by_backend.items()):
             transfer.add_metric([backend], n)
@@ -133,7 +133,8 @@ class ClusterStatsCollector:
             labels=["backend", "kind"])
         errors: dict[tuple[str, str], int] = {("grpc", "timeout"): 0, ("grpc", "error"): 0}
         for s in stats_d:
-            for backend, kinds in s.get("kv_transfer_errors_by_backend", {}).items():
+            for backend, kinds in s.kv_connector_stats.get("kv_transfer_errors_by_backend",
+                                                           {}).items():
                 for kind, n in kinds.items():
                     errors[backend, kind] = errors.get((backend, kind), 0) + n
         for (backend, kind), n in sorted(errors.items()):
@@ -145,32 +146,33 @@ class ClusterStatsCollector:
         for role, stats in (("prefill", stats_p), ("decode", stats_d)):
             for action in ("recompute", "fail"):
                 load_failures.add_metric([role, action], sum(
-                    s.get("kv_load_failures_total", {}).get(action, 0) for s in stats))
+                    s.kv_load_failures_total.get(action, 0) for s in stats))
         published = CounterMetricFamily(
             "pdcluster_kv_published_blocks", "Full KV blocks decode workers offered the KV pool "
             "from finished sequences (kvstore.transport.pool.publish), by outcome: stored, or "
             "failed (a later turn recomputes them)", labels=["role", "outcome"])
         published.add_metric(["decode", "stored"], sum(
-            s.get("kv_blocks_published_total", 0) for s in stats_d))
+            s.kv_connector_stats.get("kv_blocks_published_total", 0) for s in stats_d))
         published.add_metric(["decode", "failed"], sum(
-            s.get("kv_publish_failures_total", 0) for s in stats_d))
+            s.kv_connector_stats.get("kv_publish_failures_total", 0) for s in stats_d))
         blocks = GaugeMetricFamily("pdcluster_kv_blocks", "KV blocks in worker caches",
                                    labels=["tier", "state"])
-        for state, key in (("free", "num_free_blocks"), ("used", "num_used_blocks"),
-                           ("cached", "num_cached_blocks")):
-            blocks.add_metric(["device", state], sum(s.get(key, 0) for s in stats_p + stats_d))
+        for state, count in (("free", lambda s: s.num_free_blocks),
+                             ("used", lambda s: s.num_used_blocks),
+                             ("cached", lambda s: s.num_cached_blocks)):
+            blocks.add_metric(["device", state], sum(count(s) for s in stats_p + stats_d))
         for tier in ("host", "ssd"):
             for state in ("free", "used", "cached"):
                 blocks.add_metric([tier, state], sum(s.get("tiers", {}).get(tier, {}).get(state, 0)
                                                      for s in stats_kv))
         running = GaugeMetricFamily("pdcluster_requests_running", "Requests running, by role",
                                     labels=["role"])
-        running.add_metric(["decode"], sum(s.get("num_active", 0) for s in stats_d))
+        running.add_metric(["decode"], sum(s.num_active for s in stats_d))
         if self.gate is not None:  # sequences the gateway has admitted and not yet finished
             running.add_metric(["gateway"], self.gate.inflight)
         waiting = GaugeMetricFamily("pdcluster_requests_waiting", "Requests waiting, by role",
                                     labels=["role"])
-        waiting.add_metric(["decode"], sum(s.get("num_waiting", 0) for s in stats_d))
+        waiting.add_metric(["decode"], sum(s.num_waiting for s in stats_d))
         if self.gate is not None:  # sequences in the gateway's fair queue
             waiting.add_metric(["gateway"], self.gate.queued)
         metrics = [queried, hits, transfer, transfer_errors, load_failures, published, blocks,
@@ -204,15 +206,17 @@ def _migration_families(stats: Mapping[str, int]) -> list[Metric]:
     return [migrations, resumed]
 
 
-async def _gather_stats(instances) -> list[dict]:
-    async def one(instance) -> dict:
+async def _gather_stats(instances) -> list:
+    """Each instance's stats(): a worker's SchedulerStats, a KV store's dict; those that did not
+    answer in time are left out."""
+    async def one(instance):
         try:
             return await asyncio.wait_for(instance.handle.stats.remote(), STATS_TIMEOUT_S)
         except Exception as exc:  # noqa: BLE001 — a dead or slow worker must not break /metrics
             log.warning("no stats from %s: %s", instance.worker_id, exc)
-            return {}
+            return None
 
-    return list(await asyncio.gather(*(one(i) for i in instances)))
+    return [s for s in await asyncio.gather(*(one(i) for i in instances)) if s is not None]
 
 
 class _Families:

@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from pdcluster.engine.core.stats import SchedulerStats
 from pdcluster.router.registry import Instance, InstanceRegistry
 
 log = logging.getLogger(__name__)
@@ -107,10 +108,10 @@ class StallWatch:
                 found.append(self._declare(instance, reason))
         return found
 
-    def _report(self, p: _Progress, stats: dict, now: float) -> str | None:
-        steps = stats.get("num_steps_total", 0) + stats.get("num_prefill_steps_total", 0)
-        running = stats.get("num_running", 0)
-        p.pid = stats.get("pid", p.pid)
+    def _report(self, p: _Progress, stats: SchedulerStats, now: float) -> str | None:
+        steps = stats.num_steps_total + stats.num_prefill_steps_total
+        running = stats.num_running
+        p.pid = stats.pid
         if steps != p.steps or not running:
             p.moved_at = now
         p.steps, p.running = steps, running

@@ -52,6 +52,7 @@ from pdcluster.engine.core.preemption import PREEMPTION_MODES
 from pdcluster.engine.core.request import (Request, RequestAborted, RequestFailed, RequestRejected,
                                            RequestStatus)
 from pdcluster.engine.core.scheduler import Scheduler
+from pdcluster.engine.core.stats import SchedulerStats
 from pdcluster.engine.core.structured_output import (GrammarError, StructuredOutputManager,
                                                      apply_bitmask)
 from pdcluster.engine.protocol import KV_LOAD_FAILED, FinishReason, TokenDelta, TokenLogprob
@@ -113,7 +114,7 @@ class EngineCore:
             the cache works unindexed).
         kv_load_failure_policy: a load that failed for good is recomputed here from what
             landed ("recompute") or ends the request with error_code KV_LOAD_FAILED ("fail");
-            both are counted in stats()["kv_load_failures_total"] by action
+            both are counted in stats().kv_load_failures_total by action
             (KVTransferConfig.load_failure_policy).
         publish_interval: a running request's full blocks also go to the connector every this
             many (``save_progress``; 0: at its end only), so another request sharing the prefix
@@ -219,38 +220,37 @@ class EngineCore:
         return (self.scheduler.preemption.num_recomputed_tokens_total
                 + self._num_load_recomputed_tokens)
 
-    def stats(self) -> dict:
-        return {"worker_id": self.worker_id, "pid": self.pid,
-                "num_waiting": len(self.scheduler.waiting) + len(self._compiling),
-                "num_active": len(self.scheduler.active),
-                "num_running": sum(r.status is RequestStatus.RUNNING
-                                   for r in list(self.scheduler.active.values())),
-                # what every gateway's Conductor reads as this worker's prefill queue
-                "num_pending_prompt_tokens": sum(
-                    max(0, r.num_prompt_tokens - r.num_computed_tokens)
-                    for r in [*self.scheduler.waiting, *self.scheduler.active.values()]),
-                **self.pool.stats(),
-                "num_steps_total": self.num_steps_total,
-                "num_forward_tokens_total": self.num_forward_tokens_total,
-                "num_prefill_steps_total": self.num_prefill_steps_total,
-                "num_prefill_chunks_total": self.num_prefill_chunks_total,
-                "max_prefill_chunks_per_step": self.max_prefill_chunks_per_step,
-                "num_prefill_tokens_total": self.num_prefill_tokens_total,
-                "num_requests_total": self.num_requests_total,
-                "busy_s_total": self.busy_s_total,
-                # finished here, blocks held until the connector has sent them
-                "num_sending": len(self._sending),
-                "num_preemptions_total": self.scheduler.num_preemptions_total,
-                "num_recomputed_tokens_total": self.num_recomputed_tokens_total,
-                "num_pending_layer_streams": len(self.pre_arrival or ()),
-                "kv_load_failures_total": dict(self.kv_load_failures.failures_total),
-                "prefix_cache_queried_tokens_total": self.prefix_cache_queried_tokens_total,
-                "prefix_cache_hit_tokens_total": dict(self.prefix_cache_hit_tokens_total),
-                "kv_blocks_reused_total": self.kv_blocks_reused_total,
-                "num_fetch_recomputes_total": self.num_fetch_recomputes_total,
-                "g1_reannouncements_total":
-                    self._feed.reannouncements_total if self._feed is not None else 0,
-                **self.connector.stats()}
+    def stats(self) -> SchedulerStats:
+        active = list(self.scheduler.active.values())
+        return SchedulerStats(
+            worker_id=self.worker_id, pid=self.pid,
+            num_waiting=len(self.scheduler.waiting) + len(self._compiling),
+            num_active=len(active),
+            num_running=sum(r.status is RequestStatus.RUNNING for r in active),
+            num_pending_prompt_tokens=sum(
+                max(0, r.num_prompt_tokens - r.num_computed_tokens)
+                for r in [*self.scheduler.waiting, *active]),
+            **self.pool.stats(),
+            num_steps_total=self.num_steps_total,
+            num_forward_tokens_total=self.num_forward_tokens_total,
+            num_prefill_steps_total=self.num_prefill_steps_total,
+            num_prefill_chunks_total=self.num_prefill_chunks_total,
+            max_prefill_chunks_per_step=self.max_prefill_chunks_per_step,
+            num_prefill_tokens_total=self.num_prefill_tokens_total,
+            num_requests_total=self.num_requests_total,
+            busy_s_total=self.busy_s_total,
+            num_sending=len(self._sending),
+            num_preemptions_total=self.scheduler.num_preemptions_total,
+            num_recomputed_tokens_total=self.num_recomputed_tokens_total,
+            num_pending_layer_streams=len(self.pre_arrival or ()),
+            kv_load_failures_total=dict(self.kv_load_failures.failures_total),
+            prefix_cache_queried_tokens_total=self.prefix_cache_queried_tokens_total,
+            prefix_cache_hit_tokens_total=dict(self.prefix_cache_hit_tokens_total),
+            kv_blocks_reused_total=self.kv_blocks_reused_total,
+            num_fetch_recomputes_total=self.num_fetch_recomputes_total,
+            g1_reannouncements_total=(
+                self._feed.reannouncements_total if self._feed is not None else 0),
+            kv_connector_stats=self.connector.stats())
 
     # ---- the engine loop's (engine.core.engine_loop) -------------------------------------
     def handle(self, kind: str, item) -> None:

@@ -25,6 +25,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Callable
 
+from pdcluster.engine.core.stats import SchedulerStats
 from pdcluster.router.cost_model import CostModel
 from pdcluster.router.load_source import LoadSource, RouteDecision
 from pdcluster.router.policies.base import DecodeLoad
@@ -108,10 +109,10 @@ class LedgerLoads(LoadSource):
             since += sum(s for t, s in peers if t >= at)
             return max(0.0, own, reported + since * self.scale) * self.guard
 
-    def report_prefill(self, instance_id: str, stats: dict) -> None:
+    def report_prefill(self, instance_id: str, stats: SchedulerStats) -> None:
         """A prefill worker's stats(): num_pending_prompt_tokens, its queue in tokens, as
         seconds by the calibrated cost model."""
-        tokens = int(stats.get("num_pending_prompt_tokens", 0))
+        tokens = stats.num_pending_prompt_tokens
         with self._lock:
             now = self._clock()
             self._reported_prefill_s[instance_id] = (
@@ -137,13 +138,11 @@ class LedgerLoads(LoadSource):
     def decode_load(self, instance_id: str) -> DecodeLoad:
         return self._decode.get(instance_id) or DecodeLoad(instance_id)
 
-    def report_decode(self, instance_id: str, stats: dict) -> None:
+    def report_decode(self, instance_id: str, stats: SchedulerStats) -> None:
         """A decode worker's stats(): num_active, num_waiting, num_used_blocks, num_blocks."""
-        blocks = stats.get("num_blocks")
         self._decode[instance_id] = DecodeLoad(
-            instance_id, int(stats.get("num_active", 0)) + int(stats.get("num_waiting", 0)),
-            int(stats.get("num_used_blocks", 0)) * self.block_size,
-            None if blocks is None else int(blocks) * self.block_size)
+            instance_id, stats.num_active + stats.num_waiting,
+            stats.num_used_blocks * self.block_size, stats.num_blocks * self.block_size)
 
     def on_routed(self, decision: RouteDecision) -> None:
         p = decision.prefill.instance_id

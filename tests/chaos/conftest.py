@@ -205,7 +205,7 @@ class ChaosEnv:
         def fault() -> None:
             live = self.cluster.registry.by_role(role)
             stats = ray.get([i.handle.stats.remote() for i in live], timeout=10)
-            busiest = max(zip(live, stats), key=lambda p: p[1].get("num_active", 0))[0]
+            busiest = max(zip(live, stats), key=lambda p: p[1].num_active)[0]
             victim.update(worker_id=busiest.worker_id, pid=pids[busiest.worker_id])
             os.kill(victim["pid"], sig)
 
@@ -228,8 +228,8 @@ class ChaosEnv:
                         busy = s["tiers"]["host"]["used"] + s["num_tails"]
                     else:
                         # free counts cached blocks too (evictable): all free = baseline
-                        busy = (s["num_blocks"] - s["num_free_blocks"] + s["num_used_blocks"]
-                                + s.get("num_active", 0) + s.get("num_waiting", 0))
+                        busy = (s.num_blocks - s.num_free_blocks + s.num_used_blocks
+                                + s.num_active + s.num_waiting)
                     if busy:
                         held.append((inst.worker_id, s))
             if not held:

@@ -211,8 +211,8 @@ def test_a_failed_load_is_rescheduled_from_its_last_good_block(prompt, params):
     assert [want[0], *tokens(out)] == want
     assert tokens(steady) == alone(prompt[5:13], steady_params)
     stats = eng.stats()
-    assert stats["num_fetch_recomputes_total"] == 1
-    assert stats["num_recomputed_tokens_total"] == len(prompt) - cached
+    assert stats.num_fetch_recomputes_total == 1
+    assert stats.num_recomputed_tokens_total == len(prompt) - cached
     assert out[-1].finish_reason is FinishReason.LENGTH
     eng.close()
 
@@ -247,7 +247,7 @@ def test_a_preempted_request_resumes_in_chunks_beside_the_running_batch(prompt, 
         run_once(eng)
         if behind:
             catch_up.append(recorded.steps[-1])
-    assert eng.stats()["num_preemptions_total"] > 0 and catch_up
+    assert eng.stats().num_preemptions_total > 0 and catch_up
     # the recompute ran in chunks of at most the budget, sharing forwards with the decodes
     assert all(n <= BUDGET for step in catch_up for n, _ in step)
     assert any(any(n > 1 for n, _ in step) and any(n == 1 for n, _ in step)
@@ -328,7 +328,7 @@ def test_a_prefill_instance_ends_each_request_at_its_first_token_and_saves_its_b
     assert [n for step in recorded.steps for n, _ in step] == \
         [min(BUDGET, len(prompt) - s) for s in range(0, len(prompt), BUDGET)]
     stats = eng.stats()
-    assert stats["num_requests_total"] == 1 and stats["num_steps_total"] == 0
+    assert stats.num_requests_total == 1 and stats.num_steps_total == 0
     assert eng.pool.num_free_blocks == eng.pool.num_blocks
     eng.close()
 
@@ -357,11 +357,11 @@ def test_stats_report_the_prompt_tokens_still_to_compute(prompt):
     assert len(prompt) > BUDGET
     outs = [submit(eng, DecodeRequest(f"r{i}", prompt, GREEDY)) for i in range(2)]
     run_once(eng)  # takes them in, and computes one budget of their prompts
-    seen = [eng.stats()["num_pending_prompt_tokens"]]
+    seen = [eng.stats().num_pending_prompt_tokens]
     assert seen[0] == 2 * len(prompt) - BUDGET
     while any(not o for o in outs):
         run_once(eng)
-        seen.append(eng.stats()["num_pending_prompt_tokens"])
+        seen.append(eng.stats().num_pending_prompt_tokens)
     assert seen[-1] == 0 and all(a >= b for a, b in zip(seen, seen[1:]))
     assert len(set(seen)) > 2  # it fell in chunks, not at once
     run(eng, *outs)

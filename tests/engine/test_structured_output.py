@@ -102,7 +102,7 @@ def test_a_grammar_that_does_not_compile_ends_its_request_with_an_error(tokenize
     [out] = run(core, [DecodeRequest("bad", (1, 2, 3), SamplingParams(
         structured_output=StructuredOutputSpec("regex", "(ab")))])
     assert out[-1].finish_reason is FinishReason.ERROR and "regex" in out[-1].error
-    assert core.stats()["num_waiting"] == 0 and core.pool.stats()["num_used_blocks"] == 0
+    assert core.stats().num_waiting == 0 and core.pool.stats()["num_used_blocks"] == 0
     core.close()
 
 

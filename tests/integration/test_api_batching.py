@@ -35,7 +35,7 @@ def test_sixteen_concurrent_streams_equal_their_solo_runs(api_base, cluster):
         client = AsyncOpenAI(base_url=api_base, api_key="unused", max_retries=0)
         solo = [await stream_ids(client, i) for i in range(16)]
         decode = cluster.decode[0].handle
-        steps_before = ray.get(decode.stats.remote())["num_steps_total"]
+        steps_before = ray.get(decode.stats.remote()).num_steps_total
         together = await asyncio.gather(*(stream_ids(client, i) for i in range(16)))
         return solo, together, steps_before
 

@@ -169,7 +169,7 @@ def test_dropped_non_streaming_requests_free_every_block_within_2s(api_base, clu
             "max_tokens": 480, "temperature": 0, "ignore_eos": True}
 
     def decode_steps() -> list[int]:
-        return [ray.get(d.handle.stats.remote())["num_steps_total"] for d in cluster.decode]
+        return [ray.get(d.handle.stats.remote()).num_steps_total for d in cluster.decode]
 
     steps_before = decode_steps()
 

@@ -70,10 +70,10 @@ def disaggregated(engines, request_id: str, prompt: list[int], n: int):
 def test_the_next_turn_fetches_only_what_the_decode_does_not_hold(engines, hf):
     _, decode, index = engines
     prompt = hf.encode("Once upon a time, there was a little girl named Lily.")
-    fetched = decode.stats()["kv_bytes_fetched_total"]
+    fetched = decode.stats().kv_connector_stats["kv_bytes_fetched_total"]
     first, out = disaggregated(engines, "i1", prompt, 40)
     assert out == hf.greedy(prompt, 40)
-    first_bytes = decode.stats()["kv_bytes_fetched_total"] - fetched
+    first_bytes = decode.stats().kv_connector_stats["kv_bytes_fetched_total"] - fetched
     first_blocks = handoff(first).num_blocks
     per_block = first_bytes // first_blocks
     assert per_block * first_blocks == first_bytes > 0
@@ -85,14 +85,15 @@ def test_the_next_turn_fetches_only_what_the_decode_does_not_hold(engines, hf):
         time.sleep(0.02)
 
     follow = prompt + out + hf.encode(" She went to the park.", add_special_tokens=False)
-    reused = decode.stats()["kv_blocks_reused_total"]
-    fetched = decode.stats()["kv_bytes_fetched_total"]
+    reused = decode.stats().kv_blocks_reused_total
+    fetched = decode.stats().kv_connector_stats["kv_bytes_fetched_total"]
     second, out2 = disaggregated(engines, "i2", follow, 8)
     assert out2 == hf.greedy(follow, 8)
-    skipped = decode.stats()["kv_blocks_reused_total"] - reused
+    skipped = decode.stats().kv_blocks_reused_total - reused
     assert skipped == len(held)
     moved = handoff(second).num_blocks - skipped
-    assert decode.stats()["kv_bytes_fetched_total"] - fetched == moved * per_block
+    assert (decode.stats().kv_connector_stats["kv_bytes_fetched_total"] - fetched
+            == moved * per_block)
     assert 2 * moved < handoff(second).num_blocks
 
 
@@ -104,15 +105,15 @@ def test_a_prompt_computed_on_the_decode_starts_after_its_cached_blocks(engines,
     out = [t for d in first for t in d.token_ids]
     assert out == hf.greedy(prompt, 12) and first[0].num_cached_tokens == 0
     follow = prompt + out + hf.encode(" The end.", add_special_tokens=False)
-    queried = decode.stats()["prefix_cache_queried_tokens_total"]
+    queried = decode.stats().prefix_cache_queried_tokens_total
     second = run_decode(decode, DecodeRequest("c2", tuple(follow), params))
     assert [t for d in second for t in d.token_ids] == hf.greedy(follow, 12)
     cached = len(keys_of(prompt + out[:-1])) * BS
     assert second[0].num_cached_tokens == cached > 0
     assert all(d.num_cached_tokens is None for d in second[1:])
     stats = decode.stats()
-    assert stats["prefix_cache_queried_tokens_total"] - queried == len(follow)
-    assert stats["num_free_blocks"] == stats["num_blocks"]  # cached blocks are free to evict
+    assert stats.prefix_cache_queried_tokens_total - queried == len(follow)
+    assert stats.num_free_blocks == stats.num_blocks  # cached blocks are free to evict
 
 
 def test_an_aborted_sequence_leaves_no_reply_blocks_cached(engines, hf):
@@ -153,9 +154,9 @@ def test_a_prompt_computed_on_the_decode_loads_its_prefix_from_the_pool(engines,
         assert got[0].num_cached_tokens == len(keys) * BS > 0 == want[0].num_cached_tokens
         stats = loading.stats()
         # by the tier the store reports (over gRPC in this process: "remote")
-        hits = stats["prefix_cache_hit_tokens_total"]
+        hits = stats.prefix_cache_hit_tokens_total
         assert hits["device"] == 0 and sum(hits.values()) == len(keys) * BS
-        assert stats["num_free_blocks"] == stats["num_blocks"]
+        assert stats.num_free_blocks == stats.num_blocks
     finally:
         stop(alone)
         stop(loading)

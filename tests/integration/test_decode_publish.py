@@ -129,7 +129,7 @@ def test_the_next_turn_loads_the_reply_the_decode_published(cluster, hf):
     assert client.exists(keys) == [True] * len(keys)
     published = publisher.stats()["kv_blocks_published_total"] - before
     assert published == len(keys) - len(handoff(first).block_keys) > 0
-    assert decode.stats()["num_free_blocks"] == decode.stats()["num_blocks"]
+    assert decode.stats().num_free_blocks == decode.stats().num_blocks
 
     # turn 2: the prompt is turn 1's prompt, the reply and a new message; the prefill's own
     # G1 forgets, so the reply's blocks can only come from what the decode published
@@ -161,7 +161,7 @@ def test_an_aborted_sequence_publishes_nothing(cluster, hf):
     assert publisher.stats()["kv_publish_failures_total"] == before["kv_publish_failures_total"]
     produced = keys_of(prompt + out[:-1])[len(handoff(result).block_keys):]
     assert not any(client.exists(produced))
-    assert decode.stats()["num_free_blocks"] == decode.stats()["num_blocks"]
+    assert decode.stats().num_free_blocks == decode.stats().num_blocks
     for r in (result, later):
         client.release_tail(handoff(r).tail_handle)
 
@@ -196,7 +196,7 @@ def test_a_failed_publish_is_counted_and_the_request_is_unharmed(hf):
         assert publisher.stats() == {"kv_blocks_published_total": 0,
                                      "kv_bytes_published_total": 0,
                                      "kv_publish_failures_total": expected}
-        assert decode.stats()["num_free_blocks"] == decode.stats()["num_blocks"]
+        assert decode.stats().num_free_blocks == decode.stats().num_blocks
     finally:
         stop(decode)
 

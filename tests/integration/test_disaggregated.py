@@ -14,6 +14,7 @@ import pytest
 import ray
 
 from pdcluster.deploy.launcher import Cluster
+from pdcluster.engine.core.stats import SchedulerStats
 from pdcluster.engine.protocol import FinishReason, SamplingParams
 from pdcluster.kvstore.client import KVStoreClient
 
@@ -37,15 +38,16 @@ def tokens_of(deltas) -> list[int]:
     return [t for d in deltas for t in d.token_ids]
 
 
-def decode_stats(cluster: Cluster) -> dict:
+def decode_stats(cluster: Cluster) -> SchedulerStats:
     return ray.get(cluster.decode[0].handle.stats.remote())
 
 
-def settled_decode_stats(cluster: Cluster, timeout_s: float = 10.0) -> dict:
+def settled_decode_stats(cluster: Cluster, timeout_s: float = 10.0
+                         ) -> SchedulerStats:
     """The decode's stats once every block is back in its pool (it frees a request's blocks
     just after the last delta went out), or as they are at the timeout."""
     deadline = time.monotonic() + timeout_s
-    while (stats := decode_stats(cluster))["num_free_blocks"] != stats["num_blocks"] \
+    while (stats := decode_stats(cluster)).num_free_blocks != stats.num_blocks \
             and time.monotonic() < deadline:
         time.sleep(0.05)
     return stats
@@ -70,9 +72,9 @@ def test_prefill_makes_token_one_and_decode_the_rest_without_recompute(cluster, 
     assert last.finish_reason in (FinishReason.LENGTH, FinishReason.STOP)
     assert last.num_forward_tokens == len(expected) - 1
     after = settled_decode_stats(cluster)
-    assert after["num_forward_tokens_total"] - before["num_forward_tokens_total"] == \
+    assert after.num_forward_tokens_total - before.num_forward_tokens_total == \
         len(expected) - 1
-    assert after["num_free_blocks"] == after["num_blocks"]
+    assert after.num_free_blocks == after.num_blocks
 
 
 def test_decode_output_depends_on_kv_received_over_grpc(cluster, hf):
@@ -81,7 +83,7 @@ def test_decode_output_depends_on_kv_received_over_grpc(cluster, hf):
     assert len(prompt) > 2 * block_size and len(prompt) % block_size  # full blocks and a tail
     expected = hf.greedy(prompt, 24)
     decode = cluster.decode[0].handle
-    bytes_before = decode_stats(cluster)["kv_bytes_fetched_total"]
+    bytes_before = decode_stats(cluster).kv_connector_stats["kv_bytes_fetched_total"]
     try:
         ray.get(decode.inject_fault.remote("perturb_v", 3.0))
         # under a salt of its own: the decode publishes the blocks it holds when the request
@@ -93,10 +95,10 @@ def test_decode_output_depends_on_kv_received_over_grpc(cluster, hf):
     assert perturbed[0] == expected[0]  # token 1 comes from prefill, untouched
     assert perturbed[1:] != expected[1:]
 
-    bytes_mid = decode_stats(cluster)["kv_bytes_fetched_total"]
+    bytes_mid = decode_stats(cluster).kv_connector_stats["kv_bytes_fetched_total"]
     assert tokens_of(run(cluster, "req-clean", prompt, 24)) == expected
     num_blocks = -(-len(prompt) // block_size)
-    fetched = decode_stats(cluster)["kv_bytes_fetched_total"] - bytes_mid
+    fetched = decode_stats(cluster).kv_connector_stats["kv_bytes_fetched_total"] - bytes_mid
     assert fetched == bytes_mid - bytes_before > 0
     assert fetched % num_blocks == 0
 
@@ -124,11 +126,11 @@ def test_requests_join_and_leave_the_decode_batch(cluster, hf):
     for deltas, want in zip(results, expected):
         assert tokens_of(deltas) == want
     after = settled_decode_stats(cluster)
-    forward = after["num_forward_tokens_total"] - before["num_forward_tokens_total"]
-    steps = after["num_steps_total"] - before["num_steps_total"]
+    forward = after.num_forward_tokens_total - before.num_forward_tokens_total
+    steps = after.num_steps_total - before.num_steps_total
     assert forward == sum(len(e) - 1 for e in expected)
     assert steps < forward  # some steps ran several requests together
-    assert after["num_free_blocks"] == after["num_blocks"]
+    assert after.num_free_blocks == after.num_blocks
 
 
 def test_serve_routes_with_the_live_conductor(cluster, hf):

@@ -122,8 +122,8 @@ def test_prefix_reuse_skips_cached_blocks_and_output_is_unchanged(engines, hf):
     assert branch.num_cached_tokens == (len(story) // 16) * 16
     assert got == hf.greedy(longer, 16, eos_token_id=[1, 2])
     stats = prefill.stats()
-    assert stats["num_used_blocks"] == 0 and stats["num_cached_blocks"] > 0
-    assert decode.stats()["num_free_blocks"] == decode.stats()["num_blocks"]
+    assert stats.num_used_blocks == 0 and stats.num_cached_blocks > 0
+    assert decode.stats().num_free_blocks == decode.stats().num_blocks
 
 
 def test_cache_salt_isolates_tenants(engines, hf):
@@ -149,7 +149,7 @@ def test_prefix_caching_switch_off_recomputes(engines, eos_model_dir, hf):
     params = SamplingParams(max_tokens=2, temperature=0)
     results = [run_prefill(off, PrefillRequest(f"off-{i}", tuple(prompt), params)) for i in range(2)]
     assert [r.num_cached_tokens for r in results] == [0, 0]
-    assert off.stats()["num_prefill_tokens_total"] == 2 * len(prompt)
+    assert off.stats().num_prefill_tokens_total == 2 * len(prompt)
     assert results[0].first_token == results[1].first_token == hf.greedy(prompt, 1)[0]
     for r in results:
         off.connector.store_client.release_tail(handoff(r).tail_handle)
@@ -207,7 +207,7 @@ def test_preemption_keeps_outputs_identical(engines, eos_model_dir, hf, mode):
     try:
         alone = [generate((prefill, small), f"{mode}-alone-{i}", p, params[i])[1]
                  for i, p in enumerate(prompts)]
-        assert small.stats()["num_preemptions_total"] == 0
+        assert small.stats().num_preemptions_total == 0
         done, outputs = threading.Event(), {}
 
         def collect(i):
@@ -228,24 +228,24 @@ def test_preemption_keeps_outputs_identical(engines, eos_model_dir, hf, mode):
         stats = small.stats()
     finally:
         stop(small)
-    assert stats["num_preemptions_total"] > 0
+    assert stats.num_preemptions_total > 0
     for i in range(4):
         assert outputs[f"done-{i}"] is FinishReason.LENGTH
         assert outputs[i] == alone[i], f"request {i} changed under {mode} preemption"
-    assert stats["num_free_blocks"] == stats["num_blocks"]
+    assert stats.num_free_blocks == stats.num_blocks
 
 
 def test_colocated_request_prefills_on_the_decode_worker(engines, hf):
     _, decode = engines
     prompt = hf.encode("Once upon a time, there was a little boy named Tim.")
     want = hf.greedy(prompt, 20, eos_token_id=[1, 2])
-    forward_before = decode.stats()["num_forward_tokens_total"]
+    forward_before = decode.stats().num_forward_tokens_total
     deltas = decode_all(decode, DecodeRequest("colocated", tuple(prompt),
                                               SamplingParams(max_tokens=20, temperature=0)))
     assert [t for d in deltas for t in d.token_ids] == want
     assert deltas[0].token_ids == (want[0],)  # token 0 sampled here, from the local prefill
-    assert decode.stats()["num_forward_tokens_total"] - forward_before == len(want) - 1
-    assert decode.stats()["num_free_blocks"] == decode.stats()["num_blocks"]
+    assert decode.stats().num_forward_tokens_total - forward_before == len(want) - 1
+    assert decode.stats().num_free_blocks == decode.stats().num_blocks
 
 
 def test_colocated_prompts_run_in_chunks_beside_decoding_requests(eos_model_dir, hf):
@@ -291,7 +291,7 @@ def test_colocated_prompts_run_in_chunks_beside_decoding_requests(eos_model_dir,
         want = hf.greedy(prompt, 30, eos_token_id=[1, 2])
         assert len(want) == 30, "reference stopped early"
         assert tokens[name] == want
-    assert stats["num_free_blocks"] == stats["num_blocks"]
+    assert stats.num_free_blocks == stats.num_blocks
 
 
 def test_engine_loop_builds_the_model_and_runs_every_step_on_its_thread(eos_model_dir, hf):
@@ -358,14 +358,14 @@ def test_concurrent_prefills_share_steps_and_outputs_are_unchanged(engines, eos_
         # 1,155 prompt tokens (100..285 each) under a 512-token budget: every step but the
         # last is filled, by several requests' chunks (a chunk is cut to what is left)
         total = sum(len(p) for p in prompts)
-        assert stats["num_prefill_tokens_total"] == total
-        assert stats["num_prefill_steps_total"] == -(-total // 512)
-        assert stats["max_prefill_chunks_per_step"] >= 2
+        assert stats.num_prefill_tokens_total == total
+        assert stats.num_prefill_steps_total == -(-total // 512)
+        assert stats.max_prefill_chunks_per_step >= 2
     else:  # each prompt is compute-bound on its own: a step each, in one chunk
-        assert stats["num_prefill_chunks_total"] == len(prompts)
-        assert stats["max_prefill_chunks_per_step"] == 1
-        assert stats["num_prefill_steps_total"] == stats["num_prefill_chunks_total"]
-    assert stats["num_used_blocks"] == 0
+        assert stats.num_prefill_chunks_total == len(prompts)
+        assert stats.max_prefill_chunks_per_step == 1
+        assert stats.num_prefill_steps_total == stats.num_prefill_chunks_total
+    assert stats.num_used_blocks == 0
     shared.close()
     for i, prompt in enumerate(prompts):
         want = run_prefill(alone, PrefillRequest(f"a{i}", tuple(prompt), params))

@@ -134,8 +134,8 @@ def test_a_prefix_computed_on_one_node_is_reused_on_the_other(nodes, hf):
     assert reused.num_cached_tokens == len(keys) * 16
     assert reused.first_token == warm.first_token == hf.greedy(prompt, 1)[0]
     stats = b.engine.stats()
-    assert stats["prefix_cache_hit_tokens_total"].get("mooncake_store") == len(keys) * 16
-    assert stats["num_prefill_tokens_total"] == len(prompt) - len(keys) * 16
+    assert stats.prefix_cache_hit_tokens_total.get("mooncake_store") == len(keys) * 16
+    assert stats.num_prefill_tokens_total == len(prompt) - len(keys) * 16
     assert b.engine.kv.num_free_blocks >= free - len(keys)  # G1 keeps the prefix
     for node, result in ((a, warm), (b, reused)):
         node.client.release_tail(handoff(result).tail_handle)
@@ -178,7 +178,7 @@ def test_an_unreachable_store_costs_a_recompute(nodes, hf):
         result = run_prefill(engine, PrefillRequest("dead", tuple(prompt), PARAMS,
                                                kv_transfer_params={"prefix_plan": plan}))
         assert result.num_cached_tokens == 0 and result.first_token == hf.greedy(prompt, 1)[0]
-        assert engine.stats()["kv_load_failures_total"] == {"recompute": 1, "fail": 0}
+        assert engine.stats().kv_load_failures_total == {"recompute": 1, "fail": 0}
         a.client.release_tail(handoff(result).tail_handle)
     finally:
         stop(engine)

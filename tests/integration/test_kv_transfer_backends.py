@@ -16,6 +16,7 @@ import torch
 
 from pdcluster.decode_worker.instance import decode_core
 from pdcluster.engine.core.engine_core import EngineCore
+from pdcluster.engine.core.stats import SchedulerStats
 from tests.engines import submit_decode
 from pdcluster.engine.config import EngineConfig
 from pdcluster.engine.protocol import (DecodeRequest, FinishReason, PrefillRequest, PrefillResult,
@@ -102,12 +103,13 @@ def generate(prefill: EngineCore, decode: EngineCore, request_id: str, prompt: l
     return (result, *run_decode(decode, result, prompt, params, **kwargs))
 
 
-def settled(decode: EngineCore, client: KVStoreClient, timeout_s: float = 10.0) -> dict:
+def settled(decode: EngineCore, client: KVStoreClient, timeout_s: float = 10.0
+            ) -> SchedulerStats:
     """The decode's stats once every block is free and the store holds no tail."""
     deadline = time.monotonic() + timeout_s
     while True:
         stats = decode.stats()
-        if (stats["num_free_blocks"] == stats["num_blocks"] and stats["num_active"] == 0
+        if (stats.num_free_blocks == stats.num_blocks and stats.num_active == 0
                 and client.stats()["num_tails"] == 0):
             return stats
         assert time.monotonic() < deadline, (stats, client.stats())
@@ -118,19 +120,20 @@ def test_torch_pair_carries_every_block_and_output_matches_hf(prefill, decode_to
     _, client = store
     prompt = hf.encode(STORY)
     assert len(prompt) > 32 and len(prompt) % 16  # full blocks and a tail
-    before = dict(decode_torch.stats()["kv_bytes_fetched_by_backend"])
+    before = dict(decode_torch.stats().kv_connector_stats["kv_bytes_fetched_by_backend"])
     result, tokens, last = generate(prefill, decode_torch, "pair-1", prompt, 24)
     assert handoff(result).pair_address is not None and tokens == hf.greedy(prompt, 24)
     assert last.finish_reason is FinishReason.LENGTH
     stats = settled(decode_torch, client)  # the store's copy of the tail was released
-    moved = {k: v - before.get(k, 0) for k, v in stats["kv_bytes_fetched_by_backend"].items()}
+    moved = {k: v - before.get(k, 0)
+             for k, v in stats.kv_connector_stats["kv_bytes_fetched_by_backend"].items()}
     num_blocks = -(-len(prompt) // 16)
     assert moved == {"torch": num_blocks * decode_torch.runner.kv_cache.block_nbytes}
     # a second request reuses the pair, under the next tag
     again, tokens, _ = generate(prefill, decode_torch, "pair-2", prompt, 24)
     assert tokens == hf.greedy(prompt, 24)
     assert (handoff(again).pair_address, handoff(again).pair_tag) == (handoff(result).pair_address, handoff(result).pair_tag + 1)
-    assert prefill.stats()["kv_pairs_opened_total"] == 1
+    assert prefill.stats().kv_connector_stats["kv_pairs_opened_total"] == 1
     settled(decode_torch, client)
 
 
@@ -150,9 +153,10 @@ def test_broken_pair_falls_back_to_the_store(prefill, store, hf):
         assert tokens == hf.greedy(prompt, 12) and last.error is None
         # the 1 s timeout ended the dead pair's attempt, not a hang (a generous 30x of it)
         assert time.monotonic() - start < 30 * transfer.timeout_s
-        assert decode.stats()["num_fetch_retries_total"] >= 1  # the pair, then the store
+        # the pair, then the store
+        assert decode.stats().kv_connector_stats["num_fetch_retries_total"] >= 1
         stats = settled(decode, client)
-        assert set(stats["kv_bytes_fetched_by_backend"]) == {"grpc"}
+        assert set(stats.kv_connector_stats["kv_bytes_fetched_by_backend"]) == {"grpc"}
     finally:
         stop(decode)
 
@@ -162,7 +166,7 @@ def test_abort_and_unfetched_pushes_keep_the_pair_healthy(prefill, decode_torch,
     prompt = hf.encode("The cat sat on the mat. " + STORY)
     generate(prefill, decode_torch, "pair-open", prompt, 4)  # its pair open, whatever ran before
     settled(decode_torch, client)
-    pairs = prefill.stats()["kv_pairs_opened_total"]
+    pairs = prefill.stats().kv_connector_stats["kv_pairs_opened_total"]
     # aborted at once: either still waiting (the push is drained) or fetching (the receive is
     # let finish); either way the blocks come back and the pair lives on
     for i in range(3):
@@ -178,12 +182,14 @@ def test_abort_and_unfetched_pushes_keep_the_pair_healthy(prefill, decode_torch,
         short = hf.encode("The cat")
         _, tokens, _ = generate(prefill, small, "fits", short, 8)
         assert tokens == hf.greedy(short, 8)
-        assert set(settled(small, client)["kv_bytes_fetched_by_backend"]) == {"torch"}
+        assert (set(settled(small, client).kv_connector_stats["kv_bytes_fetched_by_backend"])
+                == {"torch"})
     finally:
         stop(small)
     _, tokens, _ = generate(prefill, decode_torch, "after-aborts", prompt, 16)
     assert tokens == hf.greedy(prompt, 16)
-    assert prefill.stats()["kv_pairs_opened_total"] == pairs + 1  # only decode-small's
+    # only decode-small's
+    assert prefill.stats().kv_connector_stats["kv_pairs_opened_total"] == pairs + 1
     settled(decode_torch, client)
 
 
@@ -202,10 +208,11 @@ def test_injected_fetch_failure_retries_then_recomputes(prefill, store, hf):
         tokens, last = run_decode(decode, first, prompt, params)
         assert tokens == hf.greedy(prompt, 12) and last.error is None
         stats = settled(decode, client)
-        assert (stats["num_fetch_retries_total"], stats["num_fetch_recomputes_total"]) == (1, 1)
+        assert stats.kv_connector_stats["num_fetch_retries_total"] == 1
+        assert stats.num_fetch_recomputes_total == 1
         assert fake.calls == 2
         # the injected failure, then the retry's missing blocks: two errors, no timeout
-        assert stats["kv_transfer_errors_by_backend"] == {"fake": {"error": 2}}
+        assert stats.kv_connector_stats["kv_transfer_errors_by_backend"] == {"fake": {"error": 2}}
 
         second = run_prefill(prefill, PrefillRequest("fake-2", tuple(prompt), params))
         blocks = client.get_blocks(list(handoff(second).block_keys))
@@ -215,10 +222,10 @@ def test_injected_fetch_failure_retries_then_recomputes(prefill, store, hf):
         assert tokens == hf.greedy(prompt, 12) and last.error is None
         stats = settled(decode, client)
         # the first request's blocks stayed in the decode's prefix cache: only the tail moves
-        assert stats["kv_blocks_reused_total"] == len(handoff(second).block_keys)
-        assert stats["kv_bytes_fetched_by_backend"] == {
+        assert stats.kv_blocks_reused_total == len(handoff(second).block_keys)
+        assert stats.kv_connector_stats["kv_bytes_fetched_by_backend"] == {
             "fake": 1 * decode.runner.kv_cache.block_nbytes}
-        assert fake.calls == 3 and stats["num_fetch_recomputes_total"] == 1
+        assert fake.calls == 3 and stats.num_fetch_recomputes_total == 1
     finally:
         stop(decode)
 

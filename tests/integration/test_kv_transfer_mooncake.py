@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from pdcluster.engine.config import EngineConfig
+from pdcluster.engine.core.stats import SchedulerStats
 from pdcluster.engine.kv_cache import PagedKVCache
 from pdcluster.engine.protocol import PrefillRequest, SamplingParams
 from pdcluster.engine.runner import ModelRunner
@@ -74,11 +75,12 @@ def decode():
     stop(engine)
 
 
-def released(prefill: EngineCore, count: int, timeout_s: float = 30.0) -> dict:
+def released(prefill: EngineCore, count: int, timeout_s: float = 30.0) -> SchedulerStats:
     """The prefill's stats once ``count`` regions were released (its loop reclaims them);
     ``timeout_s`` only against a region never released: generous for a loaded machine."""
     deadline = time.monotonic() + timeout_s
-    while (stats := prefill.stats())["kv_mooncake_regions_released_total"] < count:
+    while ((stats := prefill.stats())
+           .kv_connector_stats["kv_mooncake_regions_released_total"] < count):
         assert time.monotonic() < deadline, stats
         time.sleep(0.02)
     return stats
@@ -89,15 +91,16 @@ def test_te_carries_every_block_into_the_cache_and_output_matches_hf(prefill, de
     _, client = store
     prompt = hf.encode(STORY)
     assert len(prompt) > 32 and len(prompt) % 16  # full blocks and a tail
-    before = dict(decode.stats()["kv_bytes_fetched_by_backend"])
-    base = prefill.stats()["kv_mooncake_regions_released_total"]
+    before = dict(decode.stats().kv_connector_stats["kv_bytes_fetched_by_backend"])
+    base = prefill.stats().kv_connector_stats["kv_mooncake_regions_released_total"]
     result, tokens, _ = generate(prefill, decode, "mc-1", prompt, 24)
     assert isinstance(handoff(result).kv_region, RemoteRegion) and tokens == hf.greedy(prompt, 24)
     stats = settled(decode, client)  # every block back, the store's tail released
-    moved = {k: v - before.get(k, 0) for k, v in stats["kv_bytes_fetched_by_backend"].items()}
+    moved = {k: v - before.get(k, 0)
+             for k, v in stats.kv_connector_stats["kv_bytes_fetched_by_backend"].items()}
     num_blocks = -(-len(prompt) // 16)
     assert moved == {"mooncake": num_blocks * decode.runner.kv_cache.block_nbytes}
-    assert released(prefill, base + 1)["kv_mooncake_regions_leased"] == 0
+    assert released(prefill, base + 1).kv_connector_stats["kv_mooncake_regions_leased"] == 0
 
 
 def test_cross_layer_caches_move_whole_blocks_and_output_matches_hf(store, hf):
@@ -113,9 +116,9 @@ def test_cross_layer_caches_move_whole_blocks_and_output_matches_hf(store, hf):
         assert isinstance(handoff(result).kv_region, RemoteRegion) and handoff(result).kv_region.block_major
         assert tokens == hf.greedy(prompt, 24)
         stats = settled(decode, client)
-        assert stats["kv_bytes_fetched_by_backend"] == {
+        assert stats.kv_connector_stats["kv_bytes_fetched_by_backend"] == {
             "mooncake": -(-len(prompt) // 16) * decode.runner.kv_cache.block_nbytes}
-        assert released(prefill, 1)["kv_mooncake_regions_leased"] == 0
+        assert released(prefill, 1).kv_connector_stats["kv_mooncake_regions_leased"] == 0
     finally:
         stop(decode)
         stop(prefill)
@@ -132,7 +135,7 @@ def test_decode_output_depends_on_the_bytes_te_moved(prefill, store, hf):
         _, tokens, _ = generate(prefill, decode, "mc-perturbed", prompt, 12)
         assert tokens != hf.greedy(prompt, 12)
         stats = settled(decode, client)
-        assert set(stats["kv_bytes_fetched_by_backend"]) == {"mooncake"}
+        assert set(stats.kv_connector_stats["kv_bytes_fetched_by_backend"]) == {"mooncake"}
     finally:
         stop(decode)
 
@@ -164,10 +167,10 @@ def test_unreachable_region_falls_back_to_the_store(prefill, store, hf, fault, r
         # generous 6x of the deadline; which failure it was is counted below)
         assert time.monotonic() - start < 6 * transfer.timeout_s
         stats = settled(decode, client)
-        assert set(stats["kv_bytes_fetched_by_backend"]) == {"grpc"}
+        assert set(stats.kv_connector_stats["kv_bytes_fetched_by_backend"]) == {"grpc"}
         kind = "timeout" if fault == "silent source" else "error"
-        assert stats["kv_transfer_errors_by_backend"] == {"mooncake": {kind: 1}}
-        assert stats["num_fetch_retries_total"] == 1
+        assert stats.kv_connector_stats["kv_transfer_errors_by_backend"] == {"mooncake": {kind: 1}}
+        assert stats.kv_connector_stats["num_fetch_retries_total"] == 1
     finally:
         stop(decode)
 
@@ -189,15 +192,16 @@ def test_full_buffer_and_unfetched_regions(store, hf):
         held = run_prefill(prefill, PrefillRequest("held", tuple(prompt), params))
         full = run_prefill(prefill, PrefillRequest("full", tuple(prompt), params))
         assert handoff(held).kv_region is not None and handoff(full).kv_region is None
-        assert prefill.stats()["kv_mooncake_buffer_full_total"] == 1
+        assert prefill.stats().kv_connector_stats["kv_mooncake_buffer_full_total"] == 1
         client.release_tail(handoff(held).tail_handle)  # nobody will read "held"
         tokens, _ = run_decode(decode, full, prompt, params)
         assert tokens == hf.greedy(prompt, 8)
-        assert set(settled(decode, client)["kv_bytes_fetched_by_backend"]) == {"grpc"}
+        assert (set(settled(decode, client).kv_connector_stats["kv_bytes_fetched_by_backend"])
+                == {"grpc"})
         time.sleep(1.2)  # its lease ends
         stats = prefill.stats()
-        assert stats["kv_mooncake_regions_expired_total"] == 1
-        assert stats["kv_mooncake_regions_leased"] == 0
+        assert stats.kv_connector_stats["kv_mooncake_regions_expired_total"] == 1
+        assert stats.kv_connector_stats["kv_mooncake_regions_leased"] == 0
 
         # needs more blocks than the worker has: finished at admission, the region released
         result, _, last = generate(prefill, small, "too-big", prompt, 40)

@@ -14,6 +14,7 @@ import time
 import pytest
 
 from pdcluster.decode_worker.instance import decode_core
+from pdcluster.engine.core.stats import SchedulerStats
 from tests.engines import fetch_of, submit_decode
 from pdcluster.engine.config import EngineConfig
 from pdcluster.engine.protocol import DecodeRequest, PrefillRequest, SamplingParams
@@ -86,13 +87,13 @@ def generate(prefill, decode, request_id: str, prompt: list[int], abort_after: i
             return result, tokens, delta
 
 
-def settled(prefill, decode, regions: RegionSource, client: KVStoreClient) -> dict:
+def settled(prefill, decode, regions: RegionSource, client: KVStoreClient) -> SchedulerStats:
     deadline = time.monotonic() + 10
     while True:
         stats, pstats = decode.stats(), prefill.stats()
         regions.reclaim()
-        state = (stats["num_free_blocks"] == stats["num_blocks"], stats["num_active"] == 0,
-                 pstats["num_free_blocks"] == pstats["num_blocks"], regions.num_leased == 0,
+        state = (stats.num_free_blocks == stats.num_blocks, stats.num_active == 0,
+                 pstats.num_free_blocks == pstats.num_blocks, regions.num_leased == 0,
                  client.stats()["num_tails"] == 0)
         if all(state):
             return stats
@@ -104,7 +105,8 @@ def test_pieces_go_over_te_as_layers_end_and_output_matches_hf(engines, store, h
     prefill, decode, regions = engines
     _, client = store
     prompt = hf.encode("Lily and Ben went to the park. " + STORY * 3)  # several chunks
-    before = decode.stats()["kv_bytes_fetched_by_backend"].get("layer-mooncake", 0)
+    fetched = decode.stats().kv_connector_stats["kv_bytes_fetched_by_backend"]
+    before = fetched.get("layer-mooncake", 0)
     result, tokens, last = generate(prefill, decode, "te-ls-1", prompt)
     assert last.error is None and tokens == hf.greedy(prompt, 16)
     stream = handoff(result).layer_stream
@@ -113,7 +115,7 @@ def test_pieces_go_over_te_as_layers_end_and_output_matches_hf(engines, store, h
     assert timings["paths"] == ["layer"]
     assert len(timings["arrivals"]) == len(stream.pieces)
     stats = settled(prefill, decode, regions, client)
-    assert stats["kv_bytes_fetched_by_backend"]["layer-mooncake"] - before \
+    assert stats.kv_connector_stats["kv_bytes_fetched_by_backend"]["layer-mooncake"] - before \
         == stream.region.offsets[-1]
     assert regions.regions_released_total >= 1 and regions.regions_expired_total == 0
 

@@ -20,6 +20,7 @@ from ray.exceptions import RayTaskError
 from pdcluster.deploy.config import ServeConfig
 from pdcluster.deploy.launcher import Cluster
 from pdcluster.engine.config import EngineConfig
+from pdcluster.engine.core.stats import SchedulerStats
 from pdcluster.engine.protocol import PrefillRequest, SamplingParams
 from pdcluster.kvstore.client import KVStoreClient
 from pdcluster.kvstore.config import KVTransferConfig
@@ -59,7 +60,7 @@ def run(cluster: Cluster, request_id: str, prompt: list[int], **sampling) -> lis
     return asyncio.run(collect())
 
 
-def handle_stats(instance) -> dict:
+def handle_stats(instance) -> SchedulerStats:
     return ray.get(instance.handle.stats.remote())
 
 
@@ -75,9 +76,9 @@ def assert_settled(cluster: Cluster, timeout_s: float = 10.0) -> None:
     with KVStoreClient(address, token=cluster.config.kvstore.token) as client:
         while True:
             decode, prefill = handle_stats(cluster.decode[0]), handle_stats(cluster.prefill[0])
-            state = (decode["num_free_blocks"] == decode["num_blocks"],
-                     decode["num_pending_layer_streams"] == 0, decode["num_active"] == 0,
-                     prefill["num_free_blocks"] == prefill["num_blocks"],
+            state = (decode.num_free_blocks == decode.num_blocks,
+                     decode.num_pending_layer_streams == 0, decode.num_active == 0,
+                     prefill.num_free_blocks == prefill.num_blocks,
                      client.stats()["num_tails"] == 0)
             if all(state):
                 return
@@ -108,13 +109,13 @@ def test_layer_stream_output_matches_whole_request_transfer(layer_cluster, clust
 def test_cached_prefix_streams_as_whole_blocks(layer_cluster, cluster, hf):
     base = hf.encode(STORY * 2)
     run(layer_cluster, "ls-prefix-warm", base, max_tokens=2, temperature=0)
-    hits = handle_stats(layer_cluster.prefill[0])["prefix_cache_hit_tokens_total"]
+    hits = handle_stats(layer_cluster.prefill[0]).prefix_cache_hit_tokens_total
     prompt = base[:160] + hf.encode("Then a big dog came and barked at the ball.",
                                     add_special_tokens=False)
     out = run(layer_cluster, "ls-prefix", prompt, max_tokens=20, temperature=0)
     assert out == run(cluster, "rq-prefix", prompt, max_tokens=20, temperature=0)
     assert out == hf.greedy(prompt, 20)
-    after = handle_stats(layer_cluster.prefill[0])["prefix_cache_hit_tokens_total"]
+    after = handle_stats(layer_cluster.prefill[0]).prefix_cache_hit_tokens_total
     assert after.get("device", 0) - hits.get("device", 0) == 160  # 10 blocks from G1
     arrivals = kv_timings(layer_cluster, "ls-prefix")["arrivals"]
     assert arrivals[0][1] == -1  # the cached prefix went first, every layer at once

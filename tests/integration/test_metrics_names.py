@@ -79,7 +79,7 @@ def test_worker_gauges_are_summed_over_every_worker(cluster, api_base, samples):
     assert {i.role for i in workers} == {"prefill", "decode"}
 
     def free_blocks() -> int:
-        return sum(s["num_free_blocks"]
+        return sum(s.num_free_blocks
                    for s in ray.get([i.handle.stats.remote() for i in workers]))
 
     for _ in range(10):

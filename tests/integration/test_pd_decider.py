@@ -59,11 +59,11 @@ def test_short_prompts_stay_on_the_decode_and_long_ones_are_disaggregated(base_u
                      "outside in the park with her friends. One day, she saw a big red ball "
                      "under a tree and ran to get it.")
     assert len(short) <= THRESHOLD < len(long)
-    before = ray.get(cluster.prefill[0].handle.stats.remote())["num_requests_total"]
+    before = ray.get(cluster.prefill[0].handle.stats.remote()).num_requests_total
     for prompt in (short, long):
         body = complete(base, prompt, 12)
         assert body["choices"][0]["token_ids"] == hf.greedy(prompt, 12)
-    after = ray.get(cluster.prefill[0].handle.stats.remote())["num_requests_total"]
+    after = ray.get(cluster.prefill[0].handle.stats.remote()).num_requests_total
     assert after - before == 1  # only the long one went to the prefill instance
     decisions = metric(base, "pdcluster_pd_decisions_total")
     assert decisions[(("path", "local"),)] >= 1

@@ -82,10 +82,10 @@ def test_a_planned_load_is_reused_and_a_failed_one_is_recomputed(engine, store, 
     recomputed = run_prefill(engine, planned("recomputed", prompt, handoff(warm).block_keys))
     assert recomputed.num_cached_tokens == 0
     assert recomputed.first_token == warm.first_token
-    assert engine.stats()["num_prefill_tokens_total"] == 2 * len(prompt) + (
+    assert engine.stats().num_prefill_tokens_total == 2 * len(prompt) + (
         len(prompt) - loaded.num_cached_tokens)
     assert engine.kv.num_free_blocks == free
-    assert engine.stats()["kv_load_failures_total"] == {"recompute": 1, "fail": 0}
+    assert engine.stats().kv_load_failures_total == {"recompute": 1, "fail": 0}
     for result in (warm, loaded, recomputed):
         client.release_tail(handoff(result).tail_handle)
 
@@ -105,7 +105,7 @@ def test_a_failed_load_ends_the_request_under_the_fail_policy(store, hf):
         with pytest.raises(KVLoadError, match="injected load failure"):
             run_prefill(engine, planned("failed", prompt, handoff(warm).block_keys))
         assert engine.kv.num_free_blocks == free  # every block back
-        assert engine.stats()["kv_load_failures_total"] == {"recompute": 0, "fail": 1}
+        assert engine.stats().kv_load_failures_total == {"recompute": 0, "fail": 1}
         faulty.fail_loads = False  # the engine goes on serving
         assert run_prefill(engine, PrefillRequest("after", tuple(prompt), PARAMS)).first_token == \
             warm.first_token

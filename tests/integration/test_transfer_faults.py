@@ -17,6 +17,7 @@ import pytest
 
 from pdcluster.decode_worker.instance import decode_core
 from pdcluster.engine.core.engine_core import EngineCore
+from pdcluster.engine.core.stats import SchedulerStats
 from tests.engines import fetch_of, submit_decode
 from pdcluster.engine.config import EngineConfig
 from pdcluster.engine.protocol import (KV_LOAD_FAILED, DecodeRequest, FinishReason, PrefillRequest,
@@ -134,12 +135,13 @@ def decode(engine: EngineCore, result: PrefillResult, prompt: list[int],
             return tokens
 
 
-def assert_settled(engine: EngineCore, prefill: EngineCore, client: KVStoreClient) -> dict:
+def assert_settled(engine: EngineCore, prefill: EngineCore, client: KVStoreClient
+                   ) -> SchedulerStats:
     deadline = time.monotonic() + 10
     while True:
         stats, pstats = engine.stats(), prefill.stats()
-        state = (stats["num_free_blocks"] == stats["num_blocks"], stats["num_active"] == 0,
-                 pstats["num_free_blocks"] == pstats["num_blocks"],
+        state = (stats.num_free_blocks == stats.num_blocks, stats.num_active == 0,
+                 pstats.num_free_blocks == pstats.num_blocks,
                  client.stats()["num_tails"] == 0)
         if all(state):
             return stats
@@ -163,10 +165,12 @@ def test_hung_transfer_times_out_and_the_retry_succeeds(prefill, store, hf, para
         if params is GREEDY:
             assert got == hf.greedy(prompt, 16)
         stats = assert_settled(engine, prefill, client)
-        assert (stats["num_fetch_retries_total"], stats["num_fetch_recomputes_total"]) == (1, 0)
+        assert stats.kv_connector_stats["num_fetch_retries_total"] == 1
+        assert stats.num_fetch_recomputes_total == 0
         assert faulty.calls == 2 and fetch_of(engine).kv_timings["hung"]["paths"] == ["grpc", "grpc"]
-        assert stats["kv_transfer_errors_by_backend"] == {"grpc": {"timeout": 1}}
-        assert assert_settled(clean_engine, prefill, client)["kv_transfer_errors_by_backend"] == {}
+        assert stats.kv_connector_stats["kv_transfer_errors_by_backend"] == {"grpc": {"timeout": 1}}
+        clean = assert_settled(clean_engine, prefill, client)
+        assert clean.kv_connector_stats["kv_transfer_errors_by_backend"] == {}
     finally:
         stop(engine)
         stop(clean_engine)
@@ -190,15 +194,16 @@ def test_stalled_store_is_retried_then_the_prompt_recomputed(prefill, store, hf,
             if params is GREEDY:
                 assert want == hf.greedy(prompt, 16)
         stats = assert_settled(engine, prefill, client)
-        assert stats["num_fetch_recomputes_total"] == 2 and stats["num_fetch_retries_total"] == 2
+        assert (stats.num_fetch_recomputes_total
+                == 2 and stats.kv_connector_stats["num_fetch_retries_total"] == 2)
         # the first request left the prompt's full blocks in the decode's own prefix cache:
         # the three after it fetch only the rest, and the stalled ones recompute only that
         cached = (len(prompt) - 1) // 16 * 16
-        assert stats["kv_blocks_reused_total"] == 3 * cached // 16
-        assert stats["num_recomputed_tokens_total"] == 2 * (len(prompt) - cached)
-        assert stats["kv_load_failures_total"] == {"recompute": 2, "fail": 0}
+        assert stats.kv_blocks_reused_total == 3 * cached // 16
+        assert stats.num_recomputed_tokens_total == 2 * (len(prompt) - cached)
+        assert stats.kv_load_failures_total == {"recompute": 2, "fail": 0}
         # both attempts of both requests passed their deadline on the stalled store
-        assert stats["kv_transfer_errors_by_backend"] == {"grpc": {"timeout": 4}}
+        assert stats.kv_connector_stats["kv_transfer_errors_by_backend"] == {"grpc": {"timeout": 4}}
     finally:
         stop(engine)
 
@@ -219,8 +224,8 @@ def test_under_the_fail_policy_a_failed_fetch_ends_the_request(prefill, store, h
         assert delta.finish_reason is FinishReason.ERROR and delta.token_ids == ()
         assert delta.error_code == KV_LOAD_FAILED and "KV load failed" in delta.error
         stats = assert_settled(engine, prefill, client)  # every block back, on both sides
-        assert stats["kv_load_failures_total"] == {"recompute": 0, "fail": 1}
-        assert stats["num_fetch_recomputes_total"] == 0 and stats["num_recomputed_tokens_total"] == 0
+        assert stats.kv_load_failures_total == {"recompute": 0, "fail": 1}
+        assert stats.num_fetch_recomputes_total == 0 and stats.num_recomputed_tokens_total == 0
         # the engine goes on serving
         ok = prefill_for(prefill, "after-fail", prompt, GREEDY, False)
         assert decode(engine, ok, prompt, GREEDY) == hf.greedy(prompt, 16)
@@ -246,6 +251,7 @@ def test_stalled_layer_stream_falls_back_to_the_store(prefill, store, hf):
         assert timings["paths"] == ["layer", "grpc"] and "failed" not in timings
         assert len(timings["arrivals"]) == middle  # every piece before the missing one
         stats = assert_settled(engine, prefill, client)  # the pieces after it were dropped
-        assert (stats["num_fetch_retries_total"], stats["num_fetch_recomputes_total"]) == (1, 0)
+        assert stats.kv_connector_stats["num_fetch_retries_total"] == 1
+        assert stats.num_fetch_recomputes_total == 0
     finally:
         stop(engine)

@@ -137,9 +137,9 @@ def test_prefill_worker_reannounces_its_g1_blocks_after_redis_restarts_empty(
         release.set()
         run_prefill(engine, PrefillRequest("r2", tuple(range(100, 120)), params))
         assert all(mine in locs for locs in index.lookup(list(handoff(first).block_keys)))
-        assert engine.stats()["g1_reannouncements_total"] == 1
+        assert engine.stats().g1_reannouncements_total == 1
         run_prefill(engine, PrefillRequest("r3", tuple(range(200, 220)), params))
-        assert engine.stats()["g1_reannouncements_total"] == 1  # nothing lost since
+        assert engine.stats().g1_reannouncements_total == 1  # nothing lost since
     finally:
         stop(engine)
         for r in ("r1", "r2", "r3"):

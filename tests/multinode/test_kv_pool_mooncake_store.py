@@ -74,7 +74,7 @@ def prefill(worker, request_id: str, prompt: list[int], cache_salt: str | None =
 def stored(worker, count: int, timeout_s: float = 20.0) -> None:
     """Wait until `worker` put `count` blocks into the store (after each request's params)."""
     deadline = time.monotonic() + timeout_s
-    while ray.get(worker.stats.remote())["kv_mooncake_store_puts_total"] < count:
+    while ray.get(worker.stats.remote()).kv_connector_stats["kv_mooncake_store_puts_total"] < count:
         assert time.monotonic() < deadline
         time.sleep(0.1)
 

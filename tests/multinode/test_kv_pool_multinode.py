@@ -18,6 +18,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from pdcluster.decode_worker.actor import decode_actor
 from pdcluster.deploy.launcher import block_layout
 from pdcluster.engine.config import EngineConfig
+from pdcluster.engine.core.stats import SchedulerStats
 from pdcluster.engine.protocol import DecodeRequest, FinishReason, PrefillRequest, SamplingParams
 from pdcluster.kvstore.actor import start_kvstore_actor
 from pdcluster.kvstore.config import KVStoreConfig
@@ -111,7 +112,7 @@ def decode(env, result, prompt: list[int], max_tokens: int = 12):
 
 
 def hits(worker) -> dict:
-    return ray.get(worker.stats.remote())["prefix_cache_hit_tokens_total"]
+    return ray.get(worker.stats.remote()).prefix_cache_hit_tokens_total
 
 
 def check_baseline(env, settle_s: float = 10.0) -> None:
@@ -126,13 +127,13 @@ def check_baseline(env, settle_s: float = 10.0) -> None:
             time.sleep(0.1)
         assert ok, f"{what} not back at its baseline within {settle_s:g} s"
 
-    def stats(name: str) -> dict:
+    def stats(name: str) -> SchedulerStats:
         return ray.get(env[name].stats.remote(), timeout=5)
 
     for name in ("prefill_a", "prefill_b"):
-        settled(name, lambda: stats(name)["num_used_blocks"] == 0)
-    settled("decode", lambda: (d := stats("decode"))["num_free_blocks"] == d["num_blocks"]
-            and d["num_active"] == 0)
+        settled(name, lambda: stats(name).num_used_blocks == 0)
+    settled("decode", lambda: (d := stats("decode")).num_free_blocks == d.num_blocks
+            and d.num_active == 0)
     for node, store in env["stores"].items():
         try:
             settled(f"store {node}", lambda: ray.get(
@@ -236,10 +237,10 @@ def test_failed_transfers_recompute(nodes, hf):
     # A's result points at A's store, which cannot serve its blocks any more: the decode
     # retries once, then recomputes the prompt itself, output unchanged.
     # (Faults nothing can recover from end with a clear error: tests/chaos, KV store killed.)
-    recomputes = ray.get(env["decode"].stats.remote())["num_fetch_recomputes_total"]
+    recomputes = ray.get(env["decode"].stats.remote()).num_fetch_recomputes_total
     tokens, last = decode(env, on_a, prompt)
     assert tokens == want and last.finish_reason is FinishReason.LENGTH
-    assert ray.get(env["decode"].stats.remote())["num_fetch_recomputes_total"] == recomputes + 1
+    assert ray.get(env["decode"].stats.remote()).num_fetch_recomputes_total == recomputes + 1
     check_baseline(env)
 
 

@@ -39,8 +39,9 @@ def test_kv_comes_over_te_and_output_matches_hf(cluster, hf):
     expected = hf.greedy(prompt, 32)
     assert tokens_of(run(cluster, "mc-1", prompt, 32)) == expected
     decode = settled_decode(cluster)
-    assert decode["kv_bytes_fetched_by_backend"] == {"mooncake": decode["kv_bytes_fetched_total"]}
-    assert decode["kv_bytes_fetched_total"] > 0
+    assert (decode.kv_connector_stats["kv_bytes_fetched_by_backend"]
+            == {"mooncake": decode.kv_connector_stats["kv_bytes_fetched_total"]})
+    assert decode.kv_connector_stats["kv_bytes_fetched_total"] > 0
     prefill = stats(cluster.prefill[0])
     assert prefill["kv_mooncake_regions_offered_total"] == 1
 
@@ -56,7 +57,7 @@ def test_concurrent_requests_and_regions_come_back(cluster, hf):
     assert run_concurrently(cluster, "mc-batch", prompts, lengths) == expected
     settled_decode(cluster)
     prefill = stats(cluster.prefill[0])
-    assert prefill["kv_mooncake_regions_leased"] == 0
-    assert prefill["kv_mooncake_regions_released_total"] == \
+    assert prefill.kv_connector_stats["kv_mooncake_regions_leased"] == 0
+    assert prefill.kv_connector_stats["kv_mooncake_regions_released_total"] == \
         prefill["kv_mooncake_regions_offered_total"]
 

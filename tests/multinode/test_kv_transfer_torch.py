@@ -18,6 +18,7 @@ import ray
 
 from pdcluster.deploy.config import ServeConfig
 from pdcluster.deploy.launcher import Cluster
+from pdcluster.engine.core.stats import SchedulerStats
 from pdcluster.engine.protocol import FinishReason, SamplingParams
 from pdcluster.kvstore.config import KVTransferConfig
 from tests.faults import FAULTY
@@ -49,15 +50,15 @@ def tokens_of(deltas) -> list[int]:
     return [t for d in deltas for t in d.token_ids]
 
 
-def stats(instance) -> dict:
+def stats(instance) -> SchedulerStats:
     return ray.get(instance.handle.stats.remote())
 
 
-def settled_decode(cluster: Cluster) -> dict:
+def settled_decode(cluster: Cluster) -> SchedulerStats:
     deadline = time.monotonic() + 10
     while True:
         s = stats(cluster.decode[0])
-        if s["num_free_blocks"] == s["num_blocks"] and s["num_active"] == 0:
+        if s.num_free_blocks == s.num_blocks and s.num_active == 0:
             return s
         assert time.monotonic() < deadline, s
         time.sleep(0.05)
@@ -74,11 +75,14 @@ def test_kv_comes_over_the_pair_and_output_matches_hf(cluster, hf):
     assert {d.decode_pid for d in deltas[1:]} - {prefill_pid, 0}
     assert deltas[-1].finish_reason in (FinishReason.LENGTH, FinishReason.STOP)
     decode = settled_decode(cluster)
-    block_nbytes = decode["kv_bytes_fetched_total"] // -(-len(prompt) // 16)
-    assert decode["kv_bytes_fetched_by_backend"] == {"torch": decode["kv_bytes_fetched_total"]}
-    assert block_nbytes > 0 and decode["kv_bytes_fetched_total"] % block_nbytes == 0
+    block_nbytes = decode.kv_connector_stats["kv_bytes_fetched_total"] // -(-len(prompt) // 16)
+    assert (decode.kv_connector_stats["kv_bytes_fetched_by_backend"]
+            == {"torch": decode.kv_connector_stats["kv_bytes_fetched_total"]})
+    assert (block_nbytes > 0 and decode.kv_connector_stats["kv_bytes_fetched_total"] % block_nbytes
+            == 0)
     prefill = stats(cluster.prefill[0])
-    assert prefill["kv_pairs_opened_total"] == 1 and prefill["kv_pushes_total"] == 1
+    assert (prefill.kv_connector_stats["kv_pairs_opened_total"]
+            == 1 and prefill.kv_connector_stats["kv_pushes_total"] == 1)
 
 
 def check_output_depends_on_received_kv(cluster: Cluster, hf, backend: str) -> None:
@@ -95,7 +99,8 @@ def check_output_depends_on_received_kv(cluster: Cluster, hf, backend: str) -> N
         ray.get(decode.inject_fault.remote("perturb_v", 0.0))
     assert perturbed[0] == expected[0] and perturbed[1:] != expected[1:]
     assert tokens_of(run(cluster, f"{backend}-clean", prompt, 24)) == expected
-    assert set(settled_decode(cluster)["kv_bytes_fetched_by_backend"]) == {backend}
+    assert (set(settled_decode(cluster).kv_connector_stats["kv_bytes_fetched_by_backend"])
+            == {backend})
 
 
 def run_concurrently(cluster: Cluster, prefix: str, prompts: list[list[int]],
@@ -120,12 +125,13 @@ def test_concurrent_requests_share_one_pair(cluster, hf):
                                       "One day, a big dog")]
     lengths = [40, 8, 24, 16]
     expected = [hf.greedy(p, n) for p, n in zip(prompts, lengths)]
-    pushes = stats(cluster.prefill[0])["kv_pushes_total"]
+    pushes = stats(cluster.prefill[0]).kv_connector_stats["kv_pushes_total"]
 
     for tokens, want in zip(run_concurrently(cluster, "torch-batch", prompts, lengths),
                             expected):
         assert tokens == want
     prefill = stats(cluster.prefill[0])
-    assert prefill["kv_pushes_total"] - pushes == len(prompts)
-    assert prefill["kv_pairs_opened_total"] == 1  # no failure tore the pair down
-    assert set(settled_decode(cluster)["kv_bytes_fetched_by_backend"]) == {"torch"}
+    assert prefill.kv_connector_stats["kv_pushes_total"] - pushes == len(prompts)
+    assert prefill.kv_connector_stats["kv_pairs_opened_total"] == 1  # no failure tore the pair down
+    assert (set(settled_decode(cluster).kv_connector_stats["kv_bytes_fetched_by_backend"])
+            == {"torch"})

@@ -153,11 +153,11 @@ def run_scenario(prompts: list[list[int]]) -> dict:
         pipeline = Pipeline(Conductor(registry))
 
         report["before"] = where()
-        fetched = ray.get(decode.stats.remote())["kv_bytes_fetched_total"]
+        fetched = ray.get(decode.stats.remote()).kv_connector_stats["kv_bytes_fetched_total"]
         report["tokens_before"] = [_generate(pipeline, f"before-{i}", p)
                                    for i, p in enumerate(prompts)]
         report["kv_bytes_fetched_before"] = (
-            ray.get(decode.stats.remote())["kv_bytes_fetched_total"] - fetched)
+            ray.get(decode.stats.remote()).kv_connector_stats["kv_bytes_fetched_total"] - fetched)
 
         # a decode node fails: the one running decode-0
         victim_id = report["before"]["decode"]

@@ -64,7 +64,7 @@ def test_tp2_instances_serve_hf_greedy_output(cluster, hf):
         assert {r["kv_heads"] for r in ranks} == {2}  # of the model's 4
         assert info["num_all_reduces"] > 0 and info["num_all_reduces"] % (2 * LAYERS) == 0
     decode = ray.get(cluster.decode[0].handle.stats.remote())
-    assert decode["kv_bytes_fetched_total"] > 0
+    assert decode.kv_connector_stats["kv_bytes_fetched_total"] > 0
 
 
 def test_prefix_reloaded_from_g2_is_scattered_to_the_ranks(cluster, hf):
@@ -73,9 +73,9 @@ def test_prefix_reloaded_from_g2_is_scattered_to_the_ranks(cluster, hf):
     assert generate(cluster, [prompt], 16) == [expected]
     prefill = cluster.prefill[0].handle
     assert ray.get(prefill.reset_prefix_cache.remote())
-    before = ray.get(prefill.stats.remote())["prefix_cache_hit_tokens_total"].get("host", 0)
+    before = ray.get(prefill.stats.remote()).prefix_cache_hit_tokens_total.get("host", 0)
     assert generate(cluster, [prompt], 16) == [expected]
-    after = ray.get(prefill.stats.remote())["prefix_cache_hit_tokens_total"].get("host", 0)
+    after = ray.get(prefill.stats.remote()).prefix_cache_hit_tokens_total.get("host", 0)
     assert after > before  # loaded from this node's G2 arena into both ranks' heads
 
 

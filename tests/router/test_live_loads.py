@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from pdcluster.engine.core.stats import SchedulerStats
 from pdcluster.router.cost_model import MOONCAKE_70B
 from pdcluster.router.load_source import RouteDecision
 from pdcluster.router.policies.base import DecodePlan, PrefillPlan
@@ -58,8 +59,8 @@ def test_reported_prefills_calibrate_the_scale_and_the_guard():
 def test_decode_reports():
     loads = LedgerLoads(MOONCAKE_70B, block_size=16)
     assert loads.decode_load("d0").batch_size == 0
-    loads.report_decode("d0", {"num_active": 3, "num_waiting": 1, "num_used_blocks": 10,
-                               "num_blocks": 100})
+    loads.report_decode("d0", SchedulerStats("d0", 1, num_active=3, num_waiting=1,
+                                             num_used_blocks=10, num_blocks=100))
     d = loads.decode_load("d0")
     assert (d.batch_size, d.context_tokens, d.capacity_tokens) == (4, 160, 1600)
     loads.set_node("p0", "node-a")
@@ -74,13 +75,14 @@ def test_a_fresh_conductor_sees_the_queue_other_gateways_filled_from_the_worker_
     other, fresh = LedgerLoads(MOONCAKE_70B, clock=clock), LedgerLoads(MOONCAKE_70B, clock=clock)
     other.on_routed(decision("a", "p0", MOONCAKE_70B.t_prefill(8000)))
     assert fresh.prefill_queue_s("p0") == 0.0
-    fresh.report_prefill("p0", {"num_pending_prompt_tokens": 8000})
+    fresh.report_prefill("p0", SchedulerStats("p0", 1, num_pending_prompt_tokens=8000))
     assert fresh.prefill_queue_s("p0") == pytest.approx(other.prefill_queue_s("p0"))
     assert fresh.prefill_queue_s("p1") == 0.0
-    fresh.report_prefill("p0", {"num_pending_prompt_tokens": 0})  # drained
+    fresh.report_prefill("p0", SchedulerStats("p0", 1, num_pending_prompt_tokens=0))  # drained
     assert fresh.prefill_queue_s("p0") == 0.0
     fresh.on_routed(decision("b", "p0", 5.0))
-    fresh.report_prefill("p0", {"num_pending_prompt_tokens": 100})  # b not yet at the worker
+    # b not yet at the worker
+    fresh.report_prefill("p0", SchedulerStats("p0", 1, num_pending_prompt_tokens=100))
     reported = MOONCAKE_70B.t_prefill(100)
     assert fresh.prefill_queue_s("p0") == pytest.approx(reported + 5.0)
     clock.t = 1.0  # the report ages; b, routed since it, still counts whole
@@ -98,11 +100,12 @@ def test_the_other_gateways_routes_count_until_the_next_report():
     assert loads.prefill_queue_s("p0") == pytest.approx(0.5)
     clock.t = 2.5
     assert loads.prefill_queue_s("p0") == 0.0
-    loads.report_prefill("p0", {"num_pending_prompt_tokens": 0})
+    loads.report_prefill("p0", SchedulerStats("p0", 1, num_pending_prompt_tokens=0))
     clock.t = 3.0
     loads.add_peer_decision("p0", 4.0)
     loads.add_peer_decision("p0", 1.0)
     assert loads.prefill_queue_s("p0") == pytest.approx(5.0)
     clock.t = 3.5
-    loads.report_prefill("p0", {"num_pending_prompt_tokens": 8000})  # now in the report
+    # now in the report
+    loads.report_prefill("p0", SchedulerStats("p0", 1, num_pending_prompt_tokens=8000))
     assert loads.prefill_queue_s("p0") == pytest.approx(MOONCAKE_70B.t_prefill(8000))

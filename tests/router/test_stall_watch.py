@@ -4,11 +4,14 @@ idle workers and workers that step are left alone."""
 
 from __future__ import annotations
 
+import os
 import time
+from dataclasses import replace
 
 import pytest
 import ray
 
+from pdcluster.engine.core.stats import SchedulerStats
 from pdcluster.router.registry import Instance, InstanceRegistry
 from pdcluster.router.stall_watch import StallWatch
 from tests.kvstore.conftest import ray_cluster  # noqa: F401 — the module's Ray
@@ -20,21 +23,21 @@ class Worker:
     hang (a stopped process)."""
 
     def __init__(self) -> None:
-        self.stats_ = {"num_steps_total": 0, "num_prefill_steps_total": 0, "num_running": 0}
+        self.stats_ = SchedulerStats("worker", os.getpid())
         self.stopped = False
 
     def set(self, **stats) -> None:
-        self.stats_.update(stats)
+        self.stats_ = replace(self.stats_, **stats)
 
     def stop(self) -> None:
         self.stopped = True
 
-    async def stats(self) -> dict:
+    async def stats(self) -> SchedulerStats:
         import asyncio
 
         while self.stopped:
             await asyncio.sleep(0.05)
-        return dict(self.stats_)
+        return self.stats_
 
 
 @pytest.mark.usefixtures("ray_cluster")
