@@ -43,7 +43,7 @@ def test_kv_comes_over_te_and_output_matches_hf(cluster, hf):
             == {"mooncake": decode.kv_connector_stats["kv_bytes_fetched_total"]})
     assert decode.kv_connector_stats["kv_bytes_fetched_total"] > 0
     prefill = stats(cluster.prefill[0])
-    assert prefill["kv_mooncake_regions_offered_total"] == 1
+    assert prefill.kv_connector_stats["kv_mooncake_regions_offered_total"] == 1
 
 
 def test_decode_output_depends_on_kv_read_over_te(cluster, hf):
@@ -59,5 +59,5 @@ def test_concurrent_requests_and_regions_come_back(cluster, hf):
     prefill = stats(cluster.prefill[0])
     assert prefill.kv_connector_stats["kv_mooncake_regions_leased"] == 0
     assert prefill.kv_connector_stats["kv_mooncake_regions_released_total"] == \
-        prefill["kv_mooncake_regions_offered_total"]
+        prefill.kv_connector_stats["kv_mooncake_regions_offered_total"]
 
