@@ -55,7 +55,7 @@ async def _load(cluster, prompts, args, salt: str, kill: bool) -> dict:
     def kill_busiest() -> None:
         live = cluster.registry.by_role("decode")
         stats = ray.get([i.handle.stats.remote() for i in live], timeout=10)
-        busiest = max(zip(live, stats), key=lambda p: p[1].get("num_active", 0))[0]
+        busiest = max(zip(live, stats), key=lambda p: p[1].num_active)[0]
         killed["pid"] = ray.get(busiest.handle.info.remote(), timeout=10)["pid"]
         killed["worker_id"] = busiest.worker_id
         os.kill(killed["pid"], signal.SIGKILL)

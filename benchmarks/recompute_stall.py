@@ -149,7 +149,7 @@ def main() -> None:
         loop.shutdown()
     print(f"{args.prompt_tokens}-token prompt beside {args.running} running sequences, 100M "
           f"model, {args.threads} torch threads, {args.rounds} rounds per mode; "
-          f"fetch recomputes: {stats['num_fetch_recomputes_total']}")
+          f"fetch recomputes: {stats.num_fetch_recomputes_total}")
     print("| mode | ITL gaps | p50 ms | p99 ms | max ms |")
     print("|---|---:|---:|---:|---:|")
     for mode, values in gaps.items():
