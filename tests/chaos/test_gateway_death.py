@@ -216,6 +216,20 @@ def burst(urls: list[str], size: int) -> None:
     asyncio.run(main())
 
 
+def settled(env: dict, namespace: str, gateways: list) -> None:
+    """Once no prefill runs or queues a request, and every gateway answers, wait a few of the
+    Conductors' report intervals (0.25 s): each burst then starts from idle reports in every
+    gateway, not from what the one before left in flight."""
+    deadline = time.monotonic() + 60
+    while any(w["running"] or w["waiting"] for w in status(env, namespace)["workers"]
+              if w["role"] == "prefill"):
+        assert time.monotonic() < deadline, status(env, namespace)
+        time.sleep(0.2)
+    for gateway in gateways:
+        assert httpx.get(f"{gateway.url}/health", timeout=30).status_code == 200
+    time.sleep(2.0)
+
+
 def test_two_gateways_split_a_burst_over_the_prefills_as_evenly_as_one(cluster, tmp_path):
     """Each gateway's Conductor sees the other's routing decisions as they are made
     (router.decision_board) and the prefill workers' own queue reports."""
@@ -225,6 +239,7 @@ def test_two_gateways_split_a_burst_over_the_prefills_as_evenly_as_one(cluster, 
     try:
         spreads = {}
         for name, urls in (("one", [gateways[0].url]), ("two", [g.url for g in gateways])):
+            settled(env, namespace, gateways)
             before = prefill_requests(env, namespace)
             burst(urls, 8)
             after = prefill_requests(env, namespace)
