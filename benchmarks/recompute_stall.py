@@ -115,7 +115,7 @@ def main() -> None:
     from pdcluster.engine.protocol import DecodeRequest, SamplingParams
     from pdcluster.engine.runner import ModelRunner
     from pdcluster.kvstore.config import KVTransferConfig
-    from pdcluster.kvstore.connector.fetch import FetchConnector
+    from pdcluster.kvstore.transport.fetch import FetchConnector
 
     torch.set_num_threads(args.threads)
     shape = {**FULL, "max_position_embeddings": 4096}

@@ -65,7 +65,7 @@ from pdcluster.kvstore.config import KVStoreConfig, KVTransferConfig  # noqa: E4
 from pdcluster.kvstore.layout import BlockLayout  # noqa: E402
 from pdcluster.kvstore.server import channel_options  # noqa: E402
 from pdcluster.kvstore.tail_store import TailStore  # noqa: E402
-from pdcluster.kvstore.transfer.base import FetchRequest  # noqa: E402
+from pdcluster.kvstore.transport.base import FetchRequest  # noqa: E402
 from tests.kvstore.tensor_dest import TensorDest, wait  # noqa: E402
 
 TOKEN = "benchmark-token"
@@ -253,7 +253,7 @@ def _pdc_te_client(regions: dict, block_nbytes: int, layout: str,
     """Fetches into ``tables`` destination blocks: consecutive, scattered (a random
     permutation), or churned (`_churned_tables`, cycled through)."""
     from pdcluster.engine.config import EngineConfig
-    from pdcluster.kvstore.transfer.dest import CacheDest
+    from pdcluster.kvstore.transport.dest import CacheDest
     from pdcluster.kvstore.transport.mooncake.backend import MooncakeTransferBackend
 
     backend = MooncakeTransferBackend(KVTransferConfig(backend="mooncake", timeout_s=60.0))

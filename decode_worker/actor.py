@@ -31,14 +31,14 @@ from pdcluster.engine.runner import ModelRunner
 from pdcluster.engine.tp_instance import TPInstance
 from pdcluster.kvstore.actor import kvstore_actor
 from pdcluster.kvstore.config import KVStoreConfig, KVTransferConfig
-from pdcluster.kvstore.connector import create_connector
-from pdcluster.kvstore.connector.context import KVConnectorContext
-from pdcluster.kvstore.connector.fetch import FetchConnector
+from pdcluster.kvstore.transport.registry import create_connector
+from pdcluster.kvstore.transport.context import KVConnectorContext
+from pdcluster.kvstore.transport.fetch import FetchConnector
 from pdcluster.kvstore.index import open_index
 from pdcluster.kvstore.node_client import NodeStoreClient
 from pdcluster.kvstore.pool_config import KVPoolConfig
 from pdcluster.kvstore.remote import RemoteStores
-from pdcluster.kvstore.transfer.peers import RayStreamPeers, register_self
+from pdcluster.kvstore.transport.peers import RayStreamPeers, register_self
 from pdcluster.kvstore.transport.layer_stream.stream import LayerStreamAnnounce
 
 MAX_TIMINGS = 4096
@@ -55,7 +55,7 @@ class DecodeWorker:
     is, to which the prefix cache of this worker's device blocks is announced (None: the
     cache works unindexed, and the Conductor cannot see it). The KV plane's token, TLS and message
     size are always kv_config's. With ``transfer.streaming == "layer"`` the actor
-    registers itself (kvstore.transfer.peers) so prefills can announce their layer streams.
+    registers itself (kvstore.transport.peers) so prefills can announce their layer streams.
     """
 
     def __init__(self, worker_id: str, engine_config: EngineConfig, kv_config: KVStoreConfig,

@@ -3,7 +3,7 @@ prefill's first token and KV transfer params, or colocated, with neither.
 
 Its connectors, as one MultiConnector, in the order a request is matched:
 
-1. fetch (kvstore.connector.fetch): a request from a prefill pulls its prompt's KV (after the
+1. fetch (kvstore.transport.fetch): a request from a prefill pulls its prompt's KV (after the
    blocks cached here, where the path allows) over the transport the prefill offered, and
    computes it here if the fetch fails;
 2. pool-load (kvstore.transport.pool.connector, with an index): a prompt computed here loads
@@ -22,11 +22,11 @@ from pdcluster.decode_worker.kv_streams import PendingStreams
 from pdcluster.engine.core.engine_core import EngineCore
 from pdcluster.engine.core.kv_connector import KVConnector
 from pdcluster.engine.runner import ModelRunner
-from pdcluster.kvstore.connector.fetch import FetchConnector
-from pdcluster.kvstore.connector.multi import MultiConnector
+from pdcluster.kvstore.transport.fetch import FetchConnector
+from pdcluster.kvstore.transport.multi import MultiConnector
 from pdcluster.kvstore.index import KVIndex, Location
 from pdcluster.kvstore.index.device_feed import device_feed
-from pdcluster.kvstore.transfer.peers import StreamPeers
+from pdcluster.kvstore.transport.peers import StreamPeers
 from pdcluster.kvstore.transport.layer_stream.stream import LayerStreamAnnounce
 
 #: The prefix cache's events go to the index at most this often (a decode's allocations evict

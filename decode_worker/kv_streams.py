@@ -24,9 +24,9 @@ from dataclasses import dataclass
 
 from pdcluster.engine.core.request import Request, RequestStatus
 from pdcluster.engine.core.scheduler import Scheduler
-from pdcluster.kvstore.connector.fetch import FetchConnector, KVFetch
-from pdcluster.kvstore.handoff import DecodeHandoff
-from pdcluster.kvstore.transfer.peers import StreamPeers
+from pdcluster.kvstore.transport.fetch import FetchConnector, KVFetch
+from pdcluster.kvstore.transport.peers import StreamPeers
+from pdcluster.kvstore.transport.layer_stream.source import announce_of
 from pdcluster.kvstore.transport.layer_stream.stream import LayerStreamAnnounce
 
 log = logging.getLogger(__name__)
@@ -71,9 +71,9 @@ class PendingStreams:
     def progress(self, request_id: str) -> dict | None:
         """{"pending": True, "num_taken", "num_pieces"} of a pending stream, else None."""
         pending = self._streams.get(request_id)
-        receiver = None if pending is None else pending.fetch.layer_receiver
-        if receiver is None:
+        if pending is None:
             return None
+        receiver = pending.fetch.receiver
         return {"pending": True, "num_taken": receiver.num_taken,
                 "num_pieces": len(pending.announce.pieces)}
 
@@ -91,8 +91,11 @@ class PendingStreams:
         if self.scheduler.has_preempted() or \
                 not kv.allocate_slots(table, announce.num_prompt_tokens + 1):
             return  # taken at admission instead
-        self._streams[rid] = PendingStream(announce, table,
-                                           self.connector.start_stream(announce, table))
+        fetch = self.connector.start_stream(announce, table)
+        if fetch is None:  # no source here takes it: taken at admission, from the pool
+            kv.free(table)
+            return
+        self._streams[rid] = PendingStream(announce, table, fetch)
 
     def take(self, request: Request) -> PendingStream | None:
         """The stream announced for the request, if it may be attached; a stream the request's
@@ -100,8 +103,7 @@ class PendingStreams:
         pending = self._streams.get(request.request_id)
         if pending is None:
             return None
-        if request.kv_transfer_params is None or \
-                DecodeHandoff.of(request.kv_transfer_params).layer_stream is None:
+        if request.kv_transfer_params is None or announce_of(request.kv_transfer_params) is None:
             self.drop(request.request_id)
             return None
         return self._streams.pop(request.request_id)

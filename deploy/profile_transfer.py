@@ -34,8 +34,8 @@ import torch
 from pdcluster.engine.core.hashing import block_keys, make_namespace
 from pdcluster.engine.kv_cache import PagedKVCache
 from pdcluster.kvstore.config import PREFER_CROSS_LAYER_BLOCKS, KVStoreConfig, KVTransferConfig
-from pdcluster.kvstore.transfer.base import FetchRequest, KVReceiver
-from pdcluster.kvstore.transfer.dest import WIRE_DTYPES, CacheDest
+from pdcluster.kvstore.transport.base import FetchRequest, KVReceiver
+from pdcluster.kvstore.transport.dest import WIRE_DTYPES, CacheDest
 
 #: Blocks per sampled transfer
 BLOCK_COUNTS = (1, 4, 16, 64)
@@ -106,6 +106,7 @@ def _torch_source(ready: mp.Queue, stop, block_shape, dtype, n: int, token: str)
 
 def _mooncake_source(ready: mp.Queue, stop, block_shape, dtype, n: int, token: str) -> None:
     from pdcluster.kvstore.transport.mooncake.connector import MooncakeConnector
+    from pdcluster.kvstore.transport.mooncake.source import region_of
 
     # both ends cross-layer, as `serve --kv-transfer mooncake` lays out its caches
     cache = _source_cache(tuple(block_shape), dtype, n, "cross-layer")
@@ -115,7 +116,7 @@ def _mooncake_source(ready: mp.Queue, stop, block_shape, dtype, n: int, token: s
     connector.register_kv_caches(cache)
     request = type("Profiled", (), {"request_id": "profile", "runs_alone": False,
                                     "max_tokens": 16, "kv_transfer_params": None})
-    ready.put({count: connector.request_finished(request, list(range(count)))[1]["kv_region"]
+    ready.put({count: region_of(connector.request_finished(request, list(range(count)))[1])
                for count in BLOCK_COUNTS if count <= n})
     stop.wait()
 
@@ -151,7 +152,7 @@ def _receive(receiver: KVReceiver, request: FetchRequest, dest: CacheDest) -> No
 def _fetcher(name: str, source, cache: PagedKVCache, token: str
              ) -> tuple[Callable[[int], None], Callable[[], None]]:
     """(fetch n blocks into the cache, close)."""
-    from pdcluster.kvstore.transfer.registry import create_backend
+    from pdcluster.kvstore.transport.registry import create_backend
 
     transfer = KVTransferConfig(backend=name, timeout_s=60.0)
     backend = create_backend(transfer, KVStoreConfig(token=token))
@@ -163,23 +164,28 @@ def _fetcher(name: str, source, cache: PagedKVCache, token: str
             table[start:start + len(blocks)], blocks), table, cache, cache.block_shape,
             cache.dtype)
 
+    def ask_torch(n: int) -> FetchRequest:  # the source pushes n blocks under a fresh tag
+        tag = next(tags)
+        channel = backend.channel(source, 60.0)
+        channel.wait(channel.send(torch.tensor([n, tag], dtype=torch.int64), 1), 60.0)
+        return FetchRequest(source, tuple(keys[:n]), tag=tag)
+
+    def end_torch() -> None:
+        channel = backend.channel(source, 60.0)
+        channel.wait(channel.send(torch.zeros(2, dtype=torch.int64), 1), 60.0)
+
+    requests: dict[str, Callable[[int], FetchRequest]] = {
+        "grpc": lambda n: FetchRequest(source, tuple(keys[:n])),
+        "torch": ask_torch,
+        "mooncake": lambda n: FetchRequest(source[n].session, tuple(keys[:n]), region=source[n]),
+    }
+    ends: dict[str, Callable[[], None]] = {"torch": end_torch}
+
     def fetch(n: int) -> None:
-        if name == "mooncake":
-            region = source[n]
-            request = FetchRequest(region.session, tuple(keys[:n]), region=region)
-        elif name == "torch":
-            tag = next(tags)
-            channel = backend.channel(source, 60.0)
-            channel.wait(channel.send(torch.tensor([n, tag], dtype=torch.int64), 1), 60.0)
-            request = FetchRequest(source, tuple(keys[:n]), tag=tag)
-        else:
-            request = FetchRequest(source, tuple(keys[:n]))
-        _receive(backend.create_receiver(), request, dest(n))
+        _receive(backend.create_receiver(), requests[name](n), dest(n))
 
     def close() -> None:
-        if name == "torch":
-            channel = backend.channel(source, 60.0)
-            channel.wait(channel.send(torch.zeros(2, dtype=torch.int64), 1), 60.0)
+        ends.get(name, lambda: None)()
         backend.close()
     return fetch, close
 

@@ -4,7 +4,7 @@ a dead store cannot hang a worker.
 
 Wire payload = raw little-endian bytes of a C-contiguous tensor; bfloat16 travels as its int16
 bit pattern. Blocks are streamed in coalesced runs that fit ``max_message_bytes``; the block
-stream is decoded without copying payloads (kvstore.transfer.wire), so a fetched block is copied
+stream is decoded without copying payloads (kvstore.transport.wire), so a fetched block is copied
 once, from the received message into its destination.
 
 With a ``token``, every call carries ``authorization: Bearer <token>``; a store that refuses it
@@ -37,13 +37,13 @@ from pdcluster.kvstore.rpc_errors import rpc_error
 from pdcluster.kvstore.server import (AUTH_METADATA_KEY, MESSAGE_OVERHEAD_BYTES, SERVICE_NAME,
                                       channel_options)
 from pdcluster.kvstore.tail_store import check_tail
-from pdcluster.kvstore.transfer.runs import budget_runs
+from pdcluster.kvstore.transport.runs import budget_runs
 
 
 def tensor_to_payload(t: torch.Tensor) -> bytes:
     """Raw little-endian bytes of ``t`` (any shape; float32/bfloat16/float16, any device)."""
     t = t.detach().to("cpu").contiguous()
-    # Native bytes, never swapped: kvstore.transfer.dest refuses non-little-endian hosts.
+    # Native bytes, never swapped: kvstore.transport.dest refuses non-little-endian hosts.
     return (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy().tobytes()
 
 
@@ -81,7 +81,7 @@ class KVStoreClient(NodeStore):
         self._channel = grpc.insecure_channel(address, options=options) if tls is None else \
             grpc.secure_channel(address, kv_tls.channel_credentials(tls), options=options)
         self._stub = pb_grpc.KVStoreStub(self._channel)
-        fetch = self._channel.stream_stream(  # replies decoded by kvstore.transfer.wire
+        fetch = self._channel.stream_stream(  # replies decoded by kvstore.transport.wire
             f"/{SERVICE_NAME}/FetchBlocks",
             request_serializer=pb.GetBlocksRequest.SerializeToString,
             response_deserializer=None, _registered_method=True)

@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 import pydantic
 
-#: Names of the transfer backends (kvstore.transfer.registry.TRANSFER_BACKENDS has the classes).
+#: Names of the transfer backends (kvstore.transport.registry.TRANSFER_BACKENDS has the classes).
 TransferBackendName = Literal["grpc", "torch", "mooncake"]
 #: The transfer backends that move a request's KV fastest out of and into cross-layer caches
 #: (engine.kv_cache), as vLLM's KV connectors state it (`prefer_cross_layer_blocks`): Mooncake's
@@ -74,7 +74,7 @@ class KVStoreConfig(pydantic.BaseModel):
     """Settings of one node's KV store: its gRPC server (kvstore.server.KVStoreServer), its
     tail blocks (kvstore.tail_store.TailStore) and its Ray actor (kvstore.actor.KVStoreActor);
     and the settings the whole KV plane shares (``token``, ``tls``, ``max_message_bytes``),
-    which the transfer backends take from here too (kvstore.transfer.registry.create_backend).
+    which the transfer backends take from here too (kvstore.transport.registry.create_backend).
 
     Attributes:
         host: bind address of the gRPC server (``--kv-bind``); 127.0.0.1 unless the cluster
@@ -137,7 +137,7 @@ KV_PLANE_FIELDS = ("token", "tls", "max_message_bytes")
 
 
 class KVTransferConfig(pydantic.BaseModel):
-    """Settings of the KV transfers between prefill and decode workers (kvstore.transfer), one
+    """Settings of the KV transfers between prefill and decode workers (kvstore.transport), one
     per deployment, shared by every worker. The KV plane's token, TLS and gRPC message size are
     not here: a backend takes them from the KVStoreConfig (create_backend).
 

@@ -28,7 +28,7 @@ from pdcluster.kvstore.errors import BlockLayoutError, KVTransferError, KVTransf
 from pdcluster.kvstore.layout import BlockLayout
 from pdcluster.kvstore.proto import kvstore_pb2 as pb
 from pdcluster.kvstore.rpc_errors import fetch_error, rpc_error
-from pdcluster.kvstore.transfer.wire import decode_block_data
+from pdcluster.kvstore.transport.wire import decode_block_data
 
 
 class FetchSession:

@@ -14,13 +14,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from pdcluster.kvstore.index.base import Location
-
-if TYPE_CHECKING:
-    from pdcluster.kvstore.transport.layer_stream.stream import LayerStreamAnnounce
-    from pdcluster.kvstore.transport.mooncake.backend import RemoteRegion
 
 
 @dataclass(frozen=True)
@@ -66,22 +61,17 @@ class PrefillHandoff:
 
 @dataclass(frozen=True)
 class DecodeHandoff:
-    """What a prefill's connectors tell the decode's (PrefillResult.kv_transfer_params).
+    """What the prefill's pool connector tells the decode's (PrefillResult.kv_transfer_params):
+    where the prompt's blocks wait in the pool, every transport's fallback. A transport's own
+    keys (a pair address, a Transfer Engine region, a layer stream's announce) sit beside
+    these in the same dict and are read only by that transport's source
+    (kvstore.transport.source).
 
     kv_address: ``host:port`` of the KV store holding the prompt's blocks; kv_node_id: its
         Ray node (same node: read through its arena).
     block_keys: chained sha256 keys of the prompt's full blocks, published on that store.
     tail_handle: handle of the partial tail block on that store (None when the prompt length
         is a multiple of the block size); never keyed or indexed. num_tail_tokens: its tokens.
-    pair_address / pair_tag: ``--kv-transfer torch``: the (prefill, decode) pair channel's
-        store over which the prefill is pushing every block of the prompt under ``pair_tag``;
-        None when nothing was pushed.
-    kv_region: ``--kv-transfer mooncake``: where the prefill's Transfer Engine holds every
-        block of the prompt for the decode to read; None when the KV was not offered.
-    layer_stream: ``--kv-streaming layer``: the per-layer pieces the prefill put on its node's
-        store while computing, announced to the decode before the compute; None: not streamed.
-    Whatever was pushed, offered or streamed is in the store as well (keys + tail): the
-    retry path, and the prefix cache.
     """
 
     kv_address: str = ""
@@ -89,10 +79,6 @@ class DecodeHandoff:
     tail_handle: str | None = None
     num_tail_tokens: int = 0
     kv_node_id: str | None = None
-    pair_address: str | None = None
-    pair_tag: int = 0
-    kv_region: RemoteRegion | None = None
-    layer_stream: LayerStreamAnnounce | None = None
 
     @property
     def num_blocks(self) -> int:
@@ -101,14 +87,6 @@ class DecodeHandoff:
     def num_tokens(self, block_size: int) -> int:
         """The prompt tokens these blocks hold, ``block_size`` tokens per full block."""
         return len(self.block_keys) * block_size + self.num_tail_tokens
-
-    @property
-    def pushed(self) -> bool:
-        """Whether the whole prompt comes by a push sent before the decode was asked (a pair
-        push, a TE region, a layer stream), rather than pulled block by block from the store:
-        such a transfer cannot skip the blocks the decode holds cached."""
-        return (self.pair_address is not None or self.kv_region is not None
-                or self.layer_stream is not None)
 
     @classmethod
     def of(cls, params: Mapping[str, object] | None) -> DecodeHandoff:

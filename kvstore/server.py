@@ -10,7 +10,7 @@ bound to all interfaces, e.g. vLLM's CVE-2025-32444). A daemon thread sweeps exp
 ``min(tail_ttl_s / 4, 5)`` seconds.
 
 Block replies (GetBlocks, and FetchBlocks: the same replies on one long-lived stream per
-client session) are pre-encoded (kvstore.transfer.wire): the blocks' bytes are joined once
+client session) are pre-encoded (kvstore.transport.wire): the blocks' bytes are joined once
 into the serialized message instead of being copied into a protobuf object and serialized.
 
 Errors carry their kind in trailing metadata (kvstore.rpc_errors), so clients map them to
@@ -37,8 +37,8 @@ from pdcluster.kvstore.proto import kvstore_pb2_grpc as pb_grpc
 from pdcluster.kvstore.rpc_errors import (ERROR_METADATA_KEY, MAX_MISSING_KEYS_IN_DETAILS,
                                           missing_details)
 from pdcluster.kvstore.tail_store import StoredTail
-from pdcluster.kvstore.transfer.runs import budget_runs
-from pdcluster.kvstore.transfer.wire import encode_block_data
+from pdcluster.kvstore.transport.runs import budget_runs
+from pdcluster.kvstore.transport.wire import encode_block_data
 
 logger = logging.getLogger(__name__)
 

@@ -27,13 +27,14 @@ from pdcluster.engine.tp_instance import TPInstance
 from pdcluster.kvstore.actor import kvstore_actor
 from pdcluster.kvstore.client import KVStoreClient
 from pdcluster.kvstore.config import KVStoreConfig, KVTransferConfig
-from pdcluster.kvstore.connector import create_connector, prefill_connector_names
-from pdcluster.kvstore.connector.context import KVConnectorContext
+from pdcluster.kvstore.transport.registry import (connector_class, create_connector,
+                                                  prefill_connector_names)
+from pdcluster.kvstore.transport.context import KVConnectorContext
 from pdcluster.kvstore.index import open_index
 from pdcluster.kvstore.node_client import NodeStoreClient
 from pdcluster.kvstore.pool_config import KVPoolConfig
 from pdcluster.kvstore.remote import RemoteStores
-from pdcluster.kvstore.transfer.peers import RayStreamPeers, register_self
+from pdcluster.kvstore.transport.peers import RayStreamPeers, register_self
 from pdcluster.prefill_worker.instance import prefill_core, submit_prefill
 
 log = logging.getLogger(__name__)
@@ -65,12 +66,13 @@ class PrefillWorker:
                            **pool_config.index_options(transfer.bind_host,
                                                        transfer.mooncake_protocol))
         self.worker_id, self.node_id = worker_id, node_id
-        names = prefill_connector_names(transfer.backend, transfer.streaming, self.tp.size)
-        if transfer.streaming == "layer" and "layer" not in names:
+        names = prefill_connector_names(transfer, self.tp.size)
+        streams = any(connector_class(name).streams_layers for name in names)
+        if transfer.streaming == "layer" and not streams:
             log.warning("--kv-streaming layer needs --prefill-tp 1; %s transfers whole "
                         "requests", worker_id)
         # the decode finds this worker by id to cancel a stream it gave up
-        self._peer_entry = register_self(worker_id, ray_namespace) if "layer" in names else None
+        self._peer_entry = register_self(worker_id, ray_namespace) if streams else None
         self.kv_address = address
         ctx = KVConnectorContext(
             worker_id, node_id, kv_config, transfer,

@@ -13,13 +13,16 @@ import asyncio
 import logging
 import time
 from collections import deque
-from typing import Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, Callable, Iterable, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from pdcluster.router.conductor import InstanceRegistry
 from pdcluster.router.inflight import InflightGate
+
+if TYPE_CHECKING:
+    from pdcluster.router.pipeline import MigrationStats
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +93,7 @@ class ClusterStatsCollector:
 
     def __init__(self, instances: InstanceRegistry, gate: InflightGate | None = None,
                  pd_decisions: Callable[[], Mapping[str, int]] | None = None,
-                 migrations: Callable[[], Mapping[str, int]] | None = None) -> None:
+                 migrations: Callable[[], MigrationStats] | None = None) -> None:
         self.instances = instances
         self.gate = gate
         self.pd_decisions = pd_decisions
@@ -190,19 +193,19 @@ class ClusterStatsCollector:
         return metrics
 
 
-def _migration_families(stats: Mapping[str, int]) -> list[Metric]:
+def _migration_families(stats: MigrationStats) -> list[Metric]:
     """router.pipeline.Pipeline.migration_stats as counters: the mean tokens a migrated
     request recomputed is the ratio of the last two."""
     migrations = CounterMetricFamily(
         "pdcluster_migrations", "Requests moved to another worker because theirs died, hung or "
         "failed them (router.pipeline)")
-    migrations.add_metric([], stats["migrations_total"])
+    migrations.add_metric([], stats.migrations_total)
     resumed = CounterMetricFamily(
         "pdcluster_migration_tokens", "Tokens (prompt + output so far) that migrated requests "
         "resumed with, by how their new worker got their KV: loaded (prefix cache, KV pool: "
         "what the old worker published) or recomputed", labels=["source"])
-    resumed.add_metric(["loaded"], stats["migration_loaded_tokens_total"])
-    resumed.add_metric(["recomputed"], stats["migration_recomputed_tokens_total"])
+    resumed.add_metric(["loaded"], stats.migration_loaded_tokens_total)
+    resumed.add_metric(["recomputed"], stats.migration_recomputed_tokens_total)
     return [migrations, resumed]
 
 

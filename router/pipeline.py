@@ -62,6 +62,16 @@ _WAIT_POLL_S = 0.1
 
 
 @dataclass(frozen=True)
+class MigrationStats:
+    """Attempts moved to another worker, and of the tokens their new workers took over
+    (prompt + output so far), those loaded and those recomputed."""
+
+    migrations_total: int
+    migration_loaded_tokens_total: int
+    migration_recomputed_tokens_total: int
+
+
+@dataclass(frozen=True)
 class Migration:
     """A migrated attempt, as it started on its new worker. num_tokens: its prompt (the
     original prompt + the output so far); num_cached_tokens: of those, the tokens the worker
@@ -208,12 +218,9 @@ class Pipeline:
                 yield TokenDelta(request_id, (), FinishReason.ERROR, error=error)
                 return
 
-    def migration_stats(self) -> dict[str, int]:
-        """Attempts moved to another worker, and of the tokens their new workers took over
-        (prompt + output so far), those loaded and those recomputed."""
-        return {"migrations_total": self.migrations_total,
-                "migration_loaded_tokens_total": self.migration_loaded_tokens_total,
-                "migration_recomputed_tokens_total": self.migration_recomputed_tokens_total}
+    def migration_stats(self) -> MigrationStats:
+        return MigrationStats(self.migrations_total, self.migration_loaded_tokens_total,
+                              self.migration_recomputed_tokens_total)
 
     def _migrated(self, run: _Run, num_tokens: int, num_cached_tokens: int) -> None:
         migration = Migration(run.request_id, num_tokens, num_cached_tokens)

@@ -1,22 +1,31 @@
-"""The worker side's shape, checked: one engine, a typed connector seam, transports behind the
-registry. Prints each check and exits 1 if any fails.
+"""The worker side's shape, checked: one engine, a typed connector seam, transports behind one
+registry, each transport's hand-off read only by that transport, typed stats to the gateway,
+the import layers. Prints each check and exits 1 if any fails; scripts/test.sh runs it.
 
     .venv/bin/python scripts/check_shape.py
 """
 
 from __future__ import annotations
 
+import ast
 import re
 import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-#: modules allowed to branch on a transfer backend's name: the registries that map names to
-#: connectors and backends
-REGISTRIES = {"kvstore/connector/__init__.py", "kvstore/transfer/registry.py"}
-#: a comparison with a transfer backend's name (--kv-transfer: grpc, torch, mooncake)
-BACKEND_NAME = re.compile(r"\bbackend(\.name)?\s*(==|!=|\bin\b)\s*\(?[\"'](grpc|torch|mooncake)[\"']")
+#: the one module that maps transport names to what implements them
+REGISTRY = "kvstore/transport/registry.py"
+#: names a transport, a decode source's path or a hand-off kind goes by
+TRANSPORT_NAMES = {"grpc", "torch", "mooncake", "pool", "layer", "layer-mooncake", "arena",
+                   "push", "region", "store"}
+#: what such a name is compared through when code switches on it
+SWITCHES = {"handoff", "path", "backend", "transport", "name", "kind"}
+#: keys of kv_transfer_params one transport writes and only that transport reads
+TRANSPORT_KEYS = {"pair_address": "kvstore/transport/torch_pair/",
+                  "pair_tag": "kvstore/transport/torch_pair/",
+                  "kv_region": "kvstore/transport/mooncake/",
+                  "layer_stream": "kvstore/transport/layer_stream/"}
 TRANSPORT_WORDS = re.compile(r"\b(pair_address|pair_tag|kv_region|layer_stream|mooncake|grpc|"
                              r"nccl|torch\.distributed)\b", re.IGNORECASE)
 
@@ -24,8 +33,50 @@ TRANSPORT_WORDS = re.compile(r"\b(pair_address|pair_tag|kv_region|layer_stream|m
 def product_files() -> list[Path]:
     names = subprocess.run(["git", "ls-files", "*.py"], cwd=ROOT, check=True,
                            capture_output=True, text=True).stdout.split()
-    return [ROOT / n for n in names
-            if not re.match(r"(tests|benchmarks|scripts|docs)/", n) and "_pb2" not in n]
+    return [ROOT / n for n in names if (ROOT / n).exists()
+            and not re.match(r"(tests|benchmarks|scripts|docs)/", n) and "_pb2" not in n]
+
+
+def _switched(node: ast.AST) -> str | None:
+    """The identifier a comparison reads, when it is one of SWITCHES (``x.path``, ``handoff``)."""
+    if isinstance(node, ast.Attribute):
+        return node.attr if node.attr in SWITCHES else None
+    if isinstance(node, ast.Name):
+        return node.id.lstrip("_") if node.id.lstrip("_") in SWITCHES else None
+    return None
+
+
+def _names(node: ast.AST) -> set[str]:
+    """The transport names a literal (a string, or a tuple/set/list of them) holds."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return {node.value} & TRANSPORT_NAMES
+    if isinstance(node, (ast.Tuple, ast.Set, ast.List)):
+        return set().union(*(_names(e) for e in node.elts)) if node.elts else set()
+    return set()
+
+
+def transport_switches(path: Path) -> list[tuple[int, str]]:
+    """(line, source) of each comparison of a SWITCHES identifier with a transport name."""
+    tree = ast.parse(path.read_text())
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Compare):
+            continue
+        sides = [node.left, *node.comparators]
+        if any(_switched(a) for a in sides) and any(_names(b) for b in sides):
+            found.append((node.lineno, ast.unparse(node)))
+    return found
+
+
+def transport_keys(path: Path, rel: str) -> list[tuple[int, str]]:
+    """(line, key) of each string literal naming another transport's kv_transfer_params key."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            owner = TRANSPORT_KEYS.get(node.value)
+            if owner is not None and not rel.startswith(owner):
+                found.append((node.lineno, node.value))
+    return found
 
 
 def code_lines(path: Path) -> list[tuple[int, str]]:
@@ -51,11 +102,18 @@ def main() -> int:
     engines = [f"{rel[p]}:{n}" for p in files for n, line in code_lines(p)
                if re.match(r"\s*class (PrefillEngine|DecodeEngine)\b", line)]
     checks.append(("PrefillEngine and DecodeEngine are gone", engines))
-    branches = [f"{rel[p]}:{n}: {line.strip()}" for p in files if rel[p] not in REGISTRIES
-                and not rel[p].startswith("kernels/") for n, line in code_lines(p)
-                if BACKEND_NAME.search(line)]
-    checks.append(("no module outside the registries compares a transfer backend's name",
-                   branches))
+    branches = [f"{rel[p]}:{n}: {code}" for p in files
+                if rel[p] != REGISTRY and not rel[p].startswith("kernels/")
+                for n, code in transport_switches(p)]
+    checks.append(("no module outside the registry compares a handoff, path or backend with a "
+                   "transport's name", branches))
+    keys = [f"{rel[p]}:{n}: {key!r}" for p in files for n, key in transport_keys(p, rel[p])]
+    checks.append(("a transport's kv_transfer_params keys appear only in its own package",
+                   keys))
+    router = [f"{rel[p]}:{n}: {line.strip()}" for p in files if rel[p].startswith("router/")
+              for n, line in code_lines(p)
+              if re.search(r"\bstats\s*(\.get\(|\[)\s*[\"']", line)]
+    checks.append(("the gateway reads no worker stat by string", router))
     protocol = ROOT / "engine" / "protocol.py"
     words = [f"engine/protocol.py:{n}: {line.strip()}" for n, line in code_lines(protocol)
              if TRANSPORT_WORDS.search(line)]

@@ -3,8 +3,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh --dev
-# package layers (which may import which): import-linter contracts in pyproject.toml
-bash scripts/lint_imports.sh
+# the package's shape: transports behind one registry, the engine's connector seam, and the
+# import layers (import-linter contracts in pyproject.toml)
+.venv/bin/python scripts/check_shape.py
 # progress as it happens, not in a buffer a killed run never prints
 export PYTHONUNBUFFERED=1
 if [ $# -gt 0 ]; then exec .venv/bin/python -m pytest -q -ra "$@"; fi

@@ -7,7 +7,7 @@ from collections.abc import Callable
 from pdcluster.engine.core.engine_core import EngineCore
 from pdcluster.engine.core.request import Request
 from pdcluster.engine.protocol import DecodeRequest, TokenDelta
-from pdcluster.kvstore.connector.fetch import FetchConnector
+from pdcluster.kvstore.transport.fetch import FetchConnector
 
 
 def submit_decode(core: EngineCore, request: DecodeRequest,

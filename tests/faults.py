@@ -13,9 +13,9 @@ import ray
 from pdcluster.decode_worker.actor import DecodeWorker
 from pdcluster.deploy.launcher import ActorClasses
 from pdcluster.kvstore.actor import KVStoreActor
-from pdcluster.kvstore.connector.context import KVConnectorContext
-from pdcluster.kvstore.connector.fetch import FetchConnector
-from pdcluster.kvstore.transfer.dest import CacheDest
+from pdcluster.kvstore.transport.context import KVConnectorContext
+from pdcluster.kvstore.transport.fetch import FetchConnector
+from pdcluster.kvstore.transport.dest import CacheDest
 from pdcluster.prefill_worker.actor import PrefillWorker
 
 
@@ -26,9 +26,9 @@ class PerturbingFetch(FetchConnector):
 
     v_perturbation = 0.0
 
-    def _dest(self, table: list[int]) -> CacheDest:
+    def dest(self, table: list[int]) -> CacheDest:
         if not self.v_perturbation:
-            return super()._dest(table)
+            return super().dest(table)
         return CacheDest(lambda start, blocks: self._write(table, start, blocks), table, None,
                          self.cache.block_shape, self.cache.dtype)
 

@@ -8,9 +8,25 @@ from pdcluster.engine.protocol import PrefillResult
 from pdcluster.kvstore.handoff import DecodeHandoff
 
 
-def handoff(result: PrefillResult) -> DecodeHandoff:
-    """The typed view of what the prefill's connectors said for ``result``."""
-    return DecodeHandoff.of(result.kv_transfer_params)
+class Handoff:
+    """What the prefill's connectors said for a result: the pool's fields (DecodeHandoff)
+    and each transport's own keys (``pair_address``, ``pair_tag``, ``kv_region``,
+    ``layer_stream``; None, or 0 for the tag, when that transport said nothing)."""
+
+    def __init__(self, params) -> None:
+        self._params, self._pool = dict(params or {}), DecodeHandoff.of(params)
+
+    def __getattr__(self, name: str):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        if hasattr(self._pool, name):
+            return getattr(self._pool, name)
+        return self._params.get(name, 0 if name == "pair_tag" else None)
+
+
+def handoff(result: PrefillResult) -> Handoff:
+    """A view of what the prefill's connectors said for ``result``."""
+    return Handoff(result.kv_transfer_params)
 
 
 def with_handoff(result: PrefillResult, **changes: object) -> PrefillResult:

@@ -26,7 +26,7 @@ call ``wakeup`` when something settled, so an idle loop polls ``get_finished`` a
 
 What one end's connectors tell the other's travels as an opaque ``kv_transfer_params`` dict
 (engine.protocol.KVTransferParams) that the engine carries and never reads. The transports
-themselves live in ``kvstore.connector``, which builds them by name from what a worker has.
+themselves live in ``kvstore.transport``, which builds them by name from what a worker has.
 """
 
 from __future__ import annotations

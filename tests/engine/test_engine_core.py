@@ -27,7 +27,7 @@ from pdcluster.engine.protocol import (DecodeRequest, FinishReason, PrefillReque
 from pdcluster.engine.runner import ModelRunner
 from pdcluster.engine.tokenizer import Tokenizer
 from pdcluster.kvstore.config import KVTransferConfig
-from pdcluster.kvstore.connector.fetch import FetchConnector
+from pdcluster.kvstore.transport.fetch import FetchConnector
 from pdcluster.prefill_worker.instance import prefill_core, submit_prefill
 from tests.engines import fetch_of, submit_decode
 

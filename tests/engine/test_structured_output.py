@@ -21,7 +21,7 @@ from pdcluster.engine.runner import ModelRunner
 from pdcluster.engine.tokenizer import Tokenizer
 from pdcluster.decode_worker.instance import decode_core
 from pdcluster.kvstore.config import KVTransferConfig
-from pdcluster.kvstore.connector.fetch import FetchConnector
+from pdcluster.kvstore.transport.fetch import FetchConnector
 
 SCHEMA = {"type": "object", "properties": {
     "kind": {"enum": ["cat", "dog"]},

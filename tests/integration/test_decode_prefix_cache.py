@@ -15,7 +15,7 @@ from pdcluster.engine.protocol import DecodeRequest, FinishReason, PrefillReques
 from pdcluster.engine.runner import ModelRunner
 from pdcluster.kvstore.client import KVStoreClient
 from pdcluster.kvstore.config import KVStoreConfig, KVTransferConfig
-from pdcluster.kvstore.connector.fetch import FetchConnector
+from pdcluster.kvstore.transport.fetch import FetchConnector
 from pdcluster.kvstore.transport.pool.connector import PoolConnector, PoolLoadConnector
 from pdcluster.engine.core.hashing import block_keys, make_namespace
 from pdcluster.engine.core.kv_events import BlockStored

@@ -18,7 +18,7 @@ from pdcluster.engine.protocol import DecodeRequest, FinishReason, PrefillReques
 from pdcluster.engine.runner import ModelRunner
 from pdcluster.kvstore.client import KVStoreClient
 from pdcluster.kvstore.config import KVStoreConfig, KVTransferConfig
-from pdcluster.kvstore.connector.fetch import FetchConnector
+from pdcluster.kvstore.transport.fetch import FetchConnector
 from pdcluster.kvstore.handoff import PrefixPlan
 from pdcluster.kvstore.transport.pool.connector import PoolConnector
 from pdcluster.kvstore.transport.pool.publish import PublishConnector

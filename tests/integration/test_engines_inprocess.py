@@ -19,7 +19,7 @@ from pdcluster.engine.protocol import DecodeRequest, FinishReason, PrefillReques
 from pdcluster.engine.runner import ModelRunner
 from pdcluster.kvstore.client import KVStoreClient
 from pdcluster.kvstore.config import KVStoreConfig, KVTransferConfig
-from pdcluster.kvstore.connector.fetch import FetchConnector
+from pdcluster.kvstore.transport.fetch import FetchConnector
 from pdcluster.kvstore.transport.pool.connector import PoolConnector
 from pdcluster.prefill_worker.instance import prefill as run_prefill, prefill_core, submit_prefill
 from tests.kvstore.lru_block_store import lru_server

@@ -23,19 +23,18 @@ from pdcluster.engine.protocol import (DecodeRequest, FinishReason, PrefillReque
                                        SamplingParams)
 from pdcluster.engine.runner import ModelRunner
 from pdcluster.kvstore.client import KVStoreClient
-from pdcluster.kvstore.connector.fetch import FetchConnector, KVFetch
+from pdcluster.kvstore.transport.fetch import FetchConnector, KVFetch
 from pdcluster.kvstore.config import KVStoreConfig, KVTransferConfig
-from pdcluster.kvstore.connector.multi import MultiConnector
+from pdcluster.kvstore.transport.multi import MultiConnector
 from pdcluster.kvstore.transport.pool.connector import PoolConnector
 from pdcluster.kvstore.transport.torch_pair.push import TorchPushConnector
-from pdcluster.kvstore.transfer.base import TransferState
+from pdcluster.kvstore.transport.base import TransferState
 from tests.kvstore.fake_transfer import FakeTransferBackend
 from pdcluster.prefill_worker.instance import prefill as run_prefill, prefill_core
 from tests.kvstore.lru_block_store import lru_server
 from tests.engine_loops import started, stop
 from tests.handoffs import handoff, with_handoff
 from tests.markers import starts
-from pdcluster.kvstore.handoff import DecodeHandoff
 
 TORCH = KVTransferConfig(backend="torch", timeout_s=10)
 STORY = ("Once upon a time, there was a little boy named Tim. Tim had a big red ball. He liked "
@@ -65,11 +64,11 @@ def prefill(store):
 
 
 def decode_engine(worker_id: str, transfer: KVTransferConfig, num_kv_blocks: int = 128,
-                  backend=None, kv_cache_layout: str = "auto",
+                  store=None, kv_cache_layout: str = "auto",
                   fetch: type[FetchConnector] = FetchConnector) -> EngineCore:
     runner = ModelRunner(EngineConfig(num_kv_blocks=num_kv_blocks,
                                       kv_cache_layout=kv_cache_layout))
-    return started(lambda: decode_core(runner, worker_id, 0, fetch(transfer, backend=backend)))
+    return started(lambda: decode_core(runner, worker_id, 0, fetch(transfer, store=store)))
 
 
 @pytest.fixture(scope="module")
@@ -200,7 +199,7 @@ def test_injected_fetch_failure_retries_then_recomputes(prefill, store, hf):
     succeeds. (Timeouts and retries over real stores: tests/integration/test_transfer_faults.py.)"""
     _, client = store
     fake = FakeTransferBackend(fail_on_calls={1})
-    decode = decode_engine("decode-fake", KVTransferConfig(), backend=fake)
+    decode = decode_engine("decode-fake", KVTransferConfig(), store=fake)
     prompt = hf.encode("One day, a big dog " + STORY)
     params = SamplingParams(max_tokens=12, temperature=0)
     try:
@@ -235,9 +234,9 @@ def test_abort_stops_writes_before_the_blocks_are_freed():
     cache = runner.kv_cache
     key = b"k" * 32
     fake = FakeTransferBackend(blocks={key: torch.ones(cache.block_shape)}, delay_s=0.3)
-    connector = FetchConnector(KVTransferConfig(), backend=fake)
+    connector = FetchConnector(KVTransferConfig(), store=fake)
     connector.register_kv_caches(cache)
-    result = DecodeHandoff("127.0.0.1:1", (key,))
+    result = {"kv_address": "127.0.0.1:1", "block_keys": (key,)}
     fetch = KVFetch(connector, "r", [3], result)
     assert fetch.poll() is TransferState.TRANSFERRING
     assert fetch.abort() is True  # nothing more will be written

@@ -25,11 +25,11 @@ from pdcluster.engine.kv_cache import PagedKVCache
 from pdcluster.engine.protocol import PrefillRequest, SamplingParams
 from pdcluster.engine.runner import ModelRunner
 from pdcluster.kvstore.config import KVTransferConfig
-from pdcluster.kvstore.connector.fetch import FetchConnector, KVFetch
-from pdcluster.kvstore.connector.multi import MultiConnector
+from pdcluster.kvstore.transport.fetch import FetchConnector, KVFetch
+from pdcluster.kvstore.transport.multi import MultiConnector
 from pdcluster.kvstore.errors import BlockLayoutError, KVTransferError
-from pdcluster.kvstore.transfer.base import FetchRequest, TransferState
-from pdcluster.kvstore.transfer.dest import CacheDest
+from pdcluster.kvstore.transport.base import FetchRequest, TransferState
+from pdcluster.kvstore.transport.dest import CacheDest
 from pdcluster.kvstore.transport.pool.connector import PoolConnector
 from pdcluster.prefill_worker.instance import prefill as run_prefill, prefill_core
 from pdcluster.engine.core.engine_core import EngineCore
@@ -39,7 +39,6 @@ from tests.faults import PerturbingFetch
 from tests.integration.test_kv_transfer_backends import (  # noqa: F401 — the store fixture
     STORY, _free_port, decode_engine, generate, run_decode, settled, store)
 from tests.handoffs import handoff, with_handoff
-from pdcluster.kvstore.handoff import DecodeHandoff
 
 from tests.real_parts import MOONCAKE_HINT, import_real_part
 
@@ -335,7 +334,8 @@ def test_blocks_stay_quarantined_until_te_reports(event):
     backend.delay_s = 60.0  # TE reports only once the test lets it (below)
     fetch_connector = FetchConnector(MOONCAKE, backend=backend)
     fetch_connector.register_kv_caches(runner_cache)
-    result = DecodeHandoff("127.0.0.1:1", (b"k",) * 5, "tail", 3, kv_region=region)
+    result = {"kv_address": "127.0.0.1:1", "block_keys": (b"k",) * 5, "tail_handle": "tail",
+              "num_tail_tokens": 3, "kv_region": region}
     fetch = KVFetch(fetch_connector, "r", list(range(6)), result)
     assert fetch.path == "mooncake"
     time.sleep(0.3)  # the read is done, TE has not said so; the 0.2 s deadline has passed

@@ -21,8 +21,8 @@ from pdcluster.engine.protocol import DecodeRequest, PrefillRequest, SamplingPar
 from pdcluster.engine.runner import ModelRunner
 from pdcluster.kvstore.client import KVStoreClient
 from pdcluster.kvstore.config import KVTransferConfig
-from pdcluster.kvstore.connector.fetch import FetchConnector
-from pdcluster.kvstore.connector.multi import MultiConnector
+from pdcluster.kvstore.transport.fetch import FetchConnector
+from pdcluster.kvstore.transport.multi import MultiConnector
 from pdcluster.kvstore.transport.layer_stream.connector import LayerStreamConnector
 from pdcluster.kvstore.transport.pool.connector import PoolConnector
 from pdcluster.engine.core.request import RequestAborted

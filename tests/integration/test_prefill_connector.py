@@ -1,4 +1,4 @@
-"""The prefill engine over its KV connector (kvstore.connector): prefix loads the Conductor
+"""The prefill engine over its KV connector (kvstore.transport.registry): prefix loads the Conductor
 planned, saves to a real gRPC KV store, and the faults a connector can report. Outputs are
 checked against transformers; blocks against their count before each request."""
 
@@ -11,8 +11,8 @@ from pdcluster.engine.protocol import PrefillRequest, SamplingParams
 from pdcluster.kvstore.handoff import PrefixPlan
 from pdcluster.engine.runner import ModelRunner
 from pdcluster.kvstore.client import KVStoreClient
-from pdcluster.kvstore.config import KVStoreConfig
-from pdcluster.kvstore.connector import KV_CONNECTORS, connector_class, prefill_connector_names
+from pdcluster.kvstore.config import KVStoreConfig, KVTransferConfig
+from pdcluster.kvstore.transport.registry import KV_CONNECTORS, connector_class, prefill_connector_names
 from pdcluster.engine.core.kv_connector import KVConnector
 from pdcluster.kvstore.errors import KVLoadError, KVTransferError
 from pdcluster.kvstore.index import Location
@@ -60,9 +60,13 @@ def test_registry_builds_every_connector_by_name():
     assert {"pool", "layer", "torch"} <= set(KV_CONNECTORS)
     for name in KV_CONNECTORS:
         assert issubclass(connector_class(name), KVConnector)
-    assert prefill_connector_names("grpc", "request", 1) == ["pool"]
-    assert prefill_connector_names("torch", "layer", 1) == ["pool", "layer", "torch"]
-    assert prefill_connector_names("grpc", "layer", 2) == ["pool"]  # per-layer needs TP=1
+    def names(backend: str, streaming: str, tp_size: int) -> list[str]:
+        transfer = KVTransferConfig(backend=backend, streaming=streaming)
+        return prefill_connector_names(transfer, tp_size)
+    assert names("grpc", "request", 1) == ["pool"]
+    assert names("torch", "layer", 1) == ["pool", "layer", "torch"]
+    assert names("mooncake", "layer", 1) == ["pool", "layer-mooncake", "mooncake"]
+    assert names("grpc", "layer", 2) == ["pool"]  # per-layer needs TP=1
 
 
 def test_a_planned_load_is_reused_and_a_failed_one_is_recomputed(engine, store, hf):

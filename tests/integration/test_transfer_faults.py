@@ -24,12 +24,12 @@ from pdcluster.engine.protocol import (KV_LOAD_FAILED, DecodeRequest, FinishReas
                                        PrefillResult, SamplingParams)
 from pdcluster.engine.runner import ModelRunner
 from pdcluster.kvstore.client import KVStoreClient
-from pdcluster.kvstore.connector.fetch import FetchConnector
+from pdcluster.kvstore.transport.fetch import FetchConnector
 from pdcluster.kvstore.config import KVStoreConfig, KVTransferConfig
 from pdcluster.kvstore.transport.layer_stream.connector import LayerStreamConnector
-from pdcluster.kvstore.connector.multi import MultiConnector
+from pdcluster.kvstore.transport.multi import MultiConnector
 from pdcluster.kvstore.transport.pool.connector import PoolConnector
-from pdcluster.kvstore.transfer.base import KVReceiver, KVTransferBackend
+from pdcluster.kvstore.transport.base import KVReceiver, KVTransferBackend
 from pdcluster.kvstore.transport.pool.grpc_backend import GrpcTransferBackend
 from tests.kvstore.local_peers import LocalStreamPeers
 from pdcluster.prefill_worker.instance import prefill as run_prefill, prefill_core
@@ -111,7 +111,7 @@ def decode_engine(backend: KVTransferBackend | None = None,
     runner = ModelRunner(EngineConfig(num_kv_blocks=64))
     transfer = KVTransferConfig(timeout_s=TIMEOUT_S)
     return started(lambda: decode_core(runner, "decode-f", 0,
-                                        FetchConnector(transfer, backend=backend),
+                                        FetchConnector(transfer, store=backend),
                                         kv_load_failure_policy=kv_load_failure_policy))
 
 

@@ -21,9 +21,9 @@ import torch
 
 from pdcluster.kvstore.config import KVStoreConfig, KVTransferConfig
 from pdcluster.kvstore.errors import BlockLayoutError, BlockNotFoundError, KVTransferError
-from pdcluster.kvstore.transfer.base import (FetchRequest, KVReceiver, KVTransferBackend,
+from pdcluster.kvstore.transport.base import (FetchRequest, KVReceiver, KVTransferBackend,
                                              TransferState)
-from pdcluster.kvstore.transfer.dest import CallbackDest
+from pdcluster.kvstore.transport.dest import CallbackDest
 
 
 class FakeTransferBackend(KVTransferBackend):

@@ -7,7 +7,7 @@ from typing import Any
 
 from pdcluster.decode_worker.instance import cancel_layer_stream, expect_layer_stream
 from pdcluster.engine.core.engine_core import EngineCore
-from pdcluster.kvstore.transfer.peers import StreamPeers
+from pdcluster.kvstore.transport.peers import StreamPeers
 
 
 class LocalStreamPeers(StreamPeers):

@@ -10,9 +10,9 @@ from typing import NamedTuple
 import torch
 
 from pdcluster.kvstore.errors import BlockLayoutError
-from pdcluster.kvstore.transfer.base import TransferState
-from pdcluster.kvstore.transfer.dest import CallbackDest
-from pdcluster.kvstore.transfer.runs import budget_runs
+from pdcluster.kvstore.transport.base import TransferState
+from pdcluster.kvstore.transport.dest import CallbackDest
+from pdcluster.kvstore.transport.runs import budget_runs
 
 
 class BlockRun(NamedTuple):

@@ -14,7 +14,7 @@ from pdcluster.kvstore.errors import BlockNotFoundError, KVTransferError
 from pdcluster.engine.core.hashing import block_keys, make_namespace
 from pdcluster.kvstore.proto import kvstore_pb2 as pb
 from pdcluster.kvstore.proto import kvstore_pb2_grpc as pb_grpc
-from pdcluster.kvstore.transfer.wire import decode_block_data
+from pdcluster.kvstore.transport.wire import decode_block_data
 from tests.kvstore.lru_block_store import LRUBlockStore
 
 BLOCK_SHAPE = (2, 2, 16, 2, 8)

@@ -8,7 +8,7 @@ import warnings
 import pytest
 
 from pdcluster.kvstore.config import KVStoreConfig, KVTLSConfig, KVTransferConfig, kv_plane_of
-from pdcluster.kvstore.transfer.registry import create_backend
+from pdcluster.kvstore.transport.registry import create_backend
 from pdcluster.kvstore.transport.pool.grpc_backend import GrpcTransferBackend
 from pdcluster.kvstore.transport.torch_pair.backend import TorchTransferBackend
 

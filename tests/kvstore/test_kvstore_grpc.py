@@ -15,7 +15,7 @@ from pdcluster.kvstore.errors import (BlockLayoutError, BlockNotFoundError, KVTr
 from pdcluster.engine.core.hashing import block_keys, make_namespace
 from pdcluster.kvstore.proto import kvstore_pb2 as pb
 from pdcluster.kvstore.proto import kvstore_pb2_grpc as pb_grpc
-from pdcluster.kvstore.transfer.runs import budget_runs
+from pdcluster.kvstore.transport.runs import budget_runs
 from tests.kvstore.lru_block_store import LRUBlockStore
 
 BLOCK_SHAPE = (2, 2, 16, 2, 8)  # [layers, k/v, block_size, kv_heads, head_dim]

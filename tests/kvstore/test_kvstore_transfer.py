@@ -1,4 +1,4 @@
-"""KV transfer backends (kvstore.transfer): run grouping, wire codec, grpc and fake receivers."""
+"""KV transfer backends (kvstore.transport): run grouping, wire codec, grpc and fake receivers."""
 
 import threading
 import time
@@ -12,10 +12,10 @@ from pdcluster.kvstore.errors import (BlockLayoutError, BlockNotFoundError, KVAu
                                       KVTransferError)
 from pdcluster.engine.core.hashing import block_keys, make_namespace
 from pdcluster.kvstore.proto import kvstore_pb2 as pb
-from pdcluster.kvstore.transfer.base import FetchRequest, TransferState
-from pdcluster.kvstore.transfer.dest import CallbackDest
-from pdcluster.kvstore.transfer.registry import TRANSFER_BACKENDS, create_backend
-from pdcluster.kvstore.transfer.wire import decode_block_data, encode_block_data
+from pdcluster.kvstore.transport.base import FetchRequest, TransferState
+from pdcluster.kvstore.transport.dest import CallbackDest
+from pdcluster.kvstore.transport.registry import TRANSPORTS, create_backend
+from pdcluster.kvstore.transport.wire import decode_block_data, encode_block_data
 from pdcluster.kvstore.transport.pool.grpc_backend import GrpcTransferBackend
 from pdcluster.kvstore.transport.torch_pair.backend import TorchTransferBackend
 from tests.kvstore.fake_transfer import FakeTransferBackend
@@ -44,7 +44,7 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 def test_coalesce_runs_groups_consecutive_destination_blocks():
     assert coalesce_runs([7, 8, 9, 3, 4, 12], 10, 1000) == [
         BlockRun(0, 7, 3), BlockRun(3, 3, 2), BlockRun(5, 12, 1)]
-    # each group is further split by the byte budget (kvstore.transfer.runs.budget_runs)
+    # each group is further split by the byte budget (kvstore.transport.runs.budget_runs)
     assert coalesce_runs([0, 1, 2, 3, 4], 10, 20) == [
         BlockRun(0, 0, 2), BlockRun(2, 2, 2), BlockRun(4, 4, 1)]
     assert coalesce_runs([5, 5, 4], 10, 1000) == [  # repeats and backwards steps break runs
@@ -76,7 +76,7 @@ def test_wire_codec_is_protobuf_both_ways():
 
 
 def test_registry_maps_names_to_backends():
-    assert set(TRANSFER_BACKENDS) == {"grpc", "torch", "mooncake"}
+    assert set(TRANSPORTS) == {"grpc", "torch", "mooncake"}
     backend = create_backend(KVTransferConfig(backend="torch"))
     assert isinstance(backend, TorchTransferBackend)
     backend.close()

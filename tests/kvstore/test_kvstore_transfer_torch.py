@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from pdcluster.kvstore.config import KVStoreConfig, KVTransferConfig
 from pdcluster.kvstore.errors import KVAuthError, KVTransferError
-from pdcluster.kvstore.transfer.base import FetchRequest, TransferState
+from pdcluster.kvstore.transport.base import FetchRequest, TransferState
 from pdcluster.kvstore.transport.torch_pair.backend import TorchKVSender, TorchTransferBackend
 from pdcluster.kvstore.transport.torch_pair.channel import TorchPairChannel
 from tests.kvstore.tensor_dest import TensorDest, wait

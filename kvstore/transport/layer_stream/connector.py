@@ -6,7 +6,7 @@ calls see one request):
 
 1. open      — right before its first chunk (bind_connector_metadata), the cached prefix in
                its blocks: plan the pieces (kvstore.transport.layer_stream.stream.plan_pieces),
-               announce the stream to the decode peer (Ray, kvstore.transfer.peers), queue the
+               announce the stream to the decode peer (Ray, kvstore.transport.peers), queue the
                cached prefix's blocks;
 2. compute   — after every decoder layer (save_kv_layer), copy that layer's K/V of the blocks
                the running chunk touches and queue it (the copy is the only work on the
@@ -44,13 +44,12 @@ import torch
 from pdcluster.engine.core.blocks import num_blocks_for
 from pdcluster.engine.core.kv_connector import (KVConnector, KVConnectorMetadata,
                                                 KVConnectorRequest, KVTransferParams, StepCancelled)
-from pdcluster.kvstore.connector.context import KVConnectorContext
+from pdcluster.kvstore.transport.context import KVConnectorContext
 from pdcluster.kvstore.handoff import PrefillHandoff
-from pdcluster.kvstore.transfer.peers import StreamPeers
-from pdcluster.kvstore.transfer.registry import handoff_of
+from pdcluster.kvstore.transport.peers import StreamPeers
 from pdcluster.kvstore.transport.layer_stream.stream import (ALL_LAYERS, LayerStreamAnnounce,
                                                              LayerStreamSender, plan_pieces)
-from pdcluster.kvstore.transport.mooncake.connector import RegionSource, RegionStreamSender
+from pdcluster.kvstore.transport.mooncake.connector import RegionStreamSender
 
 log = logging.getLogger(__name__)
 
@@ -101,10 +100,8 @@ class LayerStreamConnector(KVConnector):
 
     @classmethod
     def from_context(cls, ctx: KVConnectorContext) -> LayerStreamConnector:
-        # pieces go into registered memory when the decode reads regions over TE
-        regions = RegionSource.of(ctx) if handoff_of(ctx.transfer) == "region" else None
         return cls(ctx.store_client, ctx.store_address, ctx.peers, ctx.worker_id,
-                   ctx.transfer.timeout_s, ctx.token_budget, regions)
+                   ctx.transfer.timeout_s, ctx.token_budget)
 
     def register_kv_caches(self, cache) -> None:
         """Starts the worker's TE where streams go over it. Raises KVTransferError when TE is

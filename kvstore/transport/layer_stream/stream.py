@@ -17,7 +17,7 @@ A chunk's pieces cover the request blocks its tokens touch; a block a chunk leav
 filled is sent again (complete) by the next chunk, later in the same ordered stream, so the
 last write wins. The stream ends with the last piece of the last chunk's last layer.
 
-Control plane (Ray, kvstore.transfer.peers): the prefill announces the stream to the decode
+Control plane (Ray, kvstore.transport.peers): the prefill announces the stream to the decode
 peer before computing; the decode reserves cache blocks and starts taking pieces at once.
 """
 
@@ -36,8 +36,8 @@ import torch
 from pdcluster.engine.core.blocks import num_blocks_for
 from pdcluster.kvstore.client import KVStoreClient
 from pdcluster.kvstore.errors import BlockLayoutError, BlockNotFoundError, KVStoreError
-from pdcluster.kvstore.transfer.base import KVReceiver, TransferState, _Cancelled
-from pdcluster.kvstore.transfer.dest import WIRE_DTYPES
+from pdcluster.kvstore.transport.base import KVReceiver, TransferState, _Cancelled
+from pdcluster.kvstore.transport.dest import WIRE_DTYPES
 
 log = logging.getLogger(__name__)
 

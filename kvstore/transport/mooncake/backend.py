@@ -82,9 +82,9 @@ from pdcluster.kvstore.config import KVStoreConfig, KVTransferConfig
 from pdcluster.kvstore.errors import (BlockLayoutError, KVStoreError, KVTransferError,
                                       KVTransferTimeout)
 from pdcluster.kvstore.layout import DTYPE_ITEMSIZE
-from pdcluster.kvstore.transfer.base import (FetchRequest, KVReceiver, KVTransferBackend,
+from pdcluster.kvstore.transport.base import (FetchRequest, KVReceiver, KVTransferBackend,
                                              TransferState)
-from pdcluster.kvstore.transfer.dest import CacheDest, CallbackDest
+from pdcluster.kvstore.transport.dest import CacheDest, CallbackDest
 from pdcluster.kvstore.transport.mooncake.te import (TE_MISSING, TE_NO_BATCH, new_transfer_engine,
                                                      register, te_timeout_s)
 
@@ -149,7 +149,6 @@ class MooncakeTransferBackend(KVTransferBackend):
     """
 
     name = "mooncake"
-    handoff = "region"
 
     def __init__(self, config: KVTransferConfig, kv_config: KVStoreConfig | None = None):
         """Raises KVTransferError when the ``mooncake`` package is missing (a worker then

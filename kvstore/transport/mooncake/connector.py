@@ -31,9 +31,9 @@ import torch
 
 from pdcluster.engine.core.kv_connector import BlockCache, KVConnector, KVConnectorRequest
 from pdcluster.kvstore.config import KVTransferConfig
-from pdcluster.kvstore.connector.context import KVConnectorContext
+from pdcluster.kvstore.transport.context import KVConnectorContext
 from pdcluster.kvstore.errors import KVTransferError
-from pdcluster.kvstore.transfer.dest import WIRE_DTYPES
+from pdcluster.kvstore.transport.dest import WIRE_DTYPES
 from pdcluster.kvstore.transport.layer_stream.stream import LayerStreamSender
 from pdcluster.kvstore.transport.mooncake.backend import RemoteRegion, cache_blocks
 from pdcluster.kvstore.transport.mooncake.layer_stream import StreamRegion

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from pdcluster.kvstore.errors import BlockLayoutError, KVTransferError
-from pdcluster.kvstore.transfer.base import _Cancelled
+from pdcluster.kvstore.transport.base import _Cancelled
 from pdcluster.kvstore.transport.layer_stream.stream import (POLL_MAX_S, POLL_MIN_S,
                                                              LayerStreamReceiver)
 from pdcluster.kvstore.transport.mooncake.backend import LEASE_MARGIN_S, MooncakeTransferBackend

@@ -37,7 +37,7 @@ from pdcluster.engine.core.blocks import num_full_blocks
 from pdcluster.engine.core.kv_connector import (KVConnector, KVConnectorRequest, KVTransferParams,
                                                 LoadOutcome)
 from pdcluster.kvstore.client import KVStoreClient
-from pdcluster.kvstore.connector.context import KVConnectorContext
+from pdcluster.kvstore.transport.context import KVConnectorContext
 from pdcluster.kvstore.errors import KVStoreError
 from pdcluster.kvstore.handoff import PrefillHandoff, PrefixPlan
 from pdcluster.kvstore.index import KVIndex

@@ -19,10 +19,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 from pdcluster.kvstore.client import KVStoreClient
 from pdcluster.kvstore.config import KVStoreConfig, KVTransferConfig
-from pdcluster.kvstore.errors import BlockLayoutError
+from pdcluster.kvstore.errors import BlockLayoutError, KVStoreError
 from pdcluster.kvstore.fetch_session import BlockStream
-from pdcluster.kvstore.transfer.base import FetchRequest, KVReceiver, KVTransferBackend, _Cancelled
-from pdcluster.kvstore.transfer.dest import WIRE_DTYPES, CallbackDest
+from pdcluster.kvstore.transport.base import FetchRequest, KVReceiver, KVTransferBackend, _Cancelled
+from pdcluster.kvstore.transport.dest import WIRE_DTYPES, CallbackDest
 
 
 class GrpcTransferBackend(KVTransferBackend):
@@ -57,6 +57,21 @@ class GrpcTransferBackend(KVTransferBackend):
 
     def submit(self, fn, *args) -> None:
         self._pool.submit(fn, *args)
+
+    def release_handles(self, address: str, handles: list[str]) -> None:
+        """Drop one-shot handles (a tail, a layer stream's pieces) on the store at
+        ``address``, in the background; a store that cannot be reached reclaims them at its
+        tail TTL."""
+        if handles:
+            self.submit(self._release_handles, address, list(handles))
+
+    def _release_handles(self, address: str, handles: list[str]) -> None:
+        client = self.client(address)
+        for handle in handles:
+            try:
+                client.release_tail(handle)
+            except KVStoreError:
+                pass
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

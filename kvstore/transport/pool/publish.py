@@ -30,7 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from pdcluster.engine.core.kv_connector import KVConnector, KVConnectorRequest, KVTransferParams
-from pdcluster.kvstore.connector.context import KVConnectorContext
+from pdcluster.kvstore.transport.context import KVConnectorContext
 from pdcluster.kvstore.handoff import DecodeHandoff
 from pdcluster.kvstore.node_store_api import NodeStore
 

@@ -28,10 +28,10 @@ import torch.distributed as dist
 
 from pdcluster.kvstore.config import KVStoreConfig, KVTransferConfig
 from pdcluster.kvstore.errors import BlockLayoutError
-from pdcluster.kvstore.transfer.base import (FetchRequest, KVReceiver, KVTransferBackend,
+from pdcluster.kvstore.transport.base import (FetchRequest, KVReceiver, KVTransferBackend,
                                              TransferState, _TransferBase)
-from pdcluster.kvstore.transfer.dest import CallbackDest
-from pdcluster.kvstore.transfer.runs import budget_runs
+from pdcluster.kvstore.transport.dest import CallbackDest
+from pdcluster.kvstore.transport.runs import budget_runs
 from pdcluster.kvstore.transport.torch_pair.channel import TorchPairChannel
 
 
@@ -91,7 +91,6 @@ class TorchTransferBackend(KVTransferBackend):
     """
 
     name = "torch"
-    handoff = "push"
 
     def __init__(self, config: KVTransferConfig, kv_config: KVStoreConfig | None = None):
         super().__init__(config, kv_config)

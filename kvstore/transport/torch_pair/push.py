@@ -13,7 +13,7 @@ from pydantic import SecretStr
 
 from pdcluster.engine.core.kv_connector import KVConnector, KVConnectorRequest
 from pdcluster.kvstore.config import KVTransferConfig
-from pdcluster.kvstore.connector.context import KVConnectorContext
+from pdcluster.kvstore.transport.context import KVConnectorContext
 from pdcluster.kvstore.errors import KVTransferError
 from pdcluster.kvstore.handoff import PrefillHandoff
 from pdcluster.kvstore.transport.torch_pair.backend import TorchKVSender

@@ -1,5 +1,5 @@
 """What a worker builds its KV connectors from (``from_context`` of every connector in the
-registry, kvstore.connector), so that the registry builds any of them the same way."""
+registry, kvstore.transport.registry), so that the registry builds any of them the same way."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pdcluster.kvstore.node_store_api import NodeStore
 
 if TYPE_CHECKING:
     from pdcluster.kvstore.remote import RemoteStores
-    from pdcluster.kvstore.transfer.peers import StreamPeers
+    from pdcluster.kvstore.transport.peers import StreamPeers
 
 
 @dataclass

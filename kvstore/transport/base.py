@@ -30,7 +30,7 @@ from pdcluster.kvstore.errors import (BlockLayoutError, KVStoreError, KVTransfer
                                       KVTransferTimeout)
 
 if TYPE_CHECKING:
-    from pdcluster.kvstore.transfer.dest import CallbackDest
+    from pdcluster.kvstore.transport.dest import CallbackDest
 
 _T = TypeVar("_T")
 
@@ -267,7 +267,7 @@ class KVReceiver(_TransferBase, ABC):
 class KVTransferBackend(ABC):
     """Per-worker factory of receivers; owns what transfers share (channels, threads).
 
-    Registered by name in :data:`kvstore.transfer.registry.TRANSFER_BACKENDS` and built as
+    Registered with its transport in :data:`kvstore.transport.registry.TRANSPORTS`, built as
     ``cls(config, kv_config)``.
 
     Args:
@@ -279,11 +279,6 @@ class KVTransferBackend(ABC):
     """
 
     name: str = ""
-    #: how the prefill hands a request's KV over on this backend: "store" (the decode pulls
-    #: the keyed blocks and the tail from the prefill node's store), "push" (the prefill sends
-    #: every block over a pair channel: the hand-off's ``pair_address``) or "region" (the
-    #: decode reads a region of the prefill's registered memory: ``kv_region``)
-    handoff: str = "store"
 
     def __init__(self, config: KVTransferConfig, kv_config: KVStoreConfig | None = None):
         self.config = config

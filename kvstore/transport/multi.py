@@ -10,7 +10,7 @@ import torch
 
 from pdcluster.engine.core.kv_connector import (BlockCache, KVConnector, KVConnectorMetadata,
                                                 KVConnectorRequest, KVTransferParams, LoadOutcome)
-from pdcluster.kvstore.connector.context import KVConnectorContext
+from pdcluster.kvstore.transport.context import KVConnectorContext
 
 
 class MultiConnector(KVConnector):
@@ -30,7 +30,7 @@ class MultiConnector(KVConnector):
 
     @classmethod
     def from_context(cls, ctx: KVConnectorContext) -> MultiConnector:
-        raise TypeError("build a MultiConnector through kvstore.connector.create_connector")
+        raise TypeError("build a MultiConnector through kvstore.transport.registry.create_connector")
 
     def register_kv_caches(self, cache: BlockCache) -> None:
         self.cache = self._reads = _ReadOnce(cache)
