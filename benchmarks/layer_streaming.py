@@ -50,6 +50,7 @@ from pdcluster.deploy.launcher import Cluster  # noqa: E402
 from pdcluster.engine.config import EngineConfig  # noqa: E402
 from pdcluster.engine.protocol import SamplingParams  # noqa: E402
 from pdcluster.kvstore.config import KVTransferConfig  # noqa: E402
+from tests.faults import FAULTY  # noqa: E402 — decode workers that keep kv_timings
 
 MODEL = dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
              num_attention_heads=12, num_key_value_heads=12, vocab_size=32000,
@@ -65,7 +66,7 @@ def run_mode(model_dir: Path, streaming: str, prompts: list[list[int]],
         engine=EngineConfig(model=str(model_dir), num_kv_blocks=256),
         transfer=KVTransferConfig(backend=backend, streaming=streaming, timeout_s=60))
     rows = []
-    with Cluster(config) as cluster:
+    with Cluster(config, actors=FAULTY) as cluster:
         decode = cluster.decode[0].handle
         params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections import OrderedDict
 from typing import AsyncIterator
 
 import ray
@@ -40,8 +39,6 @@ from pdcluster.kvstore.pool_config import KVPoolConfig
 from pdcluster.kvstore.remote import RemoteStores
 from pdcluster.kvstore.transport.peers import RayStreamPeers, register_self
 from pdcluster.kvstore.transport.layer_stream.stream import LayerStreamAnnounce
-
-MAX_TIMINGS = 4096
 
 
 class DecodeWorker:
@@ -101,15 +98,10 @@ class DecodeWorker:
 
         self.loop = EngineLoop(build, "decode-engine", freeze_heap=True)
         self.engine = self.loop.core
-        self._prefill_extra: OrderedDict[str, dict] = OrderedDict()  # for kv_timings
         self._outputs: SubscriberOutputs | None = None  # made on the event loop, at first use
 
     async def submit(self, request: DecodeRequest, subscriber: str) -> None:
         """Queues the request; its TokenDelta items come out of `outputs(subscriber)`."""
-        if request.prefill is not None:
-            self._prefill_extra[request.request_id] = dict(request.prefill.extra)
-            while len(self._prefill_extra) > MAX_TIMINGS:
-                self._prefill_extra.popitem(last=False)
         emit = self._subscribers().add(subscriber, request.request_id)
         self.engine.add_request(Request.of_decode(request, emit))
 
@@ -137,30 +129,12 @@ class DecodeWorker:
         """The prefill gave an announced layer stream up."""
         cancel_layer_stream(self.engine, request_id)
 
-    async def kv_timings(self, request_id: str) -> dict | None:
-        """How the request's KV arrived (FetchConnector.kv_timings, with the prefill's
-        ``prefill_extra``); for a layer stream still waiting for its request, its progress;
-        None if unknown."""
-        timings = self.fetch.kv_timings.get(request_id)
-        if timings is None:
-            streams = self.engine.pre_arrival
-            return streams.progress(request_id) if streams is not None else None
-        return {**timings, "prefill_extra": self._prefill_extra.get(request_id, {})}
-
     async def info(self) -> dict:
         return {"worker_id": self.worker_id, "pid": os.getpid(), "role": "decode",
                 "node_id": ray.get_runtime_context().get_node_id(), "tp_size": self.tp.size}
 
-    async def tp_info(self) -> dict:
-        """TPInstance.info: every rank's pid, rank, node and KV heads; rank 0's all-reduces."""
-        return await asyncio.get_running_loop().run_in_executor(None, self.tp.info)
-
     async def stats(self) -> SchedulerStats:
         return self.engine.stats()
-
-    async def step_log(self) -> list[tuple[int, tuple[str, ...]]]:
-        """(step number, request ids in that step's batch) for the most recent steps."""
-        return list(self.engine.step_log)
 
     def _fetch_connector(self, context: KVConnectorContext) -> FetchConnector:
         """The connector that takes each request's KV from its prefill (a subclass's to

@@ -22,7 +22,6 @@ import importlib
 import logging
 import os
 import sys
-import warnings
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
@@ -418,18 +417,6 @@ def _overrides(args: argparse.Namespace) -> dict:
     return out
 
 
-def _log_deprecations(caught: list[warnings.WarningMessage]) -> None:
-    """Log each distinct DeprecationWarning of ``caught`` once; show the other warnings as
-    Python would have."""
-    seen: set[str] = set()
-    for w in caught:
-        if not issubclass(w.category, DeprecationWarning):
-            warnings.showwarning(w.message, w.category, w.filename, w.lineno)
-        elif str(w.message) not in seen:
-            seen.add(str(w.message))
-            log.warning("deprecated configuration: %s", w.message)
-
-
 def _serve(config: ServeConfig) -> int:
     """`pdcluster serve`: Ray starts on this thread while the gateway's imports load on
     another. Both are seconds of CPU work (Ray's daemons and helper processes; torch and the
@@ -461,19 +448,14 @@ def _serve_config(args: argparse.Namespace) -> "ServeConfig | None":
     error printed, when it is invalid."""
     from pdcluster.deploy.config import load_config
 
-    # deprecated config keys warn with DeprecationWarning, which Python hides by default;
-    # the user who wrote them is here, so log each once logging is set up
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always", DeprecationWarning)
-        try:
-            config = load_config(args.config, _serve_overrides(args))
-        except (ValueError, OSError) as exc:
-            print(f"pdcluster: invalid configuration: {exc}", file=sys.stderr)
-            return None
+    try:
+        config = load_config(args.config, _serve_overrides(args))
+    except (ValueError, OSError) as exc:
+        print(f"pdcluster: invalid configuration: {exc}", file=sys.stderr)
+        return None
     from pdcluster.engine.logs import configure_logging
 
     configure_logging(config.log_level, config.log_format)
-    _log_deprecations(caught)
     return config
 
 

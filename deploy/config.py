@@ -6,7 +6,6 @@ read only by the CLI, never below it.
 
 from __future__ import annotations
 
-import warnings
 from pathlib import Path
 from typing import Any, Literal
 
@@ -15,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, m
 
 from pdcluster.engine import cpu_binding
 from pdcluster.engine.config import EngineConfig
-from pdcluster.kvstore.config import (KV_PLANE_FIELDS, PREFER_CROSS_LAYER_BLOCKS, KVStoreConfig,
+from pdcluster.kvstore.config import (PREFER_CROSS_LAYER_BLOCKS, KVStoreConfig,
                                       KVTransferConfig)
 from pdcluster.kvstore.pool_config import KVPoolConfig
 
@@ -89,12 +88,9 @@ class ServeConfig(BaseModel):
         interval's TTFT or TBT breaches its SLO (or the queues or the KV say it will) and
         drains one when fewer carry the load; prefill_instances / decode_instances are the
         counts at start, within the range. None: fixed counts.
-    transfer: how KV gets from prefill to decode (``--kv-transfer grpc|torch``). The KV
-        plane's token, TLS and gRPC message size are `kvstore`'s (``--kv-token``,
-        ``--kv-tls-*``), for stores and transfers alike; the deprecated keys
-        transfer.token / transfer.tls (always overridden by kvstore's) are dropped and
-        transfer.max_message_bytes becomes kvstore.max_message_bytes unless that is set,
-        each with a DeprecationWarning.
+    transfer: how KV gets from prefill to decode (``--kv-transfer grpc|torch|mooncake``). The
+        KV plane's token, TLS and gRPC message size are `kvstore`'s (``--kv-token``,
+        ``--kv-tls-*``), for stores and transfers alike.
     policy / admission / slo_ttft_s / slo_tbt_ms / cost_model: the Conductor
         (router/conductor.py): a policy of router.policies.POLICIES (default kvcache_centric,
         Mooncake FAST'25 Alg. 1), SLO admission (arrival-2407.00079 §6; none by default: a
@@ -192,27 +188,6 @@ class ServeConfig(BaseModel):
         from pdcluster.router.pd_decider import PDDecider
 
         return str(PDDecider.parse(spec))
-
-    @model_validator(mode="before")
-    @classmethod
-    def _kv_plane_keys_of_transfer(cls, data: Any) -> Any:
-        if not isinstance(data, dict) or not isinstance(data.get("transfer"), dict):
-            return data
-        transfer = dict(data["transfer"])
-        moved = {key: transfer.pop(key) for key in KV_PLANE_FIELDS if key in transfer}
-        if not moved:
-            return data
-        data = {**data, "transfer": transfer}
-        for key, value in moved.items():
-            kvstore = data.get("kvstore", {})
-            if key == "max_message_bytes" and isinstance(kvstore, dict) and key not in kvstore:
-                data["kvstore"] = {**kvstore, key: value}
-                use = "sets"
-            else:  # token and TLS: the launcher always overrode transfer's with kvstore's
-                use = "is ignored in favour of"
-            warnings.warn(f"transfer.{key} is deprecated and {use} kvstore.{key}, the KV "
-                          f"plane's one setting", DeprecationWarning, stacklevel=3)
-        return data
 
     @model_validator(mode="after")
     def _cap_within_gate(self) -> "ServeConfig":

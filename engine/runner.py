@@ -297,8 +297,9 @@ class ModelRunner:
                                 device=self.device)
             self.kv_cache.write_blocks(index.tolist(), self.tp.scatter(local, chunks))
 
-    def stop_followers(self) -> None:
-        """Rank 0: end the other ranks' follow() loops (no-op at TP=1 or once broken)."""
+    def close(self) -> None:
+        """Rank 0, when its engine closes: end the other ranks' follow() loops, so they leave
+        the group with it (no-op at TP=1 or once broken)."""
         if self.tp.world_size > 1 and self._broken is None:
             with self._command():
                 self._send_header(_STOP)

@@ -110,10 +110,6 @@ class KVStoreActor:
             return f"{ray.util.get_node_ip_address()}:{self._server.port}"
         return self._server.address
 
-    def pid(self) -> int:
-        """This actor's process id (fault-injection tests kill it)."""
-        return os.getpid()
-
     def stats(self) -> dict:
         """Store counters plus per-tier block states and promotions."""
         return {**self.store.stats(), "tiers": self.store.tier_stats(),

@@ -8,43 +8,17 @@ reads them from there, so the two ends of a channel cannot disagree.
 
 from __future__ import annotations
 
-import warnings
-from typing import Any, Literal
+from typing import Literal
 
 import pydantic
 
-#: Names of the transfer backends (kvstore.transport.registry.TRANSFER_BACKENDS has the classes).
+#: Names of the transports (kvstore.transport.registry.TRANSPORTS has what implements them).
 TransferBackendName = Literal["grpc", "torch", "mooncake"]
 #: The transfer backends that move a request's KV fastest out of and into cross-layer caches
 #: (engine.kv_cache), as vLLM's KV connectors state it (`prefer_cross_layer_blocks`): Mooncake's
 #: Transfer Engine reads a run of consecutive blocks as one span there, instead of a read per
 #: layer and K|V (kvstore.transport.mooncake.backend).
 PREFER_CROSS_LAYER_BLOCKS = frozenset({"mooncake"})
-
-
-def _renamed_keys(model: str, data: Any, renames: dict[str, str]) -> Any:
-    """``data`` (a model's input) with each deprecated key of ``renames`` (old -> new) under its
-    new name, with a DeprecationWarning per old key given. An old key given with its new one
-    is dropped: the new one wins. (Not an error: a validation error would print the whole
-    input, token included.)"""
-    if not isinstance(data, dict):
-        return data
-    data = dict(data)
-    for old, new in renames.items():
-        if old not in data:
-            continue
-        value = data.pop(old)
-        ignored = new in data
-        if not ignored:
-            data[new] = value
-        # stacklevel 4: past this function, the validator and pydantic's __init__
-        warnings.warn(f"{model}.{old} is deprecated{' and ignored' if ignored else ''}, "
-                      f"use {new}", DeprecationWarning, stacklevel=4)
-    return data
-
-
-def _deprecated_name(model: str, old: str, new: str) -> None:
-    warnings.warn(f"{model}.{old} is deprecated, use {new}", DeprecationWarning, stacklevel=3)
 
 
 class KVTLSConfig(pydantic.BaseModel):
@@ -82,12 +56,12 @@ class KVStoreConfig(pydantic.BaseModel):
         port: TCP port; 0 picks a free port at start.
         tail_capacity_bytes: host-DRAM budget in bytes of the tail blocks held at once
             (``--kv-tail-capacity-bytes``); keyed blocks live in the G2 arena and G3 tier,
-            sized by kvstore.pool_config.KVPoolConfig. Deprecated name: ``capacity_bytes``.
+            sized by kvstore.pool_config.KVPoolConfig.
         tail_ttl_s: seconds a tail block may wait to be taken before it is dropped (so a
             decode worker that never comes leaks nothing).
         rpc_timeout_s: deadline in seconds of each call a worker makes to a KV store (a gRPC
             RPC, or a Ray call to the store actor); a whole transfer's deadline is
-            KVTransferConfig.timeout_s. Deprecated name: ``transfer_timeout_s``.
+            KVTransferConfig.timeout_s.
         max_message_bytes: max gRPC message size in bytes, both directions, of the store
             server and of every gRPC client of the KV plane (transfer backends included).
         token: shared secret of the KV plane (``--kv-token``): every gRPC call must present it
@@ -96,9 +70,6 @@ class KVStoreConfig(pydantic.BaseModel):
             launcher always sets one). A ``SecretStr``, so it never shows in a repr or a log.
         tls: TLS of the gRPC server and its clients; ``None``: plaintext (the token still
             guards every call, but crosses the network in the clear).
-
-    The deprecated names are accepted as keywords (and readable as attributes) with a
-    DeprecationWarning; an old name given with its new one is ignored.
     """
 
     model_config = pydantic.ConfigDict(frozen=True, extra="forbid")
@@ -111,29 +82,6 @@ class KVStoreConfig(pydantic.BaseModel):
     max_message_bytes: int = pydantic.Field(default=64 << 20, gt=0)
     token: pydantic.SecretStr | None = None
     tls: KVTLSConfig | None = None
-
-    @pydantic.model_validator(mode="before")
-    @classmethod
-    def _deprecated_keys(cls, data: Any) -> Any:
-        return _renamed_keys("KVStoreConfig", data, {"capacity_bytes": "tail_capacity_bytes",
-                                                     "transfer_timeout_s": "rpc_timeout_s"})
-
-    @property
-    def capacity_bytes(self) -> int:
-        """Deprecated name of ``tail_capacity_bytes`` (bytes)."""
-        _deprecated_name("KVStoreConfig", "capacity_bytes", "tail_capacity_bytes")
-        return self.tail_capacity_bytes
-
-    @property
-    def transfer_timeout_s(self) -> float:
-        """Deprecated name of ``rpc_timeout_s`` (seconds)."""
-        _deprecated_name("KVStoreConfig", "transfer_timeout_s", "rpc_timeout_s")
-        return self.rpc_timeout_s
-
-
-#: The KVStoreConfig fields every channel of the KV plane shares, store server and transfer
-#: backends alike. KVTransferConfig's fields of these names are deprecated copies.
-KV_PLANE_FIELDS = ("token", "tls", "max_message_bytes")
 
 
 class KVTransferConfig(pydantic.BaseModel):
@@ -184,8 +132,6 @@ class KVTransferConfig(pydantic.BaseModel):
         incremental_transfer: a decode worker that holds a prompt's leading blocks in its own
             prefix cache fetches only the blocks after them (store path only: a pushed
             transfer brings the whole prompt); off, every prompt travels whole.
-        token / tls / max_message_bytes: deprecated copies of KVStoreConfig's; accepted with
-            a DeprecationWarning and used only by a backend built without a KVStoreConfig.
     """
 
     model_config = pydantic.ConfigDict(frozen=True, extra="forbid")
@@ -204,36 +150,3 @@ class KVTransferConfig(pydantic.BaseModel):
     decode_publish: bool = True
     decode_publish_interval: int = pydantic.Field(0, ge=0)
     incremental_transfer: bool = True
-    token: pydantic.SecretStr | None = pydantic.Field(
-        default=None, exclude=True, repr=False,
-        deprecated="KVTransferConfig.token is deprecated: the KV plane's token is "
-                   "KVStoreConfig.token (--kv-token)")
-    tls: KVTLSConfig | None = pydantic.Field(
-        default=None, exclude=True, repr=False,
-        deprecated="KVTransferConfig.tls is deprecated: the KV plane's TLS is KVStoreConfig.tls "
-                   "(--kv-tls-*)")
-    max_message_bytes: int | None = pydantic.Field(
-        default=None, gt=0, exclude=True, repr=False,
-        deprecated="KVTransferConfig.max_message_bytes is deprecated: the gRPC plane's limit is "
-                   "KVStoreConfig.max_message_bytes")
-
-    @pydantic.model_validator(mode="before")
-    @classmethod
-    def _deprecated_keys(cls, data: Any) -> Any:
-        if isinstance(data, dict):
-            for name in KV_PLANE_FIELDS:
-                if data.get(name) is not None:
-                    warnings.warn(f"KVTransferConfig.{name} is deprecated: pass a KVStoreConfig "
-                                  f"(its {name}) to the transfer backend", DeprecationWarning,
-                                  stacklevel=3)
-        return data
-
-
-def kv_plane_of(transfer: KVTransferConfig) -> KVStoreConfig:
-    """The KVStoreConfig a transfer backend built without one uses: the defaults (no token,
-    no TLS: stores without auth, as in tests), overridden by whatever of token, TLS and max
-    message size ``transfer`` still carries under its deprecated names."""
-    # __dict__, not the attributes, which warn on every read
-    copies = {name: transfer.__dict__[name] for name in KV_PLANE_FIELDS
-              if transfer.__dict__[name] is not None}
-    return KVStoreConfig(**copies)

@@ -118,11 +118,6 @@ class PrefillWorker:
                 "tp_size": self.tp.size}
 
     @ray.method(concurrency_group="control")
-    def tp_info(self) -> dict:
-        """TPInstance.info: every rank's pid, rank, node and KV heads; rank 0's all-reduces."""
-        return self.tp.info()
-
-    @ray.method(concurrency_group="control")
     def stats(self) -> SchedulerStats:
         return self.engine.stats()
 

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import Counter, OrderedDict, deque
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from typing import Any, Protocol
@@ -56,13 +56,13 @@ from pdcluster.engine.core.stats import SchedulerStats
 from pdcluster.engine.core.structured_output import (GrammarError, StructuredOutputManager,
                                                      apply_bitmask)
 from pdcluster.engine.protocol import KV_LOAD_FAILED, FinishReason, TokenDelta, TokenLogprob
+from pdcluster.engine.parallel import TPError
 from pdcluster.engine.runner import ModelRunner, SequenceChunk
 from pdcluster.engine.sampler import SampleInput, prompt_logprobs, sample
 from pdcluster.engine.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
-STEP_LOG_SIZE = 4096
 MAX_TRACKED_ABORTS = 4096
 IDLE_WAIT_S = 0.02  # engine loop sleep with nothing to run, unless woken
 POLL_S = 0.002  # ... while a load that must be polled is in flight
@@ -126,8 +126,6 @@ class EngineCore:
             None: only the token budget bounds a step.
 
     Attributes:
-        step_log: (step number, request ids of its decode rows) of the last STEP_LOG_SIZE
-            steps with decode rows: which requests shared a batch, and when each joined and left.
         pre_arrival: KV landing before its request comes (set by the worker; None: none).
     """
 
@@ -173,7 +171,6 @@ class EngineCore:
         # ids aborted before they arrived (loop thread only); bounded, as aborts may name
         # finished requests
         self._aborted: OrderedDict[str, None] = OrderedDict()
-        self.step_log: deque[tuple[int, tuple[str, ...]]] = deque(maxlen=STEP_LOG_SIZE)
         self.num_steps_total = 0  # steps with decode rows
         self.num_forward_tokens_total = 0  # decode rows
         self.num_prefill_steps_total = 0  # steps with prompt chunks
@@ -324,6 +321,10 @@ class EngineCore:
         if self._structured is not None:
             self._structured.close()
         self.connector.close()
+        try:
+            self.runner.close()
+        except TPError:
+            pass  # the group broke already: its other ranks go with it
 
     # ---- arrival and admission -----------------------------------------------------------
     def _arrive(self, request: Request) -> None:
@@ -599,7 +600,6 @@ class EngineCore:
         if decoding:
             self.num_steps_total += 1
             self.num_forward_tokens_total += len(decoding)
-            self.step_log.append((self.num_steps_total, tuple(r.request_id for r in decoding)))
         if chunks:
             self.num_prefill_steps_total += 1
             self.num_prefill_chunks_total += len(chunks)

@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from pdcluster.kvstore.config import KVStoreConfig, KVTransferConfig, kv_plane_of
+from pdcluster.kvstore.config import KVStoreConfig, KVTransferConfig
 from pdcluster.kvstore.errors import (BlockLayoutError, KVStoreError, KVTransferError,
                                       KVTransferTimeout)
 
@@ -273,16 +273,15 @@ class KVTransferBackend(ABC):
     Args:
         config: the transfer settings (backend, deadline, chunking).
         kv_config: the KV plane's token, TLS and gRPC message size (the KV store's config, so
-            both ends of a channel agree). None: :func:`kvstore.config.kv_plane_of` ``config``:
-            no token and no TLS (stores without auth, tests) unless ``config`` carries them
-            under their deprecated names.
+            both ends of a channel agree). None: the defaults, no token and no TLS (stores
+            without auth, tests).
     """
 
     name: str = ""
 
     def __init__(self, config: KVTransferConfig, kv_config: KVStoreConfig | None = None):
         self.config = config
-        self.kv_config = kv_config if kv_config is not None else kv_plane_of(config)
+        self.kv_config = kv_config if kv_config is not None else KVStoreConfig()
 
     @abstractmethod
     def create_receiver(self) -> KVReceiver:

@@ -30,7 +30,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import Counter, OrderedDict
+from collections import Counter
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -54,8 +54,6 @@ log = logging.getLogger(__name__)
 
 #: Attempts of one fetch: the first source, then one retry from the pool.
 MAX_ATTEMPTS = 2
-#: Requests whose kv_timings are kept (the most recent).
-MAX_TIMINGS = 4096
 
 
 class FetchConnector(KVConnector):
@@ -84,9 +82,6 @@ class FetchConnector(KVConnector):
             backend's name).
         errors_by_backend: failed attempts by path and kind: "timeout" (KVTransferTimeout, a
             deadline passed) or "error"; attempts of aborted fetches are not counted.
-        kv_timings: per request (the last MAX_TIMINGS fetched): when its fetch started
-            (``fetch_start_s``) and settled (``admitted_s``, time.time()), the paths tried, a
-            layer stream's per-piece arrivals, and ``failed`` when nothing landed.
     """
 
     polled = True
@@ -102,7 +97,7 @@ class FetchConnector(KVConnector):
         # the pool, tails and releases always go over gRPC (releases on its threads)
         self.grpc = (self.backend if isinstance(self.backend, GrpcTransferBackend)
                      else GrpcTransferBackend(transfer, kv_config))
-        self.sources = decode_sources(self, transfer.backend, self.backend, store or self.grpc)
+        self.sources = decode_sources(self, self.backend.name, self.backend, store or self.grpc)
         self.bytes_by_backend: Counter[str] = Counter()
         #: failed attempts by path and kind ("timeout": past a deadline, "error": the rest);
         #: an aborted fetch's attempt is neither
@@ -111,7 +106,6 @@ class FetchConnector(KVConnector):
         self._planned: list[tuple[KVConnectorRequest, list[int], int]] = []
         self._fetches: dict[str, KVFetch] = {}
         self._fetched: set[str] = set()  # fetches started whose request has not finished
-        self.kv_timings: OrderedDict[str, dict] = OrderedDict()
         self.num_fetch_retries_total = 0
 
     @classmethod
@@ -173,9 +167,6 @@ class FetchConnector(KVConnector):
     def _track(self, fetch: KVFetch) -> None:
         self._fetches[fetch.request_id] = fetch
         self._fetched.add(fetch.request_id)
-        self.kv_timings[fetch.request_id] = {"fetch_start_s": fetch.started_s}
-        while len(self.kv_timings) > MAX_TIMINGS:
-            self.kv_timings.popitem(last=False)
 
     def get_finished(self) -> tuple[dict, dict[str, LoadOutcome]]:
         """Fetches that settled: the prompt landed (num_tokens: the prompt after the blocks
@@ -190,8 +181,6 @@ class FetchConnector(KVConnector):
             del self._fetches[request_id]
             detail = {"paths": list(fetch.paths), "arrivals": fetch.arrivals()}
             self.num_fetch_retries_total += len(fetch.paths) - 1
-            timings = self.kv_timings.get(request_id, {})
-            timings.update(detail, admitted_s=time.time())
             if state is TransferState.SUCCESS:
                 bs = self.cache.block_size
                 num_tokens = (DecodeHandoff.of(fetch.params).num_tokens(bs)
@@ -201,7 +190,6 @@ class FetchConnector(KVConnector):
             else:
                 loaded[request_id] = LoadOutcome(failures=[f"{'→'.join(fetch.paths)}: "
                                                            f"{fetch.error}"], detail=detail)
-                timings["failed"] = True
         return {}, loaded
 
     def request_finished(self, request: KVConnectorRequest, block_ids: Sequence[int]

@@ -30,7 +30,8 @@ class MultiConnector(KVConnector):
 
     @classmethod
     def from_context(cls, ctx: KVConnectorContext) -> MultiConnector:
-        raise TypeError("build a MultiConnector through kvstore.transport.registry.create_connector")
+        raise TypeError("build a MultiConnector through "
+                        "kvstore.transport.registry.create_connector")
 
     def register_kv_caches(self, cache: BlockCache) -> None:
         self.cache = self._reads = _ReadOnce(cache)

@@ -21,16 +21,17 @@ from pdcluster.kvstore.transport.multi import MultiConnector
 from pdcluster.kvstore.transport.base import KVTransferBackend
 from pdcluster.kvstore.transport.source import FetchHost, KVSource
 
-#: name -> "module:class", below pdcluster.kvstore
+_HERE = "pdcluster.kvstore.transport"
+#: name -> "module:class"
 KV_CONNECTORS: dict[str, str] = {
-    "pool": "transport.pool.connector:PoolConnector",
-    "pool-load": "transport.pool.connector:PoolLoadConnector",
-    "publish": "transport.pool.publish:PublishConnector",
-    "layer": "transport.layer_stream.connector:LayerStreamConnector",
-    "torch": "transport.torch_pair.push:TorchPushConnector",
-    "mooncake": "transport.mooncake.connector:MooncakeConnector",
-    "layer-mooncake": "transport.mooncake.layer_connector:MooncakeLayerStreamConnector",
-    "fetch": "transport.fetch:FetchConnector",
+    "pool": f"{_HERE}.pool.connector:PoolConnector",
+    "pool-load": f"{_HERE}.pool.connector:PoolLoadConnector",
+    "publish": f"{_HERE}.pool.publish:PublishConnector",
+    "layer": f"{_HERE}.layer_stream.connector:LayerStreamConnector",
+    "torch": f"{_HERE}.torch_pair.push:TorchPushConnector",
+    "mooncake": f"{_HERE}.mooncake.connector:MooncakeConnector",
+    "layer-mooncake": f"{_HERE}.mooncake.layer_connector:MooncakeLayerStreamConnector",
+    "fetch": f"{_HERE}.fetch:FetchConnector",
 }
 
 
@@ -53,19 +54,19 @@ class Transport:
 #: the pool: the prefix cache, and every decode's fallback
 POOL = "grpc"
 TRANSPORTS: dict[str, Transport] = {
-    POOL: Transport("transport.pool.grpc_backend:GrpcTransferBackend",
-                    "transport.pool.source:pool_sources"),
-    "torch": Transport("transport.torch_pair.backend:TorchTransferBackend",
-                       "transport.torch_pair.source:torch_sources", ("torch",)),
-    "mooncake": Transport("transport.mooncake.backend:MooncakeTransferBackend",
-                          "transport.mooncake.source:mooncake_sources", ("mooncake",),
+    POOL: Transport(f"{_HERE}.pool.grpc_backend:GrpcTransferBackend",
+                    f"{_HERE}.pool.source:pool_sources"),
+    "torch": Transport(f"{_HERE}.torch_pair.backend:TorchTransferBackend",
+                       f"{_HERE}.torch_pair.source:torch_sources", ("torch",)),
+    "mooncake": Transport(f"{_HERE}.mooncake.backend:MooncakeTransferBackend",
+                          f"{_HERE}.mooncake.source:mooncake_sources", ("mooncake",),
                           "layer-mooncake"),
 }
 
 
 def _load(ref: str):
     module, _, name = ref.partition(":")
-    return getattr(importlib.import_module(f"pdcluster.kvstore.{module}"), name)
+    return getattr(importlib.import_module(module), name)
 
 
 def connector_class(name: str) -> type[KVConnector]:

@@ -29,6 +29,7 @@ from pdcluster.engine.config import EngineConfig
 from pdcluster.kvstore.config import KVStoreConfig, KVTransferConfig
 from pdcluster.kvstore.pool_config import KVPoolConfig
 from tests.kvstore.conftest import RedisServer, _free_port, _need_redis
+from tests.faults import FAULTY
 from tests.markers import starts
 
 HERE = Path(__file__).parent
@@ -264,7 +265,7 @@ def running_env(workdir: Path, **overrides) -> Iterator[ChaosEnv]:
         **overrides})
     port = _free_port()
     try:
-        with Cluster(config) as cluster:
+        with Cluster(config, actors=FAULTY) as cluster:
             server = uvicorn.Server(uvicorn.Config(gateway_app(cluster.config, cluster),
                                                    host="127.0.0.1", port=port,
                                                    log_level="warning", lifespan="off"))

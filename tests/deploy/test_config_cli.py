@@ -1,4 +1,3 @@
-import logging
 import warnings
 
 import pytest
@@ -86,7 +85,7 @@ def test_conductor_flags():
             load_config(None, bad)
 
 
-# ---- one source per setting; old names as deprecated aliases ------------------------------
+# ---- one source per setting ------------------------------
 
 def _serve(*flags: str):
     return load_config(None, _overrides(_parser().parse_args(["serve", *flags])))
@@ -147,20 +146,13 @@ def test_kv_flags_set_the_fields_they_name():
     assert cfg.kvstore.token.get_secret_value() == "t0k3n"
 
 
-def test_deprecated_yaml_keys_still_set_the_new_ones(tmp_path):
+def test_names_that_never_shipped_are_refused_with_the_key_named(tmp_path, capsys):
     path = tmp_path / "old.yaml"
-    path.write_text("kvstore:\n  capacity_bytes: 4096\n  transfer_timeout_s: 3\n"
-                    "transfer:\n  token: ignored\n  max_message_bytes: 1048576\n"
-                    "  timeout_s: 20\n")
-    with pytest.warns(DeprecationWarning) as caught:
-        cfg = load_config(path, {})
-    messages = " | ".join(str(w.message) for w in caught)
-    for old in ("capacity_bytes", "transfer_timeout_s", "transfer.token",
-                "transfer.max_message_bytes"):
-        assert old in messages
-    assert (cfg.kvstore.tail_capacity_bytes, cfg.kvstore.rpc_timeout_s) == (4096, 3.0)
-    assert cfg.kvstore.max_message_bytes == 1 << 20 and cfg.kvstore.token is None
-    assert cfg.transfer.timeout_s == 20.0 and "token" not in cfg.transfer.model_fields_set
+    path.write_text("kvstore:\n  capacity_bytes: 4096\n")
+    with pytest.raises(ValidationError, match="capacity_bytes"):
+        load_config(path, {})
+    assert main(["serve", "--config", str(path)]) != 0
+    assert "capacity_bytes" in capsys.readouterr().err
 
 
 def test_new_keys_load_without_warnings(tmp_path):
@@ -175,19 +167,3 @@ def test_new_keys_load_without_warnings(tmp_path):
             cfg.kvstore.max_message_bytes) == (4096, 3.0, 1 << 20)
     assert (cfg.prefill_engine().tensor_parallel_size,
             cfg.decode_engine().tensor_parallel_size) == (2, 1)
-
-
-def test_serve_logs_each_deprecated_key_once(tmp_path, monkeypatch, caplog):
-    from pdcluster.deploy import cli
-    from pdcluster.engine import logs
-
-    served = []
-    monkeypatch.setattr(cli, "_serve", lambda config: served.append(config) or 0)
-    monkeypatch.setattr(logs, "configure_logging", lambda *args: None)
-    path = tmp_path / "old.yaml"
-    path.write_text("kvstore:\n  capacity_bytes: 4096\n")
-    with caplog.at_level(logging.WARNING, logger="pdcluster.deploy.cli"):
-        assert main(["serve", "--config", str(path)]) == 0
-    assert served[0].kvstore.tail_capacity_bytes == 4096
-    logged = [r.getMessage() for r in caplog.records if "deprecated" in r.getMessage()]
-    assert len(logged) == 1 and "capacity_bytes" in logged[0]

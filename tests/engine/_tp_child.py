@@ -112,7 +112,7 @@ def main() -> None:
         os._exit(0)  # the group's other member is gone: skip torch's teardown
     if rank == 0:
         result, wire = scenario(runner, block_size)
-        runner.stop_followers()
+        runner.close()
         torch.save(wire, out / "wire.pt")
         (out / "result.json").write_text(json.dumps(result))
     else:

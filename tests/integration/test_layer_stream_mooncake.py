@@ -21,7 +21,6 @@ from pdcluster.engine.protocol import DecodeRequest, PrefillRequest, SamplingPar
 from pdcluster.engine.runner import ModelRunner
 from pdcluster.kvstore.client import KVStoreClient
 from pdcluster.kvstore.config import KVTransferConfig
-from pdcluster.kvstore.transport.fetch import FetchConnector
 from pdcluster.kvstore.transport.multi import MultiConnector
 from pdcluster.kvstore.transport.layer_stream.connector import LayerStreamConnector
 from pdcluster.kvstore.transport.pool.connector import PoolConnector
@@ -31,6 +30,7 @@ from tests.engine_loops import started, stop
 from tests.integration.test_transfer_faults import store  # noqa: F401 — the store fixture
 from tests.kvstore.local_peers import LocalStreamPeers
 from tests.handoffs import handoff
+from tests.tracing import TracedFetch
 
 from tests.real_parts import MOONCAKE_HINT, import_real_part
 
@@ -61,7 +61,7 @@ def engines(store):
             MooncakeConnector(MOONCAKE, 60, regions)]),
         "prefill-te", 0))
     decode = started(lambda: decode_core(ModelRunner(EngineConfig(num_kv_blocks=64)),
-                                          "decode-te", 0, FetchConnector(MOONCAKE),
+                                          "decode-te", 0, TracedFetch(MOONCAKE),
                                           peers=peers, layer_streams=True))
     peers.workers.update({"decode-te": decode, "prefill-te": prefill})
     yield prefill, decode, regions

@@ -24,7 +24,6 @@ from pdcluster.engine.protocol import (KV_LOAD_FAILED, DecodeRequest, FinishReas
                                        PrefillResult, SamplingParams)
 from pdcluster.engine.runner import ModelRunner
 from pdcluster.kvstore.client import KVStoreClient
-from pdcluster.kvstore.transport.fetch import FetchConnector
 from pdcluster.kvstore.config import KVStoreConfig, KVTransferConfig
 from pdcluster.kvstore.transport.layer_stream.connector import LayerStreamConnector
 from pdcluster.kvstore.transport.multi import MultiConnector
@@ -37,6 +36,7 @@ from tests.kvstore.lru_block_store import lru_server
 from tests.engine_loops import started, stop
 from tests.handoffs import handoff, with_handoff
 from tests.markers import starts
+from tests.tracing import TracedFetch
 
 TIMEOUT_S = 1.0
 STORY = ("Once upon a time, there was a little boy named Tim. Tim had a big red ball. He liked "
@@ -111,7 +111,7 @@ def decode_engine(backend: KVTransferBackend | None = None,
     runner = ModelRunner(EngineConfig(num_kv_blocks=64))
     transfer = KVTransferConfig(timeout_s=TIMEOUT_S)
     return started(lambda: decode_core(runner, "decode-f", 0,
-                                        FetchConnector(transfer, store=backend),
+                                        TracedFetch(transfer, store=backend),
                                         kv_load_failure_policy=kv_load_failure_policy))
 
 

@@ -22,6 +22,7 @@ from pdcluster.kvstore.index import Location, open_index  # noqa: E402
 from pdcluster.kvstore.layout import BlockLayout  # noqa: E402
 from pdcluster.kvstore.node_store import HOST  # noqa: E402
 from pdcluster.kvstore.pool_config import KVPoolConfig  # noqa: E402
+from tests.faults import FaultyKVStoreActor  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -161,7 +162,8 @@ def test_killed_store_restarts_empty_at_its_address_and_workers_reattach(ray_clu
     pool = POOL.model_copy(update={"index_url": f"ray://{NS}-restart-index"})
     index = open_index(pool.index_url)  # created by the driver, as the launcher does: an
     # index actor lives as long as the process that created it
-    actor = start_kvstore_actors(KVStoreConfig(), pool, LAYOUT, NS, node_ids=[node_id])[node_id]
+    actor = start_kvstore_actors(KVStoreConfig(), pool, LAYOUT, NS, node_ids=[node_id],
+                                 actor_cls=FaultyKVStoreActor)[node_id]
     try:
         address, pid = ray.get(actor.address.remote()), ray.get(actor.pid.remote())
         worker = ArenaWorker.remote()

@@ -22,6 +22,7 @@ from pdcluster.deploy.launcher import Cluster
 from pdcluster.engine.config import BUNDLED_MODEL
 from pdcluster.engine.model_config import ModelConfig
 from pdcluster.engine.protocol import SamplingParams
+from tests.faults import FAULTY
 
 pytestmark = pytest.mark.slow
 
@@ -33,7 +34,7 @@ LAYERS = ModelConfig.from_pretrained(BUNDLED_MODEL).num_hidden_layers
 @pytest.fixture(scope="module")
 def cluster(local_cluster):
     config = ServeConfig(pd_decider="always", prefill_tp=2, decode_tp=2, ray_namespace="pdc-tp")
-    with local_cluster(config) as c:
+    with local_cluster(config, FAULTY) as c:
         yield c
 
 
