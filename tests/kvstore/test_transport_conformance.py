@@ -24,13 +24,12 @@ import torch
 
 from pdcluster.engine.core.hashing import block_keys, make_namespace
 from pdcluster.engine.kv_cache import PagedKVCache
-from pdcluster.kvstore.client import KVStoreClient
-from pdcluster.kvstore.config import KVStoreConfig, KVTransferConfig
+from pdcluster.kvstore.config import KVTransferConfig
 from pdcluster.kvstore.transport import registry
 from pdcluster.kvstore.transport.base import TransferState
 from pdcluster.kvstore.transport.fetch import FetchConnector, KVFetch
 from tests.kvstore import loopback_transport
-from tests.kvstore.lru_block_store import lru_server
+from tests.integration.test_transfer_faults import store  # noqa: F401 — the store fixture
 
 BLOCK_SIZE, LAYERS, NUM_BLOCKS = 4, 2, 24
 NUM_FULL, NUM_TAIL_TOKENS = 5, 3  # the prompt: 5 full blocks, then a tail of 3 tokens
@@ -58,17 +57,6 @@ class _Request:
         self.request_id, self.runs_alone, self.max_tokens = request_id, False, 8
         self.kv_transfer_params = {"decode_peer": "decode-0"}
         self.block_keys, self.block_table, self.num_computed_tokens = (), [], 0
-
-
-@pytest.fixture(scope="module")
-def store():
-    server = lru_server(KVStoreConfig(tail_ttl_s=60))
-    server.start()
-    try:
-        with KVStoreClient(server.address) as client:
-            yield server, client
-    finally:
-        server.stop()
 
 
 @pytest.fixture
