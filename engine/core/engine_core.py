@@ -46,6 +46,8 @@ from pdcluster.engine.core.block_pool import BlockPool
 from pdcluster.engine.core.engine_loop import EngineInbox
 from pdcluster.engine.core.hashing import block_keys, make_namespace
 from pdcluster.engine.core.kv_cache_manager import NULL_BLOCK, KVCacheManager, has_released
+from pdcluster.engine.core.messages import (AbortRequest, AddRequest, CallSoon, EngineMessage,
+                                            ResetPrefixCache, Wake)
 from pdcluster.engine.core.kv_connector import (KVConnector, KVLoadFailurePolicy, LoadOutcome,
                                                 ScheduledChunk, StepCancelled)
 from pdcluster.engine.core.preemption import PREEMPTION_MODES
@@ -153,7 +155,7 @@ class EngineCore:
         self.publish_interval = publish_interval
         self.inbox = EngineInbox()
         connector.register_kv_caches(runner.wire_kv)
-        connector.wakeup = lambda: self.inbox.post("wake")
+        connector.wakeup = lambda: self.inbox.post(Wake())
         if connector.streams_layers:  # around each layer's attention, compiled or not
             runner.layer_hooks = connector
         self.pre_arrival: PreArrivalKV | None = None
@@ -187,7 +189,7 @@ class EngineCore:
 
     # ---- called from other threads -------------------------------------------------------
     def add_request(self, request: Request) -> None:
-        self.inbox.post("add", request)
+        self.inbox.post(AddRequest(request))
 
     def abort(self, request_id: str) -> None:
         """Idempotent: a request waiting or running ends with finish_reason ABORT and releases
@@ -197,17 +199,17 @@ class EngineCore:
         alone = self._alone
         if alone is not None and alone.request_id == request_id:
             self.connector.abort(request_id)  # at once: its forward may be running
-        self.inbox.post("abort", request_id)
+        self.inbox.post(AbortRequest(request_id))
 
     def call_soon(self, fn: Callable[[], None]) -> None:
         """Run ``fn`` on the engine loop before its next step."""
-        self.inbox.post("call", fn)
+        self.inbox.post(CallSoon(fn))
 
     def reset_prefix_cache(self) -> bool:
         """Drop every cached key (refused while a request holds blocks); the index hears of
         it."""
         done: Future = Future()
-        self.inbox.post("reset", done)
+        self.inbox.post(ResetPrefixCache(done))
         return done.result()
 
     @property
@@ -250,18 +252,20 @@ class EngineCore:
             kv_connector_stats=self.connector.stats())
 
     # ---- the engine loop's (engine.core.engine_loop) -------------------------------------
-    def handle(self, kind: str, item) -> None:
-        if kind == "add":
-            self._arrive(item)
-        elif kind == "abort":
-            self._abort_now(item)
-        elif kind == "call":
-            item()
-        elif kind == "reset":
-            ok = self.pool.reset_prefix_cache()
-            self._send_events()
-            item.set_result(ok)
-        # "wake": the connector settled something; the step polls it
+    def handle(self, message: EngineMessage) -> None:
+        match message:
+            case AddRequest(request):
+                self._arrive(request)
+            case AbortRequest(request_id):
+                self._abort_now(request_id)
+            case CallSoon(fn):
+                fn()
+            case ResetPrefixCache(done):
+                ok = self.pool.reset_prefix_cache()
+                self._send_events()
+                done.set_result(ok)
+            case Wake():
+                pass  # what settled is polled by the step
 
     def step(self) -> bool:
         if self._compiling:
@@ -342,7 +346,7 @@ class EngineCore:
         if spec is not None:
             future = self._structured_output().compile(spec)
             self._compiling[request.request_id] = (request, future)
-            future.add_done_callback(lambda _: self.inbox.post("wake"))
+            future.add_done_callback(lambda _: self.inbox.post(Wake()))
             return
         self._queue(request)
 

@@ -18,25 +18,27 @@ import queue
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Generic, Protocol, TypeVar
+
+from pdcluster.engine.core.messages import EngineMessage
 
 log = logging.getLogger(__name__)
 
 
 class EngineInbox:
-    """The thread-safe way into an engine loop: messages ``(kind, item)`` the loop hands to
-    its engine's ``handle`` before each step, in the order they were posted."""
+    """The thread-safe way into an engine loop: messages (engine.core.messages) the loop hands
+    to its engine's ``handle`` before each step, in the order they were posted."""
 
     def __init__(self) -> None:
-        self._queue: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[EngineMessage] = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self.stopped = threading.Event()
 
-    def post(self, kind: str, item: Any = None) -> None:
-        self._queue.put((kind, item))
+    def post(self, message: EngineMessage) -> None:
+        self._queue.put(message)
         self._wakeup.set()
 
-    def drain(self) -> Iterator[tuple[str, Any]]:
+    def drain(self) -> Iterator[EngineMessage]:
         while True:
             try:
                 yield self._queue.get_nowait()
@@ -58,8 +60,8 @@ class LoopedEngine(Protocol):
 
     inbox: EngineInbox
 
-    def handle(self, kind: str, item: Any) -> None:
-        """One inbox message (add, abort, ...)."""
+    def handle(self, message: EngineMessage) -> None:
+        """One inbox message."""
 
     def step(self) -> bool:
         """Schedule, execute, sample and postprocess once. False: there was nothing to run."""
@@ -132,8 +134,8 @@ def run_once(core: LoopedEngine) -> bool:
     """One loop iteration without sleeping: the inbox's messages, then one step. Returns what
     the step returned; a step that raised counts as having run."""
     try:
-        for kind, item in core.inbox.drain():
-            core.handle(kind, item)
+        for message in core.inbox.drain():
+            core.handle(message)
         return core.step()
     except Exception as exc:  # noqa: BLE001 — the loop must outlive one bad step
         log.exception("engine step failed; failing the requests it ran")
