@@ -1,5 +1,7 @@
 """The engine every worker runs (vLLM v1's ``EngineCore``): one scheduler over one block pool,
-one KV connector, one step: schedule → execute → sample → postprocess.
+one KV connector, one step: ``schedule`` (a SchedulerOutput: which tokens of which requests,
+one budget) → ``execute_model`` (engine.core.model_executor: the forward, the grammar masks
+and the sampler) → ``update_from_output`` (tokens computed, stops, finishing).
 
 Prefill, decode and colocated instances are this engine with other requests and connectors
 (engine.core.request.Request):
@@ -40,8 +42,6 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from typing import Any, Protocol
 
-import torch
-
 from pdcluster.engine.core.block_pool import BlockPool
 from pdcluster.engine.core.engine_loop import EngineInbox
 from pdcluster.engine.core.hashing import block_keys, make_namespace
@@ -53,14 +53,14 @@ from pdcluster.engine.core.kv_connector import (KVConnector, KVLoadFailurePolicy
 from pdcluster.engine.core.preemption import PREEMPTION_MODES
 from pdcluster.engine.core.request import (Request, RequestAborted, RequestFailed, RequestRejected,
                                            RequestStatus)
-from pdcluster.engine.core.scheduler import Scheduler
+from pdcluster.engine.core.model_executor import ModelExecutor
+from pdcluster.engine.core.outputs import ModelRunnerOutput, SchedulerOutput
+from pdcluster.engine.core.scheduler import Scheduler, check_stop
 from pdcluster.engine.core.stats import SchedulerStats
-from pdcluster.engine.core.structured_output import (GrammarError, StructuredOutputManager,
-                                                     apply_bitmask)
+from pdcluster.engine.core.structured_output import GrammarError, StructuredOutputManager
 from pdcluster.engine.protocol import KV_LOAD_FAILED, FinishReason, TokenDelta, TokenLogprob
 from pdcluster.engine.parallel import TPError
-from pdcluster.engine.runner import ModelRunner, SequenceChunk
-from pdcluster.engine.sampler import SampleInput, prompt_logprobs, sample
+from pdcluster.engine.runner import ModelRunner
 from pdcluster.engine.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -168,6 +168,8 @@ class EngineCore:
         self._ready: list[tuple[Request, Any]] = []  # params known at request_finished
         self._in_step: list[Request] = []
         self._structured: StructuredOutputManager | None = None  # made by the first grammar
+        self.executor = ModelExecutor(runner, connector, self.eos_token_ids,
+                                      lambda: self._structured)
         # requests whose grammar compiles off the loop, by id, with its future matcher
         self._compiling: dict[str, tuple[Request, Future]] = {}
         # ids aborted before they arrived (loop thread only); bounded, as aborts may name
@@ -268,6 +270,29 @@ class EngineCore:
                 pass  # what settled is polled by the step
 
     def step(self) -> bool:
+        """vLLM v1's step: schedule → execute_model → update_from_output. False: nothing
+        ran."""
+        output = self.schedule()
+        if output is None:
+            return False
+        self._in_step = output.requests
+        began = time.perf_counter()
+        try:
+            self.update_from_output(output, self.executor.execute_model(output))
+        except StepCancelled:
+            self._finish(self._alone, FinishReason.ABORT, RequestAborted(self._alone.request_id))
+        finally:
+            self.busy_s_total += time.perf_counter() - began
+        self._in_step = []
+        self._send_events()
+        self._take_finished()
+        return True
+
+    def schedule(self) -> SchedulerOutput | None:
+        """What runs this step: admitted requests start their KV, settled loads run, and one
+        budget (``max_num_batched_tokens``) takes the decode rows first (oldest first; a row
+        past the budget waits a step), then prompt chunks in what is left. None: nothing to
+        run."""
         if self._compiling:
             self._take_compiled()
         if self.pre_arrival is not None:
@@ -280,26 +305,14 @@ class EngineCore:
         running = self.scheduler.grow()
         if not running:
             self._send_events()  # what a batch interval held back
-            return False
-        # one budget for every token of the step: decode rows first (oldest first; a row
-        # past the budget waits a step), prompt chunks in what is left
+            return None
         decoding = [r for r in running if r.output_ids and not r.prefill_only
                     and r.num_computed_tokens == r.num_tokens - 1][:self.token_budget]
         chunks = self._schedule_chunks(self.token_budget - len(decoding))
         if not (decoding or chunks):
-            return False
-        self._in_step = decoding + [r for r, _ in chunks]
-        began = time.perf_counter()
-        try:
-            self._execute(decoding, chunks)
-        except StepCancelled:
-            self._finish(self._alone, FinishReason.ABORT, RequestAborted(self._alone.request_id))
-        finally:
-            self.busy_s_total += time.perf_counter() - began
-        self._in_step = []
-        self._send_events()
-        self._take_finished()
-        return True
+            return None
+        return SchedulerOutput(decoding, chunks, self.connector.build_connector_meta(
+            [ScheduledChunk(r, r.num_computed_tokens, n) for r, n in chunks]))
 
     def idle_wait_s(self) -> float:
         # a load the connector does not wake the loop for is polled
@@ -380,7 +393,7 @@ class EngineCore:
 
     def _queue(self, request: Request) -> None:
         if request.output_ids:
-            finish = self._check_stop(request)
+            finish = check_stop(request, self.eos_token_ids, self.max_model_len)
             if finish is not None:
                 self._finish(request, finish)
                 return
@@ -507,32 +520,17 @@ class EngineCore:
             self._alone = chunks[0][0]
         return chunks
 
-    def _execute(self, decoding: list[Request], chunks: list[tuple[Request, int]]) -> None:
-        """One forward: the last token of every decoding request, then each chunk; samples the
-        next token of every decoding request and of each prompt this step completed."""
-        lora = self.runner.lora_slot
-        batch = [SequenceChunk((r.output_ids[-1],), r.num_tokens - 1, r.block_table,
-                               lora(r.sampling.lora_name))
-                 for r in decoding]
-        for request, n in chunks:
-            start = request.num_computed_tokens
-            batch.append(SequenceChunk(tuple(request.token_ids[start:start + n]), start,
-                                       request.block_table, lora(request.sampling.lora_name)))
-        self.connector.bind_connector_metadata(self.connector.build_connector_meta(
-            [ScheduledChunk(r, r.num_computed_tokens, n) for r, n in chunks]))
-        scored = [(row, r, n) for row, (r, n) in enumerate(chunks, len(decoding))
-                  if r.wants_prompt_logprobs]
-        if scored:
-            logits = self._score_prompts(self.runner.execute(batch, all_logits=True), batch,
-                                         scored)
-        else:
-            logits = self.runner.execute(batch)
-        self.connector.wait_for_save()
+    def update_from_output(self, output: SchedulerOutput,
+                           model_output: ModelRunnerOutput) -> None:
+        """The step ran: every scheduled request counts its tokens computed (a prompt just
+        completed is cached), and each sampled token is appended, checked against the grammar
+        and the stop conditions (engine.core.scheduler.check_stop), and sent out, or ends its
+        request."""
+        decoding, chunks = output.decoding, output.chunks
         for request in decoding:
             request.num_computed_tokens += 1
             request.num_forward_tokens += 1
-        done: list[tuple[int, Request]] = []
-        for row, (request, n) in enumerate(chunks, len(decoding)):
+        for request, n in chunks:
             before = request.num_computed_tokens
             request.num_computed_tokens += n
             if before < request.num_prompt_tokens <= request.num_computed_tokens:
@@ -540,21 +538,13 @@ class EngineCore:
                 self._cache(request, request.prompt_keys)
                 log.debug("prefill of %d tokens (%d cached)", request.num_prompt_tokens,
                           request.num_cached_tokens, extra={"request_id": request.request_id})
-            if request.num_computed_tokens == request.num_tokens:  # samples token 0
-                done.append((row, request))
         self._count(decoding, chunks)
         if self.kv.sliding_window is not None:
-            for request in (*decoding, *(r for r, _ in chunks)):
+            for request in output.requests:
                 if not request.prefill_only:  # a prefill's whole prompt goes to the connector
                     self.kv.release_outside_window(request.block_table,
                                                    request.num_computed_tokens)
-        sampling = decoding + [r for _, r in done]
-        rows = [*range(len(decoding)), *(row for row, _ in done)]
-        inputs = [SampleInput(r.sampling, r.seed, r.prompt_token_ids, r.output_ids,
-                              r.token_edits) for r in sampling]
-        sampled = sample(self._constrained(logits[rows], sampling), inputs,
-                         self.eos_token_ids) if sampling else []
-        for request, (token, logprob) in zip(sampling, sampled):
+        for request, token, logprob in model_output.sampled:
             if request is self._alone:
                 self._alone = None
             request.output_ids.append(token)
@@ -567,38 +557,13 @@ class EngineCore:
             if grammar is not None and not request.grammar_on:  # the reasoning may end here
                 end = request.sampling.reasoning_end_token_ids
                 request.grammar_on = tuple(request.full_output()[-len(end):]) == end
-            finish = self._check_stop(request)
+            finish = check_stop(request, self.eos_token_ids, self.max_model_len)
             if finish is not None:
                 self._finish(request, finish, new_tokens=(token,), logprob=logprob)
                 continue
             request.emit(self._delta(request, (token,), None, logprob=logprob))
             if self.publish_interval:
                 self._save_progress(request)
-
-    def _score_prompts(self, logits, batch: list[SequenceChunk],
-                       scored: list[tuple[int, Request, int]]):
-        """From every position's logits [tokens, vocab] of the step: the prompt logprobs of
-        each scored chunk (row i of a chunk predicts its token i + 1), and the last
-        position's logits of each chunk, as a plain step returns them."""
-        ends = torch.tensor([len(c.token_ids) for c in batch]).cumsum(0)
-        for row, request, n in scored:
-            start = request.num_computed_tokens
-            first = int(ends[row]) - n
-            targets = request.prompt_token_ids[start + 1:min(start + n + 1,
-                                                             request.num_prompt_tokens)]
-            if targets:
-                request.prompt_logprobs += prompt_logprobs(
-                    logits[first:first + len(targets)], targets, request.sampling.prompt_logprobs)
-        return logits[ends - 1]
-
-    def _constrained(self, logits, requests: list[Request]):
-        """``logits`` [rows, vocab] (a copy) with each grammar's disallowed tokens at -inf."""
-        if self._structured is not None and any(r.grammar_on for r in requests):
-            mask = self._structured.bitmask([r.grammar if r.grammar_on else None
-                                             for r in requests])
-            if mask is not None:
-                apply_bitmask(logits, mask)
-        return logits
 
     def _count(self, decoding: list[Request], chunks: list[tuple[Request, int]]) -> None:
         if decoding:
@@ -609,20 +574,6 @@ class EngineCore:
             self.num_prefill_chunks_total += len(chunks)
             self.max_prefill_chunks_per_step = max(self.max_prefill_chunks_per_step, len(chunks))
             self.num_prefill_tokens_total += sum(n for _, n in chunks)
-
-    def _check_stop(self, request: Request) -> FinishReason | None:
-        if request.prefill_only:
-            return FinishReason.LENGTH  # its first token is all it computes here
-        params = request.sampling
-        last = request.output_ids[-1]
-        if (not params.ignore_eos and last in self.eos_token_ids) or last in params.stop_token_ids:
-            return FinishReason.STOP
-        if request.grammar_on and request.grammar.is_stopped():
-            return FinishReason.STOP  # the grammar is complete: only EOS could follow
-        if len(request.output_ids) >= params.max_tokens or \
-                request.num_tokens >= self.max_model_len:
-            return FinishReason.LENGTH
-        return None
 
     # ---- the end of a request ------------------------------------------------------------
     def _finish(self, request: Request, reason: FinishReason, error: Exception | None = None,

@@ -1,5 +1,5 @@
 """The engine loop every worker runs: one thread builds the engine (its model included), then
-repeats drain inbox → step (schedule → execute → sample → postprocess) until shut down.
+repeats drain inbox → step (schedule → execute_model → update_from_output) until shut down.
 
 Why one thread for both: with torch's OpenMP runtime (CPU), ops run ~1.8x slower on a thread
 that is not the first of the process to use OpenMP (benchmarks/prefill_thread.py measures it;

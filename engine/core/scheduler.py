@@ -30,11 +30,16 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Iterator
-from typing import Generic, Literal, TypeVar
+from collections.abc import Set as AbstractSet
+from typing import TYPE_CHECKING, Generic, Literal, TypeVar
 
 from pdcluster.engine.core.kv_cache_manager import KVCacheManager
 from pdcluster.engine.core.preemption import PreemptionPolicy
 from pdcluster.engine.core.request import RequestStatus, SchedulableRequest
+from pdcluster.engine.protocol import FinishReason
+
+if TYPE_CHECKING:
+    from pdcluster.engine.core.request import Request
 
 R = TypeVar("R", bound=SchedulableRequest)
 
@@ -217,3 +222,23 @@ def chunk_end(request: SchedulableRequest) -> int:
     if request.num_tokens == request.num_prompt_tokens:
         return request.num_prompt_tokens
     return request.num_tokens - 1
+
+
+def check_stop(request: Request, eos_token_ids: AbstractSet[int],
+               max_model_len: int) -> FinishReason | None:
+    """Whether the request ends with the output token just appended (vLLM v1's
+    ``check_stop``): STOP on EOS (unless ``ignore_eos``), one of its stop token ids or a
+    finished grammar; LENGTH at ``max_tokens`` or ``max_model_len``, and at once for a
+    prefill-only request (its first token is all it computes). None: it goes on. Stop strings
+    are the detokenizer's (the gateway's)."""
+    if request.prefill_only:
+        return FinishReason.LENGTH
+    params = request.sampling
+    last = request.output_ids[-1]
+    if (not params.ignore_eos and last in eos_token_ids) or last in params.stop_token_ids:
+        return FinishReason.STOP
+    if request.grammar_on and request.grammar.is_stopped():
+        return FinishReason.STOP  # the grammar is complete: only EOS could follow
+    if len(request.output_ids) >= params.max_tokens or request.num_tokens >= max_model_len:
+        return FinishReason.LENGTH
+    return None
