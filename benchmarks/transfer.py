@@ -197,7 +197,8 @@ def _pdc_te_server(ready: mp.Queue, sizes: list[int], block_nbytes: int, layout:
     for tensors in (cache.k, cache.v):
         for t in tensors:
             t.normal_()
-    transfer = KVTransferConfig(backend="mooncake", source_buffer_bytes=sum(sizes) + (1 << 20))
+    transfer = KVTransferConfig(backend="mooncake", kv_connector_extra_config={
+        "source_buffer_bytes": sum(sizes) + (1 << 20)})
     connector = MooncakeConnector(transfer, lease_s=24 * 3600)
     connector.register_kv_caches(cache)
     request = type("R", (), {"request_id": "bench", "runs_alone": False, "max_tokens": 16,

@@ -76,8 +76,7 @@ class DecodeWorker:
                 self._peer_entry = register_self(worker_id, ray_namespace)
                 peers = RayStreamPeers(ray_namespace, timeout)
             index = (open_index(pool_config.index_url,
-                                **pool_config.index_options(transfer.bind_host,
-                                                            transfer.mooncake_protocol))
+                                **pool_config.index_options(transfer.bind_host))
                      if pool_config is not None and engine_config.enable_prefix_caching
                      else None)
             runner = ModelRunner(engine_config, tp=self.tp.group)

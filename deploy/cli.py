@@ -106,12 +106,13 @@ _SERVE_FLAGS = [
     ("--kv-transfer-bind", "transfer.bind_host", str, "torch / mooncake transfer: address a "
                                                       "worker's pair store or Transfer Engine "
                                                       "binds (a routable one across nodes)"),
-    ("--kv-mooncake-protocol", "transfer.mooncake_protocol", str,
+    ("--kv-mooncake-protocol", "transfer.kv_connector_extra_config.protocol", str,
      "mooncake transfer: TE transport, tcp | rdma"),
-    ("--kv-transfer-buffer-bytes", "transfer.source_buffer_bytes", int,
+    ("--kv-transfer-buffer-bytes", "transfer.kv_connector_extra_config.source_buffer_bytes", int,
      "mooncake transfer: host memory per prefill worker registered with TE for KV waiting "
      "to be read"),
-    ("--kv-receive-buffer-bytes", "transfer.receive_buffer_bytes", int,
+    ("--kv-receive-buffer-bytes", "transfer.kv_connector_extra_config.receive_buffer_bytes",
+     int,
      "mooncake transfer: host memory per decode worker kept registered with TE for staged "
      "reads of scattered blocks"),
     ("--kv-streaming", "transfer.streaming", str, "request: decode pulls a request's KV after "
@@ -148,6 +149,8 @@ _SERVE_FLAGS = [
                                          "--index-url) | mooncake-store"),
     ("--mooncake-master", "kvpool.mooncake_master", str,
      "--kv-pool mooncake-store: the mooncake_master's RPC address, HOST:PORT"),
+    ("--mooncake-store-protocol", "kvpool.mooncake_protocol", str,
+     "--kv-pool mooncake-store: its Transfer Engine transport, tcp | rdma"),
     ("--policy", "policy", str, "Conductor policy: kvcache_centric | cache_aware | "
                                 "least_loaded | round_robin | random"),
     ("--pd-decider", "pd_decider", str,
@@ -247,9 +250,15 @@ _DEFAULT_TEXT = {
 
 
 def _config_default(path: str):
-    """ServeConfig's default of the field at dotted `path` (nested models walked)."""
+    """ServeConfig's default of the field at dotted `path` (nested models walked; the
+    transfer's section is the Mooncake transport's, whose flags are the only ones there)."""
     from pdcluster.deploy.config import ServeConfig
 
+    section, _, name = path.rpartition(".")
+    if section == "transfer.kv_connector_extra_config":
+        from pdcluster.kvstore.transport.mooncake.settings import MooncakeSettings
+
+        return MooncakeSettings.model_fields[name].get_default(call_default_factory=True)
     model = ServeConfig
     *parents, leaf = path.split(".")
     for name in parents:

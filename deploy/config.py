@@ -201,6 +201,9 @@ class ServeConfig(BaseModel):
                              "apply to colocated workers")
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("enable_auto_tool_choice needs a tool_call_parser (vLLM's rule)")
+        from pdcluster.kvstore.transport.registry import check_settings
+
+        check_settings(self.transfer)  # the transport's own section, by the transport
         return self
 
     def resolved_max_seqs_per_request(self) -> int:

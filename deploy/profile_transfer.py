@@ -112,7 +112,9 @@ def _mooncake_source(ready: mp.Queue, stop, block_shape, dtype, n: int, token: s
     cache = _source_cache(tuple(block_shape), dtype, n, "cross-layer")
     nbytes = sum(BLOCK_COUNTS) * cache.block_nbytes + (1 << 20)
     connector = MooncakeConnector(KVTransferConfig(backend="mooncake",
-                                                   source_buffer_bytes=nbytes), 24 * 3600.0)
+                                                   kv_connector_extra_config={
+                                                       "source_buffer_bytes": nbytes}),
+                                  24 * 3600.0)
     connector.register_kv_caches(cache)
     request = type("Profiled", (), {"request_id": "profile", "runs_alone": False,
                                     "max_tokens": 16, "kv_transfer_params": None})

@@ -8,7 +8,7 @@ reads them from there, so the two ends of a channel cannot disagree.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 import pydantic
 
@@ -104,14 +104,10 @@ class KVTransferConfig(pydantic.BaseModel):
         bind_host: torch: address the sender's pair store binds; mooncake: the address each
             worker's Transfer Engine announces and listens on (a node's routable address in a
             cluster).
-        mooncake_protocol: mooncake: TE's transport, ``tcp`` or ``rdma``.
-        source_buffer_bytes: mooncake: host memory a prefill worker registers with TE once,
-            in which requests' KV waits for its decode to read it; a request that finds no
-            room is not offered over TE (its decode reads the KV store).
-        receive_buffer_bytes: mooncake: host memory a decode worker keeps registered with TE
-            for staged reads (a request whose destination blocks are not consecutive is read
-            in one piece into it, then copied into its blocks); a transfer that finds none
-            free registers a buffer for itself alone.
+        kv_connector_extra_config: the transport's own settings (vLLM's
+            ``kv_connector_extra_config``), validated by it (its registry entry's
+            ``settings``): mooncake's in kvstore.transport.mooncake.settings; grpc and torch
+            take none.
         streaming: ``request`` (decode pulls the whole request's KV once prefill is done) or
             ``layer`` (each layer's KV for the new tokens is published as soon as that layer's
             prefill compute ends, overlapping the rest; Mooncake FAST'25 §3.1).
@@ -142,11 +138,9 @@ class KVTransferConfig(pydantic.BaseModel):
     num_streams: int = pydantic.Field(default=2, ge=1, le=64)
     min_stream_bytes: int = pydantic.Field(default=8 << 20, gt=0)
     bind_host: str = "127.0.0.1"
-    mooncake_protocol: Literal["tcp", "rdma"] = "tcp"
-    source_buffer_bytes: int = pydantic.Field(default=512 << 20, gt=0)
-    receive_buffer_bytes: int = pydantic.Field(default=256 << 20, ge=0)
     streaming: Literal["request", "layer"] = "request"
     load_failure_policy: Literal["recompute", "fail"] = "recompute"
     decode_publish: bool = True
     decode_publish_interval: int = pydantic.Field(0, ge=0)
     incremental_transfer: bool = True
+    kv_connector_extra_config: dict[str, Any] = pydantic.Field(default_factory=dict)

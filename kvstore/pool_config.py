@@ -19,7 +19,8 @@ class KVPoolConfig(BaseModel):
     backend: "pdcluster" (our node stores and index) or "mooncake-store" (`--kv-pool`): a
         Mooncake Store at `mooncake_master` ("host:port", its master's RPC address) is the
         prefix cache and the index; `index_url` then becomes ``mooncake://<mooncake_master>``
-        and each prefill worker mounts `dram_cache_bytes` into the store.
+        and each prefill worker mounts `dram_cache_bytes` into the store, its Transfer Engine
+        over `mooncake_protocol` (`--mooncake-store-protocol`: tcp | rdma).
     Raises ValueError (pydantic's ValidationError) for mooncake-store without a master.
     """
 
@@ -32,6 +33,7 @@ class KVPoolConfig(BaseModel):
     node_lease_s: float = Field(10.0, gt=0, le=10.0)
     backend: Literal["pdcluster", "mooncake-store"] = "pdcluster"
     mooncake_master: str | None = None
+    mooncake_protocol: Literal["tcp", "rdma"] = "tcp"
 
     @model_validator(mode="before")
     @classmethod
@@ -42,11 +44,11 @@ class KVPoolConfig(BaseModel):
             data = {**data, "index_url": f"mooncake://{data['mooncake_master']}"}
         return data
 
-    def index_options(self, bind_host: str, protocol: str) -> dict[str, Any]:
+    def index_options(self, bind_host: str) -> dict[str, Any]:
         """What a prefill worker opens the index with (`kvstore.index.open_index`'s kw): for
         mooncake-store, its store client's listen address and protocol and the segment it
         mounts; nothing otherwise."""
         if self.backend != "mooncake-store":
             return {}
-        return {"bind_host": bind_host, "protocol": protocol,
+        return {"bind_host": bind_host, "protocol": self.mooncake_protocol,
                 "segment_bytes": self.dram_cache_bytes, "buffer_bytes": 64 << 20}

@@ -63,8 +63,7 @@ class PrefillWorker:
         address = ray.get(store.address.remote(), timeout=30)
         transfer = transfer or KVTransferConfig()
         index = open_index(pool_config.index_url,
-                           **pool_config.index_options(transfer.bind_host,
-                                                       transfer.mooncake_protocol))
+                           **pool_config.index_options(transfer.bind_host))
         self.worker_id, self.node_id = worker_id, node_id
         names = prefill_connector_names(transfer, self.tp.size)
         streams = any(connector_class(name).streams_layers for name in names)

@@ -5,7 +5,8 @@ TRANSPORTS: the prefill's connectors that send or offer a request's KV, the back
 channels the decode shares among its transfers, and the decode's sources that take the KV in
 (kvstore.transport.source). The pool (``grpc``) is every decode's fallback. KV_CONNECTORS names
 each connector a worker can run; entries name their module, imported only when the connector
-is built, so a transfer engine's wheel costs nothing to workers that do not use it.
+is built, so a transfer engine's wheel costs nothing to workers that do not use it, and
+reading the registry (a config check) imports neither torch nor a transport.
 """
 
 from __future__ import annotations
@@ -13,13 +14,17 @@ from __future__ import annotations
 import importlib
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from pdcluster.engine.core.kv_connector import KVConnector
+import pydantic
+
 from pdcluster.kvstore.config import KVStoreConfig, KVTransferConfig
-from pdcluster.kvstore.transport.context import KVConnectorContext
-from pdcluster.kvstore.transport.multi import MultiConnector
-from pdcluster.kvstore.transport.base import KVTransferBackend
-from pdcluster.kvstore.transport.source import FetchHost, KVSource
+
+if TYPE_CHECKING:  # what the entries build, imported when they are built
+    from pdcluster.engine.core.kv_connector import KVConnector
+    from pdcluster.kvstore.transport.base import KVTransferBackend
+    from pdcluster.kvstore.transport.context import KVConnectorContext
+    from pdcluster.kvstore.transport.source import FetchHost, KVSource
 
 _HERE = "pdcluster.kvstore.transport"
 #: name -> "module:class"
@@ -43,12 +48,15 @@ class Transport:
     sources: "module:function", ``function(host, backend) -> [KVSource]``, the decode's half.
     connectors: KV_CONNECTORS names a prefill runs beside the pool's to send or offer KV.
     layer_connector: the KV_CONNECTORS name of its layer streaming (``--kv-streaming layer``).
+    settings: "module:class" of the pydantic model its section of the transfer config
+        (``kv_connector_extra_config``) must satisfy; None: it takes none.
     """
 
     backend: str
     sources: str
     connectors: tuple[str, ...] = ()
     layer_connector: str = "layer"
+    settings: str | None = None
 
 
 #: the pool: the prefix cache, and every decode's fallback
@@ -60,7 +68,7 @@ TRANSPORTS: dict[str, Transport] = {
                        f"{_HERE}.torch_pair.source:torch_sources", ("torch",)),
     "mooncake": Transport(f"{_HERE}.mooncake.backend:MooncakeTransferBackend",
                           f"{_HERE}.mooncake.source:mooncake_sources", ("mooncake",),
-                          "layer-mooncake"),
+                          "layer-mooncake", f"{_HERE}.mooncake.settings:MooncakeSettings"),
 }
 
 
@@ -76,6 +84,8 @@ def connector_class(name: str) -> type[KVConnector]:
 
 def create_connector(names: Sequence[str], ctx: KVConnectorContext) -> KVConnector:
     """The named connectors built from ``ctx``; several run as one MultiConnector, in order."""
+    from pdcluster.kvstore.transport.multi import MultiConnector
+
     connectors = [connector_class(name).from_context(ctx) for name in names]
     return connectors[0] if len(connectors) == 1 else MultiConnector(connectors)
 
@@ -87,6 +97,23 @@ def prefill_connector_names(transfer: KVTransferConfig, tp_size: int) -> list[st
     transport = TRANSPORTS[transfer.backend]
     layer = transfer.streaming == "layer" and tp_size == 1
     return ["pool"] + ([transport.layer_connector] if layer else []) + list(transport.connectors)
+
+
+def check_settings(transfer: KVTransferConfig) -> None:
+    """Validate ``transfer.kv_connector_extra_config`` with its transport's settings model.
+    Raises ValueError naming the transport and the bad or unexpected keys."""
+    transport = TRANSPORTS[transfer.backend]
+    extra = transfer.kv_connector_extra_config
+    if transport.settings is None:
+        if extra:
+            raise ValueError(f"--kv-transfer {transfer.backend} takes no "
+                             f"kv_connector_extra_config; got {sorted(extra)}")
+        return
+    try:
+        _load(transport.settings).model_validate(extra)
+    except pydantic.ValidationError as exc:
+        raise ValueError(f"kv_connector_extra_config of --kv-transfer {transfer.backend}: "
+                         f"{exc}") from None
 
 
 def backend_class(name: str) -> type[KVTransferBackend]:

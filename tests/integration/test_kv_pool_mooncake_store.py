@@ -188,12 +188,13 @@ def test_kv_pool_flags_and_the_pool_cost():
     def config(*flags):
         return load_config(None, _overrides(_parser().parse_args(["serve", *flags])))
 
-    cfg = config("--kv-pool", "mooncake-store", "--mooncake-master", "10.0.0.5:50051")
+    cfg = config("--kv-pool", "mooncake-store", "--mooncake-master", "10.0.0.5:50051",
+                 "--mooncake-store-protocol", "rdma")
     assert cfg.kvpool.index_url == "mooncake://10.0.0.5:50051"
-    assert cfg.kvpool.index_options("0.0.0.0", "rdma") == {
+    assert cfg.kvpool.index_options("0.0.0.0") == {
         "bind_host": "0.0.0.0", "protocol": "rdma", "segment_bytes": cfg.kvpool.dram_cache_bytes,
         "buffer_bytes": 64 << 20}
-    assert config().kvpool.index_options("127.0.0.1", "tcp") == {}
+    assert config().kvpool.index_options("127.0.0.1") == {}
     with pytest.raises(ValueError, match="--mooncake-master"):
         config("--kv-pool", "mooncake-store")
     assert Location("mooncake-store", "mooncake_store").encode() == "mooncake-store|mooncake_store|"

@@ -47,8 +47,10 @@ import_real_part("mooncake.engine", "Mooncake's Transfer Engine", MOONCAKE_HINT)
 from pdcluster.kvstore.transport.mooncake import backend as mooncake  # noqa: E402
 from pdcluster.kvstore.transport.mooncake.backend import MooncakeTransferBackend, RemoteRegion  # noqa: E402
 from pdcluster.kvstore.transport.mooncake.connector import MooncakeConnector, RegionAllocator  # noqa: E402
+from pdcluster.kvstore.transport.mooncake.settings import MooncakeSettings  # noqa: E402
 
-MOONCAKE = KVTransferConfig(backend="mooncake", timeout_s=10, source_buffer_bytes=32 << 20)
+MOONCAKE = KVTransferConfig(backend="mooncake", timeout_s=10,
+                            kv_connector_extra_config={"source_buffer_bytes": 32 << 20})
 
 
 def prefill_engine(store, transfer: KVTransferConfig, lease_s: float = 60.0,
@@ -182,7 +184,8 @@ def test_full_buffer_and_unfetched_regions(store, hf):
     prompt = hf.encode("One day, a big dog " + STORY)
     block_nbytes = ModelRunner(EngineConfig(num_kv_blocks=4)).kv_cache.block_nbytes
     num_blocks = -(-len(prompt) // 16)
-    tight = MOONCAKE.model_copy(update={"source_buffer_bytes": num_blocks * block_nbytes})
+    tight = MOONCAKE.model_copy(update={"kv_connector_extra_config": {
+        "source_buffer_bytes": num_blocks * block_nbytes}})
     prefill = prefill_engine(store, tight, lease_s=1.0)
     decode = decode_engine("decode-mc-full", MOONCAKE)
     small = decode_engine("decode-mc-small", MOONCAKE, num_kv_blocks=4)
@@ -311,7 +314,8 @@ def test_region_lands_block_for_block_in_any_table(direct, table, max_direct, so
 
 
 def test_receive_buffers_are_reused_smallest_first_and_capped():
-    backend = MooncakeTransferBackend(MOONCAKE.model_copy(update={"receive_buffer_bytes": 5 << 20}))
+    backend = MooncakeTransferBackend(MOONCAKE.model_copy(update={"kv_connector_extra_config": {
+        "receive_buffer_bytes": 5 << 20}}))
     small, large = backend.take_buffer(1 << 20), backend.take_buffer(3 << 20)
     assert (small.numel(), large.numel()) == (1 << 20, 4 << 20)  # powers of two from 1 MiB
     beyond = backend.take_buffer(2 << 20)  # 1 + 4 MiB kept: a buffer for this read alone
@@ -478,9 +482,15 @@ def test_kv_transfer_mooncake_flags():
                                  "--kv-transfer-buffer-bytes", "1048576",
                                  "--kv-receive-buffer-bytes", "0"])
     transfer = load_config(None, _overrides(args)).transfer
-    assert (transfer.backend, transfer.source_buffer_bytes) == ("mooncake", 1 << 20)
-    assert transfer.receive_buffer_bytes == 0
-    assert transfer.mooncake_protocol == "tcp"
+    settings = MooncakeSettings.of(transfer)
+    assert (transfer.backend, settings.source_buffer_bytes) == ("mooncake", 1 << 20)
+    assert settings.receive_buffer_bytes == 0 and settings.protocol == "tcp"
+    # a key the transport does not take, or a section for one that takes none: refused by name
+    with pytest.raises(ValueError, match="source_buffer"):
+        load_config(None, {"transfer": {"backend": "mooncake",
+                                        "kv_connector_extra_config": {"source_buffer": 1}}})
+    with pytest.raises(ValueError, match="grpc takes no kv_connector_extra_config"):
+        load_config(None, {"transfer": {"kv_connector_extra_config": {"protocol": "tcp"}}})
 
 
 def test_concurrent_reads_share_one_engine(prefill, decode, store, hf):

@@ -40,7 +40,7 @@ from pdcluster.kvstore.transport.mooncake.connector import (  # noqa: E402
     MooncakeConnector, RegionSource, RegionStreamSender)
 
 MOONCAKE = KVTransferConfig(backend="mooncake", streaming="layer", timeout_s=10,
-                            source_buffer_bytes=32 << 20)
+                            kv_connector_extra_config={"source_buffer_bytes": 32 << 20})
 STORY = ("Once upon a time, there was a little boy named Tim. Tim had a big red ball. He liked "
          "to play with it in the park every day with his friend Sue. ")
 GREEDY = SamplingParams(max_tokens=16, temperature=0)
@@ -187,7 +187,8 @@ def test_aborts_bring_every_block_and_region_back(engines, store, hf):
 
 
 def test_a_released_region_is_not_freed_while_its_writer_may_write():
-    regions = RegionSource(MOONCAKE.model_copy(update={"source_buffer_bytes": 1 << 20}), 60)
+    regions = RegionSource(MOONCAKE.model_copy(
+        update={"kv_connector_extra_config": {"source_buffer_bytes": 1 << 20}}), 60)
     regions.start()
     pinned = regions.lease(1 << 19, pinned=True)
     regions.drop(pinned)  # its reader released it: still held while pinned

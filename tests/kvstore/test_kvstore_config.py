@@ -29,11 +29,9 @@ def test_transfer_config_holds_no_kv_plane_settings():
     config = KVTransferConfig()
     assert config.model_dump().keys() == {"backend", "timeout_s", "max_chunk_bytes",
                                           "num_streams", "min_stream_bytes", "bind_host",
-                                          "mooncake_protocol", "source_buffer_bytes",
-                                          "receive_buffer_bytes",
                                           "streaming", "load_failure_policy",
                                           "decode_publish", "decode_publish_interval",
-                                          "incremental_transfer"}
+                                          "incremental_transfer", "kv_connector_extra_config"}
     # a backend built without the store's config: no token, no TLS (stores without auth)
     backend = GrpcTransferBackend(config)
     assert backend.kv_config == KVStoreConfig()

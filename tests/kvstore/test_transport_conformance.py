@@ -74,8 +74,9 @@ def _cache(layout: str, cross_layer: bool = False) -> PagedKVCache:
 
 def _transfer(name: str) -> KVTransferConfig:
     backend = name if name in ("grpc", "torch", "mooncake") else "grpc"
-    return KVTransferConfig(backend=backend, timeout_s=TIMEOUT_S, source_buffer_bytes=8 << 20,
-                            receive_buffer_bytes=8 << 20)
+    extra = ({"source_buffer_bytes": 8 << 20, "receive_buffer_bytes": 8 << 20}
+             if backend == "mooncake" else {})
+    return KVTransferConfig(backend=backend, timeout_s=TIMEOUT_S, kv_connector_extra_config=extra)
 
 
 def _offer(name: str, layout: str, store, tag: str, withhold: bool = False) -> Prompt:

@@ -32,7 +32,7 @@ A destination whose cache is laid out otherwise than the region takes the staged
 
 Why scattered blocks are staged: TE's TCP transport opens a connection per read, and a read
 per block would cost far more than the local copy (benchmarks/RESULTS.md). The receive
-buffers are registered once and reused (``KVTransferConfig.receive_buffer_bytes``).
+buffers are registered once and reused (MooncakeSettings.receive_buffer_bytes).
 
 Why no thread per read: TE's sync calls spin on a core until the read is done, beside TE's
 own I/O threads, and a thread that settles the read must then win the GIL from the engine
@@ -85,6 +85,7 @@ from pdcluster.kvstore.layout import DTYPE_ITEMSIZE
 from pdcluster.kvstore.transport.base import (FetchRequest, KVReceiver, KVTransferBackend,
                                              TransferState)
 from pdcluster.kvstore.transport.dest import CacheDest, CallbackDest
+from pdcluster.kvstore.transport.mooncake.settings import MooncakeSettings
 from pdcluster.kvstore.transport.mooncake.te import (TE_MISSING, TE_NO_BATCH, new_transfer_engine,
                                                      register, te_timeout_s)
 
@@ -154,6 +155,7 @@ class MooncakeTransferBackend(KVTransferBackend):
         """Raises KVTransferError when the ``mooncake`` package is missing (a worker then
         fails at start, not at its first transfer)."""
         super().__init__(config, kv_config)
+        self.settings = MooncakeSettings.of(config)
         if importlib.util.find_spec("mooncake") is None:
             raise KVTransferError(TE_MISSING)
         self._lock = threading.Lock()
@@ -244,7 +246,7 @@ class MooncakeTransferBackend(KVTransferBackend):
                 return self._free_buffers.pop(
                     min(fits, key=lambda i: self._free_buffers[i].numel()))
             size = max(1 << 20, 1 << (nbytes - 1).bit_length())  # a power of two: reusable
-            keep = self._buffer_bytes + size <= self.config.receive_buffer_bytes
+            keep = self._buffer_bytes + size <= self.settings.receive_buffer_bytes
             if keep:
                 self._buffer_bytes += size
         buffer = torch.empty(size if keep else nbytes, dtype=torch.uint8)

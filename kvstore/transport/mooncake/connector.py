@@ -37,6 +37,7 @@ from pdcluster.kvstore.transport.dest import WIRE_DTYPES
 from pdcluster.kvstore.transport.layer_stream.stream import LayerStreamSender
 from pdcluster.kvstore.transport.mooncake.backend import RemoteRegion, cache_blocks
 from pdcluster.kvstore.transport.mooncake.layer_stream import StreamRegion
+from pdcluster.kvstore.transport.mooncake.settings import MooncakeSettings
 from pdcluster.kvstore.transport.mooncake.te import new_transfer_engine, register, session_of
 
 log = logging.getLogger(__name__)
@@ -114,7 +115,7 @@ class RegionSource:
     and a progress word (a layer stream's writer counts the pieces written there).
 
     Args:
-        transfer: bind_host and mooncake_protocol (TE), source_buffer_bytes.
+        transfer: bind_host, and its MooncakeSettings (protocol, source_buffer_bytes).
         lease_s: how long a region waits for its reader before it is reused.
 
     Attributes:
@@ -128,7 +129,7 @@ class RegionSource:
         self._engine = None
         self.session = ""
         self._buffer: torch.Tensor | None = None
-        self._allocator = RegionAllocator(transfer.source_buffer_bytes)
+        self._allocator = RegionAllocator(MooncakeSettings.of(transfer).source_buffer_bytes)
         self._release_words = torch.zeros(MAX_LEASES, dtype=torch.int64)
         self._progress_words = torch.zeros(MAX_LEASES, dtype=torch.int64)
         self._free_words = list(range(MAX_LEASES - 1, -1, -1))
@@ -237,7 +238,8 @@ class MooncakeConnector(KVConnector):
     layer (its KV went already) is not offered.
 
     Args:
-        transfer: bind_host and mooncake_protocol (TE), source_buffer_bytes, timeout_s.
+        transfer: bind_host, timeout_s, and its MooncakeSettings (protocol,
+            source_buffer_bytes).
         lease_s: how long a region waits for its decode's read before it is reused.
         regions: the worker's RegionSource (shared with layer streams); None: one of its own.
 

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from pdcluster.kvstore.config import KVTransferConfig
 from pdcluster.kvstore.errors import KVTransferError
+from pdcluster.kvstore.transport.mooncake.settings import MooncakeSettings
 from pdcluster.kvstore.transport.mooncake.te_bind import confine_listeners
 
 if TYPE_CHECKING:  # registration takes tensors; nothing else here needs torch
@@ -30,7 +31,7 @@ TE_MISSING = ("--kv-transfer mooncake needs Mooncake's Transfer Engine: pip inst
 
 def new_transfer_engine(config: KVTransferConfig):
     """An initialized TE on ``config.bind_host`` with P2P handshakes (no metadata server), over
-    ``config.mooncake_protocol``; its listeners bind ``config.bind_host`` only
+    its MooncakeSettings.protocol; its listeners bind ``config.bind_host`` only
     (kvstore.transport.mooncake.te_bind) and its transfers time out after ``config.timeout_s``.
 
     Raises:
@@ -48,9 +49,10 @@ def new_transfer_engine(config: KVTransferConfig):
     os.environ["MC_TRANSFER_TIMEOUT"] = str(te_timeout_s(config))
     engine = TransferEngine()
     host = advertised_host(config.bind_host)
-    if engine.initialize(host, "P2PHANDSHAKE", config.mooncake_protocol, "") != 0:
+    protocol = MooncakeSettings.of(config).protocol
+    if engine.initialize(host, "P2PHANDSHAKE", protocol, "") != 0:
         raise KVTransferError(f"Mooncake TransferEngine failed to initialize on {host} over "
-                              f"{config.mooncake_protocol}")
+                              f"{protocol}")
     return engine
 
 
