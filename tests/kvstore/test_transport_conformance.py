@@ -15,6 +15,7 @@ the sending side (the store's tail, the offer) is let go of at the end.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import random
 import time
 from dataclasses import dataclass, field
@@ -29,6 +30,7 @@ from pdcluster.kvstore.transport import registry
 from pdcluster.kvstore.transport.base import TransferState
 from pdcluster.kvstore.transport.fetch import FetchConnector, KVFetch
 from tests.kvstore import loopback_transport
+from tests.real_parts import MOONCAKE_HINT, require_real_part
 from tests.integration.test_transfer_faults import store  # noqa: F401 — the store fixture
 
 BLOCK_SIZE, LAYERS, NUM_BLOCKS = 4, 2, 24
@@ -82,6 +84,9 @@ def _transfer(name: str) -> KVTransferConfig:
 def _offer(name: str, layout: str, store, tag: str, withhold: bool = False) -> Prompt:
     """The prompt's blocks in a source cache, saved to the pool (keys + tail, as the pool
     connector saves them) and offered by transport ``name``'s prefill connector."""
+    if name == "mooncake":
+        require_real_part("Mooncake's Transfer Engine",
+                          importlib.util.find_spec("mooncake") is not None, MOONCAKE_HINT)
     server, client = store
     source = _cache(layout, cross_layer=name == "mooncake")
     source.write_blocks(list(range(NUM_BLOCKS)),
