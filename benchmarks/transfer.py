@@ -185,7 +185,7 @@ def _pdc_cache(num_blocks: int, block_nbytes: int, layout: str):
     span = block_nbytes // 16  # one block of one (layer, K|V)
     if span % (16 * 4 * 4):
         raise ValueError("the block size must be a multiple of 4 KiB for pdc-te")
-    return PagedKVCache(8, num_blocks, 16, 4, span // (16 * 4 * 4), torch.float32, "cpu",
+    return PagedKVCache.attention(8, num_blocks, 16, 4, span // (16 * 4 * 4), torch.float32, "cpu",
                         layout=layout)
 
 
@@ -274,8 +274,8 @@ def _pdc_te_client(regions: dict, block_nbytes: int, layout: str,
         n = region.num_blocks
         table = (next(churned[n]) if tables == "churned" else spread[:n]
                  if tables == "scattered" else list(range(n)))
-        dest = CacheDest(lambda start, blocks: None, table, cache, cache.block_shape,
-                         cache.dtype)
+        dest = CacheDest(lambda start, blocks: None, table, cache, (cache.block_nbytes,),
+                         torch.uint8)
         receiver = backend.create_receiver()
         receiver.start(FetchRequest(region.session, (b"k",) * region.num_blocks,
                                     region=region), dest)

@@ -56,13 +56,12 @@ ATTACH_TIMEOUT_S = 30
 
 
 def block_layout(engine: EngineConfig) -> BlockLayout:
-    """The one KV block layout of this deployment: [layers, K|V, block_size, kv_heads, head_dim]
-    (every KV head, as at TP=1), or an MLA model's [layers, 1, block_size, 1, latent dims]
-    (ModelConfig.kv_cache_dims): the bytes per token the model really caches."""
+    """The one KV block layout of this deployment: the bytes of one block of the served
+    model's KV cache spec (ModelConfig.kv_cache_spec, every KV head, as at TP=1), uint8
+    [block_nbytes]: the bytes per token the model really caches."""
     model = ModelConfig.from_pretrained(engine.model)
-    parts, heads, dim = model.kv_cache_dims()
-    return BlockLayout(engine.dtype, (model.num_hidden_layers, parts, engine.block_size, heads,
-                                      dim))
+    spec = model.kv_cache_spec(engine.block_size, engine.torch_dtype())
+    return BlockLayout("uint8", (spec.block_nbytes,))
 
 
 def conductor_cost_model(cfg: ServeConfig) -> CostModel:

@@ -33,9 +33,10 @@ import torch
 
 from pdcluster.engine.core.hashing import block_keys, make_namespace
 from pdcluster.engine.kv_cache import PagedKVCache
+from pdcluster.engine.kv_cache_spec import KVCacheSpec
 from pdcluster.kvstore.config import PREFER_CROSS_LAYER_BLOCKS, KVStoreConfig, KVTransferConfig
 from pdcluster.kvstore.transport.base import FetchRequest, KVReceiver
-from pdcluster.kvstore.transport.dest import WIRE_DTYPES, CacheDest
+from pdcluster.kvstore.transport.dest import CacheDest
 
 #: Blocks per sampled transfer
 BLOCK_COUNTS = (1, 4, 16, 64)
@@ -48,27 +49,27 @@ def _keys(n: int) -> list[bytes]:
     return block_keys(list(range(n)), 1, make_namespace("pdcluster-profile"))
 
 
-def _blocks(n: int, block_shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    return torch.randn(n, *block_shape, generator=torch.Generator().manual_seed(0)).to(dtype)
+def _blocks(n: int, spec: KVCacheSpec) -> torch.Tensor:
+    """n blocks of random bytes, uint8 [n, block_nbytes]."""
+    return torch.randint(0, 256, (n, spec.block_nbytes), dtype=torch.uint8,
+                         generator=torch.Generator().manual_seed(0))
 
 
-def _source_cache(block_shape: tuple[int, ...], dtype: torch.dtype, n: int,
-                  layout: str) -> PagedKVCache:
-    layers, _, block_size, heads, head_dim = block_shape
-    cache = PagedKVCache(layers, n, block_size, heads, head_dim, dtype, "cpu", layout=layout)
-    cache.write_blocks(list(range(n)), _blocks(n, block_shape, dtype))
+def _source_cache(spec: KVCacheSpec, n: int, layout: str) -> PagedKVCache:
+    cache = PagedKVCache(spec, n, "cpu", layout)
+    cache.write_blocks(list(range(n)), _blocks(n, spec))
     return cache
 
 
 # ---- source processes (spawned) -----------------------------------------------------------
 
-def _grpc_source(ready: mp.Queue, stop, block_shape, dtype, n: int, token: str) -> None:
+def _grpc_source(ready: mp.Queue, stop, spec, n: int, token: str) -> None:
     from pdcluster.kvstore.client import KVStoreClient
     from pdcluster.kvstore.layout import BlockLayout
     from pdcluster.kvstore.node_store import TieredNodeStore
     from pdcluster.kvstore.server import KVStoreServer
 
-    layout = BlockLayout(WIRE_DTYPES[dtype], tuple(block_shape))
+    layout = BlockLayout("uint8", (spec.block_nbytes,))
     store = TieredNodeStore("profile", layout, 2 * n * layout.nbytes + (1 << 20), None, 0,
                             None, 1 << 20, 3600.0)
     config = KVStoreConfig(token=token)
@@ -76,7 +77,7 @@ def _grpc_source(ready: mp.Queue, stop, block_shape, dtype, n: int, token: str) 
     server.start()
     try:
         with KVStoreClient(server.address, token=token) as client:
-            client.put_blocks(_keys(n), _blocks(n, block_shape, dtype))
+            client.put_blocks(_keys(n), _blocks(n, spec))
         ready.put(server.address)
         stop.wait()
     finally:
@@ -84,11 +85,11 @@ def _grpc_source(ready: mp.Queue, stop, block_shape, dtype, n: int, token: str) 
         store.close()  # its shared-memory arena goes with it
 
 
-def _torch_source(ready: mp.Queue, stop, block_shape, dtype, n: int, token: str) -> None:
+def _torch_source(ready: mp.Queue, stop, spec, n: int, token: str) -> None:
     from pdcluster.kvstore.transport.torch_pair.backend import TorchKVSender
     from pdcluster.kvstore.transport.torch_pair.channel import TorchPairChannel
 
-    blocks = _blocks(n, block_shape, dtype)
+    blocks = _blocks(n, spec)
     channel = TorchPairChannel(0, "127.0.0.1", 0, timeout_s=60.0, token=token)
     ready.put(channel.address)
     channel.connect()
@@ -104,12 +105,12 @@ def _torch_source(ready: mp.Queue, stop, block_shape, dtype, n: int, token: str)
             time.sleep(_POLL_S)
 
 
-def _mooncake_source(ready: mp.Queue, stop, block_shape, dtype, n: int, token: str) -> None:
+def _mooncake_source(ready: mp.Queue, stop, spec, n: int, token: str) -> None:
     from pdcluster.kvstore.transport.mooncake.connector import MooncakeConnector
     from pdcluster.kvstore.transport.mooncake.source import region_of
 
     # both ends cross-layer, as `serve --kv-transfer mooncake` lays out its caches
-    cache = _source_cache(tuple(block_shape), dtype, n, "cross-layer")
+    cache = _source_cache(spec, n, "cross-layer")
     nbytes = sum(BLOCK_COUNTS) * cache.block_nbytes + (1 << 20)
     connector = MooncakeConnector(KVTransferConfig(backend="mooncake",
                                                    kv_connector_extra_config={
@@ -123,11 +124,11 @@ def _mooncake_source(ready: mp.Queue, stop, block_shape, dtype, n: int, token: s
     stop.wait()
 
 
-def _mooncake_store_source(ready: mp.Queue, stop, block_shape, dtype, n: int,
+def _mooncake_store_source(ready: mp.Queue, stop, spec, n: int,
                            master: str) -> None:
     from pdcluster.kvstore.mooncake_store import MooncakeStoreClient
 
-    blocks = _blocks(n, block_shape, dtype)
+    blocks = _blocks(n, spec)
     nbytes = blocks.numel() * blocks.element_size()
     client = MooncakeStoreClient(master, segment_bytes=2 * nbytes + (16 << 20),
                                  buffer_bytes=nbytes + (1 << 20))
@@ -163,8 +164,8 @@ def _fetcher(name: str, source, cache: PagedKVCache, token: str
     def dest(n: int) -> CacheDest:
         table = list(range(n))
         return CacheDest(lambda start, blocks: cache.write_blocks(
-            table[start:start + len(blocks)], blocks), table, cache, cache.block_shape,
-            cache.dtype)
+            table[start:start + len(blocks)], blocks), table, cache, (cache.block_nbytes,),
+            torch.uint8)
 
     def ask_torch(n: int) -> FetchRequest:  # the source pushes n blocks under a fresh tag
         tag = next(tags)
@@ -205,7 +206,7 @@ def _pool_fetcher(master: str, stored: int, cache: PagedKVCache
     keys = _keys(n_max)
 
     def fetch(n: int) -> None:
-        data = torch.empty((n, *cache.block_shape), dtype=cache.dtype)
+        data = torch.empty((n, cache.block_nbytes), dtype=torch.uint8)
         if client.get(keys[:n], data) < n:
             raise KVStoreError("the Mooncake Store lost profiled blocks")
         cache.write_blocks(list(range(n)), data)
@@ -227,9 +228,8 @@ def measure_connector(name: str, cache: PagedKVCache, repeats: int = 5
     if name not in _SOURCES:
         raise ValueError(f"--kv-transfer {name!r}: one of {', '.join(CONNECTORS)}")
     if name in PREFER_CROSS_LAYER_BLOCKS and cache.layout != "cross-layer":
-        layers, _, block_size, heads, head_dim = cache.block_shape
-        cache = PagedKVCache(layers, min(cache.num_blocks, max(BLOCK_COUNTS)), block_size,
-                             heads, head_dim, cache.dtype, cache.device, layout="cross-layer")
+        cache = PagedKVCache(cache.spec, min(cache.num_blocks, max(BLOCK_COUNTS)), cache.device,
+                             layout="cross-layer")
     token = secrets.token_hex(16)
     return _measure(_SOURCES[name], token,
                     lambda source: _fetcher(name, source, cache, token), cache, repeats)
@@ -252,13 +252,13 @@ def measure_pool(backend: str, cache: PagedKVCache, master: str, repeats: int = 
 
 def _measure(source, source_arg, fetcher, cache: PagedKVCache, repeats: int
              ) -> list[tuple[int, float]]:
-    """Run ``source(ready, stop, block_shape, dtype, n, source_arg)`` in a spawned process,
+    """Run ``source(ready, stop, spec, n, source_arg)`` in a spawned process,
     build ``fetch, close = fetcher(what it put on ready)`` here, and time fetch(n)."""
     counts = [n for n in BLOCK_COUNTS if n <= cache.num_blocks]
     ctx = mp.get_context("spawn")
     ready, stop = ctx.Queue(), ctx.Event()
-    proc = ctx.Process(target=source, args=(ready, stop, cache.block_shape, cache.dtype,
-                                            max(counts), source_arg), daemon=True)
+    proc = ctx.Process(target=source, args=(ready, stop, cache.spec, max(counts), source_arg),
+                       daemon=True)
     proc.start()
     try:
         fetch, close = fetcher(ready.get(timeout=_SOURCE_TIMEOUT_S))

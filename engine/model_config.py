@@ -10,9 +10,14 @@ from __future__ import annotations
 import json
 import pathlib
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pdcluster.engine.models.registry import UnsupportedArchitectureError, resolve_architecture
+
+if TYPE_CHECKING:
+    import torch
+
+    from pdcluster.engine.kv_cache_spec import KVCacheSpec
 
 #: model_type -> architecture, for a config.json without `architectures` (as transformers'
 #: AutoModelForCausalLM falls back to its model type)
@@ -190,13 +195,18 @@ class ModelConfig:
                 raise
             raise ModelConfigError(f"{directory}/config.json: invalid value: {exc}") from exc
 
-    def kv_cache_dims(self, tp_size: int = 1) -> tuple[int, int, int]:
-        """(parts, heads, head dim) of one token's cache entry on one of `tp_size` ranks:
-        (2, num_key_value_heads / tp_size, head_dim), K and V of the rank's KV heads; with
-        MLA (1, 1, kv_latent_dim): one latent every rank holds whole (all heads read it)."""
+    def kv_cache_spec(self, block_size: int, dtype: torch.dtype) -> KVCacheSpec:
+        """What one block of ``block_size`` tokens caches, all KV heads (TP=1; a rank's share
+        is ``.sharded(tp_size)``): K and V of num_key_value_heads x head_dim per layer, split
+        by heads across ranks; with MLA one latent of kv_latent_dim every rank holds whole
+        (all heads read it)."""
+        from pdcluster.engine.kv_cache_spec import KVCacheSpec  # torch, for workers only
+
         if self.kv_latent_dim:
-            return 1, 1, self.kv_latent_dim
-        return 2, self.num_key_value_heads // tp_size, self.head_dim
+            return KVCacheSpec.attention(self.num_hidden_layers, block_size, 1,
+                                         self.kv_latent_dim, dtype, kv_parts=1)
+        return KVCacheSpec.attention(self.num_hidden_layers, block_size,
+                                     self.num_key_value_heads, self.head_dim, dtype)
 
     @property
     def sliding_window(self) -> int | None:

@@ -53,6 +53,7 @@ from pdcluster.engine.cuda_graphs import DecodeGraphs
 from pdcluster.engine.forward_context import ForwardContext, LayerHooks, set_forward_context
 from pdcluster.engine.input_buffers import InputBuffers, SequenceChunk
 from pdcluster.engine.kv_cache import PagedKVCache
+from pdcluster.engine.kv_cache_spec import gather_shards, split_shards
 from pdcluster.engine.loader import CheckpointReader
 from pdcluster.engine.lora import LoRAAdapters, UnknownAdapterError, load_adapters
 from pdcluster.engine.model_config import ModelConfig
@@ -73,10 +74,10 @@ class ModelRunner:
     """Owns the model weights (this rank's shard) and this worker's paged KV cache (this rank's
     KV heads); runs batches of chunks.
 
-    wire_kv: the cache as the KV pool sees it — blocks of every KV head, in the layout
-    (layers, K|V, block_size, num_kv_heads, head_dim), with read_blocks / write_blocks /
-    block_shape / dtype / device like PagedKVCache. At TP=1 it is `kv_cache` itself; at TP=k a
-    view whose reads gather and whose writes scatter the head slices over the ranks (rank 0).
+    wire_kv: the cache as the KV pool sees it — whole blocks of `kv_cache_spec` (every KV
+    head) as uint8 bytes, with read_blocks / write_blocks / block_nbytes / spec / device like
+    PagedKVCache. At TP=1 it is `kv_cache` itself; at TP=k a view whose reads gather and
+    whose writes scatter each rank's share (rank 0).
     """
 
     def __init__(self, engine_config: EngineConfig, model_config: ModelConfig | None = None,
@@ -120,20 +121,11 @@ class ModelRunner:
         self.lora: LoRAAdapters | None = (
             load_adapters(engine_config.lora_modules, self.model, engine_config.max_lora_rank)
             if engine_config.lora_modules else None)
-        kv_parts, kv_heads, kv_dim = self.model_config.kv_cache_dims(self.tp.world_size)
-        self.kv_cache = PagedKVCache(
-            num_layers=self.model_config.num_hidden_layers,
-            num_blocks=engine_config.num_kv_blocks,
-            block_size=engine_config.block_size,
-            num_kv_heads=kv_heads,
-            head_dim=kv_dim,
-            dtype=dtype,
-            device=self.device,
-            layout=engine_config.resolved_kv_cache_layout(),
-            kv_parts=kv_parts,
-        )
-        #: a latent cache (MLA): whole on every rank, not split by heads
-        self._latent = self.kv_cache.kv_parts == 1
+        #: what a block holds, every KV head (the KV pool's unit); this rank caches its share
+        self.kv_cache_spec = self.model_config.kv_cache_spec(engine_config.block_size, dtype)
+        self.kv_cache = PagedKVCache(self.kv_cache_spec.sharded(self.tp.world_size),
+                                     engine_config.num_kv_blocks, self.device,
+                                     engine_config.resolved_kv_cache_layout())
         self.wire_kv = self.kv_cache if self.tp.world_size == 1 else ShardedKVView(self)
         self._lock = threading.Lock() if self.tp.world_size > 1 else contextlib.nullcontext()
         self._broken: TPError | None = None
@@ -268,34 +260,28 @@ class ModelRunner:
 
     # ---- tensor parallel: rank 0's commands and the other ranks' loop -----------------------
     def read_wire_blocks(self, block_ids: Sequence[int]) -> torch.Tensor:
-        """[n, layers, 2, block_size, num_kv_heads (all), head_dim] copy of the blocks, gathered
-        from every rank (rank 0 only). Raises ValueError for a bad block id, TPError."""
+        """Whole blocks (uint8 [n, kv_cache_spec.block_nbytes], every KV head) gathered from
+        every rank's share (rank 0 only). Raises ValueError for a bad block id, TPError."""
         index = self.kv_cache.index_of(block_ids)
         with self._command():
-            if self._latent:  # every rank holds the same latent blocks
-                return self.kv_cache.read_blocks(index.tolist())
             if self.tp.world_size > 1:
                 self._send_header(_READ, len(index))
                 self.tp.broadcast(index)
             local = self.kv_cache.read_blocks(index.tolist())
-            return torch.cat(self.tp.gather(local), dim=4)
+            return gather_shards(self.kv_cache_spec, self.tp.gather(local))
 
     def write_wire_blocks(self, block_ids: Sequence[int], data: torch.Tensor) -> None:
-        """Write full-head blocks `data` [n, *wire_kv.block_shape]; each rank keeps its KV-head
-        slice (rank 0 only). Raises ValueError for a bad shape, dtype or block id, TPError."""
-        index = self.kv_cache.write_index(block_ids, data, self.wire_kv.block_shape)
+        """Write whole blocks `data` (uint8 [n, kv_cache_spec.block_nbytes]); each rank keeps
+        its share (rank 0 only). Raises ValueError for a bad shape, dtype or block id, TPError."""
+        index = self.kv_cache.write_index(block_ids, data, self.kv_cache_spec.block_nbytes)
         with self._command():
             if self.tp.world_size > 1:
                 self._send_header(_WRITE, len(index))
                 self.tp.broadcast(index)
-            if self._latent:
-                whole = data.to(self.device, copy=True).contiguous()
-                self.kv_cache.write_blocks(index.tolist(), self.tp.broadcast(whole))
-                return
-            chunks = [c.contiguous() for c in data.to(self.device).chunk(self.tp.world_size, dim=4)]
-            local = torch.empty((len(index), *self.kv_cache.block_shape), dtype=self.kv_cache.dtype,
+            shards = split_shards(self.kv_cache_spec, data.to(self.device), self.tp.world_size)
+            local = torch.empty((len(index), self.kv_cache.block_nbytes), dtype=torch.uint8,
                                 device=self.device)
-            self.kv_cache.write_blocks(index.tolist(), self.tp.scatter(local, chunks))
+            self.kv_cache.write_blocks(index.tolist(), self.tp.scatter(local, shards))
 
     def close(self) -> None:
         """Rank 0, when its engine closes: end the other ranks' follow() loops, so they leave
@@ -320,11 +306,10 @@ class ModelRunner:
                 self._run_forward(input_ids, positions, attn, None, _lora_rows(lora_slots))
                 continue
             index = self.tp.broadcast(torch.empty(args[0], dtype=torch.int64, device=self.device))
-            local = torch.empty((args[0], *self.kv_cache.block_shape), dtype=self.kv_cache.dtype,
+            local = torch.empty((args[0], self.kv_cache.block_nbytes), dtype=torch.uint8,
                                 device=self.device)
             if command == _WRITE:
-                received = self.tp.broadcast(local) if self._latent else self.tp.scatter(local, None)
-                self.kv_cache.write_blocks(index.tolist(), received)
+                self.kv_cache.write_blocks(index.tolist(), self.tp.scatter(local, None))
             elif command == _READ:
                 self.tp.gather(self.kv_cache.read_blocks(index.tolist()))
             else:
@@ -403,19 +388,16 @@ class ModelRunner:
 
 
 class ShardedKVView:
-    """`ModelRunner.wire_kv` at TP > 1 (rank 0): the sharded cache as full-head blocks."""
+    """`ModelRunner.wire_kv` at TP > 1 (rank 0): the sharded cache as whole blocks."""
 
     def __init__(self, runner: ModelRunner) -> None:
-        cache, k = runner.kv_cache, runner.tp.world_size
+        cache = runner.kv_cache
         self._runner = runner
+        self.spec = runner.kv_cache_spec
         self.num_layers, self.num_blocks, self.block_size = (cache.num_layers, cache.num_blocks,
                                                              cache.block_size)
-        self.dtype, self.device = cache.dtype, cache.device
-        layers, kv, block_size, heads, head_dim = cache.block_shape
-        if runner._latent:  # the latent is not split: every rank's blocks are the whole
-            k = 1
-        self.block_shape: tuple[int, ...] = (layers, kv, block_size, heads * k, head_dim)
-        self.block_nbytes: int = cache.block_nbytes * k
+        self.device = cache.device
+        self.block_nbytes: int = self.spec.block_nbytes
 
     def read_blocks(self, block_ids: Sequence[int]) -> torch.Tensor:
         return self._runner.read_wire_blocks(block_ids)

@@ -41,7 +41,7 @@ from pdcluster.kvstore.transport.runs import budget_runs
 
 
 def tensor_to_payload(t: torch.Tensor) -> bytes:
-    """Raw little-endian bytes of ``t`` (any shape; float32/bfloat16/float16, any device)."""
+    """Raw little-endian bytes of ``t`` (any shape; float32/bfloat16/float16/uint8, any device)."""
     t = t.detach().to("cpu").contiguous()
     # Native bytes, never swapped: kvstore.transport.dest refuses non-little-endian hosts.
     return (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy().tobytes()
@@ -96,7 +96,7 @@ class KVStoreClient(NodeStore):
 
         Args:
             keys: n keys of 32 bytes.
-            blocks: [n, *block_shape], float32/bfloat16/float16, any device.
+            blocks: [n, *block_shape], float32/bfloat16/float16/uint8, any device.
 
         Raises:
             ValueError: a key is not 32 bytes.
@@ -174,7 +174,7 @@ class KVStoreClient(NodeStore):
 
         Args:
             handle: per-request handle (e.g. the request id), non-empty.
-            block: [*block_shape], float32/bfloat16/float16, any device.
+            block: [*block_shape], float32/bfloat16/float16/uint8, any device.
             num_tokens: valid tokens in the block.
 
         Raises:

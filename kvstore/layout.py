@@ -1,7 +1,8 @@
 """The layout of one KV block's payload: its dtype name and shape, as it travels on the wire.
 
 Payloads are raw little-endian bytes of a C-contiguous block; bfloat16 travels as its int16 bit
-pattern. A cluster's model fixes one layout (deploy.launcher.block_layout).
+pattern. A cluster's model fixes one layout (deploy.launcher.block_layout): its KV cache
+spec's bytes, uint8 [block_nbytes], whatever the block holds.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from dataclasses import dataclass
 from pdcluster.kvstore.errors import BlockLayoutError
 
 #: dtype name -> bytes per element. bfloat16 travels as its int16 bit pattern.
-DTYPE_ITEMSIZE: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}
+DTYPE_ITEMSIZE: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2, "uint8": 1}
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,8 @@ Two implementations, one per way of reaching a node's store:
 * ``kvstore.client.KVStoreClient``: any node's store over gRPC.
 
 Keys are 32-byte chained sha256 block keys (``engine.core.hashing``). Blocks are full KV blocks of
-the cluster's one layout: a tensor ``[n, *block_shape]`` (float32, bfloat16 or float16).
+the cluster's one layout: a tensor ``[n, *block_shape]`` (float32, bfloat16, float16 or uint8; a
+deployment's blocks are its KV cache spec's bytes, uint8).
 
 Rules the store keeps whatever the transport:
 
@@ -41,6 +42,7 @@ REMOTE = "remote"
 
 TORCH_DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+    "uint8": torch.uint8,
 }
 _DTYPE_NAMES = {v: k for k, v in TORCH_DTYPES.items()}
 
@@ -48,7 +50,7 @@ _DTYPE_NAMES = {v: k for k, v in TORCH_DTYPES.items()}
 def layout_of(block_shape: Sequence[int], dtype: torch.dtype) -> BlockLayout:
     """The BlockLayout of one block of ``block_shape`` and torch ``dtype``.
 
-    Raises BlockLayoutError: a dtype other than float32/bfloat16/float16, or an empty block.
+    Raises BlockLayoutError: a dtype other than float32/bfloat16/float16/uint8, or an empty block.
     """
     if dtype not in _DTYPE_NAMES:
         raise BlockLayoutError(f"unsupported dtype {dtype}; expected one of {sorted(TORCH_DTYPES)}")

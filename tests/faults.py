@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Literal
 
 import ray
+import torch
 
 from pdcluster.decode_worker.actor import DecodeWorker
 from pdcluster.deploy.launcher import ActorClasses
@@ -21,6 +22,7 @@ from pdcluster.kvstore.actor import KVStoreActor
 from pdcluster.kvstore.transport.context import KVConnectorContext
 from pdcluster.kvstore.transport.fetch import FetchConnector
 from pdcluster.kvstore.transport.dest import CacheDest
+from pdcluster.engine.kv_cache_spec import region_view
 from pdcluster.engine.protocol import DecodeRequest
 from pdcluster.prefill_worker.actor import PrefillWorker
 from tests.tracing import MAX_TRACED, TracedFetch, trace_steps
@@ -37,12 +39,14 @@ class PerturbingFetch(TracedFetch):
         if not self.v_perturbation:
             return super().dest(table)
         return CacheDest(lambda start, blocks: self._write(table, start, blocks), table, None,
-                         self.cache.block_shape, self.cache.dtype)
+                         (self.cache.block_nbytes,), torch.uint8)
 
     def _write(self, table: list[int], start: int, blocks) -> None:
         if self.v_perturbation:
             blocks = blocks.clone()  # the backend's blocks are read-only views
-            blocks.select(2, 1).add_(self.v_perturbation)  # [n, layers, k|v, ...]
+            for region in self.cache.spec.regions:
+                if region.tensor.name == "v":
+                    region_view(blocks, region).add_(self.v_perturbation)
         super()._write(table, start, blocks)
 
 

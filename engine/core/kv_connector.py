@@ -38,6 +38,7 @@ from typing import Protocol
 
 import torch
 
+from pdcluster.engine.kv_cache_spec import KVCacheSpec
 from pdcluster.engine.protocol import KVTransferParams
 
 
@@ -70,14 +71,15 @@ class KVConnectorRequest(Protocol):
 
 
 class BlockCache(Protocol):
-    """The paged cache as a connector sees it: blocks of every KV head in the KV pool's layout
-    (``ModelRunner.wire_kv``). At TP=1 it is the cache itself and has ``k`` / ``v``: per layer,
-    [num_blocks, block_size, kv_heads, head_dim]."""
+    """The paged cache as a connector sees it (``ModelRunner.wire_kv``): whole blocks of
+    ``spec`` (engine.kv_cache_spec), every KV head, each moved as its bytes, uint8
+    [block_nbytes]. At TP=1 it is the PagedKVCache itself, whose memory a one-sided transport
+    may address (``blocks``, or ``tensors`` per region)."""
 
+    spec: KVCacheSpec
     block_size: int
     num_layers: int
-    block_shape: tuple[int, ...]  # (layers, 2, block_size, kv_heads, head_dim)
-    dtype: torch.dtype
+    block_nbytes: int
 
     def read_blocks(self, block_ids: Sequence[int]) -> torch.Tensor: ...
 

@@ -20,6 +20,7 @@ from pdcluster.kvstore.errors import BlockLayoutError
 #: Wire dtype names (kvstore.layout.DTYPE_ITEMSIZE) of the torch dtypes a block may have.
 WIRE_DTYPES: dict[torch.dtype, str] = {
     torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16",
+    torch.uint8: "uint8",
 }
 
 
@@ -49,7 +50,7 @@ class CallbackDest:
 
     @property
     def wire_dtype(self) -> str:
-        """The dtype's name on the wire (``float32`` | ``bfloat16`` | ``float16``)."""
+        """The dtype's name on the wire (``float32`` | ``bfloat16`` | ``float16`` | ``uint8``)."""
         return WIRE_DTYPES[self.dtype]
 
     def write_bytes(self, start: int, payload: memoryview | bytes) -> None:

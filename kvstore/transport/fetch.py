@@ -234,7 +234,7 @@ class FetchConnector(KVConnector):
         """The blocks ``table`` of the cache: written by ``_write``, or straight into the
         cache by a transport that can."""
         return CacheDest(lambda start, blocks: self._write(table, start, blocks), table,
-                         self.cache, self.cache.block_shape, self.cache.dtype)
+                         self.cache, (self.cache.block_nbytes,), torch.uint8)
 
     def _write(self, table: list[int], start: int, blocks: torch.Tensor) -> None:
         self.cache.write_blocks(table[start:start + blocks.shape[0]], blocks)

@@ -67,7 +67,7 @@ def scenario(runner: ModelRunner, block_size: int) -> tuple[dict, torch.Tensor]:
         "prefill_all_reduces": prefill_all_reduces,
         "step_all_reduces": step_all_reduces,
         "first_logits": first_logits.tolist(),
-        "wire_shape": list(runner.wire_kv.block_shape),
+        "wire_spec": [[r.tensor.name, list(r.tensor.shape)] for r in runner.wire_kv.spec.regions],
     }
     return result, wire
 

@@ -217,19 +217,20 @@ def test_execute_validates_chunks(case):
 
 
 def test_paged_kv_cache_block_roundtrip_and_errors():
-    cache = PagedKVCache(
+    cache = PagedKVCache.attention(
         num_layers=3, num_blocks=8, block_size=4, num_kv_heads=2, head_dim=5, dtype=torch.float32, device="cpu"
     )
-    assert cache.block_shape == (3, 2, 4, 2, 5) and cache.block_nbytes == 3 * 2 * 4 * 2 * 5 * 4
-    data = torch.randn(2, *cache.block_shape)
+    assert cache.block_nbytes == 3 * 2 * 4 * 2 * 5 * 4
+    typed = torch.randn(2, 3, 2, 4, 2, 5)  # [n, layers, K|V, block_size, kv_heads, head_dim]
+    data = typed.view(2, -1).view(torch.uint8)
     cache.write_blocks([6, 1], data)
     assert torch.equal(cache.read_blocks([6, 1]), data)
-    assert torch.equal(cache.k[2][1], data[1, 2, 0]) and torch.equal(cache.v[0][6], data[0, 0, 1])
-    assert cache.read_blocks([]).shape == (0, *cache.block_shape)
+    assert torch.equal(cache.k[2][1], typed[1, 2, 0]) and torch.equal(cache.v[0][6], typed[0, 0, 1])
+    assert cache.read_blocks([]).shape == (0, cache.block_nbytes)
     with pytest.raises(ValueError, match="shape"):
         cache.write_blocks([0], data)
     with pytest.raises(ValueError, match="dtype"):
-        cache.write_blocks([0, 2], data.to(torch.float16))
+        cache.write_blocks([0, 2], data.view(torch.int8))
     with pytest.raises(ValueError, match="out of range"):
         cache.read_blocks([8])
     with pytest.raises(ValueError, match="repeated"):

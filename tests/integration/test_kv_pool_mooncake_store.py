@@ -124,7 +124,7 @@ def test_a_prefix_computed_on_one_node_is_reused_on_the_other(nodes, hf):
     assert len(keys) >= 3, len(prompt)
     put_done(a, len(keys))
     # the store holds what node a computed, block for block
-    stored = torch.empty((len(keys), *a.engine.runner.wire_kv.block_shape))
+    stored = torch.empty((len(keys), a.engine.runner.wire_kv.block_nbytes), dtype=torch.uint8)
     assert b.index.block_store.get(list(keys), stored) == len(keys)
     assert torch.equal(stored, a.client.get_blocks(list(keys)))
 
@@ -211,12 +211,13 @@ def test_profile_measures_loading_from_the_store(master):
     from pdcluster.deploy.profile_transfer import BLOCK_COUNTS, measure_pool
     from pdcluster.engine.kv_cache import PagedKVCache
 
-    cache = PagedKVCache(2, 16, 16, 2, 8, torch.float32, "cpu")
+    cache = PagedKVCache.attention(2, 16, 16, 2, 8, torch.float32, "cpu")
     rows = measure_pool("mooncake-store", cache, master.address, repeats=1)
     assert [b for b, _ in rows] == [n * cache.block_nbytes for n in BLOCK_COUNTS if n <= 16]
     assert all(s > 0 for _, s in rows) and transfer_figures(rows)["bytes_per_s"] > 0
     # the blocks landed: the source's seeded blocks, in blocks 0..15
-    expected = torch.randn(16, *cache.block_shape, generator=torch.Generator().manual_seed(0))
+    expected = torch.randint(0, 256, (16, cache.block_nbytes), dtype=torch.uint8,
+                             generator=torch.Generator().manual_seed(0))
     assert torch.equal(cache.read_blocks(list(range(16))), expected)
     with pytest.raises(ValueError, match="--kv-pool"):
         measure_pool("lmcache", cache, master.address)

@@ -233,7 +233,8 @@ def test_abort_stops_writes_before_the_blocks_are_freed():
     runner = ModelRunner(EngineConfig(num_kv_blocks=8))
     cache = runner.kv_cache
     key = b"k" * 32
-    fake = FakeTransferBackend(blocks={key: torch.ones(cache.block_shape)}, delay_s=0.3)
+    fake = FakeTransferBackend(blocks={key: torch.ones(cache.block_nbytes, dtype=torch.uint8)},
+                               delay_s=0.3)
     connector = FetchConnector(KVTransferConfig(), store=fake)
     connector.register_kv_caches(cache)
     result = {"kv_address": "127.0.0.1:1", "block_keys": (key,)}
@@ -248,7 +249,7 @@ def test_abort_stops_writes_before_the_blocks_are_freed():
     done = KVFetch(connector, "r", [5], result)
     time.sleep(0.35)
     assert done.poll() is TransferState.SUCCESS
-    assert torch.equal(cache.read_blocks([5])[0], torch.ones(cache.block_shape))
+    assert torch.equal(cache.read_blocks([5])[0], torch.ones(cache.block_nbytes, dtype=torch.uint8))
     assert connector.bytes_by_backend == {"fake": cache.block_nbytes}
     connector.close()
 

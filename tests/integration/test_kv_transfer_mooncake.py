@@ -22,6 +22,7 @@ import torch
 from pdcluster.engine.config import EngineConfig
 from pdcluster.engine.core.stats import SchedulerStats
 from pdcluster.engine.kv_cache import PagedKVCache
+from pdcluster.engine.kv_cache_spec import KVCacheSpec
 from pdcluster.engine.protocol import PrefillRequest, SamplingParams
 from pdcluster.engine.runner import ModelRunner
 from pdcluster.kvstore.config import KVTransferConfig
@@ -262,7 +263,7 @@ class SlowBackend(MooncakeTransferBackend):
 
 def _source(num_blocks: int = 6, layout: str = "layer"):
     """A source cache of random blocks, and the MooncakeConnector offering them."""
-    cache = PagedKVCache(2, 16, 4, 2, 8, torch.float32, "cpu", layout=layout)
+    cache = PagedKVCache.attention(2, 16, 4, 2, 8, torch.float32, "cpu", layout=layout)
     for layer in range(2):
         cache.k[layer].normal_()
         cache.v[layer].normal_()
@@ -277,7 +278,7 @@ def _source(num_blocks: int = 6, layout: str = "layer"):
 
 @pytest.mark.parametrize(("direct", "table", "max_direct"), [
     (True, [7, 8, 9, 10, 11, 12], 64),  # consecutive: read straight into the cache
-    (True, [3, 4, 5, 11, 0, 19], 64),  # a few runs: straight in, a read per (layer, K|V) and run
+    (True, [3, 4, 5, 11, 0, 19], 64),  # a few runs: straight in, a read per cache region and run
     (True, [3, 4, 5, 11, 0, 19], 0),  # staged, then a copy per run
     (True, [3, 9, 5, 11, 0, 19], 0),  # staged, then an index copy (many runs)
     (False, [3, 4, 5, 11, 0, 19], 64),  # no registered cache: staged, then dest.write_tensor
@@ -293,10 +294,10 @@ def test_region_lands_block_for_block_in_any_table(direct, table, max_direct, so
     monkeypatch.setattr(mooncake, "MAX_DIRECT_READS", max_direct)
     cache, connector, ids, region = _source(layout=source_layout)
     assert region.block_major == (source_layout == "cross-layer")
-    dst = PagedKVCache(2, 20, 4, 2, 8, torch.float32, "cpu", layout=dest_layout)
+    dst = PagedKVCache.attention(2, 20, 4, 2, 8, torch.float32, "cpu", layout=dest_layout)
     backend = MooncakeTransferBackend(MOONCAKE)
     dest = CacheDest(lambda s, b: dst.write_blocks(table[s:s + len(b)], b), table,
-                     dst if direct else None, dst.block_shape, dst.dtype)
+                     dst if direct else None, (dst.block_nbytes,), torch.uint8)
     receiver = backend.create_receiver()
     receiver.start(FetchRequest(region.session, (b"k",) * 5, "tail", 3, region=region), dest)
     while not receiver.poll().done:
@@ -333,7 +334,7 @@ def test_blocks_stay_quarantined_until_te_reports(event):
     """An abort or a deadline while a read is in flight does not settle the fetch: it settles,
     FAILED, only once TE returned, and KVFetch.abort says bytes may still land."""
     cache, connector, ids, region = _source()
-    runner_cache = PagedKVCache(2, 20, 4, 2, 8, torch.float32, "cpu")
+    runner_cache = PagedKVCache.attention(2, 20, 4, 2, 8, torch.float32, "cpu")
     backend = SlowBackend(MOONCAKE.model_copy(update={"timeout_s": 0.2}))
     backend.delay_s = 60.0  # TE reports only once the test lets it (below)
     fetch_connector = FetchConnector(MOONCAKE, backend=backend)
@@ -361,12 +362,12 @@ def test_a_read_te_never_reports_fails_at_te_timeout_and_its_buffer_is_not_reuse
     never handed out again."""
     monkeypatch.setattr(mooncake, "MAX_DIRECT_READS", 0)
     cache, connector, ids, region = _source()
-    dst = PagedKVCache(2, 20, 4, 2, 8, torch.float32, "cpu")
+    dst = PagedKVCache.attention(2, 20, 4, 2, 8, torch.float32, "cpu")
     backend = SlowBackend(MOONCAKE)
     backend.delay_s = 60.0
     backend.te_timeout_s = 0.3  # TE's own floor is 5 s
     table = [3, 9, 5, 11, 0, 19]
-    dest = CacheDest(lambda s, b: None, table, dst, dst.block_shape, dst.dtype)
+    dest = CacheDest(lambda s, b: None, table, dst, (dst.block_nbytes,), torch.uint8)
     receiver = backend.create_receiver()
     receiver.start(FetchRequest(region.session, (b"k",) * 5, "tail", 3, region=region), dest)
     start = time.monotonic()
@@ -392,16 +393,16 @@ def test_a_source_that_stops_answering_fails_the_read_at_te_timeout(staged, monk
     monkeypatch.setattr(mooncake, "MAX_DIRECT_READS", 0 if staged else 64)
     ctx = multiprocessing.get_context("spawn")
     ready, stop_source = ctx.Queue(), ctx.Event()
-    shape = (2, 2, 4, 2, 8)
-    proc = ctx.Process(target=_mooncake_source,
-                       args=(ready, stop_source, shape, torch.float32, 16, ""), daemon=True)
+    spec = KVCacheSpec.attention(2, 4, 2, 8, torch.float32)
+    proc = ctx.Process(target=_mooncake_source, args=(ready, stop_source, spec, 16, ""),
+                       daemon=True)
     proc.start()
     backend = MooncakeTransferBackend(MOONCAKE)
     backend.te_timeout_s = 1.0  # TE's own floor is 5 s
-    dst = PagedKVCache(2, 40, 4, 2, 8, torch.float32, "cpu", layout="cross-layer")  # as the source
+    dst = PagedKVCache.attention(2, 40, 4, 2, 8, torch.float32, "cpu", layout="cross-layer")  # as the source
 
     def read(region, table, deadline_s):
-        dest = CacheDest(lambda s, b: None, table, dst, dst.block_shape, dst.dtype)
+        dest = CacheDest(lambda s, b: None, table, dst, (dst.block_nbytes,), torch.uint8)
         receiver = backend.create_receiver()
         receiver.start(FetchRequest(region.session, (b"k",) * region.num_blocks, region=region,
                                     deadline_s=deadline_s), dest)

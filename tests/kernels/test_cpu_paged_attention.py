@@ -351,13 +351,15 @@ def test_a_cross_layer_caches_views_store_and_attend_as_the_oracle(dtype, tol):
     reference puts them in a contiguous copy, other layers untouched; decode and prefill
     (whichever CPU kernel runs them here) match the oracle over the same views."""
     gen = torch.Generator().manual_seed(7)
-    cache = PagedKVCache(3, NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, dtype, "cpu",
+    cache = PagedKVCache.attention(3, NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, dtype, "cpu",
                          layout="cross-layer")
-    cache.blocks.copy_(torch.randn(cache.blocks.shape, generator=gen))
+    # [num_blocks, layers, K|V, block_size, kv_heads, head_dim]: the one-group spec's bytes
+    blocks = cache.blocks.view(dtype).view(NUM_BLOCKS, 3, 2, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    blocks.copy_(torch.randn(blocks.shape, generator=gen))
     k_cache, v_cache = cache.k[1], cache.v[1]
     assert not k_cache.is_contiguous() and cpu_paged_attention.supports(
         torch.zeros(1, NUM_HEADS, HEAD_DIM, dtype=dtype), k_cache)
-    others = cache.blocks[:, [0, 2]].clone()
+    others = blocks[:, [0, 2]].clone()
     want_k, want_v = k_cache.contiguous(), v_cache.contiguous()
     slots = torch.tensor([5, 17, -1, 60, 61, 1599])
     k = torch.randn(len(slots), NUM_KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
@@ -365,7 +367,7 @@ def test_a_cross_layer_caches_views_store_and_attend_as_the_oracle(dtype, tol):
     kernels.store_kv_cache(k, v, k_cache, v_cache, slots)
     reference.store_kv_cache(k, v, want_k, want_v, slots)
     assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
-    assert torch.equal(cache.blocks[:, [0, 2]], others)
+    assert torch.equal(blocks[:, [0, 2]], others)
 
     seq_lens = [1, 9, 40, 77]
     table = tables(seq_lens, [False, True, False, True])

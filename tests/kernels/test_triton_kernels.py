@@ -247,9 +247,12 @@ def test_kernels_over_a_cross_layer_caches_views(dtype):
     num_heads, num_kv_heads, head_dim, block_size = 4, 2, 64, 16
     seq_lens = [1, block_size + 1, 3 * block_size - 5]
     counts = [-(-n // block_size) for n in seq_lens]
-    cache = PagedKVCache(3, sum(counts) + 3, block_size, num_kv_heads, head_dim, dtype, DEVICE,
+    cache = PagedKVCache.attention(3, sum(counts) + 3, block_size, num_kv_heads, head_dim, dtype, DEVICE,
                          layout="cross-layer")
-    cache.blocks.fill_(GARBAGE)
+    # [num_blocks, layers, K|V, block_size, kv_heads, head_dim]: the one-group spec's bytes
+    blocks = cache.blocks.view(dtype).view(cache.num_blocks, 3, 2, block_size, num_kv_heads,
+                                           head_dim)
+    blocks.fill_(GARBAGE)
     k_cache, v_cache = cache.k[1], cache.v[1]
     order = torch.randperm(cache.num_blocks, generator=gen).tolist()
     tables = torch.zeros(len(seq_lens), max(counts), dtype=torch.int32)
@@ -266,7 +269,7 @@ def test_kernels_over_a_cross_layer_caches_views(dtype):
     reference.store_kv_cache(k, v, expected_k, expected_v, slot_mapping)
     _close(k_cache, expected_k, "k_cache")
     _close(v_cache, expected_v, "v_cache")
-    assert bool((cache.blocks[:, [0, 2]] == GARBAGE).all()), "other layers must stay untouched"
+    assert bool((blocks[:, [0, 2]] == GARBAGE).all()), "other layers must stay untouched"
     tables, lens = tables.to(DEVICE), torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
     scale = head_dim**-0.5
     q = _randn(gen, len(seq_lens), num_heads, head_dim, dtype=dtype)

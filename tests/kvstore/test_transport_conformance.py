@@ -3,7 +3,9 @@ offers a prompt's blocks (``request_finished``), the pool holds them too (as the
 saves them), and the decode's FetchConnector takes them into reserved blocks through its
 chain of sources. Parametrized over the transports of kvstore.transport.registry, plus one
 defined only under tests/ (tests/kvstore/loopback_transport.py) and registered the same way,
-and over block layouts (GQA K/V; an MLA latent).
+and over block layouts (KV cache specs): GQA K/V; an MLA latent; and a spec with a second
+group and an extra per-block tensor of another dtype (an int8 K/V with float32 scales beside a
+draft model's bfloat16 group), which no transport is told the meaning of.
 
 Each case: the whole prompt, tail block included, lands equal to the source's blocks; a
 prefix the decode holds is skipped where the source pulls block by block and refused where it
@@ -25,6 +27,7 @@ import torch
 
 from pdcluster.engine.core.hashing import block_keys, make_namespace
 from pdcluster.engine.kv_cache import PagedKVCache
+from pdcluster.engine.kv_cache_spec import KVCacheGroupSpec, KVCacheSpec, KVCacheTensorSpec
 from pdcluster.kvstore.config import KVTransferConfig
 from pdcluster.kvstore.transport import registry
 from pdcluster.kvstore.transport.base import TransferState
@@ -35,8 +38,22 @@ from tests.integration.test_transfer_faults import store  # noqa: F401 — the s
 
 BLOCK_SIZE, LAYERS, NUM_BLOCKS = 4, 2, 24
 NUM_FULL, NUM_TAIL_TOKENS = 5, 3  # the prompt: 5 full blocks, then a tail of 3 tokens
-LAYOUTS = {"gqa": dict(num_kv_heads=2, head_dim=8, kv_parts=2),
-           "mla": dict(num_kv_heads=1, head_dim=24, kv_parts=1)}
+
+def _two_groups() -> KVCacheSpec:
+    """int8 K and V with a float32 scale per head, and a draft's bfloat16 K and V."""
+    kv = (BLOCK_SIZE, 2, 6)
+    target = KVCacheGroupSpec("attention", LAYERS, (
+        KVCacheTensorSpec("k", torch.int8, kv, 1), KVCacheTensorSpec("v", torch.int8, kv, 1),
+        KVCacheTensorSpec("kv_scale", torch.float32, (2, 2), 1)))
+    draft = KVCacheGroupSpec("draft", 1, (
+        KVCacheTensorSpec("k", torch.bfloat16, (BLOCK_SIZE, 1, 8), 1),
+        KVCacheTensorSpec("v", torch.bfloat16, (BLOCK_SIZE, 1, 8), 1)))
+    return KVCacheSpec(BLOCK_SIZE, (target, draft))
+
+
+LAYOUTS = {"gqa": KVCacheSpec.attention(LAYERS, BLOCK_SIZE, 2, 8, torch.float32),
+           "mla": KVCacheSpec.attention(LAYERS, BLOCK_SIZE, 1, 24, torch.float32, kv_parts=1),
+           "two-groups": _two_groups()}
 TIMEOUT_S = 2.0
 TRANSPORTS = [*registry.TRANSPORTS, "loopback"]
 
@@ -70,8 +87,8 @@ def loopback(monkeypatch):
 
 
 def _cache(layout: str, cross_layer: bool = False) -> PagedKVCache:
-    return PagedKVCache(LAYERS, NUM_BLOCKS, BLOCK_SIZE, dtype=torch.float32, device="cpu",
-                        layout="cross-layer" if cross_layer else "layer", **LAYOUTS[layout])
+    return PagedKVCache(LAYOUTS[layout], NUM_BLOCKS, "cpu",
+                        "cross-layer" if cross_layer else "layer")
 
 
 def _transfer(name: str) -> KVTransferConfig:
@@ -90,8 +107,8 @@ def _offer(name: str, layout: str, store, tag: str, withhold: bool = False) -> P
     server, client = store
     source = _cache(layout, cross_layer=name == "mooncake")
     source.write_blocks(list(range(NUM_BLOCKS)),
-                        torch.randn(NUM_BLOCKS, *source.block_shape,
-                                    generator=torch.Generator().manual_seed(len(tag))))
+                        torch.randint(0, 256, (NUM_BLOCKS, source.block_nbytes), dtype=torch.uint8,
+                                      generator=torch.Generator().manual_seed(len(tag))))
     ids = random.Random(tag).sample(range(NUM_BLOCKS), NUM_FULL + 1)
     keys = block_keys(list(range(NUM_FULL * BLOCK_SIZE)), BLOCK_SIZE,
                       make_namespace(f"conformance-{tag}-{layout}"))
@@ -182,10 +199,11 @@ def test_the_whole_prompt_lands_and_the_sender_lets_go(name, layout, store):
         _close(decode, prompt)
 
 
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
 @pytest.mark.parametrize("name", TRANSPORTS)
-def test_a_prefix_held_is_skipped_by_a_pull_and_refused_by_a_push(name, store):
-    prompt = _offer(name, "gqa", store, "prefix")
-    decode = _decode(name, "gqa")
+def test_a_prefix_held_is_skipped_by_a_pull_and_refused_by_a_push(name, layout, store):
+    prompt = _offer(name, layout, store, "prefix")
+    decode = _decode(name, layout)
     try:
         first = decode.chain(prompt.params)[0]
         table = list(range(NUM_FULL + 1))
@@ -202,11 +220,12 @@ def test_a_prefix_held_is_skipped_by_a_pull_and_refused_by_a_push(name, store):
         _close(decode, prompt)
 
 
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
 @pytest.mark.parametrize("name", TRANSPORTS)
-def test_an_abort_settles_and_nothing_is_written_after(name, store):
+def test_an_abort_settles_and_nothing_is_written_after(name, layout, store):
     before = _tails(store)
-    prompt = _offer(name, "gqa", store, "abort")
-    decode = _decode(name, "gqa")
+    prompt = _offer(name, layout, store, "abort")
+    decode = _decode(name, layout)
     try:
         table = list(range(NUM_FULL + 1))
         fetch = KVFetch(decode, "abort", table, prompt.params)
@@ -224,13 +243,14 @@ def test_an_abort_settles_and_nothing_is_written_after(name, store):
         _close(decode, prompt)
 
 
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
 @pytest.mark.parametrize("name", TRANSPORTS)
-def test_a_source_that_fails_falls_back_to_the_pool(name, store):
+def test_a_source_that_fails_falls_back_to_the_pool(name, layout, store):
     before = _tails(store)
-    prompt = _offer(name, "gqa", store, "fail", withhold=True)
+    prompt = _offer(name, layout, store, "fail", withhold=True)
     if name == registry.POOL:  # the pool's own failure: its keys gone, retried, then FAILED
         prompt.params["block_keys"] = tuple(bytes(32) for _ in prompt.params["block_keys"])
-    decode = _decode(name, "gqa")
+    decode = _decode(name, layout)
     try:
         table = list(range(NUM_FULL + 1))
         fetch = KVFetch(decode, "fail", table, prompt.params)

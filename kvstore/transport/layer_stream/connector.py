@@ -39,7 +39,6 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-import torch
 
 from pdcluster.engine.core.blocks import num_blocks_for
 from pdcluster.engine.core.kv_connector import (KVConnector, KVConnectorMetadata,
@@ -141,11 +140,8 @@ class LayerStreamConnector(KVConnector):
         cache = self.cache
         for i in stream.by_chunk_layer.get((stream.chunk, layer), []):
             piece = stream.announce.pieces[i]
-            ids = torch.tensor(stream.blocks[piece.block_start:
-                                             piece.block_start + piece.num_blocks],
-                               device=cache.device)
-            data = torch.stack([part[ids] for part in cache.parts(layer)], dim=1)
-            stream.sender.put(i, data.cpu())
+            ids = stream.blocks[piece.block_start:piece.block_start + piece.num_blocks]
+            stream.sender.put(i, cache.read_layer(ids, layer).cpu())
 
     def wait_for_save(self) -> None:
         with self._lock:
@@ -194,7 +190,8 @@ class LayerStreamConnector(KVConnector):
         cache, n = self.cache, request.num_prompt_tokens
         bs, layers = cache.block_size, cache.num_layers
         chunks = [(s, min(n, s + self.token_budget)) for s in range(start, n, self.token_budget)]
-        per_layer = max(1, MAX_PIECE_BYTES // (cache.block_nbytes // layers))
+        layer_nbytes = [end - start for start, end in map(cache.spec.layer_span, range(layers))]
+        per_layer = max(1, MAX_PIECE_BYTES // max(layer_nbytes))
         per_block = max(1, MAX_PIECE_BYTES // cache.block_nbytes)
         segments = [plan_pieces(start // bs, [], bs, layers, per_layer, per_block)]
         segments += [plan_pieces(0, [chunk], bs, layers, per_layer, per_block) for chunk in chunks]
@@ -211,8 +208,8 @@ class LayerStreamConnector(KVConnector):
                                        num_blocks_for(n, bs), n, layers, self.worker_id)
         lease = None
         if self.regions is not None:
-            sizes = [p.num_blocks * cache.block_nbytes // (1 if p.layer == ALL_LAYERS else layers)
-                     for p in pieces]
+            sizes = [p.num_blocks * (cache.block_nbytes if p.layer == ALL_LAYERS
+                                     else layer_nbytes[p.layer]) for p in pieces]
             offsets = [0, *itertools.accumulate(sizes)]
             lease = self.regions.lease(offsets[-1], pinned=True)
             if lease is not None:

@@ -39,7 +39,7 @@ class LayerStreamSource(KVSource):
     def receiver(self, announce: LayerStreamAnnounce, writer: LayerWriter) -> KVReceiver:
         return LayerStreamReceiver(self.host.grpc.client(announce.address), announce,
                                    writer.write, writer.finish, writer.piece_shape,
-                                   self.host.cache.dtype, self.host.timeout_s)
+                                   torch.uint8, self.host.timeout_s)
 
     def start(self, params: Params, table: list[int], skip_blocks: int,
               attempt: int) -> tuple[str, KVReceiver]:
@@ -61,34 +61,33 @@ class LayerStreamSource(KVSource):
 
 class LayerWriter:
     """Puts a layer stream's pieces into the reserved blocks: straight into the paged cache
-    (TP=1), else into a staging copy written whole at the end, each rank keeping its KV heads
+    (TP=1), else into a staging copy written whole at the end, each rank keeping its share
     (the ShardedKVView writes only whole blocks)."""
 
     def __init__(self, cache: BlockCache, table: list[int]) -> None:
         self.table, self.cache = table, cache
-        self.direct = hasattr(cache, "k")  # the paged cache itself (TP=1), not a sharded view
+        self.direct = hasattr(cache, "write_layer")  # the paged cache itself, not a sharded view
         self.staging = None if self.direct else torch.zeros(
-            (len(table), *self.cache.block_shape), dtype=self.cache.dtype)
+            (len(table), self.cache.block_nbytes), dtype=torch.uint8)
 
     def piece_shape(self, piece: LayerPiece) -> tuple[int, ...]:
-        shape = self.cache.block_shape  # (layers, K|V or latent, block_size, kv_heads, head_dim)
-        return (piece.num_blocks, *(shape if piece.layer == ALL_LAYERS else shape[1:]))
+        if piece.layer == ALL_LAYERS:
+            return piece.num_blocks, self.cache.block_nbytes
+        start, end = self.cache.spec.layer_span(piece.layer)
+        return piece.num_blocks, end - start
 
     def write(self, piece: LayerPiece, data: torch.Tensor) -> None:
-        whole = piece.layer == ALL_LAYERS
         lo, hi = piece.block_start, piece.block_start + piece.num_blocks
-        if not self.direct:
-            if whole:
-                self.staging[lo:hi] = data
+        if piece.layer == ALL_LAYERS:
+            if self.direct:
+                self.cache.write_blocks(self.table[lo:hi], data)
             else:
-                self.staging[lo:hi, piece.layer] = data
-        elif whole:
-            self.cache.write_blocks(self.table[lo:hi], data)
+                self.staging[lo:hi] = data
+        elif self.direct:
+            self.cache.write_layer(self.table[lo:hi], piece.layer, data)
         else:
-            index = torch.tensor(self.table[lo:hi], device=self.cache.device)
-            data = data.to(self.cache.device)
-            for part, tensor in enumerate(self.cache.parts(piece.layer)):
-                tensor[index] = data[:, part]
+            start, end = self.cache.spec.layer_span(piece.layer)
+            self.staging[lo:hi, start:end] = data
 
     def finish(self) -> None:
         if self.staging is not None:

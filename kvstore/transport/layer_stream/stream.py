@@ -8,10 +8,10 @@ never indexed; the store's tail TTL reclaims what nobody takes) and the decode t
 in order over gRPC (TakeTail; NOT_FOUND means "not yet put": poll again). So no new RPC, no
 pickle: raw little-endian tensors in protobuf, as for every block.
 
-    piece  layer  payload shape                                   when
+    piece  layer  payload (uint8)                                 when
     -----  -----  ----------------------------------------------  ------------------------------
-    prefix   -1   [n, layers, 2, block_size, kv_heads, head_dim]  before compute (cached prefix)
-    chunk     l   [n, 2, block_size, kv_heads, head_dim]          after layer l of the chunk
+    prefix   -1   [n, block_nbytes]: whole blocks                 before compute (cached prefix)
+    chunk     l   [n, layer l's bytes] (KVCacheSpec.layer_span)   after layer l of the chunk
 
 A chunk's pieces cover the request blocks its tokens touch; a block a chunk leaves partly
 filled is sent again (complete) by the next chunk, later in the same ordered stream, so the

@@ -6,13 +6,13 @@ prefill's CPU takes no part once the region is published.
 Flow of one transfer::
 
     prefill: MooncakeConnector copies the prompt's blocks into a leased region of its
-             registered staging buffer, layer-major; RemoteRegion --(PrefillResult, Ray)-->
+             registered staging buffer, region-major; RemoteRegion --(PrefillResult, Ray)-->
     decode:  MooncakeKVReceiver.start(FetchRequest(region=...), CacheDest) submits the reads:
              -> destination blocks in a few runs of consecutive blocks: straight into the
-                cache, one read per (layer, K|V) and run (the region holds each (layer, K|V)
-                contiguously, as the cache holds each layer's K or V)
+                cache, one read per cache region and run (the region holds each of the
+                KV cache spec's regions contiguously, as the cache holds each in a tensor)
              -> scattered: the region into a registered receive buffer as one read; once
-                TE reports it, one local copy per (layer, K|V), or one index copy of a
+                TE reports it, one local copy per cache region, or one index copy of a
                 block-major region's blocks
              MooncakeKVReceiver.poll asks TE whether the reads are done and settles (landing a
              staged read); then it writes the region's generation into its release word (a
@@ -20,13 +20,14 @@ Flow of one transfer::
 
 Layout of a region, the layout of the source's cache (engine.kv_cache; a cluster's workers
 share it):
-- layer-major, from a cache with a tensor per layer: [layers, 2 (K, V), num_blocks, block_size,
-  kv_heads, head_dim], the wire block layout with the block axis moved inside, so that each
-  (layer, K|V) of a request is one contiguous span, as each layer's K or V of such a cache is;
-  a run of consecutive destination blocks takes a read per (layer, K|V);
-- block-major (``RemoteRegion.block_major``), from a cross-layer cache: [num_blocks, layers,
-  2, block_size, kv_heads, head_dim], the wire layout itself, as a cross-layer cache holds its
-  blocks; a run of consecutive destination blocks is one span of the region and one read.
+- region-major, from a cache with a tensor per layer and region (engine.kv_cache_spec): for
+  each cache region in the spec's order, its bytes of every block, ``num_blocks x nbytes``
+  from ``num_blocks x offset``, so that each region of a request is one contiguous span, as
+  each region's tensor of such a cache is; a run of consecutive destination blocks takes a
+  read per region;
+- block-major (``RemoteRegion.block_major``), from a cross-layer cache: [num_blocks,
+  block_nbytes], the moved unit itself, as a cross-layer cache holds its blocks; a run of
+  consecutive destination blocks is one span of the region and one read.
 A destination whose cache is laid out otherwise than the region takes the staged path and
 ``dest.write_tensor``.
 
@@ -70,7 +71,6 @@ the Ray plane.
 from __future__ import annotations
 
 import importlib.util
-import math
 import threading
 import time
 from collections.abc import Sequence
@@ -78,10 +78,10 @@ from dataclasses import dataclass
 
 import torch
 
+from pdcluster.engine.kv_cache_spec import KVCacheSpec
 from pdcluster.kvstore.config import KVStoreConfig, KVTransferConfig
 from pdcluster.kvstore.errors import (BlockLayoutError, KVStoreError, KVTransferError,
                                       KVTransferTimeout)
-from pdcluster.kvstore.layout import DTYPE_ITEMSIZE
 from pdcluster.kvstore.transport.base import (FetchRequest, KVReceiver, KVTransferBackend,
                                              TransferState)
 from pdcluster.kvstore.transport.dest import CacheDest, CallbackDest
@@ -106,39 +106,34 @@ class RemoteRegion:
         session: the source TE's session name, ``host:rpc_port``.
         address: the region's first byte in the source process.
         num_blocks: request blocks in the region (full ones, then the tail).
-        block_shape: one block in the wire layout, (layers, 2, block_size, kv_heads, head_dim).
-        dtype: wire dtype name (``float32`` | ``bfloat16`` | ``float16``).
+        block_nbytes: bytes of one block (KVCacheSpec.block_nbytes).
+        spans: (offset in a block, bytes per block) of each cache region, the spec's order.
         release_address: an int64 word in the source's registered memory; writing
             ``generation`` there frees the region.
         generation: this lease's number (a stale release of an earlier lease is ignored).
         expires_at: ``time.time()`` on the source when the lease ends, released or not.
-        block_major: the region is [num_blocks, *block_shape] (from a cross-layer cache), not
-            layer-major [layers, 2, num_blocks, *block_shape[2:]] (see the module docstring).
+        block_major: the region is [num_blocks, block_nbytes] (from a cross-layer cache),
+            not region-major (see the module docstring).
     """
 
     session: str
     address: int
     num_blocks: int
-    block_shape: tuple[int, ...]
-    dtype: str
+    block_nbytes: int
+    spans: tuple[tuple[int, int], ...]
     release_address: int
     generation: int
     expires_at: float
     block_major: bool = False
 
     @property
-    def block_nbytes(self) -> int:
-        """Bytes of one block in the wire layout."""
-        return math.prod(self.block_shape) * DTYPE_ITEMSIZE[self.dtype]
-
-    @property
-    def span_nbytes(self) -> int:
-        """Bytes of one block of one (layer, K|V): block_size * kv_heads * head_dim * itemsize."""
-        return math.prod(self.block_shape[2:]) * DTYPE_ITEMSIZE[self.dtype]
-
-    @property
     def nbytes(self) -> int:
-        return self.num_blocks * math.prod(self.block_shape) * DTYPE_ITEMSIZE[self.dtype]
+        return self.num_blocks * self.block_nbytes
+
+
+def cache_spans(spec: KVCacheSpec) -> tuple[tuple[int, int], ...]:
+    """(offset, bytes per block) of each region of ``spec``: RemoteRegion.spans."""
+    return tuple((r.offset, r.nbytes) for r in spec.regions)
 
 
 class MooncakeTransferBackend(KVTransferBackend):
@@ -220,17 +215,17 @@ class MooncakeTransferBackend(KVTransferBackend):
             self._abandoned.append(buffer)
 
     def direct_cache(self, dest: CallbackDest):
-        """The host paged cache (engine.kv_cache.PagedKVCache: per-layer ``k`` / ``v``
-        tensors, or a cross-layer one's ``blocks``) ``dest`` lands in, registered with TE;
+        """The host paged cache (engine.kv_cache.PagedKVCache: a tensor per region, or a
+        cross-layer one's ``blocks``) ``dest`` lands in, registered with TE;
         None when the blocks must go through ``dest.write_tensor``."""
         cache = dest.cache if isinstance(dest, CacheDest) else None
-        if cache is None or not hasattr(cache, "k") or cache.device.type != "cpu":
+        if cache is None or not hasattr(cache, "tensors") or cache.device.type != "cpu":
             return None
         engine = self.engine()
         with self._lock:
             if id(cache) not in self._registered:
                 register(engine, [cache.blocks] if cache_blocks(cache) is not None
-                         else [*cache.k, *cache.v])
+                         else cache.tensors)
                 self._registered[id(cache)] = cache
         return cache
 
@@ -321,8 +316,7 @@ class MooncakeKVReceiver(KVReceiver):
         self._runs: list[tuple[int, int, int]] = []  # ... its runs of consecutive blocks
         self._index: torch.Tensor | None = None  # ... its block ids, where runs are many
         self._buffer: torch.Tensor | None = None  # the receive buffer of a staged read
-        # ... as [layers * 2, num_blocks, *block], or a block-major region's [num_blocks,
-        # *block_shape]
+        # ... its bytes, uint8 (a block-major region's as [num_blocks, block_nbytes])
         self._staged: torch.Tensor | None = None
         self._batches: list[int] | None = None  # unreported TE batches; None: none submitted
         self._refused: bool | Exception = False  # TE refused or failed a read (or raised)
@@ -334,10 +328,10 @@ class MooncakeKVReceiver(KVReceiver):
         region = request.region
         if not isinstance(region, RemoteRegion):
             raise BlockLayoutError("a mooncake fetch needs the source's RemoteRegion")
-        if (region.num_blocks != dest.num_blocks or tuple(region.block_shape) != dest.block_shape
-                or region.dtype != dest.wire_dtype):
+        if (region.num_blocks != dest.num_blocks or dest.block_shape != (region.block_nbytes,)
+                or dest.dtype != torch.uint8):
             raise BlockLayoutError(
-                f"region holds {region.num_blocks} x {region.block_shape} {region.dtype}, the "
+                f"region holds {region.num_blocks} blocks of {region.block_nbytes} bytes, the "
                 f"destination {dest.num_blocks} x {dest.block_shape} {dest.wire_dtype}")
         self._dest = self._accept(request, dest, self._backend.config.timeout_s)
         self._region = region
@@ -403,20 +397,19 @@ class MooncakeKVReceiver(KVReceiver):
                                   f"transfer's deadline", address=region.session)
         backend = self._backend
         cache = backend.direct_cache(dest)
-        if cache is not None and (cache_blocks(cache) is not None) != region.block_major:
+        if cache is not None and ((cache_blocks(cache) is not None) != region.block_major
+                                  or cache_spans(cache.spec) != region.spans):
             cache = None  # laid out otherwise than the region: through dest.write_tensor
         runs = _runs(dest.block_ids, cache.num_blocks) if cache is not None else []
         if region.block_major:
             return self._plan_block_major(region, dest, cache, runs)
-        if runs and len(runs) * 2 * region.block_shape[0] <= MAX_DIRECT_READS:
+        if runs and len(runs) * len(region.spans) <= MAX_DIRECT_READS:
             return list(zip(*_cache_pieces(region, cache, runs)))
         self._cache, self._runs = cache, runs
         if len(runs) > 4:
             self._index = torch.tensor(dest.block_ids, dtype=torch.int64)
         self._buffer = backend.take_buffer(region.nbytes)
-        layers, kv, *block = region.block_shape
-        self._staged = self._buffer[:region.nbytes].view(dest.dtype).view(
-            layers * kv, region.num_blocks, *block)
+        self._staged = self._buffer[:region.nbytes]
         return [(self._buffer.data_ptr(), region.address, region.nbytes)]
 
     def _plan_block_major(self, region: RemoteRegion, dest: CallbackDest, cache,
@@ -436,8 +429,7 @@ class MooncakeKVReceiver(KVReceiver):
         if cache is not None:
             self._index = torch.tensor(dest.block_ids, dtype=torch.int64)
         self._buffer = self._backend.take_buffer(region.nbytes)
-        self._staged = self._buffer[:region.nbytes].view(dest.dtype).view(
-            region.num_blocks, *region.block_shape)
+        self._staged = self._buffer[:region.nbytes].view(region.num_blocks, region.block_nbytes)
         return [(self._buffer.data_ptr(), region.address, region.nbytes)]
 
     def _connect(self, reads: list[tuple[int, int, int]]) -> None:
@@ -526,21 +518,26 @@ class MooncakeKVReceiver(KVReceiver):
 
     def _land(self) -> None:
         """The staged region into its destination. Into the registered cache: a block-major
-        region's blocks by one index copy; a layer-major region's (layer, K|V) spans by a copy
-        per run of consecutive blocks, or one index copy each when there are many runs.
-        Without a cache: ``dest.write_tensor`` of the whole region."""
-        cache, region = self._cache, self._region
-        if cache is None:
-            self._dest.write_tensor(0, self._staged if region.block_major else
-                                    self._staged.unflatten(0, tuple(region.block_shape[:2]))
-                                    .movedim(2, 0))
-            return
+        region's blocks by one index copy; a region-major region's spans by a copy per run of
+        consecutive blocks, or one index copy each when there are many runs. Without a cache:
+        ``dest.write_tensor`` of the whole region, as blocks."""
+        cache, region, n = self._cache, self._region, self._region.num_blocks
         if region.block_major:
-            cache.blocks.index_copy_(0, self._index, self._staged)
+            if cache is None:
+                self._dest.write_tensor(0, self._staged)
+            else:
+                cache.blocks.index_copy_(0, self._index, self._staged)
             return
-        for span in range(len(self._staged)):
-            layer, which = divmod(span, 2)
-            target, source = (cache.v if which else cache.k)[layer], self._staged[span]
+        spans = [self._staged[n * offset:n * (offset + nbytes)].view(n, nbytes)
+                 for offset, nbytes in region.spans]
+        if cache is None:
+            blocks = torch.zeros((n, region.block_nbytes), dtype=torch.uint8)
+            for (offset, nbytes), source in zip(region.spans, spans):
+                blocks[:, offset:offset + nbytes] = source
+            self._dest.write_tensor(0, blocks)
+            return
+        for tensor, source in zip(cache.tensors, spans):
+            target = _as_bytes(tensor)
             if self._index is not None:
                 target.index_copy_(0, self._index, source)
                 continue
@@ -549,26 +546,29 @@ class MooncakeKVReceiver(KVReceiver):
 
 
 def cache_blocks(cache) -> torch.Tensor | None:
-    """A cross-layer cache's one tensor [num_blocks, *block_shape] (engine.kv_cache); None for
-    a cache with a tensor per layer."""
+    """A cross-layer cache's one tensor, uint8 [num_blocks, block_nbytes] (engine.kv_cache);
+    None for a cache with a tensor per layer and region."""
     return getattr(cache, "blocks", None)
 
 
 def _cache_pieces(region: RemoteRegion, cache, runs: Sequence[tuple[int, int, int]]
                   ) -> tuple[list[int], list[int], list[int]]:
     """(destination addresses, source addresses, lengths) of the region's pieces: for each
-    (layer, K|V), one per run of consecutive destination blocks (`_runs`)."""
-    span = region.span_nbytes
+    cache region, one per run of consecutive destination blocks (`_runs`)."""
     dst, src, lengths = [], [], []
-    for layer in range(region.block_shape[0]):
-        for which, tensors in enumerate((cache.k, cache.v)):
-            base = tensors[layer].data_ptr()
-            source = region.address + (layer * 2 + which) * region.num_blocks * span
-            for position, block, count in runs:
-                dst.append(base + block * span)
-                src.append(source + position * span)
-                lengths.append(count * span)
+    for tensor, (offset, span) in zip(cache.tensors, region.spans):
+        base = tensor.data_ptr()
+        source = region.address + offset * region.num_blocks
+        for position, block, count in runs:
+            dst.append(base + block * span)
+            src.append(source + position * span)
+            lengths.append(count * span)
     return dst, src, lengths
+
+
+def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous [num_blocks, ...] cache tensor as uint8 [num_blocks, bytes per block]."""
+    return tensor.view(tensor.shape[0], -1).view(torch.uint8)
 
 
 def _runs(block_ids: Sequence[int], num_blocks: int) -> list[tuple[int, int, int]]:

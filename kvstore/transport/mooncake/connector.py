@@ -21,7 +21,6 @@ from __future__ import annotations
 import bisect
 import itertools
 import logging
-import math
 import threading
 import time
 from collections.abc import Sequence
@@ -33,9 +32,8 @@ from pdcluster.engine.core.kv_connector import BlockCache, KVConnector, KVConnec
 from pdcluster.kvstore.config import KVTransferConfig
 from pdcluster.kvstore.transport.context import KVConnectorContext
 from pdcluster.kvstore.errors import KVTransferError
-from pdcluster.kvstore.transport.dest import WIRE_DTYPES
 from pdcluster.kvstore.transport.layer_stream.stream import LayerStreamSender
-from pdcluster.kvstore.transport.mooncake.backend import RemoteRegion, cache_blocks
+from pdcluster.kvstore.transport.mooncake.backend import RemoteRegion, cache_blocks, cache_spans
 from pdcluster.kvstore.transport.mooncake.layer_stream import StreamRegion
 from pdcluster.kvstore.transport.mooncake.settings import MooncakeSettings
 from pdcluster.kvstore.transport.mooncake.te import new_transfer_engine, register, session_of
@@ -275,25 +273,26 @@ class MooncakeConnector(KVConnector):
         if request.max_tokens == 1 or request.runs_alone or not block_ids:
             return False, {}
         cache = self.cache
-        layers, kv, *block = cache.block_shape
-        nbytes = len(block_ids) * math.prod(cache.block_shape) * cache.dtype.itemsize
-        lease = self.regions.lease(nbytes)
+        n = len(block_ids)
+        lease = self.regions.lease(n * cache.block_nbytes)
         if lease is None:
             self.buffer_full_total += 1
             log.warning("the Mooncake staging buffer is full; %s's decode reads the KV store",
                         request.request_id, extra={"request_id": request.request_id})
             return False, {}
-        blocks = cache_blocks(cache)
+        blocks, index = cache_blocks(cache), cache.index_of(block_ids)
         if blocks is not None:  # cross-layer: the region in the cache's own layout
-            region = lease.view.view(cache.dtype).view(len(block_ids), *cache.block_shape)
-            torch.index_select(blocks, 0, cache.index_of(block_ids), out=region)
-        else:
-            region = lease.view.view(cache.dtype).view(layers, kv, len(block_ids), *block)
-            region.copy_(cache.read_blocks(block_ids).permute(1, 2, 0, *range(3, 3 + len(block))))
+            torch.index_select(blocks, 0, index,
+                               out=lease.view[:n * cache.block_nbytes].view(n, cache.block_nbytes))
+        else:  # region-major: each cache region's bytes of every block, contiguous
+            for region, tensor in zip(cache.spec.regions, cache.tensors):
+                start = n * region.offset
+                out = lease.view[start:start + n * region.nbytes].view(tensor.dtype)
+                torch.index_select(tensor, 0, index, out=out.view(n, *tensor.shape[1:]))
         return False, {"kv_region": RemoteRegion(
-            self.regions.session, lease.address, len(block_ids), tuple(cache.block_shape),
-            WIRE_DTYPES[cache.dtype], self.regions.release_address(lease.word),
-            lease.generation, lease.expires_at, block_major=blocks is not None)}
+            self.regions.session, lease.address, n, cache.block_nbytes, cache_spans(cache.spec),
+            self.regions.release_address(lease.word), lease.generation, lease.expires_at,
+            block_major=blocks is not None)}
 
     def get_finished(self) -> tuple[dict, dict]:
         self.regions.reclaim()

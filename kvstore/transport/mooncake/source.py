@@ -6,6 +6,8 @@ under way cannot be cancelled, so an abort waits for TE to report it."""
 
 from __future__ import annotations
 
+import torch
+
 from pdcluster.kvstore.handoff import DecodeHandoff
 from pdcluster.kvstore.transport.base import FetchRequest, KVReceiver
 from pdcluster.kvstore.transport.source import FetchHost, KVSource, Params
@@ -64,7 +66,7 @@ class MooncakeLayerStreamSource(LayerStreamSource):
 
     def receiver(self, announce: LayerStreamAnnounce, writer: LayerWriter) -> KVReceiver:
         return MooncakeLayerStreamReceiver(self.backend, announce, writer.write, writer.finish,
-                                           writer.piece_shape, self.host.cache.dtype,
+                                           writer.piece_shape, torch.uint8,
                                            self.host.timeout_s)
 
     def left(self, params: Params, receiver: KVReceiver) -> None:

@@ -200,7 +200,7 @@ class PoolConnector(KVConnector):
                 outcome.failures.append(f"index: {exc}")
                 return outcome
         sources = self._sources(locations)
-        data = torch.empty((len(sources), *self.cache.block_shape), dtype=self.cache.dtype)
+        data = torch.empty((len(sources), self.cache.block_nbytes), dtype=torch.uint8)
         loaded = 0
         for source, start, end in _runs(sources):
             got = self._fetch(source, list(keys[start:end]), data[start:end], outcome)

@@ -4,6 +4,8 @@ kvstore.transport.torch_pair.push), and the decode receives them into its reserv
 
 from __future__ import annotations
 
+import torch
+
 from pdcluster.kvstore.handoff import DecodeHandoff
 from pdcluster.kvstore.transport.base import FetchRequest, KVReceiver
 from pdcluster.kvstore.transport.dest import CallbackDest
@@ -36,8 +38,8 @@ class TorchPairSource(KVSource):
         """Drain the pushed transfer into a discarding destination, so the pair stays healthy
         instead of failing at the sender's deadline."""
         pushed, cache = _pushed(params), self.host.cache
-        sink = CallbackDest(lambda start, blocks: None, pushed.num_blocks, cache.block_shape,
-                            cache.dtype)
+        sink = CallbackDest(lambda start, blocks: None, pushed.num_blocks, (cache.block_nbytes,),
+                            torch.uint8)
         self.backend.create_receiver().start(pushed, sink)  # its own thread, own deadline
 
 
