@@ -66,7 +66,7 @@ class PrefillWorker:
                            **pool_config.index_options(transfer.bind_host))
         self.worker_id, self.node_id = worker_id, node_id
         names = prefill_connector_names(transfer, self.tp.size)
-        streams = any(connector_class(name).streams_layers for name in names)
+        streams = any(connector_class(name).uses_layer_hooks for name in names)
         if transfer.streaming == "layer" and not streams:
             log.warning("--kv-streaming layer needs --prefill-tp 1; %s transfers whole "
                         "requests", worker_id)

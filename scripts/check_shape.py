@@ -1,6 +1,6 @@
-"""The worker side's shape, checked: one engine, a typed connector seam, transports behind one
-registry, each transport's hand-off read only by that transport, typed stats to the gateway,
-the import layers. Prints each check and exits 1 if any fails; scripts/test.sh runs it.
+"""The worker side's shape, checked: one engine that names no transport or stream, a typed
+connector seam, transports behind one registry, each transport's hand-off read only by that
+transport, typed stats to the gateway, the import layers. Prints each check and exits 1 if any fails; scripts/test.sh runs it.
 
     .venv/bin/python scripts/check_shape.py
 """
@@ -28,6 +28,8 @@ TRANSPORT_KEYS = {"pair_address": "kvstore/transport/torch_pair/",
                   "layer_stream": "kvstore/transport/layer_stream/"}
 TRANSPORT_WORDS = re.compile(r"\b(pair_address|pair_tag|kv_region|layer_stream|mooncake|grpc|"
                              r"nccl|torch\.distributed)\b", re.IGNORECASE)
+#: a KV stream named (an engine that knows one has a transport's feature inside it)
+KV_STREAM = re.compile(r"stream", re.IGNORECASE)
 
 
 def product_files() -> list[Path]:
@@ -118,6 +120,13 @@ def main() -> int:
     words = [f"engine/protocol.py:{n}: {line.strip()}" for n, line in code_lines(protocol)
              if TRANSPORT_WORDS.search(line)]
     checks.append(("engine/protocol.py names no transport", words))
+    core_words = [f"engine/core/{p.name}:{n}: {line.strip()}"
+                  for p in sorted((ROOT / "engine" / "core").glob("*.py"))
+                  for n, line in enumerate(p.read_text().splitlines(), 1)
+                  if TRANSPORT_WORDS.search(line.replace("Mooncake FAST'25", ""))
+                  or KV_STREAM.search(line)]  # (the paper cited is not the transport)
+    checks.append(("engine/core/ names no transport and no stream, docstrings included",
+                   core_words))
     base = ROOT / "engine" / "core" / "kv_connector.py"
     anys = [f"engine/core/kv_connector.py:{n}" for n, line in code_lines(base)
             if re.search(r"\bAny\b", line)]

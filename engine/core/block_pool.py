@@ -114,7 +114,7 @@ class BlockPool:
             order). ``w >= 1``: an allocation of ``n >= 2`` blocks takes the longest runs of
             consecutive ids among the ``w * n`` least recently freed blocks, so that a
             request's blocks form a few runs rather than being scattered over the cache: a KV
-            connector moves a run in one read, and attention reads it as one stream. The
+            connector moves a run in one read, and attention reads it in one sweep. The
             price is LRU order within that window: a cached block up to ``w * n`` places from
             the head may be evicted before the head (benchmarks/RESULTS.md has both sides).
 

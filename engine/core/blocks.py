@@ -1,7 +1,7 @@
 """Block arithmetic: how many `block_size`-token blocks hold a number of tokens.
 
 The one formula every layer uses (the engine's KV cache manager, the model runner's block
-tables, layer streams, the Conductor's prefix matching), so tokens and blocks never disagree.
+tables, per-layer sends, the Conductor's prefix matching), so tokens and blocks never disagree.
 """
 
 from __future__ import annotations

@@ -84,8 +84,9 @@ KVEventFeedFactory = Callable[[BlockPool, Executor], KVEventFeed]
 
 
 class PreArrivalKV(Protocol):
-    """KV that starts landing before its request reaches the engine (decode_worker.kv_streams:
-    layer streams announced by a prefill); the engine calls it on the loop."""
+    """KV that starts landing, in blocks reserved for it, before its request reaches the
+    engine (SGLang's decode prealloc queue); installed by the worker whose connector can
+    send ahead of the request, called on the loop."""
 
     def __len__(self) -> int: ...
 
@@ -110,7 +111,7 @@ class EngineCore:
         runner: the model runner (its ``wire_kv`` is what the connector reads and writes).
         connector: moves KV in and out (engine.core.kv_connector; several as one
             MultiConnector). Its layer hooks run inside the forward only when it declares
-            ``streams_layers``, so the other forwards keep their fast paths.
+            ``uses_layer_hooks``, so the other forwards keep their fast paths.
         worker_id / pid: who ran a request (TokenDelta.decode_worker_id / decode_pid).
         kv_events: builds the feed of the prefix cache's events to the global index (None:
             the cache works unindexed).
@@ -156,7 +157,7 @@ class EngineCore:
         self.inbox = EngineInbox()
         connector.register_kv_caches(runner.wire_kv)
         connector.wakeup = lambda: self.inbox.post(Wake())
-        if connector.streams_layers:  # around each layer's attention, compiled or not
+        if connector.uses_layer_hooks:  # around each layer's attention, compiled or not
             runner.layer_hooks = connector
         self.pre_arrival: PreArrivalKV | None = None
         # cache events and KV transfer params, on one thread of their own: a request's events
@@ -195,7 +196,7 @@ class EngineCore:
 
     def abort(self, request_id: str) -> None:
         """Idempotent: a request waiting or running ends with finish_reason ABORT and releases
-        its blocks (one streaming its layers stops at its next layer); one that finished
+        its blocks (one whose forward a layer hook watches stops at its next layer); one that finished
         has what the connector still holds for it dropped; one not arrived yet is refused when
         it comes."""
         alone = self._alone
@@ -243,7 +244,7 @@ class EngineCore:
             num_sending=len(self._sending),
             num_preemptions_total=self.scheduler.num_preemptions_total,
             num_recomputed_tokens_total=self.num_recomputed_tokens_total,
-            num_pending_layer_streams=len(self.pre_arrival or ()),
+            num_prealloc_requests=len(self.pre_arrival or ()),
             kv_load_failures_total=dict(self.kv_load_failures.failures_total),
             prefix_cache_queried_tokens_total=self.prefix_cache_queried_tokens_total,
             prefix_cache_hit_tokens_total=dict(self.prefix_cache_hit_tokens_total),
@@ -509,8 +510,9 @@ class EngineCore:
     # ---- the step ------------------------------------------------------------------------
     def _schedule_chunks(self, token_budget: int) -> list[tuple[Request, int]]:
         """This step's chunks in ``token_budget`` tokens; a request that runs alone, once
-        begun, runs alone to its end, in chunks of the whole budget (a layer stream plans
-        them so; such a request is a prefill instance's, which has no decode rows)."""
+        begun, runs alone to its end, in chunks of the whole budget (its connector plans its
+        per-layer sends so; such a request is a prefill instance's, which has no decode
+        rows)."""
         request = self._alone
         if request is not None:
             return [(request, min(request.num_prompt_tokens - request.num_computed_tokens,
@@ -584,7 +586,7 @@ class EngineCore:
         if self._alone is request:
             self._alone = None
         if self.pre_arrival is not None:
-            self.pre_arrival.drop(request.request_id)  # a stream it never took
+            self.pre_arrival.drop(request.request_id)  # KV landing that it never took
         normal = error is None and request.num_computed_tokens >= request.num_prompt_tokens
         if normal:
             request.block_keys = tuple(block_keys(request.kv_token_ids(), self.block_size,

@@ -104,7 +104,7 @@ class KVConnectorMetadata:
 
 
 class StepCancelled(RuntimeError):
-    """Raised by ``save_kv_layer`` to stop a forward: the request it streams was aborted. The
+    """Raised by ``save_kv_layer`` to stop a forward: the request whose KV it saves was aborted. The
     engine ends that request (``args[0]`` is its id); no other request shares the step."""
 
 
@@ -148,7 +148,7 @@ class KVConnector(abc.ABC):
     wakeup: Callable[[], None] = staticmethod(lambda: None)
     #: its layer hooks (wait_for_layer_load / save_kv_layer) must run inside the forward; a
     #: forward without hooks keeps the fast paths that fuse layers (CUDA graphs, CPU stack)
-    streams_layers: bool = False
+    uses_layer_hooks: bool = False
     #: what it loads settles without a wakeup call: the engine polls get_finished meanwhile
     polled: bool = False
 

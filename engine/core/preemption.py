@@ -10,7 +10,7 @@ and resumes preempted requests first, before any new one (first come, first serv
 - swap: copy the request's blocks to host memory and free them; on resume, copy them back.
 
 Either way the request continues with identical output: sampling draws token t from the
-(seed, t) stream.
+random numbers of (seed, t).
 """
 
 from __future__ import annotations

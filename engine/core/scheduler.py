@@ -102,7 +102,7 @@ class Scheduler(Generic[R]):
 
     def activate(self, request: R, status: RequestStatus) -> None:
         """Move a waiting request into the active set out of turn (it already holds blocks,
-        e.g. reserved for a layer stream announced before it arrived), max_num_seqs aside."""
+        e.g. reserved by KV that landed before it arrived), max_num_seqs aside."""
         self.waiting.remove(request)
         request.status = status
         self.active[request.request_id] = request

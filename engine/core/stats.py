@@ -36,7 +36,8 @@ class SchedulerStats:
         num_sending: finished requests whose blocks the connector still sends.
         num_preemptions_total, num_recomputed_tokens_total: preemptions, and tokens computed
             again (preempted by recompute, or a failed load recomputed).
-        num_pending_layer_streams: layer streams announced before their request arrived.
+        num_prealloc_requests: requests whose KV started landing in blocks reserved for
+            them before they arrived (PreArrivalKV; SGLang's decode prealloc queue).
         kv_load_failures_total: loads that failed for good, by what the KV load failure policy
             did ("recompute", "fail").
         prefix_cache_queried_tokens_total: prompt tokens looked up (vLLM's "queries").
@@ -69,7 +70,7 @@ class SchedulerStats:
     num_sending: int = 0
     num_preemptions_total: int = 0
     num_recomputed_tokens_total: int = 0
-    num_pending_layer_streams: int = 0
+    num_prealloc_requests: int = 0
     kv_load_failures_total: Mapping[str, int] = field(default_factory=dict)
     prefix_cache_queried_tokens_total: int = 0
     prefix_cache_hit_tokens_total: Mapping[str, int] = field(default_factory=dict)

@@ -20,7 +20,7 @@ class MultiConnector(KVConnector):
 
     def __init__(self, connectors: Sequence[KVConnector]) -> None:
         self.connectors = list(connectors)
-        self.streams_layers = any(c.streams_layers for c in self.connectors)
+        self.uses_layer_hooks = any(c.uses_layer_hooks for c in self.connectors)
         self.polled = any(c.polled for c in self.connectors)
         for connector in self.connectors:
             connector.wakeup = lambda: self.wakeup()

@@ -77,7 +77,7 @@ def assert_settled(cluster: Cluster, timeout_s: float = 10.0) -> None:
         while True:
             decode, prefill = handle_stats(cluster.decode[0]), handle_stats(cluster.prefill[0])
             state = (decode.num_free_blocks == decode.num_blocks,
-                     decode.num_pending_layer_streams == 0, decode.num_active == 0,
+                     decode.num_prealloc_requests == 0, decode.num_active == 0,
                      prefill.num_free_blocks == prefill.num_blocks,
                      client.stats()["num_tails"] == 0)
             if all(state):

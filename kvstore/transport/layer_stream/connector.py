@@ -81,7 +81,7 @@ class LayerStreamConnector(KVConnector):
         token_budget: tokens per step; a streamed request's chunks are cut by it.
     """
 
-    streams_layers = True
+    uses_layer_hooks = True
 
     def __init__(self, client, address: str, peers: StreamPeers, worker_id: str,
                  finish_timeout_s: float, token_budget: int, regions=None) -> None:
