@@ -107,7 +107,8 @@ class KVTransferConfig(pydantic.BaseModel):
         kv_connector_extra_config: the transport's own settings (vLLM's
             ``kv_connector_extra_config``), validated by it (its registry entry's
             ``settings``): mooncake's in kvstore.transport.mooncake.settings; grpc and torch
-            take none.
+            take none. The pool's gRPC settings above stay at this level: the pool is every
+            transport's fallback, so they apply whichever backend is chosen.
         streaming: ``request`` (decode pulls the whole request's KV once prefill is done) or
             ``layer`` (each layer's KV for the new tokens is published as soon as that layer's
             prefill compute ends, overlapping the rest; Mooncake FAST'25 §3.1).

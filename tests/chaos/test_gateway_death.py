@@ -203,13 +203,14 @@ def prefill_requests(env: dict, namespace: str) -> dict[str, int]:
             if w["role"] == "prefill"}
 
 
-def burst(urls: list[str], size: int) -> None:
-    """`size` different prompts at once, request i through urls[i % len(urls)]."""
+def burst(urls: list[str], size: int, tag: str = "") -> None:
+    """`size` different prompts at once, request i through urls[i % len(urls)]; `tag` opens
+    each prompt, so that a burst's prompts are no prefix hits of another's."""
     async def main() -> None:
         async with httpx.AsyncClient(timeout=120) as client:
             responses = await asyncio.gather(*(client.post(f"{urls[i % len(urls)]}/v1/completions", json={
                 "model": "stories260K", "max_tokens": 2,
-                "prompt": f"Burst {size} request {i}: " + PROMPT.format(PLACES[i % len(PLACES)])})
+                "prompt": f"Burst {tag} {size} request {i}: " + PROMPT.format(PLACES[i % len(PLACES)])})
                 for i in range(size)))
         assert all(r.status_code == 200 for r in responses), [r.text for r in responses]
 
@@ -241,7 +242,7 @@ def test_two_gateways_split_a_burst_over_the_prefills_as_evenly_as_one(cluster, 
         for name, urls in (("one", [gateways[0].url]), ("two", [g.url for g in gateways])):
             settled(env, namespace, gateways)
             before = prefill_requests(env, namespace)
-            burst(urls, 8)
+            burst(urls, 8, tag=name)  # the bursts' prompts differ: routed by load, not cache
             after = prefill_requests(env, namespace)
             counts = sorted(after[p] - before[p] for p in after)
             assert sum(counts) == 8, counts
