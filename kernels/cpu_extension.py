@@ -34,6 +34,9 @@ _failed = False
 _SOURCES = ("cpu_extension.cpp", "cpu_paged_decode.cpp", "cpu_paged_prefill.cpp",
             "cpu_amx_prefill.cpp", "cpu_fused_ops.cpp", "cpu_skinny_gemm.cpp", "cpu_amx_gemm.cpp",
             "cpu_threads.cpp", "cpu_decode_stack.cpp")
+#: a build lock older than this was left by a build that died (torch's FileBaton waits for it
+#: forever); a live build of these sources takes 1-2 minutes on 2 cores
+STALE_LOCK_S = 600.0
 
 
 def module() -> ModuleType | None:
@@ -58,6 +61,10 @@ def module() -> ModuleType | None:
             if compiling:
                 log.warning("compiling pdcluster's C++ CPU kernels, once: about 1-2 minutes on "
                             "2 cores; later starts reuse the build")
+            try:  # torch's private lookup: if it goes, torch's own wait for the lock stands
+                clear_stale_lock(cpp_extension._get_build_directory(name, False))
+            except Exception:  # noqa: BLE001
+                pass
             started = time.monotonic()
             try:
                 _module = cpp_extension.load(
@@ -77,6 +84,26 @@ def module() -> ModuleType | None:
                 log.warning("building the C++ CPU kernels failed (%s): CPU attention and layer "
                             "ops run the slower torch paths", exc)
         return _module
+
+
+def clear_stale_lock(build_directory: str, stale_s: float = STALE_LOCK_S) -> bool:
+    """Remove the build lock of ``build_directory`` when it is older than ``stale_s`` seconds:
+    a build killed midway (a Ctrl-C during the first start) leaves it, and every later build
+    would wait on it forever. True when one was removed."""
+    lock = os.path.join(build_directory, "lock")
+    try:
+        age = time.time() - os.path.getmtime(lock)
+    except FileNotFoundError:
+        return False
+    if age < stale_s:
+        return False  # another process is building: wait for it
+    log.warning("removing the C++ kernels' build lock left %.0f s ago by a build that did not "
+                "finish", age)
+    try:
+        os.remove(lock)
+    except FileNotFoundError:
+        pass
+    return True
 
 
 def _build_cached(cpp_extension: ModuleType, name: str, here: str) -> bool:

@@ -39,7 +39,6 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-
 from pdcluster.engine.core.blocks import num_blocks_for
 from pdcluster.engine.core.kv_connector import (KVConnector, KVConnectorMetadata,
                                                 KVConnectorRequest, KVTransferParams, StepCancelled)

@@ -280,15 +280,15 @@ class MooncakeConnector(KVConnector):
             log.warning("the Mooncake staging buffer is full; %s's decode reads the KV store",
                         request.request_id, extra={"request_id": request.request_id})
             return False, {}
-        blocks, index = cache_blocks(cache), cache.index_of(block_ids)
+        blocks = cache_blocks(cache)
         if blocks is not None:  # cross-layer: the region in the cache's own layout
-            torch.index_select(blocks, 0, index,
+            torch.index_select(blocks, 0, cache.index_of(block_ids),
                                out=lease.view[:n * cache.block_nbytes].view(n, cache.block_nbytes))
         else:  # region-major: each cache region's bytes of every block, contiguous
-            for region, tensor in zip(cache.spec.regions, cache.tensors):
-                start = n * region.offset
-                out = lease.view[start:start + n * region.nbytes].view(tensor.dtype)
-                torch.index_select(tensor, 0, index, out=out.view(n, *tensor.shape[1:]))
+            data = cache.read_blocks(block_ids)
+            for offset, nbytes in cache_spans(cache.spec):
+                lease.view[n * offset:n * (offset + nbytes)].view(n, nbytes).copy_(
+                    data[:, offset:offset + nbytes])
         return False, {"kv_region": RemoteRegion(
             self.regions.session, lease.address, n, cache.block_nbytes, cache_spans(cache.spec),
             self.regions.release_address(lease.word), lease.generation, lease.expires_at,
