@@ -204,13 +204,14 @@ def prefill_requests(env: dict, namespace: str) -> dict[str, int]:
 
 
 def burst(urls: list[str], size: int, tag: str = "") -> None:
-    """`size` different prompts at once, request i through urls[i % len(urls)]; `tag` opens
-    each prompt, so that a burst's prompts are no prefix hits of another's."""
+    """`size` different prompts at once, request i through urls[i % len(urls)]. Each prompt
+    opens with its index and `tag`, so that no two prompts, of one burst or of two, share a
+    block: the Conductor routes them by load alone."""
     async def main() -> None:
         async with httpx.AsyncClient(timeout=120) as client:
             responses = await asyncio.gather(*(client.post(f"{urls[i % len(urls)]}/v1/completions", json={
                 "model": "stories260K", "max_tokens": 2,
-                "prompt": f"Burst {tag} {size} request {i}: " + PROMPT.format(PLACES[i % len(PLACES)])})
+                "prompt": f"{i} {tag} burst of {size}: " + PROMPT.format(PLACES[i % len(PLACES)])})
                 for i in range(size)))
         assert all(r.status_code == 200 for r in responses), [r.text for r in responses]
 
