@@ -18,6 +18,7 @@ node from `info()`.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -109,17 +110,21 @@ class LedgerLoads(LoadSource):
             since += sum(s for t, s in peers if t >= at)
             return max(0.0, own, reported + since * self.scale) * self.guard
 
-    def report_prefill(self, instance_id: str, stats: SchedulerStats) -> None:
+    def report_prefill(self, instance_id: str, stats: SchedulerStats,
+                       asked_at: float | None = None) -> None:
         """A prefill worker's stats(): num_pending_prompt_tokens, its queue in tokens, as
-        seconds by the calibrated cost model."""
+        seconds by the calibrated cost model. `asked_at` (this clock; default now): when the
+        stats were asked for. The report is taken as of then: a route seen later may not have
+        reached the worker when it answered, so it keeps counting (at worst twice, never
+        not at all; under load the answer can come long after the question)."""
         tokens = stats.num_pending_prompt_tokens
         with self._lock:
-            now = self._clock()
+            at = self._clock() if asked_at is None else asked_at
             self._reported_prefill_s[instance_id] = (
                 self.cost.t_prefill(tokens) * self.scale if tokens else 0.0)
-            self._reported_at[instance_id] = now
+            self._reported_at[instance_id] = at
             peers = self._peers.get(instance_id)
-            while peers and peers[0][0] < now:  # in the report now
+            while peers and peers[0][0] < at:  # in the report
                 peers.popleft()
 
     def add_peer_decision(self, instance_id: str, exec_s: float) -> None:
@@ -223,8 +228,9 @@ class StatsPoller:
                     self.loads.set_node(inst.worker_id, info["node_id"])
                 except Exception as exc:  # noqa: BLE001 — retried next round
                     log.debug("no info from %s: %s", inst.worker_id, exc)
-        reports = [(inst, self.loads.report_prefill, inst.handle.stats.remote())
-                   for inst in self.registry.by_role("prefill")]
+        asked_at = self.loads.now()
+        reports = [(inst, functools.partial(self.loads.report_prefill, asked_at=asked_at),
+                    inst.handle.stats.remote()) for inst in self.registry.by_role("prefill")]
         reports += [(inst, self.loads.report_decode, inst.handle.stats.remote())
                     for inst in self.registry.by_role("decode")]
         for inst, report, ref in reports:

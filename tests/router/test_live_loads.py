@@ -109,3 +109,21 @@ def test_the_other_gateways_routes_count_until_the_next_report():
     # now in the report
     loads.report_prefill("p0", SchedulerStats("p0", 1, num_pending_prompt_tokens=8000))
     assert loads.prefill_queue_s("p0") == pytest.approx(MOONCAKE_70B.t_prefill(8000))
+
+
+def test_a_report_holds_only_the_routes_seen_before_it_was_asked_for():
+    """A route that reaches this gateway while a worker's stats are in flight may not have
+    reached the worker when it answered: it keeps counting after the report."""
+    clock = Clock()
+    loads = LedgerLoads(MOONCAKE_70B, clock=clock)
+    loads.add_peer_decision("p0", 1.0)  # before the question: in the report
+    clock.t = 1.0
+    asked_at = clock.t
+    clock.t = 1.2
+    loads.add_peer_decision("p0", 3.0)  # while the answer travels
+    clock.t = 1.5
+    loads.report_prefill("p0", SchedulerStats("p0", 1, num_pending_prompt_tokens=0), asked_at)
+    assert loads.prefill_queue_s("p0") == pytest.approx(3.0)
+    # stamped on arrival instead, the report would have dropped it
+    loads.report_prefill("p0", SchedulerStats("p0", 1, num_pending_prompt_tokens=0))
+    assert loads.prefill_queue_s("p0") == 0.0
