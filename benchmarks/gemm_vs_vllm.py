@@ -1,9 +1,9 @@
 """The CPU linear's GEMM against vLLM's: our oneDNN-packed linear (kernels.cpu_gemm) and vLLM's
 `onednn_mm` (its CPU backend's unquantized linear), at the 100M model's four projections and
-prefill-sized row counts, fp32, in one invocation on the same machine.
+prefill-sized row counts, float32 or bfloat16, in one invocation on the same machine.
 
     .venv/bin/python benchmarks/gemm_vs_vllm.py [--rows 512,1024,1800] [--threads 2]
-        [--repeats 10] [--skip-vllm-install]
+        [--repeats 10] [--dtype float32] [--skip-vllm-install]
 
 Each side runs in its own process and venv (vLLM's in benchmarks/.venv-vllm, made on first use
 as benchmarks/vs_vllm.py makes it): this script times ours, then runs itself under vLLM's Python
@@ -46,10 +46,13 @@ def median_ms(fn, repeats: int) -> float:
     return sorted(times)[len(times) // 2] * 1000
 
 
-def time_side(side: str, rows: list[int], linears: list, threads: int, repeats: int) -> dict[str, float]:
+def time_side(side: str, rows: list[int], linears: list, threads: int, repeats: int,
+              dtype_name: str = "float32") -> dict[str, float]:
     """{"rows/name": median ms} of each (name, out, in) of `linears` for `side` ("ours" |
-    "vllm"), in this process."""
+    "vllm"), in this process, x and weight of `dtype_name`."""
     import torch
+
+    dtype = getattr(torch, dtype_name)
 
     torch.set_num_threads(threads)
     if side == "vllm":
@@ -61,16 +64,17 @@ def time_side(side: str, rows: list[int], linears: list, threads: int, repeats: 
     else:
         from pdcluster.kernels import cpu_gemm
 
-        def packed(weight):
+        def packed(weight):  # both copies, as the model holds them (the tile GEMM's in bf16)
+            skinny = cpu_gemm.pack_skinny(weight) if cpu_gemm.can_pack_skinny(weight) else None
             weight = cpu_gemm.pack(weight)
-            return lambda x: cpu_gemm.linear(x, weight)
+            return lambda x: cpu_gemm.linear(x, weight, skinny=skinny)
     torch.manual_seed(0)
-    warm = packed(torch.randn(1024, 1024))  # the process's first GEMMs start its thread pool
-    median_ms(lambda: warm(torch.randn(512, 1024)), 3)
+    warm = packed(torch.randn(1024, 1024, dtype=dtype))  # the first GEMMs start the thread pool
+    median_ms(lambda: warm(torch.randn(512, 1024, dtype=dtype)), 3)
     out = {}
     for n in rows:
         for name, n_out, n_in in linears:
-            x, weight = torch.randn(n, n_in), torch.randn(n_out, n_in)
+            x, weight = torch.randn(n, n_in, dtype=dtype), torch.randn(n_out, n_in, dtype=dtype)
             out[f"{n}/{name}"] = median_ms(lambda f=packed(weight), x=x: f(x), repeats)
     return out
 
@@ -80,6 +84,7 @@ def main() -> int:
     parser.add_argument("--rows", default="512,1024,1800")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument("--skip-vllm-install", action="store_true",
                         help="use benchmarks/.venv-vllm as it is; fail if it is missing")
     parser.add_argument("--side", choices=("ours", "vllm"), help=argparse.SUPPRESS)
@@ -87,7 +92,8 @@ def main() -> int:
     args = parser.parse_args()
     rows = [int(n) for n in args.rows.split(",")]
     if args.side:  # the child: one side's times as JSON
-        print(json.dumps(time_side(args.side, rows, json.loads(args.linears), args.threads, args.repeats)))
+        print(json.dumps(time_side(args.side, rows, json.loads(args.linears), args.threads,
+                                   args.repeats, args.dtype)))
         return 0
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from throughput import FULL
@@ -100,14 +106,15 @@ def main() -> int:
         parser.error(f"--skip-vllm-install: no {VLLM_VENV}")
     if not args.skip_vllm_install:
         setup_vllm()
-    ours = time_side("ours", rows, linears, args.threads, args.repeats)
+    ours = time_side("ours", rows, linears, args.threads, args.repeats, args.dtype)
     child = subprocess.run([str(python), __file__, "--side", "vllm", "--rows", args.rows,
                             "--linears", json.dumps(linears),
-                            "--threads", str(args.threads), "--repeats", str(args.repeats)],
+                            "--threads", str(args.threads), "--repeats", str(args.repeats),
+                            "--dtype", args.dtype],
                            capture_output=True, text=True, check=True,
                            env=vllm_env(args.threads))
     vllm = json.loads(child.stdout.strip().splitlines()[-1])
-    print(f"fp32, {args.threads} threads, median of {args.repeats}; ms (GFLOP/s)\n")
+    print(f"{args.dtype}, {args.threads} threads, median of {args.repeats}; ms (GFLOP/s)\n")
     print("| rows | projection | ours | vLLM onednn_mm | ours / vLLM |\n|---:|---|---:|---:|---:|")
     for n in rows:
         for name, n_out, n_in in linears:
