@@ -9,10 +9,16 @@ kvcache_centric  Algorithm 1: the same minimum, but p may also pull the longest 
                  recomputing. Pulled blocks stay cached on p's node, so a hot prefix ends up
                  replicated where the load sends it (Mooncake Fig. 11: hot-spot replication).
                  Ties (within `tie_s`) go to the instance holding more of the prefix in G1,
-                 then to the shorter queue, so equal options keep requests on their cache.
+                 then to the shorter queue, so equal options keep requests on their cache,
+                 then by rendezvous hashing of the request id with the instance's: idle
+                 instances share the requests, one that joins while the others are idle
+                 gets its part at once, and gateway replicas that see the same loads make
+                 the same choice.
 """
 
 from __future__ import annotations
+
+import hashlib
 
 from pdcluster.router.policies.base import (DecodePlan, DecodePolicy, PrefillPlan, PrefillPolicy,
                                             RouteContext, estimate, fits, local_plan, predicted_tbt)
@@ -27,8 +33,16 @@ def _best(ctx: RouteContext, plans: list[PrefillPlan], tie_s: float) -> PrefillP
     lowest = min(p.ttft_s for p in plans)
     near = [i for i, p in enumerate(plans) if p.ttft_s <= lowest + tie_s]
     pick = min(near, key=lambda i: (-ctx.prefills[i].device_blocks, ctx.prefills[i].queue_s,
-                                    plans[i].ttft_s, i))
+                                    plans[i].ttft_s,
+                                    -_weight(ctx.request_id, ctx.prefills[i].instance_id), i))
     return plans[pick]
+
+
+def _weight(request_id: str, instance_id: str) -> int:
+    """Rendezvous (highest random weight) hashing's weight of an instance for a request: the
+    same in every process (Python's str hash is salted per process)."""
+    digest = hashlib.blake2b(f"{request_id}|{instance_id}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little")
 
 
 class CacheAwarePrefill(PrefillPolicy):

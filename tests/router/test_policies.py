@@ -74,6 +74,25 @@ def test_ties_go_to_the_instance_holding_the_prefix_in_device_memory():
         .instance_id == "p1"
 
 
+@pytest.mark.parametrize("policy", [CacheAwarePrefill, KVCacheCentricPrefill])
+def test_idle_instances_share_the_requests_and_every_replica_picks_the_same(policy):
+    """Equal plans go by rendezvous hashing of the request id: spread over the idle instances,
+    a third instance takes about a third from the two, and two policies (two gateways) that
+    see the same loads choose alike."""
+    def picks(policy_, n):
+        cands = [PrefillCandidate(f"p{i}", "n0", 0.0) for i in range(n)]
+        return [policy_.select(RouteContext(f"cmpl-{r}", 20 * B, B, 0, tuple(cands),
+                                            (DecodeLoad("d0"),), MOONCAKE_70B)).instance_id
+                for r in range(300)]
+
+    two, three = picks(policy(), 2), picks(policy(), 3)
+    assert 120 <= two.count("p0") <= 180
+    assert 70 <= three.count("p2") <= 130
+    # a request the new instance does not take stays where it was
+    assert all(b == a for a, b in zip(two, three) if b != "p2")
+    assert picks(policy(), 3) == three
+
+
 def test_baselines():
     cands = [PrefillCandidate(f"p{i}", None, q) for i, q in enumerate((3.0, 1.0, 2.0))]
     decodes = [DecodeLoad("d0", 4, 9000), DecodeLoad("d1", 2, 1000)]
