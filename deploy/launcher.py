@@ -27,6 +27,7 @@ from pdcluster.deploy.preload import worker_huge_pages, worker_preload
 from pdcluster.engine.config import EngineConfig
 from pdcluster.engine.model_config import ModelConfig
 from pdcluster.engine.models.base import check_tensor_parallel
+from pdcluster.engine.quantization import check_quantization
 from pdcluster.kvstore.actor import (KVSTORE_ACTOR_PREFIX, KVStoreActor, start_kvstore_actor,
                                      start_kvstore_actors, wait_kvstore_actors)
 from pdcluster.kvstore.index import ActorIndex, open_index
@@ -254,6 +255,7 @@ class Cluster:
         model = ModelConfig.from_pretrained(cfg.engine.model)
         for tp in {prefill_engine.tensor_parallel_size, decode_engine.tensor_parallel_size}:
             check_tensor_parallel(model, tp)  # a clear error before any actor starts
+        check_quantization(model.quantization, cfg.engine.quantization)
         # each role's Ray custom resource (deploy/placement.py); KV stores only where workers go
         self._resources = ray.cluster_resources()
         roles = (placement.DECODE,) if cfg.colocated else placement.ROLES

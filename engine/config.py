@@ -71,6 +71,9 @@ class EngineConfig(pydantic.BaseModel):
     (deploy.config.ServeConfig.prefill_engine); an engine built directly takes "layer".
     `enable_lora`, `lora_modules` (adapter name -> PEFT directory), `max_lora_rank`: vLLM's
     LoRA flags (engine.lora); a request names an adapter as its model.
+    `quantization`: vLLM's `--quantization`, the checkpoint's quantization method
+    (engine.quantization); None takes its config.json's `quantization_config`, a name must
+    match it.
     `block_run_window`: how the block pool picks a request's blocks
     (engine.core.block_pool.BlockPool's `run_window`): 0 in LRU order, as vLLM; w >= 1 the longest
     runs of consecutive blocks among the w x n least recently freed. None (the default) is 2
@@ -102,6 +105,7 @@ class EngineConfig(pydantic.BaseModel):
     enable_lora: bool = False
     lora_modules: dict[str, str] = pydantic.Field(default_factory=dict)
     max_lora_rank: int = pydantic.Field(16, gt=0)
+    quantization: str | None = None
 
     @pydantic.model_validator(mode="after")
     def _check_lora(self) -> "EngineConfig":

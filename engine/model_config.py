@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from pdcluster.engine.models.registry import UnsupportedArchitectureError, resolve_architecture
+from pdcluster.engine.quantization import (QuantizationConfig, UnsupportedQuantizationError,
+                                          get_quantization_config)
 
 if TYPE_CHECKING:
     import torch
@@ -122,13 +124,16 @@ class ModelConfig:
     #: the decoder's config.json fields (a multimodal checkpoint's text_config), for the family
     #: module's own
     hf_config: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+    #: the checkpoint's quantized format (engine.quantization), None for unquantized weights
+    quantization: QuantizationConfig | None = field(default=None, compare=False, repr=False)
 
     @classmethod
     def from_pretrained(cls, path: str | pathlib.Path) -> "ModelConfig":
         """Parse `<path>/config.json` (+ extra EOS ids from `generation_config.json`, as vLLM does).
 
         Raises ModelConfigError for a missing/invalid file, an architecture not served (the
-        message names the supported ones), a quantized checkpoint (`quantization_config`), an
+        message names the supported ones), a quantization format or scheme not served
+        (`quantization_config`; the message names the supported formats), an
         activation other than the family's (`_ACTIVATIONS`), an unsupported rope type, or
         missing rope scaling fields.
         """
@@ -141,12 +146,11 @@ class ModelConfig:
             raise ModelConfigError(f"{directory}: {exc}") from None
         raw = _decoder_fields(top)
         model_type = raw.get("model_type")
-        quantization = top.get("quantization_config") or raw.get("quantization_config")
-        if quantization:
-            method = (quantization.get("quant_method") if isinstance(quantization, dict)
-                      else None) or "quantization_config"
-            raise ModelConfigError(f"{directory}: quantized checkpoints ({method}) are not "
-                                   "supported; serve its bf16 or fp16 weights")
+        try:
+            quantization = get_quantization_config(
+                top.get("quantization_config") or raw.get("quantization_config"))
+        except UnsupportedQuantizationError as exc:
+            raise ModelConfigError(f"{directory}: {exc}") from None
         key = "hidden_activation" if raw.get("hidden_activation") else "hidden_act"
         act, expected = raw.get(key) or "silu", _ACTIVATIONS.get(model_type, "silu")
         if act != expected:
@@ -187,6 +191,7 @@ class ModelConfig:
                                if raw.get("kv_lora_rank") else 0),
                 sliding_rope=sliding_rope,
                 hf_config=raw,
+                quantization=quantization,
             )
         except KeyError as exc:
             raise ModelConfigError(f"{directory}/config.json: missing field {exc.args[0]!r}") from None

@@ -57,6 +57,7 @@ from pdcluster.engine.kv_cache_spec import gather_shards, split_shards
 from pdcluster.engine.loader import CheckpointReader
 from pdcluster.engine.lora import LoRAAdapters, UnknownAdapterError, load_adapters
 from pdcluster.engine.model_config import ModelConfig
+from pdcluster.engine.quantization import check_quantization
 from pdcluster.engine.models.base import build_model, check_tensor_parallel
 from pdcluster.engine.parallel import TPError, TPGroup
 
@@ -113,8 +114,11 @@ class ModelRunner:
         dtype = engine_config.torch_dtype()
         kernels.prepare(self.device, dtype)
         self.model = build_model(self.model_config, dtype, self.device, self.tp)
+        quantization = self.model_config.quantization
+        check_quantization(quantization, engine_config.quantization)
         with CheckpointReader(engine_config.model) as reader:
-            self.model.load_checkpoint(reader)
+            self.model.load_checkpoint(
+                reader if quantization is None else quantization.checkpoint_source(reader))
         self.model.process_weights_after_loading()
         #: the --lora-modules adapters, their layers wrapped around the model's (engine.lora);
         #: None without any

@@ -4,7 +4,7 @@ on the same weights, for each family beyond Llama's module (Qwen2 is Llama's mod
 biases, checked against transformers in tests/engine/test_model_families.py), over a different
 path each: disaggregated on every KV transfer (torch, mooncake; grpc below), colocated, tensor
 parallel (TP=2 prefill and decode), and for MLA's latent blocks the pool (grpc) and layer
-streaming. The paths themselves carry no model-specific code; what differs per family is the
+streaming; FP8 checkpoints too, against transformers' dequantized run. The paths themselves carry no model-specific code; what differs per family is the
 model module, the block's bytes and the kernels each family's layers pick."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import signal
 import pytest
 from openai import OpenAI
 
-from tests.models.factory import build, reference_greedy
+from tests.models.factory import build, quantize_fp8, reference_greedy
 
 pytestmark = pytest.mark.slow
 
@@ -35,6 +35,10 @@ CASES = {
     "phi3-tp2": ("phi3", {}, ["--pd-decider", "always", "--tensor-parallel-size", "2"]),
     # sandwich norms and per-head q/k norms on each rank's heads
     "gemma3-tp2": ("gemma3", {}, ["--pd-decider", "always", "--tensor-parallel-size", "2"]),
+    # an FP8 checkpoint (tests.models.factory.quantize_fp8), each rank widening its rows or
+    # columns of each weight by their block scales; MLA's and the experts' weights over grpc
+    "llama-fp8-tp2": ("llama", {}, ["--pd-decider", "always", "--tensor-parallel-size", "2"]),
+    "deepseek_v2-fp8-grpc": ("deepseek_v2", {}, ["--pd-decider", "always"]),
 }
 
 
@@ -56,6 +60,7 @@ NO_TP = {"olmo2", "olmo3"}
 FULL_MATRIX = {f"{family}-{path}": (family, overrides, flags)
                for family, overrides in FAMILY_OVERRIDES.items()
                for path, flags in PATHS.items() if not (path == "tp2" and family in NO_TP)}
+FULL_MATRIX.update({f"llama-fp8-{path}": ("llama", {}, flags) for path, flags in PATHS.items()})
 
 
 def pytest_generate_tests(metafunc):
@@ -68,6 +73,8 @@ def test_served_greedy_output_equals_transformers(case, serve_process, tmp_path)
     family, overrides, flags = {**CASES, **FULL_MATRIX}[case]
     path = tmp_path / family
     hf = build(family, path, **overrides)
+    if "-fp8-" in case:
+        hf = quantize_fp8(path)
     proc, port, log = serve_process("--model", str(path), "--num-kv-blocks", "256", *flags)
     try:
         client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")

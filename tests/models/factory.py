@@ -11,9 +11,11 @@ over more experts than the batch fills.
 from __future__ import annotations
 
 import copy
+import json
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 import transformers
@@ -202,3 +204,36 @@ def build_lora(hf: torch.nn.Module, directory: Path, targets: tuple[str, ...], r
     adapted = get_peft_model(copy.deepcopy(hf), config)
     adapted.save_pretrained(directory)
     return adapted.eval()
+
+
+#: the linear weights a Hugging Face FP8 checkpoint quantizes (its layers' projections; the
+#: embeddings, norms, routers and lm_head stay in full precision)
+FP8_WEIGHTS = ("_proj.weight", "_proj_with_mqa.weight")
+
+
+def quantize_fp8(directory: Path, block: tuple[int, int] | None = (16, 16)) -> torch.nn.Module:
+    """Rewrite `directory`'s checkpoint (from `build`) as a Hugging Face fine-grained FP8 one,
+    quantized by transformers' own quantizing op (`Fp8Quantize`, e4m3 with a float32
+    `weight_scale_inv` per `block`; None: one scale per tensor); a weight `block` does not
+    tile stays unquantized, as transformers leaves it. Returns transformers' model loaded from
+    the result (fp32, eval): on a CPU it dequantizes every weight by its scale, the
+    reference for the checkpoint."""
+    from safetensors.torch import load_file, save_file
+    from transformers import FineGrainedFP8Config
+    from transformers.integrations.finegrained_fp8 import Fp8Quantize
+
+    config = FineGrainedFP8Config(weight_block_size=list(block) if block else None)
+    quantize = Fp8Quantize(SimpleNamespace(quantization_config=config))
+    tensors = {}
+    for name, tensor in load_file(directory / "model.safetensors").items():
+        if name.endswith(FP8_WEIGHTS) and tensor.dim() == 2:
+            tensors.update(quantize.convert({name: tensor}))
+        else:
+            tensors[name] = tensor
+    assert any(t.dtype == torch.float8_e4m3fn for t in tensors.values())
+    save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
+    raw = json.loads((directory / "config.json").read_text())
+    raw["quantization_config"] = json.loads(config.to_json_string())
+    (directory / "config.json").write_text(json.dumps(raw, indent=2))
+    model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    return model.eval()
