@@ -86,7 +86,7 @@ _SERVE_FLAGS = [
      "highest rank of a --lora-modules adapter"),
     ("--quantization", "engine.quantization", str,
      "the checkpoint's quantization method (vLLM's names; default: its config.json's "
-     "quantization_config): fp8"),
+     "quantization_config): fp8 | compressed-tensors"),
     ("--prefill-compute-bound-tokens", "engine.prefill_compute_bound_tokens", int,
      "a prefill worker's step takes no further prompt once it holds this many tokens"),
     ("--ray-num-cpus", "ray_num_cpus", int, "logical CPUs of the local Ray"),

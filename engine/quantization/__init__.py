@@ -14,7 +14,11 @@ from typing import Any
 from pdcluster.engine.quantization.base import QuantizationConfig, UnsupportedQuantizationError
 
 #: vLLM's method name -> "module:class" of its QuantizationConfig
-QUANTIZATION_METHODS = {"fp8": "pdcluster.engine.quantization.fp8:Fp8Config"}
+QUANTIZATION_METHODS = {
+    "compressed-tensors":
+        "pdcluster.engine.quantization.compressed_tensors:CompressedTensorsConfig",
+    "fp8": "pdcluster.engine.quantization.fp8:Fp8Config",
+}
 
 
 def get_quantization_config(hf_config: dict[str, Any] | None) -> QuantizationConfig | None:

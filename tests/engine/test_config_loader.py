@@ -211,7 +211,7 @@ def test_a_field_left_out_takes_transformers_default(tmp_path, model_type, confi
         ({"rope_scaling": {"type": "linear"}}, "needs fields"),
         ({"hidden_act": "gelu"}, "hidden_act"),
         ({"quantization_config": {"quant_method": "gptq", "bits": 4}},
-         "'gptq' is not supported; supported: fp8"),
+         "'gptq' is not supported; supported: compressed-tensors, fp8"),
         ({"model_type": "gemma3_text", "hidden_activation": "silu"}, "hidden_activation"),
         ({"model_type": "gemma3_text", "sliding_window": None}, "sliding_window"),
         ({"model_type": "gemma3_text", "hidden_activation": "gelu_pytorch_tanh",

@@ -107,7 +107,8 @@ def test_formats_and_schemes_not_served_fail_naming_them_and_the_supported(tmp_p
     build("llama", tmp_path)
     raw = json.loads((tmp_path / "config.json").read_text())
     for quantization, message in (
-            ({"quant_method": "awq", "bits": 4}, r"'awq' is not supported; supported: fp8"),
+            ({"quant_method": "awq", "bits": 4},
+             r"'awq' is not supported; supported: compressed-tensors, fp8"),
             ({"quant_method": "fp8", "fmt": "e5m2"}, r"fmt 'e5m2'; supported: e4m3"),
             ({"quant_method": "fp8", "weight_block_size": [128]}, "weight_block_size"),
             ({"quant_method": "fp8", "activation_scheme": "tensor"}, "activation_scheme")):

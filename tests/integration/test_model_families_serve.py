@@ -4,8 +4,10 @@ on the same weights, for each family beyond Llama's module (Qwen2 is Llama's mod
 biases, checked against transformers in tests/engine/test_model_families.py), over a different
 path each: disaggregated on every KV transfer (torch, mooncake; grpc below), colocated, tensor
 parallel (TP=2 prefill and decode), and for MLA's latent blocks the pool (grpc) and layer
-streaming; FP8 checkpoints too, against transformers' dequantized run. The paths themselves carry no model-specific code; what differs per family is the
-model module, the block's bytes and the kernels each family's layers pick."""
+streaming; FP8 and compressed-tensors checkpoints too, against transformers running the
+weights their format's own tools dequantize. The paths themselves carry no model-specific
+code; what differs per family is the model module, the block's bytes and the kernels each
+family's layers pick."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ import signal
 import pytest
 from openai import OpenAI
 
-from tests.models.factory import build, quantize_fp8, reference_greedy
+from tests.models.factory import build, compress_checkpoint, quantize_fp8, reference_greedy
 
 pytestmark = pytest.mark.slow
 
@@ -39,6 +41,17 @@ CASES = {
     # columns of each weight by their block scales; MLA's and the experts' weights over grpc
     "llama-fp8-tp2": ("llama", {}, ["--pd-decider", "always", "--tensor-parallel-size", "2"]),
     "deepseek_v2-fp8-grpc": ("deepseek_v2", {}, ["--pd-decider", "always"]),
+    # a compressed-tensors INT4 checkpoint (packed, group scales and zero points): each rank
+    # slicing the weight the library decompresses
+    "qwen3_moe-w4a16-tp2": ("qwen3_moe", {}, ["--pd-decider", "always",
+                                              "--tensor-parallel-size", "2"]),
+}
+#: how a case id's quantized checkpoint is made from `build`'s: `-fp8-` or `-w4a16-` in the id
+QUANTIZE = {
+    "fp8": lambda hf, path: quantize_fp8(path),
+    "w4a16": lambda hf, path: compress_checkpoint(hf, path, {"weights": {
+        "num_bits": 4, "type": "int", "strategy": "group", "group_size": 16,
+        "symmetric": False}}),
 }
 
 
@@ -60,7 +73,8 @@ NO_TP = {"olmo2", "olmo3"}
 FULL_MATRIX = {f"{family}-{path}": (family, overrides, flags)
                for family, overrides in FAMILY_OVERRIDES.items()
                for path, flags in PATHS.items() if not (path == "tp2" and family in NO_TP)}
-FULL_MATRIX.update({f"llama-fp8-{path}": ("llama", {}, flags) for path, flags in PATHS.items()})
+FULL_MATRIX.update({f"llama-{q}-{path}": ("llama", {}, flags)
+                    for q in ("fp8", "w4a16") for path, flags in PATHS.items()})
 
 
 def pytest_generate_tests(metafunc):
@@ -73,8 +87,9 @@ def test_served_greedy_output_equals_transformers(case, serve_process, tmp_path)
     family, overrides, flags = {**CASES, **FULL_MATRIX}[case]
     path = tmp_path / family
     hf = build(family, path, **overrides)
-    if "-fp8-" in case:
-        hf = quantize_fp8(path)
+    for name, quantize in QUANTIZE.items():
+        if f"-{name}-" in case:
+            hf = quantize(hf, path)
     proc, port, log = serve_process("--model", str(path), "--num-kv-blocks", "256", *flags)
     try:
         client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")

@@ -237,3 +237,56 @@ def quantize_fp8(directory: Path, block: tuple[int, int] | None = (16, 16)) -> t
     (directory / "config.json").write_text(json.dumps(raw, indent=2))
     model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
     return model.eval()
+
+
+def compress_checkpoint(hf: torch.nn.Module, directory: Path, scheme: dict) -> torch.nn.Module:
+    """Rewrite `directory`'s checkpoint (from `build`) as a compressed-tensors one, quantized
+    and compressed by the compressed-tensors library as llm-compressor drives it: for each
+    projection weight, min / max per the scheme's strategy (tensor, channel or group), the
+    library's `calculate_qparams` for scale and zero point, its compressor for the scheme's
+    format. `scheme`: the library's QuantizationScheme fields (targets ["Linear"]), e.g.
+    `{"weights": {"num_bits": 4, "strategy": "group", "group_size": 16}}`. Returns
+    transformers' model (fp32, eval) of `hf`'s config (the model `build` returned) holding
+    the weights the library decompresses from the result, loaded from a sibling directory:
+    the reference for the checkpoint."""
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.compressors.format import infer_module_format
+    from compressed_tensors.quantization import QuantizationConfig, QuantizationScheme
+    from compressed_tensors.quantization.utils import calculate_qparams
+    from safetensors.torch import load_file, save_file
+
+    parsed = QuantizationScheme.model_validate({"targets": ["Linear"], **scheme})
+    parsed.format = infer_module_format(torch.nn.Linear, parsed)
+    compressor = BaseCompressor.get_value_from_registry(parsed.format)
+    args = parsed.weights
+    tensors, dense = {}, {}
+    for name, tensor in load_file(directory / "model.safetensors").items():
+        if not (name.endswith(FP8_WEIGHTS) and tensor.dim() == 2):
+            tensors[name] = dense[name] = tensor
+            continue
+        if args.strategy == "group":
+            grouped = tensor.reshape(tensor.shape[0], -1, args.group_size)
+            low, high = grouped.amin(-1), grouped.amax(-1)
+        elif args.strategy == "channel":
+            low, high = tensor.amin(1, keepdim=True), tensor.amax(1, keepdim=True)
+        else:
+            low, high = tensor.min().reshape(1), tensor.max().reshape(1)
+        scale, zero_point = calculate_qparams(low, high, args)
+        state = {"weight": tensor, "weight_scale": scale, "weight_zero_point": zero_point}
+        stored = compressor.compress(state, parsed)
+        module = name.rsplit(".", 1)[0]
+        tensors.update({f"{module}.{k}": v.contiguous() for k, v in stored.items()})
+        dense[name] = compressor.decompress(dict(stored), parsed)["weight"].to(torch.float32)
+    save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
+    config = QuantizationConfig(config_groups={"group_0": parsed}, format=parsed.format,
+                                quantization_status="compressed", ignore=["lm_head"])
+    raw = json.loads((directory / "config.json").read_text())
+    raw["quantization_config"] = json.loads(config.model_dump_json(exclude_none=True))
+    (directory / "config.json").write_text(json.dumps(raw, indent=2))
+    # transformers loads the decompressed weights from a checkpoint of its own, converting
+    # the per-expert tensors to its fused experts as it loads any checkpoint
+    reference = directory.parent / f"{directory.name}-decompressed"
+    hf.save_pretrained(reference)
+    save_file(dense, reference / "model.safetensors", metadata={"format": "pt"})
+    model = transformers.AutoModelForCausalLM.from_pretrained(reference, dtype=torch.float32)
+    return model.eval()
