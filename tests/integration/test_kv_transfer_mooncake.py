@@ -369,8 +369,8 @@ def test_a_read_te_never_reports_fails_at_te_timeout_and_its_buffer_is_not_reuse
     table = [3, 9, 5, 11, 0, 19]
     dest = CacheDest(lambda s, b: None, table, dst, (dst.block_nbytes,), torch.uint8)
     receiver = backend.create_receiver()
+    start = time.monotonic()  # before the read is submitted: start() may take the 0.3 s itself
     receiver.start(FetchRequest(region.session, (b"k",) * 5, "tail", 3, region=region), dest)
-    start = time.monotonic()
     while not (state := receiver.poll()).done:
         # failed by TE's 0.3 s timeout, long before the read's 60 s report (a generous bound)
         assert time.monotonic() - start < 30
@@ -404,9 +404,9 @@ def test_a_source_that_stops_answering_fails_the_read_at_te_timeout(staged, monk
     def read(region, table, deadline_s):
         dest = CacheDest(lambda s, b: None, table, dst, (dst.block_nbytes,), torch.uint8)
         receiver = backend.create_receiver()
+        start = time.monotonic()  # before the read is submitted, which start() may be slow at
         receiver.start(FetchRequest(region.session, (b"k",) * region.num_blocks, region=region,
                                     deadline_s=deadline_s), dest)
-        start = time.monotonic()
         while not (state := receiver.poll()).done:
             # TE's 1 s timeout ends a hung read (a generous 30x; its handshake's minute is more)
             assert time.monotonic() - start < 30 * backend.te_timeout_s
