@@ -196,8 +196,10 @@ def test_install_sh_in_a_fresh_virtualenv(tmp_path):
 
 
 # What a non-editable install put in the venv: where the package was imported from, the top-level
-# names of the distribution's files in site-packages, which of our folders' names import bare,
-# and which package data (bundled model, C++ sources, .proto, Mooncake's shim) is missing.
+# names of the distribution's files in site-packages, which of our folders' names import bare
+# other than as another distribution's package (Hugging Face's `kernels`, which transformers
+# brings), and which package data (bundled model, C++ sources, .proto, Mooncake's shim) is
+# missing.
 _CHECK_INSTALLED = """
 import importlib.metadata, importlib.util, json, pathlib, sys
 import ray.dashboard.agent
@@ -207,8 +209,10 @@ venv = pathlib.Path(sys.argv[1])
 root = pathlib.Path(pdcluster.__file__).parent
 top = {f.parts[0] for f in importlib.metadata.files("pdcluster")
        if not f.parts[0].endswith(".dist-info") and f.parts[0] != ".."}
+owners = importlib.metadata.packages_distributions()
 bare = [n for n in ("engine", "router", "kernels", "kvstore", "deploy", "loadtest",
-                    "prefill_worker", "decode_worker") if importlib.util.find_spec(n)]
+                    "prefill_worker", "decode_worker")
+        if importlib.util.find_spec(n) and "pdcluster" in owners.get(n, ["pdcluster"])]
 data = [BUNDLED_MODEL / "config.json", BUNDLED_MODEL / "model.safetensors",
         root / "kvstore/proto/kvstore.proto"]
 data += [p for p in (root / "kernels").glob("*.cpp")] or [root / "kernels/*.cpp"]
