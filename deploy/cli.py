@@ -457,11 +457,18 @@ def _serve_overrides(args: argparse.Namespace) -> dict:
 
 def _serve_config(args: argparse.Namespace) -> "ServeConfig | None":
     """The ServeConfig of `serve` / `cluster up` (logging set up from it); None, with the
-    error printed, when it is invalid."""
+    error printed, when it is invalid, or its model directory is (a missing or unsupported
+    config.json, a quantization format not served or not the one `--quantization` names)."""
     from pdcluster.deploy.config import load_config
+
+    from pdcluster.engine.model_config import ModelConfig
+    from pdcluster.engine.quantization import check_quantization
 
     try:
         config = load_config(args.config, _serve_overrides(args))
+        # the model directory and --quantization against it, before Ray starts
+        model = ModelConfig.from_pretrained(config.engine.model)
+        check_quantization(model.quantization, config.engine.quantization)
     except (ValueError, OSError) as exc:
         print(f"pdcluster: invalid configuration: {exc}", file=sys.stderr)
         return None

@@ -57,9 +57,9 @@ from pdcluster.engine.kv_cache_spec import gather_shards, split_shards
 from pdcluster.engine.loader import CheckpointReader
 from pdcluster.engine.lora import LoRAAdapters, UnknownAdapterError, load_adapters
 from pdcluster.engine.model_config import ModelConfig
-from pdcluster.engine.quantization import check_quantization
 from pdcluster.engine.models.base import build_model, check_tensor_parallel
 from pdcluster.engine.parallel import TPError, TPGroup
+from pdcluster.engine.quantization import check_quantization
 
 __all__ = ["ModelRunner", "SequenceChunk", "ShardedKVView"]
 

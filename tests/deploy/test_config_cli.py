@@ -167,3 +167,13 @@ def test_new_keys_load_without_warnings(tmp_path):
             cfg.kvstore.max_message_bytes) == (4096, 3.0, 1 << 20)
     assert (cfg.prefill_engine().tensor_parallel_size,
             cfg.decode_engine().tensor_parallel_size) == (2, 1)
+
+
+def test_a_model_or_quantization_not_served_fails_before_ray_starts(tmp_path, capsys):
+    """Checked at start, with the reason, exit status 2: no Ray, no worker."""
+    assert main(["serve", "--quantization", "fp8"]) == 2
+    assert "no quantization_config" in capsys.readouterr().err
+    assert main(["serve", "--quantization", "awq"]) == 2
+    assert "'awq' is not supported; supported: compressed-tensors, fp8" in capsys.readouterr().err
+    assert main(["serve", "--model", str(tmp_path)]) == 2
+    assert "config.json" in capsys.readouterr().err
